@@ -1,0 +1,1 @@
+"""First-party engine adapters, one subpackage each; each imports its engine lazily."""

@@ -1,0 +1,1 @@
+"""The `deepspeed` engine adapter (see `engine.py`)."""

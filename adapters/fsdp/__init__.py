@@ -1,0 +1,1 @@
+"""The `fsdp` engine adapter (see `engine.py`)."""

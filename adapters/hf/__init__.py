@@ -1,0 +1,1 @@
+"""The `hf` engine adapter (see `engine.py`)."""

@@ -1,0 +1,1 @@
+"""The `megatron` engine adapter (see `engine.py`)."""

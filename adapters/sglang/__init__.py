@@ -1,0 +1,1 @@
+"""The `sglang` engine adapter (see `engine.py`)."""

@@ -1,0 +1,1 @@
+"""The adapter conformance suite: oracle resharder, base test classes, pytest plugin."""

@@ -1,0 +1,1 @@
+"""Optional first-party plugins that are not engines: tasks, rewards, datasets, recipes."""

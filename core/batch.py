@@ -1,0 +1,278 @@
+"""`Batch`: a columnar, ragged container of samples that travels as a few flat tensors.
+
+Every sample has a globally unique `sample_id`, a `group_id` (the n answers to one prompt
+share it) and the `weight_version` of the policy that produced it. Fields are named
+columns of three kinds:
+
+* ragged tensors, packed as `values` (`[total_len, *trailing]`) plus `offsets`
+  (`[num_samples + 1]`), e.g. `response_ids`, `logprobs`;
+* dense tensors with one row per sample (`[num_samples, *trailing]`), e.g. `reward`;
+* Python objects, one per sample (strings, dicts), e.g. the ground-truth `answer`.
+
+Fields the runtime does not know travel untouched: nothing in PeerFlow keeps a fixed
+schema that could silently drop a column.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import attrs
+import torch
+
+
+def _offsets_from_lengths(lengths: Sequence[int] | torch.Tensor) -> torch.Tensor:
+    lengths = torch.as_tensor(lengths, dtype=torch.int64)
+    offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
+    torch.cumsum(lengths, 0, out=offsets[1:])
+    return offsets
+
+
+@attrs.frozen(kw_only=True)
+class RaggedField:
+    """A packed ragged column: sample `i` is `values[offsets[i]:offsets[i+1]]`."""
+
+    values: torch.Tensor  # [total_len, *trailing]
+    offsets: torch.Tensor  # [num_samples + 1], int64
+
+    @classmethod
+    def from_tensors(cls, tensors: Sequence[torch.Tensor], dtype: torch.dtype | None = None):
+        """Packs a list of per-sample tensors (first dimension ragged)."""
+        tensors = [torch.as_tensor(t, dtype=dtype) for t in tensors]
+        if not tensors:
+            return cls(values=torch.empty(0, dtype=dtype or torch.float32), offsets=torch.zeros(1, dtype=torch.int64))
+        return cls(
+            values=torch.cat([t.reshape(len(t), *t.shape[1:]) for t in tensors]),
+            offsets=_offsets_from_lengths([len(t) for t in tensors]),
+        )
+
+    @property
+    def lengths(self) -> torch.Tensor:  # [num_samples]
+        """Per-sample lengths."""
+        return self.offsets[1:] - self.offsets[:-1]
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def row(self, index: int) -> torch.Tensor:
+        """Returns sample `index` as a view."""
+        return self.values[int(self.offsets[index]) : int(self.offsets[index + 1])]
+
+    def rows(self) -> list[torch.Tensor]:
+        """Returns every sample as a view."""
+        return list(torch.split(self.values, self.lengths.tolist()))
+
+    def select(self, indices: Sequence[int]) -> RaggedField:
+        """Returns the samples at `indices`, in that order."""
+        return RaggedField.from_tensors([self.row(i) for i in indices], dtype=self.values.dtype) if len(indices) else RaggedField(values=self.values[:0], offsets=torch.zeros(1, dtype=torch.int64))
+
+
+Column = RaggedField | torch.Tensor | list
+
+
+@attrs.define(eq=False)
+class Batch:
+    """A ragged batch of samples with global identities and named fields."""
+
+    sample_id: torch.Tensor  # [num_samples], int64, globally unique
+    group_id: torch.Tensor  # [num_samples], int64, shared by the answers to one prompt
+    weight_version: torch.Tensor  # [num_samples], int64, policy version that produced it
+    fields: dict[str, Column] = attrs.field(factory=dict)
+
+    def __attrs_post_init__(self) -> None:
+        self.sample_id = torch.as_tensor(self.sample_id, dtype=torch.int64)
+        self.group_id = torch.as_tensor(self.group_id, dtype=torch.int64)
+        self.weight_version = torch.as_tensor(self.weight_version, dtype=torch.int64)
+        n = len(self.sample_id)
+        if len(self.group_id) != n or len(self.weight_version) != n:
+            raise ValueError(
+                f"Batch ids disagree: {n} sample_id, {len(self.group_id)} group_id, "
+                f"{len(self.weight_version)} weight_version."
+            )
+        for name, column in self.fields.items():
+            self._check_column(name, column)
+
+    def _check_column(self, name: str, column: Column) -> None:
+        if not isinstance(column, RaggedField | torch.Tensor | list):
+            raise TypeError(
+                f"Batch field {name!r} is a {type(column).__name__}; use a RaggedField, a "
+                "tensor with one row per sample, or a list with one object per sample."
+            )
+        if len(column) != len(self):
+            raise ValueError(
+                f"Batch field {name!r} has {len(column)} samples but the batch has {len(self)}."
+            )
+
+    @classmethod
+    def empty(cls) -> Batch:
+        """Returns a batch with no samples and no fields."""
+        zero = torch.zeros(0, dtype=torch.int64)
+        return cls(sample_id=zero, group_id=zero, weight_version=zero)
+
+    def __len__(self) -> int:
+        return len(self.sample_id)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.fields
+
+    def __getitem__(self, name: str) -> Column:
+        try:
+            return self.fields[name]
+        except KeyError:
+            raise KeyError(
+                f"Batch has no field {name!r}; it has {sorted(self.fields)}. A workflow node "
+                "that produces it must run before the node that reads it."
+            ) from None
+
+    def set(self, name: str, column: Column | Sequence[torch.Tensor]) -> Batch:
+        """Adds or replaces a field in place and returns the batch.
+
+        A list of tensors is packed as a ragged field; use `set_objects` for other lists.
+        """
+        if isinstance(column, list | tuple) and column and all(
+            isinstance(c, torch.Tensor) for c in column
+        ):
+            column = RaggedField.from_tensors(column)
+        self._check_column(name, column)
+        self.fields[name] = column
+        return self
+
+    def set_objects(self, name: str, objects: Iterable[Any]) -> Batch:
+        """Adds or replaces a per-sample Python-object field (strings, dicts)."""
+        objects = list(objects)
+        self._check_column(name, objects)
+        self.fields[name] = objects
+        return self
+
+    def ragged(self, name: str) -> RaggedField:
+        """Returns a ragged field, raising a clear error if it is of another kind."""
+        column = self[name]
+        if not isinstance(column, RaggedField):
+            raise TypeError(f"Batch field {name!r} is not ragged ({type(column).__name__}).")
+        return column
+
+    def lengths(self, name: str) -> torch.Tensor:  # [num_samples]
+        """Per-sample lengths of a ragged field."""
+        return self.ragged(name).lengths
+
+    def to_padded(
+        self, name: str, pad_value: float | int = 0, length: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns a ragged field right-padded to `[num_samples, length]` and its mask.
+
+        Args:
+            name: Ragged field to pad.
+            pad_value: Value for positions past a sample's end.
+            length: Padded length; defaults to the longest sample.
+
+        Returns:
+            `(padded, mask)` where `mask` is `True` on real positions.
+        """
+        field = self.ragged(name)
+        lengths = field.lengths
+        length = int(lengths.max()) if length is None and len(lengths) else (length or 0)
+        padded = field.values.new_full((len(self), length, *field.values.shape[1:]), pad_value)
+        mask = torch.arange(length)[None, :] < lengths[:, None]
+        padded[mask] = field.values
+        return padded, mask
+
+    def select(self, indices: Sequence[int] | torch.Tensor) -> Batch:
+        """Returns a new batch with the samples at `indices`, in that order."""
+        index_list = [int(i) for i in indices]
+        index = torch.as_tensor(index_list, dtype=torch.int64)
+        fields: dict[str, Column] = {}
+        for name, column in self.fields.items():
+            if isinstance(column, RaggedField):
+                fields[name] = column.select(index_list)
+            elif isinstance(column, torch.Tensor):
+                fields[name] = column[index]
+            else:
+                fields[name] = [column[i] for i in index_list]
+        return Batch(
+            sample_id=self.sample_id[index],
+            group_id=self.group_id[index],
+            weight_version=self.weight_version[index],
+            fields=fields,
+        )
+
+    @classmethod
+    def concat(cls, batches: Sequence[Batch]) -> Batch:
+        """Concatenates batches that share the same field names.
+
+        Raises:
+            ValueError: The batches have different fields (naming the difference).
+        """
+        batches = [b for b in batches if len(b)] or list(batches[:1])
+        if not batches:
+            return cls.empty()
+        names = list(batches[0].fields)
+        for b in batches[1:]:
+            if set(b.fields) != set(names):
+                raise ValueError(
+                    f"cannot concatenate batches with fields {sorted(names)} and "
+                    f"{sorted(b.fields)}; every producer must emit the same fields."
+                )
+        fields: dict[str, Column] = {}
+        for name in names:
+            columns = [b.fields[name] for b in batches]
+            if isinstance(columns[0], RaggedField):
+                fields[name] = RaggedField(
+                    values=torch.cat([c.values for c in columns]),
+                    offsets=_offsets_from_lengths(torch.cat([c.lengths for c in columns])),
+                )
+            elif isinstance(columns[0], torch.Tensor):
+                fields[name] = torch.cat(columns)
+            else:
+                fields[name] = [obj for c in columns for obj in c]
+        return cls(
+            sample_id=torch.cat([b.sample_id for b in batches]),
+            group_id=torch.cat([b.group_id for b in batches]),
+            weight_version=torch.cat([b.weight_version for b in batches]),
+            fields=fields,
+        )
+
+    def token_count(self, names: Sequence[str] = ("prompt_ids", "response_ids")) -> torch.Tensor:
+        """Per-sample token load: the summed lengths of the named ragged fields present."""
+        total = torch.zeros(len(self), dtype=torch.int64)
+        for name in names:
+            if isinstance(self.fields.get(name), RaggedField):
+                total += self.fields[name].lengths
+        return total
+
+    def to_wire(self) -> tuple[dict[str, Any], list[torch.Tensor]]:
+        """Flattens the batch into a small metadata dict and a list of contiguous tensors.
+
+        Python-object fields travel inside the metadata (it is pickled by the transport).
+        `Batch.from_wire(*batch.to_wire())` reproduces the batch exactly.
+        """
+        tensors = [self.sample_id, self.group_id, self.weight_version]
+        layout: list[tuple[str, str]] = []
+        objects: dict[str, list] = {}
+        for name, column in self.fields.items():
+            if isinstance(column, RaggedField):
+                layout.append((name, "ragged"))
+                tensors += [column.values, column.offsets]
+            elif isinstance(column, torch.Tensor):
+                layout.append((name, "dense"))
+                tensors.append(column)
+            else:
+                layout.append((name, "objects"))
+                objects[name] = column
+        meta = {"layout": layout, "objects": objects}
+        return meta, [t.contiguous() for t in tensors]
+
+    @classmethod
+    def from_wire(cls, meta: Mapping[str, Any], tensors: Sequence[torch.Tensor]) -> Batch:
+        """Rebuilds a batch from `to_wire`'s output."""
+        it = iter(tensors)
+        sample_id, group_id, weight_version = next(it), next(it), next(it)
+        fields: dict[str, Column] = {}
+        for name, kind in meta["layout"]:
+            if kind == "ragged":
+                fields[name] = RaggedField(values=next(it), offsets=next(it))
+            elif kind == "dense":
+                fields[name] = next(it)
+            else:
+                fields[name] = list(meta["objects"][name])
+        return cls(sample_id=sample_id, group_id=group_id, weight_version=weight_version, fields=fields)

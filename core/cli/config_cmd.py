@@ -1,0 +1,56 @@
+"""`peerflow config validate|show FILE [--set k=v …]`."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds the CONFIG argument and `--set` overrides shared by several commands."""
+    parser.add_argument("config", metavar="CONFIG", help="run config YAML file")
+    parser.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+        help="override a config value, typed by its field (repeatable), e.g. "
+        "--set trainer.lr=1e-5 --set rollout.backend=vllm",
+    )
+
+
+def load_validated(args: argparse.Namespace) -> Any:
+    """Loads, overrides and validates the config named by `args` (exits on errors)."""
+    from peerflow.config import load_config, validate_config
+    from peerflow.plugins import get_plugin_manager
+
+    config = load_config(args.config, args.overrides)
+    validate_config(config, get_plugin_manager())
+    return config
+
+
+def add_parser(subparsers: Any) -> None:
+    """Adds the `config` subcommand group."""
+    parser = subparsers.add_parser(
+        "config", help="validate or show a run config",
+        description="Check a run config against the installed plugins, or print it resolved.",
+    )
+    sub = parser.add_subparsers(dest="config_command", metavar="ACTION", required=True)
+    validate = sub.add_parser("validate", help="exit non-zero with every problem found")
+    add_config_arguments(validate)
+    validate.set_defaults(func=run_validate)
+    show = sub.add_parser("show", help="print the resolved config (defaults filled in)")
+    add_config_arguments(show)
+    show.set_defaults(func=run_show)
+
+
+def run_validate(args: argparse.Namespace) -> int:
+    """Validates a config; prints `ok` or raises `ConfigError` (exit 1)."""
+    load_validated(args)
+    print(f"{args.config}: ok")
+    return 0
+
+
+def run_show(args: argparse.Namespace) -> int:
+    """Prints the resolved config as YAML."""
+    from peerflow.config import dump_config
+
+    print(dump_config(load_validated(args)), end="")
+    return 0

@@ -1,0 +1,122 @@
+"""Config sections that select and shape engines: `rollout`, `trainer`, `weight_sync`."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import attrs
+
+from peerflow.config.structure import SECTIONS
+from peerflow.engines import OptimSettings, SamplingParams
+from peerflow.layout import ParallelLayout
+
+
+@attrs.frozen(kw_only=True)
+class LayoutConfig:
+    """Parallel degrees of one role (its ranks are placed by the planner)."""
+
+    dp: int = 1
+    """Data-parallel degree; 0 means "all ranks left after tp/pp", decided at launch."""
+    tp: int = 1
+    """Tensor-parallel degree."""
+    pp: int = 1
+    """Pipeline-parallel degree."""
+    ep: int = 1
+    """Expert-parallel degree."""
+
+    def to_layout(self, world_size: int, ranks: tuple[int, ...] = ()) -> ParallelLayout:
+        """Returns the `ParallelLayout` on `world_size` ranks (resolving `dp: 0`)."""
+        model = self.tp * self.pp * self.ep
+        dp = self.dp or max(1, world_size // model)
+        return ParallelLayout(dp=dp, tp=self.tp, pp=self.pp, ep=self.ep, ranks=ranks)
+
+
+def _section_field() -> Any:
+    return attrs.field(factory=dict, metadata={SECTIONS: True})
+
+
+@attrs.frozen(kw_only=True)
+class SamplingConfig:
+    """Sampling settings of the `generate` node (see `peerflow.SamplingParams`)."""
+
+    n: int = 8
+    """Answers per prompt (the group size)."""
+    temperature: float = 1.0
+    """Softmax temperature; 0 is greedy."""
+    top_p: float = 1.0
+    """Nucleus mass; 1.0 disables."""
+    top_k: int = 0
+    """Top-k cut-off; 0 disables."""
+    max_tokens: int = 16
+    """Most tokens generated per answer."""
+    stop: list[str] = attrs.field(factory=list)
+    """Stop strings."""
+
+    def to_params(self, seed: int | None = None) -> SamplingParams:
+        """Returns the engine-facing `SamplingParams`."""
+        return SamplingParams(
+            n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+            max_tokens=self.max_tokens, stop=tuple(self.stop), seed=seed,
+        )
+
+
+@attrs.frozen(kw_only=True)
+class RolloutConfig:
+    """The inference engine. `rollout.<backend>: {...}` holds that adapter's options."""
+
+    backend: str = "hf"
+    """Registered rollout backend: hf, vllm, sglang, or a plugin's name."""
+    sampling: SamplingConfig = attrs.Factory(SamplingConfig)
+    """How answers are sampled."""
+    layout: LayoutConfig = attrs.Factory(LayoutConfig)
+    """Parallel layout of the rollout role."""
+    engine_options: dict[str, dict[str, Any]] = _section_field()
+    """Per-backend option sections, keyed by backend name (validated when selected)."""
+
+
+@attrs.frozen(kw_only=True)
+class TrainerConfig:
+    """The training engine. `trainer.<backend>: {...}` holds that adapter's options."""
+
+    backend: str = "fsdp"
+    """Registered trainer backend: fsdp, deepspeed, megatron, or a plugin's name."""
+    lr: float = 1e-3
+    """AdamW learning rate."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    grad_clip: float = 1.0
+    """Gradient-norm clip; 0 disables."""
+    micro_batch_tokens: int = 8192
+    """Token budget of one micro-batch (token-balanced packing)."""
+    mini_batches: int = 1
+    """Optimiser steps per training step (PPO mini-batches)."""
+    bf16: bool = False
+    """Compute in bfloat16 where the device supports it."""
+    layout: LayoutConfig = attrs.Factory(LayoutConfig)
+    """Parallel layout of the trainer role."""
+    engine_options: dict[str, dict[str, Any]] = _section_field()
+    """Per-backend option sections, keyed by backend name (validated when selected)."""
+
+    def optim_settings(self) -> OptimSettings:
+        """Returns the engine-facing optimiser settings."""
+        return OptimSettings(
+            lr=self.lr, betas=self.betas, weight_decay=self.weight_decay,
+            grad_clip=self.grad_clip, micro_batch_tokens=self.micro_batch_tokens,
+            mini_batches=self.mini_batches, bf16=self.bf16,
+        )
+
+
+@attrs.frozen(kw_only=True)
+class WeightSyncConfig:
+    """How new trainer weights reach the rollout engine."""
+
+    transport: str = "auto"
+    """Registered weight transport; `auto` picks one from the placement and devices."""
+    bucket_bytes: int = 256 * 2**20
+    """Most bytes packed into one bucket (bounds extra memory per rank)."""
+    every: int = 1
+    """Sync after every this many optimiser steps."""
+    mode: Literal["bucketed"] = "bucketed"
+    """Sync strategy."""

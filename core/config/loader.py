@@ -1,0 +1,142 @@
+"""Reading, overriding and validating run configs."""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import yaml
+
+from peerflow.config.schema import RunConfig
+from peerflow.config.structure import apply_override, structure, unstructure
+from peerflow.errors import ConfigError, PeerFlowError
+
+
+def load_raw(path: str | Path | None, overrides: Sequence[str] = ()) -> dict[str, Any]:
+    """Reads a YAML file (or starts empty) and applies `--set` overrides.
+
+    Raises:
+        ConfigError: the file is missing, is not YAML, or is not a mapping.
+    """
+    data: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} does not exist.")
+        try:
+            loaded = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping of sections.")
+        data = loaded or {}
+    for assignment in overrides:
+        apply_override(data, assignment)
+    return data
+
+
+def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> RunConfig:
+    """Returns the typed `RunConfig` of a YAML file plus overrides (structure only).
+
+    Call `validate_config` afterwards to check names against the installed plugins.
+    """
+    return structure(RunConfig, load_raw(path, overrides))
+
+
+def dump_config(config: RunConfig) -> str:
+    """Returns the resolved config as YAML (what a run directory records)."""
+    return yaml.safe_dump(unstructure(config), sort_keys=False)
+
+
+def structure_options(cls: type, section: Any, key: str) -> Any:
+    """Validates one adapter's or component's option section against its options class."""
+    return structure(cls, section or {}, key)
+
+
+#: Extra validators run by `validate_config` (the runtime adds graph and layout checks).
+#: Each takes the config and the plugin manager and returns a list of problems.
+EXTRA_VALIDATORS: list[Callable[[RunConfig, Any], list[str]]] = []
+
+
+def _check_name(pm: Any, kind: str, name: str, problems: list[str]) -> type | None:
+    registry = pm.registry(kind)
+    if name not in registry:
+        problems.append(registry.unknown_message(name))
+        return None
+    return registry.get(name)
+
+
+def _check_engine(pm: Any, kind: str, section: Any, key: str, problems: list[str]) -> None:
+    registry = pm.registry(kind)
+    for name in section.engine_options:
+        if name not in registry:
+            choices = [f.name for f in attrs.fields(type(section)) if f.name != "engine_options"]
+            close = difflib.get_close_matches(name, choices + registry.names(), n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            problems.append(
+                f"{key}.{name}: unknown key.{hint} Valid keys: {', '.join(choices)}, or an "
+                f"options section named after a backend ({', '.join(registry.names())})."
+            )
+    cls = _check_name(pm, kind, section.backend, problems)
+    if cls is None:
+        return
+    missing = cls.missing_requirements()
+    if missing:
+        problems.append(
+            f"{key}.backend={section.backend!r} needs {', '.join(missing)}, which is not "
+            f"installed: {cls.install_hint}."
+        )
+    try:
+        structure_options(cls.options_class, section.engine_options.get(section.backend),
+                          f"{key}.{section.backend}")
+    except ConfigError as exc:
+        problems.append(str(exc))
+
+
+def validate_config(config: RunConfig, pm: Any) -> None:
+    """Checks every name and option section against the installed plugins.
+
+    Args:
+        config: A structured config.
+        pm: The `peerflow.plugins.PluginManager` of this process.
+
+    Raises:
+        ConfigError: listing every problem found, each naming the key and the fix.
+    """
+    problems: list[str] = []
+    _check_engine(pm, "rollout_engine", config.rollout, "rollout", problems)
+    _check_engine(pm, "train_engine", config.trainer, "trainer", problems)
+    task_cls = _check_name(pm, "task", config.task.name, problems)
+    if task_cls is not None:
+        try:
+            structure_options(task_cls.options_class, config.task.options, "task.options")
+        except ConfigError as exc:
+            problems.append(str(exc))
+        reward = config.task.reward or getattr(task_cls, "default_reward", None)
+        if reward:
+            _check_name(pm, "reward", reward, problems)
+    estimator = _check_name(pm, "advantage_estimator", config.algorithm.advantage, problems)
+    loss = _check_name(pm, "policy_loss", config.algorithm.loss, problems)
+    known = {c.name: c for c in (estimator, loss) if c is not None}
+    for name, section in config.algorithm.options.items():
+        if name not in known:
+            problems.append(
+                f"algorithm.options.{name}: no selected estimator or loss is called {name!r}; "
+                f"option sections here are named after algorithm.advantage "
+                f"({config.algorithm.advantage!r}) or algorithm.loss ({config.algorithm.loss!r})."
+            )
+            continue
+        try:
+            structure_options(known[name].options_class, section, f"algorithm.options.{name}")
+        except ConfigError as exc:
+            problems.append(str(exc))
+    for validator in EXTRA_VALIDATORS:
+        try:
+            problems += validator(config, pm)
+        except PeerFlowError as exc:
+            problems.append(str(exc))
+    if problems:
+        raise ConfigError("\n".join(problems))

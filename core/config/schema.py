@@ -1,0 +1,124 @@
+"""The run configuration: one attrs class per YAML section."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import attrs
+
+from peerflow.config.engines import RolloutConfig, TrainerConfig, WeightSyncConfig
+
+
+@attrs.frozen(kw_only=True)
+class ModelConfig:
+    """The policy model: a local Hugging Face directory, or one a task plugin builds."""
+
+    path: str | None = None
+    """Local HF model directory (config, safetensors, tokenizer)."""
+    builder: str | None = None
+    """Name of a registered task's tiny-model builder, used when `path` is empty; the
+    built model and tokenizer are cached on disk."""
+    builder_options: dict[str, Any] = attrs.field(factory=dict)
+    """Options for the builder (hidden size, layers, …)."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Parameter dtype."""
+
+
+@attrs.frozen(kw_only=True)
+class TaskConfig:
+    """Where prompts come from and how answers are scored."""
+
+    name: str = "reverse-digits"
+    """Registered task (see `peerflow plugins`), or `dataset` for a local file."""
+    options: dict[str, Any] = attrs.field(factory=dict)
+    """The task's own options, validated by the task's options class."""
+    reward: str | None = None
+    """Registered reward; defaults to the task's own reward."""
+
+
+@attrs.frozen(kw_only=True)
+class KLConfig:
+    """KL regularisation towards a frozen reference model."""
+
+    coef: float = 0.0
+    """KL coefficient; 0 disables the reference model entirely."""
+    estimator: Literal["k1", "k2", "k3"] = "k3"
+    """Per-token KL estimator (Schulman's k1/k2/k3)."""
+    mode: Literal["loss", "reward"] = "loss"
+    """Add KL to the loss, or subtract it from the reward."""
+
+
+@attrs.frozen(kw_only=True)
+class AlgorithmConfig:
+    """Advantage estimation and policy loss."""
+
+    advantage: str = "grpo"
+    """Registered advantage estimator (grpo, gae, rloo, reinforce_pp, …)."""
+    loss: str = "ppo_clip"
+    """Registered policy loss (ppo_clip, gspo, …)."""
+    options: dict[str, Any] = attrs.field(factory=dict)
+    """Options of the selected estimator and loss, keyed by their names."""
+    kl: KLConfig = attrs.Factory(KLConfig)
+    """KL to the reference model."""
+    dynamic_sampling: bool = False
+    """DAPO: drop groups whose rewards are all equal and refill the batch."""
+
+
+@attrs.frozen(kw_only=True)
+class RunSettings:
+    """Length of the run and what it writes."""
+
+    steps: int = 60
+    """Training steps."""
+    prompts_per_step: int = 32
+    """Prompts sampled per step across all dp-ranks (each gets `sampling.n` answers)."""
+    checkpoint_every: int = 0
+    """Save a checkpoint every K steps (0: only at the end)."""
+    log_every: int = 1
+    """Write metrics every K steps."""
+    tensorboard: bool = True
+    """Write TensorBoard events."""
+    wandb: bool = False
+    """Log to Weights & Biases when it is installed."""
+    trace: bool = True
+    """Write a per-rank Chrome-trace timeline."""
+
+
+@attrs.frozen(kw_only=True)
+class RuntimeConfig:
+    """How the workflow runs across processes."""
+
+    nprocs: int = 2
+    """Worker processes on this machine (`peerflow train --nprocs` overrides)."""
+    mode: Literal["sync", "async"] = "sync"
+    """`sync`: multi-controller steps; `async`: streaming with bounded staleness."""
+    placement: Literal["colocated", "split"] = "colocated"
+    """`colocated`: every role on every rank; `split`: disjoint rank sets per role."""
+    coordinator: Literal["p2p", "centralized"] = "p2p"
+    """Data routing; `centralized` is the single-controller baseline for benchmarks."""
+    fault_timeout: float = 60.0
+    """Seconds before a rank gives up on a dead peer and exits naming it."""
+    max_staleness: int = 1
+    """Async mode: most weight versions a sample may lag the trainer by."""
+    partial_rollout: bool = False
+    """Async mode: apply new weights mid-request on engines that can pause."""
+    torch_threads: int = 1
+    """torch intra-op threads per worker process."""
+
+
+@attrs.frozen(kw_only=True)
+class RunConfig:
+    """A whole run: what `examples/quickstart.yaml` describes."""
+
+    seed: int = 0
+    """Base random seed (every rank derives its own streams)."""
+    model: ModelConfig = attrs.Factory(ModelConfig)
+    task: TaskConfig = attrs.Factory(TaskConfig)
+    algorithm: AlgorithmConfig = attrs.Factory(AlgorithmConfig)
+    rollout: RolloutConfig = attrs.Factory(RolloutConfig)
+    trainer: TrainerConfig = attrs.Factory(TrainerConfig)
+    weight_sync: WeightSyncConfig = attrs.Factory(WeightSyncConfig)
+    workflow: dict[str, Any] = attrs.field(factory=lambda: {"graph": "grpo"})
+    """The workflow graph: `{graph: grpo|ppo}` or `{nodes: [...]}` (see the runtime docs)."""
+    runtime: RuntimeConfig = attrs.Factory(RuntimeConfig)
+    run: RunSettings = attrs.Factory(RunSettings)

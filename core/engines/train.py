@@ -1,0 +1,147 @@
+"""The train engine contract.
+
+Designed against torch FSDP2 (`fully_shard`, DTensor local shards), DeepSpeed
+(`deepspeed.initialize`, ZeRO-1/2/3 with `GatheredParameters`, `save_checkpoint`) and
+Megatron-core (`GPTModel` with tp/pp, vocab-parallel logits, fused QKV and gate/up).
+
+Call order on the ranks that host the engine (all ranks of its group, SPMD):
+
+1. `__init__(context, options, optim)` — build model and optimiser from
+   `context.model_path`.
+2. `weight_sources()` — once (metadata only); the runtime plans syncs from these specs.
+3. Repeatedly: `forward_logprobs(batch)`, `train_step(batch, loss)`; with
+   `Capabilities.value_head`: `forward_values(batch)`.
+4. For each weight sync, per bucket: `with materialize(specs) as tensors:` on **every**
+   rank of the group in the same order (it may run collectives, e.g. a ZeRO-3 gather of
+   exactly that bucket's parameters); only ranks owning a `replica == 0` piece send.
+5. With `Capabilities.checkpoint`: `save_checkpoint(dir)` / `load_checkpoint(dir)` on all
+   ranks.
+6. `shutdown()`.
+
+Batches given to the engine carry ragged `prompt_ids` and `response_ids` fields; every tp/pp
+peer of one dp-rank receives the same samples.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Protocol
+
+import attrs
+import torch
+
+from peerflow.batch import Batch, RaggedField
+from peerflow.engines.base import EngineBase, EngineContext
+from peerflow.shard import ShardSpec
+
+
+@attrs.frozen(kw_only=True)
+class OptimSettings:
+    """Optimiser and step settings shared by every train engine."""
+
+    lr: float = 1e-5
+    """AdamW learning rate."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clip (0 disables)."""
+    micro_batch_tokens: int = 4096
+    """Most tokens in one micro-batch; micro-batches are packed to balance tokens."""
+    mini_batches: int = 1
+    """Optimiser steps per `train_step` call (PPO mini-batches)."""
+    bf16: bool = False
+    """Compute in bfloat16 where the device supports it."""
+
+
+class LossFunction(Protocol):
+    """A policy (or value) loss evaluated on one micro-batch.
+
+    Engines call it once per micro-batch and sum the returned losses' gradients, so a loss
+    must scale itself by the *global* normaliser it is given, not by the micro-batch size.
+    """
+
+    def __call__(
+        self,
+        logprobs: RaggedField,
+        batch: Batch,
+        *,
+        global_tokens: int,
+        global_samples: int,
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """Returns `(loss, metrics)` for one micro-batch.
+
+        Args:
+            logprobs: Current-policy log-probs of every response token (with grad),
+                aligned with `batch["response_ids"]`.
+            batch: The micro-batch, with the fields the loss reads (advantages, …).
+            global_tokens: Response tokens in the whole mini-batch across dp-ranks.
+            global_samples: Samples in the whole mini-batch across dp-ranks.
+        """
+
+
+class TrainEngine(EngineBase, abc.ABC):
+    """A training engine: log-prob forward, optimiser steps, sharded weight export."""
+
+    def __init__(self, context: EngineContext, options: object, optim: OptimSettings) -> None:
+        self.context = context
+        self.options = options
+        self.optim = optim
+        self.version = 0
+
+    @abc.abstractmethod
+    def forward_logprobs(self, batch: Batch) -> RaggedField:
+        """Returns per-response-token log-probs (no grad), aligned with `response_ids`."""
+
+    @abc.abstractmethod
+    def train_step(self, batch: Batch, loss: LossFunction) -> dict[str, float]:
+        """Runs `optim.mini_batches` optimiser steps on this dp-rank's samples.
+
+        Increments `version` once per call. Returns metrics averaged over micro-batches
+        (including `grad_norm` and `lr`).
+        """
+
+    def forward_values(self, batch: Batch) -> RaggedField:
+        """Returns per-response-token values (needs `Capabilities.value_head`)."""
+        raise NotImplementedError(
+            f"{type(self).__name__} does not declare Capabilities.value_head."
+        )
+
+    @abc.abstractmethod
+    def weight_sources(self) -> list[ShardSpec]:
+        """Returns the specs of the tensors this rank can send (metadata only)."""
+
+    @abc.abstractmethod
+    def materialize(
+        self, specs: Sequence[ShardSpec]
+    ) -> contextlib.AbstractContextManager[list[torch.Tensor]]:
+        """Context manager yielding the tensors of `specs` (a subset of `weight_sources`).
+
+        Called on every rank of the group with the same specs, bucket by bucket, so a
+        ZeRO-3 engine gathers only that bucket. Tensors are valid inside the `with`.
+        """
+
+    def save_checkpoint(self, directory: str) -> None:
+        """Saves model and optimiser state (needs `Capabilities.checkpoint`)."""
+        raise NotImplementedError(f"{type(self).__name__} does not declare Capabilities.checkpoint.")
+
+    def load_checkpoint(self, directory: str) -> None:
+        """Restores what `save_checkpoint` wrote (needs `Capabilities.checkpoint`)."""
+        raise NotImplementedError(f"{type(self).__name__} does not declare Capabilities.checkpoint.")
+
+    def shutdown(self) -> None:
+        """Releases the engine's memory and process groups. Safe to call twice."""
+
+
+@contextlib.contextmanager
+def yield_tensors(tensors: list[torch.Tensor]) -> Iterator[list[torch.Tensor]]:
+    """`materialize` helper for engines whose local shards are already plain tensors."""
+    yield tensors
+
+
+__all__ = ["EngineContext", "LossFunction", "OptimSettings", "TrainEngine", "yield_tensors"]
