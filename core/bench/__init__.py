@@ -1,0 +1,1 @@
+"""Benchmarks behind `peerflow bench` (each prints JSON)."""
