@@ -1,0 +1,1 @@
+"""An example third-party PeerFlow plugin: one reward and one advantage estimator."""
