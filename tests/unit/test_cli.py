@@ -1,0 +1,56 @@
+import json
+
+from tests.helpers.fake_dist import run_peerflow
+
+ALL_BUILTINS = {"hf", "fsdp", "vllm", "sglang", "deepspeed", "megatron"}
+
+
+def test_version_and_help():
+    version = run_peerflow("--version")
+    assert version.returncode == 0 and version.stdout.startswith("peerflow ")
+    help_text = run_peerflow("--help")
+    assert help_text.returncode == 0
+    for command in ("plugins", "config", "bench"):
+        assert command in help_text.stdout
+
+
+def test_plugins_json_lists_every_builtin_backend():
+    result = run_peerflow("plugins", "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    engines = {e["name"]: e for e in report["engines"]}
+    assert ALL_BUILTINS <= set(engines)
+    for name in ALL_BUILTINS:
+        assert isinstance(engines[name]["installed"], bool)
+        assert engines[name]["distribution"] == "peerflow"
+    assert engines["hf"]["installed"] and engines["fsdp"]["installed"]
+    assert engines["sglang"]["install_hint"]
+    plugin = next(p for p in report["plugins"] if p["name"] == "hf")
+    assert plugin["hooks"] == ["peerflow_register_rollout_engines"]
+    assert plugin["registered"] == {"rollout_engine": ["hf"]}
+
+
+def test_config_validate_misspelled_key(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("trainer:\n  lr: 1.0e-3\n  gradclip: 1.0\n")
+    result = run_peerflow("config", "validate", str(path))
+    assert result.returncode != 0
+    assert "trainer.gradclip: unknown key. Did you mean 'grad_clip'?" in result.stderr
+
+
+def test_config_validate_unknown_backend_lists_installed(tmp_path):
+    path = tmp_path / "nosuch.yaml"
+    path.write_text("rollout:\n  backend: nosuch\n")
+    result = run_peerflow("config", "validate", str(path))
+    assert result.returncode != 0
+    for name in ("hf", "vllm", "sglang"):
+        assert name in result.stderr
+
+
+def test_config_show_prints_resolved_config(tmp_path):
+    path = tmp_path / "ok.yaml"
+    path.write_text("trainer:\n  lr: 0.01\n")
+    result = run_peerflow("config", "show", str(path), "--set", "rollout.sampling.n=3")
+    assert result.returncode == 0, result.stderr
+    assert "lr: 0.01" in result.stdout and "n: 3" in result.stdout
+    assert "backend: hf" in result.stdout
