@@ -41,7 +41,8 @@ class RaggedField:
         """Packs a list of per-sample tensors (first dimension ragged)."""
         tensors = [torch.as_tensor(t, dtype=dtype) for t in tensors]
         if not tensors:
-            return cls(values=torch.empty(0, dtype=dtype or torch.float32), offsets=torch.zeros(1, dtype=torch.int64))
+            return cls(values=torch.empty(0, dtype=dtype or torch.float32),
+                       offsets=torch.zeros(1, dtype=torch.int64))
         return cls(
             values=torch.cat([t.reshape(len(t), *t.shape[1:]) for t in tensors]),
             offsets=_offsets_from_lengths([len(t) for t in tensors]),
@@ -65,7 +66,9 @@ class RaggedField:
 
     def select(self, indices: Sequence[int]) -> RaggedField:
         """Returns the samples at `indices`, in that order."""
-        return RaggedField.from_tensors([self.row(i) for i in indices], dtype=self.values.dtype) if len(indices) else RaggedField(values=self.values[:0], offsets=torch.zeros(1, dtype=torch.int64))
+        if not len(indices):
+            return RaggedField(values=self.values[:0], offsets=torch.zeros(1, dtype=torch.int64))
+        return RaggedField.from_tensors([self.row(i) for i in indices], dtype=self.values.dtype)
 
 
 Column = RaggedField | torch.Tensor | list
@@ -275,4 +278,5 @@ class Batch:
                 fields[name] = next(it)
             else:
                 fields[name] = list(meta["objects"][name])
-        return cls(sample_id=sample_id, group_id=group_id, weight_version=weight_version, fields=fields)
+        return cls(sample_id=sample_id, group_id=group_id, weight_version=weight_version,
+                   fields=fields)

@@ -1,5 +1,7 @@
-"""Errors PeerFlow raises for bad input. Each message names the object, the bad value,
-what was expected and the fix."""
+"""Errors PeerFlow raises for bad input.
+
+Each message names the object, the bad value, what was expected and the fix.
+"""
 
 from __future__ import annotations
 

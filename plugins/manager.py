@@ -81,7 +81,7 @@ class PluginManager:
 
     @property
     def hook(self) -> Any:
-        """pluggy's hook relay, for lifecycle calls (`pm.hook.peerflow_end_of_step(...)`)."""
+        """Pluggy's hook relay, for lifecycle calls (`pm.hook.peerflow_end_of_step(...)`)."""
         return self.pm.hook
 
     def register(
@@ -157,10 +157,11 @@ class PluginManager:
                 record = self.records.get(impl.plugin_name)
                 dist = record.distribution if record else "<python>"
 
-                def register(cls: Any, _plugin: str = impl.plugin_name, _dist: str = dist) -> None:
-                    registries[key].register(cls, plugin=_plugin, distribution=_dist)
+                def register(cls: Any, _plugin: str = impl.plugin_name, _dist: str = dist,
+                             _key: str = key) -> None:
+                    registries[_key].register(cls, plugin=_plugin, distribution=_dist)
                     if _plugin in self.records:
-                        self.records[_plugin].registered.setdefault(key, []).append(cls.name)
+                        self.records[_plugin].registered.setdefault(_key, []).append(cls.name)
 
                 try:
                     impl.function(register=register)

@@ -61,7 +61,9 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
         if origin is tuple and args and args[-1] is not Ellipsis:
             if len(value) != len(args):
                 raise ConfigError(f"{path}: expected {len(args)} items, got {len(value)}")
-            return tuple(_convert(v, a, f"{path}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+            return tuple(
+                _convert(v, a, f"{path}[{i}]") for i, (v, a) in enumerate(zip(value, args))
+            )
         item = args[0] if args else Any
         items = [_convert(v, item, f"{path}[{i}]") for i, v in enumerate(value)]
         return tuple(items) if (origin or tp) is tuple else items

@@ -128,11 +128,15 @@ class TrainEngine(EngineBase, abc.ABC):
 
     def save_checkpoint(self, directory: str) -> None:
         """Saves model and optimiser state (needs `Capabilities.checkpoint`)."""
-        raise NotImplementedError(f"{type(self).__name__} does not declare Capabilities.checkpoint.")
+        raise NotImplementedError(
+            f"{type(self).__name__} does not declare Capabilities.checkpoint."
+        )
 
     def load_checkpoint(self, directory: str) -> None:
         """Restores what `save_checkpoint` wrote (needs `Capabilities.checkpoint`)."""
-        raise NotImplementedError(f"{type(self).__name__} does not declare Capabilities.checkpoint.")
+        raise NotImplementedError(
+            f"{type(self).__name__} does not declare Capabilities.checkpoint."
+        )
 
     def shutdown(self) -> None:
         """Releases the engine's memory and process groups. Safe to call twice."""

@@ -10,7 +10,8 @@ def make_batch(lengths, with_objects=True):
     n = len(lengths)
     batch = Batch(sample_id=torch.arange(n) + 100, group_id=torch.arange(n) // 2,
                   weight_version=torch.full((n,), 3))
-    batch.set("response_ids", [torch.arange(k, dtype=torch.int64) + i for i, k in enumerate(lengths)])
+    batch.set("response_ids",
+              [torch.arange(k, dtype=torch.int64) + i for i, k in enumerate(lengths)])
     batch.set("reward", torch.linspace(0, 1, n))
     if with_objects:
         batch.set_objects("answer", [f"a{i}" for i in range(n)])

@@ -60,5 +60,6 @@ def test_adapter_options_validated_only_when_selected(plugin_manager):
 
 def test_section_that_is_no_backend_gets_did_you_mean(plugin_manager):
     config = load_config(None, ["rollout.samplng.n=2"])
-    with pytest.raises(ConfigError, match=r"rollout.samplng: unknown key. Did you mean 'sampling'\?"):
+    expected = r"rollout.samplng: unknown key. Did you mean 'sampling'\?"
+    with pytest.raises(ConfigError, match=expected):
         validate_config(config, plugin_manager)

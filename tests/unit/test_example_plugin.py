@@ -51,11 +51,11 @@ def test_example_plugin_algorithms_compute_real_values():
     sys.path.insert(0, str(PLUGIN))
     try:
         import torch
+        from peerflow_example_plugin.opo import OPOAdvantage
+        from peerflow_example_plugin.rewards import EditSimilarityReward, levenshtein
 
         from peerflow.algorithms import Example
         from peerflow.batch import Batch
-        from peerflow_example_plugin.opo import OPOAdvantage
-        from peerflow_example_plugin.rewards import EditSimilarityReward, levenshtein
     finally:
         sys.path.remove(str(PLUGIN))
     assert levenshtein("kitten", "sitting") == 3

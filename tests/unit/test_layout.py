@@ -25,5 +25,6 @@ def test_bad_layouts_are_config_errors():
         ParallelLayout(tp=0)
     with pytest.raises(ConfigError, match="give exactly that many ranks"):
         ParallelLayout(dp=2, ranks=(0,))
-    with pytest.raises(ConfigError, match=r"tp=3 does not divide the model's 4 attention heads; choose tp from \[1, 2, 4\]"):
+    expected = r"tp=3 does not divide the model's 4 attention heads; choose tp from \[1, 2, 4\]"
+    with pytest.raises(ConfigError, match=expected):
         ParallelLayout(tp=3).check_divides("attention heads", 4)

@@ -118,7 +118,8 @@ def _plugins_json(tmp_path, env=None):
 
 
 def test_plugin_that_raises_on_import_is_reported_and_others_load(tmp_path):
-    make_distribution(tmp_path, "broken-plugin", {"broken_mod": "raise RuntimeError('boom on import')"},
+    make_distribution(tmp_path, "broken-plugin",
+                      {"broken_mod": "raise RuntimeError('boom on import')"},
                       {"broken": "broken_mod"})
     make_distribution(tmp_path, "good-plugin", {"good_mod": GOOD_PLUGIN}, {"good": "good_mod"})
     report = _plugins_json(tmp_path)
