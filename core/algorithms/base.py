@@ -2,6 +2,20 @@
 
 Every class carries `name` (what a config selects it by) and `options_class` (an attrs
 class validated from the config section of the same name).
+
+Batch fields the algorithms read and write (ragged fields are aligned with
+`response_ids`, one value per response token):
+
+* `reward` — `[num_samples]` float, the task reward (after any KL reward penalty);
+  `score` keeps the raw task reward when a penalty was applied.
+* `rollout_logprobs` — ragged, log-probs the rollout engine reported while sampling.
+* `old_logprobs` — ragged, the trainer's log-probs before this step's update (the
+  `old_logprob` node); the PPO ratio's denominator. Absent on purely on-policy runs.
+* `ref_logprobs` — ragged, the frozen reference model's log-probs (`ref_logprob` node).
+* `values` — ragged, the critic's values at sampling time (`values` node).
+* `advantages`, `returns` — ragged, written by the advantage estimator.
+* `token_rewards` — optional ragged per-token rewards added on top of `reward`
+  (read by the token-level estimators `gae` and `reinforce_pp`).
 """
 
 from __future__ import annotations
@@ -56,11 +70,25 @@ class AdvantageEstimator(_Component, abc.ABC):
     needs_values: ClassVar[bool] = False
     """Whether it reads a `values` field from a critic (GAE does)."""
 
+    process_group: Any = None
+    """torch.distributed group over which batch-wide statistics (whitening) are reduced;
+    `None` reduces over the batch given to `compute` only. The runtime sets it to the
+    group of ranks that each hold a share of the step's samples."""
+
+    @property
+    def preferred_aggregation(self) -> str | None:
+        """Loss aggregation this estimator's options call for, or `None`.
+
+        Dr.GRPO asks for `seq-mean-token-sum-norm`; `None` keeps the loss's own default.
+        """
+        return None
+
     @abc.abstractmethod
     def compute(self, batch: Batch) -> dict[str, RaggedField | torch.Tensor]:
-        """Returns new fields, at least `advantages` (ragged, aligned with
-        `response_ids`); reads `reward` (`[num_samples]`) and `group_id`. The batch holds
-        whole groups."""
+        """Returns new fields, at least `advantages` (ragged, aligned with `response_ids`).
+
+        Reads `reward` (`[num_samples]`) and `group_id`. The batch holds whole groups.
+        """
 
 
 class PolicyLoss(_Component, abc.ABC):
@@ -82,6 +110,42 @@ class Task(_Component, abc.ABC):
     @abc.abstractmethod
     def examples(self, split: str, seed: int) -> Iterator[Example]:
         """Yields the examples of `split` (`train` or `eval`) in a deterministic order."""
+
+    def size(self, split: str) -> int | None:
+        """Number of examples in `split`, or `None` when the task cannot tell cheaply."""
+        return None
+
+    def example(self, split: str, index: int, seed: int) -> Example:
+        """Returns example `index` of `split`, as `examples(split, seed)` yields it.
+
+        Tasks override this with a direct lookup; the default walks the iterator.
+
+        Raises:
+            IndexError: `index` is past the end of the split.
+        """
+        for i, example in enumerate(self.examples(split, seed)):
+            if i == index:
+                return example
+        raise IndexError(f"task {self.name!r} split {split!r} has no example {index}.")
+
+    @classmethod
+    def build_model(cls, options: Mapping[str, Any], cache_dir: str | None = None) -> str:
+        """Builds (or finds in the cache) a tiny model and tokenizer suited to this task.
+
+        Used by `model.builder: <task name>` when `model.path` is empty.
+
+        Args:
+            options: `model.builder_options` from the config.
+            cache_dir: Cache root; `None` uses `~/.cache/peerflow/models`.
+
+        Returns:
+            The local Hugging Face model directory.
+        """
+        raise NotImplementedError(
+            f"task {cls.name!r} has no model builder; set model.path to a local Hugging "
+            "Face model directory, or model.builder to a task that builds one "
+            "(reverse-digits, arithmetic)."
+        )
 
     def metadata(self) -> Mapping[str, Any]:
         """Facts a run records about the task (size, generator settings)."""

@@ -1,0 +1,84 @@
+"""Generalised advantage estimation (PPO with a critic)."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import attrs
+import torch
+
+from peerflow.algorithms.advantages import _rewards, _token_rewards, _unit
+from peerflow.algorithms.base import AdvantageEstimator
+from peerflow.algorithms.ragged_ops import (
+    pad,
+    ragged_like,
+    response_lengths,
+    token_values,
+    whiten,
+)
+from peerflow.algorithms.value_loss import ClippedValueLoss, ValueLossOptions
+from peerflow.batch import Batch, RaggedField
+
+
+@attrs.frozen(kw_only=True)
+class GAEOptions:
+    """Options of `algorithm.options.gae`."""
+
+    gamma: float = attrs.field(default=1.0, validator=_unit)
+    """Discount factor."""
+    lam: float = attrs.field(default=0.95, validator=_unit)
+    """GAE lambda: 0 is one-step TD, 1 is Monte-Carlo returns minus the value."""
+    whiten_advantages: bool = True
+    """Normalise advantages to zero mean and unit std over the batch (PPO's default)."""
+    value_clip: float = attrs.field(default=0.2)
+    """Clip range of the critic's value loss around the sampling-time values (0 disables);
+    see `peerflow.algorithms.value_loss.ClippedValueLoss`."""
+    value_coef: float = 1.0
+    """Scale of the critic's value loss."""
+
+
+class GAE(AdvantageEstimator):
+    """Generalised advantage estimation over response tokens.
+
+    `delta_t = r_t + gamma V_{t+1} - V_t` (with `V_T = 0` after the last token),
+    `A_t = delta_t + gamma lam A_{t+1}`, `returns = A + V`.
+
+    Reads `values` (the critic's values at sampling time, one per response token) and
+    `reward` (placed on the last token, plus `token_rewards` if present). `returns` are
+    the critic's regression targets (before any whitening of the advantages).
+    """
+
+    name: ClassVar[str] = "gae"
+    options_class: ClassVar[type] = GAEOptions
+    needs_values: ClassVar[bool] = True
+
+    def compute(self, batch: Batch) -> dict[str, RaggedField | torch.Tensor]:
+        """Returns `advantages` and `returns`."""
+        lengths = response_lengths(batch)
+        rewards = _token_rewards(batch, _rewards(batch).to(torch.float64), lengths)
+        values = token_values(batch, "values").detach().to(torch.float64)
+        r, mask = pad(rewards, lengths)
+        v, _ = pad(values, lengths)
+        gamma, lam = self.options.gamma, self.options.lam
+        advantages = torch.zeros_like(r)
+        running = torch.zeros(len(lengths), dtype=r.dtype)
+        for t in range(r.shape[1] - 1, -1, -1):
+            next_value = v[:, t + 1] * mask[:, t + 1] if t + 1 < r.shape[1] else 0.0
+            delta = r[:, t] + gamma * next_value - v[:, t]
+            running = (delta + gamma * lam * running) * mask[:, t]
+            advantages[:, t] = running
+        returns = (advantages + v)[mask]
+        flat = advantages[mask]
+        if self.options.whiten_advantages:
+            flat = whiten(flat, self.process_group)
+        return {
+            "advantages": ragged_like(flat.to(torch.float32), lengths),
+            "returns": ragged_like(returns.to(torch.float32), lengths),
+        }
+
+    def value_loss(self) -> ClippedValueLoss:
+        """The critic loss configured by these options (for the `train_critic` node)."""
+        return ClippedValueLoss(
+            ValueLossOptions(clip=self.options.value_clip, coef=self.options.value_coef)
+        )
+

@@ -1,0 +1,131 @@
+"""Small ragged-tensor helpers the estimators and losses share.
+
+A ragged field stores every sample's tokens back to back (`values`, `[total_tokens]`)
+with per-sample `lengths` (`[num_samples]`); these helpers do per-sample reductions and
+broadcasts on that flat layout without padding.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from peerflow.batch import Batch, RaggedField
+
+
+def segment_ids(lengths: torch.Tensor) -> torch.Tensor:  # [total_tokens]
+    """Returns, for every token, the index of the sample it belongs to."""
+    return torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+
+
+def segment_sum(values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:  # [num_samples]
+    """Sums each sample's tokens (differentiable)."""
+    out = values.new_zeros(len(lengths))
+    return out.index_add(0, segment_ids(lengths).to(values.device), values)
+
+
+def segment_mean(values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:  # [num_samples]
+    """Averages each sample's tokens; empty samples give 0."""
+    return segment_sum(values, lengths) / lengths.clamp(min=1).to(values.dtype)
+
+
+def per_token(per_sample: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:  # [total_tokens]
+    """Broadcasts one value per sample to every token of that sample."""
+    return torch.repeat_interleave(per_sample, lengths.to(per_sample.device))
+
+
+def response_lengths(batch: Batch) -> torch.Tensor:  # [num_samples]
+    """Per-sample response lengths (of `response_ids`)."""
+    return batch.lengths("response_ids")
+
+
+def ragged_like(values: torch.Tensor, lengths: torch.Tensor) -> RaggedField:
+    """Wraps flat per-token `values` as a ragged field with the given `lengths`."""
+    offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
+    torch.cumsum(lengths.to(torch.int64), 0, out=offsets[1:])
+    return RaggedField(values=values, offsets=offsets)
+
+
+def token_values(batch: Batch, name: str) -> torch.Tensor:  # [total_tokens]
+    """Returns ragged field `name` as flat values, checking it lines up with `response_ids`.
+
+    Raises:
+        ValueError: the field's per-sample lengths differ from `response_ids`'.
+    """
+    field = batch.ragged(name)
+    expected = response_lengths(batch)
+    if not torch.equal(field.lengths, expected):
+        bad = int((field.lengths != expected).nonzero()[0, 0])
+        raise ValueError(
+            f"batch field {name!r} is not aligned with 'response_ids': sample {bad} has "
+            f"{int(field.lengths[bad])} values for {int(expected[bad])} response tokens; "
+            f"the node that writes {name!r} must emit one value per response token."
+        )
+    return field.values
+
+
+def group_index(group_id: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Maps arbitrary group ids to `0 … num_groups-1`, for reductions.
+
+    Returns:
+        `(index [num_samples], num_groups)`.
+    """
+    uniques, inverse = torch.unique(group_id, return_inverse=True)
+    return inverse, len(uniques)
+
+
+def group_stats(
+    values: torch.Tensor, group_id: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-sample group size, group mean and unbiased group std (0 for size-1 groups).
+
+    Args:
+        values: `[num_samples]` float values (e.g. rewards).
+        group_id: `[num_samples]` group ids.
+
+    Returns:
+        `(count, mean, std)`, each `[num_samples]`, the statistics of the sample's group.
+    """
+    index, num_groups = group_index(group_id)
+    values = values.to(torch.float64)
+    zeros = torch.zeros(num_groups, dtype=torch.float64)
+    count = zeros.index_add(0, index, torch.ones_like(values))
+    mean = zeros.index_add(0, index, values) / count
+    sq = zeros.index_add(0, index, (values - mean[index]) ** 2)
+    std = torch.where(count > 1, (sq / (count - 1).clamp(min=1)).sqrt(), torch.zeros_like(sq))
+    return count[index], mean[index], std[index]
+
+
+def whiten(values: torch.Tensor, process_group: object = None, eps: float = 1e-8) -> torch.Tensor:
+    """Normalises `values` to zero mean and unit (unbiased) std over the whole batch.
+
+    With a `process_group`, the count, sum and sum of squares are all-reduced first, so
+    every rank normalises by the statistics of all ranks' values together.
+    """
+    stats = torch.stack([
+        torch.tensor(float(values.numel()), dtype=torch.float64),
+        values.detach().to(torch.float64).sum(),
+        (values.detach().to(torch.float64) ** 2).sum(),
+    ])
+    if process_group is not None:
+        import torch.distributed as dist
+
+        dist.all_reduce(stats, group=process_group)
+    count, total, sq = stats.tolist()
+    if count == 0:
+        return values
+    mean = total / count
+    var = (sq - count * mean * mean) / max(count - 1, 1)
+    return ((values - mean) / (max(var, 0.0) ** 0.5 + eps)).to(values.dtype)
+
+
+def pad(values: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pads flat per-token values to `[num_samples, max_len]` with zeros.
+
+    Returns:
+        `(padded, mask)`; `padded[mask]` gives `values` back.
+    """
+    width = int(lengths.max()) if len(lengths) else 0
+    mask = torch.arange(width)[None, :] < lengths[:, None]
+    padded = values.new_zeros((len(lengths), width))
+    padded[mask] = values
+    return padded, mask
