@@ -1,0 +1,183 @@
+"""Trainer-side buffering: per-sample fields, micro-batches as soon as one is full.
+
+A trainer dp-rank receives whole prompt groups from rollout ranks, in any order, tagged
+with the training step they belong to. `MicroBatchAccumulator` holds one step's samples;
+other nodes may add fields to a sample (a reward, reference log-probs) before it is
+trained on, by `patch`ing it — even before the sample itself arrives. A sample is *ready*
+once every required field is present; the sampler forms micro-batches from ready samples
+and `pop_ready` hands out each one as soon as it is full, so per-micro-batch work
+(old/reference log-prob forwards) overlaps with the rest of the step still streaming in.
+
+`StepInbox` knows when a step is complete: every rollout rank sends, after its last group
+for a step, a *seal* carrying how many groups it sent this trainer for that step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import torch
+
+from peerflow.batch import Batch, RaggedField
+from peerflow.streaming.samplers import MicroBatchBudget, PooledSample, Sampler
+
+
+def _as_column(value: Any, kind: str) -> RaggedField | torch.Tensor | list:
+    if kind == "objects":
+        return [value]
+    tensor = torch.as_tensor(value)
+    if kind == "ragged" or (kind == "auto" and tensor.dim() >= 1):
+        return RaggedField.from_tensors([tensor.reshape(-1, *tensor.shape[1:])])
+    return tensor.reshape(1, *tensor.shape)
+
+
+@attrs.define(eq=False)
+class MicroBatchAccumulator:
+    """One trainer dp-rank's samples of the current step.
+
+    Call sequence: `add(group_batch)` and `patch(...)` as messages arrive; `pop_ready()`
+    after each (returns zero or more full micro-batches); once the step is complete,
+    `pop_ready(final=True)` returns the remainder. Every added sample is returned exactly
+    once.
+    """
+
+    sampler: Sampler
+    budget: MicroBatchBudget
+    required_fields: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    """Fields a sample needs before it may be trained on (e.g. `reward`, `ref_logprobs`)."""
+    token_fields: tuple[str, ...] = ("prompt_ids", "response_ids")
+    """Ragged fields whose lengths count as a sample's tokens."""
+    _samples: dict[int, Batch] = attrs.field(factory=dict, init=False)
+    _arrival: list[int] = attrs.field(factory=list, init=False)
+    _patches: dict[int, dict[str, Any]] = attrs.field(factory=dict, init=False)
+    _emitted: set[int] = attrs.field(factory=set, init=False)
+
+    def add(self, batch: Batch) -> None:
+        """Buffers the samples of `batch` (usually one prompt group).
+
+        Raises:
+            ValueError: a sample id is already buffered or was already emitted.
+        """
+        for i in range(len(batch)):
+            sample = batch.select([i])
+            sid = int(sample.sample_id[0])
+            if sid in self._samples or sid in self._emitted:
+                raise ValueError(
+                    f"sample {sid} (group {int(sample.group_id[0])}) reached this trainer "
+                    "twice; a rollout rank resent it, which would train on it twice."
+                )
+            for name, (value, kind) in self._patches.pop(sid, {}).items():
+                sample.fields[name] = _as_column(value, kind)
+            self._samples[sid] = sample
+            self._arrival.append(sid)
+
+    def patch(self, sample_id: int, name: str, value: Any, kind: str = "auto") -> None:
+        """Adds field `name` to one sample, now or when it arrives.
+
+        Args:
+            sample_id: The sample to extend.
+            name: Field name.
+            value: Tensor (ragged when 1-D or more and `kind` is `auto`), number or object.
+            kind: `auto`, `ragged`, `dense` or `objects`.
+
+        Raises:
+            ValueError: the sample was already handed out for training.
+        """
+        if sample_id in self._emitted:
+            raise ValueError(
+                f"field {name!r} for sample {sample_id} arrived after the sample was "
+                f"trained on; add {name!r} to required_fields so training waits for it."
+            )
+        sample = self._samples.get(sample_id)
+        if sample is None:
+            self._patches.setdefault(sample_id, {})[name] = (value, kind)
+        else:
+            sample.fields[name] = _as_column(value, kind)
+
+    def _ready(self, sid: int) -> bool:
+        fields = self._samples[sid].fields
+        return all(name in fields for name in self.required_fields)
+
+    def _tokens(self, sample: Batch) -> int:
+        return int(sample.token_count(self.token_fields)[0])
+
+    @property
+    def pending(self) -> int:
+        """Samples buffered and not yet handed out (the queue depth)."""
+        return len(self._arrival)
+
+    def pop_ready(self, final: bool = False) -> list[Batch]:
+        """Returns every micro-batch that is full now (all remaining ones if `final`).
+
+        Raises:
+            ValueError: `final` while some sample still lacks a required field.
+        """
+        ready = [sid for sid in self._arrival if self._ready(sid)]
+        if final and len(ready) < len(self._arrival):
+            missing = {
+                sid: [n for n in self.required_fields if n not in self._samples[sid].fields]
+                for sid in self._arrival
+                if sid not in ready
+            }
+            raise ValueError(
+                f"step ended but samples lack required fields: {dict(list(missing.items())[:4])}; "
+                "the node producing them did not run or sent to the wrong trainer."
+            )
+        out: list[Batch] = []
+        while ready:
+            pool = [
+                PooledSample(
+                    sample_id=sid,
+                    group_id=int(self._samples[sid].group_id[0]),
+                    tokens=self._tokens(self._samples[sid]),
+                )
+                for sid in ready
+            ]
+            chosen = self.sampler.select(pool, self.budget, final)
+            if not chosen:
+                break
+            ids = [ready[i] for i in chosen]
+            out.append(Batch.concat([self._samples.pop(sid) for sid in ids]))
+            self._emitted.update(ids)
+            taken = set(ids)
+            ready = [sid for sid in ready if sid not in taken]
+            self._arrival = [sid for sid in self._arrival if sid not in taken]
+        return out
+
+    def reset(self) -> None:
+        """Forgets emitted ids; call between steps once the step's samples are trained."""
+        self._emitted.clear()
+
+
+@attrs.define(eq=False)
+class StepInbox:
+    """Tracks which rollout ranks have sealed which steps for one trainer dp-rank."""
+
+    sources: tuple[int, ...] = attrs.field(converter=tuple)
+    """Global ranks of the rollout dp-ranks that send to this trainer."""
+    received: dict[tuple[int, int], int] = attrs.field(factory=dict)
+    """(step, source) → groups received."""
+    sealed: dict[tuple[int, int], int] = attrs.field(factory=dict)
+    """(step, source) → groups the source says it sent."""
+
+    def on_group(self, step: int, source: int) -> None:
+        """Counts one group received from `source` for `step`."""
+        self.received[(step, source)] = self.received.get((step, source), 0) + 1
+
+    def on_seal(self, step: int, source: int, count: int) -> None:
+        """Records `source`'s seal of `step` (it sent `count` groups here)."""
+        self.sealed[(step, source)] = int(count)
+
+    def complete(self, step: int) -> bool:
+        """Whether every source sealed `step` and all its groups have arrived."""
+        return all(
+            (step, s) in self.sealed and self.received.get((step, s), 0) == self.sealed[(step, s)]
+            for s in self.sources
+        )
+
+    def forget(self, step: int) -> None:
+        """Drops the bookkeeping of a trained step."""
+        for s in self.sources:
+            self.received.pop((step, s), None)
+            self.sealed.pop((step, s), None)

@@ -1,0 +1,238 @@
+"""Versions, token balancing, samplers and the micro-batch accumulator."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from peerflow.batch import Batch, RaggedField
+from peerflow.errors import DuplicateNameError, UnknownNameError
+from peerflow.streaming.accumulator import MicroBatchAccumulator, StepInbox
+from peerflow.streaming.assignment import TokenBalancer
+from peerflow.streaming.samplers import (
+    SAMPLERS,
+    MicroBatchBudget,
+    PooledSample,
+    Sampler,
+    get_sampler,
+    register_sampler,
+)
+from peerflow.streaming.versions import (
+    append_segment,
+    check_segments,
+    oldest_version,
+    segments_from_token_versions,
+    token_versions,
+)
+
+
+def group_batch(group_id, lengths, first_sid, version=0):
+    n = len(lengths)
+    return Batch(
+        sample_id=torch.arange(first_sid, first_sid + n),
+        group_id=torch.full((n,), group_id),
+        weight_version=torch.full((n,), version),
+        fields={
+            "prompt_ids": RaggedField.from_tensors([torch.ones(2, dtype=torch.int64)] * n),
+            "response_ids": RaggedField.from_tensors([torch.arange(length) for length in lengths]),
+        },
+    )
+
+
+# --- versions -----------------------------------------------------------------------
+
+
+@given(st.lists(st.integers(1, 5), min_size=1, max_size=6), st.integers(0, 3))
+def test_segments_round_trip(run_lengths, first_version):
+    segments, start = (), 0
+    for k, length in enumerate(run_lengths):
+        segments = append_segment(segments, start, first_version + k)
+        start += length
+    per_token = token_versions(segments, start, default=-1)
+    assert segments_from_token_versions(per_token) == segments
+    assert oldest_version(segments, default=99) == first_version
+    assert per_token.tolist() == [
+        first_version + k for k, length in enumerate(run_lengths) for _ in range(length)
+    ]
+
+
+def test_segments_validation_and_defaults():
+    assert token_versions((), 3, default=4).tolist() == [4, 4, 4]
+    assert append_segment(((0, 1),), 5, 1) == ((0, 1),)
+    with pytest.raises(ValueError, match="start at token 0"):
+        check_segments(((1, 0),), 4)
+    with pytest.raises(ValueError, match="must not decrease"):
+        check_segments(((0, 2), (2, 1)), 4)
+    with pytest.raises(ValueError, match="past the last"):
+        check_segments(((0, 0), (9, 1)), 4)
+
+
+# --- token balancing -----------------------------------------------------------------
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 5), st.lists(st.integers(1, 500), min_size=1, max_size=40), st.integers(0, 4))
+def test_balancer_keeps_trainers_within_one_group(consumers, tokens, source):
+    balancer = TokenBalancer(num_consumers=consumers, source_index=source)
+    for t in tokens:
+        balancer.assign(step=0, tokens=t)
+    counts = balancer.tokens[0]
+    assert sum(counts) == sum(tokens)
+    if len(tokens) >= consumers:
+        assert all(g > 0 for g in balancer.groups[0])  # every trainer gets work
+    assert max(counts) - min(counts) <= max(tokens)
+    clone = TokenBalancer.from_state_dict(balancer.state_dict())
+    assert clone.assign(0, 5) == balancer.assign(0, 5)
+
+
+def test_balancer_rotates_ties_by_source():
+    assert TokenBalancer(num_consumers=3, source_index=0).assign(0, 10) == 0
+    assert TokenBalancer(num_consumers=3, source_index=2).assign(0, 10) == 2
+
+
+# --- samplers ------------------------------------------------------------------------
+
+
+def pool_of(tokens, group_size=2):
+    return [
+        PooledSample(sample_id=i, group_id=i // group_size, tokens=t) for i, t in enumerate(tokens)
+    ]
+
+
+def test_sequential_waits_until_full():
+    sampler = get_sampler("sequential")
+    budget = MicroBatchBudget(max_tokens=10)
+    assert sampler.select(pool_of([3, 3]), budget, final=False) == []
+    assert sampler.select(pool_of([3, 3, 5]), budget, final=False) == [0, 1]
+    assert sampler.select(pool_of([3, 3]), budget, final=True) == [0, 1]
+    assert sampler.select(pool_of([30, 1]), budget, final=False) == [0]  # oversize alone
+
+
+def test_grouped_never_splits_a_group():
+    sampler = get_sampler("grouped")
+    budget = MicroBatchBudget(max_tokens=10)
+    # groups: {0,1}=8 tokens, {2,3}=8 tokens -> first group alone
+    assert sampler.select(pool_of([4, 4, 4, 4]), budget, final=False) == [0, 1]
+    assert get_sampler("sequential").select(pool_of([4, 4, 4, 4]), budget, False) == [0, 1]
+    assert sampler.select(pool_of([2, 2, 3, 3]), budget, final=False) == []
+
+
+def test_length_balanced_packs_first_fit_decreasing():
+    sampler = get_sampler("length_balanced")
+    budget = MicroBatchBudget(max_tokens=10)
+    assert sampler.select(pool_of([2, 6, 3, 4]), budget, final=False) == [1, 3]
+    assert sampler.select(pool_of([2, 3]), budget, final=False) == []
+    assert sampler.select(pool_of([2, 3]), budget, final=True) == [0, 1]
+
+
+def test_sample_count_budget():
+    budget = MicroBatchBudget(max_tokens=1000, max_samples=2)
+    for name in ("sequential", "length_balanced"):
+        assert get_sampler(name).select(pool_of([1, 1, 1]), budget, final=False) == [0, 1]
+
+
+def test_sampler_registry_errors():
+    with pytest.raises(UnknownNameError, match="Did you mean 'grouped'"):
+        get_sampler("groupd")
+
+    class Another(Sampler):
+        name = "sequential"
+
+        def select(self, pool, budget, final):
+            return []
+
+    with pytest.raises(DuplicateNameError, match="sequential"):
+        register_sampler(Another)
+
+    class Reverse(Sampler):
+        name = "test_reverse"
+
+        def select(self, pool, budget, final):
+            return list(range(len(pool)))[::-1] if final else []
+
+    try:
+        register_sampler(Reverse)
+        assert isinstance(get_sampler("test_reverse"), Reverse)
+    finally:
+        SAMPLERS.pop("test_reverse", None)
+
+
+# --- accumulator ---------------------------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.sampled_from(["sequential", "grouped", "length_balanced"]),
+    st.lists(st.lists(st.integers(1, 30), min_size=1, max_size=4), min_size=1, max_size=12),
+    st.integers(5, 80),
+)
+def test_accumulator_emits_every_sample_exactly_once(sampler, groups, budget_tokens):
+    acc = MicroBatchAccumulator(
+        sampler=get_sampler(sampler), budget=MicroBatchBudget(max_tokens=budget_tokens)
+    )
+    emitted, sid = [], 0
+    for gid, lengths in enumerate(groups):
+        acc.add(group_batch(gid, lengths, sid))
+        sid += len(lengths)
+        for mb in acc.pop_ready():
+            emitted.append(mb)
+    emitted += acc.pop_ready(final=True)
+    ids = [int(s) for mb in emitted for s in mb.sample_id]
+    assert sorted(ids) == list(range(sid))
+    assert acc.pending == 0
+    for mb in emitted:
+        # only a single oversize unit (a sample, or a group for `grouped`) may exceed it
+        units = len(set(mb.group_id.tolist())) if sampler == "grouped" else len(mb)
+        if units > 1:
+            assert int(mb.token_count().sum()) <= budget_tokens
+    if sampler == "grouped":
+        for mb in emitted:
+            for g in set(mb.group_id.tolist()):
+                assert int((mb.group_id == g).sum()) == len(groups[g])
+
+
+def test_accumulator_waits_for_fields_patched_by_other_nodes():
+    acc = MicroBatchAccumulator(
+        sampler=get_sampler("sequential"),
+        budget=MicroBatchBudget(max_tokens=1000, max_samples=2),
+        required_fields=("reward", "ref_logprobs"),
+    )
+    acc.patch(1, "reward", 0.5)  # before the sample arrives
+    acc.add(group_batch(0, [3, 4], first_sid=0))
+    acc.patch(0, "reward", 1.0)
+    acc.patch(0, "ref_logprobs", torch.zeros(3))
+    assert acc.pop_ready() == []  # sample 1 lacks ref_logprobs
+    acc.patch(1, "ref_logprobs", torch.ones(4))
+    (mb,) = acc.pop_ready()
+    assert mb["reward"].tolist() == [1.0, 0.5]
+    assert mb.ragged("ref_logprobs").lengths.tolist() == [3, 4]
+    with pytest.raises(ValueError, match="after the sample was trained"):
+        acc.patch(0, "value", 1.0)
+    with pytest.raises(ValueError, match="twice"):
+        acc.add(group_batch(0, [3], first_sid=1))
+
+
+def test_accumulator_final_names_missing_fields():
+    acc = MicroBatchAccumulator(
+        sampler=get_sampler("sequential"),
+        budget=MicroBatchBudget(max_tokens=100),
+        required_fields=("reward",),
+    )
+    acc.add(group_batch(0, [3], first_sid=0))
+    with pytest.raises(ValueError, match="reward"):
+        acc.pop_ready(final=True)
+
+
+def test_step_inbox_counts_out_of_order_seals():
+    inbox = StepInbox(sources=(0, 1))
+    inbox.on_seal(0, 0, count=2)
+    inbox.on_group(0, 0)
+    inbox.on_seal(0, 1, count=0)
+    assert not inbox.complete(0)
+    inbox.on_group(0, 0)
+    assert inbox.complete(0)
+    assert not inbox.complete(1)
+    inbox.forget(0)
+    assert not inbox.complete(0)
