@@ -1,0 +1,293 @@
+"""`DeepSpeedTrainEngine`: a Hugging Face causal LM trained with DeepSpeed ZeRO 1/2/3.
+
+Runs over gloo on CPU and NCCL on GPU. PeerFlow owns the loss, micro-batching and
+gradient accumulation (token-budget micro-batches; DeepSpeed's accumulation boundary is
+set per micro-batch, so DeepSpeed reduces and steps once per mini-batch), DeepSpeed owns
+partitioning, gradient reduction, clipping and the optimiser step.
+
+Weight export never gathers the whole model on one rank: every HF parameter is one
+`ShardSpec` whose *owner* (replica 0) is picked round-robin by size over the dp ranks;
+`materialize(specs)` gathers, under ZeRO-3, exactly the parameters of that bucket with
+`deepspeed.zero.GatheredParameters` (a collective every rank joins) and only owners send.
+Under ZeRO 0/1/2 parameters are replicated and `materialize` is a view.
+
+DeepSpeed is imported inside methods only (see `EngineBase`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from peerflow.adapters.deepspeed import microbatch as mb
+from peerflow.adapters.deepspeed.loading import load_hf_weights, owners_by_size
+from peerflow.adapters.deepspeed.options import DeepSpeedOptions
+from peerflow.batch import Batch, RaggedField
+from peerflow.capabilities import Capabilities
+from peerflow.engines import EngineContext, LossFunction, OptimSettings, TrainEngine
+from peerflow.errors import ConfigError
+from peerflow.shard import ShardSpec
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _ensure_distributed(context: EngineContext) -> None:
+    """Starts DeepSpeed's comm layer on top of torch.distributed (one process if needed)."""
+    import deepspeed
+    import torch.distributed as dist
+
+    backend = "nccl" if context.device.startswith("cuda") else "gloo"
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 20000))
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("LOCAL_RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
+
+
+class DeepSpeedTrainEngine(TrainEngine):
+    """Train engine backed by `deepspeed.initialize` (ZeRO stage from the options)."""
+
+    name = "deepspeed"
+    capabilities = Capabilities(checkpoint=True)
+    options_class = DeepSpeedOptions
+    requires = ("deepspeed",)
+    install_hint = (
+        "pip install 'peerflow[deepspeed]' (CPU: pip install -c constraints-cpu.txt deepspeed)"
+    )
+
+    def __init__(self, context: EngineContext, options: DeepSpeedOptions | None,
+                 optim: OptimSettings) -> None:
+        options = options or DeepSpeedOptions()
+        super().__init__(context, options, optim)
+        self.ensure_installed()
+        import deepspeed
+        import torch._dynamo  # noqa: F401  (must precede zero.Init; see engines-on-cpu notes)
+        import torch.distributed as dist
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        layout = context.layout
+        if layout.tp * layout.pp * layout.ep * layout.cp != 1:
+            raise ConfigError(
+                f"trainer.backend=deepspeed got layout {layout.describe()}; DeepSpeed ZeRO "
+                "here is data parallel only (tp=pp=ep=cp=1). Use trainer.backend=megatron "
+                "for tensor or pipeline parallelism."
+            )
+        _ensure_distributed(context)
+        if dist.get_world_size() != layout.world_size:
+            raise ConfigError(
+                f"trainer.backend=deepspeed: the trainer layout {layout.describe()} must span "
+                f"all {dist.get_world_size()} processes (ZeRO partitions over the default "
+                "group); give the trainer every rank or use trainer.backend=fsdp."
+            )
+        self.group = dist.group.WORLD
+        self.dp_rank = dist.get_rank()
+        self.dp_size = dist.get_world_size()
+        self.device = torch.device(context.device)
+        dtype = _DTYPES[context.dtype]
+        bf16 = optim.bf16 or dtype == torch.bfloat16
+        self.ds_config = options.deepspeed_config(optim, bf16=bf16)
+        torch.manual_seed(context.seed)
+
+        hf_config = AutoConfig.from_pretrained(context.model_path)
+        if options.zero_stage == 3:
+            with deepspeed.zero.Init(config_dict_or_path=self.ds_config,
+                                     remote_device=None, dtype=torch.float32):
+                model = AutoModelForCausalLM.from_config(hf_config, torch_dtype=torch.float32)
+            load_hf_weights(model, context.model_path, partitioned=True)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(context.model_path,
+                                                         torch_dtype=torch.float32)
+        if options.gradient_checkpointing:
+            model.gradient_checkpointing_enable()
+        model.config.use_cache = False
+        optimizer = torch.optim.AdamW(
+            [p for p in model.parameters() if p.requires_grad], lr=optim.lr,
+            betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay,
+        )
+        self.engine, _, _, _ = deepspeed.initialize(
+            model=model, optimizer=optimizer, config=self.ds_config,
+        )
+        self._names = [n for n, _ in self._module.named_parameters()]
+        self._owners = owners_by_size(
+            [(n, self._full_shape(p)) for n, p in self._module.named_parameters()],
+            self.dp_size,
+        )
+
+    # ---------------------------------------------------------------- helpers
+    @property
+    def _module(self) -> torch.nn.Module:
+        return self.engine.module
+
+    @property
+    def zero_stage(self) -> int:
+        """The ZeRO stage the engine runs."""
+        return self.options.zero_stage
+
+    @staticmethod
+    def _full_shape(param: torch.nn.Parameter) -> tuple[int, ...]:
+        return tuple(getattr(param, "ds_shape", param.shape))
+
+    def _forward(self, inputs: mb.PaddedInputs) -> torch.Tensor:  # [B, L] log-probs
+        out = self.engine(
+            input_ids=inputs.input_ids.to(self.device),
+            attention_mask=inputs.attention_mask.to(self.device),
+            position_ids=inputs.position_ids.to(self.device),
+            use_cache=False,
+        )
+        return mb.token_logprobs(out.logits, inputs.target_ids.to(self.device)).cpu()
+
+    # ---------------------------------------------------------------- contract
+    def forward_logprobs(self, batch: Batch) -> RaggedField:
+        """Returns per-response-token log-probs (float32, no grad)."""
+        self.engine.eval()
+        parts = []
+        with torch.no_grad():
+            for indices in mb.plan_micro_batches(batch, self.optim.micro_batch_tokens,
+                                                 self.group):
+                inputs = mb.pad_inputs(batch.select(indices))
+                logprobs = self._forward(inputs)
+                if indices:
+                    parts.append(inputs.gather(logprobs))
+        if not parts:
+            return mb.empty_like_logprobs(batch)
+        return RaggedField(
+            values=torch.cat([p.values for p in parts]),
+            offsets=torch.nn.functional.pad(
+                torch.cumsum(torch.cat([p.lengths for p in parts]), 0), (1, 0)),
+        )
+
+    def train_step(self, batch: Batch, loss: LossFunction) -> dict[str, float]:
+        """Runs `optim.mini_batches` optimiser steps on this dp-rank's samples."""
+        self.engine.train()
+        sums: dict[str, float] = {}
+        counts: dict[str, int] = {}
+        norms: list[float] = []
+        order = list(range(len(batch)))
+        for mini_indices in mb.split_even(order, self.optim.mini_batches):
+            mini = batch.select(mini_indices)
+            tokens, samples = mb.global_counts(mini, self.group)
+            micro = mb.plan_micro_batches(mini, self.optim.micro_batch_tokens, self.group)
+            for step, indices in enumerate(micro):
+                self.engine.set_gradient_accumulation_boundary(step == len(micro) - 1)
+                part = mini.select(indices)
+                inputs = mb.pad_inputs(part)
+                logprobs = self._forward_with_grad(inputs)
+                if indices:
+                    value, metrics = loss(inputs.gather(logprobs), part,
+                                          global_tokens=max(tokens, 1),
+                                          global_samples=max(samples, 1))
+                    for key, item in metrics.items():
+                        sums[key] = sums.get(key, 0.0) + float(item)
+                        counts[key] = counts.get(key, 0) + 1
+                else:
+                    value = logprobs.sum() * 0.0
+                # DeepSpeed averages gradients over dp ranks; the loss is already
+                # normalised by the global token count, so undo the average.
+                self.engine.backward(value * self.dp_size, scale_wrt_gas=False)
+            self.engine.step()
+            norm = self.engine.get_global_grad_norm()
+            if norm is not None:
+                norms.append(float(norm))
+        self.version += 1
+        metrics = {k: sums[k] / counts[k] for k in sums}
+        metrics["grad_norm"] = sum(norms) / len(norms) if norms else float("nan")
+        metrics["lr"] = float(self.engine.get_lr()[0])
+        return metrics
+
+    def _forward_with_grad(self, inputs: mb.PaddedInputs) -> torch.Tensor:
+        out = self.engine(
+            input_ids=inputs.input_ids.to(self.device),
+            attention_mask=inputs.attention_mask.to(self.device),
+            position_ids=inputs.position_ids.to(self.device),
+            use_cache=False,
+        )
+        return mb.token_logprobs(out.logits, inputs.target_ids.to(self.device))
+
+    def weight_sources(self) -> list[ShardSpec]:
+        """One full-tensor spec per HF parameter; its owner rank sends it (replica 0)."""
+        specs = []
+        for name, param in self._module.named_parameters():
+            owner = self._owners[name]
+            specs.append(ShardSpec.of_slice(
+                name, self._full_shape(param), dtype=str(param.dtype).removeprefix("torch."),
+                replica=(self.dp_rank - owner) % self.dp_size,
+            ))
+        return specs
+
+    def materialize(
+        self, specs: Sequence[ShardSpec]
+    ) -> contextlib.AbstractContextManager[list[torch.Tensor]]:
+        """Yields the full tensors of `specs`; under ZeRO-3 gathers only those parameters."""
+        return self._materialize(specs)
+
+    @contextlib.contextmanager
+    def _materialize(self, specs: Sequence[ShardSpec]) -> Iterator[list[torch.Tensor]]:
+        params = dict(self._module.named_parameters())
+        missing = [s.local_name for s in specs if s.local_name not in params]
+        if missing:
+            raise KeyError(
+                f"DeepSpeedTrainEngine.materialize got unknown tensors {missing[:3]}; pass "
+                "specs returned by weight_sources()."
+            )
+        chosen = [params[s.local_name] for s in specs]
+        if self.zero_stage == 3:
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters(chosen, modifier_rank=None):
+                yield [p.data.detach() for p in chosen]
+        else:
+            yield [p.data.detach() for p in chosen]
+
+    def save_checkpoint(self, directory: str) -> None:
+        """Saves model, optimiser and engine state with DeepSpeed's `save_checkpoint`.
+
+        Every rank writes its own partition files under `directory/<checkpoint_tag>/`;
+        `directory/peerflow_deepspeed.json` records the PeerFlow weight version.
+        """
+        os.makedirs(directory, exist_ok=True)
+        self.engine.save_checkpoint(directory, tag=self.options.checkpoint_tag,
+                                    client_state={"peerflow_version": self.version})
+        if self.dp_rank == 0:
+            meta = {"version": self.version, "zero_stage": self.zero_stage,
+                    "dp_size": self.dp_size, "tag": self.options.checkpoint_tag}
+            tmp = os.path.join(directory, "peerflow_deepspeed.json.tmp")
+            with open(tmp, "w") as handle:
+                json.dump(meta, handle)
+            os.replace(tmp, os.path.join(directory, "peerflow_deepspeed.json"))
+        import torch.distributed as dist
+
+        dist.barrier(group=self.group)
+
+    def load_checkpoint(self, directory: str) -> None:
+        """Restores what `save_checkpoint` wrote (same ZeRO stage and dp size)."""
+        meta_path = os.path.join(directory, "peerflow_deepspeed.json")
+        if not os.path.exists(meta_path):
+            raise FileNotFoundError(
+                f"{directory} holds no DeepSpeed checkpoint written by PeerFlow "
+                f"({meta_path} is missing); pass the directory save_checkpoint wrote."
+            )
+        with open(meta_path) as handle:
+            meta: dict[str, Any] = json.load(handle)
+        if meta["dp_size"] != self.dp_size:
+            raise ConfigError(
+                f"checkpoint {directory} was written by {meta['dp_size']} DeepSpeed ranks but "
+                f"this run has {self.dp_size}; resume with the same trainer layout."
+            )
+        path, client = self.engine.load_checkpoint(directory, tag=meta["tag"])
+        if path is None:
+            raise RuntimeError(f"DeepSpeed could not load the checkpoint in {directory}.")
+        self.version = int(client.get("peerflow_version", meta["version"]))
+
+    def shutdown(self) -> None:
+        """Drops the DeepSpeed engine (idempotent)."""
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.destroy()
+            self.engine = None
