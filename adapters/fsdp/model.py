@@ -1,0 +1,123 @@
+"""Building the trained module, optionally tensor-parallel and FSDP2-sharded.
+
+The module is a causal LM (actor, reference) or an LM backbone with a value head
+(critic); `parallelize_module` shards its blocks over tp, `fully_shard` over dp.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from peerflow.errors import ConfigError
+
+
+class ValueModel(nn.Module):
+    """A transformer backbone with a scalar head: PPO's critic.
+
+    Parameter names follow transformers' `*ForTokenClassification` (`model.*`, `score.*`),
+    so the backbone loads from any causal-LM checkpoint of the same architecture.
+    """
+
+    def __init__(self, backbone: nn.Module, hidden_size: int) -> None:
+        super().__init__()
+        self.model = backbone
+        self.score = nn.Linear(hidden_size, 1)
+        # A zero head starts every value at 0: the first GAE advantages equal the returns.
+        nn.init.zeros_(self.score.weight)
+        nn.init.zeros_(self.score.bias)
+        self.config = backbone.config
+        self._no_split_modules = getattr(backbone, "_no_split_modules", None)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Returns `[batch, seq]` values, one per position."""
+        hidden = self.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        return self.score(hidden.to(self.score.weight.dtype)).squeeze(-1)
+
+
+def load_module(
+    path: str, *, value_head: bool, dtype: torch.dtype, attn_implementation: str | None
+) -> nn.Module:
+    """Loads the HF model at `path` as a causal LM or as a `ValueModel`."""
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    kwargs: dict[str, Any] = {"dtype": dtype}
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    if not value_head:
+        return AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    backbone = AutoModel.from_pretrained(path, **kwargs)
+    return ValueModel(backbone, backbone.config.hidden_size).to(dtype)
+
+
+def block_modules(module: nn.Module) -> list[nn.Module]:
+    """The transformer blocks (transformers' `_no_split_modules` classes), in order."""
+    names = set(getattr(module, "_no_split_modules", None) or ())
+    return [m for m in module.modules() if type(m).__name__ in names]
+
+
+#: Megatron-style plan for Llama-family blocks: column-parallel q/k/v and gate/up,
+#: row-parallel o and down, so each block needs one all-reduce in attention and one in MLP.
+TP_PLAN = {
+    "self_attn.q_proj": "colwise",
+    "self_attn.k_proj": "colwise",
+    "self_attn.v_proj": "colwise",
+    "self_attn.o_proj": "rowwise",
+    "mlp.gate_proj": "colwise",
+    "mlp.up_proj": "colwise",
+    "mlp.down_proj": "rowwise",
+}
+
+
+def apply_tensor_parallel(module: nn.Module, tp_mesh: Any) -> None:
+    """Shards every block's attention and MLP projections over `tp_mesh` (in place).
+
+    Embeddings, norms and the LM head stay replicated on the tp mesh (they are small next
+    to the blocks for the models this reference engine targets).
+
+    Raises:
+        ConfigError: The heads do not divide by the tp degree, or a block is not
+            Llama-shaped (`self_attn.{q,k,v,o}_proj`, `mlp.{gate,up,down}_proj`).
+    """
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    tp = tp_mesh.size()
+    config = module.config
+    for what in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        count = getattr(config, what, None)
+        if count is not None and count % tp:
+            raise ConfigError(
+                f"trainer.layout.tp={tp} does not divide the model's {what}={count}; choose "
+                "a tp that divides it."
+            )
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    for block in block_modules(module):
+        submodules = dict(block.named_modules())
+        missing = [name for name in TP_PLAN if name not in submodules]
+        if missing:
+            raise ConfigError(
+                f"fsdp tensor parallelism supports Llama-shaped blocks; "
+                f"{type(block).__name__} has no {missing}. Use trainer.layout.tp=1."
+            )
+        parallelize_module(block, tp_mesh, {k: styles[v]() for k, v in TP_PLAN.items()})
+
+
+def apply_fsdp(module: nn.Module, dp_mesh: Any, *, bf16: bool, reshard_after_forward: bool):
+    """Shards every block, then the root, with FSDP2 over `dp_mesh` (in place)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16 if bf16 else None,
+        reduce_dtype=torch.float32 if bf16 else None,
+    )
+    for block in block_modules(module):
+        fully_shard(
+            block, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward
+        )
+    fully_shard(module, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)

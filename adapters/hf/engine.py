@@ -1,0 +1,308 @@
+"""`hf`: the reference rollout engine, built on Hugging Face transformers.
+
+The engine PeerFlow runs by default (the CPU quickstart): one full copy of the model per
+rank, all prompts × n samples decoded together in one batched loop. Prompts are
+left-padded so every row's newest token sits in the last column; a `DynamicCache` keeps
+keys and values; rows that finish are dropped from the batch (and the cache) so the
+loop's cost follows the unfinished rows, and it stops as soon as every row is done.
+
+Log-probs are those of the unscaled policy (temperature 1), matching what the `fsdp`
+train engine computes; see `peerflow.adapters.hf.sampling` for the alternative.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import attrs
+import torch
+
+from peerflow.adapters.hf.sampling import LogprobsMode, sample_next
+from peerflow.adapters.hf.stops import StopStringMatcher
+from peerflow.capabilities import Capabilities
+from peerflow.engines import (
+    EngineContext,
+    GenerationRequest,
+    GenerationResult,
+    RolloutEngine,
+    SamplingParams,
+)
+from peerflow.errors import ConfigError
+from peerflow.shard import ShardSpec
+
+
+@attrs.frozen(kw_only=True)
+class HFRolloutOptions:
+    """Options of the `hf` rollout engine (`rollout.hf: {...}`)."""
+
+    max_batch_size: int = attrs.field(default=0, validator=attrs.validators.ge(0))
+    """Most sequences decoded together (prompts × n); 0 decodes everything in one batch.
+    Rows are sorted by prompt length before they are split, so batches pad little."""
+    logprobs_mode: LogprobsMode = "raw"
+    """`raw`: log-probs of the model at temperature 1 (what train engines compute);
+    `processed`: of the temperature-scaled, top-k/top-p truncated distribution sampled."""
+    include_stop_str_in_output: bool = False
+    """Keep the tokens that spell a matched stop string (vLLM's option of the same name)."""
+    attn_implementation: str | None = None
+    """transformers attention backend (`sdpa`, `eager`); `None` lets transformers pick."""
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """Returns the torch dtype called `name` (`float32`, `bfloat16`, `float16`)."""
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ConfigError(
+            f"EngineContext.dtype={name!r} is not a torch floating-point dtype; use "
+            "float32, bfloat16 or float16."
+        )
+    return dtype
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
+        value = getattr(source, "eos_token_id", None) if source is not None else None
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list | tuple):
+            ids.update(int(v) for v in value)
+    return ids
+
+
+@attrs.define(eq=False)
+class _Row:
+    """One sequence being sampled: which request, which sample, what it produced."""
+
+    request_index: int
+    sample_index: int
+    prompt: tuple[int, ...]
+    tokens: list[int] = attrs.Factory(list)
+    logprobs: list[float] = attrs.Factory(list)
+    finish_reason: str = "length"
+    stopped_on_string: bool = False
+
+
+class HFRolloutEngine(RolloutEngine):
+    """Batched sampling with a KV cache on a transformers causal LM.
+
+    Holds full Hugging Face tensors (one replica per rank, no tensor parallelism), so its
+    weight targets are plain HF names and shapes, and a sync copies into the live
+    parameters in place.
+    """
+
+    name: ClassVar[str] = "hf"
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        logprobs=True, stop_strings=True, in_place_weight_update=True
+    )
+    options_class: ClassVar[type] = HFRolloutOptions
+
+    def __init__(self, context: EngineContext, options: HFRolloutOptions | None = None) -> None:
+        super().__init__(context, options if options is not None else HFRolloutOptions())
+        from transformers import AutoModelForCausalLM
+
+        layout = context.layout
+        if layout.tp > 1 or layout.pp > 1:
+            raise ConfigError(
+                f"rollout.backend 'hf' holds a full model per rank but the layout is "
+                f"{layout.describe()}; set rollout.layout.tp and pp to 1 (use vllm or "
+                "sglang for tensor parallel inference)."
+            )
+        kwargs: dict[str, Any] = {"dtype": torch_dtype(context.dtype)}
+        if self.options.attn_implementation:
+            kwargs["attn_implementation"] = self.options.attn_implementation
+        self.device = torch.device(context.device)
+        self.model = AutoModelForCausalLM.from_pretrained(context.model_path, **kwargs)
+        self.model.to(self.device).eval()
+        self.model.requires_grad_(False)
+        self.tokenizer = self._load_tokenizer(context.model_path)
+        self.eos_token_ids = _eos_ids(self.model, self.tokenizer)
+        pad = getattr(self.tokenizer, "pad_token_id", None)
+        self.pad_token_id = int(
+            pad if pad is not None else min(self.eos_token_ids, default=0)
+        )
+        self._params = dict(self.model.named_parameters())
+        self._generator = torch.Generator(self.device).manual_seed(
+            context.seed * 1_000_003 + context.rank
+        )
+
+    @staticmethod
+    def _load_tokenizer(path: str) -> Any:
+        from transformers import AutoTokenizer
+
+        try:
+            return AutoTokenizer.from_pretrained(path)
+        except (OSError, ValueError):
+            return None  # token-id-only use works; stop strings then raise a clear error
+
+    # -- sampling -------------------------------------------------------------------------
+
+    def generate(
+        self, requests: Sequence[GenerationRequest], sampling: SamplingParams
+    ) -> list[GenerationResult]:
+        """Samples `sampling.n` answers per request in batched decode loops.
+
+        See `RolloutEngine.generate`. With `sampling.seed` set, the same requests and
+        seed give the same answers; otherwise draws come from the engine's own stream
+        (seeded from `EngineContext.seed` and the rank).
+        """
+        self._check_sampling(requests, sampling)
+        rows = [
+            _Row(request_index=i, sample_index=j, prompt=req.prompt_ids)
+            for i, req in enumerate(requests)
+            for j in range(sampling.n)
+        ]
+        generator = self._generator
+        if sampling.seed is not None:
+            generator = torch.Generator(self.device).manual_seed(sampling.seed)
+        matcher = StopStringMatcher(self.tokenizer, sampling.stop) if sampling.stop else None
+        stop_ids = self.eos_token_ids | set(sampling.stop_token_ids)
+        order = sorted(range(len(rows)), key=lambda k: len(rows[k].prompt))
+        size = self.options.max_batch_size or len(rows) or 1
+        with torch.inference_mode():
+            for start in range(0, len(order), size):
+                chunk = [rows[k] for k in order[start : start + size]]
+                self._decode(chunk, sampling, generator, stop_ids, matcher)
+        return [self._result(row, requests, sampling, matcher) for row in rows]
+
+    def _check_sampling(
+        self, requests: Sequence[GenerationRequest], sampling: SamplingParams
+    ) -> None:
+        if sampling.n < 1 or sampling.max_tokens < 1:
+            raise ValueError(
+                f"SamplingParams n={sampling.n}, max_tokens={sampling.max_tokens}: both must "
+                "be at least 1."
+            )
+        if not 0.0 < sampling.top_p <= 1.0 or sampling.top_k < 0 or sampling.temperature < 0:
+            raise ValueError(
+                f"SamplingParams temperature={sampling.temperature}, top_p={sampling.top_p}, "
+                f"top_k={sampling.top_k}: need temperature >= 0, 0 < top_p <= 1, top_k >= 0."
+            )
+        if sampling.stop and self.tokenizer is None:
+            raise ConfigError(
+                f"SamplingParams.stop={sampling.stop!r} needs a tokenizer, but none loads from "
+                f"{self.context.model_path!r}; save one there (tokenizer.save_pretrained) or "
+                "use stop_token_ids."
+            )
+        for req in requests:
+            if not req.prompt_ids:
+                raise ValueError(
+                    f"GenerationRequest {req.request_id} has no prompt tokens; every prompt "
+                    "needs at least one token."
+                )
+
+    def _decode(
+        self,
+        rows: list[_Row],
+        sampling: SamplingParams,
+        generator: torch.Generator,
+        stop_ids: set[int],
+        matcher: StopStringMatcher | None,
+    ) -> None:
+        """Runs one batched prefill + decode loop over `rows` (filled in place)."""
+        from transformers import DynamicCache
+
+        width = max(len(r.prompt) for r in rows)
+        input_ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, row in enumerate(rows):
+            input_ids[i, width - len(row.prompt) :] = torch.tensor(row.prompt)
+            mask[i, width - len(row.prompt) :] = 1
+        input_ids, mask = input_ids.to(self.device), mask.to(self.device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache()
+        active = list(range(len(rows)))
+        for _ in range(sampling.max_tokens):
+            logits = self.model(
+                input_ids=input_ids,
+                attention_mask=mask,
+                position_ids=positions,
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            ).logits[:, -1]
+            tokens, logprobs = sample_next(
+                logits,
+                temperature=sampling.temperature,
+                top_k=sampling.top_k,
+                top_p=sampling.top_p,
+                generator=generator,
+                mode=self.options.logprobs_mode,
+            )
+            keep: list[int] = []
+            sampled = zip(tokens.tolist(), logprobs.tolist(), strict=True)
+            for i, (token, logprob) in enumerate(sampled):
+                row = rows[active[i]]
+                row.tokens.append(token)
+                row.logprobs.append(logprob)
+                if token in stop_ids:
+                    row.finish_reason = "stop"
+                elif matcher is not None and matcher.hit(row.tokens):
+                    row.finish_reason, row.stopped_on_string = "stop", True
+                else:
+                    keep.append(i)
+            if not keep:
+                break
+            if len(keep) < len(active):
+                index = torch.tensor(keep, device=self.device)
+                cache.batch_select_indices(index)
+                tokens, mask, positions = tokens[index], mask[index], positions[index]
+                active = [active[i] for i in keep]
+            input_ids = tokens[:, None]
+            mask = torch.cat([mask, mask.new_ones((len(active), 1))], dim=1)
+            positions = positions[:, -1:] + 1
+
+    def _result(
+        self,
+        row: _Row,
+        requests: Sequence[GenerationRequest],
+        sampling: SamplingParams,
+        matcher: StopStringMatcher | None,
+    ) -> GenerationResult:
+        keep = len(row.tokens)
+        if row.stopped_on_string and matcher is not None:
+            keep = matcher.cut(row.tokens, self.options.include_stop_str_in_output)
+        return GenerationResult(
+            request_id=requests[row.request_index].request_id,
+            index=row.sample_index,
+            token_ids=row.tokens[:keep],
+            logprobs=row.logprobs[:keep] if sampling.logprobs else (),
+            finish_reason=row.finish_reason,
+            version_segments=((0, self.weight_version),),
+        )
+
+    # -- weights --------------------------------------------------------------------------
+
+    def weight_targets(self) -> list[ShardSpec]:
+        """Every parameter as one full HF tensor.
+
+        Tied parameters appear once, under their first name (`model.embed_tokens.weight`
+        when `tie_word_embeddings`; `lm_head.weight` is then not listed).
+        """
+        return [
+            ShardSpec.of_slice(name, tuple(p.shape), dtype=str(p.dtype).removeprefix("torch."))
+            for name, p in self._params.items()
+        ]
+
+    def load_weights(self, items: Sequence[tuple[ShardSpec, torch.Tensor]]) -> None:
+        """Copies each tensor into the live parameter of the same name (dtype converted)."""
+        with torch.no_grad():
+            for spec, tensor in items:
+                param = self._params.get(spec.local_name)
+                if param is None:
+                    raise KeyError(
+                        f"hf engine has no parameter {spec.local_name!r}; load_weights takes "
+                        "the specs of weight_targets() (e.g. "
+                        f"{next(iter(self._params), '')!r})."
+                    )
+                if tuple(tensor.shape) != tuple(param.shape):
+                    raise ValueError(
+                        f"hf engine: tensor for {spec.local_name!r} has shape "
+                        f"{tuple(tensor.shape)}, expected {tuple(param.shape)}."
+                    )
+                param.copy_(tensor)
+
+    def shutdown(self) -> None:
+        """Drops the model so its memory can be freed. Safe to call twice."""
+        self._params = {}
+        self.model = None
