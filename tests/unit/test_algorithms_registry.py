@@ -1,0 +1,133 @@
+"""Algorithms are found through the plugin registry and each one learns a toy task."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from peerflow.algorithms.dynamic_sampling import filter_groups
+from peerflow.algorithms.kl import KLRegularizedLoss, apply_kl_penalty
+from peerflow.algorithms.setup import build_algorithm
+from peerflow.batch import Batch, RaggedField
+from peerflow.config import AlgorithmConfig, structure
+from peerflow.errors import ConfigError, UnknownNameError
+
+
+def test_registered_names(plugin_manager):
+    assert {"grpo", "gae", "rloo", "reinforce_pp"} <= set(
+        plugin_manager.registry("advantage_estimator").names())
+    assert {"ppo_clip", "gspo"} <= set(plugin_manager.registry("policy_loss").names())
+    with pytest.raises(UnknownNameError, match="Did you mean 'grpo'"):
+        plugin_manager.registry("advantage_estimator").get("grp")
+
+
+def test_build_dr_grpo_with_kl_loss(plugin_manager):
+    config = structure(AlgorithmConfig, {
+        "advantage": "grpo", "loss": "ppo_clip",
+        "options": {"grpo": {"unbiased": True}, "ppo_clip": {"clip_high": 0.28}},
+        "kl": {"coef": 0.01, "estimator": "k2", "mode": "loss"},
+    })
+    algo = build_algorithm(config, max_tokens=16, plugin_manager=plugin_manager)
+    assert isinstance(algo.policy_loss, KLRegularizedLoss)
+    inner = algo.policy_loss.loss
+    assert inner.aggregation == "seq-mean-token-sum-norm"
+    assert inner.options.norm_length == 16 and inner.options.clip_high == 0.28
+    assert algo.needs_reference and not algo.kl_in_reward and algo.value_loss is None
+
+
+def test_build_gae_gives_a_value_loss(plugin_manager):
+    config = structure(AlgorithmConfig, {"advantage": "gae", "options": {
+        "gae": {"lam": 0.9, "value_clip": 0.5}}})
+    algo = build_algorithm(config, plugin_manager=plugin_manager)
+    assert algo.estimator.options.lam == 0.9
+    assert algo.value_loss.options.clip == 0.5
+    assert algo.policy_loss.aggregation == "token-mean"
+
+
+def test_bad_option_names_the_key(plugin_manager):
+    config = structure(AlgorithmConfig, {"options": {"ppo_clip": {"clip_hi": 0.3}}})
+    with pytest.raises(ConfigError, match=r"algorithm\.options\.ppo_clip\.clip_hi.*clip_high"):
+        build_algorithm(config, plugin_manager=plugin_manager)
+
+
+# A toy "language model": independent logits per position, 4-token vocabulary, answers of
+# length 3; reward = fraction of positions equal to the target sequence (partial credit).
+TARGET = torch.tensor([2, 0, 3])
+
+
+def sample(logits, prompts, n, gen):
+    probs = torch.softmax(logits, -1)
+    tokens = torch.stack([torch.multinomial(probs[t], prompts * n, replacement=True,
+                                            generator=gen) for t in range(3)], 1)
+    return tokens  # [prompts * n, 3]
+
+
+def logprobs_of(logits, tokens):
+    return torch.log_softmax(logits, -1)[torch.arange(3), tokens].reshape(-1)
+
+
+def run_toy(plugin_manager, advantage, loss, *, kl_mode=None, dynamic=False, steps=25):
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.zeros(3, 4, requires_grad=True)
+    values = torch.zeros(3, requires_grad=True)
+    ref = torch.zeros(3, 4)
+    options = {"gspo": {"clip_low": 0.2, "clip_high": 0.2}} if loss == "gspo" else {}
+    kl = {"coef": 0.01, "estimator": "k3", "mode": kl_mode} if kl_mode else {}
+    algo = build_algorithm(structure(AlgorithmConfig, {
+        "advantage": advantage, "loss": loss, "options": options, "kl": kl,
+        "dynamic_sampling": dynamic}), max_tokens=3, plugin_manager=plugin_manager)
+    opt = torch.optim.Adam([logits, values], lr=0.1)
+    prompts, n = 8, 4
+    history = []
+    for _ in range(steps):
+        with torch.no_grad():
+            tokens = sample(logits, prompts, n, gen)
+            lp = torch.stack([logprobs_of(logits, t) for t in tokens])
+            ref_lp = torch.stack([logprobs_of(ref, t) for t in tokens])
+        reward = (tokens == TARGET).float().mean(1)
+        history.append(reward.mean().item())
+        batch = Batch(sample_id=torch.arange(len(tokens)),
+                      group_id=torch.arange(prompts).repeat_interleave(n),
+                      weight_version=torch.zeros(len(tokens), dtype=torch.int64))
+        batch.set("response_ids", list(tokens))
+        batch.set("reward", reward)
+        batch.set("rollout_logprobs", list(lp))
+        batch.set("ref_logprobs", list(ref_lp))
+        batch.set("values", list(values.detach().expand(len(tokens), 3)))
+        if algo.kl_in_reward:
+            apply_kl_penalty(batch, algo.kl_coef, algo.kl_estimator)
+        if algo.dynamic_sampling:
+            batch = filter_groups(batch).batch
+            if len(batch) == 0:
+                continue
+        for name, field in algo.estimator.compute(batch).items():
+            batch.set(name, field)
+        offsets = batch.ragged("response_ids").offsets
+        tokens_now = torch.stack(batch.ragged("response_ids").rows())
+        current = torch.cat([logprobs_of(logits, t) for t in tokens_now])
+        total = int(offsets[-1])
+        policy, _ = algo.policy_loss(RaggedField(values=current, offsets=offsets), batch,
+                                     global_tokens=total, global_samples=len(batch))
+        objective = policy
+        if algo.value_loss is not None:
+            v = values.expand(len(batch), 3).reshape(-1)
+            vloss, _ = algo.value_loss(RaggedField(values=v, offsets=offsets), batch,
+                                       global_tokens=total, global_samples=len(batch))
+            objective = objective + vloss
+        opt.zero_grad()
+        objective.backward()
+        opt.step()
+    return sum(history[:3]) / 3, sum(history[-3:]) / 3
+
+
+@pytest.mark.parametrize("advantage,loss,kl_mode,dynamic", [
+    ("grpo", "ppo_clip", None, False),
+    ("grpo", "gspo", None, False),
+    ("rloo", "ppo_clip", "loss", False),
+    ("reinforce_pp", "ppo_clip", "reward", False),
+    ("gae", "ppo_clip", None, False),
+    ("grpo", "ppo_clip", None, True),
+])
+def test_each_algorithm_learns_the_toy_task(plugin_manager, advantage, loss, kl_mode, dynamic):
+    first, last = run_toy(plugin_manager, advantage, loss, kl_mode=kl_mode, dynamic=dynamic)
+    assert last > first + 0.3, (first, last)
