@@ -1,0 +1,107 @@
+"""`peerflow train CONFIG`: run RL training on this machine or under torchrun / Ray.
+
+    peerflow train CONFIG [--nprocs N] [--run-dir DIR] [--launcher elastic|ray] [--set k=v]
+    peerflow train --resume RUN_DIR [--set k=v]          # continue from the last checkpoint
+    torchrun --nnodes 2 --nproc-per-node 8 ... -m peerflow train CONFIG --run-dir DIR
+
+The config is read and validated here, before any worker starts. Under `torchrun` (the
+environment carries `RANK` and `WORLD_SIZE`) this process *is* a worker; otherwise the
+command spawns `--nprocs` workers through torch.distributed's elastic launcher (or Ray
+placement groups with `--launcher ray`), each running `peerflow.worker.main.run_worker`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import os
+from pathlib import Path
+from typing import Any
+
+from peerflow.errors import ConfigError
+
+
+def add_parser(subparsers: Any) -> None:
+    """Adds the `train` subcommand."""
+    parser = subparsers.add_parser(
+        "train", help="run RL training (spawns worker processes)",
+        description="Run a training run described by a YAML config. Workers are spawned "
+        "through torch.distributed's elastic launcher; under torchrun this process is a worker.",
+    )
+    parser.add_argument("config", nargs="?", help="run config YAML (optional with --resume: "
+                        "the run directory's config.yaml is used)")
+    parser.add_argument("--nprocs", type=int, default=None,
+                        help="worker processes on this machine (default: runtime.nprocs)")
+    parser.add_argument("--run-dir", default=None,
+                        help="output directory (default: runs/<config>-<timestamp>)")
+    parser.add_argument("--resume", metavar="RUN_DIR", default=None,
+                        help="continue the run in RUN_DIR from its newest checkpoint")
+    parser.add_argument("--launcher", choices=("elastic", "ray"), default="elastic",
+                        help="how workers are started on one machine (default: elastic)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[],
+                        metavar="KEY=VALUE", help="override a config value (repeatable)")
+    parser.set_defaults(func=run)
+
+
+def resolve_paths(args: argparse.Namespace) -> tuple[str, str]:
+    """Returns `(config_path, run_dir)` for the parsed arguments.
+
+    Raises:
+        ConfigError: no config is given, or `--resume` names a directory without a run.
+    """
+    if args.resume:
+        run_dir = Path(args.resume)
+        if args.run_dir and Path(args.run_dir).resolve() != run_dir.resolve():
+            raise ConfigError(
+                f"--resume {args.resume!r} and --run-dir {args.run_dir!r} disagree; a resumed "
+                "run writes into the directory it resumes, so drop --run-dir."
+            )
+        saved = run_dir / "config.yaml"
+        if args.config is None and not saved.is_file():
+            raise ConfigError(
+                f"--resume {args.resume!r}: {saved} does not exist; is it a PeerFlow run "
+                "directory? Pass the config explicitly: peerflow train CONFIG --resume DIR."
+            )
+        return str(args.config or saved), str(run_dir)
+    if args.config is None:
+        raise ConfigError("peerflow train: give a config file, e.g. "
+                          "`peerflow train examples/quickstart.yaml`, or --resume RUN_DIR.")
+    if args.run_dir:
+        return args.config, args.run_dir
+    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    return args.config, str(Path("runs") / f"{Path(args.config).stem}-{stamp}")
+
+
+def check_config(config_path: str, overrides: list[str]) -> Any:
+    """Loads and validates the config (names, options, workflow graph) before launch."""
+    from peerflow.config import load_config, validate_config
+    from peerflow.plugins import load_plugins
+
+    config = load_config(config_path, overrides)
+    validate_config(config, load_plugins())
+    return config
+
+
+def run(args: argparse.Namespace) -> int:
+    """Runs `peerflow train`; returns the exit code."""
+    config_path, run_dir = resolve_paths(args)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        from peerflow.worker.main import run_worker
+
+        run_worker(config_path, list(args.overrides), run_dir, args.resume)
+        return 0
+    config = check_config(config_path, list(args.overrides))
+    nprocs = args.nprocs or config.runtime.nprocs
+    if nprocs < 1:
+        raise ConfigError(f"--nprocs {nprocs}: must be at least 1.")
+    overrides = list(args.overrides)
+    if args.nprocs is not None:
+        overrides.append(f"runtime.nprocs={nprocs}")
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    print(f"peerflow train: {nprocs} worker(s), run directory {run_dir}", flush=True)
+    from peerflow.launch import launch
+
+    return int(launch(
+        config_path=config_path, overrides=overrides, run_dir=run_dir, resume=args.resume,
+        nprocs=nprocs, launcher=args.launcher, fault_timeout=config.runtime.fault_timeout,
+    ) or 0)

@@ -1,0 +1,221 @@
+"""Node executors: what a worker does for each workflow node kind.
+
+An executor is `fn(runtime, node, batch, metrics) -> batch`. It reads the fields its node
+declares as inputs from this rank's batch and adds its outputs; fields it does not know
+travel untouched. Executors are looked up by node kind in `EXECUTORS`; a plugin's own node
+types carry a `run(runtime, node, batch, metrics)` method instead.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from peerflow.batch import Batch
+from peerflow.worker.metrics import StepMetrics
+from peerflow.worker.rollout import generate_batch, group_count, step_seed
+from peerflow.worker.sampler import split_evenly
+
+if TYPE_CHECKING:
+    from peerflow.worker.runtime import WorkerRuntime
+
+Executor = Callable[["WorkerRuntime", Any, Batch, StepMetrics], Batch]
+
+
+def _sampling(rt: WorkerRuntime, attempt: int) -> Any:
+    return rt.config.rollout.sampling.to_params(
+        seed=step_seed(rt.config.seed, rt.step, rt.dp_rank, attempt)
+    )
+
+
+def _score(rt: WorkerRuntime, batch: Batch, node: Any = None) -> None:
+    """Decodes the answers, adds `response_text` and the node's reward field.
+
+    The reward is `node.options["reward"]` when the node names one, else the task's; the
+    field is the node's first output (`reward` by default), so several reward nodes can
+    feed one advantage node under different names (fan-in).
+    """
+    texts = rt.tokenizer.batch_decode(
+        [row.tolist() for row in batch.ragged("response_ids").rows()], skip_special_tokens=True
+    )
+    options = getattr(node, "options", None) or {}
+    fn = rt.reward_fn(options.get("reward"))
+    values = fn.score(texts, batch["example"])
+    if len(values) != len(texts):
+        raise RuntimeError(
+            f"reward {fn.name!r} returned {len(values)} scores for {len(texts)} answers; "
+            "RewardFunction.score must return one float per answer."
+        )
+    outputs = tuple(getattr(node, "outputs", ()) or ("reward",))
+    batch.set_objects("response_text", texts)
+    batch.set(outputs[0], torch.tensor([float(v) for v in values], dtype=torch.float32))
+
+
+def run_generate(rt: WorkerRuntime, node: Any, batch: Batch, metrics: StepMetrics) -> Batch:
+    """Samples answers for this dp-rank's share of `run.prompts_per_step` prompts."""
+    count = split_evenly(rt.config.run.prompts_per_step, rt.dp_size, rt.dp_rank)
+    draws = rt.sampler.draw(count)
+    engine = rt.engine("rollout")
+    out = generate_batch(engine, rt.tokenizer, draws, _sampling(rt, 0))
+    metrics.sum("rollout/prompts", len(draws))
+    return out if not len(batch) else Batch.concat([batch, out])
+
+
+def run_reward(rt: WorkerRuntime, node: Any, batch: Batch, metrics: StepMetrics) -> Batch:
+    """Scores every answer; with `algorithm.dynamic_sampling`, refills flat groups (DAPO)."""
+    _score(rt, batch, node)
+    if rt.config.algorithm.dynamic_sampling and "reward" in batch:
+        batch = _dynamic_sampling(rt, batch, metrics)
+    return batch
+
+
+def _dynamic_sampling(rt: WorkerRuntime, batch: Batch, metrics: StepMetrics) -> Batch:
+    """Drops groups whose rewards are all equal and samples new prompts to refill (DAPO).
+
+    Refill rounds are bounded by `rt.max_refill_rounds`. When the bound is hit, the batch
+    is topped up with flat groups so every dp-rank trains on the same number of groups
+    (train engines step in lock-step); flat groups carry zero group-relative advantage.
+    Works with one reward node (the one writing `reward`).
+    """
+    from peerflow.algorithms.dynamic_sampling import filter_groups, take_groups
+
+    target = group_count(batch)
+    pool = [batch]
+    result = filter_groups(batch, target)
+    first = result
+    rounds = 0
+    while result.refill_groups > 0 and rounds < rt.max_refill_rounds:
+        rounds += 1
+        draws = rt.sampler.draw(result.refill_groups)
+        fresh = generate_batch(rt.engine("rollout"), rt.tokenizer, draws, _sampling(rt, rounds))
+        _score(rt, fresh)
+        pool.append(fresh)
+        result = filter_groups(Batch.concat(pool), target)
+    out = take_groups(result.batch, target)
+    missing = target - group_count(out)
+    if missing > 0:
+        everything = Batch.concat(pool)
+        chosen = set(out.group_id.tolist())
+        flat = [i for i, g in enumerate(everything.group_id.tolist()) if g not in chosen]
+        out = Batch.concat([out, take_groups(everything.select(flat), missing)])
+    for name, value in first.metrics().items():
+        metrics.sum(name, value) if not name.endswith("fraction") else metrics.mean(
+            name, value, target)
+    metrics.sum("dynamic_sampling/refill_rounds", rounds)
+    metrics.sum("dynamic_sampling/topped_up_groups", max(missing, 0))
+    return out
+
+
+def run_ref_logprob(rt: WorkerRuntime, node: Any, batch: Batch, metrics: StepMetrics) -> Batch:
+    """Adds `ref_logprobs`: the frozen reference model's log-prob of every answer token."""
+    return batch.set("ref_logprobs", rt.engine("ref").forward_logprobs(batch))
+
+
+def run_old_logprob(rt: WorkerRuntime, node: Any, batch: Batch, metrics: StepMetrics) -> Batch:
+    """Adds `old_logprobs`: the actor's log-probs before this step's update."""
+    return batch.set("old_logprobs", rt.engine("actor").forward_logprobs(batch))
+
+
+def run_values(rt: WorkerRuntime, node: Any, batch: Batch, metrics: StepMetrics) -> Batch:
+    """Adds `values`: the critic's per-token value estimates."""
+    return batch.set("values", rt.engine("critic").forward_values(batch))
+
+
+def run_advantage(rt: WorkerRuntime, node: Any, batch: Batch, metrics: StepMetrics) -> Batch:
+    """Runs the advantage estimator (after fan-in reward sums and any KL penalty).
+
+    Several reward fields (fan-in) are summed into `reward`; with `kl.mode: reward` the
+    KL penalty is subtracted first.
+    """
+    if "reward" not in batch:
+        parts = [f for f in getattr(node, "inputs", ()) if f.endswith("reward")
+                 and isinstance(batch.fields.get(f), torch.Tensor)]
+        if not parts:
+            raise RuntimeError(
+                f"advantage node {getattr(node, 'name', 'advantage')!r} finds no `reward` "
+                "field and no *reward input; connect a reward node to it."
+            )
+        batch.set("reward", torch.stack([batch[f] for f in parts]).sum(0))
+    if rt.kl_reward is not None:
+        rt.kl_reward(batch, metrics)
+    for name, column in rt.estimator.compute(batch).items():
+        batch.set(name, column)
+    adv = batch.ragged("advantages").values
+    if adv.numel():
+        metrics.mean("advantages/mean", float(adv.mean()), adv.numel())
+        metrics.max("advantages/max", float(adv.max()))
+        metrics.min("advantages/min", float(adv.min()))
+    return batch
+
+
+def run_train_actor(rt: WorkerRuntime, node: Any, batch: Batch, metrics: StepMetrics) -> Batch:
+    """One `train_step` of the actor with the configured policy loss."""
+    out = rt.engine("actor").train_step(batch, rt.policy_loss)
+    metrics.add_engine_metrics("actor", out, max(len(batch), 1))
+    return batch
+
+
+def run_train_critic(rt: WorkerRuntime, node: Any, batch: Batch, metrics: StepMetrics) -> Batch:
+    """One `train_step` of the critic with the value loss."""
+    out = rt.engine("critic").train_step(batch, rt.value_loss)
+    metrics.add_engine_metrics("critic", out, max(len(batch), 1))
+    return batch
+
+
+def run_sync_weights(rt: WorkerRuntime, node: Any, batch: Batch, metrics: StepMetrics) -> Batch:
+    """Moves the actor's new weights into the rollout engine (every `weight_sync.every`)."""
+    if rt.step % max(rt.config.weight_sync.every, 1):
+        return batch
+    start = time.perf_counter()
+    stats = rt.sync_weights()
+    metrics.max("sync/total_s", time.perf_counter() - start)
+    for phase in ("plan_s", "pack_s", "wire_s", "load_s"):
+        if hasattr(stats, phase):
+            metrics.max(f"sync/{phase}", float(getattr(stats, phase)))
+    if hasattr(stats, "bytes"):
+        metrics.sum("sync/bytes", float(stats.bytes))
+    return batch
+
+
+EXECUTORS: dict[str, Executor] = {
+    "generate": run_generate,
+    "reward": run_reward,
+    "ref_logprob": run_ref_logprob,
+    "old_logprob": run_old_logprob,
+    "values": run_values,
+    "advantage": run_advantage,
+    "train_actor": run_train_actor,
+    "train_critic": run_train_critic,
+    "sync_weights": run_sync_weights,
+}
+
+
+def executor_for(kind: str, node_type: type | None = None) -> Executor:
+    """Returns the executor of a built-in node kind or of a plugin `NodeType` class.
+
+    A plugin node type's `run(batch, context)` returns its new fields; the executor adds
+    them to the batch.
+
+    Raises:
+        KeyError: neither a built-in kind nor a registered node type.
+    """
+    if kind in EXECUTORS:
+        return EXECUTORS[kind]
+    if node_type is None:
+        raise KeyError(
+            f"workflow node kind {kind!r} has no executor; built-in kinds are "
+            f"{', '.join(EXECUTORS)}; register other kinds with peerflow_register_nodes."
+        )
+
+    def run_plugin(rt: WorkerRuntime, node: Any, batch: Batch, metrics: StepMetrics) -> Batch:
+        for name, column in dict(node_type(node, rt.config).run(batch, rt) or {}).items():
+            if isinstance(column, list) and column and not isinstance(column[0], torch.Tensor):
+                batch.set_objects(name, column)
+            else:
+                batch.set(name, column)
+        return batch
+
+    return run_plugin

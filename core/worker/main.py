@@ -1,0 +1,230 @@
+"""`run_worker`: what every PeerFlow process runs (the launcher calls it once per rank).
+
+Call sequence on every rank (no rank drives the others):
+
+1. read the config and overrides, set one torch thread, start torch.distributed;
+2. load plugins, validate the config, plan the run (`peerflow.planner.plan_run`) and take
+   this rank's program;
+3. build the model directory (one process per machine, the others wait), the task,
+   reward, algorithm and the engines of the roles this rank hosts;
+4. restore the newest checkpoint when resuming;
+5. run step after step: the program's nodes in order, metrics reduced across ranks
+   (rank 0 appends them to `metrics.jsonl`), checkpoints every `run.checkpoint_every`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from peerflow.config import RunConfig, dump_config, load_config, validate_config
+from peerflow.worker import checkpoint as ckpt
+from peerflow.worker.loop import run_step
+from peerflow.worker.runtime import TRAIN_ROLES, WorkerRuntime, build_components, resolve_model_path
+from peerflow.worker.sampler import ShardedPromptSampler
+
+#: Roles whose engines are the rollout engine; `reward` needs none.
+ROLLOUT_ROLES = ("rollout",)
+
+
+def _environment(config: RunConfig | None = None) -> None:
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    threads = config.runtime.torch_threads if config is not None else 1
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    torch.set_num_threads(threads)
+
+
+def _rank_and_world() -> tuple[int, int]:
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def _seed_everything(seed: int, rank: int) -> None:
+    import random
+
+    random.seed(seed * 1_000_003 + rank)
+    torch.manual_seed(seed * 1_000_003 + rank)
+
+
+def run_worker(
+    config_path: str, overrides: list[str], run_dir: str, resume: str | None = None
+) -> None:
+    """Runs one worker process of a training run to completion.
+
+    Args:
+        config_path: The run's YAML config.
+        overrides: `--set key=value` assignments applied on top of it.
+        run_dir: The run directory (shared by all ranks; created by the launcher).
+        resume: A run directory to continue from its newest complete checkpoint (the run
+            then writes into that directory).
+
+    Raises:
+        ConfigError: the config, a name in it, or the resume directory is invalid.
+        WorkerFailedError: a peer died or raised (naming its rank, host and stage).
+    """
+    from peerflow.distributed import init_distributed, shutdown_distributed, stage
+
+    config = load_config(config_path, overrides)
+    _environment(config)
+    run_path = Path(resume or run_dir)
+    rank, world_size = _rank_and_world()
+    _seed_everything(config.seed, rank)
+    init_distributed(timeout_s=config.runtime.fault_timeout)
+    runtime = None
+    try:
+        with stage("start-up"):
+            runtime, program = _start(config, run_path, rank, world_size, resume)
+        _train(runtime, program, stage)
+    finally:
+        if runtime is not None:
+            for engine in runtime.engines.values():
+                with contextlib.suppress(Exception):
+                    engine.shutdown()
+        shutdown_distributed()
+
+
+def _start(
+    config: RunConfig, run_path: Path, rank: int, world_size: int, resume: str | None
+) -> tuple[WorkerRuntime, Any]:
+    from peerflow.planner import plan_run
+    from peerflow.plugins import load_plugins
+
+    pm = load_plugins()
+    validate_config(config, pm)
+    plan = plan_run(config, world_size)
+    program = plan.program(rank)
+    if rank == 0:
+        run_path.mkdir(parents=True, exist_ok=True)
+        if resume is None:
+            (run_path / "config.yaml").write_text(dump_config(config))
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    if local_rank == 0:
+        model_path = resolve_model_path(config, pm)
+    _barrier()
+    if local_rank != 0:
+        model_path = resolve_model_path(config, pm)
+    components = build_components(config, pm)
+    tokenizer = _load_tokenizer(model_path)
+    data_layout = program.data_layout
+    dp_rank, dp_size = data_layout.dp_rank(rank), data_layout.dp
+    task = components["task"]
+    sampler = ShardedPromptSampler(
+        examples=lambda: task.examples("train", config.seed),
+        dp_rank=dp_rank, dp_size=dp_size, seed=config.seed,
+        size=task.size("train"),
+        lookup=lambda i: task.example("train", i, config.seed),
+    )
+    rt = WorkerRuntime(
+        config=config, rank=rank, world_size=world_size, run_dir=run_path, pm=pm,
+        model_path=model_path, tokenizer=tokenizer, task=task,
+        rewards=components["rewards"], default_reward=components["default_reward"],
+        estimator=components["estimator"], policy_loss=components["policy_loss"],
+        value_loss=components["value_loss"], dp_rank=dp_rank, dp_size=dp_size,
+        sampler=sampler, kl_reward=components["kl_reward"],
+        layouts=dict(program.layouts),
+    )
+    for role in program.roles:
+        if role in ROLLOUT_ROLES or role in TRAIN_ROLES:
+            rt.engines[role] = rt.build_engine(role, program.process_group(role))
+    if "actor" in rt.engines and "rollout" in rt.engines:
+        rt.sync_weights = _weight_sync(rt)
+    return rt, program
+
+
+def _load_tokenizer(model_path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_path)
+
+
+def _weight_sync(rt: WorkerRuntime) -> Any:
+    from peerflow.reshard import sync_weights
+
+    def run() -> Any:
+        actor, rollout = rt.engines["actor"], rt.engines["rollout"]
+        return sync_weights(actor, rollout, version=actor.version,
+                            bucket_bytes=rt.config.weight_sync.bucket_bytes)
+
+    return run
+
+
+def _train(rt: WorkerRuntime, program: Any, stage: Any) -> None:
+    config = rt.config
+    start_step = 0
+    metrics_path = rt.run_dir / "metrics.jsonl"
+    if (rt.run_dir / ckpt.CHECKPOINTS).is_dir() and ckpt.latest_checkpoint(rt.run_dir):
+        with stage("resume"):
+            start_step = _restore(rt)
+    writer = _metrics_writer(rt, metrics_path, start_step)
+    node_types = {name: rt.pm.registry("node").get(name) for name in rt.pm.registry("node").names()}
+    try:
+        for step in range(start_step + 1, config.run.steps + 1):
+            rt.step = step
+            _, metrics = run_step(rt, program.nodes, node_types=node_types,
+                                  stage_factory=stage, route=program.route)
+            if writer is not None:
+                writer(step, metrics)
+            rt.pm.hook.peerflow_end_of_step(step=step, metrics=metrics, rank=rt.rank)
+            every = config.run.checkpoint_every
+            if (every and step % every == 0) or step == config.run.steps:
+                with stage(f"checkpoint step {step}"):
+                    _save(rt, step)
+    finally:
+        if writer is not None and hasattr(writer, "close"):
+            writer.close()
+
+
+def _metrics_writer(rt: WorkerRuntime, path: Path, start_step: int) -> Any:
+    if rt.rank != 0:
+        return None
+    if start_step:
+        ckpt.truncate_metrics(path, start_step)
+    from peerflow.outputs import MetricsWriter
+
+    return MetricsWriter(rt.run_dir, rt.config)
+
+
+def _save(rt: WorkerRuntime, step: int) -> None:
+    directory = ckpt.checkpoint_dir(rt.run_dir, step)
+    if rt.rank == 0:
+        directory.mkdir(parents=True, exist_ok=True)
+    _barrier()
+    for role, engine in sorted(rt.engines.items()):
+        if role in TRAIN_ROLES and role != "ref":
+            engine.save_checkpoint(str(directory / role))
+    ckpt.write_json_atomic(directory / f"worker_rank{rt.rank}.json", {
+        "step": step, "sampler": rt.sampler.state_dict(), "rng": ckpt.rng_state(),
+        "time": time.time(),
+    })
+    _barrier()
+    if rt.rank == 0:
+        ckpt.write_json_atomic(directory / ckpt.COMPLETE, {"step": step})
+
+
+def _restore(rt: WorkerRuntime) -> int:
+    step, directory = ckpt.find_resume_checkpoint(rt.run_dir)
+    import json
+
+    for role, engine in sorted(rt.engines.items()):
+        if role in TRAIN_ROLES and role != "ref":
+            engine.load_checkpoint(str(directory / role))
+    state = json.loads((directory / f"worker_rank{rt.rank}.json").read_text())
+    rt.sampler.load_state_dict(state["sampler"])
+    ckpt.set_rng_state(state["rng"])
+    if "actor" in rt.engines and "rollout" in rt.engines:
+        rt.sync_weights()
+    rt.step = step
+    return step

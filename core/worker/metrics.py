@@ -1,0 +1,118 @@
+"""Per-step metrics: collected on every rank, reduced across ranks, written once.
+
+Each rank records scalars with a reduction (`mean` weighted by a count, `sum`, `max`,
+`min`). At the end of a step the ranks exchange these few numbers (an all-gather of a
+small dict — metadata, not data) and every rank computes the same reduced values; the
+output writer on rank 0 then appends one line to `metrics.jsonl`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import attrs
+
+Reduce = Literal["mean", "sum", "max", "min"]
+
+
+@attrs.define(eq=False)
+class StepMetrics:
+    """The scalar metrics one rank records during one step."""
+
+    _values: dict[str, tuple[str, float, float]] = attrs.field(factory=dict)
+
+    def mean(self, name: str, value: float, weight: float = 1.0) -> None:
+        """Records a value averaged across ranks, weighted by `weight` (e.g. sample count).
+
+        Recording the same name twice on one rank folds both into the weighted mean.
+        """
+        value, weight = float(value), float(weight)
+        if weight <= 0 or math.isnan(value):
+            return
+        if name in self._values:
+            _, total, w = self._values[name]
+            self._values[name] = ("mean", total + value * weight, w + weight)
+        else:
+            self._values[name] = ("mean", value * weight, weight)
+
+    def sum(self, name: str, value: float) -> None:
+        """Records a value summed across ranks (and across calls on one rank)."""
+        prev = self._values.get(name, ("sum", 0.0, 1.0))[1]
+        self._values[name] = ("sum", prev + float(value), 1.0)
+
+    def max(self, name: str, value: float) -> None:
+        """Records a value whose maximum across ranks is kept (e.g. phase times)."""
+        prev = self._values.get(name, ("max", -math.inf, 1.0))[1]
+        self._values[name] = ("max", max(prev, float(value)), 1.0)
+
+    def min(self, name: str, value: float) -> None:
+        """Records a value whose minimum across ranks is kept."""
+        prev = self._values.get(name, ("min", math.inf, 1.0))[1]
+        self._values[name] = ("min", min(prev, float(value)), 1.0)
+
+    def add_engine_metrics(self, prefix: str, metrics: Mapping[str, Any], weight: float) -> None:
+        """Records an engine's returned metrics as weighted means under `prefix/`."""
+        for key, value in metrics.items():
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                self.mean(f"{prefix}/{key}", value, weight)
+
+    def raw(self) -> dict[str, tuple[str, float, float]]:
+        """Returns `{name: (reduce, accumulated, weight)}` for the cross-rank exchange."""
+        return dict(self._values)
+
+
+def reduce_metrics(per_rank: list[Mapping[str, tuple[str, float, float]]]) -> dict[str, float]:
+    """Combines the `StepMetrics.raw()` of every rank into one flat dict (sorted keys).
+
+    Args:
+        per_rank: One raw dict per rank, in rank order.
+
+    Returns:
+        `{name: value}`; a name recorded on only some ranks is reduced over those ranks.
+
+    Raises:
+        ValueError: two ranks recorded one name with different reductions.
+    """
+    merged: dict[str, tuple[str, float, float]] = {}
+    for raw in per_rank:
+        for name, (how, acc, weight) in raw.items():
+            if name not in merged:
+                merged[name] = (how, acc, weight)
+                continue
+            how0, acc0, w0 = merged[name]
+            if how0 != how:
+                raise ValueError(
+                    f"metric {name!r} is reduced by {how0!r} on one rank and {how!r} on "
+                    "another; record it with the same StepMetrics method everywhere."
+                )
+            if how == "mean" or how == "sum":
+                merged[name] = (how, acc0 + acc, w0 + weight)
+            elif how == "max":
+                merged[name] = (how, max(acc0, acc), 1.0)
+            else:
+                merged[name] = (how, min(acc0, acc), 1.0)
+    out: dict[str, float] = {}
+    for name in sorted(merged):
+        how, acc, weight = merged[name]
+        out[name] = acc / weight if how == "mean" else acc
+    return out
+
+
+def all_reduce_metrics(metrics: StepMetrics, group: Any = None) -> dict[str, float]:
+    """Exchanges every rank's metrics and returns the same reduced dict on every rank.
+
+    Args:
+        metrics: This rank's step metrics.
+        group: torch.distributed group (default world); with no process group initialised,
+            the local metrics are reduced alone.
+    """
+    import torch.distributed as dist
+
+    raw = metrics.raw()
+    if not (dist.is_available() and dist.is_initialized()):
+        return reduce_metrics([raw])
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, raw, group=group)
+    return reduce_metrics(gathered)

@@ -1,0 +1,90 @@
+"""Turning sampled answers into a `Batch`, and DAPO's dynamic-sampling refill.
+
+`generate_batch` asks the rollout engine for `sampling.n` answers per prompt and packs
+them into a ragged batch whose ids are global: a prompt's `group_id` is its stream
+position (unique over the run) and `sample_id = group_id * n + index`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from peerflow.batch import Batch, RaggedField
+from peerflow.engines import GenerationRequest, RolloutEngine, SamplingParams
+from peerflow.worker.sampler import Draw
+
+
+def encode_prompt(tokenizer: Any, text: str) -> list[int]:
+    """Returns the prompt's token ids, chat-templated when the tokenizer has a template."""
+    if getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+        )
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return [int(i) for i in ids]
+    return [int(i) for i in tokenizer(text, add_special_tokens=True)["input_ids"]]
+
+
+def step_seed(seed: int, step: int, dp_rank: int, attempt: int = 0) -> int:
+    """Returns the sampling seed of one rank's generate call (deterministic on resume)."""
+    return (seed * 1_000_003 + step * 10_007 + dp_rank * 101 + attempt) % (2**31 - 1)
+
+
+def generate_batch(
+    engine: RolloutEngine,
+    tokenizer: Any,
+    draws: Sequence[Draw],
+    sampling: SamplingParams,
+) -> Batch:
+    """Samples `sampling.n` answers for each drawn prompt and packs them into a batch.
+
+    Fields: `prompt_ids`, `response_ids` (ragged int64), `rollout_logprobs` (ragged
+    float32, the sampling policy's log-probs), `finish_reason` and `example` (objects).
+    """
+    if not draws:
+        return Batch.empty()
+    prompts = [encode_prompt(tokenizer, d.example.prompt) for d in draws]
+    requests = [GenerationRequest(request_id=d.position, prompt_ids=p)
+                for d, p in zip(draws, prompts)]
+    results = engine.generate(requests, sampling)
+    n = sampling.n
+    if len(results) != len(draws) * n:
+        raise RuntimeError(
+            f"{type(engine).__name__}.generate returned {len(results)} results for "
+            f"{len(draws)} prompts × n={n}; the RolloutEngine contract requires "
+            "len(requests) * n, grouped by request."
+        )
+    by_request = {d.position: (d, p) for d, p in zip(draws, prompts)}
+    prompt_rows, response_rows, logprob_rows = [], [], []
+    group_ids, sample_ids, finish, examples = [], [], [], []
+    for res in results:
+        draw, prompt = by_request[res.request_id]
+        prompt_rows.append(torch.tensor(prompt, dtype=torch.int64))
+        response_rows.append(torch.tensor(res.token_ids, dtype=torch.int64))
+        logprobs = res.logprobs if len(res.logprobs) == len(res.token_ids) else (
+            [0.0] * len(res.token_ids))
+        logprob_rows.append(torch.tensor(logprobs, dtype=torch.float32))
+        group_ids.append(draw.position)
+        sample_ids.append(draw.position * n + res.index)
+        finish.append(res.finish_reason)
+        examples.append(draw.example)
+    batch = Batch(
+        sample_id=torch.tensor(sample_ids),
+        group_id=torch.tensor(group_ids),
+        weight_version=torch.full((len(results),), engine.weight_version, dtype=torch.int64),
+    )
+    batch.set("prompt_ids", RaggedField.from_tensors(prompt_rows, dtype=torch.int64))
+    batch.set("response_ids", RaggedField.from_tensors(response_rows, dtype=torch.int64))
+    batch.set("rollout_logprobs", RaggedField.from_tensors(logprob_rows, dtype=torch.float32))
+    batch.set_objects("finish_reason", finish)
+    batch.set_objects("example", examples)
+    return batch
+
+
+def group_count(batch: Batch) -> int:
+    """Number of distinct groups in a batch."""
+    return len(set(batch.group_id.tolist()))

@@ -1,0 +1,170 @@
+"""`WorkerRuntime`: everything one worker process holds while it runs its program.
+
+Built once per process by `WorkerRuntime.build`: the resolved model directory, the
+tokenizer, the task and its rewards, the advantage estimator and losses (looked up through
+the plugin registries), this rank's engines (one per role it hosts) and its prompt sampler.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from peerflow.algorithms.base import AdvantageEstimator, RewardFunction, Task
+from peerflow.config import RunConfig, structure_options
+from peerflow.engines import EngineContext
+from peerflow.errors import ConfigError
+from peerflow.layout import ParallelLayout
+from peerflow.worker.sampler import ShardedPromptSampler
+
+#: Roles that run on a train engine (the rest run on the rollout engine).
+TRAIN_ROLES = ("actor", "ref", "critic")
+
+
+def resolve_model_path(config: RunConfig, pm: Any) -> str:
+    """Returns the local model directory: `model.path`, or the one `model.builder` makes.
+
+    Args:
+        config: The run config.
+        pm: The plugin manager (the builder is a registered task's `build_model`; the
+            cache root is `$PEERFLOW_MODEL_CACHE` or the task's default). Call it on one
+            process per machine first, then on the others after a barrier.
+
+    Raises:
+        ConfigError: neither `model.path` nor `model.builder` is set, or the path is
+            not a directory.
+    """
+    model = config.model
+    if model.path:
+        path = Path(model.path).expanduser()
+        if not path.is_dir():
+            raise ConfigError(
+                f"model.path={model.path!r} is not a directory; point it at a local Hugging "
+                "Face model directory (config.json, weights, tokenizer)."
+            )
+        return str(path)
+    if not model.builder:
+        raise ConfigError(
+            "model: set model.path to a local Hugging Face model directory, or "
+            "model.builder to a task that builds a tiny model (e.g. reverse-digits)."
+        )
+    task_cls = pm.get("task", model.builder)
+    cache = os.environ.get("PEERFLOW_MODEL_CACHE") or None
+    return str(task_cls.build_model(dict(model.builder_options), cache))
+
+
+def _options(cls: type, section: Any, key: str) -> Any:
+    return structure_options(getattr(cls, "options_class", object), section, key)
+
+
+@attrs.define(eq=False)
+class WorkerRuntime:
+    """State of one worker process: config, rank facts, components, engines, sampler."""
+
+    config: RunConfig
+    rank: int
+    world_size: int
+    run_dir: Path
+    pm: Any
+    model_path: str
+    tokenizer: Any
+    task: Task
+    rewards: dict[str, RewardFunction]
+    default_reward: str
+    estimator: AdvantageEstimator | None
+    policy_loss: Any
+    value_loss: Any
+    dp_rank: int
+    dp_size: int
+    sampler: ShardedPromptSampler | None
+    engines: dict[str, Any] = attrs.field(factory=dict)
+    layouts: dict[str, ParallelLayout] = attrs.field(factory=dict)
+    kl_reward: Callable[[Any, Any], None] | None = None
+    sync_weights: Callable[[], Any] = attrs.field(default=lambda: None)
+    max_refill_rounds: int = 4
+    step: int = 0
+
+    def engine(self, role: str) -> Any:
+        """Returns this rank's engine for `role`.
+
+        Raises:
+            RuntimeError: the role is not hosted on this rank (a planner bug).
+        """
+        try:
+            return self.engines[role]
+        except KeyError:
+            raise RuntimeError(
+                f"rank {self.rank} runs a node of role {role!r} but hosts only "
+                f"{sorted(self.engines)}; the per-rank program and placement disagree."
+            ) from None
+
+    def reward_fn(self, name: str | None = None) -> RewardFunction:
+        """Returns the reward called `name` (built once), or the run's default reward."""
+        name = name or self.default_reward
+        if name not in self.rewards:
+            cls = self.pm.get("reward", name)
+            self.rewards[name] = cls(_options(cls, {}, f"reward {name}"))
+        return self.rewards[name]
+
+    def context(self, role: str, process_group: Any = None) -> EngineContext:
+        """Returns the `EngineContext` of this rank's engine for `role`."""
+        return EngineContext(
+            model_path=self.model_path,
+            layout=self.layouts[role],
+            rank=self.rank,
+            dtype=self.config.model.dtype,
+            device=_device(),
+            seed=self.config.seed,
+            process_group=process_group,
+            run_dir=str(self.run_dir),
+        )
+
+    def build_engine(self, role: str, process_group: Any = None) -> Any:
+        """Builds the engine of one role from the registries and the config's options."""
+        cfg = self.config
+        if role == "rollout":
+            cls = self.pm.get("rollout_engine", cfg.rollout.backend)
+            options = _options(cls, cfg.rollout.engine_options.get(cfg.rollout.backend),
+                               f"rollout.{cfg.rollout.backend}")
+            return cls(self.context(role, process_group), options)
+        cls = self.pm.get("train_engine", cfg.trainer.backend)
+        section = dict(cfg.trainer.engine_options.get(cfg.trainer.backend) or {})
+        if role == "critic":
+            section.setdefault("value_head", True)
+        options = _options(cls, section, f"trainer.{cfg.trainer.backend}")
+        return cls(self.context(role, process_group), options, cfg.trainer.optim_settings())
+
+
+def _device() -> str:
+    import torch
+
+    if torch.cuda.is_available():
+        return f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+    return "cpu"
+
+
+def build_components(config: RunConfig, pm: Any) -> dict[str, Any]:
+    """Instantiates the task, its reward and the algorithm named by the config."""
+    from peerflow.algorithms.kl import apply_kl_penalty
+    from peerflow.algorithms.setup import build_algorithm
+
+    task_cls = pm.get("task", config.task.name)
+    task = task_cls(_options(task_cls, config.task.options, "task.options"))
+    reward_name = config.task.reward or task_cls.default_reward
+    reward_cls = pm.get("reward", reward_name)
+    reward = reward_cls(_options(reward_cls, {}, f"reward {reward_name}"))
+    algo = build_algorithm(config.algorithm, max_tokens=config.rollout.sampling.max_tokens,
+                           plugin_manager=pm)
+    kl_reward = None
+    if algo.kl_in_reward:
+        def kl_reward(batch: Any, metrics: Any) -> None:
+            for name, value in apply_kl_penalty(batch, algo.kl_coef, algo.kl_estimator).items():
+                metrics.mean(name, value, len(batch))
+
+    return {"task": task, "rewards": {reward_name: reward}, "default_reward": reward_name,
+            "estimator": algo.estimator, "policy_loss": algo.policy_loss,
+            "value_loss": algo.value_loss, "kl_reward": kl_reward}
