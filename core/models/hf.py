@@ -1,0 +1,272 @@
+"""Canonical HF tensors and the layouts of engines that keep HF names.
+
+* `hf_parameters(config)`: every canonical tensor (name → shape), experts one by one.
+* `hf_layout(config, …)`: HF module parameters held whole or as dim-0 shards
+  (`torch.distributed.fsdp.fully_shard` / DTensor `Shard(0)`, `torch.chunk` semantics),
+  optionally a pipeline stage, optionally with `transformers` ≥ 5's packed experts.
+* `tp_layout(config, tp_rank, tp_size, …)`: HF names split Megatron-style by DTensor
+  tensor parallelism (`ColwiseParallel` q/k/v/gate/up and LM head, `RowwiseParallel`
+  o/down and embedding), norms and row-parallel biases replicated.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from peerflow.models.common import (
+    Segment,
+    replica_index,
+    restrict_rows,
+    rows_of,
+    split_chunk,
+    split_even,
+    stack,
+    stage_layers,
+    whole,
+)
+from peerflow.models.config import ModelShape
+from peerflow.shard import Box, ShardSpec
+
+EMBED = "model.embed_tokens.weight"
+FINAL_NORM = "model.norm.weight"
+LM_HEAD = "lm_head.weight"
+
+
+def layer_prefix(layer: int) -> str:
+    """Returns the HF name prefix of decoder layer `layer`."""
+    return f"model.layers.{layer}."
+
+
+def expert_prefix(layer: int, expert: int) -> str:
+    """Returns the canonical HF name prefix of one expert."""
+    return f"model.layers.{layer}.mlp.experts.{expert}."
+
+
+def layer_parameters(shape: ModelShape, layer: int) -> dict[str, tuple[int, ...]]:
+    """Returns the canonical tensors of decoder layer `layer` (name → shape), in HF order."""
+    p, h = layer_prefix(layer), shape.hidden_size
+    out: dict[str, tuple[int, ...]] = {f"{p}input_layernorm.weight": (h,)}
+    a = f"{p}self_attn."
+    out[f"{a}q_proj.weight"] = (shape.q_rows, h)
+    out[f"{a}k_proj.weight"] = (shape.kv_rows, h)
+    out[f"{a}v_proj.weight"] = (shape.kv_rows, h)
+    if shape.qkv_bias:
+        out[f"{a}q_proj.bias"] = (shape.q_rows,)
+        out[f"{a}k_proj.bias"] = (shape.kv_rows,)
+        out[f"{a}v_proj.bias"] = (shape.kv_rows,)
+    out[f"{a}o_proj.weight"] = (h, shape.q_rows)
+    if shape.o_bias:
+        out[f"{a}o_proj.bias"] = (h,)
+    if shape.qk_norm:
+        out[f"{a}q_norm.weight"] = (shape.head_dim,)
+        out[f"{a}k_norm.weight"] = (shape.head_dim,)
+    out[f"{p}post_attention_layernorm.weight"] = (h,)
+    if shape.is_sparse(layer):
+        i = shape.moe_intermediate_size
+        out[f"{p}mlp.gate.weight"] = (shape.num_experts, h)
+        for e in range(shape.num_experts):
+            x = expert_prefix(layer, e)
+            out[f"{x}gate_proj.weight"] = (i, h)
+            out[f"{x}up_proj.weight"] = (i, h)
+            out[f"{x}down_proj.weight"] = (h, i)
+    else:
+        i = shape.intermediate_size
+        for proj, dims in (("gate_proj", (i, h)), ("up_proj", (i, h)), ("down_proj", (h, i))):
+            out[f"{p}mlp.{proj}.weight"] = dims
+        if shape.mlp_bias:
+            out[f"{p}mlp.gate_proj.bias"] = (i,)
+            out[f"{p}mlp.up_proj.bias"] = (i,)
+            out[f"{p}mlp.down_proj.bias"] = (h,)
+    return out
+
+
+def hf_parameters(config: Any) -> dict[str, tuple[int, ...]]:
+    """Returns every canonical HF tensor of the model (name → shape), in HF order.
+
+    Tied models have no `lm_head.weight`. MoE experts appear one by one, as in HF
+    checkpoints.
+    """
+    shape = ModelShape.from_hf_config(config)
+    out = {EMBED: (shape.vocab_size, shape.hidden_size)}
+    for layer in range(shape.num_layers):
+        out.update(layer_parameters(shape, layer))
+    out[FINAL_NORM] = (shape.hidden_size,)
+    if not shape.tie_word_embeddings:
+        out[LM_HEAD] = (shape.vocab_size, shape.hidden_size)
+    return out
+
+
+def _packed_experts(shape: ModelShape, layer: int, dtype: str) -> list[tuple[ShardSpec, int]]:
+    """Specs (2-D views) of `transformers` ≥ 5 packed experts, with rows per expert."""
+    p, i = f"model.layers.{layer}.mlp.experts.", shape.moe_intermediate_size
+    params = layer_parameters(shape, layer)
+    gate_up: list[Segment] = []
+    down: list[Segment] = []
+    for e in range(shape.num_experts):
+        x = expert_prefix(layer, e)
+        for proj in ("gate_proj", "up_proj"):
+            name = f"{x}{proj}.weight"
+            gate_up.append(rows_of(name, params[name], range(i)))
+        name = f"{x}down_proj.weight"
+        down.append(rows_of(name, params[name], range(shape.hidden_size)))
+    return [
+        (stack(f"{p}gate_up_proj", gate_up, dtype=dtype), 2 * i),
+        (stack(f"{p}down_proj", down, dtype=dtype), shape.hidden_size),
+    ]
+
+
+def hf_layout(
+    config: Any,
+    *,
+    shard_rank: int = 0,
+    shard_size: int = 1,
+    pp_rank: int = 0,
+    pp_size: int = 1,
+    layers: range | None = None,
+    packed_experts: bool = False,
+    replica: int = 0,
+    dtype: str = "float32",
+) -> list[ShardSpec]:
+    """Returns the specs of an HF-named model held whole or as FSDP dim-0 shards.
+
+    Args:
+        config: HF config (object or dict) or `ModelShape`.
+        shard_rank: This rank's index in the FSDP shard group.
+        shard_size: FSDP shard group size (1: every tensor whole). Shards follow
+            `torch.chunk` along dim 0 (packed experts: along the expert dimension), so
+            trailing ranks may hold empty shards; those specs have no pieces.
+        pp_rank: Pipeline stage of this rank.
+        pp_size: Pipeline stages (the first holds the embedding, the last the final norm
+            and LM head; with tied embeddings and `pp_size > 1` the last stage's
+            `lm_head.weight` is a replica of the embedding).
+        layers: Global layers of this stage; default `stage_layers(…)`.
+        packed_experts: Describe MoE experts as `transformers` ≥ 5 holds them
+            (`mlp.experts.gate_up_proj` `[E, 2I, H]`, `mlp.experts.down_proj` `[E, H, I]`,
+            as 2-D views `[E*2I, H]` and `[E*H, I]`) instead of one module per expert.
+        replica: Replica index of this rank's shards (HSDP replicate index; 0 sends).
+        dtype: torch dtype name of the local tensors.
+
+    Returns:
+        One spec per local tensor, named as the module's `named_parameters()` names.
+    """
+    shape = ModelShape.from_hf_config(config)
+    layers = layers if layers is not None else stage_layers(shape.num_layers, pp_rank, pp_size)
+    full: list[tuple[ShardSpec, int]] = []
+    v_h = (shape.vocab_size, shape.hidden_size)
+    if pp_rank == 0:
+        full.append((whole(EMBED, v_h, dtype=dtype), 1))
+    for layer in layers:
+        params = layer_parameters(shape, layer)
+        if packed_experts and shape.is_sparse(layer):
+            experts = f"model.layers.{layer}.mlp.experts."
+            params = {n: s for n, s in params.items() if not n.startswith(experts)}
+        full.extend((whole(n, s, dtype=dtype), 1) for n, s in params.items())
+        if packed_experts and shape.is_sparse(layer):
+            full.extend(_packed_experts(shape, layer, dtype))
+    if pp_rank == pp_size - 1:
+        full.append((whole(FINAL_NORM, (shape.hidden_size,), dtype=dtype), 1))
+        if not shape.tie_word_embeddings:
+            full.append((whole(LM_HEAD, v_h, dtype=dtype), 1))
+        elif pp_size > 1:
+            full.append((whole(EMBED, v_h, dtype=dtype, local_name=LM_HEAD, replica=1), 1))
+    specs = []
+    for spec, unit in full:
+        spec = spec if spec.replica else _with_replica(spec, replica)
+        if shard_size > 1:
+            items = split_chunk(spec.local_shape[0] // unit, shard_size, shard_rank)
+            spec = restrict_rows(spec, range(items.start * unit, items.stop * unit))
+        specs.append(spec)
+    return specs
+
+
+def _with_replica(spec: ShardSpec, replica: int) -> ShardSpec:
+    if replica == spec.replica:
+        return spec
+    return ShardSpec(local_name=spec.local_name, local_shape=spec.local_shape,
+                     pieces=spec.pieces, dtype=spec.dtype, padding=spec.padding,
+                     replica=replica)
+
+
+def col_split(name: str, shape: tuple[int, ...], cols: range, *, dtype: str,
+              replica: int = 0) -> ShardSpec:
+    """Returns the spec of columns `cols` of a 2-D HF tensor (a row-parallel shard)."""
+    box = Box(offsets=(0, cols.start), sizes=(shape[0], len(cols)))
+    return ShardSpec.of_slice(name, shape, box, dtype=dtype, replica=replica)
+
+
+def row_split(name: str, shape: tuple[int, ...], rows: range, *, dtype: str,
+              local_name: str | None = None) -> ShardSpec:
+    """Returns the spec of rows `rows` of an HF tensor (a column-parallel shard)."""
+    seg = rows_of(name, shape, rows)
+    return stack(local_name or name, [seg], dtype=dtype)
+
+
+def tp_layout(
+    config: Any,
+    tp_rank: int,
+    tp_size: int,
+    *,
+    pp_rank: int = 0,
+    pp_size: int = 1,
+    layers: range | None = None,
+    dp_rank: int = 0,
+    dtype: str = "float32",
+) -> list[ShardSpec]:
+    """Returns the specs of an HF-named model under DTensor tensor parallelism.
+
+    Column-parallel (rows split, heads kept whole): q/k/v, gate/up (and their biases),
+    each expert's gate/up, and `lm_head` (`torch.chunk` of the vocabulary). Row-parallel
+    (columns split): o_proj, down_proj, each expert's down_proj; the embedding is split
+    by vocabulary rows (`torch.chunk`). Norms, routers and row-parallel biases are
+    replicated over tp (replica = `dp_rank * tp_size + tp_rank`).
+
+    Raises:
+        ConfigError: `tp_size` does not divide the heads, kv heads or MLP width.
+    """
+    shape = ModelShape.from_hf_config(config)
+    layers = layers if layers is not None else stage_layers(shape.num_layers, pp_rank, pp_size)
+    rep = replica_index(tp_rank, tp_size, dp_rank)
+    own = replica_index(0, 1, dp_rank)
+    hd = shape.head_dim
+    heads = split_even(shape.num_heads, tp_size, tp_rank, what="attention heads")
+    kv = split_even(shape.num_kv_heads, tp_size, tp_rank, what="key/value heads")
+    q_rows = range(heads.start * hd, heads.stop * hd)
+    kv_rows = range(kv.start * hd, kv.stop * hd)
+    specs: list[ShardSpec] = []
+
+    def add(spec: ShardSpec, replica: int) -> None:
+        specs.append(_with_replica(spec, replica))
+
+    v_h = (shape.vocab_size, shape.hidden_size)
+    vocab = split_chunk(shape.vocab_size, tp_size, tp_rank)
+    if pp_rank == 0:
+        add(row_split(EMBED, v_h, vocab, dtype=dtype), own)
+    for layer in layers:
+        for name, dims in layer_parameters(shape, layer).items():
+            leaf = name.rsplit(".", 2)[-2]
+            kind = name.rsplit(".", 1)[-1]
+            expert = ".mlp.experts." in name
+            if leaf in ("q_proj", "k_proj", "v_proj"):
+                rows = q_rows if leaf == "q_proj" else kv_rows
+                add(row_split(name, dims, rows, dtype=dtype), own)
+            elif leaf in ("gate_proj", "up_proj"):
+                width = shape.moe_intermediate_size if expert else shape.intermediate_size
+                rows = split_even(width, tp_size, tp_rank, what="MLP channels")
+                add(row_split(name, dims, rows, dtype=dtype), own)
+            elif leaf in ("o_proj", "down_proj") and kind == "weight":
+                if leaf == "o_proj":
+                    cols = q_rows
+                else:
+                    width = shape.moe_intermediate_size if expert else shape.intermediate_size
+                    cols = split_even(width, tp_size, tp_rank, what="MLP channels")
+                add(col_split(name, dims, cols, dtype=dtype), own)
+            else:
+                add(whole(name, dims, dtype=dtype), rep)
+    if pp_rank == pp_size - 1:
+        add(whole(FINAL_NORM, (shape.hidden_size,), dtype=dtype), rep)
+        if not shape.tie_word_embeddings:
+            add(row_split(LM_HEAD, v_h, vocab, dtype=dtype), own)
+        elif pp_size > 1:
+            add(row_split(EMBED, v_h, vocab, dtype=dtype, local_name=LM_HEAD),
+                replica_index(1, 2, dp_rank))
+    return specs

@@ -1,0 +1,228 @@
+"""Megatron-core `GPTModel` layouts: interleaved `linear_qkv`, fused `linear_fc1`.
+
+Per tp rank and pipeline stage (layers numbered locally, from 0 on every stage):
+
+* `embedding.word_embeddings.weight` (first stage) and `output_layer.weight` (last stage;
+  on the last stage of a tied model with pp > 1 it is a replica of the embedding): the
+  vocabulary padded to a multiple of `vocab_multiple * tp_size` (Megatron-LM's
+  `make_vocab_size_divisible_by`, default 128), split evenly; trailing rows are padding.
+* `decoder.layers.N.self_attention.linear_qkv.{weight,bias}`: interleaved per query group
+  — for each of this rank's groups g: the group's query heads, then its key head, then its
+  value head (`num_heads / num_kv_heads` + 2 heads of `head_dim` rows).
+* `…self_attention.linear_proj.weight` and `…mlp.linear_fc2.weight`: row-parallel.
+* `…mlp.linear_fc1.weight`: `[gate_r; up_r]` (SwiGLU halves of this rank's channels).
+* `…self_attention.q_layernorm` / `k_layernorm` (Qwen3), norms: replicated.
+* MoE: `…mlp.router.weight` replicated; experts split over `ep_size` in contiguous blocks,
+  each expert's width over `expert_tp_size` (default `tp_size`), named
+  `…mlp.experts.local_experts.{i}.linear_fc{1,2}.weight` (SequentialMLP) or, with
+  `grouped_experts=True`, `…mlp.experts.linear_fc{1,2}.weight{i}` (TEGroupedMLP).
+* `te_names=True` uses Transformer-Engine fused-norm names
+  (`linear_qkv.layer_norm_weight`, `linear_fc1.layer_norm_weight`) instead of
+  `input_layernorm.weight` / `pre_mlp_layernorm.weight`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from peerflow.models.common import (
+    Segment,
+    pad_to_multiple,
+    replica_index,
+    rows_of,
+    split_even,
+    stack,
+    stage_layers,
+    whole,
+)
+from peerflow.models.config import ModelShape
+from peerflow.models.hf import EMBED, FINAL_NORM, LM_HEAD, col_split, expert_prefix
+from peerflow.models.vllm import vocab_spec
+from peerflow.shard import ShardSpec
+
+#: Megatron-LM's default `make_vocab_size_divisible_by`.
+VOCAB_MULTIPLE = 128
+
+M_EMBED = "embedding.word_embeddings.weight"
+M_FINAL_NORM = "decoder.final_layernorm.weight"
+M_OUTPUT = "output_layer.weight"
+
+
+def padded_vocab(vocab: int, tp_size: int, multiple: int = VOCAB_MULTIPLE) -> int:
+    """Returns Megatron's padded vocabulary size for `tp_size` ranks."""
+    return pad_to_multiple(vocab, multiple * tp_size)
+
+
+def megatron_layout(
+    config: Any,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    *,
+    pp_rank: int = 0,
+    pp_size: int = 1,
+    layers: range | None = None,
+    ep_rank: int = 0,
+    ep_size: int = 1,
+    expert_tp_size: int | None = None,
+    expert_replica: int | None = None,
+    grouped_experts: bool = False,
+    te_names: bool = False,
+    dp_rank: int = 0,
+    vocab_multiple: int = VOCAB_MULTIPLE,
+    dtype: str = "float32",
+) -> list[ShardSpec]:
+    """Returns the specs of one Megatron-core `GPTModel` rank's parameters.
+
+    Args:
+        config: HF config (object or dict) or `ModelShape`.
+        tp_rank: Tensor-parallel rank.
+        tp_size: Tensor-parallel size (must divide heads, kv heads and MLP width).
+        pp_rank: Pipeline stage.
+        pp_size: Pipeline stages.
+        layers: Global layers of this stage; default `stage_layers(…)`.
+        ep_rank: Expert-parallel rank.
+        ep_size: Expert-parallel size.
+        expert_tp_size: Ranks splitting each expert's width (default `tp_size`); the
+            expert tp rank is `tp_rank % expert_tp_size`.
+        expert_replica: Replica index of this rank's expert tensors. Default: with
+            `ep_size == 1` derived from the tp copies and `dp_rank`; with `ep_size > 1`
+            0 (experts carved out of dp ranks are distinct; pass the expert-data-parallel
+            index when experts are replicated too).
+        grouped_experts: TEGroupedMLP names instead of SequentialMLP names.
+        te_names: Transformer-Engine fused-norm names (see module docstring).
+        dp_rank: Data-parallel replica (only for replica indices).
+        vocab_multiple: `make_vocab_size_divisible_by` (the padding multiple per tp rank).
+        dtype: torch dtype name of the local tensors.
+    """
+    shape = ModelShape.from_hf_config(config)
+    layers = layers if layers is not None else stage_layers(shape.num_layers, pp_rank, pp_size)
+    rep = replica_index(tp_rank, tp_size, dp_rank)
+    own = replica_index(0, 1, dp_rank)
+    hd, h, hpg = shape.head_dim, shape.hidden_size, shape.heads_per_group
+    groups = split_even(shape.num_kv_heads, tp_size, tp_rank, what="query groups (kv heads)")
+    mlp = split_even(shape.intermediate_size, tp_size, tp_rank, what="MLP channels")
+    q_cols = range(groups.start * hpg * hd, groups.stop * hpg * hd)
+    multiple = vocab_multiple * tp_size
+    specs: list[ShardSpec] = []
+    if pp_rank == 0:
+        specs.append(vocab_spec(EMBED, M_EMBED, shape, tp_rank, tp_size, multiple,
+                                dtype=dtype, replica=own))
+    for local, layer in enumerate(layers):
+        p, a = f"model.layers.{layer}.", f"model.layers.{layer}.self_attn."
+        m = f"decoder.layers.{local}."
+        ln1 = ("self_attention.linear_qkv.layer_norm_weight" if te_names
+               else "input_layernorm.weight")
+        specs.append(whole(f"{p}input_layernorm.weight", (h,), local_name=m + ln1, dtype=dtype,
+                           replica=rep))
+        for kind in ("weight", "bias") if shape.qkv_bias else ("weight",):
+            q_dims = (shape.q_rows, h) if kind == "weight" else (shape.q_rows,)
+            kv_dims = (shape.kv_rows, h) if kind == "weight" else (shape.kv_rows,)
+            segments: list[Segment] = []
+            for g in groups:
+                segments.append(rows_of(f"{a}q_proj.{kind}", q_dims,
+                                        range(g * hpg * hd, (g + 1) * hpg * hd)))
+                segments.append(rows_of(f"{a}k_proj.{kind}", kv_dims, range(g * hd, (g + 1) * hd)))
+                segments.append(rows_of(f"{a}v_proj.{kind}", kv_dims, range(g * hd, (g + 1) * hd)))
+            specs.append(stack(f"{m}self_attention.linear_qkv.{kind}", segments, dtype=dtype,
+                               replica=own))
+        if shape.qk_norm:
+            for hf_norm, m_norm in (("q_norm", "q_layernorm"), ("k_norm", "k_layernorm")):
+                specs.append(whole(f"{a}{hf_norm}.weight", (hd,), dtype=dtype, replica=rep,
+                                   local_name=f"{m}self_attention.{m_norm}.weight"))
+        o_proj = col_split(f"{a}o_proj.weight", (h, shape.q_rows), q_cols, dtype=dtype,
+                           replica=own)
+        specs.append(_renamed(o_proj, f"{m}self_attention.linear_proj.weight"))
+        if shape.o_bias:
+            specs.append(whole(f"{a}o_proj.bias", (h,), dtype=dtype, replica=rep,
+                               local_name=f"{m}self_attention.linear_proj.bias"))
+        ln2 = "mlp.linear_fc1.layer_norm_weight" if te_names else "pre_mlp_layernorm.weight"
+        specs.append(whole(f"{p}post_attention_layernorm.weight", (h,), dtype=dtype,
+                           replica=rep, local_name=m + ln2))
+        if shape.is_sparse(layer):
+            specs.extend(_moe(shape, layer, m, tp_rank, tp_size, ep_rank, ep_size,
+                              expert_tp_size, grouped_experts, expert_replica, dp_rank, dtype))
+            continue
+        i = shape.intermediate_size
+        fc1 = [rows_of(f"{p}mlp.gate_proj.weight", (i, h), mlp),
+               rows_of(f"{p}mlp.up_proj.weight", (i, h), mlp)]
+        specs.append(stack(f"{m}mlp.linear_fc1.weight", fc1, dtype=dtype, replica=own))
+        if shape.mlp_bias:
+            bias = [rows_of(f"{p}mlp.gate_proj.bias", (i,), mlp),
+                    rows_of(f"{p}mlp.up_proj.bias", (i,), mlp)]
+            specs.append(stack(f"{m}mlp.linear_fc1.bias", bias, dtype=dtype, replica=own))
+        specs.append(_renamed(col_split(f"{p}mlp.down_proj.weight", (h, i), mlp, dtype=dtype,
+                                        replica=own),
+                              f"{m}mlp.linear_fc2.weight"))
+        if shape.mlp_bias:
+            specs.append(whole(f"{p}mlp.down_proj.bias", (h,), dtype=dtype, replica=rep,
+                               local_name=f"{m}mlp.linear_fc2.bias"))
+    if pp_rank == pp_size - 1:
+        specs.append(whole(FINAL_NORM, (h,), dtype=dtype, replica=rep, local_name=M_FINAL_NORM))
+        if not shape.tie_word_embeddings:
+            specs.append(vocab_spec(LM_HEAD, M_OUTPUT, shape, tp_rank, tp_size, multiple,
+                                    dtype=dtype, replica=own))
+        elif pp_size > 1:
+            specs.append(vocab_spec(EMBED, M_OUTPUT, shape, tp_rank, tp_size, multiple,
+                                    dtype=dtype, replica=replica_index(1, 2, dp_rank)))
+    return specs
+
+
+def _renamed(spec: ShardSpec, local_name: str) -> ShardSpec:
+    return ShardSpec(local_name=local_name, local_shape=spec.local_shape, pieces=spec.pieces,
+                     dtype=spec.dtype, padding=spec.padding, replica=spec.replica)
+
+
+def _moe(shape: ModelShape, layer: int, m: str, tp_rank: int, tp_size: int, ep_rank: int,
+         ep_size: int, expert_tp_size: int | None, grouped: bool,
+         expert_replica: int | None, dp_rank: int, dtype: str) -> list[ShardSpec]:
+    h, i = shape.hidden_size, shape.moe_intermediate_size
+    etp = expert_tp_size or tp_size
+    copies = tp_size // etp
+    expert_rep = expert_replica if expert_replica is not None else (
+        replica_index(tp_rank // etp, copies, dp_rank) if ep_size == 1 else 0)
+    experts = split_even(shape.num_experts, ep_size, ep_rank, what="experts", dim="ep")
+    width = split_even(i, etp, tp_rank % etp, what="expert MLP channels", dim="expert tp")
+    specs = [whole(f"model.layers.{layer}.mlp.gate.weight", (shape.num_experts, h), dtype=dtype,
+                   replica=replica_index(tp_rank, tp_size, dp_rank),
+                   local_name=f"{m}mlp.router.weight")]
+    for local, e in enumerate(experts):
+        x = expert_prefix(layer, e)
+        if grouped:
+            fc1_name = f"{m}mlp.experts.linear_fc1.weight{local}"
+            fc2_name = f"{m}mlp.experts.linear_fc2.weight{local}"
+        else:
+            fc1_name = f"{m}mlp.experts.local_experts.{local}.linear_fc1.weight"
+            fc2_name = f"{m}mlp.experts.local_experts.{local}.linear_fc2.weight"
+        fc1 = [rows_of(f"{x}gate_proj.weight", (i, h), width),
+               rows_of(f"{x}up_proj.weight", (i, h), width)]
+        specs.append(stack(fc1_name, fc1, dtype=dtype, replica=expert_rep))
+        fc2 = col_split(f"{x}down_proj.weight", (h, i), width, dtype=dtype)
+        specs.append(ShardSpec(local_name=fc2_name, local_shape=fc2.local_shape,
+                               pieces=fc2.pieces, dtype=dtype, replica=expert_rep))
+    return specs
+
+
+def megatron_to_hf(name: str, config: Any, **layout: Any) -> tuple[str, ...]:
+    """Returns the HF tensors a Megatron parameter holds pieces of (in local order).
+
+    Args:
+        name: Megatron parameter name (local layer numbering).
+        config: HF config or `ModelShape`.
+        **layout: `megatron_layout` keyword arguments (`pp_rank`, `pp_size`,
+            `grouped_experts`, `te_names`, …) saying which stage and naming.
+
+    Raises:
+        KeyError: no such parameter in that layout.
+    """
+    for spec in megatron_layout(config, **layout):
+        if spec.local_name == name:
+            return spec.names
+    raise KeyError(f"{name!r} is not a Megatron parameter of this layout ({layout or 'pp=1'})")
+
+
+def hf_to_megatron(name: str, config: Any, **layout: Any) -> tuple[str, ...]:
+    """Returns the Megatron parameters (this rank/stage) holding pieces of HF tensor `name`.
+
+    Empty when this rank does not hold any of it (another stage or expert-parallel rank).
+    """
+    return tuple(s.local_name for s in megatron_layout(config, **layout) if name in s.names)

@@ -1,0 +1,255 @@
+"""vLLM (and SGLang) layouts: stacked `qkv_proj` / `gate_up_proj`, padded vocab shards.
+
+vLLM's Llama/Qwen2/Qwen3/Qwen3-MoE modules (and SGLang's, which use the same names)
+hold per tp rank:
+
+* `model.embed_tokens.weight`, `lm_head.weight`: `VocabParallelEmbedding` /
+  `ParallelLMHead` — the vocabulary is padded to a multiple of `vocab_multiple` (64 in
+  vLLM), then split evenly; rows past the real vocabulary are padding.
+* `self_attn.qkv_proj.{weight,bias}`: `[q_r; k_r; v_r]` — this rank's query heads, then
+  its key/value heads. With `tp_size > num_kv_heads` each kv head is replicated on
+  `tp_size // num_kv_heads` consecutive ranks (`QKVParallelLinear`).
+* `self_attn.o_proj.weight`, `mlp.down_proj.weight`: row-parallel (columns split).
+* `mlp.gate_up_proj.weight`: `[gate_r; up_r]`.
+* MoE (`FusedMoE`): router `mlp.gate.weight` replicated; `mlp.experts.w13_weight`
+  `[E_local, 2*I_r, H]` (per expert `[gate_r; up_r]`) and `mlp.experts.w2_weight`
+  `[E_local, H, I_r]`, described by their 2-D views `[E_local*2*I_r, H]` and
+  `[E_local*H, I_r]`. Experts split over `ep_size` ranks (contiguous blocks); each
+  expert's width splits over `expert_tp_size` (default: `tp_size` without ep, else 1).
+* Norms, q/k norms and row-parallel biases are replicated.
+
+With tied embeddings and one stage there is no `lm_head.weight` tensor.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from peerflow.models.common import (
+    Segment,
+    pad_to_multiple,
+    replica_index,
+    rows_of,
+    split_even,
+    stack,
+    stage_layers,
+    whole,
+)
+from peerflow.models.config import ModelShape
+from peerflow.models.hf import EMBED, FINAL_NORM, LM_HEAD, col_split, expert_prefix
+from peerflow.shard import ShardSpec
+
+#: vLLM's `DEFAULT_VOCAB_PADDING_SIZE`.
+VOCAB_MULTIPLE = 64
+
+#: (fused name, HF name, vLLM shard id): vLLM's `stacked_params_mapping`.
+STACKED = (
+    ("qkv_proj", "q_proj", "q"),
+    ("qkv_proj", "k_proj", "k"),
+    ("qkv_proj", "v_proj", "v"),
+    ("gate_up_proj", "gate_proj", 0),
+    ("gate_up_proj", "up_proj", 1),
+)
+
+#: HF expert projection → (vLLM FusedMoE parameter, shard id).
+EXPERT_PARAMS = {"gate_proj": ("w13_weight", "w1"), "up_proj": ("w13_weight", "w3"),
+                 "down_proj": ("w2_weight", "w2")}
+
+
+def vocab_shard(vocab: int, tp_rank: int, tp_size: int, multiple: int) -> tuple[range, int]:
+    """Returns (real vocabulary rows held, padding rows) for a padded vocab-parallel shard."""
+    padded = pad_to_multiple(vocab, multiple)
+    rows = split_even(padded, tp_size, tp_rank, what=f"padded vocabulary rows ({padded})")
+    real = range(min(rows.start, vocab), min(rows.stop, vocab))
+    return real, len(rows) - len(real)
+
+
+def vocab_spec(name: str, local_name: str, shape: ModelShape, tp_rank: int, tp_size: int,
+               multiple: int, *, dtype: str, replica: int) -> ShardSpec:
+    """Returns the spec of a padded vocab-parallel embedding or LM-head shard."""
+    real, pad = vocab_shard(shape.vocab_size, tp_rank, tp_size, multiple)
+    seg = rows_of(name, (shape.vocab_size, shape.hidden_size), real)
+    return stack(local_name, [seg], dtype=dtype, replica=replica, pad_rows=pad)
+
+
+def kv_heads_of_rank(shape: ModelShape, tp_rank: int, tp_size: int) -> range:
+    """Returns the kv heads a tp rank holds (`QKVParallelLinear`, replicating when needed)."""
+    if tp_size >= shape.num_kv_heads:
+        if tp_size % shape.num_kv_heads:
+            split_even(tp_size, shape.num_kv_heads, 0, what="tp ranks per kv head",
+                       dim="num_kv_heads")
+        head = tp_rank // (tp_size // shape.num_kv_heads)
+        return range(head, head + 1)
+    return split_even(shape.num_kv_heads, tp_size, tp_rank, what="key/value heads")
+
+
+def vllm_layout(
+    config: Any,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    *,
+    pp_rank: int = 0,
+    pp_size: int = 1,
+    layers: range | None = None,
+    ep_rank: int = 0,
+    ep_size: int = 1,
+    expert_tp_size: int | None = None,
+    expert_replica: int | None = None,
+    dp_rank: int = 0,
+    vocab_multiple: int = VOCAB_MULTIPLE,
+    dtype: str = "float32",
+) -> list[ShardSpec]:
+    """Returns the specs of one vLLM (or SGLang) rank's parameters, in module order.
+
+    Args:
+        config: HF config (object or dict) or `ModelShape`.
+        tp_rank: Tensor-parallel rank.
+        tp_size: Tensor-parallel size.
+        pp_rank: Pipeline stage.
+        pp_size: Pipeline stages.
+        layers: Global layers of this stage (pass vLLM's `get_pp_indices` range when pp
+            does not divide the layers); default `stage_layers(…)`.
+        ep_rank: Expert-parallel rank (MoE).
+        ep_size: Expert-parallel size; experts split in contiguous blocks.
+        expert_tp_size: How many ranks split each expert's width; default `tp_size` when
+            `ep_size == 1`, else 1. The expert tp rank is `tp_rank % expert_tp_size`.
+        expert_replica: Replica index of this rank's expert tensors. Default: with
+            `ep_size == 1` derived from the tp copies and `dp_rank`; with `ep_size > 1`
+            0 (every ep rank holds distinct experts; pass the expert-data-parallel index
+            when experts are replicated too).
+        dp_rank: Data-parallel replica (only for replica indices).
+        vocab_multiple: Vocabulary padding multiple (vLLM: 64).
+        dtype: torch dtype name of the local tensors.
+
+    Raises:
+        ConfigError: a degree does not divide heads, MLP width, experts or padded vocab.
+    """
+    shape = ModelShape.from_hf_config(config)
+    layers = layers if layers is not None else stage_layers(shape.num_layers, pp_rank, pp_size)
+    rep = replica_index(tp_rank, tp_size, dp_rank)
+    own = replica_index(0, 1, dp_rank)
+    hd, h = shape.head_dim, shape.hidden_size
+    heads = split_even(shape.num_heads, tp_size, tp_rank, what="attention heads")
+    kv = kv_heads_of_rank(shape, tp_rank, tp_size)
+    kv_copy = 0 if tp_size <= shape.num_kv_heads else tp_rank % (tp_size // shape.num_kv_heads)
+    q_rows = range(heads.start * hd, heads.stop * hd)
+    kv_rows = range(kv.start * hd, kv.stop * hd)
+    mlp = split_even(shape.intermediate_size, tp_size, tp_rank, what="MLP channels")
+    specs: list[ShardSpec] = []
+    if pp_rank == 0:
+        specs.append(vocab_spec(EMBED, EMBED, shape, tp_rank, tp_size, vocab_multiple,
+                                dtype=dtype, replica=own))
+    for layer in layers:
+        p = f"model.layers.{layer}."
+        a = f"{p}self_attn."
+        specs.append(whole(f"{p}input_layernorm.weight", (h,), dtype=dtype, replica=rep))
+        for kind in ("weight", "bias") if shape.qkv_bias else ("weight",):
+            segments = [
+                rows_of(f"{a}{proj}.{kind}", (total, h) if kind == "weight" else (total,), rows)
+                for proj, rows, total in (("q_proj", q_rows, shape.q_rows),
+                                          ("k_proj", kv_rows, shape.kv_rows),
+                                          ("v_proj", kv_rows, shape.kv_rows))
+            ]
+            # Query rows are unique per rank; a replicated kv head makes the whole fused
+            # tensor a non-primary copy on all but the first rank holding that head.
+            specs.append(stack(f"{a}qkv_proj.{kind}", segments, dtype=dtype,
+                               replica=own if kv_copy == 0 else rep))
+        specs.append(col_split(f"{a}o_proj.weight", (h, shape.q_rows), q_rows, dtype=dtype,
+                                   replica=own))
+        if shape.o_bias:
+            specs.append(whole(f"{a}o_proj.bias", (h,), dtype=dtype, replica=rep))
+        if shape.qk_norm:
+            for norm in ("q_norm", "k_norm"):
+                specs.append(whole(f"{a}{norm}.weight", (hd,), dtype=dtype, replica=rep))
+        specs.append(whole(f"{p}post_attention_layernorm.weight", (h,), dtype=dtype,
+                           replica=rep))
+        if shape.is_sparse(layer):
+            specs.extend(_moe(shape, layer, tp_rank, tp_size, ep_rank, ep_size,
+                              expert_tp_size, expert_replica, dp_rank, dtype))
+            continue
+        i = shape.intermediate_size
+        gate_up = [rows_of(f"{p}mlp.gate_proj.weight", (i, h), mlp),
+                   rows_of(f"{p}mlp.up_proj.weight", (i, h), mlp)]
+        specs.append(stack(f"{p}mlp.gate_up_proj.weight", gate_up, dtype=dtype, replica=own))
+        if shape.mlp_bias:
+            bias = [rows_of(f"{p}mlp.gate_proj.bias", (i,), mlp),
+                    rows_of(f"{p}mlp.up_proj.bias", (i,), mlp)]
+            specs.append(stack(f"{p}mlp.gate_up_proj.bias", bias, dtype=dtype, replica=own))
+        specs.append(col_split(f"{p}mlp.down_proj.weight", (h, i), mlp, dtype=dtype,
+                                   replica=own))
+        if shape.mlp_bias:
+            specs.append(whole(f"{p}mlp.down_proj.bias", (h,), dtype=dtype, replica=rep))
+    if pp_rank == pp_size - 1:
+        specs.append(whole(FINAL_NORM, (h,), dtype=dtype, replica=rep))
+        if not shape.tie_word_embeddings:
+            specs.append(vocab_spec(LM_HEAD, LM_HEAD, shape, tp_rank, tp_size, vocab_multiple,
+                                    dtype=dtype, replica=own))
+        elif pp_size > 1:
+            specs.append(vocab_spec(EMBED, LM_HEAD, shape, tp_rank, tp_size, vocab_multiple,
+                                    dtype=dtype, replica=replica_index(1, 2, dp_rank)))
+    return specs
+
+
+def _moe(shape: ModelShape, layer: int, tp_rank: int, tp_size: int, ep_rank: int,
+         ep_size: int, expert_tp_size: int | None, expert_replica: int | None,
+         dp_rank: int, dtype: str) -> list[ShardSpec]:
+    h, i = shape.hidden_size, shape.moe_intermediate_size
+    etp = expert_tp_size or (tp_size if ep_size == 1 else 1)
+    etp_rank = tp_rank % etp
+    copies = tp_size // etp
+    rep = replica_index(tp_rank, tp_size, dp_rank)
+    expert_rep = expert_replica if expert_replica is not None else (
+        replica_index(tp_rank // etp, copies, dp_rank) if ep_size == 1 else 0)
+    experts = split_even(shape.num_experts, ep_size, ep_rank, what="experts", dim="ep")
+    width = split_even(i, etp, etp_rank, what="expert MLP channels", dim="expert tp")
+    p = f"model.layers.{layer}.mlp."
+    w13: list[Segment] = []
+    w2: list[Segment] = []
+    for e in experts:
+        x = expert_prefix(layer, e)
+        w13.append(rows_of(f"{x}gate_proj.weight", (i, h), width))
+        w13.append(rows_of(f"{x}up_proj.weight", (i, h), width))
+        w2.append(rows_of(f"{x}down_proj.weight", (h, i), range(h), cols=width))
+    return [
+        whole(f"{p}gate.weight", (shape.num_experts, h), dtype=dtype, replica=rep),
+        stack(f"{p}experts.w13_weight", w13, dtype=dtype, replica=expert_rep),
+        stack(f"{p}experts.w2_weight", w2, dtype=dtype, replica=expert_rep),
+    ]
+
+
+#: SGLang uses vLLM's parameter names, stacking and vocabulary padding.
+sglang_layout = vllm_layout
+
+_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)"
+                     r"\.weight$")
+
+
+def hf_to_vllm(name: str) -> tuple[str, str | int | tuple[str, int] | None]:
+    """Returns `(vLLM parameter name, shard id)` receiving HF tensor `name`.
+
+    The shard id is what vLLM's weight loaders take: `"q"`/`"k"`/`"v"` for `qkv_proj`,
+    `0`/`1` for `gate_up_proj`, `("w1"|"w3"|"w2", expert)` for FusedMoE, `None` for an
+    unfused parameter.
+    """
+    match = _EXPERT.match(name)
+    if match:
+        param, shard = EXPERT_PARAMS[match.group(3)]
+        return f"{match.group(1)}.{param}", (shard, int(match.group(2)))
+    for fused, hf, shard_id in STACKED:
+        if f".{hf}." in name:
+            return name.replace(f".{hf}.", f".{fused}."), shard_id
+    return name, None
+
+
+def vllm_to_hf(name: str, config: Any) -> tuple[str, ...]:
+    """Returns the HF tensors a vLLM parameter holds pieces of (in local order).
+
+    Raises:
+        KeyError: `name` is not a parameter of vLLM's module for this config.
+    """
+    for spec in vllm_layout(config):
+        if spec.local_name == name:
+            return spec.names
+    family = ModelShape.from_hf_config(config).family
+    raise KeyError(f"{name!r} is not a vLLM parameter of this {family} model")
