@@ -45,11 +45,21 @@ def _rank_and_world() -> tuple[int, int]:
     return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def _barrier() -> None:
+def _barrier(what: str = "barrier") -> None:
     import torch.distributed as dist
 
+    from peerflow.distributed import barrier
+
     if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+        barrier(what=what)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def _seed_everything(seed: int, rank: int) -> None:
@@ -82,7 +92,11 @@ def run_worker(
     run_path = Path(resume or run_dir)
     rank, world_size = _rank_and_world()
     _seed_everything(config.seed, rank)
-    init_distributed(timeout_s=config.runtime.fault_timeout)
+    if "RANK" in os.environ:
+        init_distributed(timeout=config.runtime.fault_timeout)
+    else:  # one process started by hand (tests, notebooks)
+        init_distributed(timeout=config.runtime.fault_timeout, rank=0, world_size=1,
+                         init_method=f"tcp://127.0.0.1:{_free_port()}")
     runtime = None
     try:
         with stage("start-up"):

@@ -1,0 +1,116 @@
+"""End-to-end GRPO throughput: PeerFlow vs TRL's GRPOTrainer on the same run.
+
+Both sides run the same config (task, model directory, prompts per step, group size, max
+tokens, steps, learning rate) with the same number of processes. Tokens are prompt plus
+generated tokens processed; the rate divides them by the wall time of the whole command
+(start-up, model load, every step) — what a user waits for. Train-loop-only rates are
+reported alongside. Figures are medians over `--runs` repetitions, sides interleaved.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds the benchmark's options."""
+    parser.add_argument("--config", default="examples/quickstart.yaml",
+                        help="run config both sides use (default: the quickstart)")
+    parser.add_argument("--nprocs", type=int, default=2, help="processes per side")
+    parser.add_argument("--steps", type=int, default=8, help="training steps per side")
+    parser.add_argument("--runs", type=int, default=1, help="repetitions (medians reported)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[],
+                        metavar="KEY=VALUE", help="config override applied to both sides")
+    parser.add_argument("--skip-trl", action="store_true",
+                        help="measure PeerFlow only (TRL not installed)")
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "HF_HUB_OFFLINE": "1",
+                "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"})
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    return env
+
+
+def _run(cmd: list[str], log: Path) -> float:
+    start = time.perf_counter()
+    with log.open("w") as out:
+        proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=_env())
+    wall = time.perf_counter() - start
+    if proc.returncode:
+        tail = log.read_text()[-3000:]
+        raise RuntimeError(f"{' '.join(cmd[:6])} … exited {proc.returncode}; log {log}:\n{tail}")
+    return wall
+
+
+def run_peerflow(args: argparse.Namespace, overrides: list[str], work: Path) -> dict[str, float]:
+    """Runs `peerflow train` and returns tokens, wall and train-loop seconds."""
+    run_dir = work / f"peerflow-{time.time_ns()}"
+    cmd = [sys.executable, "-m", "peerflow", "train", args.config, "--nprocs", str(args.nprocs),
+           "--run-dir", str(run_dir)]
+    for item in overrides:
+        cmd += ["--set", item]
+    wall = _run(cmd, work / "peerflow.log")
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x]
+    tokens = sum(m.get("tokens/total", 0.0) for m in lines)
+    train_s = sum(m.get("time/step", 0.0) for m in lines)
+    return {"tokens": tokens, "wall_s": wall, "train_s": train_s,
+            "reward_first": lines[0].get("reward/mean", 0.0) if lines else 0.0,
+            "reward_last": lines[-1].get("reward/mean", 0.0) if lines else 0.0}
+
+
+def run_trl(args: argparse.Namespace, overrides: list[str], work: Path) -> dict[str, float]:
+    """Runs TRL's GRPOTrainer under torchrun and returns tokens, wall and train seconds."""
+    out = work / f"trl-{time.time_ns()}.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           "--nproc-per-node", str(args.nprocs), "-m", "peerflow.bench.e2e_trl",
+           "--config", args.config, "--out", str(out), "--workdir", str(work)]
+    for item in overrides:
+        cmd += ["--set", item]
+    wall = _run(cmd, work / "trl.log")
+    result = json.loads(out.read_text())
+    rewards = result.get("reward") or [0.0]
+    return {"tokens": result["tokens"], "wall_s": wall, "train_s": result["train_s"],
+            "reward_first": rewards[0], "reward_last": rewards[-1]}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Runs both sides `--runs` times and returns the JSON result."""
+    overrides = [f"run.steps={args.steps}", f"runtime.nprocs={args.nprocs}", *args.overrides]
+    peerflow: list[dict[str, float]] = []
+    trl: list[dict[str, float]] = []
+    with tempfile.TemporaryDirectory(prefix="peerflow-bench-e2e-") as tmp:
+        work = Path(tmp)
+        for _ in range(args.runs):
+            peerflow.append(run_peerflow(args, overrides, work))
+            if not args.skip_trl:
+                trl.append(run_trl(args, overrides, work))
+
+    def rate(rows: list[dict[str, float]], key: str) -> float:
+        return statistics.median(r["tokens"] / r[key] for r in rows) if rows else 0.0
+
+    pf, tr = rate(peerflow, "wall_s"), rate(trl, "wall_s")
+    pf_loop, tr_loop = rate(peerflow, "train_s"), rate(trl, "train_s")
+    return {
+        "benchmark": "e2e",
+        "peerflow_tokens_per_s": pf,
+        "trl_tokens_per_s": tr,
+        "ratio": pf / tr if tr else None,
+        "train_loop": {"peerflow_tokens_per_s": pf_loop, "trl_tokens_per_s": tr_loop,
+                       "ratio": pf_loop / tr_loop if tr_loop else None},
+        "median_of": args.runs,
+        "settings": {"config": args.config, "nprocs": args.nprocs, "steps": args.steps,
+                     "overrides": list(args.overrides)},
+        "runs": {"peerflow": peerflow, "trl": trl},
+    }

@@ -1,0 +1,116 @@
+"""TRL side of `peerflow bench e2e`: the same GRPO run through TRL's `GRPOTrainer`.
+
+Run as a module under torchrun, one process per rank (TRL uses `accelerate`, which reads
+the torchrun environment):
+
+    torchrun --nproc-per-node 2 -m peerflow.bench.e2e_trl --config CFG --out FILE ...
+
+It reads the same run config as PeerFlow, resolves the same model directory (so both
+start from identical weights), gives TRL the prompts PeerFlow's sampler would draw, scores
+answers with the same registered reward, and writes `{"tokens", "train_s"}` on rank 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Runs TRL GRPO for the config's steps and writes the token count and wall time."""
+    parser = argparse.ArgumentParser(prog="python -m peerflow.bench.e2e_trl")
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--set", dest="overrides", action="append", default=[])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--workdir", required=True)
+    args = parser.parse_args(argv)
+
+    import torch
+
+    torch.set_num_threads(1)
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    from peerflow.config import load_config
+    from peerflow.plugins import load_plugins
+    from peerflow.worker.runtime import build_components, resolve_model_path
+
+    config = load_config(args.config, args.overrides)
+    pm = load_plugins()
+    model_path = resolve_model_path(config, pm)
+    components = build_components(config, pm)
+    task = components["task"]
+    reward = components["rewards"][components["default_reward"]]
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    prompts_per_step = config.run.prompts_per_step
+    n = config.rollout.sampling.n
+    examples = {}
+    for i, example in enumerate(task.examples("train", config.seed)):
+        if i >= prompts_per_step * config.run.steps:
+            break
+        examples[i] = example
+    dataset = Dataset.from_dict({
+        "prompt": [e.prompt for e in examples.values()],
+        "example_index": list(examples),
+    })
+
+    def reward_fn(completions: list, example_index: list, **_: object) -> list[float]:
+        texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
+        return [float(x) for x in reward.score(texts, [examples[int(i)] for i in example_index])]
+
+    reward_fn.__name__ = reward.name
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    sampling = config.rollout.sampling
+    trl_args = GRPOConfig(
+        output_dir=str(Path(args.workdir) / "trl"),
+        per_device_train_batch_size=prompts_per_step * n // world,
+        gradient_accumulation_steps=1,
+        steps_per_generation=1,
+        num_generations=n,
+        max_completion_length=sampling.max_tokens,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        top_k=sampling.top_k or None,
+        learning_rate=config.trainer.lr,
+        adam_beta1=config.trainer.betas[0],
+        adam_beta2=config.trainer.betas[1],
+        weight_decay=config.trainer.weight_decay,
+        max_grad_norm=config.trainer.grad_clip,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        beta=config.algorithm.kl.coef,
+        max_steps=config.run.steps,
+        num_train_epochs=1,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        bf16=False,
+        seed=config.seed,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
+    trainer = GRPOTrainer(model=model, reward_funcs=[reward_fn], args=trl_args,
+                          train_dataset=dataset, processing_class=tokenizer)
+    start = time.perf_counter()
+    trainer.train()
+    train_s = time.perf_counter() - start
+    if int(os.environ.get("RANK", "0")) == 0:
+        rewards = [h.get("reward") for h in trainer.state.log_history if "reward" in h]
+        Path(args.out).write_text(json.dumps({
+            "tokens": float(trainer.state.num_input_tokens_seen),
+            "train_s": train_s,
+            "steps": trainer.state.global_step,
+            "reward": rewards,
+        }))
+
+
+if __name__ == "__main__":
+    main()
