@@ -1,0 +1,47 @@
+"""The one-way dependency rules of DESIGN.md, checked on the source tree."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+ENGINES = ("vllm", "sglang", "deepspeed", "megatron", "ray")
+
+FORBIDDEN = {
+    "core": ("peerflow.adapters", "peerflow.contrib", "peerflow.conformance"),
+    "plugins": ("peerflow.adapters",),
+    "adapters": ("peerflow.conformance", "peerflow.contrib"),
+}
+
+
+def _imports(path: Path, top_level_only: bool = False) -> list[tuple[int, str]]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    nodes = tree.body if top_level_only else list(ast.walk(tree))
+    found = []
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.append((node.lineno, node.module))
+    return found
+
+
+def _sources(folder: str) -> list[Path]:
+    return sorted((ROOT / folder).rglob("*.py"))
+
+
+@pytest.mark.parametrize("folder", sorted(FORBIDDEN))
+def test_dependencies_point_one_way(folder):
+    bad = [f"{path.relative_to(ROOT)}:{line} imports {module}"
+           for path in _sources(folder) for line, module in _imports(path)
+           if module.startswith(FORBIDDEN[folder])]
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("folder", ["core", "plugins", "adapters"])
+def test_engines_are_imported_lazily(folder):
+    bad = [f"{path.relative_to(ROOT)}:{line} imports {module} at module level"
+           for path in _sources(folder) for line, module in _imports(path, top_level_only=True)
+           if module.split(".")[0] in ENGINES]
+    assert not bad, "\n".join(bad)
