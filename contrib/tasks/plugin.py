@@ -1,0 +1,34 @@
+"""Registers the first-party tasks and rewards.
+
+Entry point `tasks = peerflow.contrib.tasks.plugin`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from peerflow.plugins import hookimpl
+
+
+@hookimpl
+def peerflow_register_tasks(register: Any) -> None:
+    """Registers reverse-digits, arithmetic and dataset."""
+    from peerflow.contrib.tasks.dataset import DatasetTask
+    from peerflow.contrib.tasks.generated import ArithmeticTask, ReverseDigitsTask
+
+    for cls in (ReverseDigitsTask, ArithmeticTask, DatasetTask):
+        register(cls)
+
+
+@hookimpl
+def peerflow_register_rewards(register: Any) -> None:
+    """Registers char_match, char_match_strict, exact_match and contains."""
+    from peerflow.contrib.tasks.rewards import (
+        CharMatchReward,
+        ContainsReward,
+        ExactMatchReward,
+        StrictCharMatchReward,
+    )
+
+    for cls in (CharMatchReward, StrictCharMatchReward, ExactMatchReward, ContainsReward):
+        register(cls)

@@ -1,0 +1,169 @@
+"""Builds a tiny causal LM and its tokenizer from a config, cached on disk.
+
+The directory holds everything a Hugging Face loader (and vLLM) needs: `config.json`,
+`model.safetensors`, the tokenizer files and `peerflow_builder.json` (the options that
+made it). It lives at `<cache root>/<hash of the options>`, so the same options always
+map to the same directory; a build writes into a temporary directory and renames it into
+place, so processes racing to build the same model never see a half-written one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import attrs
+
+#: Bumped when the builder's output for the same options changes.
+BUILDER_VERSION = 1
+MARKER = "peerflow_builder.json"
+
+
+def default_cache_root() -> Path:
+    """`$PEERFLOW_MODEL_CACHE`, else `~/.cache/peerflow/models`."""
+    env = os.environ.get("PEERFLOW_MODEL_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "peerflow" / "models"
+
+
+@attrs.frozen(kw_only=True)
+class TinyModelOptions:
+    """`model.builder_options`: the shape of the tiny model (defaults: ~0.5 M parameters)."""
+
+    model_type: Literal["llama", "qwen2"] = "llama"
+    """Hugging Face architecture."""
+    hidden_size: int = 128
+    """Width of the residual stream."""
+    intermediate_size: int = 512
+    """Width of the MLP."""
+    num_layers: int = 2
+    """Decoder layers."""
+    num_heads: int = 4
+    """Attention heads."""
+    num_kv_heads: int = 4
+    """Key/value heads (fewer than `num_heads` gives grouped-query attention)."""
+    max_position_embeddings: int = 128
+    """Longest prompt + answer the model accepts."""
+    tie_word_embeddings: bool = True
+    """Share the input embedding and the LM head."""
+    extra_merges: int = 0
+    """BPE merges beyond the task's characters (0: a character-level tokenizer)."""
+    seed: int = 0
+    """Seed of the random initialisation."""
+
+    def __attrs_post_init__(self) -> None:
+        if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"model.builder_options: hidden_size={self.hidden_size} must be divisible by "
+                f"num_heads={self.num_heads}, and num_heads by num_kv_heads={self.num_kv_heads}."
+            )
+
+
+def cache_key(builder: str, corpus: Iterable[str], options: TinyModelOptions) -> str:
+    """A stable 16-hex-digit key of everything that determines the built directory."""
+    payload = json.dumps({
+        "builder": builder, "version": BUILDER_VERSION, "corpus": sorted(set(corpus)),
+        "options": attrs.asdict(options),
+    }, sort_keys=True)
+    return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+def build_tiny_model(
+    builder: str,
+    corpus: Iterable[str],
+    options: TinyModelOptions,
+    cache_dir: str | Path | None = None,
+    log: Callable[[str], None] | None = None,
+) -> Path:
+    """Returns the directory of the tiny model for `options`, building it if missing.
+
+    Args:
+        builder: Name of the task that builds it (part of the cache key).
+        corpus: Text whose characters the tokenizer must cover.
+        options: Model shape and seed.
+        cache_dir: Cache root; `None` for `default_cache_root()`.
+        log: Called with one line when a model is built.
+    """
+    corpus = list(corpus)
+    root = Path(cache_dir).expanduser() if cache_dir else default_cache_root()
+    target = root / cache_key(builder, corpus, options)
+    if (target / MARKER).is_file():
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=root))
+    try:
+        _write_model(tmp, corpus, options)
+        (tmp / MARKER).write_text(json.dumps(
+            {"builder": builder, "version": BUILDER_VERSION, "options": attrs.asdict(options)},
+            indent=1, sort_keys=True))
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not (target / MARKER).is_file():
+                raise
+        else:
+            if log is not None:
+                log(f"built tiny model {builder} at {target}")
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _write_model(directory: Path, corpus: list[str], options: TinyModelOptions) -> None:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from peerflow.contrib.tasks.tokenizer import train_char_tokenizer
+
+    tokenizer = train_char_tokenizer(corpus, options.extra_merges)
+    config = AutoConfig.for_model(
+        options.model_type,
+        vocab_size=len(tokenizer),
+        hidden_size=options.hidden_size,
+        intermediate_size=options.intermediate_size,
+        num_hidden_layers=options.num_layers,
+        num_attention_heads=options.num_heads,
+        num_key_value_heads=options.num_kv_heads,
+        max_position_embeddings=options.max_position_embeddings,
+        tie_word_embeddings=options.tie_word_embeddings,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        dtype="float32",
+    )
+    with _seeded(options.seed):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(directory, safe_serialization=True)
+    tokenizer.save_pretrained(directory)
+
+
+class _seeded:
+    """Seeds torch's CPU generator for the block and restores its state afterwards."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+
+    def __enter__(self) -> None:
+        import torch
+
+        self.state = torch.get_rng_state()
+        torch.manual_seed(self.seed)
+
+    def __exit__(self, *exc: object) -> None:
+        import torch
+
+        torch.set_rng_state(self.state)
+
+
+def options_from_mapping(options: Mapping[str, Any]) -> TinyModelOptions:
+    """Validates `model.builder_options` (strictly: unknown keys name the fix)."""
+    from peerflow.config.structure import structure
+
+    return structure(TinyModelOptions, dict(options), "model.builder_options")
