@@ -10,6 +10,7 @@ from typing import Any
 from peerflow.batch import Batch
 from peerflow.worker.executors import executor_for
 from peerflow.worker.metrics import StepMetrics, all_reduce_metrics
+from peerflow.worker.program import RouteStep
 from peerflow.worker.runtime import WorkerRuntime
 
 
@@ -66,36 +67,34 @@ def timed(metrics: StepMetrics, name: str, stage: Any = None) -> Iterator[None]:
 
 def run_step(
     rt: WorkerRuntime,
-    nodes: Sequence[Any],
+    steps: Sequence[Any],
     *,
     node_types: dict[str, type] | None = None,
     stage_factory: Any = None,
-    route: Any = None,
     tracer: Any = None,
 ) -> tuple[Batch, dict[str, float]]:
     """Runs one step of this rank's program and returns its batch and reduced metrics.
 
     Args:
         rt: This rank's runtime (its `step` already set to the step being run).
-        nodes: This rank's workflow nodes, in program order.
+        steps: Workflow nodes and route steps (`RouteStep.run(batch)`), in program order.
         node_types: Registered plugin node types by kind.
         stage_factory: `f(name) -> context manager` marking the fault stage (names the
             node in the message peers print if this rank dies there); `None` for none.
-        route: `f(node, batch) -> batch` moving the batch to the layout `node` consumes
-            it in (the data coordinator); `None` when every layout is the same.
         tracer: Optional per-rank timeline recorder with `span(name)`.
     """
     metrics = StepMetrics()
     batch = Batch.empty()
     start = time.perf_counter()
-    for node in nodes:
-        run = executor_for(node.kind, (node_types or {}).get(node.kind))
-        stage = stage_factory(f"step {rt.step} node {node.name}") if stage_factory else None
-        span = tracer.span(node.name) if tracer is not None else contextlib.nullcontext()
-        with span, timed(metrics, node.name, stage):
-            if route is not None:
-                batch = route(node, batch)
-            batch = run(rt, node, batch, metrics)
+    for item in steps:
+        stage = stage_factory(f"step {rt.step} {item.name}") if stage_factory else None
+        span = tracer.span(item.name) if tracer is not None else contextlib.nullcontext()
+        with span, timed(metrics, item.name.replace(" ", "_"), stage):
+            if isinstance(item, RouteStep):
+                batch = item.run(batch)
+            else:
+                run = executor_for(item.kind, (node_types or {}).get(item.kind))
+                batch = run(rt, item, batch, metrics)
     metrics.max("time/step", time.perf_counter() - start)
     record_batch_metrics(batch, metrics)
     reduced = all_reduce_metrics(metrics)

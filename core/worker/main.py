@@ -25,6 +25,7 @@ import torch
 from peerflow.config import RunConfig, dump_config, load_config, validate_config
 from peerflow.worker import checkpoint as ckpt
 from peerflow.worker.loop import run_step
+from peerflow.worker.program import RankProgram, program_from_plan
 from peerflow.worker.runtime import TRAIN_ROLES, WorkerRuntime, build_components, resolve_model_path
 from peerflow.worker.sampler import ShardedPromptSampler
 
@@ -113,13 +114,11 @@ def run_worker(
 def _start(
     config: RunConfig, run_path: Path, rank: int, world_size: int, resume: str | None
 ) -> tuple[WorkerRuntime, Any]:
-    from peerflow.planner import plan_run
     from peerflow.plugins import load_plugins
 
     pm = load_plugins()
     validate_config(config, pm)
-    plan = plan_run(config, world_size)
-    program = plan.program(rank)
+    program = _program(config, world_size, rank, pm)
     if rank == 0:
         run_path.mkdir(parents=True, exist_ok=True)
         if resume is None:
@@ -133,7 +132,10 @@ def _start(
     components = build_components(config, pm)
     tokenizer = _load_tokenizer(model_path)
     data_layout = program.data_layout
-    dp_rank, dp_size = data_layout.dp_rank(rank), data_layout.dp
+    if rank in data_layout.global_ranks:
+        dp_rank, dp_size = data_layout.dp_rank(rank), data_layout.dp
+    else:  # this rank reads no prompts (split placement, trainer-only rank)
+        dp_rank, dp_size = 0, 1
     task = components["task"]
     sampler = ShardedPromptSampler(
         examples=lambda: task.examples("train", config.seed),
@@ -158,6 +160,14 @@ def _start(
     return rt, program
 
 
+def _program(config: RunConfig, world_size: int, rank: int, pm: Any) -> RankProgram:
+    from peerflow.planner import plan_run
+
+    plan = plan_run(config, world_size, pm)
+    return program_from_plan(plan, rank, mode=config.runtime.coordinator,
+                             timeout=config.runtime.fault_timeout)
+
+
 def _load_tokenizer(model_path: str) -> Any:
     from transformers import AutoTokenizer
 
@@ -165,12 +175,42 @@ def _load_tokenizer(model_path: str) -> Any:
 
 
 def _weight_sync(rt: WorkerRuntime) -> Any:
-    from peerflow.reshard import sync_weights
+    actor, rollout = rt.engines["actor"], rt.engines["rollout"]
+    try:
+        from peerflow.reshard import sync_weights
+    except ImportError:
+        return _same_layout_copy(actor, rollout)
 
     def run() -> Any:
-        actor, rollout = rt.engines["actor"], rt.engines["rollout"]
         return sync_weights(actor, rollout, version=actor.version,
                             bucket_bytes=rt.config.weight_sync.bucket_bytes)
+
+    return run
+
+
+def _same_layout_copy(actor: Any, rollout: Any) -> Any:
+    """Weight sync when trainer and rollout hold the very same tensors on this rank.
+
+    Without `peerflow.reshard` installed only this trivial case (one process, full
+    tensors on both sides) can be synced; anything else is a clear error.
+    """
+    from peerflow.engines import WeightSyncStats
+
+    def run() -> Any:
+        sources = {spec.local_name: spec for spec in actor.weight_sources()}
+        targets = rollout.weight_targets()
+        if any(sources.get(t.local_name) != t for t in targets):
+            raise RuntimeError(
+                "weight sync between differently sharded trainer and rollout engines needs "
+                "peerflow.reshard, which is not installed in this checkout."
+            )
+        start = time.perf_counter()
+        rollout.begin_weight_update(actor.version)
+        with actor.materialize([sources[t.local_name] for t in targets]) as tensors:
+            rollout.load_weights(list(zip(targets, tensors)))
+        rollout.finish_weight_update()
+        return WeightSyncStats(version=actor.version, load_s=time.perf_counter() - start,
+                               bytes=sum(t.numel() * t.element_size() for t in tensors))
 
     return run
 
@@ -187,8 +227,8 @@ def _train(rt: WorkerRuntime, program: Any, stage: Any) -> None:
     try:
         for step in range(start_step + 1, config.run.steps + 1):
             rt.step = step
-            _, metrics = run_step(rt, program.nodes, node_types=node_types,
-                                  stage_factory=stage, route=program.route)
+            _, metrics = run_step(rt, program.steps, node_types=node_types,
+                                  stage_factory=stage)
             if writer is not None:
                 writer(step, metrics)
             rt.pm.hook.peerflow_end_of_step(step=step, metrics=metrics, rank=rt.rank)
@@ -206,9 +246,22 @@ def _metrics_writer(rt: WorkerRuntime, path: Path, start_step: int) -> Any:
         return None
     if start_step:
         ckpt.truncate_metrics(path, start_step)
-    from peerflow.outputs import MetricsWriter
-
+    try:
+        from peerflow.outputs import MetricsWriter
+    except ImportError:
+        return _jsonl_writer(path)
     return MetricsWriter(rt.run_dir, rt.config)
+
+
+def _jsonl_writer(path: Path) -> Any:
+    """Appends one JSON line per step (used when `peerflow.outputs` is not installed)."""
+    import json
+
+    def write(step: int, metrics: dict[str, float]) -> None:
+        with path.open("a") as out:
+            out.write(json.dumps(metrics) + "\n")
+
+    return write
 
 
 def _save(rt: WorkerRuntime, step: int) -> None:

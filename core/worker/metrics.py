@@ -53,10 +53,15 @@ class StepMetrics:
         self._values[name] = ("min", min(prev, float(value)), 1.0)
 
     def add_engine_metrics(self, prefix: str, metrics: Mapping[str, Any], weight: float) -> None:
-        """Records an engine's returned metrics as weighted means under `prefix/`."""
+        """Records an engine's returned metrics as weighted means.
+
+        Plain keys (`grad_norm`) are put under `prefix/`; keys that already carry a
+        namespace (`actor/pg_loss`, `kl/mean`) are kept as they are.
+        """
         for key, value in metrics.items():
             if isinstance(value, int | float) and not isinstance(value, bool):
-                self.mean(f"{prefix}/{key}", value, weight)
+                name = key if key.startswith(f"{prefix}/") or "/" in key else f"{prefix}/{key}"
+                self.mean(name, value, weight)
 
     def raw(self) -> dict[str, tuple[str, float, float]]:
         """Returns `{name: (reduce, accumulated, weight)}` for the cross-rank exchange."""

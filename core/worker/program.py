@@ -1,0 +1,113 @@
+"""`RankProgram`: the part of the run plan one worker executes.
+
+The planner (`peerflow.planner.plan_run`) orders the workflow and emits, per rank, a
+sequence of ops: `RunNode` (run a workflow node with this rank's engine of its role) and
+`RouteOp` (move the batch from one role's layout to another's through the data
+coordinator). `program_from_plan` turns that into the steps the worker loop runs and
+collects the facts the worker needs at start-up: which roles it hosts, their layouts and
+process groups, and which layout's dp-ranks read prompts.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from peerflow.batch import Batch
+from peerflow.layout import ParallelLayout
+
+
+@attrs.frozen(kw_only=True)
+class RouteStep:
+    """A batch redistribution between two layouts (a planner `RouteOp`)."""
+
+    route: Any
+    """The planner's `Route` (`src`, `dst` layouts)."""
+    group: Any = None
+    """Process group of the route's participants (`None`: the default group)."""
+    mode: str = "p2p"
+    """`p2p` or `centralized` (`runtime.coordinator`)."""
+
+    @property
+    def name(self) -> str:
+        """Route name, used for timings and fault stages (`route <name>`)."""
+        return f"route {self.route.name}"
+
+    def run(self, batch: Batch) -> Batch:
+        """Returns this rank's consumer shard of the redistributed batch."""
+        from peerflow.coordinator import redistribute
+
+        return redistribute(batch, self.route, self.group, mode=self.mode)
+
+
+@attrs.frozen(kw_only=True)
+class RankProgram:
+    """What one rank runs each step, and the role facts it needs to build engines."""
+
+    rank: int
+    """Global rank."""
+    steps: tuple[Any, ...]
+    """Workflow `Node`s and `RouteStep`s, in execution order."""
+    layouts: dict[str, ParallelLayout]
+    """Layout of every role whose engine this rank hosts."""
+    data_layout: ParallelLayout
+    """Layout whose dp-ranks read prompt shards (the `generate` node's role)."""
+    groups: dict[str, Any] = attrs.field(factory=dict)
+    """torch.distributed group of each hosted role (`None`: the default group)."""
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        """Roles hosted on this rank."""
+        return tuple(self.layouts)
+
+    def process_group(self, role: str) -> Any:
+        """Returns the process group of `role` (`None` for the default group)."""
+        return self.groups.get(role)
+
+
+def _new_groups(layouts: dict[str, ParallelLayout], world_size: int, timeout: float) -> dict:
+    """One group per distinct rank set smaller than the world, created on every rank."""
+    import datetime
+
+    import torch.distributed as dist
+
+    made: dict[tuple[int, ...], Any] = {}
+    for role in sorted(layouts):
+        ranks = tuple(layouts[role].global_ranks)
+        if len(ranks) == world_size or ranks in made or not dist.is_initialized():
+            continue
+        made[ranks] = dist.new_group(list(ranks),
+                                     timeout=datetime.timedelta(seconds=timeout))
+    return {role: made.get(tuple(lay.global_ranks)) for role, lay in layouts.items()}
+
+
+def program_from_plan(plan: Any, rank: int, *, mode: str = "p2p",
+                      timeout: float = 60.0) -> RankProgram:
+    """Builds this rank's `RankProgram` from the planner's `RunPlan`.
+
+    Call on every rank: process groups are created collectively, in the same order.
+    """
+    from peerflow.coordinator import RouteGroups
+    from peerflow.planner import RouteOp
+
+    route_groups = RouteGroups.build(plan, timeout=timeout) if plan.routes else None
+    role_groups = _new_groups(plan.roles, plan.world_size, timeout)
+    steps: list[Any] = []
+    hosted: dict[str, ParallelLayout] = {}
+    data_role = None
+    for op in plan.program(rank):
+        if isinstance(op, RouteOp):
+            steps.append(RouteStep(route=op.route, mode=mode,
+                                   group=route_groups.get(op.route) if route_groups else None))
+            continue
+        node = plan.graph.node(op.node)
+        steps.append(node)
+        if data_role is None and node.kind == "generate":
+            data_role = node.role
+        for role in (node.role, node.options.get("target")):
+            if role in plan.roles and rank in plan.roles[role].global_ranks:
+                hosted[role] = plan.roles[role]
+    data_layout = plan.roles[data_role or "rollout"]
+    return RankProgram(rank=rank, steps=tuple(steps), layouts=hosted, data_layout=data_layout,
+                       groups={r: role_groups.get(r) for r in hosted})
