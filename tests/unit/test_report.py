@@ -1,0 +1,63 @@
+"""`peerflow report`: plots and summary from metrics.jsonl."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from peerflow.cli import main
+from peerflow.outputs import MetricsWriter
+from peerflow.outputs.report import render_report, summarize
+
+
+def write_run(run_dir, steps=12, async_metrics=False):
+    with MetricsWriter(run_dir, tensorboard=False) as writer:
+        for step in range(1, steps + 1):
+            metrics = {
+                "reward/mean": step / steps, "reward/min": 0.0, "reward/max": 1.0,
+                "response_length/mean": 4.0 + step, "kl/mean": 0.01 * step,
+                "throughput/tokens_per_s": 1000.0, "time/step": 1.0,
+                "time/generate": 0.6, "time/train_actor": 0.3, "actor/pg_loss": -0.1,
+            }
+            if async_metrics:
+                metrics |= {"staleness/mean": 0.5, "overlap/fraction": 0.7, "queue/depth": 3}
+            writer(step, metrics)
+
+
+def test_report_renders_pngs_and_summary(tmp_path):
+    write_run(tmp_path)
+    files = render_report(tmp_path, smooth=3)
+    names = sorted(p.name for p in files)
+    assert names == ["kl.png", "response_length.png", "reward.png", "step_time.png",
+                     "summary.json", "throughput.png", "training.png"]
+    for path in files:
+        if path.suffix == ".png":
+            assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    summary = json.loads((tmp_path / "report" / "summary.json").read_text())
+    reward = summary["metrics"]["reward/mean"]
+    assert reward["first_mean"] == pytest.approx(3 / 12)  # steps 1-5: mean 3 / 12
+    assert reward["last_mean"] == pytest.approx(10 / 12)  # steps 8-12: mean 10 / 12
+
+
+def test_async_metrics_add_staleness_and_overlap_plots(tmp_path):
+    write_run(tmp_path, steps=3, async_metrics=True)
+    names = {p.name for p in render_report(tmp_path, tmp_path / "out")}
+    assert {"staleness.png", "overlap.png"} <= names
+
+
+def test_summarize_skips_missing_values():
+    records = [{"step": 1, "a": 1.0}, {"step": 2, "a": None, "b": 2.0}, {"step": 3, "a": 3.0}]
+    summary = summarize(records, window=1)
+    assert summary["metrics"]["a"] == {"first": 1.0, "last": 3.0, "first_mean": 1.0,
+                                       "last_mean": 3.0}
+    assert summary["metrics"]["b"]["first"] == 2.0
+
+
+def test_report_cli(tmp_path, capsys):
+    write_run(tmp_path, steps=10)
+    assert main(["report", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "reward.png" in out and "reward/mean: first 5 steps 0.300, last 5 steps 0.800" in out
+    assert main(["report", str(tmp_path / "missing")]) == 1
+    assert "PeerFlow run directory" in capsys.readouterr().err
