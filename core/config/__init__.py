@@ -25,6 +25,9 @@ from peerflow.config.schema import (
     TaskConfig,
 )
 from peerflow.config.structure import apply_override, structure, unstructure
+from peerflow.config.workflow import NodeConfig, WorkflowConfig, check_workflow
+
+EXTRA_VALIDATORS.append(check_workflow)
 
 __all__ = [
     "EXTRA_VALIDATORS",
@@ -32,6 +35,7 @@ __all__ = [
     "KLConfig",
     "LayoutConfig",
     "ModelConfig",
+    "NodeConfig",
     "RolloutConfig",
     "RunConfig",
     "RunSettings",
@@ -40,6 +44,7 @@ __all__ = [
     "TaskConfig",
     "TrainerConfig",
     "WeightSyncConfig",
+    "WorkflowConfig",
     "apply_override",
     "dump_config",
     "load_config",

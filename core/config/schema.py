@@ -7,6 +7,7 @@ from typing import Any, Literal
 import attrs
 
 from peerflow.config.engines import RolloutConfig, TrainerConfig, WeightSyncConfig
+from peerflow.config.workflow import WorkflowConfig
 
 
 @attrs.frozen(kw_only=True)
@@ -118,7 +119,7 @@ class RunConfig:
     rollout: RolloutConfig = attrs.Factory(RolloutConfig)
     trainer: TrainerConfig = attrs.Factory(TrainerConfig)
     weight_sync: WeightSyncConfig = attrs.Factory(WeightSyncConfig)
-    workflow: dict[str, Any] = attrs.field(factory=lambda: {"graph": "grpo"})
-    """The workflow graph: `{graph: grpo|ppo}` or `{nodes: [...]}` (see the runtime docs)."""
+    workflow: WorkflowConfig = attrs.Factory(WorkflowConfig)
+    """The workflow graph: `{graph: grpo|ppo}` or `{nodes: [...]}` (`peerflow.workflow`)."""
     runtime: RuntimeConfig = attrs.Factory(RuntimeConfig)
     run: RunSettings = attrs.Factory(RunSettings)

@@ -1,0 +1,77 @@
+"""`peerflow plan CONFIG [--nprocs N] [--format text|json|dot] [--simulate]`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from peerflow.cli.config_cmd import add_config_arguments
+
+
+def add_parser(subparsers: Any) -> None:
+    """Adds the `plan` subcommand."""
+    parser = subparsers.add_parser(
+        "plan", help="show the per-rank programs and data routes of a run",
+        description="Plan a run without starting anything: role layouts, the redistribution "
+        "route of every edge whose layouts differ, and each rank's program. Programs that "
+        "are the same on many ranks are shown once with their rank ranges.",
+    )
+    add_config_arguments(parser)
+    parser.add_argument("--nprocs", type=int, default=None,
+                        help="world size to plan for (default: runtime.nprocs)")
+    parser.add_argument("--format", choices=["text", "json", "dot"], default="text",
+                        help="output format (dot: Graphviz source of the graph)")
+    parser.add_argument("--simulate", action="store_true",
+                        help="add the modelled bytes of each route through the busiest rank, "
+                        "peer-to-peer and centralized, for one step's batch")
+    parser.set_defaults(func=run)
+
+
+def _simulation(plan: Any, config: Any) -> list[dict[str, Any]]:
+    from peerflow.planner import simulate_route
+
+    rows = []
+    for route in plan.routes:
+        per_dp = max(1, plan.samples_per_step // route.src.dp)
+        for mode in ("p2p", "centralized"):
+            t = simulate_route(route.src, route.dst, samples_per_dp=per_dp,
+                               group_size=config.rollout.sampling.n,
+                               mean_tokens=config.rollout.sampling.max_tokens, mode=mode,
+                               seed=config.seed)
+            rows.append({"route": route.name, "mode": mode, "samples": t.samples,
+                         "busiest_rank_bytes": t.busiest_rank_bytes,
+                         "busiest_rank": t.busiest_rank})
+    return rows
+
+
+def run(args: argparse.Namespace) -> int:
+    """Prints the plan; raises `ConfigError` (exit 1) when the run cannot be planned."""
+    from peerflow.config import load_config
+    from peerflow.errors import ConfigError
+    from peerflow.planner import plan_run
+    from peerflow.plugins import get_plugin_manager
+    from peerflow.workflow.validate import check_model_layouts
+
+    config = load_config(args.config, args.overrides)
+    nprocs = args.nprocs or config.runtime.nprocs
+    plan = plan_run(config, nprocs, get_plugin_manager())
+    problems = check_model_layouts(config, plan.graph, plan.roles)
+    if problems:
+        raise ConfigError("\n".join(problems))
+    simulation = _simulation(plan, config) if args.simulate else None
+    if args.format == "json":
+        data = plan.to_dict()
+        if simulation is not None:
+            data["simulation"] = simulation
+        print(json.dumps(data, indent=1))
+    elif args.format == "dot":
+        print(plan.to_dot())
+    else:
+        print(plan.to_text())
+        if simulation is not None:
+            print("\nmodelled traffic per step (busiest rank):")
+            for row in simulation:
+                print(f"  {row['route']:32s} {row['mode']:12s} {row['busiest_rank_bytes']:>14,d} "
+                      f"bytes (rank {row['busiest_rank']}, {row['samples']} samples)")
+    return 0

@@ -1,0 +1,30 @@
+"""The data coordinator: peer-to-peer redistribution of batches between layouts.
+
+Interface for the worker (`peerflow.worker`): for each `RouteOp` in its program, every
+rank of the route calls
+
+    batch = redistribute(batch, op.route, groups.get(op.route), mode=config.runtime.coordinator)
+
+with `groups = RouteGroups.build(plan)` created once at start-up on every rank. Pure
+planning pieces (`balance_groups`, `plan_transfer`) are shared with the planner's scaled
+simulation.
+"""
+
+from peerflow.coordinator.assign import balance_groups
+from peerflow.coordinator.groups import RouteGroups
+from peerflow.coordinator.redistribute import LOAD_FIELDS, TransferStats, redistribute
+from peerflow.coordinator.transfer import TransferPlan, dp_members, plan_transfer
+from peerflow.coordinator.wire import pack_batch, unpack_batch
+
+__all__ = [
+    "LOAD_FIELDS",
+    "RouteGroups",
+    "TransferPlan",
+    "TransferStats",
+    "balance_groups",
+    "dp_members",
+    "pack_batch",
+    "plan_transfer",
+    "redistribute",
+    "unpack_batch",
+]

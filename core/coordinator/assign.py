@@ -1,0 +1,140 @@
+"""Deterministic, length-balanced, group-preserving sample assignment (pure functions).
+
+Every rank of a route computes the same assignment from the same all-gathered metadata,
+so no rank has to decide and broadcast it. Groups (the answers to one prompt) are kept
+whole; group loads (tokens) are balanced over the consumer dp-ranks:
+
+1. small instances (few groups) are solved exactly by branch and bound under a node
+   budget, so the result is optimal where an imbalance would be most visible;
+2. larger ones use longest-processing-time-first (a heap), then a local search that
+   moves or swaps groups between the busiest and the least-loaded dp-rank while that
+   lowers the busiest load.
+
+Ties always break on the lower index, so the result depends only on the inputs.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+
+#: Groups up to this count are assigned exactly (branch and bound).
+EXACT_GROUPS = 14
+#: Search-node budget of the exact solver before it keeps the best assignment found.
+EXACT_BUDGET = 200_000
+
+
+def _lpt(loads: Sequence[int], bins: int, order: Sequence[int]) -> list[int]:
+    heap = [(0, b) for b in range(bins)]
+    out = [0] * len(loads)
+    for g in order:
+        load, b = heapq.heappop(heap)
+        out[g] = b
+        heapq.heappush(heap, (load + loads[g], b))
+    return out
+
+
+def _bin_loads(loads: Sequence[int], assign: Sequence[int], bins: int) -> list[int]:
+    totals = [0] * bins
+    for g, b in enumerate(assign):
+        totals[b] += loads[g]
+    return totals
+
+
+def _refine(loads: Sequence[int], assign: list[int], bins: int, rounds: int) -> list[int]:
+    totals = _bin_loads(loads, assign, bins)
+    members: list[list[int]] = [[] for _ in range(bins)]
+    for g, b in enumerate(assign):
+        members[b].append(g)
+    for _ in range(rounds):
+        hi = max(range(bins), key=lambda b: (totals[b], -b))
+        lo = min(range(bins), key=lambda b: (totals[b], b))
+        gap = totals[hi] - totals[lo]
+        if gap <= 0:
+            break
+        best: tuple[int, int, int] | None = None  # (new max of the pair, g, h or -1)
+        for g in members[hi]:
+            if 0 < loads[g] < gap:
+                cand = (max(totals[hi] - loads[g], totals[lo] + loads[g]), g, -1)
+                best = cand if best is None or cand < best else best
+            for h in members[lo]:
+                d = loads[g] - loads[h]
+                if 0 < d < gap:
+                    cand = (max(totals[hi] - d, totals[lo] + d), g, h)
+                    best = cand if best is None or cand < best else best
+        if best is None or best[0] >= totals[hi]:
+            break
+        _, g, h = best
+        members[hi].remove(g)
+        members[lo].append(g)
+        totals[hi] -= loads[g]
+        totals[lo] += loads[g]
+        assign[g] = lo
+        if h >= 0:
+            members[lo].remove(h)
+            members[hi].append(h)
+            totals[lo] -= loads[h]
+            totals[hi] += loads[h]
+            assign[h] = hi
+    return assign
+
+
+def _exact(loads: Sequence[int], bins: int, order: list[int], start: list[int]) -> list[int]:
+    best_assign = list(start)
+    best = max(_bin_loads(loads, start, bins))
+    lower = max(max(loads), -(-sum(loads) // bins))
+    if best <= lower:
+        return best_assign
+    totals = [0] * bins
+    current = [0] * len(loads)
+    budget = [EXACT_BUDGET]
+
+    def search(i: int, peak: int) -> bool:
+        nonlocal best, best_assign
+        budget[0] -= 1
+        if budget[0] < 0:
+            return True
+        if i == len(order):
+            if peak < best:
+                best, best_assign = peak, list(current)
+            return best <= lower
+        g = order[i]
+        seen: set[int] = set()
+        for b in range(bins):
+            if totals[b] in seen or totals[b] + loads[g] >= best:
+                continue
+            seen.add(totals[b])  # bins with equal load are interchangeable
+            totals[b] += loads[g]
+            current[g] = b
+            done = search(i + 1, max(peak, totals[b]))
+            totals[b] -= loads[g]
+            if done:
+                return True
+        return False
+
+    search(0, 0)
+    return best_assign
+
+
+def balance_groups(loads: Sequence[int], bins: int) -> list[int]:
+    """Assigns each group to one of `bins` consumers, minimising the busiest consumer's load.
+
+    Args:
+        loads: Token load of each group (non-negative).
+        bins: Number of consumers (dp-ranks).
+
+    Returns:
+        The consumer index of each group.
+    """
+    if bins < 1:
+        raise ValueError(f"balance_groups: bins={bins}; need at least one consumer.")
+    if not loads:
+        return []
+    loads = [int(x) for x in loads]
+    order = sorted(range(len(loads)), key=lambda g: (-loads[g], g))
+    assign = _lpt(loads, bins, order)
+    if bins == 1:
+        return assign
+    if len(loads) <= EXACT_GROUPS:
+        return _exact(loads, bins, order, assign)
+    return _refine(loads, assign, bins, rounds=4 * bins + 16)

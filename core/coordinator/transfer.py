@@ -1,0 +1,127 @@
+"""`TransferPlan`: who sends which samples to whom on one route (pure, no communication).
+
+Built identically on every rank of the route from the all-gathered metadata (group id
+and token load of every sample, per producer dp-rank):
+
+* each group goes whole to one consumer dp-rank (`balance_groups`);
+* the k-th rank of a consumer dp group (its tp/pp peers all receive the same samples)
+  receives from itself when it holds the producer's data (colocated ranks move nothing),
+  otherwise from the producer dp group's rank `k mod size`, spreading send load over
+  the producer's tp peers;
+* a receiver that is assigned nothing still gets an empty message from producer dp 0,
+  so it learns the batch's fields.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+
+from peerflow.coordinator.assign import balance_groups
+from peerflow.layout import ParallelLayout
+
+
+def dp_members(layout: ParallelLayout) -> list[tuple[int, ...]]:
+    """Returns, for each dp index, the global ranks (tp/pp/… peers) that consume it.
+
+    Computed from mesh arithmetic in one pass (`ParallelLayout.ranks_of_dp` is O(N) per call).
+    """
+    inner = layout.ep * layout.cp * layout.tp
+    members: list[list[int]] = [[] for _ in range(layout.dp)]
+    for local, rank in enumerate(layout.global_ranks):
+        members[(local // inner) % layout.dp].append(rank)
+    return [tuple(m) for m in members]
+
+
+@attrs.frozen(kw_only=True)
+class TransferPlan:
+    """The sample movements of one route for one batch."""
+
+    src: ParallelLayout
+    """Producer layout."""
+    dst: ParallelLayout
+    """Consumer layout."""
+    dst_of_sample: tuple[tuple[int, ...], ...]
+    """For each producer dp-rank, the consumer dp-rank of each of its samples."""
+    sends: dict[tuple[int, int], tuple[int, ...]]
+    """`(sender, receiver)` global ranks → indices into the sender's dp-shard, in order.
+    A pair with `sender == receiver` is a local copy."""
+    dst_loads: tuple[int, ...]
+    """Token load each consumer dp-rank receives."""
+
+    @property
+    def moves(self) -> bool:
+        """Whether any sample crosses a process boundary."""
+        return any(s != r and idx for (s, r), idx in self.sends.items())
+
+    def receives(self, rank: int) -> list[tuple[int, tuple[int, ...]]]:
+        """`(sender, indices)` pairs addressed to `rank`, in producer-dp order."""
+        return [(s, idx) for (s, r), idx in self.sends.items() if r == rank]
+
+
+def plan_transfer(
+    src: ParallelLayout,
+    dst: ParallelLayout,
+    group_ids: Sequence[Sequence[int]],
+    loads: Sequence[Sequence[int]],
+) -> TransferPlan:
+    """Plans a route's movements from per-producer-dp metadata.
+
+    Args:
+        src: Producer layout.
+        dst: Consumer layout.
+        group_ids: For each producer dp-rank, the group id of each of its samples.
+        loads: For each producer dp-rank, the token load of each sample.
+
+    Returns:
+        The plan every rank of the route computes identically.
+
+    Raises:
+        ValueError: the metadata does not have one entry per producer dp-rank.
+    """
+    if len(group_ids) != src.dp or len(loads) != src.dp:
+        raise ValueError(
+            f"plan_transfer: got metadata for {len(group_ids)} producer dp-ranks but the "
+            f"producer layout {src.describe()} has dp={src.dp}."
+        )
+    group_index: dict[int, int] = {}
+    group_load: list[int] = []
+    sample_group: list[list[int]] = []
+    for gids, lens in zip(group_ids, loads):
+        if len(gids) != len(lens):
+            raise ValueError("plan_transfer: group_ids and loads differ in length.")
+        row = []
+        for gid, load in zip(gids, lens):
+            g = group_index.setdefault(int(gid), len(group_load))
+            if g == len(group_load):
+                group_load.append(0)
+            group_load[g] += int(load)
+            row.append(g)
+        sample_group.append(row)
+    group_dst = balance_groups(group_load, dst.dp)
+    dst_loads = [0] * dst.dp
+    for g, d in enumerate(group_dst):
+        dst_loads[d] += group_load[g]
+    dst_of_sample = tuple(tuple(group_dst[g] for g in row) for row in sample_group)
+    src_members = dp_members(src)
+    dst_members = dp_members(dst)
+    sends: dict[tuple[int, int], tuple[int, ...]] = {}
+    for s, targets in enumerate(dst_of_sample):
+        by_dst: dict[int, list[int]] = {}
+        for i, d in enumerate(targets):
+            by_dst.setdefault(d, []).append(i)
+        senders = src_members[s]
+        for d, indices in by_dst.items():
+            for k, receiver in enumerate(dst_members[d]):
+                sender = receiver if receiver in senders else senders[k % len(senders)]
+                sends[(sender, receiver)] = tuple(indices)
+    receivers = {r for (_, r) in sends}
+    for members in dst_members:
+        for k, receiver in enumerate(members):
+            if receiver not in receivers:
+                senders = src_members[0]
+                sender = receiver if receiver in senders else senders[k % len(senders)]
+                sends[(sender, receiver)] = ()
+    return TransferPlan(src=src, dst=dst, dst_of_sample=dst_of_sample, sends=sends,
+                        dst_loads=tuple(dst_loads))

@@ -1,0 +1,87 @@
+"""Collectives and point-to-point exchanges that never wait forever.
+
+Every helper takes a `timeout` in seconds (default: the process group's, i.e.
+`runtime.fault_timeout`) and raises `WorkerFailedError` naming what it waited for; a
+published peer failure takes precedence (the peer is named, not this rank).
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from peerflow.distributed.faults import current_monitor, read_failure
+from peerflow.errors import WorkerFailedError
+
+
+def default_timeout() -> float:
+    """The timeout `init_distributed` configured (60 s when unknown)."""
+    from peerflow.distributed.init import dist_context
+
+    ctx = dist_context()
+    return ctx.timeout if ctx is not None else 60.0
+
+
+def _peer_failure() -> str | None:
+    monitor = current_monitor()
+    if monitor is None:
+        return None
+    try:
+        record = read_failure(monitor.store)
+    except Exception:
+        return None
+    return record.message() if record is not None and record.rank != monitor.rank else None
+
+
+def wait_all(works: Sequence[Any], what: str, timeout: float | None = None) -> None:
+    """Waits for async work handles, each for at most `timeout` seconds.
+
+    Raises:
+        WorkerFailedError: a handle failed or timed out (naming `what` and, when one is
+            published, the peer that failed).
+    """
+    timeout = default_timeout() if timeout is None else timeout
+    delta = datetime.timedelta(seconds=timeout)
+    for work in works:
+        try:
+            work.wait(timeout=delta)
+        except Exception as exc:
+            peer = _peer_failure()
+            cause = f"; {peer}" if peer else ""
+            raise WorkerFailedError(
+                f"{what} did not complete within {timeout:.0f} s ({exc}){cause}"
+            ) from exc
+
+
+def all_gather_tensor(tensor: torch.Tensor, group: Any = None, *, what: str = "all_gather",
+                      timeout: float | None = None) -> list[torch.Tensor]:
+    """All-gathers equally shaped tensors with a timeout."""
+    size = dist.get_world_size(group)
+    out = [torch.empty_like(tensor) for _ in range(size)]
+    wait_all([dist.all_gather(out, tensor, group=group, async_op=True)], what, timeout)
+    return out
+
+
+def all_gather_ragged(rows: torch.Tensor, group: Any = None, *, what: str = "all_gather",
+                      timeout: float | None = None) -> list[torch.Tensor]:
+    """All-gathers `[n_i, k]` tensors whose first dimension differs per rank.
+
+    Two collectives: the row counts, then the rows padded to the largest count.
+    """
+    count = torch.tensor([rows.shape[0]], dtype=torch.int64)
+    counts = [int(c) for c in all_gather_tensor(count, group, what=f"{what} (counts)",
+                                                 timeout=timeout)]
+    padded = rows.new_zeros((max(counts + [0]), *rows.shape[1:]))
+    padded[: rows.shape[0]] = rows
+    gathered = all_gather_tensor(padded, group, what=what, timeout=timeout)
+    return [g[:c] for g, c in zip(gathered, counts)]
+
+
+def barrier(group: Any = None, *, what: str = "barrier", timeout: float | None = None) -> None:
+    """A barrier with a timeout (an all-reduce of one element; works on every backend)."""
+    one = torch.ones(1)
+    wait_all([dist.all_reduce(one, group=group, async_op=True)], what, timeout)

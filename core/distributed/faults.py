@@ -1,0 +1,315 @@
+"""Fault detection and propagation over a key-value store, so that nothing hangs.
+
+Every rank runs a `FaultMonitor` thread on the job's `torch.distributed` store (or on the
+launcher's own store named by `PEERFLOW_FAULT_STORE`):
+
+* it bumps its heartbeat counter every `interval` seconds and records its host, pid and
+  current stage (`stage("generate")`, entered by the worker around every node);
+* it watches the heartbeats of the next two ranks (a ring, so the store sees O(N)
+  traffic); a counter that stops moving for `stale_after` seconds means that rank died
+  or hung, and the watcher publishes an *abort record* naming it;
+* a rank that raises inside `stage(...)` publishes the record itself, with the error;
+  a rank whose collective failed because a peer vanished waits briefly for the record
+  instead of blaming itself;
+* every monitor polls the record; once it exists, the rank prints
+  `peerflow: rank R (host H) failed in stage S: …; rank r exits` and leaves with
+  `PEER_FAILED_EXIT`, even while its main thread is blocked in a collective.
+
+The first record wins (`compare_set`), so every rank names the same failure. Detection
+takes at most `stale_after + 2 * interval` (half `fault_timeout` by default).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import attrs
+
+from peerflow.errors import WorkerFailedError
+
+#: Exit status of a rank that stops because a *peer* failed.
+PEER_FAILED_EXIT = 3
+#: Prefix of every key the monitor writes in the store.
+PREFIX = "peerflow/faults/"
+
+_COMM_ERROR_WORDS = ("gloo", "connection", "timed out", "timeout", "nccl", "closed",
+                     "reset by peer", "broken pipe", "peer")
+
+
+@attrs.frozen(kw_only=True)
+class FailureRecord:
+    """Which rank failed, where, in which stage and why."""
+
+    rank: int
+    host: str
+    stage: str
+    reason: str
+    reporter: int
+
+    def message(self) -> str:
+        """Human form, as every rank prints it."""
+        return (f"rank {self.rank} (host {self.host}) failed in stage {self.stage!r}: "
+                f"{self.reason}")
+
+    def to_json(self) -> str:
+        """Serialised form stored under the abort key."""
+        return json.dumps(attrs.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> FailureRecord:
+        """Parses `to_json`'s output."""
+        return cls(**json.loads(text))
+
+
+def _hostname() -> str:
+    return socket.gethostname()
+
+
+def read_failure(store: Any) -> FailureRecord | None:
+    """Returns the published abort record, or `None` if no rank failed."""
+    if not store.check([PREFIX + "abort"]):
+        return None
+    return FailureRecord.from_json(store.get(PREFIX + "abort"))
+
+
+def publish_failure(store: Any, record: FailureRecord) -> FailureRecord:
+    """Publishes `record` unless another failure was published first; returns the winner."""
+    current = store.compare_set(PREFIX + "abort", "", record.to_json())
+    return FailureRecord.from_json(current)
+
+
+def rank_info(store: Any, rank: int) -> tuple[str, str]:
+    """Returns `(host, stage)` a rank last recorded (`?` when unknown)."""
+    host = stage = "?"
+    if store.check([f"{PREFIX}host/{rank}"]):
+        host = store.get(f"{PREFIX}host/{rank}").decode().rsplit(":", 1)[0]
+    if store.check([f"{PREFIX}stage/{rank}"]):
+        stage = store.get(f"{PREFIX}stage/{rank}").decode()
+    return host, stage
+
+
+def looks_like_comm_error(exc: BaseException) -> bool:
+    """Whether an exception is what a collective raises when a peer vanished or timed out."""
+    text = f"{type(exc).__name__} {exc}".lower()
+    return isinstance(exc, RuntimeError | ConnectionError | TimeoutError) and any(
+        w in text for w in _COMM_ERROR_WORDS)
+
+
+@attrs.define(eq=False)
+class FaultMonitor:
+    """The per-rank heartbeat, watcher and abort-record poller (see the module docstring).
+
+    Args:
+        store: A `torch.distributed.Store` every rank and the launcher can reach.
+        rank: This process's global rank.
+        world_size: Number of ranks.
+        fault_timeout: Seconds within which every rank must exit after a failure.
+        exit_process: Called with the exit status when a peer failed (tests replace it);
+            defaults to `os._exit`, which works even when the main thread is blocked.
+    """
+
+    store: Any
+    rank: int
+    world_size: int
+    fault_timeout: float = 60.0
+    exit_process: Any = os._exit
+    stage_name: str = "startup"
+    host: str = attrs.field(factory=_hostname)
+    _stop: threading.Event = attrs.field(factory=threading.Event)
+    _thread: threading.Thread | None = None
+    _seen: dict[int, tuple[int, float]] = attrs.field(factory=dict)
+    _store_error_since: float | None = None
+
+    @property
+    def interval(self) -> float:
+        """Seconds between heartbeats and polls."""
+        return min(1.0, max(0.05, self.fault_timeout / 20))
+
+    @property
+    def stale_after(self) -> float:
+        """Seconds without a heartbeat after which a watched rank counts as failed."""
+        return self.fault_timeout / 2
+
+    def start(self) -> FaultMonitor:
+        """Records host and pid and starts the monitor thread."""
+        self.store.set(f"{PREFIX}host/{self.rank}", f"{self.host}:{os.getpid()}")
+        self.store.set(f"{PREFIX}stage/{self.rank}", self.stage_name)
+        self.store.add(f"{PREFIX}hb/{self.rank}", 1)
+        self._thread = threading.Thread(target=self._loop, name="peerflow-fault-monitor",
+                                        daemon=True)
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        """Marks this rank as finished cleanly and stops the thread."""
+        self._stop.set()
+        with contextlib.suppress(Exception):
+            self.store.set(f"{PREFIX}done/{self.rank}", "1")
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=2 * self.interval + 1)
+
+    def set_stage(self, name: str) -> None:
+        """Records the stage this rank is in (what a failure message names)."""
+        self.stage_name = name
+        with contextlib.suppress(Exception):
+            self.store.set(f"{PREFIX}stage/{self.rank}", name)
+
+    def fail(self, reason: str, rank: int | None = None) -> FailureRecord:
+        """Publishes a failure of `rank` (default: this rank); returns the winning record."""
+        rank = self.rank if rank is None else rank
+        if rank == self.rank:
+            host, stage = self.host, self.stage_name
+        else:
+            host, stage = rank_info(self.store, rank)
+        record = FailureRecord(rank=rank, host=host, stage=stage, reason=reason,
+                               reporter=self.rank)
+        return publish_failure(self.store, record)
+
+    def wait_for_failure(self, seconds: float) -> FailureRecord | None:
+        """Polls for a published failure for up to `seconds`."""
+        deadline = time.monotonic() + seconds
+        while True:
+            with contextlib.suppress(Exception):
+                record = read_failure(self.store)
+                if record is not None:
+                    return record
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(self.interval / 2)
+
+    def exit_for(self, record: FailureRecord) -> None:
+        """Prints the failure and leaves the process with `PEER_FAILED_EXIT`."""
+        print(f"peerflow: {record.message()}; rank {self.rank} (host {self.host}, stage "
+              f"{self.stage_name!r}) exits.", file=sys.stderr, flush=True)
+        self._stop.set()
+        self.exit_process(PEER_FAILED_EXIT)
+
+    def _watched(self) -> list[int]:
+        others = [(self.rank + k) % self.world_size for k in (1, 2)]
+        return list(dict.fromkeys(r for r in others if r != self.rank))
+
+    def _tick(self, now: float) -> FailureRecord | None:
+        self.store.add(f"{PREFIX}hb/{self.rank}", 1)
+        record = read_failure(self.store)
+        if record is not None:
+            return record
+        for peer in self._watched():
+            if self.store.check([f"{PREFIX}done/{peer}"]):
+                continue
+            beat = self.store.add(f"{PREFIX}hb/{peer}", 0)
+            last = self._seen.get(peer)
+            if last is None or beat != last[0]:
+                self._seen[peer] = (beat, now)
+            elif now - last[1] > self.stale_after:
+                return self.fail(f"no heartbeat for {now - last[1]:.1f} s (the process died "
+                                 "or froze)", rank=peer)
+        return None
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            now = time.monotonic()
+            try:
+                record = self._tick(now)
+                self._store_error_since = None
+            except Exception as exc:  # the store itself is gone: its host died
+                self._store_error_since = self._store_error_since or now
+                if now - self._store_error_since > self.stale_after and not self._stop.is_set():
+                    record = FailureRecord(
+                        rank=-1, host="?", stage="store", reporter=self.rank,
+                        reason=f"lost the rendezvous store ({exc}); the launcher or the rank "
+                        "hosting it died")
+                    self.exit_for(record)
+                continue
+            if record is not None and record.rank != self.rank and not self._stop.is_set():
+                self.exit_for(record)
+                return
+
+    def install_sigterm_handler(self) -> None:
+        """On SIGTERM (a launcher stopping the job), name the failure if one is published."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+
+        def handler(signum: int, frame: Any) -> None:
+            record = self.wait_for_failure(min(2.0, self.stale_after))
+            if record is None:
+                record = FailureRecord(rank=-1, host="?", stage="?", reporter=self.rank,
+                                       reason="the launcher stopped the job (SIGTERM)")
+            self.exit_for(record)
+
+        signal.signal(signal.SIGTERM, handler)
+
+
+_MONITOR: FaultMonitor | None = None
+
+
+def set_monitor(monitor: FaultMonitor | None) -> None:
+    """Installs the process's monitor (done by `init_distributed`)."""
+    global _MONITOR
+    _MONITOR = monitor
+
+
+def current_monitor() -> FaultMonitor | None:
+    """The process's monitor, or `None` before `init_distributed`."""
+    return _MONITOR
+
+
+def handle_failure(exc: BaseException, monitor: FaultMonitor | None = None) -> None:
+    """Reports an exception raised on this rank, or exits naming the peer that caused it.
+
+    A communication error first waits up to `stale_after + 2 * interval` for a peer's
+    record (the peer that died is the culprit, not this rank); any other error is
+    published as this rank's failure. Returns when the caller should re-raise.
+    """
+    monitor = monitor or _MONITOR
+    if monitor is None or isinstance(exc, KeyboardInterrupt):
+        return
+    if isinstance(exc, SystemExit) and not exc.code:
+        return
+    record = None
+    with contextlib.suppress(Exception):
+        record = read_failure(monitor.store)
+        if record is None and looks_like_comm_error(exc):
+            record = monitor.wait_for_failure(monitor.stale_after + 2 * monitor.interval)
+    if record is not None and record.rank != monitor.rank:
+        monitor.exit_for(record)
+        return
+    with contextlib.suppress(Exception):
+        monitor.fail(f"{type(exc).__name__}: {exc}")
+
+
+@contextlib.contextmanager
+def stage(name: str) -> Iterator[None]:
+    """Runs a block as stage `name` (a workflow node, `weight_sync`, `checkpoint`, …).
+
+    A failure inside is reported to every rank (see `handle_failure`) and re-raised.
+    Without `init_distributed` it only re-raises.
+    """
+    monitor = _MONITOR
+    previous = monitor.stage_name if monitor else None
+    if monitor is not None:
+        monitor.set_stage(name)
+    try:
+        yield
+    except BaseException as exc:
+        handle_failure(exc, monitor)
+        raise
+    if monitor is not None and previous is not None:
+        monitor.set_stage(previous)
+
+
+def raise_if_failed() -> None:
+    """Raises `WorkerFailedError` if a peer's failure is published (a cheap check)."""
+    if _MONITOR is None:
+        return
+    record = read_failure(_MONITOR.store)
+    if record is not None and record.rank != _MONITOR.rank:
+        raise WorkerFailedError(record.message())

@@ -1,0 +1,154 @@
+"""Starting torch.distributed with timeouts and the fault monitor.
+
+Call sequence on every rank (the launcher's entry does 1–2 before `run_worker`):
+
+1. `ctx = init_distributed(backend="auto", timeout=fault_timeout)` — reads the
+   `torchrun`-style environment (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`,
+   `MASTER_PORT`), picks gloo on CPU and NCCL on GPU, sets the process group's timeout
+   (the timeout of every collective), and starts the `FaultMonitor`. Idempotent: a second
+   call returns the same context.
+2. wrap work in `with stage("generate"): …` so failures name the stage;
+3. `shutdown_distributed()` at the end (marks the rank done, destroys the group).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from typing import Any
+
+import attrs
+import torch
+import torch.distributed as dist
+
+from peerflow.distributed.faults import FaultMonitor, current_monitor, set_monitor
+from peerflow.errors import ConfigError
+
+#: Environment variable naming a launcher-hosted fault store (`host:port`).
+FAULT_STORE_ENV = "PEERFLOW_FAULT_STORE"
+
+
+@attrs.frozen(kw_only=True)
+class DistContext:
+    """What `init_distributed` set up for this process."""
+
+    rank: int
+    """Global rank."""
+    world_size: int
+    """Number of processes."""
+    local_rank: int
+    """Rank on this host (selects the GPU)."""
+    backend: str
+    """`gloo` or `nccl`."""
+    host: str
+    """This host's name."""
+    timeout: float
+    """Seconds every collective and p2p exchange may take."""
+    store: Any
+    """The store the fault monitor uses."""
+    monitor: FaultMonitor | None
+    """This rank's fault monitor (`None` when started with `monitor=False`)."""
+
+    @property
+    def device(self) -> torch.device:
+        """`cuda:<local_rank>` with NCCL, else CPU."""
+        return torch.device(f"cuda:{self.local_rank}" if self.backend == "nccl" else "cpu")
+
+
+_CONTEXT: DistContext | None = None
+
+
+def _env_int(name: str, default: int | None = None) -> int:
+    value = os.environ.get(name)
+    if value is None:
+        if default is None:
+            raise ConfigError(
+                f"environment variable {name} is not set; start workers with `peerflow train`, "
+                "`torchrun` or the Ray launcher, or pass rank and world_size explicitly."
+            )
+        return default
+    return int(value)
+
+
+def _fault_store(default_store: Any, timeout: float) -> Any:
+    address = os.environ.get(FAULT_STORE_ENV)
+    if not address:
+        return default_store
+    host, _, port = address.rpartition(":")
+    return dist.TCPStore(host, int(port), is_master=False,
+                         timeout=datetime.timedelta(seconds=max(timeout, 30.0)))
+
+
+def init_distributed(
+    backend: str = "auto",
+    timeout: float = 60.0,
+    *,
+    rank: int | None = None,
+    world_size: int | None = None,
+    init_method: str | None = None,
+    monitor: bool = True,
+) -> DistContext:
+    """Initialises the default process group and the fault monitor (idempotent).
+
+    Args:
+        backend: `auto` (NCCL when CUDA is available, else gloo), `gloo` or `nccl`.
+        timeout: Seconds each collective may take (the run's `runtime.fault_timeout`).
+        rank: Global rank; defaults to `$RANK`.
+        world_size: Number of ranks; defaults to `$WORLD_SIZE`.
+        init_method: URL for `init_process_group`; defaults to `env://`.
+        monitor: Start the heartbeat/abort monitor.
+
+    Returns:
+        The process's `DistContext`.
+
+    Raises:
+        ConfigError: the environment does not describe a job, or the backend is unknown.
+    """
+    global _CONTEXT
+    if _CONTEXT is not None and dist.is_initialized():
+        return _CONTEXT
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend not in ("gloo", "nccl"):
+        raise ConfigError(f"init_distributed: backend={backend!r}; use auto, gloo or nccl.")
+    rank = _env_int("RANK") if rank is None else rank
+    world_size = _env_int("WORLD_SIZE") if world_size is None else world_size
+    local_rank = _env_int("LOCAL_RANK", 0)
+    if os.environ.get("MASTER_ADDR", "127.0.0.1") in ("127.0.0.1", "localhost"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one machine: stay on loopback
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend=backend, init_method=init_method or "env://", rank=rank,
+            world_size=world_size, timeout=datetime.timedelta(seconds=timeout),
+        )
+    store = _fault_store(dist.distributed_c10d._get_default_store(), timeout)
+    fault_monitor = None
+    if monitor:
+        fault_monitor = FaultMonitor(store=store, rank=rank, world_size=world_size,
+                                     fault_timeout=timeout).start()
+        fault_monitor.install_sigterm_handler()
+        set_monitor(fault_monitor)
+    _CONTEXT = DistContext(rank=rank, world_size=world_size, local_rank=local_rank,
+                           backend=backend, host=socket.gethostname(), timeout=timeout,
+                           store=store, monitor=fault_monitor)
+    return _CONTEXT
+
+
+def dist_context() -> DistContext | None:
+    """The context `init_distributed` returned, or `None`."""
+    return _CONTEXT
+
+
+def shutdown_distributed() -> None:
+    """Marks this rank finished, stops the monitor and destroys the process group."""
+    global _CONTEXT
+    monitor = current_monitor()
+    if monitor is not None:
+        monitor.close()
+        set_monitor(None)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _CONTEXT = None

@@ -1,0 +1,142 @@
+"""Built-in node kinds, user node types, and the GRPO and PPO graphs.
+
+A kind's `KindSpec` gives the default role and fields of a node of that kind, so a YAML
+node may write just `{name: reward, kind: reward}`. What a kind *does* on a rank is the
+worker's business (`peerflow.worker`); a plugin node type subclasses `NodeType` and
+implements `run`.
+
+Fields (see `peerflow.algorithms.base` for their shapes): `prompt_ids`, `example` (from
+the dataset), `response_ids`, `rollout_logprobs`, `reward`, `old_logprobs`,
+`ref_logprobs`, `values`, `advantages`, `returns`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import attrs
+
+from peerflow.workflow.graph import SOURCE_FIELDS, Node, WorkflowGraph
+
+
+@attrs.frozen(kw_only=True)
+class KindSpec:
+    """Defaults of one node kind."""
+
+    role: str
+    """Role a node of this kind runs on unless it names another."""
+    inputs: tuple[str, ...] = ()
+    """Fields it reads by default."""
+    outputs: tuple[str, ...] = ()
+    """Fields it writes by default."""
+    after: tuple[str, ...] = ()
+    """Kinds it runs after by default (resolved to nodes of those kinds)."""
+
+
+#: The built-in node kinds.
+BUILTIN_KINDS: dict[str, KindSpec] = {
+    "generate": KindSpec(role="rollout", inputs=("prompt_ids",),
+                         outputs=("response_ids", "rollout_logprobs")),
+    "reward": KindSpec(role="reward", inputs=("response_ids", "example"), outputs=("reward",)),
+    "ref_logprob": KindSpec(role="ref", inputs=("prompt_ids", "response_ids"),
+                            outputs=("ref_logprobs",)),
+    "old_logprob": KindSpec(role="actor", inputs=("prompt_ids", "response_ids"),
+                            outputs=("old_logprobs",)),
+    "values": KindSpec(role="critic", inputs=("prompt_ids", "response_ids"), outputs=("values",)),
+    "advantage": KindSpec(role="actor", inputs=("response_ids", "reward"),
+                          outputs=("advantages", "returns")),
+    "train_actor": KindSpec(role="actor",
+                            inputs=("prompt_ids", "response_ids", "advantages", "old_logprobs")),
+    "train_critic": KindSpec(role="critic",
+                             inputs=("prompt_ids", "response_ids", "returns", "values")),
+    "sync_weights": KindSpec(role="actor", after=("train_actor",)),
+}
+
+
+class NodeType:
+    """Base class of a user node type registered through `peerflow_register_nodes`.
+
+    Subclasses set `name` (what `workflow.nodes[].kind` selects), `role`, `inputs` and
+    `outputs` defaults, and implement `run`, which every rank of the node's role calls
+    with its dp-shard of the step's batch.
+    """
+
+    name: ClassVar[str]
+    role: ClassVar[str] = "actor"
+    inputs: ClassVar[tuple[str, ...]] = ()
+    outputs: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, node: Node, config: Any) -> None:
+        self.node = node
+        self.config = config
+
+    def run(self, batch: Any, context: Any) -> Mapping[str, Any]:
+        """Returns the new fields (`node.outputs`) for `batch`.
+
+        Args:
+            batch: This dp-rank's `peerflow.Batch`, holding at least `node.inputs`.
+            context: The worker's per-rank context (engines, process groups, step).
+        """
+        raise NotImplementedError(f"node type {type(self).__name__} must implement run()")
+
+    @classmethod
+    def spec(cls) -> KindSpec:
+        """The defaults a YAML node of this type inherits."""
+        return KindSpec(role=cls.role, inputs=tuple(cls.inputs), outputs=tuple(cls.outputs))
+
+
+def _node(kind: str, name: str | None = None, **changes: Any) -> Node:
+    spec = BUILTIN_KINDS[kind]
+    values: dict[str, Any] = {"role": spec.role, "inputs": spec.inputs,
+                              "outputs": spec.outputs, "after": spec.after}
+    values.update(changes)
+    return Node(name=name or kind, kind=kind, **values)
+
+
+def grpo_graph(*, kl: bool = False, old_logprobs: bool = True) -> WorkflowGraph:
+    """GRPO: generate → reward → (ref_logprob) → old_logprob → advantage → train → sync.
+
+    Args:
+        kl: Include the frozen reference model (`ref_logprob`) and feed it to the loss.
+        old_logprobs: Recompute the trainer's log-probs before the update; without it the
+            loss uses the rollout engine's log-probs (purely on-policy runs).
+    """
+    train_inputs = ["prompt_ids", "response_ids", "advantages"]
+    nodes = [_node("generate"), _node("reward")]
+    if kl:
+        nodes.append(_node("ref_logprob"))
+        train_inputs.append("ref_logprobs")
+    if old_logprobs:
+        nodes.append(_node("old_logprob"))
+        train_inputs.append("old_logprobs")
+    else:
+        train_inputs.append("rollout_logprobs")
+    nodes += [
+        _node("advantage", outputs=("advantages",)),
+        _node("train_actor", inputs=tuple(train_inputs)),
+        _node("sync_weights", after=("train_actor",), options={"target": "rollout"}),
+    ]
+    return WorkflowGraph(nodes, SOURCE_FIELDS)
+
+
+def ppo_graph(*, kl: bool = False) -> WorkflowGraph:
+    """PPO with a critic: GRPO's nodes plus `values` and `train_critic`; GAE advantages."""
+    train_inputs = ["prompt_ids", "response_ids", "advantages", "old_logprobs"]
+    nodes = [_node("generate"), _node("reward")]
+    if kl:
+        nodes.append(_node("ref_logprob"))
+        train_inputs.append("ref_logprobs")
+    nodes += [
+        _node("old_logprob"),
+        _node("values"),
+        _node("advantage", inputs=("response_ids", "reward", "values")),
+        _node("train_actor", inputs=tuple(train_inputs)),
+        _node("train_critic"),
+        _node("sync_weights", after=("train_actor",), options={"target": "rollout"}),
+    ]
+    return WorkflowGraph(nodes, SOURCE_FIELDS)
+
+
+#: Built-in graphs selectable as `workflow.graph`.
+BUILTIN_GRAPHS = {"grpo": grpo_graph, "ppo": ppo_graph}
