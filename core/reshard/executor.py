@@ -1,0 +1,225 @@
+"""Execute a `ReshardPlan` on one rank: pack, exchange, unpack, load — bucket by bucket.
+
+`run_plan` is engine-agnostic: it reads source tensors through a `materialize` callable
+and hands finished destination tensors to a `load` callable. `peerflow.reshard.sync`
+binds those to `TrainEngine.materialize` and `RolloutEngine.load_weights`.
+
+Per bucket, on every rank of the plan (the same sequence everywhere):
+
+1. `materialize(specs)` on ranks holding source tensors the bucket reads (replicas too);
+2. pack this rank's outgoing regions into one flat `uint8` buffer per peer;
+3. `transport.exchange(...)` (every rank calls it, even with nothing to move);
+4. free the send buffers, allocate this bucket's destination tensors, copy regions this
+   rank sends to itself directly, unpack received buffers;
+5. `load(items)` with complete destination tensors; free them.
+
+Extra memory is tracked by a `MemoryMeter`: at most max(send + receive, receive +
+destination) bytes of one bucket are alive, i.e. about two buckets, or one oversized
+tensor plus its buffers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+import torch
+
+from peerflow.errors import ShardError
+from peerflow.reshard.buckets import Bucket, itemsize
+from peerflow.reshard.plan import ReshardPlan, Transfer
+from peerflow.reshard.transport import WeightTransport
+from peerflow.shard import ShardSpec
+
+#: Byte alignment of regions inside packed buffers (so any dtype view is legal).
+ALIGN = 16
+
+Materialize = Callable[[Sequence[ShardSpec]], contextlib.AbstractContextManager[list[torch.Tensor]]]
+Load = Callable[[list[tuple[ShardSpec, torch.Tensor]]], None]
+
+
+@attrs.define(eq=False)
+class MemoryMeter:
+    """Counts bytes the executor allocates (buffers and destination tensors)."""
+
+    current: int = 0
+    peak: int = 0
+
+    def alloc(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Records `tensor` as allocated and returns it."""
+        self.current += tensor.numel() * tensor.element_size()
+        self.peak = max(self.peak, self.current)
+        return tensor
+
+    def free(self, tensor: torch.Tensor) -> None:
+        """Records `tensor` as released (the caller drops its last reference)."""
+        self.release(tensor.numel() * tensor.element_size())
+
+    def reserve(self, nbytes: int) -> None:
+        """Records `nbytes` allocated elsewhere on this rank's behalf (receive buffers)."""
+        self.current += nbytes
+        self.peak = max(self.peak, self.current)
+
+    def release(self, nbytes: int) -> None:
+        """Records `nbytes` released."""
+        self.current -= nbytes
+
+
+@attrs.define(eq=False)
+class ExecStats:
+    """Per-rank totals of one plan execution (seconds and bytes)."""
+
+    pack_s: float = 0.0
+    wire_s: float = 0.0
+    load_s: float = 0.0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    buckets: int = 0
+    peak_extra_bytes: int = 0
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def packed_layout(transfers: Sequence[Transfer]) -> tuple[list[int], int]:
+    """Returns each transfer's byte offset in a packed buffer and the buffer's size."""
+    offsets, cursor = [], 0
+    for t in transfers:
+        offsets.append(cursor)
+        cursor += _aligned(t.numel * itemsize(t.src_dtype))
+    return offsets, cursor
+
+
+def _region(buf: torch.Tensor, offset: int, t: Transfer) -> torch.Tensor:
+    n = t.numel * itemsize(t.src_dtype)
+    return buf[offset:offset + n].view(getattr(torch, t.src_dtype)).view(t.src_box.sizes)
+
+
+def run_plan(
+    plan: ReshardPlan,
+    buckets: Sequence[Bucket],
+    *,
+    rank: int,
+    transport: WeightTransport,
+    materialize: Materialize | None,
+    load: Load | None,
+    device: str | torch.device = "cpu",
+    meter: MemoryMeter | None = None,
+) -> ExecStats:
+    """Runs every bucket of `plan` on this rank (call on every rank of the plan).
+
+    Args:
+        plan: The plan, identical on every rank.
+        buckets: `make_buckets(plan, bucket_bytes)`, identical on every rank.
+        rank: This process's global rank.
+        transport: This rank's transport instance.
+        materialize: Yields source tensors for specs (`None` when this rank has none).
+        load: Receives complete destination tensors (`None` when this rank has none).
+        device: Where buffers and destination tensors are allocated.
+        meter: Memory meter to record into (a fresh one by default).
+
+    Raises:
+        ShardError: a materialised tensor's shape differs from its spec.
+    """
+    meter = meter or MemoryMeter()
+    stats = ExecStats()
+    my_sources = {s.local_name: s for s in plan.sources.get(rank, ())}
+    my_targets = {s.local_name: s for s in plan.destinations.get(rank, ())}
+    for bucket in buckets:
+        specs = [my_sources[n] for n in bucket.source_tensors if n in my_sources]
+        if specs and materialize is None:
+            raise ShardError(f"rank {rank} holds source tensors {[s.local_name for s in specs]} "
+                             "but was given no trainer to read them from.")
+        context = materialize(specs) if specs else contextlib.nullcontext([])
+        with context as tensors:
+            sources = dict(zip((s.local_name for s in specs), tensors))
+            for spec in specs:
+                if tuple(sources[spec.local_name].shape) != spec.local_shape:
+                    raise ShardError(
+                        f"source tensor {spec.local_name!r} on rank {rank} has shape "
+                        f"{tuple(sources[spec.local_name].shape)} but its spec says "
+                        f"{spec.local_shape}; the engine's weight_sources() is wrong."
+                    )
+            _run_bucket(bucket, rank, sources, my_targets, transport, load, device, meter,
+                        stats)
+        stats.buckets += 1
+    stats.peak_extra_bytes = meter.peak
+    return stats
+
+
+def _run_bucket(bucket: Bucket, rank: int, sources: dict[str, torch.Tensor],
+                targets: dict[str, ShardSpec], transport: WeightTransport, load: Load | None,
+                device: Any, meter: MemoryMeter, stats: ExecStats) -> None:
+    outgoing: dict[int, list[Transfer]] = {}
+    incoming: dict[int, list[Transfer]] = {}
+    local: list[Transfer] = []
+    routes: dict[tuple[int, int], list[Transfer]] = {}
+    for t in bucket.transfers:
+        if t.src_rank == t.dst_rank:
+            if t.src_rank == rank:
+                local.append(t)
+            continue
+        routes.setdefault((t.src_rank, t.dst_rank), []).append(t)
+        if t.src_rank == rank:
+            outgoing.setdefault(t.dst_rank, []).append(t)
+        elif t.dst_rank == rank:
+            incoming.setdefault(t.src_rank, []).append(t)
+
+    start = time.perf_counter()
+    sends: dict[int, torch.Tensor] = {}
+    for peer, transfers in outgoing.items():
+        offsets, size = packed_layout(transfers)
+        buf = meter.alloc(torch.empty(size, dtype=torch.uint8, device=device))
+        for t, off in zip(transfers, offsets):
+            _region(buf, off, t).copy_(sources[t.src_tensor][t.src_box.slices()])
+        sends[peer] = buf
+        stats.bytes_sent += size
+    stats.pack_s += time.perf_counter() - start
+
+    start = time.perf_counter()
+    recv_sizes = {peer: packed_layout(ts)[1] for peer, ts in incoming.items()}
+    route_list = [(s, d, packed_layout(ts)[1]) for (s, d), ts in sorted(routes.items())]
+    meter.reserve(sum(recv_sizes.values()))
+    received = transport.exchange(sends, recv_sizes, route_list)
+    for buf in sends.values():
+        meter.free(buf)
+    sends.clear()
+    stats.wire_s += time.perf_counter() - start
+
+    start = time.perf_counter()
+    mine = [(r, n) for r, n in bucket.targets if r == rank]
+    out: dict[str, torch.Tensor] = {}
+    for _, name in mine:
+        spec = targets[name]
+        tensor = meter.alloc(torch.empty(spec.local_shape, dtype=getattr(torch, spec.dtype),
+                                         device=device))
+        for box in spec.padding:
+            tensor[box.slices()].zero_()
+        out[name] = tensor
+    for t in local:
+        out[t.dst_tensor][t.dst_box.slices()].copy_(sources[t.src_tensor][t.src_box.slices()])
+        stats.bytes_sent += t.numel * itemsize(t.src_dtype)
+    for peer, transfers in incoming.items():
+        buf = received[peer]
+        offsets, size = packed_layout(transfers)
+        if buf.numel() != size:
+            raise ShardError(f"rank {rank} received {buf.numel()} bytes from rank {peer} in "
+                             f"bucket {bucket.index}, expected {size}; the ranks disagree on "
+                             "the plan (were they given the same specs?).")
+        for t, off in zip(transfers, offsets):
+            out[t.dst_tensor][t.dst_box.slices()].copy_(_region(buf, off, t))
+        stats.bytes_received += size
+        meter.release(size)
+    received.clear()
+    if mine:
+        if load is None:
+            raise ShardError(f"rank {rank} holds destination tensors but was given no "
+                             "rollout engine to load them into.")
+        load([(targets[name], out[name]) for _, name in mine])
+    for tensor in out.values():
+        meter.free(tensor)
+    stats.load_s += time.perf_counter() - start

@@ -1,0 +1,306 @@
+"""`plan_reshard`: a pure function from shard metadata to a transfer plan.
+
+Like `torch.distributed.checkpoint`'s `create_read_items_for_chunk_list`, planning only
+intersects index boxes; no tensor is touched. Every rank that takes part in a sync
+computes the same plan from the same inputs, so no rank needs to coordinate the others.
+
+Checks (each error names the parameter and the region):
+
+1. every HF name has one global shape in every spec that mentions it;
+2. no element of a parameter is held by two `replica == 0` source pieces;
+3. every element of every destination piece is covered by a source piece, and every
+   element of a destination's local tensor is written exactly once (pieces and padding
+   tile it);
+4. every source element is read by some destination, unless its name matches `ignore`.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import itertools
+import math
+from collections.abc import Iterable, Mapping, Sequence
+
+import attrs
+
+from peerflow.errors import ShardError
+from peerflow.shard import Box, ShardPiece, ShardSpec
+
+RankSpecs = Mapping[int, Sequence[ShardSpec]]
+
+
+@attrs.frozen(kw_only=True)
+class Transfer:
+    """One rectangular copy from a source rank's tensor into a destination rank's tensor."""
+
+    name: str
+    """HF parameter the region belongs to."""
+    src_rank: int
+    """Global rank holding the source tensor."""
+    src_tensor: str
+    """Source local tensor name (`ShardSpec.local_name`)."""
+    src_box: Box
+    """Region inside the source local tensor."""
+    dst_rank: int
+    """Global rank holding the destination tensor."""
+    dst_tensor: str
+    """Destination local tensor name."""
+    dst_box: Box
+    """Region inside the destination local tensor (same sizes as `src_box`)."""
+    src_dtype: str
+    """dtype name of the source tensor (the bytes on the wire)."""
+
+    @property
+    def numel(self) -> int:
+        """Elements moved."""
+        return self.src_box.numel
+
+
+@attrs.frozen(kw_only=True)
+class ReshardPlan:
+    """A frozen transfer plan: which regions move from which rank to which rank.
+
+    Identical on every rank that computed it from the same specs.
+    """
+
+    sources: Mapping[int, tuple[ShardSpec, ...]]
+    """Source specs by global rank (all ranks, replicas included)."""
+    destinations: Mapping[int, tuple[ShardSpec, ...]]
+    """Destination specs by global rank."""
+    transfers: tuple[Transfer, ...]
+    """Every copy, grouped by destination tensor in destination order."""
+    ignored: tuple[str, ...] = ()
+    """HF names (or patterns) whose unused source elements were deliberately ignored."""
+
+    def source_spec(self, rank: int, local_name: str) -> ShardSpec:
+        """Returns the source spec `local_name` of `rank`."""
+        return _by_name(self.sources, rank, local_name, "source")
+
+    def destination_spec(self, rank: int, local_name: str) -> ShardSpec:
+        """Returns the destination spec `local_name` of `rank`."""
+        return _by_name(self.destinations, rank, local_name, "destination")
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """Every rank holding a source or a destination, sorted."""
+        return tuple(sorted(set(self.sources) | set(self.destinations)))
+
+    def sends_of(self, rank: int) -> tuple[Transfer, ...]:
+        """Transfers `rank` sends (including to itself)."""
+        return tuple(t for t in self.transfers if t.src_rank == rank)
+
+    def receives_of(self, rank: int) -> tuple[Transfer, ...]:
+        """Transfers `rank` receives (including from itself)."""
+        return tuple(t for t in self.transfers if t.dst_rank == rank)
+
+    @property
+    def bytes(self) -> int:
+        """Bytes moved by the whole plan (source dtypes)."""
+        return sum(t.numel * _itemsize(t.src_dtype) for t in self.transfers)
+
+    def describe(self) -> str:
+        """Returns a one-line summary (ranks, transfers, bytes)."""
+        cross = sum(1 for t in self.transfers if t.src_rank != t.dst_rank)
+        return (f"ReshardPlan: {len(self.sources)} source ranks -> {len(self.destinations)} "
+                f"destination ranks, {len(self.transfers)} transfers ({cross} cross-rank), "
+                f"{self.bytes / 2**20:.1f} MiB")
+
+
+def _by_name(specs: Mapping[int, Sequence[ShardSpec]], rank: int, name: str,
+             what: str) -> ShardSpec:
+    for spec in specs.get(rank, ()):
+        if spec.local_name == name:
+            return spec
+    raise KeyError(f"rank {rank} has no {what} tensor {name!r}")
+
+
+def _itemsize(dtype: str) -> int:
+    import torch
+
+    return torch.empty((), dtype=getattr(torch, dtype)).element_size()
+
+
+def _as_rank_map(specs: RankSpecs | Sequence[ShardSpec], what: str) -> dict[int, tuple]:
+    if isinstance(specs, Mapping):
+        out = {int(rank): tuple(s) for rank, s in specs.items()}
+    else:
+        out = {0: tuple(specs)}
+    for rank, items in out.items():
+        seen: set[str] = set()
+        for spec in items:
+            if not isinstance(spec, ShardSpec):
+                raise ShardError(f"{what} of rank {rank}: {spec!r} is not a ShardSpec.")
+            if spec.local_name in seen:
+                raise ShardError(
+                    f"{what} of rank {rank} lists the local tensor {spec.local_name!r} twice; "
+                    "give every local tensor one spec with all its pieces."
+                )
+            seen.add(spec.local_name)
+    return out
+
+
+def plan_reshard(
+    sources: RankSpecs | Sequence[ShardSpec],
+    destinations: RankSpecs | Sequence[ShardSpec],
+    *,
+    ignore: Iterable[str] = (),
+) -> ReshardPlan:
+    """Plans moving weights from source shards to destination shards.
+
+    Args:
+        sources: Source specs by global rank (a plain sequence means rank 0). Only
+            `replica == 0` specs send; higher replicas are duplicates and are skipped.
+        destinations: Destination specs by global rank (a plain sequence means rank 0).
+        ignore: HF names or `fnmatch` patterns whose source elements may go unused (e.g.
+            a trainer-only head the rollout engine does not hold).
+
+    Returns:
+        The frozen plan.
+
+    Raises:
+        ShardError: shapes disagree, sources overlap, a destination region is not
+            covered or written twice, or a source region is unused and not ignored; the
+            message names the parameter, the ranks and tensors, and the region.
+    """
+    src = _as_rank_map(sources, "sources")
+    dst = _as_rank_map(destinations, "destinations")
+    ignore = tuple(ignore)
+    src_pieces: dict[str, list[tuple[int, ShardSpec, ShardPiece]]] = {}
+    dst_pieces: dict[str, list[tuple[int, ShardSpec, ShardPiece]]] = {}
+    shapes: dict[str, tuple[tuple[int, ...], str]] = {}
+    for table, side, index in ((src, "source", src_pieces), (dst, "destination", dst_pieces)):
+        for rank, specs in sorted(table.items()):
+            for spec in specs:
+                if side == "destination":
+                    _check_tiles(rank, spec)
+                for piece in spec.pieces:
+                    where = f"{side} rank {rank} tensor {spec.local_name!r}"
+                    known = shapes.setdefault(piece.name, (piece.global_shape, where))
+                    if known[0] != piece.global_shape:
+                        raise ShardError(
+                            f"{piece.name}: {where} says its global shape is "
+                            f"{piece.global_shape}, but {known[1]} says {known[0]}; both sides "
+                            "must describe the same model."
+                        )
+                    if piece.global_box.numel == 0:
+                        continue
+                    if side == "source" and spec.replica != 0:
+                        continue
+                    index.setdefault(piece.name, []).append((rank, spec, piece))
+    for name in sorted(set(src_pieces) | set(dst_pieces)):
+        _check_coverage(name, shapes[name][0], src_pieces.get(name, []),
+                        dst_pieces.get(name, []), ignore)
+    transfers: list[Transfer] = []
+    for rank, specs in sorted(dst.items()):
+        for spec in specs:
+            for piece in spec.pieces:
+                for s_rank, s_spec, s_piece in src_pieces.get(piece.name, ()):
+                    common = piece.global_box.intersect(s_piece.global_box)
+                    if common is None:
+                        continue
+                    transfers.append(Transfer(
+                        name=piece.name,
+                        src_rank=s_rank,
+                        src_tensor=s_spec.local_name,
+                        src_box=_to_local(common, s_piece),
+                        dst_rank=rank,
+                        dst_tensor=spec.local_name,
+                        dst_box=_to_local(common, piece),
+                        src_dtype=s_spec.dtype,
+                    ))
+    return ReshardPlan(sources=src, destinations=dst, transfers=tuple(transfers), ignored=ignore)
+
+
+def _to_local(box: Box, piece: ShardPiece) -> Box:
+    delta = [lo - g for lo, g in zip(piece.local_box.offsets, piece.global_box.offsets)]
+    return box.shift(delta)
+
+
+def _check_tiles(rank: int, spec: ShardSpec) -> None:
+    """Pieces and padding of a destination tensor cover it exactly once."""
+    boxes = [(p.local_box, f"piece of {p.name}") for p in spec.pieces]
+    boxes += [(b, "padding") for b in spec.padding]
+    for (a, what_a), (b, what_b) in itertools.combinations(boxes, 2):
+        common = a.intersect(b)
+        if common is not None:
+            raise ShardError(
+                f"destination rank {rank} tensor {spec.local_name!r}: local region {common} is "
+                f"written twice ({what_a} and {what_b}); pieces and padding must not overlap."
+            )
+    covered = sum(b.numel for b, _ in boxes)
+    if covered != math.prod(spec.local_shape):
+        cells = _uncovered(spec.local_shape, [b for b, _ in boxes])
+        raise ShardError(
+            f"destination rank {rank} tensor {spec.local_name!r}: local region {cells[0]} "
+            f"(of {len(cells)} such regions) is neither a piece nor padding; describe every "
+            "element of the local tensor."
+        )
+
+
+def _cuts(shape: Sequence[int], boxes: Iterable[Box]) -> list[list[int]]:
+    cuts = [{0, n} for n in shape]
+    for box in boxes:
+        for d, (o, e) in enumerate(zip(box.offsets, box.ends)):
+            cuts[d].update((o, e))
+    return [sorted(c) for c in cuts]
+
+
+def _cells(cuts: list[list[int]]) -> Iterable[Box]:
+    spans = [list(zip(c[:-1], c[1:])) for c in cuts]
+    for combo in itertools.product(*spans):
+        yield Box(offsets=[a for a, _ in combo], sizes=[b - a for a, b in combo])
+
+
+def _uncovered(shape: Sequence[int], boxes: Sequence[Box]) -> list[Box]:
+    return [cell for cell in _cells(_cuts(shape, boxes))
+            if cell.numel and not any(cell.intersect(b) for b in boxes)]
+
+
+def _check_coverage(name: str, shape: tuple[int, ...], srcs: list, dsts: list,
+                    ignore: tuple[str, ...]) -> None:
+    """Checks sources do not overlap, cover destinations, and are all used."""
+    for (ra, sa, pa), (rb, sb, pb) in itertools.combinations(srcs, 2):
+        common = pa.global_box.intersect(pb.global_box)
+        if common is not None:
+            raise ShardError(
+                f"{name}: region {common} is held by two replica-0 sources (rank {ra} tensor "
+                f"{sa.local_name!r} and rank {rb} tensor {sb.local_name!r}); mark all but one "
+                "holder with replica > 0."
+            )
+    if not srcs and dsts:
+        rank, spec, _ = dsts[0]
+        raise ShardError(
+            f"{name}: destination rank {rank} tensor {spec.local_name!r} needs it, but no "
+            "replica-0 source holds any of it; add it to the sources."
+        )
+    boxes = [p.global_box for _, _, p in srcs]
+    for rank, spec, piece in dsts:
+        covered = sum(c.numel for b in boxes if (c := piece.global_box.intersect(b)))
+        if covered != piece.global_box.numel:
+            clipped = [c for b in boxes if (c := piece.global_box.intersect(b)) is not None]
+            missing = [cell for cell in _cells(_cuts(shape, clipped + [piece.global_box]))
+                       if cell.intersect(piece.global_box) and
+                       not any(cell.intersect(c) for c in clipped)]
+            raise ShardError(
+                f"{name}: region {missing[0]} needed by destination rank {rank} tensor "
+                f"{spec.local_name!r} is held by no replica-0 source "
+                f"({len(missing)} uncovered region(s)); the sources do not cover the parameter."
+            )
+    if any(fnmatch.fnmatchcase(name, pattern) for pattern in ignore) or not srcs:
+        return
+    wanted = [p.global_box for _, _, p in dsts]
+    if any(b.numel == math.prod(shape) for b in wanted):
+        return
+    for rank, spec, piece in srcs:
+        box = piece.global_box
+        clipped = [c for w in wanted if (c := box.intersect(w)) is not None]
+        if any(c.numel == box.numel for c in clipped):
+            continue
+        unused = [cell for cell in _cells(_cuts(shape, clipped + [box]))
+                  if cell.intersect(box) and not any(cell.intersect(c) for c in clipped)]
+        if unused:
+            raise ShardError(
+                f"{name}: region {unused[0]} of source rank {rank} tensor {spec.local_name!r} "
+                "is read by no destination; add a destination for it or pass "
+                f"ignore=[{name!r}] to plan_reshard."
+            )

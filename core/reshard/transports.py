@@ -1,0 +1,131 @@
+"""Built-in weight transports, registered through `peerflow_register_weight_transports`.
+
+* `inprocess` — colocated plans only: every transfer stays inside one process, so the
+  executor copies regions directly and nothing crosses a process boundary.
+* `torch` — torch.distributed point-to-point (`isend`/`irecv`) on the plan's group: gloo
+  on CPU, NCCL on GPU. Only ranks owning a replica-0 source piece send.
+* `torch_broadcast` — one `broadcast` per sending rank and bucket (what trainer → many
+  rollout ranks weight pushes use with NCCL); every rank of the group takes part.
+* `cuda_ipc` — same-host GPU: the sender exports a CUDA handle of the packed bucket over
+  the group (object p2p), the receiver copies from the mapped memory, then acknowledges.
+  Declares `requires_cuda`; on a CPU machine it reports itself unavailable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+from peerflow.errors import ConfigError
+from peerflow.plugins import hookimpl
+from peerflow.reshard.transport import Route, WeightTransport
+
+
+class InProcessTransport(WeightTransport):
+    """Colocated plans: source and destination share a process; nothing is exchanged."""
+
+    name = "inprocess"
+
+    def exchange(self, sends: Mapping[int, torch.Tensor], recvs: Mapping[int, int],
+                 routes: Sequence[Route]) -> dict[int, torch.Tensor]:
+        """Raises when the bucket needs another process; returns nothing otherwise."""
+        if sends or recvs:
+            peers = sorted(set(sends) | set(recvs))
+            raise ConfigError(
+                f"weight transport 'inprocess' on rank {self.rank} was asked to exchange "
+                f"bytes with ranks {peers}; it serves colocated plans only. Use "
+                "weight_sync.transport='torch' when trainer and rollout ranks differ."
+            )
+        return {}
+
+
+class TorchP2PTransport(WeightTransport):
+    """torch.distributed `isend`/`irecv` (gloo on CPU, NCCL on GPU)."""
+
+    name = "torch"
+
+    def exchange(self, sends: Mapping[int, torch.Tensor], recvs: Mapping[int, int],
+                 routes: Sequence[Route]) -> dict[int, torch.Tensor]:
+        """Posts every send and receive of this rank, then waits for all of them."""
+        out = {peer: torch.empty(n, dtype=torch.uint8, device=self.device)
+               for peer, n in recvs.items()}
+        works = []
+        # Post in rank order on both sides so gloo pairs match without deadlock.
+        for peer in sorted(set(sends) | set(recvs)):
+            if peer in sends:
+                works.append(dist.isend(sends[peer], dst=peer, group=self.group))
+            if peer in out:
+                works.append(dist.irecv(out[peer], src=peer, group=self.group))
+        for work in works:
+            work.wait()
+        return out
+
+
+class TorchBroadcastTransport(WeightTransport):
+    """One `broadcast` per sending rank: every rank of the group receives the bucket."""
+
+    name = "torch_broadcast"
+
+    def exchange(self, sends: Mapping[int, torch.Tensor], recvs: Mapping[int, int],
+                 routes: Sequence[Route]) -> dict[int, torch.Tensor]:
+        """Broadcasts each sender's buffers (destinations in rank order) to the group."""
+        out: dict[int, torch.Tensor] = {}
+        for src in sorted({s for s, _, _ in routes}):
+            mine = sorted((d, n) for s, d, n in routes if s == src)
+            total = sum(n for _, n in mine)
+            if src == self.rank:
+                buf = torch.cat([sends[d] for d, _ in mine]) if len(mine) > 1 else sends[mine[0][0]]
+            else:
+                buf = torch.empty(total, dtype=torch.uint8, device=self.device)
+            dist.broadcast(buf, src=src, group=self.group)
+            offset = 0
+            for dst, n in mine:
+                if dst == self.rank:
+                    out[src] = buf[offset:offset + n]
+                offset += n
+        return out
+
+
+class CudaIpcTransport(WeightTransport):
+    """Same-host GPU transfer through CUDA IPC handles exchanged over the group."""
+
+    name = "cuda_ipc"
+    requires_cuda = True
+
+    def exchange(self, sends: Mapping[int, torch.Tensor], recvs: Mapping[int, int],
+                 routes: Sequence[Route]) -> dict[int, torch.Tensor]:
+        """Sends IPC handles, receivers copy from mapped memory, then acknowledge."""
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        out: dict[int, torch.Tensor] = {}
+        keep = []
+        for peer in sorted(set(sends) | set(recvs)):
+            # Blocking object p2p: the lower rank of a pair sends first, the higher receives.
+            steps = ("send", "recv") if self.rank < peer else ("recv", "send")
+            for step in steps:
+                if step == "send" and peer in sends:
+                    buf = sends[peer].to(self.device).contiguous()
+                    keep.append(buf)
+                    dist.send_object_list([reduce_tensor(buf)], dst=peer, group=self.group)
+                elif step == "recv" and peer in recvs:
+                    box: list = [None]
+                    dist.recv_object_list(box, src=peer, group=self.group)
+                    rebuild, args = box[0]
+                    out[peer] = rebuild(*args).clone()
+                    torch.cuda.synchronize()
+        # The sender may free its buffer only once every receiver has copied it.
+        dist.barrier(group=self.group)
+        return out
+
+
+BUILTIN_TRANSPORTS = (InProcessTransport, TorchP2PTransport, TorchBroadcastTransport,
+                      CudaIpcTransport)
+
+
+@hookimpl
+def peerflow_register_weight_transports(register):
+    """Registers the built-in transports."""
+    for cls in BUILTIN_TRANSPORTS:
+        register(cls)
