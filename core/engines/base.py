@@ -66,6 +66,8 @@ class WeightSyncStats:
     load_s: float = 0.0
     bytes: int = 0
     buckets: int = 0
+    peak_extra_bytes: int = 0
+    """Most bytes the sync itself held at once on this rank (buffers, staged tensors)."""
 
 
 class EngineBase:
