@@ -1,0 +1,50 @@
+"""Shared helpers of the end-to-end tests: tiny run settings and metrics reading."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+QUICKSTART = str(ROOT / "examples" / "quickstart.yaml")
+
+#: Overrides that shrink the quickstart to a few seconds a step on one CPU core.
+TINY = [
+    "run.steps=2", "run.prompts_per_step=4", "rollout.sampling.n=4",
+    "rollout.sampling.max_tokens=4", "run.checkpoint_every=0", "run.tensorboard=false",
+    "run.trace=false", "model.builder_options.hidden_size=32",
+    "model.builder_options.intermediate_size=64", "model.builder_options.num_layers=1",
+]
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    """Returns the lines of a run's metrics.jsonl."""
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+            if line.strip()]
+
+
+@pytest.fixture(autouse=True)
+def _model_cache(tmp_path_factory, monkeypatch):
+    """Builds tiny models into one cache shared by the e2e tests (not the user's)."""
+    cache = tmp_path_factory.getbasetemp() / "model-cache"
+    monkeypatch.setenv("PEERFLOW_MODEL_CACHE", str(cache))
+
+
+@pytest.fixture
+def quickstart() -> str:
+    """Path of examples/quickstart.yaml."""
+    return QUICKSTART
+
+
+@pytest.fixture
+def tiny() -> list[str]:
+    """Overrides that make the quickstart tiny."""
+    return list(TINY)
+
+
+@pytest.fixture
+def metrics_of():
+    """`metrics_of(run_dir)` reads a run's metrics.jsonl."""
+    return read_metrics
