@@ -16,7 +16,9 @@ from peerflow import __version__
 from peerflow.errors import PeerFlowError
 
 #: Subcommand modules under `peerflow.cli`, in `--help` order.
-COMMANDS = ["train_cmd", "plugins_cmd", "config_cmd", "plan_cmd", "bench_cmd", "report_cmd", "sft_cmd"]
+COMMANDS = [
+    "train_cmd", "plugins_cmd", "config_cmd", "plan_cmd", "bench_cmd", "report_cmd", "sft_cmd",
+]
 
 
 def build_parser() -> argparse.ArgumentParser:
