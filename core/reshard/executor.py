@@ -14,8 +14,10 @@ Per bucket, on every rank of the plan (the same sequence everywhere):
 5. `load(items)` with complete destination tensors; free them.
 
 Extra memory is tracked by a `MemoryMeter`: at most max(send + receive, receive +
-destination) bytes of one bucket are alive, i.e. about two buckets, or one oversized
-tensor plus its buffers.
+destination) bytes of one bucket are alive, i.e. at most `2 * max(bucket_bytes, largest
+destination tensor)` per rank (a tensor larger than a bucket travels as a bucket of its
+own). Tensors the trainer materialises (e.g. a ZeRO-3 gather) are the engine's and are
+not counted.
 """
 
 from __future__ import annotations

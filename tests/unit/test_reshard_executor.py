@@ -1,0 +1,167 @@
+"""Executor and `sync_weights`: memory bound, dtypes, strides, versions, stats."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from peerflow.conformance.harness import run_threaded
+from peerflow.conformance.oracle import arange_globals, cut, shard_all
+from peerflow.engines import EngineContext, RolloutEngine, TrainEngine
+from peerflow.errors import ConfigError, ShardError
+from peerflow.layout import ParallelLayout
+from peerflow.models import hf_layout, hf_parameters, megatron_layout, vllm_layout
+from peerflow.plugins import get_plugin_manager, hookimpl
+from peerflow.reshard import make_buckets, make_transport, plan_reshard, sync_weights
+from peerflow.shard import Box, ShardSpec
+
+CONFIG = dict(model_type="llama", vocab_size=130, hidden_size=32, intermediate_size=64,
+              num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4, head_dim=4)
+
+
+class TensorTrainer(TrainEngine):
+    """Serves fixed tensors as a trainer's weights (the weight-export half of the contract)."""
+
+    name = "test-tensor-trainer"
+
+    def __init__(self, specs, tensors):
+        super().__init__(EngineContext(model_path="", layout=ParallelLayout()), None, None)
+        self.specs, self.tensors, self.materialized = list(specs), tensors, []
+
+    def forward_logprobs(self, batch):
+        raise NotImplementedError("weight-export test engine")
+
+    def train_step(self, batch, loss):
+        raise NotImplementedError("weight-export test engine")
+
+    def weight_sources(self):
+        return self.specs
+
+    def materialize(self, specs):
+        self.materialized.append([s.local_name for s in specs])
+        return contextlib.nullcontext([self.tensors[s.local_name] for s in specs])
+
+
+class TensorRollout(RolloutEngine):
+    """Keeps loaded tensors in a dict (the weight-import half of the contract)."""
+
+    name = "test-tensor-rollout"
+
+    def __init__(self, specs):
+        super().__init__(EngineContext(model_path="", layout=ParallelLayout()), None)
+        self.specs = list(specs)
+        self.params = {s.local_name: torch.zeros(s.local_shape, dtype=getattr(torch, s.dtype))
+                       for s in specs}
+        self.calls = []
+
+    def generate(self, requests, sampling):
+        raise NotImplementedError("weight-import test engine")
+
+    def weight_targets(self):
+        return self.specs
+
+    def load_weights(self, items):
+        self.calls.append(len(items))
+        for spec, tensor in items:
+            assert tuple(tensor.shape) == spec.local_shape
+            self.params[spec.local_name].copy_(tensor)
+
+
+def test_colocated_sync_megatron_to_vllm_publishes_version_and_reports_phases():
+    full = arange_globals(hf_parameters(CONFIG))
+    src = megatron_layout(CONFIG)
+    dst = vllm_layout(CONFIG)
+    trainer = TensorTrainer(src, {s.local_name: cut(s, full) for s in src})
+    rollout = TensorRollout(dst)
+    seen = []
+
+    class Recorder:
+        @hookimpl
+        def peerflow_after_weight_sync(self, version, role, rank, stats):
+            seen.append((version, role, stats.version))
+
+    pm = get_plugin_manager()
+    pm.register(Recorder(), name="test-recorder")
+    try:
+        stats = sync_weights(trainer, rollout, version=7, bucket_bytes=8192)
+    finally:
+        pm.unregister("test-recorder")
+    assert rollout.weight_version == 7
+    assert sorted(seen) == [(7, "actor", 7), (7, "rollout", 7)]
+    for s in dst:
+        assert torch.equal(rollout.params[s.local_name], cut(s, full)), s.local_name
+    assert stats.buckets == len(rollout.calls) > 1
+    assert stats.bytes == sum(t.numel() * 4 for t in full.values())  # padding never moves
+    assert min(stats.plan_s, stats.pack_s, stats.wire_s, stats.load_s) >= 0
+    assert stats.wire_s > 0 and stats.load_s > 0
+    # The plan is cached on the trainer: a second sync does not replan.
+    again = sync_weights(trainer, rollout, version=8, bucket_bytes=8192)
+    assert rollout.weight_version == 8 and again.plan_s < stats.plan_s + 0.5
+
+
+def test_peak_extra_memory_stays_within_two_buckets_plus_largest_tensor():
+    config = dict(CONFIG, vocab_size=1000)
+    full = arange_globals(hf_parameters(config))
+    src = {r: megatron_layout(config, r, 2) for r in range(2)}
+    dst = {2 + r: vllm_layout(config, r, 4) for r in range(4)}
+    plan = plan_reshard(src, dst)
+    largest = max(s.numel * 4 for specs in dst.values() for s in specs)
+    for bucket_bytes in (2048, 16384, 1 << 20):
+        got, stats = run_threaded(plan, shard_all(src, full), bucket_bytes=bucket_bytes)
+        for rank, specs in dst.items():
+            for s in specs:
+                assert torch.equal(got[rank][s.local_name], cut(s, full))
+        # Bound: two buckets, where a tensor larger than a bucket is a bucket of its own.
+        for rank, st in stats.items():
+            assert 0 < st.peak_extra_bytes <= 2 * max(bucket_bytes, largest), (rank, st)
+
+
+def test_buckets_respect_size_and_keep_tp_shards_together():
+    dst = {r: vllm_layout(CONFIG, r, 2) for r in range(2)}
+    src = {0: hf_layout(CONFIG)}
+    plan = plan_reshard(src, dst)
+    buckets = make_buckets(plan, 4096)
+    largest = max(s.numel * 4 for specs in dst.values() for s in specs)
+    for b in buckets:
+        assert b.nbytes <= max(4096, largest)
+        names = {n for _, n in b.targets}
+        assert all(sum(1 for _, n in b.targets if n == name) in (1, 2) for name in names)
+    assert sorted(t for b in buckets for t in b.targets) == sorted(
+        (r, s.local_name) for r, specs in dst.items() for s in specs)
+    with pytest.raises(ConfigError, match="bucket_bytes=0"):
+        make_buckets(plan, 0)
+
+
+def test_non_contiguous_sources_and_dtype_cast():
+    shape = (6, 4)
+    full = torch.arange(24, dtype=torch.float32).reshape(shape)
+    # The trainer holds the tensor transposed in memory (a non-contiguous view).
+    storage = full.t().contiguous()
+    src_tensor = storage.t()
+    assert not src_tensor.is_contiguous()
+    src = [ShardSpec.of_slice("w", shape, local_name="w", dtype="float32")]
+    dst = [ShardSpec.of_slice("w", shape, Box(offsets=(0, 1), sizes=(6, 2)), local_name="a",
+                              dtype="bfloat16"),
+           ShardSpec.of_slice("w", shape, Box(offsets=(0, 0), sizes=(6, 1)), local_name="b"),
+           ShardSpec.of_slice("w", shape, Box(offsets=(0, 3), sizes=(6, 1)), local_name="c",
+                              dtype="float64")]
+    trainer = TensorTrainer(src, {"w": src_tensor})
+    rollout = TensorRollout(dst)
+    sync_weights(trainer, rollout, version=1, plan=plan_reshard(src, dst), bucket_bytes=64)
+    assert torch.equal(rollout.params["a"], full[:, 1:3].to(torch.bfloat16))
+    assert torch.equal(rollout.params["b"], full[:, :1])
+    assert torch.equal(rollout.params["c"], full[:, 3:].double())
+
+
+def test_wrong_source_shape_and_unavailable_transports_are_clear_errors():
+    src = [ShardSpec.of_slice("w", (4,))]
+    trainer = TensorTrainer(src, {"w": torch.zeros(5)})
+    with pytest.raises(ShardError, match=r"source tensor 'w' on rank 0 has shape \(5,\)"):
+        sync_weights(trainer, TensorRollout(src), version=1, plan=plan_reshard(src, src))
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="cuda_ipc.*needs a CUDA device"):
+            make_transport("cuda_ipc")
+    with pytest.raises(ConfigError, match="serves colocated plans only"):
+        make_transport("inprocess").exchange({1: torch.zeros(1, dtype=torch.uint8)}, {}, [])
