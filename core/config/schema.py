@@ -103,6 +103,16 @@ class RuntimeConfig:
     """Async mode: most weight versions a sample may lag the trainer by."""
     partial_rollout: bool = False
     """Async mode: apply new weights mid-request on engines that can pause."""
+    partial_rollout_tokens: int = 0
+    """Async mode with `partial_rollout`: tokens generated before new weights may take over
+    a request (0: a quarter of `rollout.sampling.max_tokens`)."""
+    sampler: str = "grouped"
+    """Async mode: how a trainer forms micro-batches from streamed samples (`sequential`,
+    `grouped`, `length_balanced`, or one registered with
+    `peerflow.streaming.samplers.register_sampler`)."""
+    async_prompts_per_call: int = 0
+    """Async mode: most prompts a rollout rank starts in one generate call (0: its share of
+    `run.prompts_per_step`); smaller calls stream finished groups sooner."""
     torch_threads: int = 1
     """torch intra-op threads per worker process."""
 
