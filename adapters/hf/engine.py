@@ -80,6 +80,7 @@ class _Row:
     tokens: list[int] = attrs.Factory(list)
     logprobs: list[float] = attrs.Factory(list)
     finish_reason: str = "length"
+    done: bool = False
     stopped_on_string: bool = False
 
 
@@ -199,20 +200,32 @@ class HFRolloutEngine(RolloutEngine):
         stop_ids: set[int],
         matcher: StopStringMatcher | None,
     ) -> None:
-        """Runs one batched prefill + decode loop over `rows` (filled in place)."""
+        """Runs one batched prefill + decode loop over `rows` (filled in place).
+
+        The n samples of a prompt share one prefill: the prompt is encoded once and its
+        cache rows are repeated, as vLLM's prefix cache does for parallel sampling.
+        """
         from transformers import DynamicCache
 
-        width = max(len(r.prompt) for r in rows)
-        input_ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, row in enumerate(rows):
-            input_ids[i, width - len(row.prompt) :] = torch.tensor(row.prompt)
-            mask[i, width - len(row.prompt) :] = 1
+        unique: dict[int, int] = {}
+        prompts: list[tuple[int, ...]] = []
+        expand: list[int] = []
+        for row in rows:
+            if row.request_index not in unique:
+                unique[row.request_index] = len(prompts)
+                prompts.append(row.prompt)
+            expand.append(unique[row.request_index])
+        width = max(len(p) for p in prompts)
+        input_ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for i, prompt in enumerate(prompts):
+            input_ids[i, width - len(prompt) :] = torch.tensor(prompt)
+            mask[i, width - len(prompt) :] = 1
         input_ids, mask = input_ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache()
         active = list(range(len(rows)))
-        for _ in range(sampling.max_tokens):
+        for step in range(sampling.max_tokens):
             logits = self.model(
                 input_ids=input_ids,
                 attention_mask=mask,
@@ -221,6 +234,10 @@ class HFRolloutEngine(RolloutEngine):
                 use_cache=True,
                 logits_to_keep=1,
             ).logits[:, -1]
+            if step == 0 and len(prompts) < len(rows):
+                index = torch.tensor(expand, device=self.device)
+                cache.batch_select_indices(index)
+                logits, mask, positions = logits[index], mask[index], positions[index]
             tokens, logprobs = sample_next(
                 logits,
                 temperature=sampling.temperature,
@@ -233,17 +250,21 @@ class HFRolloutEngine(RolloutEngine):
             sampled = zip(tokens.tolist(), logprobs.tolist(), strict=True)
             for i, (token, logprob) in enumerate(sampled):
                 row = rows[active[i]]
+                if row.done:
+                    continue
                 row.tokens.append(token)
                 row.logprobs.append(logprob)
                 if token in stop_ids:
-                    row.finish_reason = "stop"
+                    row.finish_reason, row.done = "stop", True
                 elif matcher is not None and matcher.hit(row.tokens):
-                    row.finish_reason, row.stopped_on_string = "stop", True
+                    row.finish_reason, row.done, row.stopped_on_string = "stop", True, True
                 else:
                     keep.append(i)
             if not keep:
                 break
-            if len(keep) < len(active):
+            # Dropping finished rows copies the cache; worth it once a quarter are done.
+            # Until then they ride along (their samples are ignored).
+            if len(keep) <= 0.75 * len(active):
                 index = torch.tensor(keep, device=self.device)
                 cache.batch_select_indices(index)
                 tokens, mask, positions = tokens[index], mask[index], positions[index]
