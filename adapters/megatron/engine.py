@@ -1,0 +1,429 @@
+"""`MegatronTrainEngine`: Megatron-core `GPTModel` with tensor and pipeline parallelism.
+
+The model is built from the HF config (`model.py`), HF weights are imported shard by
+shard into Megatron's layout (`weights.py`, driven by `peerflow.models.megatron_layout`),
+and the same specs describe the local shards for weight export, so the resharder moves
+Megatron shards straight to rollout shards (interleaved QKV per query group, fused gate/up
+`linear_fc1`, padded vocab-parallel embedding).
+
+Forward and backward always go through Megatron's pipeline schedules
+(`get_forward_backward_func`): no pipelining with pp=1, 1F1B with pp>1. Micro-batches share
+one shape per mini-batch (`micro_batch_size × seq_length`, from the token budget), as the
+schedules' p2p buffers need. Log-probs come from the vocab-parallel logits with
+`vocab_parallel_cross_entropy` (the padded vocabulary rows are masked out first).
+
+Gradients: Megatron's DDP wrapper reduces them over dp (summed: the PeerFlow loss is
+already normalised by the global token count, `calculate_per_token_loss=True`) and
+all-reduces the tied embedding between the first and last stage. On GPU
+`use_distributed_optimizer` selects Megatron's distributed optimizer; on CPU a
+`torch.optim.AdamW` steps Megatron's gradient buffers (`cpu.py` has the CUDA redirects).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator, Sequence
+from functools import partial
+from typing import Any
+
+import torch
+
+from peerflow.adapters.deepspeed import microbatch as mb
+from peerflow.adapters.deepspeed.loading import SafetensorsReader
+from peerflow.adapters.megatron import checkpoint as ckpt
+from peerflow.adapters.megatron.cpu import (
+    enable_cpu_redirects,
+    needs_cpu_redirects,
+    tensor_cuda_is_identity,
+)
+from peerflow.adapters.megatron.model import build_gpt_model, check_supported, transformer_config
+from peerflow.adapters.megatron.options import MegatronOptions
+from peerflow.adapters.megatron.weights import covered_names, import_hf_weights
+from peerflow.batch import Batch, RaggedField
+from peerflow.capabilities import Capabilities
+from peerflow.engines import EngineContext, LossFunction, OptimSettings, TrainEngine
+from peerflow.errors import ConfigError, ShardError
+from peerflow.shard import ShardSpec
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: Logit given to padded vocabulary rows: exp() underflows to 0 without inf arithmetic.
+_MASKED_LOGIT = -1e30
+
+
+def _ensure_distributed(context: EngineContext) -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    backend = "nccl" if context.device.startswith("cuda") else "gloo"
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 20000))
+    dist.init_process_group(backend, rank=int(os.environ.get("RANK", 0)),
+                            world_size=int(os.environ.get("WORLD_SIZE", 1)))
+
+
+def _import_megatron() -> None:
+    """Imports the Megatron modules the engine calls (so the CPU redirect covers them)."""
+    import megatron.core.distributed  # noqa: F401
+    import megatron.core.models.gpt  # noqa: F401
+    import megatron.core.pipeline_parallel.schedules  # noqa: F401
+    import megatron.core.tensor_parallel  # noqa: F401
+
+
+class MegatronTrainEngine(TrainEngine):
+    """Train engine backed by Megatron-core `GPTModel` (TP, PP, DP from the layout)."""
+
+    name = "megatron"
+    capabilities = Capabilities(tensor_parallel=True, pipeline_parallel=True,
+                                checkpoint=True)
+    options_class = MegatronOptions
+    requires = ("megatron.core",)
+    install_hint = "pip install 'peerflow[megatron]' (megatron-core>=0.16.1)"
+
+    @classmethod
+    def missing_requirements(cls) -> tuple[str, ...]:
+        """Like `EngineBase`, but a missing `megatron` parent package counts as missing."""
+        import importlib.util
+
+        missing = []
+        for module in cls.requires:
+            try:
+                found = importlib.util.find_spec(module) is not None
+            except ModuleNotFoundError:
+                found = False
+            if not found:
+                missing.append(module)
+        return tuple(missing)
+
+    def __init__(self, context: EngineContext, options: MegatronOptions | None,
+                 optim: OptimSettings) -> None:
+        options = options or MegatronOptions()
+        super().__init__(context, options, optim)
+        self.ensure_installed()
+        import torch.distributed as dist
+        from transformers import AutoConfig
+
+        layout = context.layout
+        if layout.ep * layout.cp != 1:
+            raise ConfigError(
+                f"trainer.backend=megatron got layout {layout.describe()}; expert and context "
+                "parallelism are not wired up; use ep=1 and cp=1."
+            )
+        on_gpu = context.device.startswith("cuda")
+        if options.use_distributed_optimizer and not on_gpu:
+            raise ConfigError(
+                "trainer.megatron.use_distributed_optimizer=true needs a CUDA device "
+                "(megatron-core's optimizers only accept CUDA tensors); set it to false on CPU."
+            )
+        _ensure_distributed(context)
+        if dist.get_world_size() != layout.world_size:
+            raise ConfigError(
+                f"trainer.backend=megatron: layout {layout.describe()} must span all "
+                f"{dist.get_world_size()} processes (Megatron's parallel state is global); "
+                "make dp*tp*pp equal the world size."
+            )
+        _import_megatron()
+        if needs_cpu_redirects(context.device):
+            enable_cpu_redirects()
+        from megatron.core import parallel_state as ps
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+        )
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        if ps.model_parallel_is_initialized():
+            current = (ps.get_tensor_model_parallel_world_size(),
+                       ps.get_pipeline_model_parallel_world_size())
+            if current != (layout.tp, layout.pp):
+                raise ConfigError(
+                    f"Megatron's parallel state is already initialised with another tp/pp than "
+                    f"{layout.describe()}; one process hosts one Megatron layout."
+                )
+        else:
+            ps.initialize_model_parallel(tensor_model_parallel_size=layout.tp,
+                                         pipeline_model_parallel_size=layout.pp)
+        model_parallel_cuda_manual_seed(context.seed)
+        self.ps = ps
+        self.tp_rank = ps.get_tensor_model_parallel_rank()
+        self.pp_rank = ps.get_pipeline_model_parallel_rank()
+        self.dp_rank = ps.get_data_parallel_rank()
+        self.dp_group = ps.get_data_parallel_group()
+        self.device = torch.device(context.device)
+        dtype = torch.bfloat16 if optim.bf16 else _DTYPES[context.dtype]
+        self.dtype = dtype
+
+        self.hf_config = AutoConfig.from_pretrained(context.model_path)
+        self.shape = check_supported(self.hf_config)
+        layout.check_divides("query groups (num_key_value_heads)", self.shape.num_kv_heads)
+        layout.check_divides("layers", self.shape.num_layers, dim="pp")
+        self.config = transformer_config(self.hf_config, tp=layout.tp, pp=layout.pp,
+                                         dtype=dtype, on_cpu=not on_gpu)
+        self.is_first = ps.is_pipeline_first_stage()
+        self.is_last = ps.is_pipeline_last_stage()
+        with tensor_cuda_is_identity(needs_cpu_redirects(context.device)):
+            model = build_gpt_model(self.hf_config, self.config, tp=layout.tp,
+                                    vocab_multiple=options.vocab_multiple,
+                                    pre_process=self.is_first, post_process=self.is_last)
+        model.to(self.device)
+        self._specs = self._layout_specs()
+        params = dict(model.named_parameters())
+        if set(params) != covered_names(self._specs):
+            raise ShardError(
+                f"GPTModel parameters and the Megatron layout disagree: only in the model "
+                f"{sorted(set(params) - covered_names(self._specs))[:4]}, only in the layout "
+                f"{sorted(covered_names(self._specs) - set(params))[:4]}."
+            )
+        import_hf_weights(params, self._specs, SafetensorsReader(context.model_path))
+        self.module = model
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=options.grad_reduce_in_fp32,
+            overlap_grad_reduce=options.overlap_grad_reduce and on_gpu,
+            use_distributed_optimizer=options.use_distributed_optimizer,
+        )
+        self.model = DistributedDataParallel(config=self.config, ddp_config=ddp_config,
+                                             module=model)
+        self.config.no_sync_func = self.model.no_sync
+        self.config.finalize_model_grads_func = _finalize_without_token_scaling
+        self.optimizer = self._build_optimizer(on_gpu)
+        self.vocab_local = model.output_layer.weight.shape[0] if self.is_last and \
+            model.output_layer.weight is not None else None
+        if self.is_last and self.vocab_local is None:
+            self.vocab_local = model.shared_embedding_or_output_weight().shape[0]
+
+    # ------------------------------------------------------------------ setup
+    def _layout_specs(self) -> list[ShardSpec]:
+        from peerflow.models import megatron_layout
+
+        layout = self.context.layout
+        return megatron_layout(
+            self.hf_config, self.tp_rank, layout.tp, pp_rank=self.pp_rank, pp_size=layout.pp,
+            dp_rank=self.dp_rank, vocab_multiple=self.options.vocab_multiple,
+            dtype=str(self.dtype).removeprefix("torch."),
+        )
+
+    def _build_optimizer(self, on_gpu: bool) -> Any:
+        optim = self.optim
+        if self.options.use_distributed_optimizer and on_gpu:
+            from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+            config = OptimizerConfig(
+                optimizer="adam", lr=optim.lr, weight_decay=optim.weight_decay,
+                adam_beta1=optim.betas[0], adam_beta2=optim.betas[1], adam_eps=optim.eps,
+                clip_grad=optim.grad_clip, use_distributed_optimizer=True,
+                bf16=self.dtype == torch.bfloat16,
+            )
+            return get_megatron_optimizer(config, [self.model])
+        return torch.optim.AdamW(self.module.parameters(), lr=optim.lr, betas=optim.betas,
+                                 eps=optim.eps, weight_decay=optim.weight_decay)
+
+    # ---------------------------------------------------------------- batches
+    def _micro_batches(self, batch: Batch) -> tuple[list[tuple[mb.PaddedInputs, Batch]], int]:
+        """Splits `batch` into micro-batches of one shape `[B, L]`; returns them and `L`."""
+        lengths = mb.sequence_tokens(batch) if len(batch) else [1]
+        seq = max(lengths)
+        size = max(1, self.optim.micro_batch_tokens // seq)
+        order = list(range(len(batch)))
+        chunks = [order[i:i + size] for i in range(0, len(order), size)] or [[]]
+        out = []
+        for indices in chunks:
+            part = batch.select(indices)
+            out.append((_fixed_shape(mb.pad_inputs(part), size, seq), part))
+        return out, seq
+
+    def _logprobs(self, logits: torch.Tensor, inputs: mb.PaddedInputs) -> torch.Tensor:
+        """`[B, L]` log-probs of the next tokens from vocab-parallel `[B, L, V/tp]` logits."""
+        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+        logits = logits.float()
+        start = self.tp_rank * logits.shape[-1]
+        padded = torch.arange(start, start + logits.shape[-1]) >= self.shape.vocab_size
+        if bool(padded.any()):
+            logits = logits.masked_fill(padded.to(logits.device), _MASKED_LOGIT)
+        targets = inputs.target_ids.to(logits.device)
+        return -vocab_parallel_cross_entropy(logits.contiguous(), targets)
+
+    def _run(self, micro: list[tuple[mb.PaddedInputs, Batch]], seq: int, *, forward_only: bool,
+             loss_of: Any) -> list[Any]:
+        """Runs Megatron's schedule over `micro`; returns `loss_of`'s outputs (last stage)."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        results: list[Any] = []
+        mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool), 1)[None, None].to(self.device)
+
+        def forward_step(data_iterator: Iterator, model: Any) -> tuple[torch.Tensor, Any]:
+            inputs, part = next(data_iterator)
+            output = model(inputs.input_ids.to(self.device), inputs.position_ids.to(self.device),
+                           mask)
+            return output, partial(loss_step, inputs, part)
+
+        def loss_step(inputs: mb.PaddedInputs, part: Batch,
+                      output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+            logprobs = self._logprobs(output, inputs)
+            ragged = inputs.gather(logprobs)
+            ragged = RaggedField(values=ragged.values, offsets=ragged.offsets[:len(part) + 1])
+            value, extra = loss_of(ragged, part, logprobs)
+            results.append(extra)
+            tokens = torch.tensor(int(ragged.lengths.sum()), dtype=torch.int)
+            return value, tokens, {}
+
+        schedule = get_forward_backward_func()
+        context = torch.no_grad() if forward_only else contextlib.nullcontext()
+        with context:
+            schedule(forward_step_func=forward_step, data_iterator=iter(micro),
+                     model=[self.model], num_microbatches=len(micro), seq_length=seq,
+                     micro_batch_size=micro[0][0].input_ids.shape[0],
+                     forward_only=forward_only)
+        return results
+
+    def _from_last_stage(self, value: Any) -> Any:
+        """Broadcasts a Python object from the last pipeline stage to the other stages."""
+        import torch.distributed as dist
+
+        if self.context.layout.pp == 1:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=self.ps.get_pipeline_model_parallel_last_rank(),
+                                   group=self.ps.get_pipeline_model_parallel_group())
+        return box[0]
+
+    # --------------------------------------------------------------- contract
+    def forward_logprobs(self, batch: Batch) -> RaggedField:
+        """Returns per-response-token log-probs (float32, no grad) on every rank."""
+        self.model.eval()
+        micro, seq = self._micro_batches(batch)
+        parts = self._run(micro, seq, forward_only=True,
+                          loss_of=lambda ragged, part, lp: (lp.sum() * 0.0, ragged))
+        result = None
+        if self.is_last:
+            parts = [p for p, (_, b) in zip(parts, micro) if len(b)]
+            result = (RaggedField(
+                values=torch.cat([p.values.detach().cpu() for p in parts]),
+                offsets=torch.nn.functional.pad(
+                    torch.cumsum(torch.cat([p.lengths for p in parts]), 0), (1, 0)),
+            ) if parts else mb.empty_like_logprobs(batch))
+        return self._from_last_stage(result)
+
+    def train_step(self, batch: Batch, loss: LossFunction) -> dict[str, float]:
+        """Runs `optim.mini_batches` optimiser steps on this dp-rank's samples."""
+        self.model.train()
+        collected: list[dict[str, float]] = []
+        norms: list[float] = []
+        for indices in mb.split_even(list(range(len(batch))), self.optim.mini_batches):
+            mini = batch.select(indices)
+            tokens, samples = mb.global_counts(mini, self.dp_group)
+            micro, seq = self._micro_batches(mini)
+
+            def loss_of(ragged: RaggedField, part: Batch, logprobs: torch.Tensor,
+                        tokens: int = tokens, samples: int = samples) -> tuple[torch.Tensor, dict]:
+                if len(part) == 0:
+                    return logprobs.sum() * 0.0, {}
+                value, metrics = loss(ragged, part, global_tokens=max(tokens, 1),
+                                      global_samples=max(samples, 1))
+                return value, {k: float(v) for k, v in metrics.items()}
+
+            self.model.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            collected += [m for m in self._run(micro, seq, forward_only=False, loss_of=loss_of)
+                          if m]
+            norms.append(self._step())
+        self.version += 1
+        metrics: dict[str, float] = {}
+        if self.is_last:
+            for key in {k for m in collected for k in m}:
+                values = [m[key] for m in collected if key in m]
+                metrics[key] = sum(values) / len(values)
+        metrics = dict(self._from_last_stage(metrics))
+        metrics["grad_norm"] = sum(norms) / len(norms)
+        metrics["lr"] = float(self.optim.lr)
+        return metrics
+
+    def _step(self) -> float:
+        """Clips and applies the reduced gradients; returns the pre-clip global norm."""
+        if not isinstance(self.optimizer, torch.optim.Optimizer):
+            ok, norm, _ = self.optimizer.step()
+            return float(norm or 0.0)
+        import torch.distributed as dist
+
+        params = list(self.module.parameters())
+        square = torch.zeros((), dtype=torch.float64)
+        for param in params:
+            param.grad = param.main_grad.to(param.dtype)
+            counted = getattr(param, "tensor_model_parallel", False) or self.tp_rank == 0
+            if counted and not getattr(param, "shared", False):
+                square += param.grad.double().pow(2).sum().cpu()
+        group = self.ps.get_model_parallel_group()
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(square, group=group)
+        norm = float(square.sqrt())
+        if self.optim.grad_clip > 0 and norm > self.optim.grad_clip:
+            scale = self.optim.grad_clip / (norm + 1e-6)
+            for param in params:
+                param.grad.mul_(scale)
+        self.optimizer.step()
+        return norm
+
+    def weight_sources(self) -> list[ShardSpec]:
+        """This rank's Megatron tensors as pieces of HF tensors (see `megatron_layout`)."""
+        return list(self._specs)
+
+    def materialize(
+        self, specs: Sequence[ShardSpec]
+    ) -> contextlib.AbstractContextManager[list[torch.Tensor]]:
+        """Yields this rank's local tensors for `specs` (no gather: shards are plain)."""
+        params = dict(self.module.named_parameters())
+        missing = [s.local_name for s in specs if s.local_name not in params]
+        if missing:
+            raise KeyError(
+                f"MegatronTrainEngine.materialize got unknown tensors {missing[:3]}; pass "
+                "specs returned by weight_sources()."
+            )
+        return _yield([params[s.local_name].detach() for s in specs])
+
+    def save_checkpoint(self, directory: str) -> None:
+        """Saves this rank's model shard (safetensors) and optimiser state; see `checkpoint`."""
+        ckpt.save(self, directory)
+
+    def load_checkpoint(self, directory: str) -> None:
+        """Restores what `save_checkpoint` wrote (same tp/pp/dp layout)."""
+        ckpt.load(self, directory)
+
+    def shutdown(self) -> None:
+        """Releases the model and Megatron's parallel state (idempotent)."""
+        if getattr(self, "model", None) is None:
+            return
+        self.model = self.module = self.optimizer = None
+        with contextlib.suppress(Exception):
+            self.ps.destroy_model_parallel()
+
+
+@contextlib.contextmanager
+def _yield(tensors: list[torch.Tensor]) -> Iterator[list[torch.Tensor]]:
+    yield tensors
+
+
+def _finalize_without_token_scaling(model: list[Any], num_tokens: Any = None,
+                                    **kwargs: Any) -> None:
+    """Megatron's `finalize_model_grads` without dividing by the token count.
+
+    PeerFlow losses are already normalised by the global token count, so the gradients
+    are summed over dp ranks and micro-batches as they are.
+    """
+    from megatron.core.distributed import finalize_model_grads
+
+    finalize_model_grads(model, None, **kwargs)
+
+
+def _fixed_shape(inputs: mb.PaddedInputs, rows: int, length: int) -> mb.PaddedInputs:
+    """Pads a micro-batch to exactly `[rows, length]` with empty filler rows."""
+    count, width = inputs.input_ids.shape
+    pad = (0, length - width, 0, rows - count)
+    lengths_pad = (0, rows - count)
+    return mb.PaddedInputs(
+        input_ids=torch.nn.functional.pad(inputs.input_ids, pad),
+        attention_mask=torch.nn.functional.pad(inputs.attention_mask, pad),
+        position_ids=torch.arange(length)[None, :].expand(rows, -1).contiguous(),
+        prompt_lengths=torch.nn.functional.pad(inputs.prompt_lengths, lengths_pad, value=1),
+        response_lengths=torch.nn.functional.pad(inputs.response_lengths, lengths_pad),
+    )

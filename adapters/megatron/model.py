@@ -1,0 +1,115 @@
+"""Building a Megatron-core `GPTModel` from a Hugging Face config (Llama, Qwen2, Qwen3).
+
+The HF config maps onto Megatron's `TransformerConfig`: RMSNorm, SwiGLU (`gated_linear_unit`
++ SiLU), grouped-query attention (`num_query_groups`), rotary embeddings (non-interleaved,
+HF's `rotate_half`), Qwen2's q/k/v biases and Qwen3's per-head q/k norms. The layer spec is
+Megatron's local (non-Transformer-Engine) spec, so parameter names are the ones
+`peerflow.models.megatron_layout(te_names=False)` describes. The vocabulary is padded to
+`vocab_multiple * tp` rows, as Megatron-LM does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from peerflow.errors import ConfigError
+from peerflow.models import ModelShape, padded_vocab
+
+#: HF model types whose dense decoder maps onto `GPTModel` with the local layer spec.
+SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+
+
+def check_supported(hf_config: Any) -> ModelShape:
+    """Returns the model's `ModelShape`, raising `ConfigError` for what GPTModel cannot mirror."""
+    shape = ModelShape.from_hf_config(hf_config)
+    if shape.family not in SUPPORTED_FAMILIES or shape.num_experts:
+        raise ConfigError(
+            f"trainer.backend=megatron: model_type {shape.family!r} is not supported; "
+            f"expected a dense model of {SUPPORTED_FAMILIES}."
+        )
+    scaling = getattr(hf_config, "rope_scaling", None) or {}
+    rope_type = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+    if rope_type not in ("default", None):
+        raise ConfigError(
+            f"trainer.backend=megatron: rope_scaling type {rope_type!r} is not mapped onto "
+            "Megatron's rotary embedding; use a model without rope scaling or the fsdp trainer."
+        )
+    if getattr(hf_config, "hidden_act", "silu") != "silu":
+        raise ConfigError(
+            f"trainer.backend=megatron: hidden_act={hf_config.hidden_act!r}; only SwiGLU "
+            "(silu) MLPs are mapped."
+        )
+    return shape
+
+
+def rope_theta(hf_config: Any) -> float:
+    """Returns the rotary base of a HF config (old and new transformers spellings)."""
+    theta = getattr(hf_config, "rope_theta", None)
+    if theta is None:
+        params = getattr(hf_config, "rope_parameters", None) or {}
+        theta = params.get("rope_theta", 10000.0)
+    return float(theta)
+
+
+def transformer_config(hf_config: Any, *, tp: int, pp: int, dtype: torch.dtype,
+                       on_cpu: bool) -> Any:
+    """Returns Megatron's `TransformerConfig` equivalent to `hf_config`."""
+    from megatron.core.transformer import TransformerConfig
+
+    shape = check_supported(hf_config)
+    return TransformerConfig(
+        num_layers=shape.num_layers,
+        hidden_size=shape.hidden_size,
+        ffn_hidden_size=shape.intermediate_size,
+        num_attention_heads=shape.num_heads,
+        num_query_groups=shape.num_kv_heads,
+        kv_channels=shape.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=float(getattr(hf_config, "rms_norm_eps", 1e-6)),
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        add_qkv_bias=shape.qkv_bias,
+        qk_layernorm=shape.qk_norm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        sequence_parallel=False,
+        use_cpu_initialization=on_cpu,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        calculate_per_token_loss=True,
+        init_method_std=float(getattr(hf_config, "initializer_range", 0.02)),
+    )
+
+
+def build_gpt_model(hf_config: Any, config: Any, *, tp: int, vocab_multiple: int,
+                    pre_process: bool, post_process: bool) -> Any:
+    """Builds this pipeline stage's `GPTModel` (random init; weights are imported after)."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    shape = check_supported(hf_config)
+    spec = get_gpt_layer_local_spec(qk_layernorm=shape.qk_norm, normalization="RMSNorm")
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=padded_vocab(shape.vocab_size, tp, vocab_multiple),
+        max_sequence_length=int(getattr(hf_config, "max_position_embeddings", 4096)),
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=shape.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_percent=1.0,
+        rotary_base=rope_theta(hf_config),
+    )
