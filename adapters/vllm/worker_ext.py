@@ -58,10 +58,11 @@ class PeerFlowWorkerExtension:
         return params
 
     def peerflow_describe(self) -> dict[str, Any]:
-        """Returns this worker's tp rank and size and every parameter's shape and dtype."""
+        """Returns this worker's process id, tp rank and size, and its parameters' shapes."""
         from vllm.distributed import get_tensor_model_parallel_world_size
 
         return {
+            "pid": os.getpid(),
             "tp_rank": _tp_rank(),
             "tp_size": get_tensor_model_parallel_world_size(),
             "params": {
