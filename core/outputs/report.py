@@ -6,7 +6,7 @@ metrics (names in `peerflow.outputs.metrics`):
 * `reward.png` — `reward/mean` with its min–max band, `score/mean`, `eval/reward/mean`;
 * `response_length.png` — `response_length/*`;
 * `kl.png` — `kl/*`;
-* `throughput.png` — `throughput/*`;
+* `throughput.png` — `throughput/*`; `weight_sync.png` — `weight_sync/*` (or `sync/*`);
 * `step_time.png` — `time/<phase>` stacked per step, with `time/step` on top;
 * `training.png` — `actor/*`, `critic/*`;
 * `staleness.png`, `overlap.png` — `staleness/*`; `overlap/*`, `idle/*`, `queue/*`.
@@ -32,6 +32,7 @@ LINE_FIGURES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("response_length", "Response length (tokens)", ("response_length/",)),
     ("kl", "KL to the reference model", ("kl/",)),
     ("throughput", "Throughput", ("throughput/",)),
+    ("weight_sync", "Weight sync (seconds, bytes)", ("weight_sync/", "sync/")),
     ("training", "Losses and optimiser", ("actor/", "critic/")),
     ("staleness", "Staleness (weight versions)", ("staleness/",)),
     ("overlap", "Overlap, idle time and queues", ("overlap/", "idle/", "queue/")),
