@@ -59,6 +59,18 @@ class GeneratedTask(Task):
         raise NotImplementedError
 
     @classmethod
+    def check_builder_options(cls, options: Mapping[str, Any]) -> list[str]:
+        """Validates `model.builder_options` against `TinyModelOptions`."""
+        from peerflow.contrib.tasks.tiny_model import options_from_mapping
+        from peerflow.errors import ConfigError
+
+        try:
+            options_from_mapping(options)
+        except ConfigError as exc:
+            return [str(exc)]
+        return []
+
+    @classmethod
     def build_model(cls, options: Mapping[str, Any], cache_dir: str | None = None) -> str:
         """Builds the tiny Llama + character tokenizer covering `ALPHABET` (cached)."""
         from peerflow.contrib.tasks.tiny_model import build_tiny_model, options_from_mapping

@@ -129,6 +129,18 @@ class Task(_Component, abc.ABC):
         raise IndexError(f"task {self.name!r} split {split!r} has no example {index}.")
 
     @classmethod
+    def check_builder_options(cls, options: Mapping[str, Any]) -> list[str]:
+        """Returns the problems with `model.builder_options` for this task's builder.
+
+        Cheap (builds nothing), so a config can be checked before processes start.
+        """
+        return [
+            f"model.builder={cls.name!r}: this task has no model builder; set model.path to "
+            "a local Hugging Face model directory, or model.builder to a task that builds "
+            "one (reverse-digits, arithmetic)."
+        ]
+
+    @classmethod
     def build_model(cls, options: Mapping[str, Any], cache_dir: str | None = None) -> str:
         """Builds (or finds in the cache) a tiny model and tokenizer suited to this task.
 

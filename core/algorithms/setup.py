@@ -101,3 +101,23 @@ def build_algorithm(
         kl_coef=kl.coef, kl_estimator=kl.estimator, kl_mode=kl.mode,
         dynamic_sampling=algorithm.dynamic_sampling,
     )
+
+
+
+def check_model_builder(config: Any, pm: Any) -> list[str]:
+    """A `peerflow.config.EXTRA_VALIDATORS` entry: checks `model.builder_options`.
+
+    `validate_config` does not look at the builder; this asks the builder task's
+    `check_builder_options` (which builds nothing), so a bad option is reported before
+    any process starts.
+
+    Returns:
+        One message per problem (empty when the config is fine).
+    """
+    model = config.model
+    if model.path or not model.builder:
+        return []
+    registry = pm.registry("task")
+    if model.builder not in registry:
+        return [registry.unknown_message(model.builder).replace("(task.name)", "(model.builder)")]
+    return list(registry.get(model.builder).check_builder_options(dict(model.builder_options)))

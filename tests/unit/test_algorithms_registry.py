@@ -131,3 +131,20 @@ def run_toy(plugin_manager, advantage, loss, *, kl_mode=None, dynamic=False, ste
 def test_each_algorithm_learns_the_toy_task(plugin_manager, advantage, loss, kl_mode, dynamic):
     first, last = run_toy(plugin_manager, advantage, loss, kl_mode=kl_mode, dynamic=dynamic)
     assert last > first + 0.3, (first, last)
+
+
+def test_model_builder_options_are_checked_before_start(plugin_manager):
+    from peerflow.algorithms.setup import check_model_builder
+    from peerflow.config import load_config
+
+    good = load_config(None, ["model.builder=reverse-digits",
+                              "model.builder_options={hidden_size: 64}"])
+    assert check_model_builder(good, plugin_manager) == []
+    bad = load_config(None, ["model.builder=reverse-digits",
+                             "model.builder_options={hidden: 64}"])
+    [problem] = check_model_builder(bad, plugin_manager)
+    assert "model.builder_options.hidden: unknown key" in problem
+    no_builder = load_config(None, ["model.builder=dataset"])
+    assert "has no model builder" in check_model_builder(no_builder, plugin_manager)[0]
+    unknown = load_config(None, ["model.builder=revers-digits"])
+    assert "(model.builder)" in check_model_builder(unknown, plugin_manager)[0]
