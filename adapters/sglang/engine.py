@@ -1,0 +1,346 @@
+"""`sglang`: the SGLang rollout engine (GPU only; not installable on CPU machines).
+
+Implemented against SGLang's offline `sglang.Engine` API, imported lazily:
+
+* generation: `Engine.generate(input_ids=…, sampling_params=[…], return_logprob=True)`;
+  each of the n samples of a prompt is its own request (the radix cache shares the
+  prompt), so results come back in a known order with per-sample seeds;
+* weights: `Engine.update_weights_from_tensor(named_tensors, load_format="direct",
+  flush_cache=False)` copies tensors in SGLang's own layout (fused `qkv_proj` /
+  `gate_up_proj`, padded vocabulary, tp slices; `peerflow.models.vllm.sglang_layout`)
+  straight into the parameters of the matching name; with tp > 1 each tensor is a
+  per-rank `LocalSerializedTensor`, so every scheduler process receives only its shard;
+  `Engine.flush_cache()` after the sync. The broadcast path SGLang also offers
+  (`init_weights_update_group` + `update_weights_from_distributed`, HF tensors over NCCL)
+  is exposed as `join_weight_group` / `load_weights_from_group` for transports that
+  broadcast full tensors;
+* memory: `release_memory_occupation()` / `resume_memory_occupation()` (`sleep`/`wake`).
+
+Status: written from SGLang's source; SGLang cannot be installed on PeerFlow's CPU CI
+machines, so this adapter has not run there (see docs/gpu-validation.md for GPU runs).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import attrs
+import torch
+
+from peerflow.adapters.sglang.options import SGLangRolloutOptions
+from peerflow.capabilities import Capabilities
+from peerflow.engines import (
+    EngineContext,
+    GenerationRequest,
+    GenerationResult,
+    RolloutEngine,
+    SamplingParams,
+    WeightSyncStats,
+)
+from peerflow.shard import ShardSpec
+
+_FINISH_REASONS = {"stop", "length", "abort"}
+
+
+def _split_local_name(local_name: str) -> tuple[int, str]:
+    """Returns `(tp_rank, sglang_name)` of a target's local name (`tp{r}/name` or `name`)."""
+    head, sep, rest = local_name.partition("/")
+    if sep and head.startswith("tp") and head[2:].isdigit():
+        return int(head[2:]), rest
+    return 0, local_name
+
+
+def _local_serialized_tensor_class() -> Any:
+    # The class moved from model_runner to weight_updater in newer SGLang releases.
+    try:
+        from sglang.srt.model_executor.weight_updater import LocalSerializedTensor
+    except ImportError:
+        from sglang.srt.model_executor.model_runner import LocalSerializedTensor
+    return LocalSerializedTensor
+
+
+class SGLangRolloutEngine(RolloutEngine):
+    """Rollout engine on SGLang's offline `Engine` (GPU machines with SGLang installed).
+
+    Args:
+        context: Where and what to load (`model_path`, `dtype`, `seed`).
+        options: `SGLangRolloutOptions` (`rollout.sglang: {...}`).
+    """
+
+    name: ClassVar[str] = "sglang"
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        logprobs=True,
+        stop_strings=True,
+        tensor_parallel=True,
+        shard_load=True,
+        in_place_weight_update=True,
+        sleep=True,
+        prefix_cache=True,
+        multiprocess=True,
+        gpu_only=True,
+    )
+    options_class: ClassVar[type] = SGLangRolloutOptions
+    requires: ClassVar[tuple[str, ...]] = ("sglang",)
+    install_hint: ClassVar[str] = (
+        "pip install 'peerflow[sglang]' on a machine with a CUDA GPU (SGLang has no CPU "
+        "build on PyPI)"
+    )
+
+    def __init__(self, context: EngineContext, options: SGLangRolloutOptions | None = None
+                 ) -> None:
+        options = options if options is not None else SGLangRolloutOptions()
+        super().__init__(context, options)
+        self.options: SGLangRolloutOptions = options
+        self.ensure_installed()
+        self._sync: dict[str, float] = {}
+        self.last_sync: WeightSyncStats | None = None
+        self.engine = self._start()
+        self._tokenizer = self.engine.tokenizer_manager.tokenizer
+        self._targets = self._build_targets()
+        self._by_name = {spec.local_name: spec for spec in self._targets}
+
+    def _start(self) -> Any:
+        import sglang
+
+        opts = self.options
+        kwargs: dict[str, Any] = dict(
+            model_path=self.context.model_path,
+            dtype=self.context.dtype,
+            random_seed=self.context.seed,
+            tp_size=opts.tp_size,
+            mem_fraction_static=opts.mem_fraction_static,
+            enable_memory_saver=opts.enable_memory_saver,
+            disable_radix_cache=opts.disable_radix_cache,
+        )
+        if opts.max_running_requests is not None:
+            kwargs["max_running_requests"] = opts.max_running_requests
+        if opts.context_length is not None:
+            kwargs["context_length"] = opts.context_length
+        kwargs.update(opts.engine_args)
+        return sglang.Engine(**kwargs)
+
+    def _build_targets(self) -> list[ShardSpec]:
+        from transformers import AutoConfig
+
+        from peerflow.models.vllm import sglang_layout
+
+        config = AutoConfig.from_pretrained(self.context.model_path)
+        tp = self.options.tp_size
+        targets = []
+        for tp_rank in range(tp):
+            for spec in sglang_layout(config, tp_rank, tp, dtype=self.context.dtype):
+                if tp > 1:
+                    spec = attrs.evolve(spec, local_name=f"tp{tp_rank}/{spec.local_name}")
+                targets.append(spec)
+        return targets
+
+    # -- generation ---------------------------------------------------------------------
+
+    def _sampling_dict(self, sampling: SamplingParams, seed: int | None) -> dict[str, Any]:
+        params: dict[str, Any] = dict(
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k if sampling.top_k > 0 else -1,
+            max_new_tokens=sampling.max_tokens,
+            no_stop_trim=self.options.include_stop_str_in_output,
+        )
+        if sampling.stop:
+            params["stop"] = list(sampling.stop)
+        if sampling.stop_token_ids:
+            params["stop_token_ids"] = list(sampling.stop_token_ids)
+        if seed is not None:
+            params["sampling_seed"] = seed
+        return params
+
+    def generate(
+        self, requests: Sequence[GenerationRequest], sampling: SamplingParams
+    ) -> list[GenerationResult]:
+        """Samples `sampling.n` answers per request in one `Engine.generate` call.
+
+        With `sampling.seed` set, sample `k` of request `i` uses seed
+        `seed + i * n + k` (SGLang's `sampling_seed`).
+        """
+        if not requests:
+            return []
+        n = sampling.n
+        input_ids, params = [], []
+        for i, request in enumerate(requests):
+            for k in range(n):
+                input_ids.append(list(request.prompt_ids))
+                seed = None if sampling.seed is None else sampling.seed + i * n + k
+                params.append(self._sampling_dict(sampling, seed))
+        outputs = self.engine.generate(input_ids=input_ids, sampling_params=params,
+                                       return_logprob=sampling.logprobs)
+        results = []
+        for j, output in enumerate(outputs):
+            request = requests[j // n]
+            meta = output["meta_info"]
+            tokens = list(output["output_ids"])
+            logprobs = ([float(entry[0]) for entry in meta["output_token_logprobs"]]
+                        if sampling.logprobs else [])
+            finish = meta.get("finish_reason") or {}
+            reason = finish.get("type", "length") if isinstance(finish, dict) else str(finish)
+            if isinstance(finish, dict) and isinstance(finish.get("matched"), str):
+                keep = self._cut_stop_string(tokens, output.get("text", ""))
+                tokens, logprobs = tokens[:keep], logprobs[:keep]
+            results.append(
+                GenerationResult(
+                    request_id=request.request_id,
+                    index=j % n,
+                    token_ids=tokens,
+                    logprobs=logprobs,
+                    finish_reason=reason if reason in _FINISH_REASONS else "stop",
+                    version_segments=((0, self.weight_version),),
+                )
+            )
+        return results
+
+    def _cut_stop_string(self, tokens: list[int], text: str) -> int:
+        """Returns how many tokens to keep so the answer ends before its stop string."""
+        if self.options.include_stop_str_in_output:
+            return len(tokens)
+        for keep in range(len(tokens), -1, -1):
+            if len(self._tokenizer.decode(tokens[:keep], skip_special_tokens=True)) <= len(text):
+                return keep
+        return 0
+
+    # -- weights ------------------------------------------------------------------------
+
+    def weight_targets(self) -> list[ShardSpec]:
+        """Returns SGLang's parameters as specs (`tp{r}/` prefixes when tp > 1)."""
+        return list(self._targets)
+
+    def begin_weight_update(self, version: int) -> None:
+        """Starts a sync towards `version`."""
+        super().begin_weight_update(version)
+        self._sync = {"pack_s": 0.0, "wire_s": 0.0, "bytes": 0, "buckets": 0}
+
+    def load_weights(self, items: Sequence[tuple[ShardSpec, torch.Tensor]]) -> None:
+        """Copies one bucket of SGLang-layout tensors into the live parameters.
+
+        Raises:
+            ValueError: a spec is not one of `weight_targets()` or a tensor's shape
+                differs from its spec.
+        """
+        start = time.perf_counter()
+        per_name: dict[str, dict[int, torch.Tensor]] = {}
+        nbytes = 0
+        for spec, tensor in items:
+            target = self._by_name.get(spec.local_name)
+            if target is None:
+                raise ValueError(
+                    f"SGLangRolloutEngine.load_weights: {spec.local_name!r} is not one of this "
+                    "engine's weight_targets(); plan syncs against weight_targets()."
+                )
+            if tuple(tensor.shape) != target.local_shape:
+                raise ValueError(
+                    f"SGLangRolloutEngine.load_weights: tensor for {spec.local_name!r} has "
+                    f"shape {tuple(tensor.shape)}, expected {target.local_shape}."
+                )
+            tp_rank, name = _split_local_name(spec.local_name)
+            per_name.setdefault(name, {})[tp_rank] = tensor.detach().contiguous()
+            nbytes += tensor.numel() * tensor.element_size()
+        named = self._named_tensors(per_name)
+        self._sync["pack_s"] = self._sync.get("pack_s", 0.0) + time.perf_counter() - start
+        start = time.perf_counter()
+        result = self.engine.update_weights_from_tensor(named, load_format="direct",
+                                                        flush_cache=False)
+        _raise_on_failure(result, "update_weights_from_tensor")
+        self._sync["wire_s"] = self._sync.get("wire_s", 0.0) + time.perf_counter() - start
+        self._sync["bytes"] = self._sync.get("bytes", 0) + nbytes
+        self._sync["buckets"] = self._sync.get("buckets", 0) + 1
+
+    def _named_tensors(self, per_name: dict[str, dict[int, torch.Tensor]]) -> list:
+        tp = self.options.tp_size
+        if tp == 1:
+            return [(name, shards[0]) for name, shards in per_name.items()]
+        from sglang.srt.utils import MultiprocessingSerializer
+
+        local_tensor = _local_serialized_tensor_class()
+        named = []
+        for name, shards in per_name.items():
+            if len(shards) != tp:
+                raise ValueError(
+                    f"SGLangRolloutEngine.load_weights: bucket holds {sorted(shards)} of the "
+                    f"{tp} tp shards of {name!r}; SGLang loads every rank's shard of a "
+                    "parameter in one call, so keep them in one bucket."
+                )
+            values = [MultiprocessingSerializer.serialize(shards[r]) for r in range(tp)]
+            named.append((name, local_tensor(values=values)))
+        return named
+
+    def finish_weight_update(self) -> None:
+        """Flushes SGLang's radix cache and publishes the new version."""
+        version = self._pending_version
+        self.engine.flush_cache()
+        super().finish_weight_update()
+        self.last_sync = WeightSyncStats(
+            version=version,
+            pack_s=self._sync.get("pack_s", 0.0),
+            wire_s=self._sync.get("wire_s", 0.0),
+            bytes=int(self._sync.get("bytes", 0)),
+            buckets=int(self._sync.get("buckets", 0)),
+        )
+
+    def join_weight_group(self, master_address: str, master_port: int, rank_offset: int,
+                          world_size: int, group_name: str = "peerflow",
+                          backend: str = "nccl") -> None:
+        """Joins a trainer-created process group for broadcast syncs.
+
+        SGLang's `init_weights_update_group`: the trainer is rank 0, SGLang's tp ranks
+        start at `rank_offset`.
+        """
+        result = self.engine.init_weights_update_group(
+            master_address=master_address, master_port=master_port, rank_offset=rank_offset,
+            world_size=world_size, group_name=group_name, backend=backend,
+        )
+        _raise_on_failure(result, "init_weights_update_group")
+
+    def load_weights_from_group(self, names: Sequence[str], dtypes: Sequence[str],
+                                shapes: Sequence[Sequence[int]],
+                                group_name: str = "peerflow") -> None:
+        """Receives full HF tensors the trainer broadcasts, in this order.
+
+        SGLang's `update_weights_from_distributed`; SGLang fuses and slices them itself.
+        """
+        result = self.engine.update_weights_from_distributed(
+            names=list(names), dtypes=list(dtypes), shapes=[list(s) for s in shapes],
+            group_name=group_name, flush_cache=False,
+        )
+        _raise_on_failure(result, "update_weights_from_distributed")
+
+    def read_parameter(self, name: str, numel: int) -> torch.Tensor:
+        """Returns the first `numel` values of SGLang parameter `name`.
+
+        Read inside SGLang's scheduler (`get_weights_by_name`), bypassing PeerFlow's
+        loading path.
+        """
+        values = self.engine.get_weights_by_name(name, truncate_size=numel)
+        return torch.tensor(values)
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    def sleep(self) -> None:
+        """Frees weights and KV cache (`release_memory_occupation`)."""
+        self.engine.release_memory_occupation()
+
+    def wake(self) -> None:
+        """Restores weights and KV cache (`resume_memory_occupation`)."""
+        self.engine.resume_memory_occupation()
+
+    def shutdown(self) -> None:
+        """Stops SGLang's processes. Safe to call twice."""
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()
+            self.engine = None
+
+
+def _raise_on_failure(result: Any, call: str) -> None:
+    """SGLang answers weight calls with `(success, message)`; turn a failure into an error."""
+    if isinstance(result, tuple) and result and result[0] is False:
+        raise RuntimeError(f"SGLang {call} failed: {result[1] if len(result) > 1 else result}")
+    if isinstance(result, dict) and result.get("success") is False:
+        raise RuntimeError(f"SGLang {call} failed: {result.get('message')}")
