@@ -22,7 +22,6 @@ import pickle
 import queue
 import threading
 import time
-from collections.abc import Sequence
 from typing import Any
 
 import attrs
@@ -93,8 +92,9 @@ class StreamSender:
     tag: int
     group: Any = None
     timeout: float = 60.0
-    _pending: list[tuple[Any, torch.Tensor, str]] = attrs.field(factory=list, init=False)
+    _pending: list[tuple[int, Any, torch.Tensor, str]] = attrs.field(factory=list, init=False)
     _lock: threading.Lock = attrs.field(factory=threading.Lock, init=False)
+    _issued: int = attrs.field(default=0, init=False)
     bytes_sent: int = attrs.field(default=0, init=False)
 
     def send(
@@ -105,25 +105,26 @@ class StreamSender:
         header = torch.tensor([int(kind), int(a), int(b), nbytes], dtype=torch.int64)
         what = f"{kind.name} to rank {dst}"
         with self._lock:
-            self._pending.append(
-                (dist.isend(header, dst=dst, group=self.group, tag=self.tag), header, what)
-            )
+            self._issued += 1
+            work = dist.isend(header, dst=dst, group=self.group, tag=self.tag)
+            self._pending.append((self._issued, work, header, what))
             if payload is not None and nbytes:
                 payload = payload.contiguous()
-                self._pending.append(
-                    (dist.isend(payload, dst=dst, group=self.group, tag=self.tag), payload, what)
-                )
+                work = dist.isend(payload, dst=dst, group=self.group, tag=self.tag)
+                self._pending.append((self._issued, work, payload, what))
             self.bytes_sent += nbytes + header.numel() * 8
-            self._reap()
+            if len(self._pending) > 256:  # bound the tensors kept alive
+                self._wait_locked(self._pending[0][0] + 1)
 
-    def _reap(self) -> None:
-        if len(self._pending) > 64:
-            self._wait(self._pending[:-64])
-            del self._pending[:-64]
+    def mark(self) -> int:
+        """Returns a token for "every message queued so far" (see `wait_for`)."""
+        with self._lock:
+            return self._issued
 
-    def _wait(self, items: Sequence[tuple[Any, torch.Tensor, str]]) -> None:
+    def _wait_locked(self, token: int) -> None:
         delta = datetime.timedelta(seconds=self.timeout)
-        for work, _, what in items:
+        while self._pending and self._pending[0][0] <= token:
+            _, work, _, what = self._pending.pop(0)
             try:
                 work.wait(timeout=delta)
             except Exception as exc:
@@ -132,11 +133,15 @@ class StreamSender:
                     f"{exc}. The receiving rank died or stopped receiving."
                 ) from exc
 
+    def wait_for(self, token: int) -> None:
+        """Waits until every message queued before `mark()` returned `token` is delivered."""
+        with self._lock:
+            self._wait_locked(token)
+
     def flush(self) -> None:
         """Waits until every queued message has been delivered."""
         with self._lock:
-            pending, self._pending = self._pending, []
-        self._wait(pending)
+            self._wait_locked(self._issued)
 
 
 @attrs.define(eq=False)

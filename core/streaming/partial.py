@@ -1,0 +1,136 @@
+"""Partial rollout: let new weights take over a request part-way, keeping segment versions.
+
+`generate_in_segments` samples answers in chunks of at most `chunk_tokens` tokens. After
+each chunk it calls `between_chunks()` — where the rollout loop applies a newly pushed
+weight version — and continues every unfinished answer as a new request (the prompt plus
+the tokens generated so far, `n = 1`), under whatever weights are then loaded. Each
+answer's `version_segments` records `(first_token_index, version)` for every run of
+tokens produced by one version, and its per-token log-probs are those of the policy that
+produced each token, as the truncated importance-sampling correction needs.
+
+This works on every engine (it only uses `generate`), at the cost of re-reading the
+prefix when a request continues (engines with a prefix cache make that cheap). Engines
+that pause in-flight requests themselves (`Capabilities.partial_rollout`) report their own
+segments inside a chunk; those are merged, offset by the chunk's start.
+
+Stop strings are matched within a chunk; one spanning a chunk boundary is found only if
+the engine's tokenizer-level stop handling sees the whole string in the continuation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import attrs
+
+from peerflow.engines import GenerationRequest, GenerationResult, RolloutEngine, SamplingParams
+from peerflow.streaming.versions import append_segment
+
+
+@attrs.define(eq=False)
+class _Answer:
+    request_id: int
+    index: int
+    prompt: tuple[int, ...]
+    tokens: list[int] = attrs.field(factory=list)
+    logprobs: list[float] = attrs.field(factory=list)
+    segments: tuple[tuple[int, int], ...] = ()
+    finish_reason: str = "length"
+    done: bool = False
+
+
+def _continue_seed(seed: int | None, chunk: int) -> int | None:
+    if seed is None:
+        return None
+    return (seed * 7919 + chunk * 104_729) % (2**31 - 1)
+
+
+def _absorb(answer: _Answer, result: GenerationResult, version: int, limit: int) -> None:
+    start = len(answer.tokens)
+    own = result.version_segments or ((0, version),)
+    for offset, seg_version in own:
+        answer.segments = append_segment(answer.segments, start + offset, seg_version)
+    answer.tokens += list(result.token_ids)
+    answer.logprobs += list(result.logprobs)
+    answer.finish_reason = result.finish_reason
+    answer.done = result.finish_reason != "length" or len(answer.tokens) >= limit
+
+
+def generate_in_segments(
+    engine: RolloutEngine,
+    requests: Sequence[GenerationRequest],
+    sampling: SamplingParams,
+    *,
+    chunk_tokens: int,
+    between_chunks: Callable[[], None] = lambda: None,
+) -> list[GenerationResult]:
+    """Samples `sampling.n` answers per request, letting weights change between chunks.
+
+    Args:
+        engine: The rollout engine.
+        requests: Prompts.
+        sampling: Sampling settings; `max_tokens` bounds each whole answer.
+        chunk_tokens: Most tokens generated before weights may change (≥ 1).
+        between_chunks: Called after every chunk that leaves answers unfinished.
+
+    Returns:
+        `len(requests) * n` results grouped by request, like `RolloutEngine.generate`,
+        with `version_segments` filled.
+
+    Raises:
+        ValueError: `chunk_tokens` is less than 1.
+    """
+    if chunk_tokens < 1:
+        raise ValueError(
+            f"chunk_tokens={chunk_tokens}: partial rollout needs at least 1 token per chunk."
+        )
+    limit = sampling.max_tokens
+    first = attrs.evolve(sampling, max_tokens=min(chunk_tokens, limit))
+    results = engine.generate(requests, first)
+    prompts = {r.request_id: tuple(r.prompt_ids) for r in requests}
+    answers = []
+    for res in results:
+        answer = _Answer(request_id=res.request_id, index=res.index, prompt=prompts[res.request_id])
+        _absorb(answer, res, engine.weight_version, limit)
+        answers.append(answer)
+    chunk = 1
+    while True:
+        open_answers = [a for a in answers if not a.done]
+        if not open_answers:
+            break
+        between_chunks()
+        version = engine.weight_version
+        budget = min(chunk_tokens, limit - min(len(a.tokens) for a in open_answers))
+        params = attrs.evolve(
+            sampling, n=1, max_tokens=budget, seed=_continue_seed(sampling.seed, chunk)
+        )
+        continued = engine.generate(
+            [
+                GenerationRequest(request_id=i, prompt_ids=a.prompt + tuple(a.tokens))
+                for i, a in enumerate(open_answers)
+            ],
+            params,
+        )
+        for res in continued:
+            answer = open_answers[res.request_id]
+            room = limit - len(answer.tokens)
+            if len(res.token_ids) > room:  # the shared budget overshot this answer
+                res = attrs.evolve(
+                    res,
+                    token_ids=res.token_ids[:room],
+                    logprobs=res.logprobs[:room],
+                    finish_reason="length",
+                )
+            _absorb(answer, res, version, limit)
+        chunk += 1
+    return [
+        GenerationResult(
+            request_id=a.request_id,
+            index=a.index,
+            token_ids=a.tokens,
+            logprobs=a.logprobs,
+            finish_reason=a.finish_reason,
+            version_segments=a.segments,
+        )
+        for a in answers
+    ]

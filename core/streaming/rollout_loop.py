@@ -1,0 +1,243 @@
+"""The rollout rank's program in async mode: admit, generate, score, stream, apply weights.
+
+Loop on every rollout rank (each is its own dp replica; no rollout peer is consulted):
+
+1. apply the newest fully received weight version, if any (between requests);
+2. admit new prompts while `StalenessScheduler.can_admit` allows (at most
+   `runtime.async_prompts_per_call` per generate call), else wait for weights — the
+   only idle time on this side;
+3. generate (in chunks with `runtime.partial_rollout`, applying new weights between
+   chunks), run the per-group nodes (reward, and the advantage when it needs no trainer
+   output), mark the groups finished;
+4. place finished groups into steps (earliest deadline first), send each to the trainer
+   dp-rank with the fewest tokens from this rank in that step, and seal completed steps
+   with a message that also carries this rank's activity for the step.
+
+It ends when it has sealed `run.steps` steps, then sends `STOP` and waits for the
+trainers' `STOP` on the weight channel.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+import torch
+
+from peerflow.batch import Batch, RaggedField
+from peerflow.coordinator.wire import pack_batch
+from peerflow.layout import ParallelLayout
+from peerflow.streaming.assignment import TokenBalancer
+from peerflow.streaming.metrics import ActivityLog, SpanRecorder
+from peerflow.streaming.partial import generate_in_segments
+from peerflow.streaming.staleness import StalenessScheduler
+from peerflow.streaming.transport import Heartbeat, Kind, StreamSender, pickle_payload
+from peerflow.streaming.versions import TOKEN_VERSIONS, oldest_version, token_versions
+from peerflow.streaming.weight_push import WeightReceiver
+
+
+def split_groups(batch: Batch) -> list[Batch]:
+    """Splits a batch into one batch per group, in first-appearance order."""
+    order: dict[int, list[int]] = {}
+    for i, g in enumerate(batch.group_id.tolist()):
+        order.setdefault(g, []).append(i)
+    return [batch.select(idx) for idx in order.values()]
+
+
+def attach_segments(batch: Batch, segments: Sequence[Sequence[tuple[int, int]]]) -> Batch:
+    """Adds `token_versions` and sets each sample's `weight_version` to its oldest segment."""
+    lengths = batch.lengths("response_ids").tolist()
+    default = batch.weight_version.tolist()
+    batch.set(
+        TOKEN_VERSIONS,
+        RaggedField.from_tensors(
+            [token_versions(s, n, d) for s, n, d in zip(segments, lengths, default)],
+            dtype=torch.int64,
+        ),
+    )
+    batch.weight_version = torch.tensor(
+        [oldest_version(s, d) for s, d in zip(segments, default)], dtype=torch.int64
+    )
+    return batch
+
+
+@attrs.define(eq=False)
+class RolloutStreamer:
+    """One rollout rank's async program."""
+
+    engine: Any
+    """This rank's `RolloutEngine`."""
+    generate: Callable[[Sequence[Any], Any, Callable[[], None]], Batch]
+    """`generate(draws, sampling, between_chunks) -> batch` (fields as `generate_batch`)."""
+    draw: Callable[[int], list[Any]]
+    """`draw(count) -> draws` from this rank's prompt shard."""
+    sampling_for: Callable[[int, int], Any]
+    """`sampling_for(open_step, call_in_step) -> SamplingParams` (seeded)."""
+    per_group: Callable[[Batch], Batch]
+    """Per-group nodes (reward, advantage) run on a finished group's batch."""
+    scheduler: StalenessScheduler
+    balancer: TokenBalancer
+    trainer_layout: ParallelLayout
+    sender: StreamSender
+    weights: WeightReceiver
+    steps: int
+    """Training steps of the run (this rank seals `steps` steps, then stops)."""
+    rank: int
+    prompts_per_call: int = 0
+    """Most prompts per generate call (0: the rank's per-step quota)."""
+    heartbeat_s: float = 5.0
+    activity: ActivityLog = attrs.field(factory=ActivityLog)
+    spans: SpanRecorder | None = None
+    pending: list[Any] = attrs.field(factory=list)
+    """Draws to admit before new ones (resumed holes)."""
+    _groups: dict[int, Batch] = attrs.field(factory=dict, init=False)
+    _calls_in_step: dict[int, int] = attrs.field(factory=dict, init=False)
+    _weight_load_s: float = attrs.field(default=0.0, init=False)
+    sent_groups: list[tuple[int, int, int]] = attrs.field(factory=list, init=False)
+    """`(group_id, step, trainer dp-rank)` of every group sent (tests, checkpoints)."""
+
+    def _trainer_ranks(self) -> tuple[int, ...]:
+        return tuple(self.trainer_layout.global_ranks)
+
+    def _span(self, name: str, **args: Any) -> Any:
+        import contextlib
+
+        return self.spans.span(name, **args) if self.spans else contextlib.nullcontext()
+
+    def apply_weights(self, wait: float | None = None) -> None:
+        """Applies the newest complete weight version, waiting up to `wait` s for one."""
+        version = self.weights.poll(timeout=wait)
+        if version is not None and version > self.engine.weight_version:
+            start = time.perf_counter()
+            with self._span("load weights", version=version), self.activity.track("busy"):
+                self.weights.apply(self.engine, version)
+            self._weight_load_s += time.perf_counter() - start
+
+    def _admit(self) -> list[Any]:
+        limit = self.prompts_per_call or self.scheduler.quota
+        needed = self.steps * self.scheduler.quota - (
+            self.scheduler.sealed_steps() * self.scheduler.quota
+            + self.scheduler.filled
+            + len(self.scheduler.in_flight)
+            + len(self.scheduler.finished)
+        )
+        draws: list[Any] = []
+        trainer_version = max(self.weights.latest_announced, 0)
+        while len(draws) < min(limit, needed) and self.scheduler.can_admit(
+            self.engine.weight_version, trainer_version
+        ):
+            draw = self.pending.pop(0) if self.pending else self.draw(1)[0]
+            self.scheduler.admit(draw.position, self.engine.weight_version, trainer_version)
+            draws.append(draw)
+        return draws
+
+    def run(self) -> None:
+        """Runs until every step of the run is sealed, then stops the data channel."""
+        beat = Heartbeat(
+            sender=self.sender, targets=self._trainer_ranks(), interval=self.heartbeat_s
+        ).start()
+        try:
+            while self.scheduler.sealed_steps() < self.steps:
+                self.apply_weights()
+                draws = self._admit()
+                if not draws:
+                    with self._span("wait (staleness bound)"), self.activity.track("idle"):
+                        self.apply_weights(wait=0.5)
+                    if self.weights.stopped:
+                        break
+                    continue
+                self._generate(draws)
+                self._stream()
+        finally:
+            beat.stop()
+        for dst in self._trainer_ranks():
+            self.sender.send(dst, Kind.STOP)
+        self.sender.flush()
+        while not self.weights.stopped:  # drain weights until the trainers are done
+            self.apply_weights(wait=0.5)
+
+    def _generate(self, draws: list[Any]) -> None:
+        open_step = self.scheduler.sealed_steps()
+        call = self._calls_in_step.get(open_step, 0)
+        self._calls_in_step[open_step] = call + 1
+        sampling = self.sampling_for(open_step, call)
+        with self._span("generate", prompts=len(draws)), self.activity.track("busy"):
+            batch = self.generate(draws, sampling, lambda: self.apply_weights())
+            for group in split_groups(batch):
+                group = self.per_group(group)
+                gid = int(group.group_id[0])
+                self._groups[gid] = group
+                self.scheduler.finish(gid)
+
+    def _stream(self) -> None:
+        before = self.scheduler.sealed_steps()
+        for placed in self.scheduler.assign_finished():
+            group = self._groups.pop(placed.group_id)
+            dp = self.balancer.assign(placed.step, int(group.token_count().sum()))
+            payload = pack_batch(group)
+            for dst in self.trainer_layout.ranks_of_dp(dp):
+                self.sender.send(dst, Kind.GROUP, a=placed.step, payload=payload)
+            self.sent_groups.append((placed.group_id, placed.step, dp))
+        for step in range(before, self.scheduler.sealed_steps()):
+            self._seal(step)
+
+    def _seal(self, step: int) -> None:
+        busy, idle = self.activity.take()
+        report = pickle_payload(
+            {
+                "busy": busy,
+                "idle": idle,
+                "in_flight": len(self.scheduler.in_flight),
+                "finished": len(self.scheduler.finished),
+                "weight_load_s": self._weight_load_s,
+                "version": self.engine.weight_version,
+                "skipped_versions": self.weights.skipped,
+            }
+        )
+        self._weight_load_s = 0.0
+        counts = self.balancer.groups.get(step, [0] * self.trainer_layout.dp)
+        for dp in range(self.trainer_layout.dp):
+            for dst in self.trainer_layout.ranks_of_dp(dp):
+                self.sender.send(dst, Kind.SEAL, a=step, b=counts[dp], payload=report)
+        self.balancer.forget_before(step)
+
+
+def make_generate(
+    engine: Any, tokenizer: Any, *, partial_rollout: bool, chunk_tokens: int
+) -> Callable[[Sequence[Any], Any, Callable[[], None]], Batch]:
+    """Returns the rollout's generate function (`generate_batch`, optionally in segments)."""
+    from peerflow.worker.rollout import generate_batch
+
+    if not partial_rollout:
+
+        def plain(draws: Sequence[Any], sampling: Any, between: Callable[[], None]) -> Batch:
+            return generate_batch(engine, tokenizer, draws, sampling)
+
+        return plain
+
+    class _Segmented:
+        """Adapts `generate_in_segments` to the engine interface `generate_batch` calls."""
+
+        def __init__(self, between: Callable[[], None]) -> None:
+            self.between = between
+            self.segments: list[tuple[tuple[int, int], ...]] = []
+
+        @property
+        def weight_version(self) -> int:
+            return min((s[0][1] for s in self.segments if s), default=engine.weight_version)
+
+        def generate(self, requests: Sequence[Any], sampling: Any) -> list[Any]:
+            results = generate_in_segments(
+                engine, requests, sampling, chunk_tokens=chunk_tokens, between_chunks=self.between
+            )
+            self.segments = [r.version_segments for r in results]
+            return results
+
+    def segmented(draws: Sequence[Any], sampling: Any, between: Callable[[], None]) -> Batch:
+        proxy = _Segmented(between)
+        batch = generate_batch(proxy, tokenizer, draws, sampling)
+        return attach_segments(batch, proxy.segments) if len(batch) else batch
+
+    return segmented

@@ -1,0 +1,370 @@
+"""`runtime.mode: async`: wires the streaming pieces into the rollout and trainer programs.
+
+Requires `runtime.placement: split` (rollout and trainer on disjoint ranks). Every rank:
+
+1. plans the weight push once (`peerflow.reshard.plan_weight_sync`, a collective over
+   all ranks) and cuts it into buckets;
+2. rollout ranks run `RolloutStreamer` (generate + per-group nodes such as reward and
+   GRPO advantages), trainer ranks run `TrainerStreamer` (micro-batch forwards, training,
+   asynchronous weight push); they meet only through p2p messages;
+3. the first trainer rank writes `metrics.jsonl` (trainer metrics reduced over the
+   trainer group, plus what the rollout ranks report with every sealed step); every rank
+   writes its Chrome-trace timeline under `trace/`.
+
+Checkpoints (trainer ranks, every `run.checkpoint_every` steps and at the end) hold the
+engine state plus `async_state.json`: which prompt groups each rollout rank has had
+trained. On resume a rollout rank replays its prompt stream up to the last trained
+prompt and re-generates the ones that were in flight, so no prompt is lost and no
+sample is trained twice.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from peerflow.errors import ConfigError
+from peerflow.worker.metrics import StepMetrics, all_reduce_metrics
+from peerflow.worker.runtime import WorkerRuntime
+
+#: Node kinds a rollout rank runs on each finished group.
+ROLLOUT_KINDS = ("reward",)
+#: Node kinds a trainer runs per micro-batch (forwards of the frozen or current policy).
+MICRO_BATCH_KINDS = ("ref_logprob", "old_logprob", "values")
+#: Node kinds replaced by the asynchronous push.
+SKIPPED_KINDS = ("generate", "sync_weights")
+ASYNC_STATE = "async_state.json"
+
+
+def check_async_config(config: Any, layouts: dict[str, Any]) -> None:
+    """Raises `ConfigError` for settings async mode cannot run."""
+    from peerflow.streaming.samplers import get_sampler
+
+    rt = config.runtime
+    if rt.placement != "split":
+        raise ConfigError(
+            f"runtime.mode=async needs runtime.placement=split (got {rt.placement!r}): "
+            "rollout and trainer must run on disjoint ranks; set runtime.placement: split."
+        )
+    if rt.max_staleness < 0:
+        raise ConfigError(f"runtime.max_staleness={rt.max_staleness}: must be 0 or more.")
+    if config.algorithm.dynamic_sampling:
+        raise ConfigError(
+            "algorithm.dynamic_sampling refills whole steps and is not supported with "
+            "runtime.mode=async yet; set it to false or use mode: sync."
+        )
+    rollout = layouts["rollout"]
+    if rollout.tp * rollout.pp * rollout.ep > 1:
+        raise ConfigError(
+            f"runtime.mode=async runs each rollout rank as its own replica, but "
+            f"rollout.layout is {rollout.describe()}; use tp=pp=1 per rank (an engine that "
+            "drives its own tensor-parallel workers, e.g. vLLM, counts as one rank)."
+        )
+    get_sampler(rt.sampler)
+
+
+def _graph_nodes(rt: WorkerRuntime) -> tuple[list[Any], dict[str, Any]]:
+    from peerflow.planner import plan_run
+
+    plan = plan_run(rt.config, rt.world_size, rt.pm)
+    return [plan.graph.node(name) for name in plan.graph.order()], plan.roles
+
+
+def _writer(rt: WorkerRuntime, start_step: int) -> Any:
+    from peerflow.worker import checkpoint as ckpt
+
+    path = rt.run_dir / "metrics.jsonl"
+    if start_step:
+        ckpt.truncate_metrics(path, start_step)
+    try:
+        from peerflow.outputs import MetricsWriter
+    except ImportError:
+
+        def write(step: int, metrics: dict[str, float]) -> None:
+            with path.open("a") as out:
+                out.write(json.dumps(metrics) + "\n")
+
+        return write
+    return MetricsWriter(rt.run_dir, rt.config)
+
+
+def run_async(rt: WorkerRuntime, program: Any, stage: Any) -> None:
+    """Runs this rank's part of an async run (called by `run_worker` on every rank)."""
+    from peerflow.reshard import make_buckets, plan_weight_sync
+
+    nodes, layouts = _graph_nodes(rt)
+    check_async_config(rt.config, layouts)
+    rollout_layout, trainer_layout = layouts["rollout"], layouts["actor"]
+    if set(rollout_layout.global_ranks) & set(trainer_layout.global_ranks):
+        raise ConfigError(
+            "runtime.mode=async: rollout and actor ranks overlap; use split placement."
+        )
+    actor = rt.engines.get("actor")
+    rollout = rt.engines.get("rollout")
+    with stage("plan weight push"):
+        plan = plan_weight_sync(actor, rollout)
+        buckets = make_buckets(plan, rt.config.weight_sync.bucket_bytes)
+    if rollout is not None:
+        with stage("async rollout"):
+            _run_rollout(rt, nodes, rollout_layout, trainer_layout, plan, buckets)
+    elif actor is not None:
+        with stage("async trainer"):
+            _run_trainer(rt, program, nodes, rollout_layout, trainer_layout, plan, buckets)
+
+
+def _resume_state(rt: WorkerRuntime) -> tuple[int, dict[str, Any] | None]:
+    from peerflow.worker import checkpoint as ckpt
+
+    found = ckpt.latest_checkpoint(rt.run_dir)
+    if not found:
+        return 0, None
+    step, directory = found
+    state_path = Path(directory) / ASYNC_STATE
+    state = json.loads(state_path.read_text()) if state_path.is_file() else None
+    return step, state
+
+
+def _run_rollout(
+    rt: WorkerRuntime,
+    nodes: list[Any],
+    rollout_layout: Any,
+    trainer_layout: Any,
+    plan: Any,
+    buckets: Any,
+) -> None:
+    from peerflow.streaming.assignment import TokenBalancer
+    from peerflow.streaming.metrics import SpanRecorder
+    from peerflow.streaming.rollout_loop import RolloutStreamer, make_generate
+    from peerflow.streaming.staleness import StalenessScheduler
+    from peerflow.streaming.transport import DATA_TAG, WEIGHT_TAG, StreamReceiver, StreamSender
+    from peerflow.streaming.weight_push import WeightReceiver
+    from peerflow.worker.executors import executor_for
+    from peerflow.worker.rollout import step_seed
+    from peerflow.worker.sampler import split_evenly
+
+    cfg = rt.config
+    timeout = cfg.runtime.fault_timeout
+    dp, dp_size = rollout_layout.dp_rank(rt.rank), rollout_layout.dp
+    quota = split_evenly(cfg.run.prompts_per_step, dp_size, dp)
+    start_step, state = _resume_state(rt)
+    scheduler = StalenessScheduler(
+        max_staleness=cfg.runtime.max_staleness, quota=quota, next_step=start_step
+    )
+    pending = _replay_sampler(rt, state) if state else []
+    group_nodes = [n for n in nodes if n.kind in ROLLOUT_KINDS]
+
+    def per_group(batch: Any) -> Any:
+        metrics = StepMetrics()
+        for node in group_nodes:
+            batch = executor_for(node.kind)(rt, node, batch, metrics)
+        return batch
+
+    def sampling_for(open_step: int, call: int) -> Any:
+        return cfg.rollout.sampling.to_params(
+            seed=step_seed(cfg.seed, open_step + 1, rt.dp_rank, call)
+        )
+
+    chunk = cfg.runtime.partial_rollout_tokens or max(cfg.rollout.sampling.max_tokens // 4, 1)
+    engine = rt.engine("rollout")
+    spans = SpanRecorder(rank=rt.rank, group="rollout") if cfg.run.trace else None
+    weights = WeightReceiver(
+        plan=plan,
+        buckets=buckets,
+        rank=rt.rank,
+        receiver=StreamReceiver(
+            sources=tuple(sorted(plan.sources)), tag=WEIGHT_TAG, timeout=timeout, what="weights"
+        ).start(),
+    )
+    streamer = RolloutStreamer(
+        engine=engine,
+        generate=make_generate(
+            engine, rt.tokenizer, partial_rollout=cfg.runtime.partial_rollout, chunk_tokens=chunk
+        ),
+        draw=rt.sampler.draw,
+        sampling_for=sampling_for,
+        per_group=per_group,
+        scheduler=scheduler,
+        balancer=TokenBalancer(num_consumers=trainer_layout.dp, source_index=dp),
+        trainer_layout=trainer_layout,
+        sender=StreamSender(tag=DATA_TAG, timeout=timeout),
+        weights=weights,
+        steps=cfg.run.steps,
+        rank=rt.rank,
+        prompts_per_call=cfg.runtime.async_prompts_per_call,
+        heartbeat_s=max(timeout / 6, 0.5),
+        spans=spans,
+        pending=pending,
+    )
+    try:
+        streamer.run()
+    finally:
+        if spans is not None:
+            spans.write(rt.run_dir)
+
+
+def _replay_sampler(rt: WorkerRuntime, state: dict[str, Any]) -> list[Any]:
+    """Advances the prompt stream past every trained prompt; returns the untrained ones."""
+    trained = set(state.get("trained_groups", {}).get(str(rt.rank), []))
+    if not trained:
+        return []
+    holes = []
+    top = max(trained)
+    while True:
+        (draw,) = rt.sampler.draw(1)
+        if draw.position not in trained:
+            holes.append(draw)
+        if draw.position >= top:
+            return holes
+
+
+def _run_trainer(
+    rt: WorkerRuntime,
+    program: Any,
+    nodes: list[Any],
+    rollout_layout: Any,
+    trainer_layout: Any,
+    plan: Any,
+    buckets: Any,
+) -> None:
+    from peerflow.streaming.accumulator import MicroBatchAccumulator, StepInbox
+    from peerflow.streaming.metrics import SpanRecorder
+    from peerflow.streaming.samplers import MicroBatchBudget, get_sampler
+    from peerflow.streaming.trainer_loop import TrainerStreamer, make_pusher_fn
+    from peerflow.streaming.transport import (
+        DATA_TAG,
+        WEIGHT_TAG,
+        Heartbeat,
+        Kind,
+        StreamReceiver,
+        StreamSender,
+    )
+    from peerflow.streaming.weight_push import WeightPusher
+    from peerflow.worker.executors import executor_for
+    from peerflow.worker.loop import finish_metrics, record_batch_metrics
+
+    cfg = rt.config
+    timeout = cfg.runtime.fault_timeout
+    group = program.process_group("actor")
+    first_trainer = min(trainer_layout.global_ranks)
+    start_step, state = _resume_state(rt)
+    if start_step:
+        _load_trainer_checkpoint(rt, start_step)
+    if rt.estimator is not None:  # batch-wide statistics span the trainer group
+        rt.estimator.process_group = group
+    micro_nodes = [n for n in nodes if n.kind in MICRO_BATCH_KINDS]
+    step_nodes = [
+        n for n in nodes if n.kind not in (*MICRO_BATCH_KINDS, *SKIPPED_KINDS, *ROLLOUT_KINDS)
+    ]
+    node_types = {name: rt.pm.registry("node").get(name) for name in rt.pm.registry("node").names()}
+
+    def run_nodes(selected: list[Any]) -> Any:
+        def run(batch: Any, metrics: Any) -> Any:
+            for node in selected:
+                batch = executor_for(node.kind, node_types.get(node.kind))(rt, node, batch, metrics)
+            return batch
+
+        return run
+
+    writer = _writer(rt, start_step) if rt.rank == first_trainer else None
+    sources = tuple(rollout_layout.global_ranks)
+    sender = StreamSender(tag=WEIGHT_TAG, timeout=timeout)
+    pusher = WeightPusher(plan=plan, buckets=buckets, rank=rt.rank, sender=sender)
+    spans = SpanRecorder(rank=rt.rank, group="trainer") if cfg.run.trace else None
+    trained: dict[int, list[int]] = {
+        int(k): list(v) for k, v in (state or {}).get("trained_groups", {}).items()
+    }
+
+    def end_step(step: int, batch: Any, metrics: StepMetrics, extra: dict[str, float]) -> None:
+        record_batch_metrics(batch, metrics)
+        for name, value in extra.items():
+            if name.endswith("max") or name.startswith("queue/"):
+                metrics.max(name, value)
+            elif name.startswith("staleness/"):
+                metrics.mean(name, value, max(len(batch), 1))
+            else:
+                metrics.mean(name, value)
+        metrics.max("time/step", time.time() - step_started[0])
+        step_started[0] = time.time()
+        reduced = finish_metrics(all_reduce_metrics(metrics, group), step + 1)
+        if writer is not None:
+            writer(step + 1, reduced)
+        rt.step = step + 1
+        rt.pm.hook.peerflow_end_of_step(step=step + 1, metrics=reduced, rank=rt.rank)
+        every = cfg.run.checkpoint_every
+        if (every and (step + 1) % every == 0) or step + 1 == cfg.run.steps:
+            for src, gids in streamer.trained_groups.items():
+                trained.setdefault(src, []).extend(gids)
+            streamer.trained_groups.clear()
+            _save_trainer_checkpoint(rt, step + 1, trained, group)
+
+    step_started = [time.time()]
+    receiver = StreamReceiver(sources=sources, tag=DATA_TAG, timeout=timeout).start()
+    streamer = TrainerStreamer(
+        receiver=receiver,
+        inbox=StepInbox(sources=sources),
+        accumulator=MicroBatchAccumulator(
+            sampler=get_sampler(cfg.runtime.sampler),
+            budget=MicroBatchBudget(max_tokens=cfg.trainer.micro_batch_tokens),
+        ),
+        per_micro_batch=run_nodes(micro_nodes),
+        per_step=run_nodes(step_nodes),
+        push=make_pusher_fn(pusher, rt.engine("actor")),
+        end_step=end_step,
+        new_metrics=StepMetrics,
+        steps=cfg.run.steps,
+        rank=rt.rank,
+        stream_micro_batches=trainer_layout.world_size == 1,
+        sync_every=max(cfg.weight_sync.every, 1),
+        start_step=start_step,
+        spans=spans,
+        max_staleness=cfg.runtime.max_staleness,
+    )
+    beat = Heartbeat(sender=sender, targets=sources, interval=max(timeout / 6, 0.5)).start()
+    try:
+        if start_step:  # the rollout engines start from the initial weights
+            pusher.push(rt.engine("actor"), start_step)
+        streamer.run()
+    finally:
+        beat.stop()
+        if spans is not None:
+            spans.write(rt.run_dir)
+        if writer is not None and hasattr(writer, "close"):
+            writer.close()
+    pusher.drain()
+    for dst in sources:
+        sender.send(dst, Kind.STOP)
+    sender.flush()
+    while not receiver.all_stopped:  # groups beyond the last step are not trained
+        receiver.get(timeout=0.5)
+    receiver.join()
+
+
+def _save_trainer_checkpoint(
+    rt: WorkerRuntime, step: int, trained: dict[int, list[int]], group: Any
+) -> None:
+    from peerflow.distributed import barrier
+    from peerflow.worker import checkpoint as ckpt
+
+    directory = ckpt.checkpoint_dir(rt.run_dir, step)
+    directory.mkdir(parents=True, exist_ok=True)
+    barrier(group, what=f"async checkpoint step {step}")
+    rt.engine("actor").save_checkpoint(str(directory / "actor"))
+    barrier(group, what=f"async checkpoint step {step}")
+    if rt.rank == min(rt.layouts["actor"].global_ranks):
+        ckpt.write_json_atomic(
+            directory / ASYNC_STATE,
+            {
+                "step": step,
+                "trained_groups": {str(k): sorted(set(v)) for k, v in trained.items()},
+            },
+        )
+        ckpt.write_json_atomic(directory / ckpt.COMPLETE, {"step": step})
+
+
+def _load_trainer_checkpoint(rt: WorkerRuntime, step: int) -> None:
+    from peerflow.worker import checkpoint as ckpt
+
+    directory = ckpt.checkpoint_dir(rt.run_dir, step)
+    rt.engine("actor").load_checkpoint(str(directory / "actor"))
