@@ -131,6 +131,20 @@ class PeerFlowWorkerExtension:
         self._peerflow_version = int(version)
         return self._peerflow_version
 
+    def peerflow_read_params(self) -> dict[str, torch.Tensor]:
+        """Returns the live parameters by vLLM name.
+
+        Only useful in-process, where the result is passed by reference; worker
+        processes would serialise copies.
+        """
+        return {name: p.data for name, p in self._peerflow_params().items()}
+
+    def peerflow_fill(self, value: float) -> None:
+        """Overwrites every parameter with `value` (the conformance suite's scribble)."""
+        for param in self._peerflow_params().values():
+            param.data.fill_(value)
+        _synchronize()
+
     def peerflow_checksums(self, names: Sequence[str] | None = None) -> dict[str, str]:
         """Returns the SHA-256 of the bytes of every (or the named) parameter.
 
