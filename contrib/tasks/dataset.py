@@ -60,6 +60,7 @@ class DatasetTask(Task):
             raise ConfigError("task 'dataset' needs task.options.path (a local .jsonl/.parquet).")
         super().__init__(options)
         self._rows: dict[str, list[tuple[int, str, Any]]] = {}
+        self._orders: dict[tuple[str, int], list[int]] = {}
 
     def _load(self, split: str) -> list[tuple[int, str, Any]]:
         if split not in ("train", "eval"):
@@ -80,10 +81,14 @@ class DatasetTask(Task):
         return len(self._load(split))
 
     def _order(self, split: str, seed: int) -> list[int]:
-        order = list(range(self.size(split)))
-        if split == "train" and self.options.shuffle:
-            random.Random(f"dataset:{seed}").shuffle(order)
-        return order
+        shuffle = split == "train" and self.options.shuffle
+        key = (split, seed if shuffle else 0)
+        if key not in self._orders:
+            order = list(range(self.size(split)))
+            if shuffle:
+                random.Random(f"dataset:{seed}").shuffle(order)
+            self._orders[key] = order
+        return self._orders[key]
 
     def example(self, split: str, index: int, seed: int) -> Example:
         """Returns the `index`-th example of `split` in its seeded order."""
