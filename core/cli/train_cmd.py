@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import os
 from pathlib import Path
 from typing import Any
 
@@ -85,11 +84,11 @@ def check_config(config_path: str, overrides: list[str]) -> Any:
 def run(args: argparse.Namespace) -> int:
     """Runs `peerflow train`; returns the exit code."""
     config_path, run_dir = resolve_paths(args)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        from peerflow.worker.main import run_worker
+    from peerflow.launch import in_distributed_env, launch
 
-        run_worker(config_path, list(args.overrides), run_dir, args.resume)
-        return 0
+    if in_distributed_env():  # under torchrun: this process is one worker
+        return int(launch(config_path=config_path, overrides=list(args.overrides),
+                          run_dir=run_dir, resume=args.resume, launcher=args.launcher) or 0)
     config = check_config(config_path, list(args.overrides))
     nprocs = args.nprocs or config.runtime.nprocs
     if nprocs < 1:
@@ -99,8 +98,6 @@ def run(args: argparse.Namespace) -> int:
         overrides.append(f"runtime.nprocs={nprocs}")
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     print(f"peerflow train: {nprocs} worker(s), run directory {run_dir}", flush=True)
-    from peerflow.launch import launch
-
     return int(launch(
         config_path=config_path, overrides=overrides, run_dir=run_dir, resume=args.resume,
         nprocs=nprocs, launcher=args.launcher, fault_timeout=config.runtime.fault_timeout,

@@ -143,9 +143,10 @@ def run_advantage(rt: WorkerRuntime, node: Any, batch: Batch, metrics: StepMetri
         rt.kl_reward(batch, metrics)
     for name, column in rt.estimator.compute(batch).items():
         batch.set(name, column)
-    adv = batch.ragged("advantages").values
+    adv = batch.ragged("advantages").values.float()
     if adv.numel():
         metrics.mean("advantages/mean", float(adv.mean()), adv.numel())
+        metrics.mean("advantages/_sq", float((adv**2).mean()), adv.numel())
         metrics.max("advantages/max", float(adv.max()))
         metrics.min("advantages/min", float(adv.min()))
     return batch
@@ -171,12 +172,12 @@ def run_sync_weights(rt: WorkerRuntime, node: Any, batch: Batch, metrics: StepMe
         return batch
     start = time.perf_counter()
     stats = rt.sync_weights()
-    metrics.max("sync/total_s", time.perf_counter() - start)
+    metrics.max("weight_sync/total_s", time.perf_counter() - start)
     for phase in ("plan_s", "pack_s", "wire_s", "load_s"):
         if hasattr(stats, phase):
-            metrics.max(f"sync/{phase}", float(getattr(stats, phase)))
+            metrics.max(f"weight_sync/{phase}", float(getattr(stats, phase)))
     if hasattr(stats, "bytes"):
-        metrics.sum("sync/bytes", float(stats.bytes))
+        metrics.sum("weight_sync/bytes", float(stats.bytes))
     return batch
 
 

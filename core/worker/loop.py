@@ -20,13 +20,13 @@ def record_batch_metrics(batch: Batch, metrics: StepMetrics) -> None:
     if not n:
         return
     if "reward" in batch:
-        reward = batch["score"] if "score" in batch else batch["reward"]
-        metrics.mean("reward/mean", float(reward.float().mean()), n)
-        metrics.mean("reward/_sq", float((reward.float() ** 2).mean()), n)
+        reward = batch["reward"].float()
+        metrics.mean("reward/mean", float(reward.mean()), n)
+        metrics.mean("reward/_sq", float((reward**2).mean()), n)
         metrics.max("reward/max", float(reward.max()))
         metrics.min("reward/min", float(reward.min()))
-        if "score" in batch:
-            metrics.mean("reward/penalized_mean", float(batch["reward"].float().mean()), n)
+    if "score" in batch:
+        metrics.mean("score/mean", float(batch["score"].float().mean()), n)
     if "response_ids" in batch:
         lengths = batch.lengths("response_ids").float()
         metrics.mean("response_length/mean", float(lengths.mean()), n)
@@ -37,7 +37,7 @@ def record_batch_metrics(batch: Batch, metrics: StepMetrics) -> None:
         metrics.mean("prompt_length/mean", float(batch.lengths("prompt_ids").float().mean()), n)
     if "finish_reason" in batch:
         clipped = sum(1 for r in batch["finish_reason"] if r == "length")
-        metrics.mean("response/clip_ratio", clipped / n, n)
+        metrics.mean("response_length/clip_frac", clipped / n, n)
     metrics.sum("samples", n)
 
 
@@ -47,6 +47,9 @@ def finish_metrics(reduced: dict[str, float], step: int) -> dict[str, float]:
     if "reward/_sq" in out:
         mean = out.get("reward/mean", 0.0)
         out["reward/std"] = max(out.pop("reward/_sq") - mean * mean, 0.0) ** 0.5
+    if "advantages/_sq" in out:
+        mean = out.get("advantages/mean", 0.0)
+        out["advantages/std"] = max(out.pop("advantages/_sq") - mean * mean, 0.0) ** 0.5
     tokens = out.get("tokens/prompt", 0.0) + out.get("tokens/response", 0.0)
     out["tokens/total"] = tokens
     step_s = out.get("time/step", 0.0)

@@ -155,7 +155,7 @@ def _start(
     for role in program.roles:
         if role in ROLLOUT_ROLES or role in TRAIN_ROLES:
             rt.engines[role] = rt.build_engine(role, program.process_group(role))
-    if "actor" in rt.engines and "rollout" in rt.engines:
+    if "actor" in rt.engines or "rollout" in rt.engines:
         rt.sync_weights = _weight_sync(rt)
     return rt, program
 
@@ -174,94 +174,61 @@ def _load_tokenizer(model_path: str) -> Any:
     return AutoTokenizer.from_pretrained(model_path)
 
 
-def _weight_sync(rt: WorkerRuntime) -> Any:
-    actor, rollout = rt.engines["actor"], rt.engines["rollout"]
-    try:
-        from peerflow.reshard import sync_weights
-    except ImportError:
-        return _same_layout_copy(actor, rollout)
+def _weight_sync(rt: WorkerRuntime, group: Any = None) -> Any:
+    """Returns the callable the `sync_weights` node runs on every rank taking part."""
+    from peerflow.reshard import sync_weights
+
+    transport = rt.config.weight_sync.transport
+    actor, rollout = rt.engines.get("actor"), rt.engines.get("rollout")
 
     def run() -> Any:
-        return sync_weights(actor, rollout, version=actor.version,
-                            bucket_bytes=rt.config.weight_sync.bucket_bytes)
+        version = actor.version if actor is not None else rt.step
+        return sync_weights(actor, rollout, version=version,
+                            bucket_bytes=rt.config.weight_sync.bucket_bytes, group=group,
+                            transport=None if transport == "auto" else transport)
 
     return run
 
 
-def _same_layout_copy(actor: Any, rollout: Any) -> Any:
-    """Weight sync when trainer and rollout hold the very same tensors on this rank.
+def _train(rt: WorkerRuntime, program: RankProgram, stage: Any) -> None:
+    from peerflow.outputs import MetricsWriter, StepProgress, Tracer, set_tracer
 
-    Without `peerflow.reshard` installed only this trivial case (one process, full
-    tensors on both sides) can be synced; anything else is a clear error.
-    """
-    from peerflow.engines import WeightSyncStats
-
-    def run() -> Any:
-        sources = {spec.local_name: spec for spec in actor.weight_sources()}
-        targets = rollout.weight_targets()
-        if any(sources.get(t.local_name) != t for t in targets):
-            raise RuntimeError(
-                "weight sync between differently sharded trainer and rollout engines needs "
-                "peerflow.reshard, which is not installed in this checkout."
-            )
-        start = time.perf_counter()
-        rollout.begin_weight_update(actor.version)
-        with actor.materialize([sources[t.local_name] for t in targets]) as tensors:
-            rollout.load_weights(list(zip(targets, tensors)))
-        rollout.finish_weight_update()
-        return WeightSyncStats(version=actor.version, load_s=time.perf_counter() - start,
-                               bytes=sum(t.numel() * t.element_size() for t in tensors))
-
-    return run
-
-
-def _train(rt: WorkerRuntime, program: Any, stage: Any) -> None:
     config = rt.config
     start_step = 0
-    metrics_path = rt.run_dir / "metrics.jsonl"
-    if (rt.run_dir / ckpt.CHECKPOINTS).is_dir() and ckpt.latest_checkpoint(rt.run_dir):
+    if ckpt.latest_checkpoint(rt.run_dir):
         with stage("resume"):
-            start_step = _restore(rt)
-    writer = _metrics_writer(rt, metrics_path, start_step)
-    node_types = {name: rt.pm.registry("node").get(name) for name in rt.pm.registry("node").names()}
+            start_step = _restore(rt, program)
+    writer = None
+    if rt.rank == 0:
+        if start_step:
+            ckpt.truncate_metrics(rt.run_dir / "metrics.jsonl", start_step)
+        writer = MetricsWriter(rt.run_dir, config, tensorboard=config.run.tensorboard,
+                               wandb=config.run.wandb)
+    tracer = Tracer(rt.run_dir, rt.rank, enabled=config.run.trace)
+    set_tracer(tracer)
+    progress = StepProgress(config.run.steps, start=start_step, enabled=rt.rank == 0)
+    registry = rt.pm.registry("node")
+    node_types = {name: registry.get(name) for name in registry.names()}
     try:
         for step in range(start_step + 1, config.run.steps + 1):
             rt.step = step
             _, metrics = run_step(rt, program.steps, node_types=node_types,
-                                  stage_factory=stage)
-            if writer is not None:
-                writer(step, metrics)
+                                  stage_factory=stage, tracer=tracer)
+            if writer is not None and (step % max(config.run.log_every, 1) == 0
+                                       or step == config.run.steps):
+                writer.write(step, metrics)
+            progress.update(step, metrics)
             rt.pm.hook.peerflow_end_of_step(step=step, metrics=metrics, rank=rt.rank)
             every = config.run.checkpoint_every
             if (every and step % every == 0) or step == config.run.steps:
-                with stage(f"checkpoint step {step}"):
+                with stage(f"checkpoint step {step}"), tracer.span("checkpoint"):
                     _save(rt, step)
     finally:
-        if writer is not None and hasattr(writer, "close"):
+        progress.close()
+        tracer.flush()
+        set_tracer(None)
+        if writer is not None:
             writer.close()
-
-
-def _metrics_writer(rt: WorkerRuntime, path: Path, start_step: int) -> Any:
-    if rt.rank != 0:
-        return None
-    if start_step:
-        ckpt.truncate_metrics(path, start_step)
-    try:
-        from peerflow.outputs import MetricsWriter
-    except ImportError:
-        return _jsonl_writer(path)
-    return MetricsWriter(rt.run_dir, rt.config)
-
-
-def _jsonl_writer(path: Path) -> Any:
-    """Appends one JSON line per step (used when `peerflow.outputs` is not installed)."""
-    import json
-
-    def write(step: int, metrics: dict[str, float]) -> None:
-        with path.open("a") as out:
-            out.write(json.dumps(metrics) + "\n")
-
-    return write
 
 
 def _save(rt: WorkerRuntime, step: int) -> None:
@@ -281,7 +248,7 @@ def _save(rt: WorkerRuntime, step: int) -> None:
         ckpt.write_json_atomic(directory / ckpt.COMPLETE, {"step": step})
 
 
-def _restore(rt: WorkerRuntime) -> int:
+def _restore(rt: WorkerRuntime, program: RankProgram) -> int:
     step, directory = ckpt.find_resume_checkpoint(rt.run_dir)
     import json
 
@@ -291,7 +258,7 @@ def _restore(rt: WorkerRuntime) -> int:
     state = json.loads((directory / f"worker_rank{rt.rank}.json").read_text())
     rt.sampler.load_state_dict(state["sampler"])
     ckpt.set_rng_state(state["rng"])
-    if "actor" in rt.engines and "rollout" in rt.engines:
+    if any(getattr(n, "kind", "") == "sync_weights" for n in program.steps):
         rt.sync_weights()
     rt.step = step
     return step

@@ -54,7 +54,7 @@ class RankProgram:
     data_layout: ParallelLayout
     """Layout whose dp-ranks read prompt shards (the `generate` node's role)."""
     groups: dict[str, Any] = attrs.field(factory=dict)
-    """torch.distributed group of each hosted role (`None`: the default group)."""
+    """torch.distributed group of each hosted role (`None` only without torch.distributed)."""
 
     @property
     def roles(self) -> tuple[str, ...]:
@@ -62,20 +62,26 @@ class RankProgram:
         return tuple(self.layouts)
 
     def process_group(self, role: str) -> Any:
-        """Returns the process group of `role` (`None` for the default group)."""
+        """Returns the process group of `role`."""
         return self.groups.get(role)
 
 
 def _new_groups(layouts: dict[str, ParallelLayout], world_size: int, timeout: float) -> dict:
-    """One group per distinct rank set smaller than the world, created on every rank."""
+    """One group per distinct rank set of a role (the world group for the whole world).
+
+    `new_group` is collective: every rank calls this with the same layouts, in the same
+    (sorted) order.
+    """
     import datetime
 
     import torch.distributed as dist
 
-    made: dict[tuple[int, ...], Any] = {}
+    if not dist.is_initialized():
+        return {}
+    made: dict[tuple[int, ...], Any] = {tuple(range(world_size)): dist.group.WORLD}
     for role in sorted(layouts):
         ranks = tuple(layouts[role].global_ranks)
-        if len(ranks) == world_size or ranks in made or not dist.is_initialized():
+        if ranks in made:
             continue
         made[ranks] = dist.new_group(list(ranks),
                                      timeout=datetime.timedelta(seconds=timeout))

@@ -30,7 +30,7 @@ CASES = {
     # is wired with an explicit graph whose advantage node reads `ref_logprobs`.
     "kl_reward": (["algorithm.kl.coef=0.05", "algorithm.kl.mode=reward", "workflow.graph=null",
                    "workflow.nodes=" + KL_REWARD_GRAPH],
-                  ["time/ref_logprob", "kl/mean", "reward/penalized_mean"]),
+                  ["time/ref_logprob", "kl/mean", "score/mean"]),
     "dynamic_sampling": (["algorithm.dynamic_sampling=true"],
                          ["dynamic_sampling/dropped_groups", "dynamic_sampling/refill_rounds"]),
 }
