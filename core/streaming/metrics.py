@@ -13,19 +13,17 @@ Metric names (one value per training step, written to `metrics.jsonl`):
   samples waiting in the trainer's buffer, prompts being generated, finished groups not
   yet placed into a step.
 
-`SpanRecorder` writes the Chrome-trace timeline (`chrome://tracing`, Perfetto) with one
-process per rank and one track per group (`rollout`, `trainer`).
+The streaming loops record their phases as spans of `peerflow.outputs.Tracer` (the
+per-rank Chrome-trace files), named `rollout/…` and `trainer/…` so the timeline shows
+both groups side by side.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
-import os
 import time
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
-from pathlib import Path
 
 import attrs
 
@@ -114,53 +112,3 @@ class ActivityLog:
         busy, idle = self.busy, self.idle
         self.busy, self.idle = [], []
         return busy, idle
-
-
-@attrs.define(eq=False)
-class SpanRecorder:
-    """Collects Chrome-trace complete events (`ph: X`) for one rank."""
-
-    rank: int
-    group: str
-    """Track name: `rollout` or `trainer`."""
-    events: list[dict] = attrs.field(factory=list)
-
-    @contextlib.contextmanager
-    def span(self, name: str, **args: object) -> Iterator[None]:
-        """Records the block as one event on this rank's track."""
-        start = time.time()
-        try:
-            yield
-        finally:
-            self.add(name, start, time.time(), **args)
-
-    def add(self, name: str, start: float, end: float, **args: object) -> None:
-        """Adds an event from wall-clock start and end times."""
-        self.events.append(
-            {
-                "name": name,
-                "ph": "X",
-                "ts": start * 1e6,
-                "dur": max(end - start, 0.0) * 1e6,
-                "pid": self.rank,
-                "tid": self.group,
-                "args": dict(args),
-            }
-        )
-
-    def write(self, directory: str | Path) -> Path:
-        """Writes `trace/async_rank<R>.json` atomically and returns its path."""
-        path = Path(directory) / "trace" / f"async_rank{self.rank}.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        meta = [
-            {
-                "name": "process_name",
-                "ph": "M",
-                "pid": self.rank,
-                "args": {"name": f"rank {self.rank} ({self.group})"},
-            }
-        ]
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"traceEvents": meta + self.events}))
-        os.replace(tmp, path)
-        return path

@@ -30,7 +30,7 @@ from peerflow.batch import Batch, RaggedField
 from peerflow.coordinator.wire import pack_batch
 from peerflow.layout import ParallelLayout
 from peerflow.streaming.assignment import TokenBalancer
-from peerflow.streaming.metrics import ActivityLog, SpanRecorder
+from peerflow.streaming.metrics import ActivityLog
 from peerflow.streaming.partial import generate_in_segments
 from peerflow.streaming.staleness import StalenessScheduler
 from peerflow.streaming.transport import Heartbeat, Kind, StreamSender, pickle_payload
@@ -89,7 +89,8 @@ class RolloutStreamer:
     """Most prompts per generate call (0: the rank's per-step quota)."""
     heartbeat_s: float = 5.0
     activity: ActivityLog = attrs.field(factory=ActivityLog)
-    spans: SpanRecorder | None = None
+    spans: Any = None
+    """A tracer with `span(name, **args)` (`peerflow.outputs.Tracer`), or `None`."""
     pending: list[Any] = attrs.field(factory=list)
     """Draws to admit before new ones (resumed holes)."""
     _groups: dict[int, Batch] = attrs.field(factory=dict, init=False)
@@ -104,7 +105,9 @@ class RolloutStreamer:
     def _span(self, name: str, **args: Any) -> Any:
         import contextlib
 
-        return self.spans.span(name, **args) if self.spans else contextlib.nullcontext()
+        return (
+            self.spans.span(f"rollout/{name}", **args) if self.spans else contextlib.nullcontext()
+        )
 
     def apply_weights(self, wait: float | None = None) -> None:
         """Applies the newest complete weight version, waiting up to `wait` s for one."""

@@ -30,7 +30,6 @@ from peerflow.coordinator.wire import unpack_batch
 from peerflow.streaming.accumulator import MicroBatchAccumulator, StepInbox
 from peerflow.streaming.metrics import (
     ActivityLog,
-    SpanRecorder,
     clip,
     overlap_fraction,
     staleness_metrics,
@@ -66,7 +65,8 @@ class TrainerStreamer:
     max_staleness: int = 0
     """The bound, so every rank reports the same histogram bins."""
     activity: ActivityLog = attrs.field(factory=ActivityLog)
-    spans: SpanRecorder | None = None
+    spans: Any = None
+    """A tracer with `span(name, **args)` (`peerflow.outputs.Tracer`), or `None`."""
     _future: dict[int, list[Batch]] = attrs.field(factory=dict, init=False)
     _reports: dict[int, list[dict]] = attrs.field(factory=dict, init=False)
     _source_of: dict[int, int] = attrs.field(factory=dict, init=False)
@@ -77,7 +77,9 @@ class TrainerStreamer:
     """Source rank → group ids collected into a trained step (for checkpoints)."""
 
     def _span(self, name: str, **args: Any) -> Any:
-        return self.spans.span(name, **args) if self.spans else contextlib.nullcontext()
+        return (
+            self.spans.span(f"trainer/{name}", **args) if self.spans else contextlib.nullcontext()
+        )
 
     def _take(self, message: Any, step: int, done: list[Batch], metrics: Any) -> None:
         if message.kind == Kind.GROUP:

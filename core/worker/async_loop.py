@@ -73,21 +73,21 @@ def _graph_nodes(rt: WorkerRuntime) -> tuple[list[Any], dict[str, Any]]:
 
 
 def _writer(rt: WorkerRuntime, start_step: int) -> Any:
+    from peerflow.outputs import MetricsWriter
     from peerflow.worker import checkpoint as ckpt
 
-    path = rt.run_dir / "metrics.jsonl"
     if start_step:
-        ckpt.truncate_metrics(path, start_step)
-    try:
-        from peerflow.outputs import MetricsWriter
-    except ImportError:
+        ckpt.truncate_metrics(rt.run_dir / "metrics.jsonl", start_step)
+    run = rt.config.run
+    return MetricsWriter(rt.run_dir, rt.config, tensorboard=run.tensorboard, wandb=run.wandb)
 
-        def write(step: int, metrics: dict[str, float]) -> None:
-            with path.open("a") as out:
-                out.write(json.dumps(metrics) + "\n")
 
-        return write
-    return MetricsWriter(rt.run_dir, rt.config)
+def _tracer(rt: WorkerRuntime) -> Any:
+    from peerflow.outputs import Tracer, set_tracer
+
+    tracer = Tracer(rt.run_dir, rt.rank, enabled=rt.config.run.trace)
+    set_tracer(tracer)
+    return tracer
 
 
 def run_async(rt: WorkerRuntime, program: Any, stage: Any) -> None:
@@ -135,7 +135,6 @@ def _run_rollout(
     buckets: Any,
 ) -> None:
     from peerflow.streaming.assignment import TokenBalancer
-    from peerflow.streaming.metrics import SpanRecorder
     from peerflow.streaming.rollout_loop import RolloutStreamer, make_generate
     from peerflow.streaming.staleness import StalenessScheduler
     from peerflow.streaming.transport import DATA_TAG, WEIGHT_TAG, StreamReceiver, StreamSender
@@ -168,7 +167,7 @@ def _run_rollout(
 
     chunk = cfg.runtime.partial_rollout_tokens or max(cfg.rollout.sampling.max_tokens // 4, 1)
     engine = rt.engine("rollout")
-    spans = SpanRecorder(rank=rt.rank, group="rollout") if cfg.run.trace else None
+    spans = _tracer(rt)
     weights = WeightReceiver(
         plan=plan,
         buckets=buckets,
@@ -200,8 +199,7 @@ def _run_rollout(
     try:
         streamer.run()
     finally:
-        if spans is not None:
-            spans.write(rt.run_dir)
+        spans.flush()
 
 
 def _replay_sampler(rt: WorkerRuntime, state: dict[str, Any]) -> list[Any]:
@@ -229,7 +227,6 @@ def _run_trainer(
     buckets: Any,
 ) -> None:
     from peerflow.streaming.accumulator import MicroBatchAccumulator, StepInbox
-    from peerflow.streaming.metrics import SpanRecorder
     from peerflow.streaming.samplers import MicroBatchBudget, get_sampler
     from peerflow.streaming.trainer_loop import TrainerStreamer, make_pusher_fn
     from peerflow.streaming.transport import (
@@ -268,10 +265,15 @@ def _run_trainer(
         return run
 
     writer = _writer(rt, start_step) if rt.rank == first_trainer else None
+    progress = None
+    if writer is not None:
+        from peerflow.outputs import StepProgress
+
+        progress = StepProgress(cfg.run.steps, start=start_step)
     sources = tuple(rollout_layout.global_ranks)
     sender = StreamSender(tag=WEIGHT_TAG, timeout=timeout)
     pusher = WeightPusher(plan=plan, buckets=buckets, rank=rt.rank, sender=sender)
-    spans = SpanRecorder(rank=rt.rank, group="trainer") if cfg.run.trace else None
+    spans = _tracer(rt)
     trained: dict[int, list[int]] = {
         int(k): list(v) for k, v in (state or {}).get("trained_groups", {}).items()
     }
@@ -289,7 +291,9 @@ def _run_trainer(
         step_started[0] = time.time()
         reduced = finish_metrics(all_reduce_metrics(metrics, group), step + 1)
         if writer is not None:
-            writer(step + 1, reduced)
+            writer.write(step + 1, reduced)
+            if progress is not None:
+                progress.update(step + 1, reduced)
         rt.step = step + 1
         rt.pm.hook.peerflow_end_of_step(step=step + 1, metrics=reduced, rank=rt.rank)
         every = cfg.run.checkpoint_every
@@ -328,9 +332,8 @@ def _run_trainer(
         streamer.run()
     finally:
         beat.stop()
-        if spans is not None:
-            spans.write(rt.run_dir)
-        if writer is not None and hasattr(writer, "close"):
+        spans.flush()
+        if writer is not None:
             writer.close()
     pusher.drain()
     for dst in sources:

@@ -193,6 +193,10 @@ def _weight_sync(rt: WorkerRuntime, group: Any = None) -> Any:
 def _train(rt: WorkerRuntime, program: RankProgram, stage: Any) -> None:
     from peerflow.outputs import MetricsWriter, StepProgress, Tracer, set_tracer
 
+    if rt.config.runtime.mode == "async":  # streaming with bounded staleness
+        from peerflow.worker.async_loop import run_async
+
+        return run_async(rt, program, stage)
     config = rt.config
     start_step = 0
     if ckpt.latest_checkpoint(rt.run_dir):
