@@ -59,6 +59,7 @@ def run_threaded(
     sources: Mapping[int, Mapping[str, torch.Tensor]],
     *,
     bucket_bytes: int = 1 << 20,
+    device: str = "cpu",
 ) -> tuple[dict[int, dict[str, torch.Tensor]], dict[int, ExecStats]]:
     """Executes `plan` with one thread per rank; returns destination tensors and stats.
 
@@ -66,6 +67,7 @@ def run_threaded(
         plan: The plan under test.
         sources: Rank → local source tensors by local name.
         bucket_bytes: Bucket size given to `make_buckets`.
+        device: Where the executor allocates buffers and destination tensors.
     """
     buckets = make_buckets(plan, bucket_bytes)
     mailbox = Mailbox()
@@ -90,7 +92,7 @@ def run_threaded(
                 plan, buckets, rank=rank, transport=MailboxTransport(mailbox, rank=rank),
                 materialize=materializer(rank) if rank in plan.sources else None,
                 load=loader(rank) if rank in plan.destinations else None,
-                meter=MemoryMeter(),
+                device=device, meter=MemoryMeter(),
             )
         except BaseException as exc:  # reported to the caller below
             errors.append(exc)

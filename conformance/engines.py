@@ -1,0 +1,59 @@
+"""Building and probing real engines for layer 3 (and layer 4 on GPU)."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Any
+
+import pytest
+import torch
+
+from peerflow.conformance.profile import AdapterProfile
+from peerflow.engines import EngineContext, OptimSettings
+from peerflow.layout import ParallelLayout
+
+
+def world_group() -> Any:
+    """Returns the default process group, starting a one-process gloo group if needed."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        store = os.path.join(tempfile.mkdtemp(prefix="peerflow-conformance-"), "store")
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    return dist.group.WORLD
+
+
+def build_engine(profile: AdapterProfile, model_dir: str, *, device: str = "cpu") -> Any:
+    """Builds a one-rank engine of `profile` on `model_dir` (the adapter's hook wins)."""
+    hook = profile.hook("conformance_engine")
+    if hook is not None:
+        return hook(model_dir, device=device)
+    group = world_group()
+    context = EngineContext(model_path=model_dir, layout=ParallelLayout(), rank=0,
+                            dtype="float32", device=device, process_group=group)
+    options = profile.cls.options_class()
+    if profile.kind == "train":
+        return profile.cls(context, options, OptimSettings())
+    return profile.cls(context, options)
+
+
+def read_weights(profile: AdapterProfile, engine: Any) -> dict[str, torch.Tensor]:
+    """The engine's own tensors through the adapter's bypass hook (skips without one)."""
+    hook = profile.hook("conformance_read_weights")
+    if hook is None:
+        pytest.skip(f"{profile.name} defines no conformance_read_weights(engine) classmethod; "
+                    "layer 3 needs a read path that bypasses the adapter")
+    return {name: t.detach() for name, t in hook(engine).items()}
+
+
+def scribble(profile: AdapterProfile, engine: Any) -> None:
+    """Overwrites every engine weight with a constant (the adapter's hook wins)."""
+    hook = profile.hook("conformance_scribble")
+    if hook is not None:
+        hook(engine)
+        return
+    with torch.no_grad():
+        for tensor in read_weights(profile, engine).values():
+            tensor.fill_(-7.0)

@@ -1,0 +1,177 @@
+"""Layers 0–2 of the conformance suite: surface, layout invariants, CPU round trip."""
+
+from __future__ import annotations
+
+import inspect
+
+import attrs
+import pytest
+
+from peerflow.capabilities import Capabilities
+from peerflow.conformance.base import (
+    KIND_KEYS,
+    SuiteBase,
+    check_family,
+    check_layout,
+    shard_layout_of,
+    specs_or_skip,
+)
+from peerflow.conformance.checks import (
+    canonical_specs,
+    check_coverage,
+    check_well_formed,
+    round_trip,
+)
+from peerflow.conformance.models import LAYOUT_MODELS, hf_config
+from peerflow.conformance.profile import layout_id
+from peerflow.models import hf_parameters
+
+layer0 = pytest.mark.peerflow_layer(0)
+layer1 = pytest.mark.peerflow_layer(1)
+layer2 = pytest.mark.peerflow_layer(2)
+
+_UNSUPPORTED = {
+    "rollout": {"sleep": ("sleep", "wake"), "partial_rollout": ("pause", "resume")},
+    "train": {"checkpoint": ("save_checkpoint", "load_checkpoint")},
+}
+
+
+def _fail(problems: list[str], what: str) -> None:
+    if problems:
+        shown = "\n  ".join(problems[:8])
+        more = f"\n  … and {len(problems) - 8} more" if len(problems) > 8 else ""
+        pytest.fail(f"{what}:\n  {shown}{more}", pytrace=False)
+
+
+class Layer0Surface(SuiteBase):
+    """Layer 0: the adapter implements the contract and declares capabilities."""
+
+    @layer0
+    def test_l0_is_a_concrete_engine(self, profile):
+        """The class subclasses the right engine contract and implements every abstract method."""
+        abstract = sorted(getattr(profile.cls, "__abstractmethods__", ()))
+        assert not inspect.isabstract(profile.cls), (
+            f"{profile.name} leaves abstract methods unimplemented: {abstract}")
+        if self.suite_kind:
+            assert profile.kind == self.suite_kind
+
+    @layer0
+    def test_l0_registered_under_its_name(self, profile):
+        """The plugin registry returns this class for its `name`."""
+        from peerflow.plugins import get_plugin_manager
+
+        registry = get_plugin_manager().registry(KIND_KEYS[profile.kind])
+        assert isinstance(profile.cls.name, str) and profile.cls.name, "set `name = \"…\"`"
+        assert profile.name in registry and registry.get(profile.name) is profile.cls, (
+            f"{profile.name} is not registered; implement peerflow_register_{profile.kind}"
+            "_engines in a module listed under the `peerflow` entry-point group")
+
+    @layer0
+    def test_l0_declares_capabilities(self, profile):
+        """`capabilities` is a `peerflow.Capabilities` instance."""
+        assert isinstance(profile.cls.capabilities, Capabilities), (
+            f"{profile.name}.capabilities must be a peerflow.Capabilities instance")
+
+    @layer0
+    def test_l0_options_build_with_defaults(self, profile):
+        """`options_class` is an attrs class that builds with no arguments."""
+        options_class = profile.cls.options_class
+        assert attrs.has(options_class), f"{options_class!r} is not an attrs class"
+        options_class()
+
+    @layer0
+    def test_l0_requirements_have_an_install_hint(self, profile):
+        """Engines needing extra packages say how to install them."""
+        requires = profile.cls.requires
+        assert all(isinstance(m, str) for m in requires)
+        if requires:
+            assert profile.cls.install_hint, f"{profile.name} requires {requires} but gives " \
+                "no install_hint"
+
+    @layer0
+    def test_l0_undeclared_abilities_raise_naming_the_capability(self, profile):
+        """Methods of undeclared capabilities raise `NotImplementedError` naming the flag."""
+        instance = object.__new__(profile.cls)
+        for capability, methods in _UNSUPPORTED[profile.kind].items():
+            for method in methods:
+                if getattr(profile.cls.capabilities, capability):
+                    base = inspect.getmro(profile.cls)[-2]
+                    assert getattr(profile.cls, method) is not getattr(base, method, None), (
+                        f"{profile.name} declares {capability} but does not override {method}")
+                    continue
+                with pytest.raises(NotImplementedError, match=capability):
+                    getattr(instance, method)("/nonexistent") if profile.kind == "train" \
+                        else getattr(instance, method)()
+
+    @layer0
+    def test_l0_conformance_hooks_are_well_formed(self, profile, request):
+        """`shard_layout` exists; xfail declarations name real tests; layouts are listed."""
+        shard_layout_of(profile)
+        known = {name for name, _ in inspect.getmembers(type(self)) if name.startswith("test_")}
+        for pattern in profile.xfails():
+            assert pattern in known or "*" in pattern or "[" in pattern, (
+                f"conformance_xfail() names {pattern!r}, which is no test of the suite")
+        assert profile.layouts(), "conformance_layouts() returned no layout"
+
+
+class Layer1Layouts(SuiteBase):
+    """Layer 1: invariants of the declared shards for several models and layouts."""
+
+    @layer1
+    def test_l1_shards_are_well_formed(self, profile, layout_model, layout, request):
+        """Declared specs use HF names and shapes and tile every local tensor exactly."""
+        check_family(profile, layout_model)
+        check_layout(request, profile, layout)
+        specs = specs_or_skip(profile, layout_model, layout)
+        _fail(check_well_formed(specs, hf_parameters(LAYOUT_MODELS[layout_model])),
+              f"{layout_model} {layout_id(layout)}")
+
+    @layer1
+    def test_l1_shards_cover_the_model(self, profile, layout_model, layout, request):
+        """The ranks together hold every HF element (train: replica 0 exactly once)."""
+        check_family(profile, layout_model)
+        check_layout(request, profile, layout)
+        specs = specs_or_skip(profile, layout_model, layout)
+        exactly_once = profile.kind == "train"
+        _fail(check_coverage(specs, hf_parameters(LAYOUT_MODELS[layout_model]),
+                             exactly_once=exactly_once),
+              f"{layout_model} {layout_id(layout)} coverage")
+
+    @layer1
+    def test_l1_layout_is_deterministic(self, profile, layout_model, layout, request):
+        """`shard_layout` returns the same specs when called twice."""
+        check_family(profile, layout_model)
+        check_layout(request, profile, layout)
+        assert specs_or_skip(profile, layout_model, layout) == \
+            specs_or_skip(profile, layout_model, layout)
+
+
+class Layer2RoundTrip(SuiteBase):
+    """Layer 2: CPU reshards against the oracle, `torch.arange` weights, every layout pair."""
+
+    @layer2
+    def test_l2_canonical_to_layout(self, profile, layout_model, layout, request):
+        """Canonical HF tensors reshard into (or out of) the layout exactly, and back."""
+        check_family(profile, layout_model)
+        check_layout(request, profile, layout)
+        canonical = hf_parameters(hf_config(LAYOUT_MODELS[layout_model]))
+        specs = specs_or_skip(profile, layout_model, layout)
+        if profile.kind == "train":
+            src, dst = specs, canonical_specs(canonical)
+        else:
+            src, dst = canonical_specs(canonical), specs
+        _fail(round_trip(src, dst, canonical),
+              f"{profile.name} {layout_model} canonical<->{layout_id(layout)}")
+
+    @layer2
+    def test_l2_reshard_between_layouts(self, profile, layout_model, layout_pair, request):
+        """Every layout pair, world-size changes included, reshards exactly and back."""
+        check_family(profile, layout_model)
+        src_layout, dst_layout = layout_pair
+        check_layout(request, profile, src_layout)
+        check_layout(request, profile, dst_layout)
+        canonical = hf_parameters(hf_config(LAYOUT_MODELS[layout_model]))
+        src = specs_or_skip(profile, layout_model, src_layout)
+        dst = specs_or_skip(profile, layout_model, dst_layout)
+        _fail(round_trip(src, dst, canonical),
+              f"{profile.name} {layout_model} {layout_id(src_layout)}->{layout_id(dst_layout)}")

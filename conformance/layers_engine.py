@@ -1,0 +1,212 @@
+"""Layers 3–4 of the conformance suite: the real engine on CPU, then GPU-only checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from peerflow.batch import Batch, RaggedField
+from peerflow.conformance.base import SuiteBase, needs
+from peerflow.conformance.checks import compare, round_trip
+from peerflow.conformance.engines import build_engine, read_weights, scribble
+from peerflow.conformance.layers import _fail
+from peerflow.conformance.models import ENGINE_MODELS, LAYOUT_MODELS, hf_config, write_checkpoint
+from peerflow.conformance.oracle import arange_globals, shard_all
+from peerflow.conformance.reference import (
+    TensorSink,
+    TensorSource,
+    load_checkpoint_tensors,
+    reference_logprobs,
+)
+from peerflow.engines import GenerationRequest, SamplingParams
+from peerflow.layout import ParallelLayout
+from peerflow.models import hf_parameters
+from peerflow.reshard import sync_weights
+
+layer3 = pytest.mark.peerflow_layer(3)
+layer4 = pytest.mark.peerflow_layer(4)
+
+_CHECKPOINTS: dict[str, str] = {}
+
+#: Fixed prompts (token ids of the suite's character tokenizer).
+PROMPTS = ((2, 3, 4, 5, 6), (14, 15, 16), (40, 20, 30, 10))
+
+
+def _specs_equal(declared: list, actual: list, what: str) -> None:
+    want = {s.local_name: s for s in declared}
+    have = {s.local_name: s for s in actual}
+    problems = [f"{n}: declared by shard_layout but not by the engine"
+                for n in want.keys() - have.keys()]
+    problems += [f"{n}: held by the engine but not declared" for n in have.keys() - want.keys()]
+    problems += [f"{n}: engine says {have[n]}, shard_layout says {want[n]}"
+                 for n in want.keys() & have.keys() if want[n] != have[n]]
+    _fail(sorted(problems), what)
+
+
+class _EngineBase(SuiteBase):
+    @pytest.fixture
+    def model_dir(self, engine_model, tmp_path_factory):
+        """A tiny checkpoint (weights + tokenizer) of `engine_model`, written once."""
+        if engine_model not in _CHECKPOINTS:
+            _CHECKPOINTS[engine_model] = write_checkpoint(
+                ENGINE_MODELS[engine_model], tmp_path_factory.mktemp(f"model-{engine_model}"))
+        return _CHECKPOINTS[engine_model]
+
+    @pytest.fixture
+    def engine(self, profile, model_dir, request):
+        """A one-rank engine of the adapter on the tiny checkpoint (CPU)."""
+        if profile.cls.capabilities.gpu_only and not torch.cuda.is_available():
+            request.node.user_properties.append(("capability", "gpu_only"))
+            pytest.skip(f"{profile.name} declares Capabilities.gpu_only and no CUDA device "
+                        "is visible; layer 3 runs in layer 4 on a GPU machine")
+        missing = profile.cls.missing_requirements()
+        if missing:
+            pytest.skip(f"{profile.name} needs {missing}: {profile.cls.install_hint}")
+        engine = build_engine(profile, model_dir)
+        yield engine
+        engine.shutdown()
+
+    def _declared(self, profile, engine_model):
+        hook = profile.hook("shard_layout")
+        if hook is None:
+            pytest.skip(f"{profile.name} defines no shard_layout classmethod")
+        return list(hook(hf_config(ENGINE_MODELS[engine_model]), ParallelLayout(), 0))
+
+
+class Layer3RolloutEngine(_EngineBase):
+    """Layer 3 for rollout adapters: load through the adapter, read back around it."""
+
+    @layer3
+    def test_l3_declared_layout_matches_engine(self, profile, engine, engine_model):
+        """`weight_targets()` of a real engine equals the declared `shard_layout`."""
+        _specs_equal(self._declared(profile, engine_model), list(engine.weight_targets()),
+                     f"{profile.name} {engine_model} weight_targets")
+
+    def _sync(self, engine, full, version):
+        stats = sync_weights(TensorSource(full), engine, version=version, bucket_bytes=1 << 16)
+        assert engine.weight_version == version, "finish_weight_update did not publish"
+        return stats
+
+    def _expect_exact(self, profile, engine, full, what):
+        specs = list(engine.weight_targets())
+        got = {0: read_weights(profile, engine)}
+        _fail(compare(shard_all({0: specs}, full), got, {0: specs}, check_padding=False), what)
+
+    @layer3
+    def test_l3_load_is_bit_exact(self, profile, engine, engine_model, request):
+        """Unique `arange` weights loaded through the adapter read back bit-exact."""
+        needs(request, profile, "in_place_weight_update")
+        full = arange_globals(hf_parameters(hf_config(ENGINE_MODELS[engine_model])))
+        self._sync(engine, full, 1)
+        self._expect_exact(profile, engine, full, f"{profile.name} {engine_model} after load")
+
+    @layer3
+    def test_l3_corrupt_then_restore(self, profile, engine, engine_model, request):
+        """Scribbled engine weights are restored bit-exact by the next sync."""
+        needs(request, profile, "in_place_weight_update")
+        full = arange_globals(hf_parameters(hf_config(ENGINE_MODELS[engine_model])))
+        self._sync(engine, full, 1)
+        before = read_weights(profile, engine)
+        scribble(profile, engine)
+        after = read_weights(profile, engine)
+        assert any(not torch.equal(before[n], after[n]) for n in before), (
+            "scribbling changed no weight; conformance_read_weights must return live tensors "
+            "or the adapter must define conformance_scribble(engine)")
+        self._sync(engine, full, 2)
+        self._expect_exact(profile, engine, full, f"{profile.name} {engine_model} after restore")
+
+    @layer3
+    def test_l3_logprobs_match_reference_after_sync(self, profile, engine, engine_model,
+                                                    model_dir, logprob_atol, request):
+        """After a sync, the engine's sampled-token log-probs match a plain HF model's."""
+        needs(request, profile, "in_place_weight_update")
+        needs(request, profile, "logprobs")
+        config = hf_config(ENGINE_MODELS[engine_model])
+        generator = torch.Generator().manual_seed(1)
+        new = {n: t + 0.05 * torch.randn(t.shape, generator=generator)
+               for n, t in load_checkpoint_tensors(model_dir).items()
+               if n in hf_parameters(config)}
+        self._sync(engine, new, 5)
+        requests = [GenerationRequest(request_id=i, prompt_ids=p) for i, p in enumerate(PROMPTS)]
+        results = engine.generate(requests, SamplingParams(temperature=0.0, max_tokens=6))
+        rows = [(PROMPTS[r.request_id], r.token_ids) for r in results]
+        want = reference_logprobs(config, new, rows)
+        for result, ref in zip(results, want):
+            got = torch.tensor(result.logprobs, dtype=torch.float64)
+            assert len(got) == len(ref), "one log-prob per generated token"
+            worst = float((got - ref).abs().max()) if len(got) else 0.0
+            assert worst <= logprob_atol, (
+                f"request {result.request_id}: log-probs differ from the reference model by "
+                f"{worst:.2e} > {logprob_atol:.0e} after sync")
+
+
+class Layer3TrainEngine(_EngineBase):
+    """Layer 3 for train adapters: export through the adapter against the checkpoint."""
+
+    @layer3
+    def test_l3_declared_layout_matches_engine(self, profile, engine, engine_model):
+        """`weight_sources()` of a real engine equals the declared `shard_layout`."""
+        _specs_equal(self._declared(profile, engine_model), list(engine.weight_sources()),
+                     f"{profile.name} {engine_model} weight_sources")
+
+    @layer3
+    def test_l3_export_is_bit_exact(self, profile, engine, engine_model, model_dir):
+        """A sync out of the engine reproduces the checkpoint on disk bit-exact."""
+        config = hf_config(ENGINE_MODELS[engine_model])
+        shapes = hf_parameters(config)
+        sink = TensorSink(shapes)
+        sync_weights(engine, sink, version=1, bucket_bytes=1 << 16)
+        disk = load_checkpoint_tensors(model_dir)
+        specs = {0: sink.specs}
+        _fail(compare(shard_all(specs, disk), {0: sink.tensors}, specs),
+              f"{profile.name} {engine_model} export vs checkpoint")
+
+    @layer3
+    def test_l3_declared_shards_match_engine_memory(self, profile, engine, engine_model,
+                                                    model_dir):
+        """The engine's own tensors (read around the adapter) are what the specs say."""
+        specs = list(engine.weight_sources())
+        disk = load_checkpoint_tensors(model_dir)
+        got = {0: read_weights(profile, engine)}
+        _fail(compare(shard_all({0: specs}, disk), got, {0: specs}, check_padding=False),
+              f"{profile.name} {engine_model} memory vs declared shards")
+
+    @layer3
+    def test_l3_logprobs_match_reference(self, profile, engine, engine_model, model_dir,
+                                         logprob_atol):
+        """`forward_logprobs` matches a plain HF model on fixed tokens."""
+        config = hf_config(ENGINE_MODELS[engine_model])
+        rows = [(p, tuple(reversed(p))) for p in PROMPTS]
+        n = len(rows)
+        batch = Batch(sample_id=torch.arange(n), group_id=torch.arange(n),
+                      weight_version=torch.zeros(n, dtype=torch.int64), fields={
+                          "prompt_ids": RaggedField.from_tensors(
+                              [torch.tensor(p) for p, _ in rows]),
+                          "response_ids": RaggedField.from_tensors(
+                              [torch.tensor(r) for _, r in rows])})
+        got = engine.forward_logprobs(batch).rows()
+        want = reference_logprobs(config, load_checkpoint_tensors(model_dir), rows)
+        for i, (g, w) in enumerate(zip(got, want)):
+            worst = float((g.double() - w).abs().max())
+            assert worst <= logprob_atol, f"sample {i}: log-probs differ by {worst:.2e}"
+
+
+class Layer4Gpu(SuiteBase):
+    """Layer 4: GPU-only checks (marked `gpu`; skipped without CUDA)."""
+
+    @layer4
+    @pytest.mark.gpu
+    def test_l4_cuda_reshard_matches_oracle(self, profile, layout_model, request):
+        """Canonical → tp2 (or single) layout reshard with buffers on the GPU."""
+        if not torch.cuda.is_available():
+            pytest.skip("layer 4 needs a CUDA device")
+        from peerflow.conformance.base import specs_or_skip
+        from peerflow.conformance.checks import canonical_specs
+
+        layout = ParallelLayout(tp=2) if profile.cls.capabilities.tensor_parallel \
+            else ParallelLayout()
+        canonical = hf_parameters(hf_config(LAYOUT_MODELS[layout_model]))
+        specs = specs_or_skip(profile, layout_model, layout)
+        src, dst = (specs, canonical_specs(canonical)) if profile.kind == "train" else \
+            (canonical_specs(canonical), specs)
+        _fail(round_trip(src, dst, canonical, device="cuda"), f"{profile.name} on CUDA")

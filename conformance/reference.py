@@ -1,0 +1,105 @@
+"""Reference ends of a sync, built from plain tensors — independent of any adapter.
+
+`TensorSource` serves full HF tensors as a one-rank trainer would (`weight_sources`,
+`materialize`); `TensorSink` receives full HF tensors as a one-rank rollout engine would.
+Both satisfy what `peerflow.reshard.sync_weights` calls, so the suite can push weights
+into a rollout adapter and pull them out of a train adapter. `reference_logprobs` scores
+tokens with a plain `transformers` model holding given tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from peerflow.shard import ShardSpec
+
+
+class TensorSource:
+    """Full HF tensors, served like a one-rank train engine's weight export."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        self.tensors = dict(tensors)
+
+    def weight_sources(self) -> list[ShardSpec]:
+        """One whole-tensor spec per HF name."""
+        return [ShardSpec.of_slice(n, tuple(t.shape), dtype=str(t.dtype).removeprefix("torch."))
+                for n, t in self.tensors.items()]
+
+    def materialize(self, specs: Sequence[ShardSpec]) -> contextlib.AbstractContextManager:
+        """Yields the tensors of `specs`."""
+        return contextlib.nullcontext([self.tensors[s.local_name] for s in specs])
+
+
+class TensorSink:
+    """Receives full HF tensors like a one-rank rollout engine."""
+
+    def __init__(self, shapes: Mapping[str, Sequence[int]], dtype: str = "float32") -> None:
+        self.specs = [ShardSpec.of_slice(n, tuple(s), dtype=dtype) for n, s in shapes.items()]
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.weight_version = 0
+        self._pending = 0
+
+    def weight_targets(self) -> list[ShardSpec]:
+        """One whole-tensor spec per HF name."""
+        return self.specs
+
+    def begin_weight_update(self, version: int) -> None:
+        """Remembers the version to publish."""
+        self._pending = version
+
+    def load_weights(self, items: Sequence[tuple[ShardSpec, torch.Tensor]]) -> None:
+        """Keeps a copy of every tensor."""
+        for spec, tensor in items:
+            self.tensors[spec.local_name] = tensor.clone()
+
+    def finish_weight_update(self) -> None:
+        """Publishes the pending version."""
+        self.weight_version = self._pending
+
+
+def load_checkpoint_tensors(model_dir: str) -> dict[str, torch.Tensor]:
+    """Reads every tensor of a safetensors checkpoint directly from disk (no engine)."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        tensors.update(load_file(str(path)))
+    return tensors
+
+
+def reference_logprobs(config: Any, tensors: Mapping[str, torch.Tensor],
+                       rows: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[torch.Tensor]:
+    """Log-probabilities of each response token under a plain `transformers` model.
+
+    Args:
+        config: `transformers` config of the model.
+        tensors: Full HF tensors to load (canonical names; tied head omitted).
+        rows: `(prompt_ids, response_ids)` pairs.
+
+    Returns:
+        One float64 tensor `[len(response_ids)]` per row.
+    """
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(config).to(torch.float32).eval()
+    missing, _ = model.load_state_dict(dict(tensors), strict=False)
+    missing = [m for m in missing if not (m == "lm_head.weight" and config.tie_word_embeddings)]
+    if missing:
+        raise KeyError(f"reference model lacks tensors {missing[:3]}…")
+    out = []
+    with torch.no_grad():
+        for prompt, response in rows:
+            ids = torch.tensor([list(prompt) + list(response)])
+            logits = model(input_ids=ids).logits[0].double()
+            logp = torch.log_softmax(logits, dim=-1)
+            start = len(prompt)
+            targets = ids[0, start:]
+            out.append(logp[start - 1:start - 1 + len(targets)].gather(
+                1, targets[:, None])[:, 0])
+    return out

@@ -1,0 +1,153 @@
+"""`peerflow conformance NAME`: run the suite for an installed adapter, tabulate results.
+
+Runs pytest in-process on `cli_suite.py` with `--peerflow-adapter NAME`, records every
+test's outcome, layer and capability, prints a table per layer and capability, and
+optionally writes the same as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any, TextIO
+
+import pytest
+
+OUTCOMES = ("passed", "failed", "skipped", "xfailed")
+_CAPABILITY = re.compile(r"Capabilities\.(\w+)")
+
+
+class _Collector:
+    """pytest plugin object that records each suite test's result."""
+
+    def __init__(self) -> None:
+        self.tests: dict[str, dict[str, Any]] = {}
+        self.layers: dict[str, int] = {}
+
+    def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
+        for item in items:
+            marker = item.get_closest_marker("peerflow_layer")
+            self.layers[item.nodeid] = int(marker.args[0]) if marker else -1
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        entry = self.tests.setdefault(report.nodeid, {
+            "id": report.nodeid.split("::", 1)[-1], "layer": self.layers.get(report.nodeid, -1),
+            "outcome": "passed", "capability": "-", "message": "", "duration_s": 0.0})
+        entry["duration_s"] += report.duration
+        for key, value in report.user_properties:
+            if key == "capability" and entry["capability"] in ("-", "core"):
+                entry["capability"] = value
+        if report.when != "call" and report.outcome == "passed":
+            return
+        if hasattr(report, "wasxfail"):
+            entry["outcome"] = "xfailed" if report.skipped else "failed"
+            entry["message"] = f"xfail: {report.wasxfail}"
+        elif report.skipped:
+            entry["outcome"] = "skipped"
+            reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(
+                report.longrepr)
+            entry["message"] = reason.removeprefix("Skipped: ")
+            found = _CAPABILITY.search(entry["message"])
+            if found:
+                entry["capability"] = found.group(1)
+        elif report.failed:
+            entry["outcome"] = "failed"
+            text = report.longreprtext.strip().splitlines()
+            entry["message"] = "\n".join(
+                line for line in text if line.startswith(("E ", "Failed", "  ")) or
+                "region" in line)[:2000] or (text[-1] if text else "")
+        if report.when == "call" and report.outcome == "passed" and \
+                entry["outcome"] != "failed":
+            entry["outcome"] = "passed"
+
+
+def adapter_classes(name: str) -> list[tuple[str, type]]:
+    """Returns `(kind, class)` for every registered engine called `name`.
+
+    Raises:
+        UnknownNameError: no rollout or train engine has that name.
+    """
+    from peerflow.plugins import get_plugin_manager
+
+    pm = get_plugin_manager()
+    found = [(kind, pm.registry(key).get(name))
+             for kind, key in (("rollout", "rollout_engine"), ("train", "train_engine"))
+             if name in pm.registry(key)]
+    if not found:
+        pm.registry("rollout_engine").get(name)  # raises the registry's message
+    return found
+
+
+def run_conformance(name: str, *, pytest_args: tuple[str, ...] = (),
+                    out: TextIO = sys.stdout) -> dict[str, Any]:
+    """Runs the suite for adapter `name`; returns the machine-readable report."""
+    classes = adapter_classes(name)
+    collector = _Collector()
+    suite = str(Path(__file__).with_name("cli_suite.py"))
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="peerflow-conformance-") as tmp:
+        args = [suite, "--peerflow-adapter", name, "-p", "no:cacheprovider", "-q",
+                "--rootdir", tmp, "--basetemp", str(Path(tmp) / "t"), "-o", "addopts=",
+                "--no-header", "-rN", *pytest_args]
+        exit_code = int(pytest.main(args, plugins=[collector]))
+    tests = sorted(collector.tests.values(), key=lambda t: (t["layer"], t["id"]))
+    summary = Counter(t["outcome"] for t in tests)
+    report = {
+        "adapter": name,
+        "engines": [{"kind": kind, "class": f"{cls.__module__}.{cls.__qualname__}",
+                     "capabilities": cls.capabilities.enabled()} for kind, cls in classes],
+        "passed": summary.get("failed", 0) == 0 and exit_code in (0, 5) and bool(tests),
+        "pytest_exit_code": exit_code,
+        "duration_s": round(time.perf_counter() - start, 3),
+        "summary": {k: summary.get(k, 0) for k in OUTCOMES},
+        "layers": _table(tests),
+        "tests": tests,
+    }
+    return report
+
+
+def _table(tests: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    rows: dict[tuple[int, str], Counter] = {}
+    for t in tests:
+        capability = t["capability"] if t["capability"] != "-" else "surface" \
+            if t["layer"] == 0 else "core"
+        rows.setdefault((t["layer"], capability), Counter())[t["outcome"]] += 1
+    return [{"layer": layer, "capability": cap, **{k: c.get(k, 0) for k in OUTCOMES}}
+            for (layer, cap), c in sorted(rows.items())]
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """Renders the results table (per layer and capability) and the failures."""
+    lines = [f"peerflow conformance {report['adapter']}"]
+    for engine in report["engines"]:
+        caps = ", ".join(engine["capabilities"]) or "none"
+        lines.append(f"  {engine['kind']} engine {engine['class']}  capabilities: {caps}")
+    header = f"{'layer':<6}{'capability':<26}" + "".join(f"{k:>9}" for k in OUTCOMES)
+    lines += ["", header, "-" * len(header)]
+    for row in report["layers"]:
+        lines.append(f"{row['layer']:<6}{row['capability']:<26}" +
+                     "".join(f"{row[k]:>9}" for k in OUTCOMES))
+    total = report["summary"]
+    lines.append("-" * len(header))
+    lines.append(f"{'all':<32}" + "".join(f"{total[k]:>9}" for k in OUTCOMES))
+    failures = [t for t in report["tests"] if t["outcome"] == "failed"]
+    if failures:
+        lines += ["", "failures:"]
+        for t in failures:
+            lines.append(f"  {t['id']}")
+            lines += [f"      {line}" for line in t["message"].splitlines()[:12]]
+    lines.append("")
+    lines.append(("PASSED" if report["passed"] else "FAILED") +
+                 f" in {report['duration_s']:.1f} s")
+    return "\n".join(lines)
+
+
+def write_json(report: dict[str, Any], path: str) -> None:
+    """Writes the report as JSON."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(report, indent=2) + "\n")

@@ -1,0 +1,35 @@
+"""The base test classes adapter authors subclass (test names are public API).
+
+    from peerflow.conformance import RolloutAdapterSuite
+
+    class TestMyEngine(RolloutAdapterSuite):
+        adapter_class = MyRolloutEngine
+
+Layers, selectable with `-m "peerflow_layer(…)"`-free `-k l0_`, `-k l2_`, …:
+
+0. surface — contract implemented, registered, capabilities and options declared;
+1. layout invariants of the declared shards (`shard_layout`) for several models/layouts;
+2. CPU round trip against the oracle with `torch.arange` weights for every layout pair;
+3. the real engine: declared layout equals the engine's, bit-exact load/export read back
+   around the adapter, corrupt-then-restore, log-probs against a plain HF model;
+4. GPU-only checks (marked `gpu`).
+"""
+
+from __future__ import annotations
+
+from peerflow.conformance.layers import Layer0Surface, Layer1Layouts, Layer2RoundTrip
+from peerflow.conformance.layers_engine import Layer3RolloutEngine, Layer3TrainEngine, Layer4Gpu
+
+
+class RolloutAdapterSuite(Layer0Surface, Layer1Layouts, Layer2RoundTrip, Layer3RolloutEngine,
+                          Layer4Gpu):
+    """Every layer for a `peerflow.RolloutEngine` adapter (its shards are destinations)."""
+
+    suite_kind = "rollout"
+
+
+class TrainAdapterSuite(Layer0Surface, Layer1Layouts, Layer2RoundTrip, Layer3TrainEngine,
+                        Layer4Gpu):
+    """Every layer for a `peerflow.TrainEngine` adapter (its shards are sources)."""
+
+    suite_kind = "train"
