@@ -62,7 +62,10 @@ class KLRegularizedLoss:
 
     def __init__(self, loss: Any, coef: float, estimator: str = "k3") -> None:
         if estimator not in KL_ESTIMATORS:
-            kl_estimate(torch.zeros(0), torch.zeros(0), estimator)
+            raise ValueError(
+                f"unknown KL estimator {estimator!r} (algorithm.kl.estimator); expected one of "
+                f"{', '.join(KL_ESTIMATORS)}."
+            )
         self.loss = loss
         self.coef = coef
         self.estimator = estimator

@@ -12,7 +12,7 @@ from typing import Any
 import attrs
 
 from peerflow.algorithms.base import AdvantageEstimator
-from peerflow.algorithms.kl import KL_ESTIMATORS, KLRegularizedLoss
+from peerflow.algorithms.kl import KLRegularizedLoss
 
 
 @attrs.define(eq=False)
@@ -83,8 +83,6 @@ def build_algorithm(
         loss_options = attrs.evolve(loss_options, **changes)
     policy_loss: Any = loss_cls(loss_options)
     kl = algorithm.kl
-    if kl.estimator not in KL_ESTIMATORS:
-        raise ValueError(f"algorithm.kl.estimator {kl.estimator!r} is not one of {KL_ESTIMATORS}.")
     if kl.coef > 0 and kl.mode == "loss":
         policy_loss = KLRegularizedLoss(policy_loss, kl.coef, kl.estimator)
     value_loss = None
