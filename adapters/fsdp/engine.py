@@ -123,8 +123,9 @@ class FSDPTrainEngine(TrainEngine):
             betas=self.optim.betas,
             eps=self.optim.eps,
             weight_decay=self.optim.weight_decay,
-            # foreach groups tensors across DTensor meshes, which tp's mixed meshes forbid.
-            foreach=None if layout.tp == 1 else False,
+            # foreach (one fused update for all tensors) is torch's default only on GPU; it
+            # groups tensors across DTensor meshes, which tp's mixed meshes forbid.
+            foreach=layout.tp == 1,
         )
 
     def _bf16_supported(self) -> bool:
