@@ -1,0 +1,142 @@
+"""Weight-sync time from a train engine into a rollout engine, split plan/pack/wire/load.
+
+For each model size a random Llama is written from a config, a train engine
+(`--trainer`, default `fsdp`) and a rollout engine (`--backend`, default `vllm`) load it
+in this process (colocated, one rank), and `peerflow.reshard.sync_weights` moves every
+parameter `--runs` times. Reported per size (medians over runs):
+
+* `plan_s`: gathering both engines' specs and planning the reshard (done once per
+  engine pair in a run, so it is also reported separately as `first_plan_s`);
+* `pack_s` / `wire_s` / `load_s`: the executor's split — copying regions out of the
+  trainer's shards into bucket buffers, the transport, and `load_weights` into the
+  rollout engine (for vLLM this includes the adapter's own hop into vLLM's worker);
+* `engine_*`: the rollout adapter's own split of its `load_weights` time, when it
+  reports one (`last_sync`): packing for its side channel, the rpc, and the copy into
+  the engine's parameters.
+
+Sizes: `quickstart` (the quickstart's hidden 128, 2 layers) and `500m` (hidden 1536,
+16 layers, MLP 6144: ~553 M parameters, ~2.2 GB in float32 per copy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+#: Model shapes by size name: (hidden, intermediate, layers, heads, kv heads).
+SIZES: dict[str, tuple[int, int, int, int, int]] = {
+    "quickstart": (128, 512, 2, 4, 2),
+    "500m": (1536, 6144, 16, 12, 4),
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds the benchmark's options."""
+    parser.add_argument("--backend", default="vllm", help="rollout engine (default vllm)")
+    parser.add_argument("--trainer", default="fsdp", help="train engine (default fsdp)")
+    parser.add_argument("--sizes", default="quickstart,500m",
+                        help=f"comma-separated model sizes from {sorted(SIZES)}")
+    parser.add_argument("--runs", type=int, default=3, help="timed syncs per size")
+    parser.add_argument("--bucket-mb", type=int, default=256, help="bucket size in MiB")
+    parser.add_argument("--transport", default=None,
+                        help="registered weight transport (default: chosen by sync_weights)")
+    parser.add_argument("--rollout-option", action="append", default=[], metavar="KEY=VALUE",
+                        help="rollout adapter option, e.g. executor=multiprocess (YAML value)")
+
+
+def _options(cls: Any, pairs: list[str]) -> Any:
+    import yaml
+
+    from peerflow.config.structure import structure
+
+    values = {}
+    for pair in pairs:
+        key, _, value = pair.partition("=")
+        values[key] = yaml.safe_load(value)
+    return structure(cls.options_class, values, f"rollout.{cls.name}")
+
+
+def _measure(size: str, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    import torch
+
+    from peerflow.bench.rollout import build_random_model
+    from peerflow.engines import EngineContext, OptimSettings
+    from peerflow.layout import ParallelLayout
+    from peerflow.plugins import get_plugin_manager
+    from peerflow.reshard import plan_weight_sync, sync_weights
+
+    hidden, inter, layers, heads, kv = SIZES[size]
+    model = build_random_model(workdir / size, hidden_size=hidden, intermediate_size=inter,
+                               num_layers=layers, num_heads=heads, num_kv_heads=kv)
+    pm = get_plugin_manager()
+    train_cls = pm.registry("train_engine").get(args.trainer)
+    rollout_cls = pm.registry("rollout_engine").get(args.backend)
+    train_cls.ensure_installed()
+    rollout_cls.ensure_installed()
+    context = EngineContext(model_path=model, layout=ParallelLayout())
+    trainer = train_cls(context, train_cls.options_class(), OptimSettings())
+    rollout = rollout_cls(context, _options(rollout_cls, args.rollout_option))
+    try:
+        start = time.perf_counter()
+        plan = plan_weight_sync(trainer, rollout)
+        first_plan_s = time.perf_counter() - start
+        runs = []
+        for version in range(1, args.runs + 1):
+            stats = sync_weights(trainer, rollout, version=version, plan=plan,
+                                 transport=args.transport, bucket_bytes=args.bucket_mb * 2**20)
+            run = {"plan_s": stats.plan_s, "pack_s": stats.pack_s, "wire_s": stats.wire_s,
+                   "load_s": stats.load_s, "bytes": stats.bytes, "buckets": stats.buckets,
+                   "peak_extra_bytes": getattr(stats, "peak_extra_bytes", 0)}
+            run["total_s"] = run["plan_s"] + run["pack_s"] + run["wire_s"] + run["load_s"]
+            engine_stats = getattr(rollout, "last_sync", None)
+            if engine_stats is not None:
+                run.update(engine_pack_s=engine_stats.pack_s, engine_wire_s=engine_stats.wire_s,
+                           engine_load_s=engine_stats.load_s)
+            runs.append(run)
+        params = _parameters(plan)
+    finally:
+        rollout.shutdown()
+        trainer.shutdown()
+        del trainer, rollout
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    medians = {key: statistics.median(r[key] for r in runs)
+               for key in runs[0] if key.endswith("_s")}
+    return {"parameters": params, "model": {"hidden": hidden, "intermediate": inter,
+                                            "layers": layers, "heads": heads, "kv_heads": kv},
+            "first_plan_s": first_plan_s, **medians,
+            "bytes": runs[0]["bytes"], "buckets": runs[0]["buckets"],
+            "median_of": args.runs, "runs": runs}
+
+
+def _parameters(plan: Any) -> int:
+    """HF parameters the plan fills (each counted once)."""
+    seen: dict[str, int] = {}
+    for specs in plan.sources.values():
+        for spec in specs:
+            for piece in spec.pieces:
+                count = 1
+                for size in piece.global_shape:
+                    count *= size
+                seen[piece.name] = count
+    return sum(seen.values())
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Measures every requested size and returns the JSON result."""
+    sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
+    unknown = [s for s in sizes if s not in SIZES]
+    if unknown:
+        raise SystemExit(f"peerflow bench weight-sync: unknown --sizes {unknown}; "
+                         f"choose from {sorted(SIZES)}.")
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="peerflow-bench-sync-") as tmp:
+        for size in sizes:
+            results[size] = _measure(size, args, Path(tmp))
+    return {"benchmark": "weight-sync", "backend": args.backend, "trainer": args.trainer,
+            "bucket_mb": args.bucket_mb, "median_of": args.runs, "sizes": results,
+            "runs": {size: r["runs"] for size, r in results.items()}}
