@@ -1,0 +1,77 @@
+"""Single-machine launch through torch.distributed's elastic launcher (torchrun's engine)."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import uuid
+from collections.abc import Sequence
+
+from peerflow.errors import WorkerFailedError
+from peerflow.launch.entry import worker_entry
+from peerflow.launch.watch import FaultStore
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def failure_message(store: FaultStore, failures: dict[int, object] | None = None) -> str:
+    """The launcher's one-paragraph account of a failed run."""
+    record = store.failure()
+    lines = []
+    if record is not None:
+        lines.append(record.message())
+    for rank, failure in sorted((failures or {}).items()):
+        code = getattr(failure, "exitcode", "?")
+        signal = getattr(failure, "signal_name", lambda: "")()
+        how = f"signal {signal}" if signal and code is not None and code < 0 else f"exit {code}"
+        lines.append(f"  rank {rank}: {how}")
+    return "\n".join(lines) or "a worker failed (no failure record was published)"
+
+
+def launch_elastic(
+    *,
+    entry: str,
+    config_path: str | None,
+    overrides: Sequence[str],
+    run_dir: str,
+    resume: str | None,
+    nprocs: int,
+    fault_timeout: float,
+    torch_threads: int = 1,
+) -> None:
+    """Spawns `nprocs` workers with `elastic_launch`; returns when all finished cleanly.
+
+    Raises:
+        WorkerFailedError: a worker died or raised; the message names its rank, host and
+            stage, and lists every worker's exit status.
+    """
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    store = FaultStore(world_size=nprocs)
+    store.export()
+    store.start_watching()
+    config = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=nprocs, run_id=f"peerflow-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}",
+        rdzv_configs={"timeout": int(max(60, fault_timeout))}, max_restarts=0,
+        # our own watcher names the failure first; the agent then stops the rest
+        monitor_interval=0.5, start_method="spawn",
+    )
+    args = (entry, config_path, list(overrides), run_dir, resume, fault_timeout, torch_threads)
+    # The agent logs each failed child's traceback through torch's formatter, which
+    # imports torch._dynamo (seconds on a busy machine); our own report names the failure.
+    quiet = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    level = quiet.level
+    quiet.setLevel(logging.CRITICAL)
+    try:
+        elastic_launch(config, worker_entry)(*args)
+    except ChildFailedError as exc:
+        raise WorkerFailedError(failure_message(store, exc.failures)) from None
+    finally:
+        quiet.setLevel(level)
+        store.stop()

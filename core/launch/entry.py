@@ -1,0 +1,72 @@
+"""What every launched worker process runs first: set up, then call the worker function.
+
+`worker_entry` is the target the elastic launcher and the Ray actors call. It pins torch
+threads, initialises torch.distributed and the fault monitor with the run's
+`fault_timeout`, calls the entry function (by default
+`peerflow.worker.main:run_worker(config_path, overrides, run_dir, resume)`), and, if that
+raises, reports the failure to every rank before re-raising, so the launcher exits
+non-zero and the other ranks exit naming this one.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+#: The worker function `peerflow train` runs in every process.
+DEFAULT_ENTRY = "peerflow.worker.main:run_worker"
+
+
+def resolve_entry(entry: str) -> Callable[..., Any]:
+    """Imports `module:function`.
+
+    Raises:
+        ValueError: `entry` is not of that form or does not resolve.
+    """
+    module, sep, name = entry.partition(":")
+    if not sep or not module or not name:
+        raise ValueError(f"worker entry {entry!r}: expected 'module:function', e.g. "
+                         f"{DEFAULT_ENTRY!r}.")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"worker entry {entry!r} does not resolve: {exc}") from exc
+
+
+def worker_entry(
+    entry: str,
+    config_path: str | None,
+    overrides: Sequence[str],
+    run_dir: str,
+    resume: str | None,
+    fault_timeout: float,
+    torch_threads: int = 1,
+) -> None:
+    """Runs one worker process (called by the launchers, on every rank).
+
+    Args:
+        entry: `module:function` taking `(config_path, overrides, run_dir, resume)`.
+        config_path: Run config YAML.
+        overrides: `--set` assignments.
+        run_dir: Run directory.
+        resume: Run directory to resume from, or `None`.
+        fault_timeout: Seconds within which every rank exits after a peer fails.
+        torch_threads: torch intra-op threads of this process.
+    """
+    import torch
+
+    from peerflow.distributed import handle_failure, init_distributed, shutdown_distributed
+
+    torch.set_num_threads(max(1, torch_threads))
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    ctx = init_distributed(timeout=fault_timeout)
+    monitor = ctx.monitor
+    try:
+        resolve_entry(entry)(config_path, list(overrides), run_dir, resume)
+    except BaseException as exc:
+        handle_failure(exc, monitor)
+        raise
+    finally:
+        shutdown_distributed()

@@ -1,0 +1,152 @@
+"""Launch through Ray: one actor per worker, placed with a placement group (extra `ray`).
+
+Local by default (`ray.init(num_cpus=…)` on this machine); with `RAY_ADDRESS` set it
+joins that cluster and spreads the bundles over its nodes. Rank 0's actor reports its
+node address and a free port, which become `MASTER_ADDR`/`MASTER_PORT` of every worker;
+the fault channel is the launcher's own store (`PEERFLOW_FAULT_STORE`). A worker task
+that fails or an actor that dies is reported to every rank; the launcher then waits up to
+`fault_timeout` for the others to exit, kills what is left and raises.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from peerflow.errors import EngineNotInstalledError, WorkerFailedError
+from peerflow.launch.elastic import failure_message
+from peerflow.launch.entry import worker_entry
+from peerflow.launch.watch import FaultStore
+
+_PASS_ENV = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "HF_HUB_OFFLINE", "PYTHONPATH",
+             "PEERFLOW_PLUGINS", "PEERFLOW_DISABLE_PLUGIN_AUTOLOAD", "OMP_NUM_THREADS")
+
+
+class RayWorker:
+    """The actor body: reports where it runs, then runs `worker_entry` with an environment."""
+
+    def node(self) -> tuple[str, str, int]:
+        """`(node id, node ip, a free port on it)`."""
+        import ray
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        ctx = ray.get_runtime_context()
+        return ctx.get_node_id(), ray.util.get_node_ip_address(), port
+
+    def run(self, env: dict[str, str], args: tuple[Any, ...]) -> None:
+        """Sets the torch.distributed environment and runs the worker."""
+        os.environ.update(env)
+        worker_entry(*args)
+
+
+def _import_ray() -> Any:
+    try:
+        import ray
+    except ImportError:
+        raise EngineNotInstalledError(
+            "--launcher ray needs Ray, which is not installed: pip install 'peerflow[ray]'."
+        ) from None
+    return ray
+
+
+def launch_ray(
+    *,
+    entry: str,
+    config_path: str | None,
+    overrides: Sequence[str],
+    run_dir: str,
+    resume: str | None,
+    nprocs: int,
+    fault_timeout: float,
+    torch_threads: int = 1,
+    num_cpus: int | None = None,
+) -> None:
+    """Runs `nprocs` workers as Ray actors in one placement group.
+
+    Raises:
+        EngineNotInstalledError: Ray is not installed.
+        WorkerFailedError: a worker failed (naming its rank, host and stage).
+    """
+    ray = _import_ray()
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    cluster = bool(os.environ.get("RAY_ADDRESS"))
+    started = not ray.is_initialized()
+    if started:
+        if cluster:
+            ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
+        else:
+            ray.init(num_cpus=num_cpus or os.cpu_count() or 1, include_dashboard=False,
+                     log_to_driver=True)
+    cpus = float(ray.cluster_resources().get("CPU", 1))
+    per_worker = min(1.0, cpus / nprocs)
+    group = placement_group([{"CPU": per_worker}] * nprocs,
+                            strategy="SPREAD" if cluster else "PACK")
+    actors: list[Any] = []
+    store: FaultStore | None = None
+    try:
+        ray.get(group.ready(), timeout=max(60.0, fault_timeout))
+        actor_cls = ray.remote(RayWorker)
+        actors = [actor_cls.options(
+            num_cpus=per_worker, scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=group, placement_group_bundle_index=i)).remote()
+            for i in range(nprocs)]
+        nodes = ray.get([a.node.remote() for a in actors], timeout=max(60.0, fault_timeout))
+        master = "127.0.0.1" if not cluster else nodes[0][1]
+        store = FaultStore(world_size=nprocs,
+                           host="127.0.0.1" if not cluster else ray.util.get_node_ip_address())
+        store.start_watching()
+        passed = {k: os.environ[k] for k in _PASS_ENV if k in os.environ}
+        args = (entry, config_path, list(overrides), run_dir, resume, fault_timeout,
+                torch_threads)
+        seen: dict[str, int] = {}
+        refs = {}
+        for rank, (node_id, _, _) in enumerate(nodes):
+            local = seen[node_id] = seen.get(node_id, -1) + 1
+            env = dict(passed, RANK=str(rank), WORLD_SIZE=str(nprocs), LOCAL_RANK=str(local),
+                       MASTER_ADDR=master, MASTER_PORT=str(nodes[0][2]),
+                       PEERFLOW_FAULT_STORE=store.address)
+            refs[actors[rank].run.remote(env, args)] = rank
+        _wait(ray, refs, store, fault_timeout)
+    finally:
+        for actor in actors:
+            try:
+                ray.kill(actor)
+            except Exception:  # already dead
+                pass
+        remove_placement_group(group)
+        if store is not None:
+            store.stop()
+        if started:
+            ray.shutdown()
+
+
+def _wait(ray: Any, refs: dict[Any, int], store: FaultStore, fault_timeout: float) -> None:
+    pending = list(refs)
+    failed: dict[int, str] = {}
+    deadline = None
+    while pending:
+        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        ready, pending = ray.wait(pending, num_returns=1, timeout=timeout)
+        if not ready:  # the survivors did not exit in time after a failure
+            break
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except Exception as exc:
+                rank = refs[ref]
+                failed[rank] = type(exc).__name__
+                if store.failure() is None:
+                    store.report(rank, f"Ray reports {type(exc).__name__}: "
+                                 f"{str(exc).splitlines()[0] if str(exc) else ''}")
+                deadline = deadline or time.monotonic() + fault_timeout + 10
+    if failed:
+        raise WorkerFailedError(failure_message(store) + "\n" + "\n".join(
+            f"  rank {r}: {what}" for r, what in sorted(failed.items())))

@@ -1,0 +1,138 @@
+"""A worker dies or raises mid-step: every other rank exits within `fault_timeout`,
+naming the failed rank, host and stage, and the launcher exits non-zero."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import torch.distributed as dist
+
+from peerflow.distributed.faults import PEER_FAILED_EXIT, FaultMonitor, read_failure
+
+pytestmark = pytest.mark.distributed
+
+PROGRAM = textwrap.dedent('''
+    import os, signal, time
+    import torch, torch.distributed as dist
+    from peerflow.distributed import stage
+
+    def run(config_path, overrides, run_dir, resume):
+        mode, victim = os.environ["FAULT_MODE"], int(os.environ["FAULT_RANK"])
+        rank = dist.get_rank()
+        for step in range(100000):
+            with stage(f"step{step}/generate"):
+                t = torch.ones(1)
+                dist.all_reduce(t)
+                if step == 3 and rank == victim and mode != "ok":
+                    with open(os.path.join(run_dir, "t_fail"), "w") as f:
+                        f.write(str(time.time()))
+                    if mode == "kill":
+                        os.kill(os.getpid(), signal.SIGKILL)
+                    raise ValueError("reward function exploded")
+                time.sleep(0.02)
+            if mode == "ok" and step == 5:
+                with open(os.path.join(run_dir, f"done{rank}"), "w") as f:
+                    f.write("ok")
+                return
+''')
+
+LAUNCHER = textwrap.dedent('''
+    import sys
+    from peerflow.errors import PeerFlowError
+    from peerflow.launch import launch
+    try:
+        launch(None, [], sys.argv[1], None, nprocs=int(sys.argv[2]), launcher=sys.argv[3],
+               fault_timeout=float(sys.argv[4]), entry="faultprog:run", torch_threads=1)
+    except PeerFlowError as exc:
+        print("LAUNCHER:", exc, file=sys.stderr)
+        sys.exit(1)
+''')
+
+
+def run_launcher(tmp_path, mode: str, nprocs: int = 3, launcher: str = "elastic",
+                 fault_timeout: float = 10.0, victim: int = 1):
+    (tmp_path / "faultprog.py").write_text(PROGRAM)
+    env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+               FAULT_MODE=mode, FAULT_RANK=str(victim), GLOO_SOCKET_IFNAME="lo",
+               RAY_AUTH_MODE="disabled", OMP_NUM_THREADS="1")
+    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "PEERFLOW_FAULT_STORE"):
+        env.pop(key, None)
+    proc = subprocess.run([sys.executable, "-c", LAUNCHER, str(tmp_path), str(nprocs), launcher,
+                           str(fault_timeout)], env=env, capture_output=True, text=True,
+                          timeout=300)
+    return proc, time.time()
+
+
+@pytest.mark.parametrize("mode", ["kill", "raise"])
+def test_dead_or_raising_worker_stops_everyone(tmp_path, mode) -> None:
+    fault_timeout = 10.0
+    proc, t_end = run_launcher(tmp_path, mode, nprocs=3, fault_timeout=fault_timeout)
+    err = proc.stderr
+    assert proc.returncode != 0, err
+    host = socket.gethostname()
+    named = f"rank 1 (host {host}) failed in stage 'step3/generate'"
+    assert f"LAUNCHER: {named}" in err, err
+    for survivor in (0, 2):
+        assert f"peerflow: {named}" in err and f"; rank {survivor} (host {host}" in err, err
+    if mode == "raise":
+        assert "ValueError: reward function exploded" in err
+    else:
+        assert "exited without finishing" in err or "no heartbeat" in err
+    t_fail = float((tmp_path / "t_fail").read_text())
+    # every rank gone and the launcher returned within fault_timeout of the failure
+    assert t_end - t_fail < fault_timeout, (t_end - t_fail, err)
+
+
+def test_clean_run_exits_zero(tmp_path) -> None:
+    proc, _ = run_launcher(tmp_path, "ok", nprocs=2)
+    assert proc.returncode == 0, proc.stderr
+    assert {p.name for p in tmp_path.glob("done*")} == {"done0", "done1"}
+
+
+def test_heartbeat_watchers_detect_a_silent_rank() -> None:
+    """Without a launcher (torchrun on many nodes), the ring of heartbeats finds a dead rank."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    exits: dict[int, int] = {}
+    lock = threading.Lock()
+
+    def recorder(rank: int):
+        def exit_process(code: int) -> None:
+            with lock:
+                exits[rank] = code
+        return exit_process
+
+    monitors = [FaultMonitor(store=store, rank=r, world_size=4, fault_timeout=2.0,
+                             exit_process=recorder(r)).start() for r in range(4)]
+    monitors[2].set_stage("values")
+    time.sleep(0.5)
+    start = time.monotonic()
+    monitors[2]._stop.set()  # rank 2 goes silent (no 'done' marker): it died
+    while len(exits) < 3 and time.monotonic() - start < 10:
+        time.sleep(0.05)
+    elapsed = time.monotonic() - start
+    for m in monitors:
+        m.close()
+    record = read_failure(store)
+    assert record is not None and record.rank == 2 and record.stage == "values"
+    assert "no heartbeat" in record.reason
+    assert exits == {0: PEER_FAILED_EXIT, 1: PEER_FAILED_EXIT, 3: PEER_FAILED_EXIT}
+    assert elapsed < 2.0  # within fault_timeout
+
+
+def test_clean_finish_is_not_a_failure() -> None:
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    exits: list[int] = []
+    monitors = [FaultMonitor(store=store, rank=r, world_size=2, fault_timeout=1.0,
+                             exit_process=exits.append).start() for r in range(2)]
+    time.sleep(0.2)
+    monitors[1].close()
+    time.sleep(1.5)
+    monitors[0].close()
+    assert exits == [] and read_failure(store) is None
