@@ -20,6 +20,7 @@ BENCHMARKS: dict[str, str] = {
     "e2e": "e2e",
     "rollout": "rollout",
     "weight-sync": "weight_sync",
+    "async": "async_stream",
 }
 
 

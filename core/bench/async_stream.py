@@ -1,0 +1,152 @@
+"""Async vs sync GRPO throughput on split placement, long-tailed response lengths.
+
+Both sides run the same config, task, budget (steps × prompts × group size) and ranks:
+one rollout rank and one trainer rank (`runtime.placement: split`). The sync side runs
+the multi-controller step (generate, then train, then sync weights: each group waits for
+the other); the async side streams with `runtime.max_staleness: K`. Response lengths are
+long-tailed: the untrained model stops only when it samples EOS, so lengths are roughly
+geometric up to `--max-tokens`, and the async side starts `--prompts-per-call` prompts per
+generate call so short groups are not held back by long ones.
+
+Rates are prompt + response tokens trained per second of the training loop, skipping the
+first step (start-up and the first weight transfer); idle fractions average the rollout
+and trainer groups. Figures are medians over `--runs` repetitions, sides interleaved.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+#: Phases the trainer group runs in a synchronous step (the rest of the step it waits).
+TRAINER_PHASES = ("old_logprob", "ref_logprob", "values", "advantage", "train_actor",
+                  "train_critic", "sync_weights")
+ROLLOUT_PHASES = ("generate", "reward")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds the benchmark's options."""
+    parser.add_argument("--config", default="examples/quickstart.yaml",
+                        help="run config both sides use (default: the quickstart)")
+    parser.add_argument("--steps", type=int, default=8, help="training steps per side")
+    parser.add_argument("--max-staleness", type=int, default=1, help="K of the async side")
+    parser.add_argument("--prompts-per-step", type=int, default=8)
+    parser.add_argument("--n", type=int, default=8, help="answers per prompt")
+    parser.add_argument("--max-tokens", type=int, default=48,
+                        help="response cap (the length tail's end)")
+    parser.add_argument("--prompts-per-call", type=int, default=2,
+                        help="async side: prompts per generate call")
+    parser.add_argument("--runs", type=int, default=1, help="repetitions (medians reported)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[],
+                        metavar="KEY=VALUE", help="config override applied to both sides")
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "HF_HUB_OFFLINE": "1",
+                "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"})
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    return env
+
+
+def _train(config: str, overrides: list[str], work: Path, label: str) -> list[dict[str, Any]]:
+    run_dir = work / f"{label}-{time.time_ns()}"
+    cmd = [sys.executable, "-m", "peerflow", "train", config, "--nprocs", "2",
+           "--run-dir", str(run_dir)]
+    for item in overrides:
+        cmd += ["--set", item]
+    log = work / f"{label}.log"
+    with log.open("w") as out:
+        proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=_env())
+    if proc.returncode:
+        raise RuntimeError(f"{label} run exited {proc.returncode}; log {log}:\n"
+                           f"{log.read_text()[-3000:]}")
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x]
+
+
+def _rate(rows: list[dict[str, Any]]) -> float:
+    timed = rows[1:] or rows
+    seconds = sum(r.get("time/step", 0.0) for r in timed)
+    return sum(r.get("tokens/total", 0.0) for r in timed) / seconds if seconds else 0.0
+
+
+def _idle_sync(rows: list[dict[str, Any]]) -> float:
+    fractions = []
+    for r in rows[1:] or rows:
+        step = r.get("time/step", 0.0)
+        if step <= 0:
+            continue
+        rollout = sum(r.get(f"time/{p}", 0.0) for p in ROLLOUT_PHASES)
+        trainer = sum(r.get(f"time/{p}", 0.0) for p in TRAINER_PHASES)
+        fractions.append(((1 - min(rollout / step, 1)) + (1 - min(trainer / step, 1))) / 2)
+    return statistics.fmean(fractions) if fractions else 0.0
+
+
+def _idle_async(rows: list[dict[str, Any]]) -> float:
+    fractions = [(r.get("idle/rollout_fraction", 0.0) + r.get("idle/trainer_fraction", 0.0)) / 2
+                 for r in rows[1:] or rows]
+    return statistics.fmean(fractions) if fractions else 0.0
+
+
+def _late_reward(rows: list[dict[str, Any]]) -> float:
+    half = rows[len(rows) // 2:] or rows
+    return statistics.fmean(r.get("reward/mean", 0.0) for r in half)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Runs both sides `--runs` times and returns the JSON result."""
+    common = [
+        f"run.steps={args.steps}", f"run.prompts_per_step={args.prompts_per_step}",
+        f"rollout.sampling.n={args.n}", f"rollout.sampling.max_tokens={args.max_tokens}",
+        "runtime.placement=split", "rollout.layout.dp=1", "trainer.layout.dp=1",
+        "run.checkpoint_every=0", "run.tensorboard=false", "run.trace=false",
+        *args.overrides,
+    ]
+    sync_side = [*common, "runtime.mode=sync"]
+    async_side = [*common, "runtime.mode=async", f"runtime.max_staleness={args.max_staleness}",
+                  f"runtime.async_prompts_per_call={args.prompts_per_call}"]
+    results: dict[str, list[float]] = {k: [] for k in (
+        "sync_rate", "async_rate", "ratio", "idle_sync", "idle_async", "reward_sync",
+        "reward_async")}
+    seen = 0.0
+    with tempfile.TemporaryDirectory(prefix="peerflow-bench-async-") as tmp:
+        work = Path(tmp)
+        for _ in range(max(args.runs, 1)):
+            sync_rows = _train(args.config, sync_side, work, "sync")
+            async_rows = _train(args.config, async_side, work, "async")
+            sync_rate, async_rate = _rate(sync_rows), _rate(async_rows)
+            results["sync_rate"].append(sync_rate)
+            results["async_rate"].append(async_rate)
+            results["ratio"].append(async_rate / sync_rate if sync_rate else 0.0)
+            results["idle_sync"].append(_idle_sync(sync_rows))
+            results["idle_async"].append(_idle_async(async_rows))
+            results["reward_sync"].append(_late_reward(sync_rows))
+            results["reward_async"].append(_late_reward(async_rows))
+            seen = max([seen, *(r.get("staleness/max", 0.0) for r in async_rows)])
+    med = {k: statistics.median(v) for k, v in results.items()}
+    return {
+        "sync_tokens_per_s": med["sync_rate"],
+        "async_tokens_per_s": med["async_rate"],
+        "ratio": med["ratio"],
+        "max_staleness": args.max_staleness,
+        "max_staleness_seen": int(seen),
+        "idle_fraction_sync": med["idle_sync"],
+        "idle_fraction_async": med["idle_async"],
+        "reward_late_sync": med["reward_sync"],
+        "reward_late_async": med["reward_async"],
+        "steps": args.steps,
+        "prompts_per_step": args.prompts_per_step,
+        "n": args.n,
+        "max_tokens": args.max_tokens,
+        "runs": results,
+        "median_of": len(results["ratio"]),
+    }
