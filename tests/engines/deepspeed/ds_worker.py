@@ -1,0 +1,78 @@
+"""One gloo rank of the DeepSpeed engine test (run by torchrun from test_deepspeed_engine).
+
+For ZeRO stages 1, 2 and 3: log-probs, one train step on this rank's slice, the weights it
+owns after the step (through `weight_sources`/`materialize`, bucket by bucket), and a
+checkpoint round trip (step 2 after `load_checkpoint` equals step 2 without it).
+Writes `rank{R}.pt` into the output directory.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from tests.engines.deepspeed.trainlib import dp_slice, full_batch, nll_loss, optim_settings
+
+
+def owned(engine) -> dict[str, torch.Tensor]:
+    """The HF tensors this rank sends (replica 0), materialised two specs per bucket."""
+    specs = engine.weight_sources()
+    out = {}
+    for start in range(0, len(specs), 2):
+        bucket = specs[start:start + 2]
+        with engine.materialize(bucket) as tensors:
+            for spec, tensor in zip(bucket, tensors):
+                if spec.replica == 0:
+                    out[spec.pieces[0].name] = tensor.clone()
+    return out
+
+
+def main() -> None:
+    from peerflow.adapters.deepspeed.engine import DeepSpeedTrainEngine
+    from peerflow.adapters.deepspeed.options import DeepSpeedOptions
+    from peerflow.engines import EngineContext
+    from peerflow.layout import ParallelLayout
+
+    torch.set_num_threads(1)
+    model_path, out_dir = sys.argv[1], sys.argv[2]
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    batch = dp_slice(full_batch(), rank, world)
+    context = EngineContext(model_path=model_path, layout=ParallelLayout(dp=world), rank=rank)
+    results: dict = {}
+    for stage in (1, 2, 3):
+        engine = DeepSpeedTrainEngine(context, DeepSpeedOptions(zero_stage=stage),
+                                      optim_settings())
+        logprobs = engine.forward_logprobs(batch)
+        metrics = engine.train_step(batch, nll_loss)
+        after_one = owned(engine)
+        ckpt = os.path.join(out_dir, f"ckpt{stage}")
+        engine.save_checkpoint(ckpt)
+        engine.train_step(batch, nll_loss)
+        after_two = owned(engine)
+        engine.load_checkpoint(ckpt)
+        version_loaded = engine.version
+        engine.train_step(batch, nll_loss)
+        resumed = owned(engine)
+        results[stage] = {
+            "logprobs": logprobs.values, "metrics": metrics, "after_one": after_one,
+            "after_two": after_two, "resumed": resumed, "version_loaded": version_loaded,
+            "specs": engine.weight_sources(),
+        }
+        engine.shutdown()
+    try:
+        DeepSpeedTrainEngine(context, DeepSpeedOptions(
+            zero_stage=2, config={"zero_optimization": {"not_a_deepspeed_key": 1}}),
+            optim_settings())
+        results["bad_passthrough"] = None
+    except Exception as exc:  # DeepSpeed's own config validation
+        results["bad_passthrough"] = f"{type(exc).__name__}: {exc}"
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

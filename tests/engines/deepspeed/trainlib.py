@@ -1,0 +1,126 @@
+"""Shared by the DeepSpeed and Megatron engine tests: tiny models, batches, reference step.
+
+The reference is one optimiser step of the plain HF model in one process on the whole
+batch; multi-rank engines must reproduce its log-probs, gradient norm and new weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+#: Adam with eps=1e-3 makes the post-step comparison about gradients, not about the
+#: float noise of near-zero gradients (see tests/engines/fsdp).
+OPTIM = {"lr": 0.01, "eps": 1e-3, "grad_clip": 0.0, "micro_batch_tokens": 24}
+SAMPLES = 8
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def build_model(directory: Path | str, family: str = "llama", *, tied: bool = True) -> str:
+    """Writes a random tiny HF causal LM (hidden 32, 2 layers, 4 heads, 2 kv heads)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[family]
+    extra = {"head_dim": 8} if family == "qwen3" else {}
+    config = cls(vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                 tie_word_embeddings=tied, **extra)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.ndim == 1:
+                param.uniform_(0.5, 1.5)  # norms (and biases) away from their init
+            else:
+                param.normal_(0.0, 0.2)
+    model.save_pretrained(directory)
+    return str(directory)
+
+
+def full_batch():
+    """Eight samples of ragged prompt/response lengths (the same on every call)."""
+    from peerflow.batch import Batch
+
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(1, 61, (2 + i % 3,), generator=g) for i in range(SAMPLES)]
+    responses = [torch.randint(1, 61, (1 + (i * 5) % 4,), generator=g) for i in range(SAMPLES)]
+    batch = Batch(sample_id=torch.arange(SAMPLES), group_id=torch.arange(SAMPLES) // 2,
+                  weight_version=torch.zeros(SAMPLES))
+    batch.set("prompt_ids", prompts)
+    batch.set("response_ids", responses)
+    return batch
+
+
+def dp_slice(batch, dp_rank: int, dp_size: int):
+    """The samples of one dp rank (uneven on purpose: rank 0 gets 5 of 8 with dp=2)."""
+    if dp_size == 1:
+        return batch
+    cut = 5
+    return batch.select(range(cut) if dp_rank == 0 else range(cut, len(batch)))
+
+
+def nll_loss(logprobs, batch, *, global_tokens, global_samples):
+    """Token-mean negative log-likelihood, normalised by the global token count."""
+    value = -logprobs.values.sum() / global_tokens
+    return value, {"nll": float(value.detach()) * global_tokens}
+
+
+def reference(model_path: str) -> dict:
+    """Log-probs, gradient norm and post-step HF state of one plain AdamW step."""
+    from transformers import AutoModelForCausalLM
+
+    from peerflow.adapters.deepspeed import microbatch as mb
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    batch = full_batch()
+    inputs = mb.pad_inputs(batch)
+    out = model(input_ids=inputs.input_ids, attention_mask=inputs.attention_mask,
+                position_ids=inputs.position_ids)
+    logprobs = inputs.gather(mb.token_logprobs(out.logits, inputs.target_ids))
+    loss = -logprobs.values.sum() / len(logprobs.values)
+    loss.backward()
+    norm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in model.parameters()))
+    optim = torch.optim.AdamW(model.parameters(), lr=OPTIM["lr"], eps=OPTIM["eps"],
+                              weight_decay=0.0)
+    optim.step()
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    if "lm_head.weight" in state and model.config.tie_word_embeddings:
+        del state["lm_head.weight"]
+    return {"logprobs": logprobs.values.detach(), "grad_norm": float(norm), "state": state}
+
+
+def free_port() -> int:
+    """A free TCP port on loopback."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_workers(script: Path, *args: str, nprocs: int = 2, timeout: float = 420) -> None:
+    """Runs `script ARGS` on `nprocs` gloo ranks with torchrun; fails with the stderr tail."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nprocs),
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+           str(script), *args]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
+
+
+def optim_settings():
+    """The `OptimSettings` the workers use."""
+    from peerflow.engines import OptimSettings
+
+    return OptimSettings(**OPTIM)
+
+
+def dumps(value: object) -> str:
+    """JSON for worker arguments."""
+    return json.dumps(value)
