@@ -9,6 +9,8 @@ Hugging Face model directory.
 
 from __future__ import annotations
 
+import functools
+import json
 from pathlib import Path
 from typing import Any
 
@@ -46,10 +48,15 @@ ENGINE_MODELS: dict[str, dict[str, Any]] = {
 
 
 def hf_config(config: dict[str, Any]) -> Any:
-    """Returns the `transformers` config object of a config dict."""
+    """Returns the `transformers` config object of a config dict (cached)."""
+    return _hf_config(json.dumps(config, sort_keys=True))
+
+
+@functools.lru_cache(maxsize=64)
+def _hf_config(text: str) -> Any:
     from transformers import AutoConfig
 
-    values = dict(config)
+    values = json.loads(text)
     return AutoConfig.for_model(values.pop("model_type"), **values)
 
 

@@ -62,22 +62,32 @@ def assemble(sources: Mapping[int, Sequence[ShardSpec]],
              tensors: Mapping[int, Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """Rebuilds full HF tensors from replica-0 source tensors.
 
+    Elements no replica-0 piece holds are taken from duplicates (`replica > 0`), lowest
+    replica first.
+
     Raises:
         OracleError: an element is written twice or never (names parameter and count).
     """
     full: dict[str, torch.Tensor] = {}
     count: dict[str, torch.Tensor] = {}
-    for rank, specs in sorted(sources.items()):
-        for spec in specs:
-            if spec.replica != 0:
-                continue
-            local = tensors[rank][spec.local_name]
-            for p in spec.pieces:
-                if p.name not in full:
-                    full[p.name] = torch.zeros(p.global_shape, dtype=torch.float64)
-                    count[p.name] = torch.zeros(p.global_shape, dtype=torch.int32)
-                full[p.name][p.global_box.slices()] = local[p.local_box.slices()].double()
-                count[p.name][p.global_box.slices()] += 1
+    ordered = sorted(((spec.replica, rank, spec) for rank, specs in sources.items()
+                      for spec in specs), key=lambda e: (e[0], e[1]))
+    for replica, rank, spec in ordered:
+        local = tensors[rank][spec.local_name]
+        for p in spec.pieces:
+            if p.name not in full:
+                full[p.name] = torch.zeros(p.global_shape, dtype=torch.float64)
+                count[p.name] = torch.zeros(p.global_shape, dtype=torch.int32)
+            region = full[p.name][p.global_box.slices()]
+            hits = count[p.name][p.global_box.slices()]
+            values = local[p.local_box.slices()].double()
+            if replica == 0:
+                region.copy_(values)
+                hits += 1
+            else:  # a duplicate fills only what no replica-0 piece holds
+                empty = hits == 0
+                region[empty] = values[empty]
+                hits[empty] = 1
     for name, c in count.items():
         if not bool((c == 1).all()):
             bad = int((c != 1).sum())

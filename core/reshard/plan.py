@@ -149,7 +149,10 @@ def plan_reshard(
 
     Args:
         sources: Source specs by global rank (a plain sequence means rank 0). Only
-            `replica == 0` specs send; higher replicas are duplicates and are skipped.
+            `replica == 0` specs send what they hold; a spec with `replica > 0` is a
+            duplicate and sends only elements no replica-0 piece holds (the lowest
+            replica, then the lowest rank, wins) — e.g. the query rows of a vLLM
+            `qkv_proj` on a rank whose kv heads are replicas.
         destinations: Destination specs by global rank (a plain sequence means rank 0).
         ignore: HF names or `fnmatch` patterns whose source elements may go unused (e.g.
             a trainer-only head the rollout engine does not hold).
@@ -166,6 +169,7 @@ def plan_reshard(
     dst = _as_rank_map(destinations, "destinations")
     ignore = tuple(ignore)
     src_pieces: dict[str, list[tuple[int, ShardSpec, ShardPiece]]] = {}
+    backups: dict[str, list[tuple[int, ShardSpec, ShardPiece]]] = {}
     dst_pieces: dict[str, list[tuple[int, ShardSpec, ShardPiece]]] = {}
     shapes: dict[str, tuple[tuple[int, ...], str]] = {}
     for table, side, index in ((src, "source", src_pieces), (dst, "destination", dst_pieces)):
@@ -185,30 +189,50 @@ def plan_reshard(
                     if piece.global_box.numel == 0:
                         continue
                     if side == "source" and spec.replica != 0:
+                        backups.setdefault(piece.name, []).append((rank, spec, piece))
                         continue
                     index.setdefault(piece.name, []).append((rank, spec, piece))
+    for entries in backups.values():
+        entries.sort(key=lambda e: (e[1].replica, e[0]))
     for name in sorted(set(src_pieces) | set(dst_pieces)):
         _check_coverage(name, shapes[name][0], src_pieces.get(name, []),
-                        dst_pieces.get(name, []), ignore)
+                        dst_pieces.get(name, []), backups.get(name, []), ignore)
     transfers: list[Transfer] = []
     for rank, specs in sorted(dst.items()):
         for spec in specs:
             for piece in spec.pieces:
-                for s_rank, s_spec, s_piece in src_pieces.get(piece.name, ()):
+                primary = src_pieces.get(piece.name, ())
+                for s_rank, s_spec, s_piece in primary:
                     common = piece.global_box.intersect(s_piece.global_box)
-                    if common is None:
-                        continue
-                    transfers.append(Transfer(
-                        name=piece.name,
-                        src_rank=s_rank,
-                        src_tensor=s_spec.local_name,
-                        src_box=_to_local(common, s_piece),
-                        dst_rank=rank,
-                        dst_tensor=spec.local_name,
-                        dst_box=_to_local(common, piece),
-                        src_dtype=s_spec.dtype,
-                    ))
+                    if common is not None:
+                        transfers.append(_transfer(common, s_rank, s_spec, s_piece, rank, spec,
+                                                   piece))
+                gaps = _gaps(piece.global_box, [p.global_box for _, _, p in primary],
+                             [p.global_box for _, _, p in backups.get(piece.name, ())])
+                for cell in gaps:
+                    s_rank, s_spec, s_piece = next(
+                        b for b in backups[piece.name] if b[2].global_box.intersect(cell) == cell)
+                    transfers.append(_transfer(cell, s_rank, s_spec, s_piece, rank, spec, piece))
     return ReshardPlan(sources=src, destinations=dst, transfers=tuple(transfers), ignored=ignore)
+
+
+def _transfer(box: Box, s_rank: int, s_spec: ShardSpec, s_piece: ShardPiece, d_rank: int,
+              d_spec: ShardSpec, d_piece: ShardPiece) -> Transfer:
+    return Transfer(name=d_piece.name, src_rank=s_rank, src_tensor=s_spec.local_name,
+                    src_box=_to_local(box, s_piece), dst_rank=d_rank,
+                    dst_tensor=d_spec.local_name, dst_box=_to_local(box, d_piece),
+                    src_dtype=s_spec.dtype)
+
+
+def _gaps(box: Box, covering: Sequence[Box], extra: Sequence[Box] = ()) -> list[Box]:
+    """Cells of `box` no `covering` box touches (cut also along `extra` boxes' edges)."""
+    clipped = [c for b in covering if (c := box.intersect(b)) is not None]
+    if sum(c.numel for c in clipped) == box.numel:
+        return []
+    extra = [c for b in extra if (c := box.intersect(b)) is not None]
+    return [cell for cell in _cells(_cuts(box.ends, clipped + extra + [box]))
+            if cell.numel and cell.intersect(box) == cell and
+            not any(cell.intersect(c) for c in clipped)]
 
 
 def _to_local(box: Box, piece: ShardPiece) -> Box:
@@ -257,7 +281,7 @@ def _uncovered(shape: Sequence[int], boxes: Sequence[Box]) -> list[Box]:
 
 
 def _check_coverage(name: str, shape: tuple[int, ...], srcs: list, dsts: list,
-                    ignore: tuple[str, ...]) -> None:
+                    backups: list, ignore: tuple[str, ...]) -> None:
     """Checks sources do not overlap, cover destinations, and are all used."""
     for (ra, sa, pa), (rb, sb, pb) in itertools.combinations(srcs, 2):
         common = pa.global_box.intersect(pb.global_box)
@@ -267,23 +291,21 @@ def _check_coverage(name: str, shape: tuple[int, ...], srcs: list, dsts: list,
                 f"{sa.local_name!r} and rank {rb} tensor {sb.local_name!r}); mark all but one "
                 "holder with replica > 0."
             )
-    if not srcs and dsts:
+    if not srcs and not backups and dsts:
         rank, spec, _ = dsts[0]
         raise ShardError(
             f"{name}: destination rank {rank} tensor {spec.local_name!r} needs it, but no "
-            "replica-0 source holds any of it; add it to the sources."
+            "source holds any of it; add it to the sources."
         )
     boxes = [p.global_box for _, _, p in srcs]
+    spare = [p.global_box for _, _, p in backups]
     for rank, spec, piece in dsts:
-        covered = sum(c.numel for b in boxes if (c := piece.global_box.intersect(b)))
-        if covered != piece.global_box.numel:
-            clipped = [c for b in boxes if (c := piece.global_box.intersect(b)) is not None]
-            missing = [cell for cell in _cells(_cuts(shape, clipped + [piece.global_box]))
-                       if cell.intersect(piece.global_box) and
-                       not any(cell.intersect(c) for c in clipped)]
+        gaps = _gaps(piece.global_box, boxes, spare)
+        missing = [cell for cell in gaps if not any(b.intersect(cell) == cell for b in spare)]
+        if missing:
             raise ShardError(
                 f"{name}: region {missing[0]} needed by destination rank {rank} tensor "
-                f"{spec.local_name!r} is held by no replica-0 source "
+                f"{spec.local_name!r} is held by no source "
                 f"({len(missing)} uncovered region(s)); the sources do not cover the parameter."
             )
     if any(fnmatch.fnmatchcase(name, pattern) for pattern in ignore) or not srcs:
@@ -292,12 +314,7 @@ def _check_coverage(name: str, shape: tuple[int, ...], srcs: list, dsts: list,
     if any(b.numel == math.prod(shape) for b in wanted):
         return
     for rank, spec, piece in srcs:
-        box = piece.global_box
-        clipped = [c for w in wanted if (c := box.intersect(w)) is not None]
-        if any(c.numel == box.numel for c in clipped):
-            continue
-        unused = [cell for cell in _cells(_cuts(shape, clipped + [box]))
-                  if cell.intersect(box) and not any(cell.intersect(c) for c in clipped)]
+        unused = _gaps(piece.global_box, wanted)
         if unused:
             raise ShardError(
                 f"{name}: region {unused[0]} of source rank {rank} tensor {spec.local_name!r} "

@@ -1,0 +1,98 @@
+"""Layout-only adapter classes for exercising the suite's layers 1–2 in this repository.
+
+They declare shards with `peerflow.models` builders exactly as a real vLLM-, Megatron- or
+FSDP-style adapter would; nothing instantiates them (layers 1–2 only call
+`shard_layout`). `BrokenSwappedKV` and `BrokenVocabPadding` are deliberately wrong.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from peerflow.capabilities import Capabilities
+from peerflow.engines import RolloutEngine, TrainEngine
+from peerflow.models import hf_layout, megatron_layout, tp_layout, vllm_layout
+from peerflow.shard import Box, ShardPiece, ShardSpec
+
+PARALLEL = Capabilities(tensor_parallel=True, pipeline_parallel=True)
+
+
+class VllmStyleLayouts(RolloutEngine):
+    name = "test-vllm-layouts"
+    capabilities = PARALLEL
+
+    @classmethod
+    def shard_layout(cls, hf_config, layout, rank):
+        c = layout.coord(rank)
+        return vllm_layout(hf_config, c.tp, layout.tp, pp_rank=c.pp, pp_size=layout.pp,
+                           dp_rank=c.dp)
+
+
+class MegatronStyleLayouts(TrainEngine):
+    name = "test-megatron-layouts"
+    capabilities = PARALLEL
+
+    @classmethod
+    def shard_layout(cls, hf_config, layout, rank):
+        c = layout.coord(rank)
+        return megatron_layout(hf_config, c.tp, layout.tp, pp_rank=c.pp, pp_size=layout.pp,
+                               dp_rank=c.dp)
+
+
+class FsdpStyleLayouts(TrainEngine):
+    name = "test-fsdp-layouts"
+    capabilities = Capabilities(tensor_parallel=True)
+
+    @classmethod
+    def shard_layout(cls, hf_config, layout, rank):
+        c = layout.coord(rank)
+        if layout.tp > 1:
+            return tp_layout(hf_config, c.tp, layout.tp, dp_rank=c.dp)
+        return hf_layout(hf_config, shard_rank=c.dp, shard_size=layout.dp)
+
+
+def _evolve(spec: ShardSpec, **changes) -> ShardSpec:
+    return attrs.evolve(spec, **changes)
+
+
+class BrokenSwappedKV(VllmStyleLayouts):
+    """Declares `qkv_proj` as `[q; v; k]` while the engine holds `[q; k; v]`."""
+
+    name = "test-broken-kv"
+
+    @classmethod
+    def shard_layout(cls, hf_config, layout, rank):
+        out = []
+        for spec in super().shard_layout(hf_config, layout, rank):
+            if "qkv_proj" in spec.local_name:
+                q, k, v = spec.pieces
+                spec = _evolve(spec, pieces=(
+                    q, attrs.evolve(k, global_box=v.global_box, name=v.name),
+                    attrs.evolve(v, global_box=k.global_box, name=k.name)))
+            out.append(spec)
+        return out
+
+
+class BrokenVocabPadding(VllmStyleLayouts):
+    """Pads the vocabulary one row too early: the last real token row becomes padding."""
+
+    name = "test-broken-vocab"
+
+    @classmethod
+    def shard_layout(cls, hf_config, layout, rank):
+        out = []
+        for spec in super().shard_layout(hf_config, layout, rank):
+            if spec.local_name in ("model.embed_tokens.weight", "lm_head.weight") and \
+                    spec.padding and spec.pieces:
+                (piece,) = spec.pieces
+                rows = piece.global_box.sizes[0] - 1
+                cols = piece.global_box.sizes[1]
+                shrunk = ShardPiece(
+                    name=piece.name, global_shape=piece.global_shape,
+                    global_box=Box(offsets=piece.global_box.offsets, sizes=(rows, cols)),
+                    local_box=Box(offsets=piece.local_box.offsets, sizes=(rows, cols)))
+                pad = spec.padding[0]
+                spec = _evolve(spec, pieces=(shrunk,), padding=(Box(
+                    offsets=(pad.offsets[0] - 1, 0), sizes=(pad.sizes[0] + 1, cols)),))
+            out.append(spec)
+        return out
