@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -48,3 +51,22 @@ def tiny() -> list[str]:
 def metrics_of():
     """`metrics_of(run_dir)` reads a run's metrics.jsonl."""
     return read_metrics
+
+
+def run_train(args: list[str], overrides: list[str] = ()) -> subprocess.CompletedProcess:
+    """Runs `peerflow train ARGS --set …` in a fresh process and checks it succeeded."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", HF_HUB_OFFLINE="1")
+    cmd = [sys.executable, "-m", "peerflow", "train", *args]
+    for item in overrides:
+        cmd += ["--set", item]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+@pytest.fixture
+def peerflow_train():
+    """`peerflow_train(args, overrides)` runs `peerflow train` in a subprocess."""
+    return run_train

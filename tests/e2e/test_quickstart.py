@@ -1,0 +1,40 @@
+"""`peerflow train examples/quickstart.yaml` with 2 processes, shrunk to a smoke run."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.distributed
+
+
+def test_quickstart_two_processes(tmp_path, quickstart, tiny, metrics_of, peerflow_train):
+    run_dir = tmp_path / "run"
+    peerflow_train([quickstart, "--nprocs", "2", "--run-dir", str(run_dir)],
+                   [*tiny, "run.steps=3", "run.trace=true"])
+    lines = metrics_of(run_dir)
+    assert [m["step"] for m in lines] == [1, 2, 3]
+    for m in lines:
+        assert 0.0 <= m["reward/mean"] <= 1.0
+        assert m["samples"] == 16  # 4 prompts × 4 answers, split over 2 ranks
+        assert m["rollout/prompts"] == 4
+        assert m["throughput/tokens_per_s"] > 0
+        for phase in ("generate", "reward", "old_logprob", "advantage", "train_actor",
+                      "sync_weights", "step"):
+            assert m[f"time/{phase}"] >= 0
+    assert (run_dir / "config.yaml").is_file()
+    assert (run_dir / "trace_rank0.json").is_file() and (run_dir / "trace_rank1.json").is_file()
+    assert (run_dir / "checkpoints" / "step_000003" / "COMPLETE").is_file()
+
+
+def test_bad_config_fails_before_spawning(tmp_path, quickstart):
+    proc = subprocess.run(
+        [sys.executable, "-m", "peerflow", "train", quickstart, "--run-dir",
+         str(tmp_path / "r"), "--set", "algorithm.advantage=grop"],
+        capture_output=True, text=True, env=dict(os.environ), timeout=300)
+    assert proc.returncode == 1
+    assert "grop" in proc.stderr and "grpo" in proc.stderr
+    assert not (tmp_path / "r").exists()
