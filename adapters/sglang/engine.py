@@ -320,6 +320,36 @@ class SGLangRolloutEngine(RolloutEngine):
         values = self.engine.get_weights_by_name(name, truncate_size=numel)
         return torch.tensor(values)
 
+    # -- conformance hooks (read by peerflow.conformance; see its profile module) ---------
+
+    @classmethod
+    def shard_layout(cls, hf_config: Any, layout: Any, rank: int) -> list[ShardSpec]:
+        """Returns what one SGLang tp rank of `layout` holds (no engine built).
+
+        SGLang's tp scheduler processes are driven by the engine on one host rank, whose
+        `weight_targets()` lists every rank's shards prefixed `tp{r}/`; tp rank r's part
+        is exactly this function's result for rank r.
+        """
+        from peerflow.models.vllm import sglang_layout
+
+        coord = layout.coord(rank)
+        return sglang_layout(hf_config, coord.tp, layout.tp, pp_rank=coord.pp,
+                             pp_size=layout.pp, dp_rank=coord.dp)
+
+    @classmethod
+    def conformance_read_weights(cls, engine: SGLangRolloutEngine) -> dict[str, torch.Tensor]:
+        """Reads every parameter inside SGLang's scheduler (`get_weights_by_name`).
+
+        Needs tp 1 (SGLang returns the tp-rank-0 shard only).
+        """
+        if engine.options.tp_size != 1:
+            raise NotImplementedError("conformance_read_weights reads tp_size 1 engines only")
+        out = {}
+        for spec in engine.weight_targets():
+            flat = engine.read_parameter(spec.local_name, spec.numel)
+            out[spec.local_name] = flat.to(getattr(torch, spec.dtype)).reshape(spec.local_shape)
+        return out
+
     # -- lifecycle ----------------------------------------------------------------------
 
     def sleep(self) -> None:
