@@ -10,7 +10,7 @@ planning pieces (`balance_groups`, `plan_transfer`) are shared with the planner'
 simulation.
 """
 
-from peerflow.coordinator.assign import balance_groups
+from peerflow.coordinator.assign import balance_groups, balance_groups_local
 from peerflow.coordinator.groups import RouteGroups
 from peerflow.coordinator.redistribute import LOAD_FIELDS, TransferStats, redistribute
 from peerflow.coordinator.transfer import TransferPlan, dp_members, plan_transfer
@@ -22,6 +22,7 @@ __all__ = [
     "TransferPlan",
     "TransferStats",
     "balance_groups",
+    "balance_groups_local",
     "dp_members",
     "pack_batch",
     "plan_transfer",

@@ -138,3 +138,45 @@ def balance_groups(loads: Sequence[int], bins: int) -> list[int]:
     if len(loads) <= EXACT_GROUPS:
         return _exact(loads, bins, order, assign)
     return _refine(loads, assign, bins, rounds=4 * bins + 16)
+
+
+def balance_groups_local(
+    loads: Sequence[int], bins: int, home: Sequence[int], slack: float = 0.05
+) -> list[int]:
+    """Like `balance_groups`, but keeps groups on their `home` consumer when that is cheap.
+
+    A group whose producer is also a rank of consumer `home[g]` (colocated layouts) moves
+    no bytes if it stays there. Groups are kept home, heaviest first, while the home's load
+    stays within the balanced peak; the rest are placed longest-first and refined. The
+    result is used only if its busiest load is within `1 + slack` of the balanced one.
+
+    Args:
+        loads: Token load of each group.
+        bins: Number of consumers.
+        home: Preferred consumer of each group, or -1 for none.
+        slack: Tolerated increase of the busiest load for locality.
+
+    Returns:
+        The consumer index of each group.
+    """
+    balanced = balance_groups(loads, bins)
+    if not loads or bins == 1 or all(h < 0 for h in home):
+        return balanced
+    peak = max(_bin_loads(loads, balanced, bins))
+    order = sorted(range(len(loads)), key=lambda g: (-loads[g], g))
+    totals = [0] * bins
+    assign = [-1] * len(loads)
+    for g in order:
+        h = home[g]
+        if 0 <= h < bins and totals[h] + loads[g] <= peak:
+            assign[g] = h
+            totals[h] += loads[g]
+    heap = [(totals[b], b) for b in range(bins)]
+    heapq.heapify(heap)
+    for g in order:
+        if assign[g] < 0:
+            load, b = heapq.heappop(heap)
+            assign[g] = b
+            heapq.heappush(heap, (load + loads[g], b))
+    local_peak = max(_bin_loads(loads, assign, bins))
+    return assign if local_peak <= peak * (1 + slack) else balanced

@@ -3,7 +3,9 @@
 Built identically on every rank of the route from the all-gathered metadata (group id
 and token load of every sample, per producer dp-rank):
 
-* each group goes whole to one consumer dp-rank (`balance_groups`);
+* each group goes whole to one consumer dp-rank, token loads balanced; a group whose
+  producer is also a rank of a consumer dp group stays there when that keeps the
+  busiest load within 5% of the balanced one (`balance_groups_local`);
 * the k-th rank of a consumer dp group (its tp/pp peers all receive the same samples)
   receives from itself when it holds the producer's data (colocated ranks move nothing),
   otherwise from the producer dp group's rank `k mod size`, spreading send load over
@@ -18,7 +20,7 @@ from collections.abc import Sequence
 
 import attrs
 
-from peerflow.coordinator.assign import balance_groups
+from peerflow.coordinator.assign import balance_groups_local
 from peerflow.layout import ParallelLayout
 
 
@@ -99,13 +101,21 @@ def plan_transfer(
             group_load[g] += int(load)
             row.append(g)
         sample_group.append(row)
-    group_dst = balance_groups(group_load, dst.dp)
+    src_members = dp_members(src)
+    dst_members = dp_members(dst)
+    dst_dp_of_rank = {r: d for d, m in enumerate(dst_members) for r in m}
+    home_of_src = [next((dst_dp_of_rank[r] for r in m if r in dst_dp_of_rank), -1)
+                   for m in src_members]
+    group_home = [-1] * len(group_load)
+    for s, row in enumerate(sample_group):
+        for g in row:
+            if group_home[g] == -1:
+                group_home[g] = home_of_src[s]
+    group_dst = balance_groups_local(group_load, dst.dp, group_home)
     dst_loads = [0] * dst.dp
     for g, d in enumerate(group_dst):
         dst_loads[d] += group_load[g]
     dst_of_sample = tuple(tuple(group_dst[g] for g in row) for row in sample_group)
-    src_members = dp_members(src)
-    dst_members = dp_members(dst)
     sends: dict[tuple[int, int], tuple[int, ...]] = {}
     for s, targets in enumerate(dst_of_sample):
         by_dst: dict[int, list[int]] = {}

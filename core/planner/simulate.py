@@ -85,13 +85,16 @@ def simulate_route(
         The modelled traffic.
     """
     group_ids, loads = synthetic_metadata(src, samples_per_dp, group_size, mean_tokens, seed)
+    samples = sum(len(row) for row in loads)
+    if src == dst:  # `redistribute` returns at once: nothing moves
+        return RouteTraffic(mode=mode, nprocs=src.world_size, samples=samples,
+                            busiest_rank_bytes=0, total_bytes=0, busiest_rank=src.global_ranks[0])
     plan = plan_transfer(src, dst, group_ids, loads)
     members = dp_members(src)
     sample_bytes = [[t * bytes_per_token for t in row] for row in loads]
     ranks = sorted(set(src.global_ranks) | set(dst.global_ranks))
     sent = dict.fromkeys(ranks, 0)
     received = dict.fromkeys(ranks, 0)
-    samples = sum(len(row) for row in loads)
     owner = {r: dp for dp, m in enumerate(members) for r in m}
     if mode == "p2p":
         for rank in ranks:  # metadata all-gather (ring: each rank receives the rest)

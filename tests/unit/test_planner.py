@@ -145,3 +145,22 @@ def test_plan_cli_json_1024(tmp_path) -> None:
     data = json.loads(out.stdout)
     assert data["world_size"] == 1024 and data["roles"]["actor"]["ranks"] == "512-1023"
     assert time.perf_counter() - start < 60
+
+
+def test_balance_groups_local_keeps_groups_home_when_balanced() -> None:
+    from peerflow.coordinator import balance_groups_local
+
+    loads = [5, 5, 5, 5]
+    assert balance_groups_local(loads, 2, [0, 1, 0, 1]) == [0, 1, 0, 1]
+    # keeping everything home would double the peak: fall back to balance
+    assign = balance_groups_local(loads, 2, [0, 0, 0, 0])
+    assert sorted(assign) == [0, 0, 1, 1]
+
+
+def test_colocated_route_moves_less_with_locality() -> None:
+    src, dst = ParallelLayout(dp=8), ParallelLayout(dp=4, tp=2)
+    p2p = simulate_route(src, dst, samples_per_dp=64, mode="p2p")
+    same = simulate_route(src, src, samples_per_dp=64, mode="p2p")
+    assert same.total_bytes < p2p.total_bytes
+    central = simulate_route(src, dst, samples_per_dp=64, mode="centralized")
+    assert central.busiest_rank_bytes >= 4 * p2p.busiest_rank_bytes

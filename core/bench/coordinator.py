@@ -1,0 +1,192 @@
+"""Data coordinator: peer-to-peer vs centralized routing of one step's batch.
+
+For each process count N, N gloo processes on this machine each build the same
+synthetic step batch (prompt and response ids, log-probs, advantages, rewards, the
+per-sample examples) and hold their dp-shard of it as producers `dpN`; the batch is
+redistributed to consumers `dp(N/2)×tp2` (the colocated rollout → trainer route of a
+tp=2 trainer), once peer to peer and once centralized (gather to one rank, scatter).
+Every run checks that each sample reached exactly one consumer dp-rank. Reported per
+(N, mode): the bytes through the busiest rank (sent + received + metadata) and the wall
+time of the slowest rank, medians over `--runs` repetitions after one warm-up.
+
+`simulation` models the same route up to N = 1024 with the planner's
+`simulate_route` (the runtime's planning code, no processes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+from typing import Any
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds the benchmark's options."""
+    parser.add_argument("--nprocs", default="2,4,8",
+                        help="comma-separated process counts (even numbers; default 2,4,8)")
+    parser.add_argument("--groups", type=int, default=64, help="prompts in the step batch")
+    parser.add_argument("--group-size", type=int, default=8, help="answers per prompt")
+    parser.add_argument("--mean-tokens", type=int, default=256,
+                        help="mean response length (exponentially distributed)")
+    parser.add_argument("--runs", type=int, default=3, help="timed repetitions per mode")
+    parser.add_argument("--simulate", default="8,64,256,1024",
+                        help="process counts for the modelled traffic ('' to skip)")
+    parser.add_argument("--sim-samples-per-rank", type=int, default=64,
+                        help="samples per producer rank in the simulation")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic batch")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_step_batch(groups: int, group_size: int, mean_tokens: int, seed: int) -> Any:
+    """The synthetic global step batch (identical on every rank for a seed)."""
+    import torch
+
+    from peerflow.batch import Batch, RaggedField
+
+    gen = torch.Generator().manual_seed(seed)
+    n = groups * group_size
+    prompt_len = torch.randint(8, 64, (groups,), generator=gen).repeat_interleave(group_size)
+    resp_len = (torch.empty(n).exponential_(1 / mean_tokens, generator=gen).long() + 1)
+    batch = Batch(sample_id=torch.arange(n),
+                  group_id=torch.arange(groups).repeat_interleave(group_size),
+                  weight_version=torch.zeros(n, dtype=torch.int64))
+    total_p, total_r = int(prompt_len.sum()), int(resp_len.sum())
+    offsets_p = torch.cat([torch.zeros(1, dtype=torch.int64), prompt_len.cumsum(0)])
+    offsets_r = torch.cat([torch.zeros(1, dtype=torch.int64), resp_len.cumsum(0)])
+    batch.set("prompt_ids", RaggedField(values=torch.randint(0, 32000, (total_p,), generator=gen),
+                                        offsets=offsets_p))
+    batch.set("response_ids", RaggedField(
+        values=torch.randint(0, 32000, (total_r,), generator=gen), offsets=offsets_r))
+    for name in ("rollout_logprobs", "old_logprobs", "advantages"):
+        batch.set(name, RaggedField(values=torch.randn(total_r, generator=gen),
+                                    offsets=offsets_r))
+    batch.set("reward", torch.randn(n, generator=gen))
+    batch.set_objects("example", [{"index": int(g)} for g in batch.group_id])
+    return batch
+
+
+def _worker(rank: int, world: int, port: int, args: dict[str, Any], out: Any) -> None:
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    import torch
+    import torch.distributed as dist
+
+    from peerflow.coordinator import TransferStats, dp_members, redistribute
+    from peerflow.layout import ParallelLayout
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    src = ParallelLayout(dp=world)
+    dst = ParallelLayout(dp=max(1, world // 2), tp=2 if world >= 2 else 1)
+    full = make_step_batch(args["groups"], args["group_size"], args["mean_tokens"], args["seed"])
+    mine = [i for i, g in enumerate(full.group_id.tolist()) if g % world == rank]
+    shard = full.select(mine)
+    results: dict[str, Any] = {}
+    for mode in ("p2p", "centralized"):
+        walls, busiest = [], []
+        for run in range(args["runs"] + 1):
+            stats = TransferStats()
+            dist.barrier()
+            got = redistribute(shard, (src, dst), None, mode=mode, stats=stats, timeout=300)
+            mine_stats = torch.tensor([stats.wall_s, float(stats.bytes_total)],
+                                      dtype=torch.float64)
+            gathered = [torch.zeros(2, dtype=torch.float64) for _ in range(world)]
+            dist.all_gather(gathered, mine_stats)
+            ids = torch.zeros(1, dtype=torch.int64)
+            if dst.coord(rank).tp == 0:
+                ids += len(got)
+            dist.all_reduce(ids)
+            if int(ids) != len(full):
+                raise RuntimeError(f"{mode}: {int(ids)} samples arrived, expected {len(full)}")
+            if run:  # the first run warms up connections
+                walls.append(max(float(g[0]) for g in gathered))
+                busiest.append(max(int(g[1]) for g in gathered))
+        results[mode] = {"wall_s": statistics.median(walls),
+                         "busiest_rank_bytes": int(statistics.median(busiest))}
+    if rank == 0:
+        members = dp_members(dst)
+        out.put({"samples": len(full), "route": f"{src.describe()} -> {dst.describe()}",
+                 "consumer_dp_groups": [list(m) for m in members], "modes": results})
+    dist.destroy_process_group()
+
+
+def _measure(world: int, args: dict[str, Any]) -> dict[str, Any]:
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world, port, args, out)) for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        result = out.get(timeout=1800)
+    finally:
+        for p in procs:
+            p.join(timeout=120)
+            if p.is_alive():
+                p.kill()
+    failed = [p.exitcode for p in procs if p.exitcode]
+    if failed:
+        raise RuntimeError(f"bench coordinator: {len(failed)} worker(s) failed at N={world}")
+    return result
+
+
+def _simulation(counts: list[int], per_rank: int, args: dict[str, Any]) -> list[dict[str, Any]]:
+    from peerflow.layout import ParallelLayout
+    from peerflow.planner import simulate_route
+
+    rows = []
+    for n in counts:
+        src, dst = ParallelLayout(dp=n), ParallelLayout(dp=max(1, n // 2), tp=2)
+        for mode in ("p2p", "centralized"):
+            t = simulate_route(src, dst, samples_per_dp=per_rank, group_size=args["group_size"],
+                               mean_tokens=args["mean_tokens"], mode=mode, seed=args["seed"])
+            rows.append({"nprocs": n, "mode": mode, "busiest_rank_bytes": t.busiest_rank_bytes,
+                         "samples": t.samples})
+    return rows
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Runs the benchmark; returns the JSON document."""
+    counts = [int(x) for x in str(args.nprocs).split(",") if x.strip()]
+    bad = [n for n in counts if n < 2 or n % 2]
+    if bad:
+        raise SystemExit(f"--nprocs {args.nprocs}: use even counts of at least 2 (got {bad}); "
+                         "the consumer layout is dp(N/2)×tp2.")
+    params = {"groups": args.groups, "group_size": args.group_size,
+              "mean_tokens": args.mean_tokens, "runs": max(1, args.runs), "seed": args.seed}
+    results, ratios = [], {}
+    for n in counts:
+        measured = _measure(n, params)
+        for mode, row in measured["modes"].items():
+            results.append({"nprocs": n, "mode": mode, "route": measured["route"],
+                            "busiest_rank_bytes": row["busiest_rank_bytes"],
+                            "wall_s": round(row["wall_s"], 6), "samples": measured["samples"]})
+        p2p, central = measured["modes"]["p2p"], measured["modes"]["centralized"]
+        ratios[str(n)] = {
+            "busiest_bytes_centralized_over_p2p": round(
+                central["busiest_rank_bytes"] / max(1, p2p["busiest_rank_bytes"]), 3),
+            "wall_centralized_over_p2p": round(central["wall_s"] / max(1e-9, p2p["wall_s"]), 3),
+        }
+    sim_counts = [int(x) for x in str(args.simulate).split(",") if x.strip()]
+    return {
+        "benchmark": "coordinator",
+        "results": results,
+        "ratios": ratios,
+        "runs": params["runs"],
+        "median_of": params["runs"],
+        "batch": {"groups": args.groups, "group_size": args.group_size,
+                  "mean_tokens": args.mean_tokens, "seed": args.seed},
+        "simulation": _simulation(sim_counts, args.sim_samples_per_rank, params),
+        "simulation_note": "modelled bytes (planner.simulate_route), "
+                           f"{args.sim_samples_per_rank} samples per producer rank",
+        "cpu_count": os.cpu_count(),
+    }
