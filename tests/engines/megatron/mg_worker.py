@@ -1,0 +1,83 @@
+"""One gloo rank of the Megatron engine test (run by torchrun from test_megatron_engine).
+
+argv: OUT_DIR then JSON `[[name, family, model_path, tp, pp], ...]`. For every case:
+log-probs, one train step, this rank's exported shards after the step (specs + tensors),
+and for the first tp and pp cases a checkpoint round trip. With `fsdp` in a case name the
+same log-probs are also taken from the `fsdp` trainer on the same weights.
+Writes `rank{R}.pt`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from tests.engines.deepspeed.trainlib import dp_slice, full_batch, nll_loss, optim_settings
+
+
+def exported(engine) -> list:
+    """`(spec, tensor)` of every local shard, materialised spec by spec."""
+    out = []
+    for spec in engine.weight_sources():
+        with engine.materialize([spec]) as (tensor,):
+            out.append((spec, tensor.clone()))
+    return out
+
+
+def fsdp_logprobs(model_path: str, batch, rank: int, world: int) -> torch.Tensor:
+    from peerflow.adapters.fsdp.engine import FSDPTrainEngine
+    from peerflow.engines import EngineContext
+    from peerflow.layout import ParallelLayout
+
+    context = EngineContext(model_path=model_path, layout=ParallelLayout(dp=world), rank=rank,
+                            process_group=dist.group.WORLD)
+    engine = FSDPTrainEngine(context, FSDPTrainEngine.options_class(), optim_settings())
+    values = engine.forward_logprobs(batch).values
+    engine.shutdown()
+    return values
+
+
+def main() -> None:
+    from peerflow.adapters.megatron.engine import MegatronTrainEngine
+    from peerflow.engines import EngineContext
+    from peerflow.layout import ParallelLayout
+
+    torch.set_num_threads(1)
+    out_dir, cases = sys.argv[1], json.loads(sys.argv[2])
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    results: dict = {}
+    checkpointed: set[str] = set()
+    for name, _family, model_path, tp, pp in cases:
+        layout = ParallelLayout(dp=world // (tp * pp), tp=tp, pp=pp)
+        batch = dp_slice(full_batch(), layout.dp_rank(rank), layout.dp)
+        context = EngineContext(model_path=model_path, layout=layout, rank=rank)
+        engine = MegatronTrainEngine(context, None, optim_settings())
+        result = {"logprobs": engine.forward_logprobs(batch).values, "dp": layout.dp}
+        result["metrics"] = engine.train_step(batch, nll_loss)
+        result["exported"] = exported(engine)
+        kind = "tp" if tp > 1 else "pp" if pp > 1 else "dp"
+        if kind not in checkpointed:
+            checkpointed.add(kind)
+            ckpt = os.path.join(out_dir, f"ckpt-{name}")
+            engine.save_checkpoint(ckpt)
+            engine.train_step(batch, nll_loss)
+            two = exported(engine)
+            engine.load_checkpoint(ckpt)
+            result["version_loaded"] = engine.version
+            engine.train_step(batch, nll_loss)
+            result["resume"] = (two, exported(engine))
+        engine.shutdown()
+        if "fsdp" in name:
+            result["fsdp_logprobs"] = fsdp_logprobs(model_path, batch, rank, world)
+        results[name] = result
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
