@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from peerflow.adapters.fsdp import checkpoint as ckpt
+from peerflow.adapters.fsdp.layout import FAMILIES, fsdp_shard_layout
 from peerflow.adapters.fsdp.model import apply_fsdp, apply_tensor_parallel, load_module
 from peerflow.adapters.fsdp.packing import agree_micro_batches
 from peerflow.adapters.fsdp.shards import local_box, named_shard_specs, replica_index
@@ -411,6 +412,23 @@ class FSDPTrainEngine(TrainEngine):
             optimizer=self.optimizer,
         )
         self.version = int(meta.get("version", 0))
+
+    # -- conformance hooks (read by peerflow.conformance; see its profile module) ---------
+
+    @classmethod
+    def shard_layout(cls, hf_config: Any, layout: Any, rank: int) -> list[ShardSpec]:
+        """What `weight_sources()` returns on `rank` of `layout` (see `layout.py`)."""
+        return fsdp_shard_layout(hf_config, layout, rank)
+
+    @classmethod
+    def conformance_families(cls) -> tuple[str, ...]:
+        """Model families whose weights the engine exports as canonical HF tensors."""
+        return FAMILIES
+
+    @classmethod
+    def conformance_read_weights(cls, engine: FSDPTrainEngine) -> dict[str, torch.Tensor]:
+        """The live local shards, read from the module itself (bypassing `materialize`)."""
+        return {name: local_box(p)[1] for name, p in engine.model.named_parameters()}
 
     def shutdown(self) -> None:
         """Drops model and optimiser state. Safe to call twice."""

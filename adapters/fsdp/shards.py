@@ -78,7 +78,7 @@ def named_shard_specs(
     coords: Mapping[str, int],
     sizes: Mapping[str, int],
 ) -> tuple[list[ShardSpec], dict[str, torch.Tensor]]:
-    """Specs and plain local tensors of every parameter that holds data on this rank.
+    """Specs and plain local tensors of every parameter on this rank.
 
     Args:
         params: `(hf_name, parameter)` pairs; tied parameters listed once.
@@ -86,24 +86,21 @@ def named_shard_specs(
         sizes: The mesh sizes.
 
     Returns:
-        `(specs, locals)`: one spec per non-empty local shard, and the local tensor of
-        each spec keyed by `local_name`.
+        `(specs, locals)`: one spec per parameter (an empty FSDP shard has no pieces),
+        and the local tensor of each spec keyed by `local_name`.
     """
     specs: list[ShardSpec] = []
     tensors: dict[str, torch.Tensor] = {}
     for name, param in params:
         box, local = local_box(param)
+        replica = replica_index(param, coords, sizes)
         if box.numel == 0:
-            continue
-        specs.append(
-            ShardSpec.of_slice(
-                name,
-                tuple(param.shape),
-                box,
-                dtype=_dtype_name(local.dtype),
-                replica=replica_index(param, coords, sizes),
-            )
-        )
+            spec = ShardSpec(local_name=name, local_shape=box.sizes, pieces=(),
+                             dtype=_dtype_name(local.dtype), replica=replica)
+        else:
+            spec = ShardSpec.of_slice(name, tuple(param.shape), box,
+                                      dtype=_dtype_name(local.dtype), replica=replica)
+        specs.append(spec)
         tensors[name] = local
     return specs, tensors
 

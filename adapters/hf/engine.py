@@ -298,10 +298,15 @@ class HFRolloutEngine(RolloutEngine):
         """Every parameter as one full HF tensor.
 
         Tied parameters appear once, under their first name (`model.embed_tokens.weight`
-        when `tie_word_embeddings`; `lm_head.weight` is then not listed).
+        when `tie_word_embeddings`; `lm_head.weight` is then not listed). Every dp-rank
+        holds a full copy; the replica index is the dp-rank.
         """
+        layout = self.context.layout
+        replica = layout.coord(self.context.rank).dp if self.context.rank in \
+            layout.global_ranks else 0
         return [
-            ShardSpec.of_slice(name, tuple(p.shape), dtype=str(p.dtype).removeprefix("torch."))
+            ShardSpec.of_slice(name, tuple(p.shape), dtype=str(p.dtype).removeprefix("torch."),
+                               replica=replica)
             for name, p in self._params.items()
         ]
 
@@ -322,6 +327,51 @@ class HFRolloutEngine(RolloutEngine):
                         f"{tuple(tensor.shape)}, expected {tuple(param.shape)}."
                     )
                 param.copy_(tensor)
+
+    # -- conformance hooks (read by peerflow.conformance; see its profile module) ---------
+
+    @classmethod
+    def shard_layout(cls, hf_config: Any, layout: Any, rank: int) -> list[ShardSpec]:
+        """What `weight_targets()` returns on `rank` of `layout`: every HF tensor, whole.
+
+        Raises:
+            ConfigError: The layout has tp/pp/ep > 1, or the model packs MoE experts.
+        """
+        from peerflow.models import ModelShape, hf_layout
+
+        if layout.tp > 1 or layout.pp > 1 or layout.ep > 1:
+            raise ConfigError(
+                f"the hf engine holds a full model per rank; layout {layout.describe()} is "
+                "refused (use vllm or sglang for tensor-parallel inference)."
+            )
+        family = ModelShape.from_hf_config(hf_config).family
+        if family not in cls.conformance_families():
+            raise ConfigError(
+                f"the hf engine maps HF tensors one to one for {cls.conformance_families()}; "
+                f"model family {family!r} packs MoE experts, which its weight sync does not map."
+            )
+        return hf_layout(hf_config, replica=layout.coord(rank).dp)
+
+    @classmethod
+    def conformance_families(cls) -> tuple[str, ...]:
+        """Model families whose modules hold canonical HF tensors one to one."""
+        return ("llama", "qwen2", "qwen3")
+
+    @classmethod
+    def conformance_read_weights(cls, engine: HFRolloutEngine) -> dict[str, torch.Tensor]:
+        """Copies of the parameters, read from the module (bypassing `load_weights`).
+
+        Copies, because the suite compares a read taken before `conformance_scribble`
+        with one taken after it.
+        """
+        return {n: p.detach().clone() for n, p in engine.model.named_parameters()}
+
+    @classmethod
+    def conformance_scribble(cls, engine: HFRolloutEngine) -> None:
+        """Overwrites every live parameter with a constant."""
+        with torch.no_grad():
+            for param in engine.model.parameters():
+                param.fill_(-7.0)
 
     def shutdown(self) -> None:
         """Drops the model so its memory can be freed. Safe to call twice."""

@@ -146,3 +146,17 @@ def test_checkpoint_from_two_ranks_loads_on_one(run, reference, tiny_model):
         assert torch.equal(param.detach(), full[name]), name
     moments = [restored.optimizer.state[p]["exp_avg"] for p in restored.model.parameters()]
     assert all(m.abs().sum() > 0 for m in moments)
+
+
+def test_declared_shard_layout_equals_the_engines_specs(run, tiny_model):
+    from transformers import AutoConfig
+
+    from peerflow.adapters.fsdp.engine import FSDPTrainEngine
+
+    mode, ranks, _ = run
+    layout = ParallelLayout(dp=2) if mode == "dp" else ParallelLayout(tp=2)
+    config = AutoConfig.from_pretrained(tiny_model)
+    for rank, result in enumerate(ranks):
+        declared = {s.local_name: s for s in FSDPTrainEngine.shard_layout(config, layout, rank)}
+        actual = {s.local_name: s for s in result["specs"]}
+        assert declared == actual
