@@ -5,8 +5,10 @@ one rollout rank and one trainer rank (`runtime.placement: split`). The sync sid
 the multi-controller step (generate, then train, then sync weights: each group waits for
 the other); the async side streams with `runtime.max_staleness: K`. Response lengths are
 long-tailed: the untrained model stops only when it samples EOS, so lengths are roughly
-geometric up to `--max-tokens`, and the async side starts `--prompts-per-call` prompts per
-generate call so short groups are not held back by long ones.
+geometric up to `--max-tokens`. The async side generates step `s + 1` while the trainer
+trains step `s`; with `--prompts-per-call` smaller than a step's prompts, short groups
+also stream ahead of long ones (worth it on engines with continuous batching; the hf
+reference engine pays a full forward per token per call, so one call per step is best).
 
 Rates are prompt + response tokens trained per second of the training loop, skipping the
 first step (start-up and the first weight transfer); idle fractions average the rollout
@@ -42,8 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--n", type=int, default=8, help="answers per prompt")
     parser.add_argument("--max-tokens", type=int, default=48,
                         help="response cap (the length tail's end)")
-    parser.add_argument("--prompts-per-call", type=int, default=2,
-                        help="async side: prompts per generate call")
+    parser.add_argument("--prompts-per-call", type=int, default=0,
+                        help="async side: prompts per generate call (0: the whole step's, "
+                        "best for engines without continuous batching such as hf)")
     parser.add_argument("--runs", type=int, default=1, help="repetitions (medians reported)")
     parser.add_argument("--set", dest="overrides", action="append", default=[],
                         metavar="KEY=VALUE", help="config override applied to both sides")
