@@ -54,8 +54,11 @@ def _run(cmd: list[str], log: Path) -> float:
     return wall
 
 
-def run_peerflow(args: argparse.Namespace, overrides: list[str], work: Path) -> dict[str, float]:
-    """Runs `peerflow train` and returns tokens, wall and train-loop seconds."""
+def run_peerflow(args: argparse.Namespace, overrides: list[str], work: Path) -> dict[str, Any]:
+    """Runs `peerflow train` and returns tokens, wall and train-loop seconds.
+
+    `phases_s` sums the run's `time/<phase>` (max over ranks per step): where the time goes.
+    """
     run_dir = work / f"peerflow-{time.time_ns()}"
     cmd = [sys.executable, "-m", "peerflow", "train", args.config, "--nprocs", str(args.nprocs),
            "--run-dir", str(run_dir)]
@@ -65,12 +68,18 @@ def run_peerflow(args: argparse.Namespace, overrides: list[str], work: Path) -> 
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x]
     tokens = sum(m.get("tokens/total", 0.0) for m in lines)
     train_s = sum(m.get("time/step", 0.0) for m in lines)
+    phases: dict[str, float] = {}
+    for m in lines:
+        for key, value in m.items():
+            if key.startswith("time/") and key != "time/step" and isinstance(value, float):
+                phases[key[5:]] = phases.get(key[5:], 0.0) + value
     return {"tokens": tokens, "wall_s": wall, "train_s": train_s,
+            "startup_s": max(wall - train_s, 0.0), "phases_s": phases,
             "reward_first": lines[0].get("reward/mean", 0.0) if lines else 0.0,
             "reward_last": lines[-1].get("reward/mean", 0.0) if lines else 0.0}
 
 
-def run_trl(args: argparse.Namespace, overrides: list[str], work: Path) -> dict[str, float]:
+def run_trl(args: argparse.Namespace, overrides: list[str], work: Path) -> dict[str, Any]:
     """Runs TRL's GRPOTrainer under torchrun and returns tokens, wall and train seconds."""
     out = work / f"trl-{time.time_ns()}.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -82,14 +91,15 @@ def run_trl(args: argparse.Namespace, overrides: list[str], work: Path) -> dict[
     result = json.loads(out.read_text())
     rewards = result.get("reward") or [0.0]
     return {"tokens": result["tokens"], "wall_s": wall, "train_s": result["train_s"],
+            "startup_s": max(wall - result["train_s"], 0.0),
             "reward_first": rewards[0], "reward_last": rewards[-1]}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Runs both sides `--runs` times and returns the JSON result."""
     overrides = [f"run.steps={args.steps}", f"runtime.nprocs={args.nprocs}", *args.overrides]
-    peerflow: list[dict[str, float]] = []
-    trl: list[dict[str, float]] = []
+    peerflow: list[dict[str, Any]] = []
+    trl: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="peerflow-bench-e2e-") as tmp:
         work = Path(tmp)
         for _ in range(args.runs):
@@ -97,7 +107,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if not args.skip_trl:
                 trl.append(run_trl(args, overrides, work))
 
-    def rate(rows: list[dict[str, float]], key: str) -> float:
+    def rate(rows: list[dict[str, Any]], key: str) -> float:
         return statistics.median(r["tokens"] / r[key] for r in rows) if rows else 0.0
 
     pf, tr = rate(peerflow, "wall_s"), rate(trl, "wall_s")

@@ -13,7 +13,6 @@ placement groups with `--launcher ray`), each running `peerflow.worker.main.run_
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +31,7 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--nprocs", type=int, default=None,
                         help="worker processes on this machine (default: runtime.nprocs)")
     parser.add_argument("--run-dir", default=None,
-                        help="output directory (default: runs/<config>-<timestamp>)")
+                        help="output directory (default: a fresh runs/<config>-<UTC timestamp>)")
     parser.add_argument("--resume", metavar="RUN_DIR", default=None,
                         help="continue the run in RUN_DIR from its newest checkpoint")
     parser.add_argument("--launcher", choices=("elastic", "ray"), default="elastic",
@@ -42,8 +41,8 @@ def add_parser(subparsers: Any) -> None:
     parser.set_defaults(func=run)
 
 
-def resolve_paths(args: argparse.Namespace) -> tuple[str, str]:
-    """Returns `(config_path, run_dir)` for the parsed arguments.
+def resolve_paths(args: argparse.Namespace) -> tuple[str, str | None]:
+    """Returns `(config_path, run_dir)`; `run_dir` is `None` when a fresh one is wanted.
 
     Raises:
         ConfigError: no config is given, or `--resume` names a directory without a run.
@@ -65,10 +64,7 @@ def resolve_paths(args: argparse.Namespace) -> tuple[str, str]:
     if args.config is None:
         raise ConfigError("peerflow train: give a config file, e.g. "
                           "`peerflow train examples/quickstart.yaml`, or --resume RUN_DIR.")
-    if args.run_dir:
-        return args.config, args.run_dir
-    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    return args.config, str(Path("runs") / f"{Path(args.config).stem}-{stamp}")
+    return args.config, args.run_dir
 
 
 def check_config(config_path: str, overrides: list[str]) -> Any:
@@ -83,10 +79,16 @@ def check_config(config_path: str, overrides: list[str]) -> Any:
 
 def run(args: argparse.Namespace) -> int:
     """Runs `peerflow train`; returns the exit code."""
-    config_path, run_dir = resolve_paths(args)
     from peerflow.launch import in_distributed_env, launch
+    from peerflow.outputs import create_run_dir
 
+    config_path, run_dir = resolve_paths(args)
     if in_distributed_env():  # under torchrun: this process is one worker
+        if run_dir is None:
+            raise ConfigError(
+                "peerflow train under torchrun: pass --run-dir DIR (on shared storage for "
+                "several machines) so every rank writes the same run directory."
+            )
         return int(launch(config_path=config_path, overrides=list(args.overrides),
                           run_dir=run_dir, resume=args.resume, launcher=args.launcher) or 0)
     config = check_config(config_path, list(args.overrides))
@@ -96,9 +98,10 @@ def run(args: argparse.Namespace) -> int:
     overrides = list(args.overrides)
     if args.nprocs is not None:
         overrides.append(f"runtime.nprocs={nprocs}")
-    Path(run_dir).mkdir(parents=True, exist_ok=True)
-    print(f"peerflow train: {nprocs} worker(s), run directory {run_dir}", flush=True)
+    run_path = create_run_dir(run_dir, name=Path(config_path).stem)
+    print(f"peerflow train: {nprocs} worker(s), run directory {run_path}", flush=True)
     return int(launch(
-        config_path=config_path, overrides=overrides, run_dir=run_dir, resume=args.resume,
-        nprocs=nprocs, launcher=args.launcher, fault_timeout=config.runtime.fault_timeout,
+        config_path=config_path, overrides=overrides, run_dir=str(run_path),
+        resume=args.resume, nprocs=nprocs, launcher=args.launcher,
+        fault_timeout=config.runtime.fault_timeout,
     ) or 0)

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from peerflow.config import RunConfig, dump_config, load_config, validate_config
+from peerflow.config import RunConfig, load_config, validate_config
 from peerflow.worker import checkpoint as ckpt
 from peerflow.worker.loop import run_step
 from peerflow.worker.program import RankProgram, program_from_plan
@@ -120,9 +120,10 @@ def _start(
     validate_config(config, pm)
     program = _program(config, world_size, rank, pm)
     if rank == 0:
+        from peerflow.outputs import write_resolved_config
+
         run_path.mkdir(parents=True, exist_ok=True)
-        if resume is None:
-            (run_path / "config.yaml").write_text(dump_config(config))
+        write_resolved_config(run_path, config)
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     if local_rank == 0:
         model_path = resolve_model_path(config, pm)
