@@ -158,6 +158,11 @@ def _start(
             rt.engines[role] = rt.build_engine(role, program.process_group(role))
     if "actor" in rt.engines or "rollout" in rt.engines:
         rt.sync_weights = _weight_sync(rt)
+    advantage = next((n for n in program.steps if getattr(n, "kind", "") == "advantage"), None)
+    layout = program.layouts.get(advantage.role) if advantage is not None else None
+    if layout is not None and layout.tp * layout.pp == 1 and rt.estimator is not None:
+        # batch-wide statistics (REINFORCE++ / GAE whitening) span every dp-shard
+        rt.estimator.process_group = program.process_group(advantage.role)
     return rt, program
 
 
