@@ -37,7 +37,12 @@ from peerflow.adapters.megatron.cpu import (
     needs_cpu_redirects,
     tensor_cuda_is_identity,
 )
-from peerflow.adapters.megatron.model import build_gpt_model, check_supported, transformer_config
+from peerflow.adapters.megatron.model import (
+    SUPPORTED_FAMILIES,
+    build_gpt_model,
+    check_supported,
+    transformer_config,
+)
 from peerflow.adapters.megatron.options import MegatronOptions
 from peerflow.adapters.megatron.weights import covered_names, import_hf_weights
 from peerflow.batch import Batch, RaggedField
@@ -80,21 +85,6 @@ class MegatronTrainEngine(TrainEngine):
     options_class = MegatronOptions
     requires = ("megatron.core",)
     install_hint = "pip install 'peerflow[megatron]' (megatron-core>=0.16.1)"
-
-    @classmethod
-    def missing_requirements(cls) -> tuple[str, ...]:
-        """Like `EngineBase`, but a missing `megatron` parent package counts as missing."""
-        import importlib.util
-
-        missing = []
-        for module in cls.requires:
-            try:
-                found = importlib.util.find_spec(module) is not None
-            except ModuleNotFoundError:
-                found = False
-            if not found:
-                missing.append(module)
-        return tuple(missing)
 
     def __init__(self, context: EngineContext, options: MegatronOptions | None,
                  optim: OptimSettings) -> None:
@@ -194,14 +184,18 @@ class MegatronTrainEngine(TrainEngine):
 
     # ------------------------------------------------------------------ setup
     def _layout_specs(self) -> list[ShardSpec]:
-        from peerflow.models import megatron_layout
+        import torch.distributed as dist
 
-        layout = self.context.layout
-        return megatron_layout(
-            self.hf_config, self.tp_rank, layout.tp, pp_rank=self.pp_rank, pp_size=layout.pp,
-            dp_rank=self.dp_rank, vocab_multiple=self.options.vocab_multiple,
-            dtype=str(self.dtype).removeprefix("torch."),
-        )
+        specs = megatron_shard_layout(self.hf_config, self.context.layout, dist.get_rank(),
+                                      vocab_multiple=self.options.vocab_multiple,
+                                      dtype=str(self.dtype).removeprefix("torch."))
+        coord = self.context.layout.coord(dist.get_rank())
+        if (coord.tp, coord.pp, coord.dp) != (self.tp_rank, self.pp_rank, self.dp_rank):
+            raise ConfigError(
+                f"Megatron placed rank {dist.get_rank()} at tp={self.tp_rank} pp={self.pp_rank} "
+                f"dp={self.dp_rank} but the layout says {coord}; the rank orders disagree."
+            )
+        return specs
 
     def _build_optimizer(self, on_gpu: bool) -> Any:
         optim = self.optim
@@ -389,6 +383,30 @@ class MegatronTrainEngine(TrainEngine):
         """Restores what `save_checkpoint` wrote (same tp/pp/dp layout)."""
         ckpt.load(self, directory)
 
+    # ------------------------------------------------------- conformance hooks
+    @classmethod
+    def shard_layout(cls, hf_config: Any, layout: Any, rank: int) -> list[ShardSpec]:
+        """What `weight_sources()` returns on `rank` of `layout` (default options)."""
+        return megatron_shard_layout(hf_config, layout, rank)
+
+    @classmethod
+    def conformance_layouts(cls) -> list[Any]:
+        """TP 1/2 × PP 1/2, and dp 2."""
+        from peerflow.layout import ParallelLayout
+
+        return [ParallelLayout(), ParallelLayout(tp=2), ParallelLayout(pp=2),
+                ParallelLayout(tp=2, pp=2), ParallelLayout(dp=2)]
+
+    @classmethod
+    def conformance_families(cls) -> tuple[str, ...]:
+        """Dense families `GPTModel` mirrors."""
+        return SUPPORTED_FAMILIES
+
+    @classmethod
+    def conformance_read_weights(cls, engine: MegatronTrainEngine) -> dict[str, torch.Tensor]:
+        """The live `GPTModel` parameters by Megatron name (bypassing `materialize`)."""
+        return {name: p.data for name, p in engine.module.named_parameters()}
+
     def shutdown(self) -> None:
         """Releases the model and Megatron's parallel state (idempotent)."""
         if getattr(self, "model", None) is None:
@@ -401,6 +419,24 @@ class MegatronTrainEngine(TrainEngine):
 @contextlib.contextmanager
 def _yield(tensors: list[torch.Tensor]) -> Iterator[list[torch.Tensor]]:
     yield tensors
+
+
+def megatron_shard_layout(hf_config: Any, layout: Any, rank: int, *,
+                          vocab_multiple: int = 128, dtype: str = "float32") -> list[ShardSpec]:
+    """Returns the Megatron shards of global rank `rank` of `layout`.
+
+    Megatron's default rank order (tp fastest, then dp, then pp) is `ParallelLayout`'s.
+    """
+    from peerflow.models import megatron_layout
+
+    if layout.ep * layout.cp != 1:
+        raise ConfigError(f"trainer.backend=megatron: layout {layout.describe()} uses ep/cp, "
+                          "which the adapter does not wire up.")
+    shape = check_supported(hf_config)
+    layout.check_divides("layers", shape.num_layers, dim="pp")
+    coord = layout.coord(rank)
+    return megatron_layout(hf_config, coord.tp, layout.tp, pp_rank=coord.pp, pp_size=layout.pp,
+                           dp_rank=coord.dp, vocab_multiple=vocab_multiple, dtype=dtype)
 
 
 def _finalize_without_token_scaling(model: list[Any], num_tokens: Any = None,

@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
     console.print(engines)
     for e in report["errors"]:
         console.print(f"[red]failed to load[/red] {e['entry_point']} from {e['distribution']}: "
-                      f"{e['exception']}", markup=True, highlight=False)
+                      f"{e['exception']}", markup=True, highlight=False, soft_wrap=True)
         if args.verbose:
             console.print(e["traceback"], markup=False, highlight=False)
     return 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 from typing import Any, ClassVar
 
 import attrs
@@ -10,6 +11,26 @@ import attrs
 from peerflow.capabilities import Capabilities
 from peerflow.errors import EngineNotInstalledError
 from peerflow.layout import ParallelLayout
+
+
+def _module_exists(name: str) -> bool:
+    """Whether `name` (possibly dotted) is importable, looking at files only.
+
+    `importlib.util.find_spec("a.b")` would import package `a`; instead the top-level spec
+    is found and the sub-module is looked up in its search locations.
+    """
+    top, *rest = name.split(".")
+    spec = importlib.util.find_spec(top)
+    if spec is None:
+        return False
+    locations = list(spec.submodule_search_locations or ())
+    for part in rest:
+        found = [Path(loc) / part for loc in locations
+                 if (Path(loc) / part).is_dir() or (Path(loc) / f"{part}.py").is_file()]
+        if not found:
+            return False
+        locations = [str(p) for p in found if p.is_dir()]
+    return True
 
 
 @attrs.frozen(kw_only=True)
@@ -92,8 +113,11 @@ class EngineBase:
 
     @classmethod
     def missing_requirements(cls) -> tuple[str, ...]:
-        """Returns the modules in `requires` that cannot be imported here."""
-        return tuple(m for m in cls.requires if importlib.util.find_spec(m) is None)
+        """Returns the modules in `requires` that cannot be imported here.
+
+        Nothing is imported, so listing engines never loads an engine.
+        """
+        return tuple(m for m in cls.requires if not _module_exists(m))
 
     @classmethod
     def ensure_installed(cls) -> None:
