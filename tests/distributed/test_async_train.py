@@ -126,3 +126,48 @@ def test_async_run_respects_bound_loses_nothing_and_resumes(tmp_path):
     assert holes <= set(trained4)
     trace = json.loads((run_dir / "trace_rank0.json").read_text())
     assert any(e.get("name") == "rollout/generate" for e in trace["traceEvents"])
+
+
+class _DieAtVersion2:
+    """Kills the rollout rank right after it loads weight version 2 (no goodbye)."""
+
+    from peerflow.plugins.hookspecs import hookimpl
+
+    @hookimpl
+    def peerflow_after_weight_sync(self, version, role, rank, stats):
+        if role == "rollout" and version >= 2:
+            os._exit(9)
+
+
+def _dying_worker(rank, world, port, overrides, run_dir, log_dir):
+    log = os.open(os.path.join(log_dir, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT)
+    os.dup2(log, 2)
+    if rank == 0:
+        from peerflow.plugins import get_plugin_manager
+
+        get_plugin_manager().register(_DieAtVersion2(), "test-die")
+    _worker(rank, world, port, overrides, run_dir, None)
+
+
+def test_dead_rollout_rank_fails_the_run_fast(tmp_path):
+    overrides = [*SMALL, *SPLIT, "runtime.mode=async", "runtime.max_staleness=1",
+                 "run.steps=6", "runtime.fault_timeout=20"]
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=_dying_worker,
+                         args=(r, 2, port, overrides, str(tmp_path / "run"), str(tmp_path)))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    procs[0].join(240)
+    died = time.time()
+    procs[1].join(120)
+    noticed = time.time()
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    assert procs[0].exitcode == 9
+    assert procs[1].exitcode not in (0, None), "the trainer kept running without its rollout"
+    assert noticed - died < 60  # well within the fault timeout plus start-up noise
+    trainer_log = (tmp_path / "rank1.log").read_text()
+    assert "rank 0" in trainer_log, trainer_log[-2000:]
