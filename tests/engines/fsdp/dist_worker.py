@@ -44,6 +44,21 @@ def main() -> None:
     with engine.materialize(specs) as tensors:
         shards = [t.clone() for t in tensors]
     engine.save_checkpoint(os.path.join(out, "ckpt"))
+    # Resume on the same layout: the next step must be bit-identical.
+    resumed = FSDPTrainEngine(context, FSDPTrainOptions(), OptimSettings(**json.loads(sys.argv[4])))
+    resumed.load_checkpoint(os.path.join(out, "ckpt"))
+    next_metrics = engine.train_step(local, nll_loss)
+    resumed_metrics = resumed.train_step(local, nll_loss)
+    resume_exact = next_metrics == resumed_metrics and all(
+        torch.equal(a.to_local(), b.to_local()) if hasattr(a, "to_local") else torch.equal(a, b)
+        for a, b in zip(engine.model.parameters(), resumed.model.parameters(), strict=True)
+    )
+    uneven = {}
+    if mode == "dp":
+        # Rank 1 has no samples: it must still join every collective of rank 0's passes.
+        mine = local if rank == 0 else local.select([])
+        uneven["logprobs"] = engine.forward_logprobs(mine)
+        uneven["metrics"] = engine.train_step(mine, nll_loss)
     torch.save(
         {
             "sample_ids": local.sample_id,
@@ -52,6 +67,8 @@ def main() -> None:
             "losses": losses,
             "specs": specs,
             "shards": shards,
+            "resume_exact": resume_exact,
+            "uneven": uneven,
         },
         os.path.join(out, f"rank{rank}.pt"),
     )

@@ -160,3 +160,12 @@ def test_declared_shard_layout_equals_the_engines_specs(run, tiny_model):
         declared = {s.local_name: s for s in FSDPTrainEngine.shard_layout(config, layout, rank)}
         actual = {s.local_name: s for s in result["specs"]}
         assert declared == actual
+
+
+def test_two_rank_resume_is_exact_and_uneven_ranks_do_not_hang(run):
+    mode, ranks, _ = run
+    assert all(r["resume_exact"] for r in ranks)
+    if mode == "dp":
+        assert len(ranks[1]["uneven"]["logprobs"]) == 0
+        assert len(ranks[0]["uneven"]["logprobs"]) == len(ranks[0]["sample_ids"])
+        assert ranks[0]["uneven"]["metrics"]["loss"] == ranks[1]["uneven"]["metrics"]["loss"]
