@@ -100,6 +100,11 @@ def _idle_async(rows: list[dict[str, Any]]) -> float:
     return statistics.fmean(fractions) if fractions else 0.0
 
 
+def _phase_seconds(rows: list[dict[str, Any]], phases: tuple[str, ...]) -> float:
+    timed = rows[1:] or rows
+    return statistics.fmean(sum(r.get(f"time/{p}", 0.0) for p in phases) for r in timed)
+
+
 def _late_reward(rows: list[dict[str, Any]]) -> float:
     half = rows[len(rows) // 2:] or rows
     return statistics.fmean(r.get("reward/mean", 0.0) for r in half)
@@ -119,7 +124,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                   f"runtime.async_prompts_per_call={args.prompts_per_call}"]
     results: dict[str, list[float]] = {k: [] for k in (
         "sync_rate", "async_rate", "ratio", "idle_sync", "idle_async", "reward_sync",
-        "reward_async")}
+        "reward_async", "generate_s", "train_s")}
     seen = 0.0
     with tempfile.TemporaryDirectory(prefix="peerflow-bench-async-") as tmp:
         work = Path(tmp)
@@ -134,6 +139,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             results["idle_async"].append(_idle_async(async_rows))
             results["reward_sync"].append(_late_reward(sync_rows))
             results["reward_async"].append(_late_reward(async_rows))
+            results["generate_s"].append(_phase_seconds(sync_rows, ROLLOUT_PHASES))
+            results["train_s"].append(_phase_seconds(sync_rows, TRAINER_PHASES))
             seen = max([seen, *(r.get("staleness/max", 0.0) for r in async_rows)])
     med = {k: statistics.median(v) for k, v in results.items()}
     return {
@@ -146,6 +153,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "idle_fraction_async": med["idle_async"],
         "reward_late_sync": med["reward_sync"],
         "reward_late_async": med["reward_async"],
+        "sync_rollout_s_per_step": med["generate_s"],
+        "sync_trainer_s_per_step": med["train_s"],
+        "ideal_ratio": (med["generate_s"] + med["train_s"])
+        / max(med["generate_s"], med["train_s"], 1e-9),
         "steps": args.steps,
         "prompts_per_step": args.prompts_per_step,
         "n": args.n,
