@@ -106,7 +106,7 @@ class Layer3RolloutEngine(_EngineBase):
         needs(request, profile, "in_place_weight_update")
         full = arange_globals(hf_parameters(hf_config(ENGINE_MODELS[engine_model])))
         self._sync(engine, full, 1)
-        before = read_weights(profile, engine)
+        before = {n: t.clone() for n, t in read_weights(profile, engine).items()}
         scribble(profile, engine)
         after = read_weights(profile, engine)
         assert any(not torch.equal(before[n], after[n]) for n in before), (

@@ -2,7 +2,7 @@
 
 They declare shards with `peerflow.models` builders exactly as a real vLLM-, Megatron- or
 FSDP-style adapter would; nothing instantiates them (layers 1–2 only call
-`shard_layout`). `BrokenSwappedKV` and `BrokenVocabPadding` are deliberately wrong.
+`shard_layout`). `BrokenVocabPadding` is deliberately wrong.
 """
 
 from __future__ import annotations
@@ -53,24 +53,6 @@ class FsdpStyleLayouts(TrainEngine):
 
 def _evolve(spec: ShardSpec, **changes) -> ShardSpec:
     return attrs.evolve(spec, **changes)
-
-
-class BrokenSwappedKV(VllmStyleLayouts):
-    """Declares `qkv_proj` as `[q; v; k]` while the engine holds `[q; k; v]`."""
-
-    name = "test-broken-kv"
-
-    @classmethod
-    def shard_layout(cls, hf_config, layout, rank):
-        out = []
-        for spec in super().shard_layout(hf_config, layout, rank):
-            if "qkv_proj" in spec.local_name:
-                q, k, v = spec.pieces
-                spec = _evolve(spec, pieces=(
-                    q, attrs.evolve(k, global_box=v.global_box, name=v.name),
-                    attrs.evolve(v, global_box=k.global_box, name=k.name)))
-            out.append(spec)
-        return out
 
 
 class BrokenVocabPadding(VllmStyleLayouts):
