@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from peerflow.config import RunConfig, load_config, validate_config
+from peerflow.errors import ConfigError
 from peerflow.worker import checkpoint as ckpt
 from peerflow.worker.loop import run_step
 from peerflow.worker.program import RankProgram, program_from_plan
@@ -102,7 +103,7 @@ def run_worker(
     try:
         with stage("start-up"):
             runtime, program = _start(config, run_path, rank, world_size, resume)
-        _train(runtime, program, stage)
+        _train(runtime, program, stage, resuming=resume is not None)
     finally:
         if runtime is not None:
             for engine in runtime.engines.values():
@@ -196,7 +197,8 @@ def _weight_sync(rt: WorkerRuntime, group: Any = None) -> Any:
     return run
 
 
-def _train(rt: WorkerRuntime, program: RankProgram, stage: Any) -> None:
+def _train(rt: WorkerRuntime, program: RankProgram, stage: Any, *, resuming: bool = False
+           ) -> None:
     from peerflow.outputs import MetricsWriter, StepProgress, Tracer, set_tracer
 
     if rt.config.runtime.mode == "async":  # streaming with bounded staleness
@@ -205,9 +207,14 @@ def _train(rt: WorkerRuntime, program: RankProgram, stage: Any) -> None:
         return run_async(rt, program, stage)
     config = rt.config
     start_step = 0
-    if ckpt.latest_checkpoint(rt.run_dir):
+    if resuming:
         with stage("resume"):
             start_step = _restore(rt, program)
+    elif ckpt.latest_checkpoint(rt.run_dir):
+        raise ConfigError(
+            f"run directory {str(rt.run_dir)!r} already holds checkpoints; continue it with "
+            f"`peerflow train --resume {rt.run_dir}`, or pick another --run-dir."
+        )
     writer = None
     if rt.rank == 0:
         if start_step:
