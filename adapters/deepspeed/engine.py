@@ -25,7 +25,8 @@ from typing import Any
 import torch
 
 from peerflow.adapters.deepspeed import microbatch as mb
-from peerflow.adapters.deepspeed.loading import load_hf_weights, owners_by_size
+from peerflow.adapters.deepspeed.layout import FAMILIES, check_layout, deepspeed_shard_layout
+from peerflow.adapters.deepspeed.loading import load_hf_weights
 from peerflow.adapters.deepspeed.options import DeepSpeedOptions
 from peerflow.batch import Batch, RaggedField
 from peerflow.capabilities import Capabilities
@@ -51,6 +52,14 @@ def _ensure_distributed(context: EngineContext) -> None:
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
 
 
+def _no_init_weights() -> contextlib.AbstractContextManager:
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # transformers < 5
+        from transformers.modeling_utils import no_init_weights
+    return no_init_weights()
+
+
 class DeepSpeedTrainEngine(TrainEngine):
     """Train engine backed by `deepspeed.initialize` (ZeRO stage from the options)."""
 
@@ -73,12 +82,7 @@ class DeepSpeedTrainEngine(TrainEngine):
         from transformers import AutoConfig, AutoModelForCausalLM
 
         layout = context.layout
-        if layout.tp * layout.pp * layout.ep * layout.cp != 1:
-            raise ConfigError(
-                f"trainer.backend=deepspeed got layout {layout.describe()}; DeepSpeed ZeRO "
-                "here is data parallel only (tp=pp=ep=cp=1). Use trainer.backend=megatron "
-                "for tensor or pipeline parallelism."
-            )
+        check_layout(layout)
         _ensure_distributed(context)
         if dist.get_world_size() != layout.world_size:
             raise ConfigError(
@@ -97,13 +101,16 @@ class DeepSpeedTrainEngine(TrainEngine):
 
         hf_config = AutoConfig.from_pretrained(context.model_path)
         if options.zero_stage == 3:
-            with deepspeed.zero.Init(config_dict_or_path=self.ds_config,
-                                     remote_device=None, dtype=torch.float32):
-                model = AutoModelForCausalLM.from_config(hf_config, torch_dtype=torch.float32)
+            # HF's weight init indexes into parameters (e.g. the padding row of the
+            # embedding), which zero.Init has already partitioned away; every weight is
+            # read from the checkpoint next, so skip it.
+            with _no_init_weights(), deepspeed.zero.Init(
+                    config_dict_or_path=self.ds_config, remote_device=None, dtype=torch.float32):
+                model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
             load_hf_weights(model, context.model_path, partitioned=True)
         else:
             model = AutoModelForCausalLM.from_pretrained(context.model_path,
-                                                         torch_dtype=torch.float32)
+                                                         dtype=torch.float32)
         if options.gradient_checkpointing:
             model.gradient_checkpointing_enable()
         model.config.use_cache = False
@@ -114,11 +121,16 @@ class DeepSpeedTrainEngine(TrainEngine):
         self.engine, _, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, config=self.ds_config,
         )
-        self._names = [n for n, _ in self._module.named_parameters()]
-        self._owners = owners_by_size(
-            [(n, self._full_shape(p)) for n, p in self._module.named_parameters()],
-            self.dp_size,
-        )
+        self._specs = deepspeed_shard_layout(hf_config, layout, dist.get_rank())
+        held = {n: self._full_shape(p) for n, p in self._module.named_parameters()}
+        declared = {s.local_name: s.local_shape for s in self._specs}
+        if held != declared:
+            raise ConfigError(
+                f"{type(model).__name__} parameters differ from the canonical HF tensors of "
+                f"its config (only in the model: {sorted(held.keys() - declared.keys())[:3]}, "
+                f"only canonical: {sorted(declared.keys() - held.keys())[:3]}); weight export "
+                "needs canonical names."
+            )
 
     # ---------------------------------------------------------------- helpers
     @property
@@ -212,14 +224,7 @@ class DeepSpeedTrainEngine(TrainEngine):
 
     def weight_sources(self) -> list[ShardSpec]:
         """One full-tensor spec per HF parameter; its owner rank sends it (replica 0)."""
-        specs = []
-        for name, param in self._module.named_parameters():
-            owner = self._owners[name]
-            specs.append(ShardSpec.of_slice(
-                name, self._full_shape(param), dtype=str(param.dtype).removeprefix("torch."),
-                replica=(self.dp_rank - owner) % self.dp_size,
-            ))
-        return specs
+        return list(self._specs)
 
     def materialize(
         self, specs: Sequence[ShardSpec]
@@ -284,6 +289,49 @@ class DeepSpeedTrainEngine(TrainEngine):
         if path is None:
             raise RuntimeError(f"DeepSpeed could not load the checkpoint in {directory}.")
         self.version = int(client.get("peerflow_version", meta["version"]))
+
+    # ------------------------------------------------------- conformance hooks
+    @classmethod
+    def shard_layout(cls, hf_config: Any, layout: Any, rank: int) -> list[ShardSpec]:
+        """What `weight_sources()` returns on `rank` of `layout` (see `layout.py`)."""
+        return deepspeed_shard_layout(hf_config, layout, rank)
+
+    @classmethod
+    def conformance_layouts(cls) -> list[Any]:
+        """One rank and two dp ranks (ZeRO is data parallel only)."""
+        from peerflow.layout import ParallelLayout
+
+        return [ParallelLayout(), ParallelLayout(dp=2)]
+
+    @classmethod
+    def conformance_families(cls) -> tuple[str, ...]:
+        """Dense families whose HF module names are canonical."""
+        return FAMILIES
+
+    @classmethod
+    def conformance_engine(cls, model_path: str, *, device: str = "cpu") -> DeepSpeedTrainEngine:
+        """A one-rank ZeRO-3 engine, so the suite's export runs the per-bucket gather."""
+        from peerflow.layout import ParallelLayout
+
+        context = EngineContext(model_path=model_path, layout=ParallelLayout(), device=device)
+        return cls(context, DeepSpeedOptions(zero_stage=3), OptimSettings())
+
+    @classmethod
+    def conformance_read_weights(cls, engine: DeepSpeedTrainEngine) -> dict[str, torch.Tensor]:
+        """Live parameter storage, read around `materialize`.
+
+        Under ZeRO-3 this is each parameter's own partition (`ds_tensor`), which on the
+        suite's single rank holds the whole tensor; under ZeRO 0-2 the module parameters.
+        """
+        out = {}
+        for name, param in engine._module.named_parameters():
+            if engine.zero_stage == 3:
+                if engine.dp_size != 1:
+                    raise RuntimeError("conformance_read_weights reads ZeRO-3 on one rank only")
+                out[name] = param.ds_tensor.narrow(0, 0, param.ds_numel).view(param.ds_shape)
+            else:
+                out[name] = param.data
+        return out
 
     def shutdown(self) -> None:
         """Drops the DeepSpeed engine (idempotent)."""

@@ -302,7 +302,7 @@ class FSDPTrainEngine(TrainEngine):
                 if not micro:
                     self._micro_forward(None).backward()
                     continue
-                part = sub.select(micro)
+                part = self._on_device(sub.select(micro))
                 out = self._micro_forward(part)
                 value, metrics = loss(
                     out, part, global_tokens=global_tokens, global_samples=global_samples
@@ -322,6 +322,22 @@ class FSDPTrainEngine(TrainEngine):
         out_metrics.update({k: v / len(minis) for k, v in totals.items()})
         out_metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
         return out_metrics
+
+    def _on_device(self, batch: Batch) -> Batch:
+        """The micro-batch with its tensor fields on the engine's device (for the loss)."""
+        if self.device.type == "cpu":
+            return batch
+        fields: dict[str, Any] = {}
+        for name, column in batch.fields.items():
+            if isinstance(column, RaggedField):
+                fields[name] = RaggedField(values=column.values.to(self.device),
+                                           offsets=column.offsets.to(self.device))
+            elif isinstance(column, torch.Tensor):
+                fields[name] = column.to(self.device)
+            else:
+                fields[name] = column
+        return Batch(sample_id=batch.sample_id, group_id=batch.group_id,
+                     weight_version=batch.weight_version, fields=fields)
 
     def _dp_sum(self, value: float) -> float:
         if self._dp_group is None:

@@ -185,11 +185,18 @@ class HFRolloutEngine(RolloutEngine):
                 f"{self.context.model_path!r}; save one there (tokenizer.save_pretrained) or "
                 "use stop_token_ids."
             )
+        limit = getattr(self.model.config, "max_position_embeddings", None)
         for req in requests:
             if not req.prompt_ids:
                 raise ValueError(
                     f"GenerationRequest {req.request_id} has no prompt tokens; every prompt "
                     "needs at least one token."
+                )
+            if limit is not None and len(req.prompt_ids) + sampling.max_tokens > limit:
+                raise ValueError(
+                    f"GenerationRequest {req.request_id}: {len(req.prompt_ids)} prompt tokens + "
+                    f"max_tokens={sampling.max_tokens} exceed the model's "
+                    f"max_position_embeddings={limit}; shorten the prompt or lower max_tokens."
                 )
 
     def _decode(

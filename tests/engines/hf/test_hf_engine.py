@@ -139,6 +139,11 @@ def test_top_k_1_and_tiny_top_p_are_greedy(engine, requests_):
     assert [r.token_ids for r in greedy] == [r.token_ids for r in top_p]
 
 
+def test_logprobs_can_be_switched_off(engine, requests_):
+    results = engine.generate(requests_, SamplingParams(max_tokens=4, logprobs=False, seed=1))
+    assert all(r.logprobs == () and len(r.token_ids) for r in results)
+
+
 def test_seed_makes_sampling_reproducible(engine, requests_):
     params = SamplingParams(n=2, max_tokens=8, seed=11)
     first = engine.generate(requests_, params)
@@ -242,6 +247,8 @@ def test_bad_input_is_a_clear_error(engine, requests_):
         engine.generate(requests_, SamplingParams(stop=[""]))
     with pytest.raises(ValueError, match="no prompt tokens"):
         engine.generate([GenerationRequest(request_id=0, prompt_ids=())], SamplingParams())
+    with pytest.raises(ValueError, match="max_position_embeddings=256"):
+        engine.generate(requests_, SamplingParams(max_tokens=1000))
 
 
 def test_tensor_parallel_layout_is_rejected(tiny_model):
