@@ -41,6 +41,7 @@ ALIGN = 16
 
 Materialize = Callable[[Sequence[ShardSpec]], contextlib.AbstractContextManager[list[torch.Tensor]]]
 Load = Callable[[list[tuple[ShardSpec, torch.Tensor]]], None]
+Buffers = Callable[[Sequence[ShardSpec]], "list[torch.Tensor] | None"]
 
 
 @attrs.define(eq=False)
@@ -111,6 +112,7 @@ def run_plan(
     load: Load | None,
     device: str | torch.device = "cpu",
     meter: MemoryMeter | None = None,
+    buffers: Buffers | None = None,
 ) -> ExecStats:
     """Runs every bucket of `plan` on this rank (call on every rank of the plan).
 
@@ -123,6 +125,8 @@ def run_plan(
         load: Receives complete destination tensors (`None` when this rank has none).
         device: Where buffers and destination tensors are allocated.
         meter: Memory meter to record into (a fresh one by default).
+        buffers: Optional zero-copy hook (`RolloutEngine.weight_buffers`): returns the
+            destination's own tensors to write into, or `None` to stage copies.
 
     Raises:
         ShardError: a materialised tensor's shape differs from its spec.
@@ -147,7 +151,7 @@ def run_plan(
                         f"{spec.local_shape}; the engine's weight_sources() is wrong."
                     )
             _run_bucket(bucket, rank, sources, my_targets, transport, load, device, meter,
-                        stats)
+                        stats, buffers)
         stats.buckets += 1
     stats.peak_extra_bytes = meter.peak
     return stats
@@ -155,7 +159,8 @@ def run_plan(
 
 def _run_bucket(bucket: Bucket, rank: int, sources: dict[str, torch.Tensor],
                 targets: dict[str, ShardSpec], transport: WeightTransport, load: Load | None,
-                device: Any, meter: MemoryMeter, stats: ExecStats) -> None:
+                device: Any, meter: MemoryMeter, stats: ExecStats,
+                buffers: Buffers | None = None) -> None:
     outgoing: dict[int, list[Transfer]] = {}
     incoming: dict[int, list[Transfer]] = {}
     local: list[Transfer] = []
@@ -195,13 +200,23 @@ def _run_bucket(bucket: Bucket, rank: int, sources: dict[str, torch.Tensor],
     start = time.perf_counter()
     mine = [(r, n) for r, n in bucket.targets if r == rank]
     out: dict[str, torch.Tensor] = {}
-    for _, name in mine:
-        spec = targets[name]
-        tensor = meter.alloc(torch.empty(spec.local_shape, dtype=getattr(torch, spec.dtype),
-                                         device=device))
-        for box in spec.padding:
-            tensor[box.slices()].zero_()
-        out[name] = tensor
+    staged: list[torch.Tensor] = []
+    views = buffers([targets[n] for _, n in mine]) if buffers is not None and mine else None
+    if views is not None:
+        for (_, name), view in zip(mine, views, strict=True):
+            if tuple(view.shape) != targets[name].local_shape:
+                raise ShardError(f"weight_buffers returned shape {tuple(view.shape)} for "
+                                 f"{name!r}, whose spec says {targets[name].local_shape}.")
+            out[name] = view
+    else:
+        for _, name in mine:
+            spec = targets[name]
+            tensor = meter.alloc(torch.empty(spec.local_shape,
+                                             dtype=getattr(torch, spec.dtype), device=device))
+            for box in spec.padding:
+                tensor[box.slices()].zero_()
+            out[name] = tensor
+            staged.append(tensor)
     for t in local:
         out[t.dst_tensor][t.dst_box.slices()].copy_(sources[t.src_tensor][t.src_box.slices()])
         stats.bytes_sent += t.numel * itemsize(t.src_dtype)
@@ -222,6 +237,6 @@ def _run_bucket(bucket: Bucket, rank: int, sources: dict[str, torch.Tensor],
             raise ShardError(f"rank {rank} holds destination tensors but was given no "
                              "rollout engine to load them into.")
         load([(targets[name], out[name]) for _, name in mine])
-    for tensor in out.values():
+    for tensor in staged:
         meter.free(tensor)
     stats.load_s += time.perf_counter() - start

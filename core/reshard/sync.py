@@ -11,8 +11,9 @@ colocated — makes the same calls in the same order):
    transport=…, bucket_bytes=…)`. Pass `trainer=None` on ranks without a trainer shard
    and `rollout=None` on ranks without a rollout engine. Inside, per rank:
    `rollout.begin_weight_update(v)`; for each bucket `trainer.materialize(specs)` (every
-   trainer rank, same specs), pack, `transport.exchange`, unpack,
-   `rollout.load_weights(items)`; then `rollout.finish_weight_update()`. The
+   trainer rank, same specs), pack, `transport.exchange`, unpack (into
+   `rollout.weight_buffers(specs)` when the engine offers its own tensors, else into
+   staged copies), `rollout.load_weights(items)`; then `rollout.finish_weight_update()`. The
    `peerflow_before_weight_sync` / `peerflow_after_weight_sync` plugin hooks run here,
    once per engine on this rank (roles `actor` and `rollout`).
 
@@ -140,6 +141,7 @@ def sync_weights(
         plan, buckets, rank=rank, transport=transport,
         materialize=trainer.materialize if trainer is not None else None,
         load=rollout.load_weights if rollout is not None else None,
+        buffers=getattr(rollout, "weight_buffers", None),
         device=device, meter=meter,
     )
     if rollout is not None:

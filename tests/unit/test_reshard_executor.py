@@ -165,3 +165,34 @@ def test_wrong_source_shape_and_unavailable_transports_are_clear_errors():
             make_transport("cuda_ipc")
     with pytest.raises(ConfigError, match="serves colocated plans only"):
         make_transport("inprocess").exchange({1: torch.zeros(1, dtype=torch.uint8)}, {}, [])
+
+
+class ZeroCopyRollout(TensorRollout):
+    """Offers its own tensors through `weight_buffers` (the zero-copy fast path)."""
+
+    name = "test-zero-copy-rollout"
+
+    def weight_buffers(self, specs):
+        return [self.params[s.local_name] for s in specs]
+
+    def load_weights(self, items):
+        self.calls.append(len(items))
+        for spec, tensor in items:
+            if tensor.data_ptr() != self.params[spec.local_name].data_ptr():
+                self.params[spec.local_name].copy_(tensor)
+
+
+def test_weight_buffers_write_in_place_without_staging():
+    full = arange_globals(hf_parameters(CONFIG))
+    src = megatron_layout(CONFIG)
+    trainer = TensorTrainer(src, {s.local_name: cut(s, full) for s in src})
+    rollout = ZeroCopyRollout(vllm_layout(CONFIG))
+    before = {n: t.data_ptr() for n, t in rollout.params.items()}
+    stats = sync_weights(trainer, rollout, version=2, bucket_bytes=8192)
+    assert stats.peak_extra_bytes == 0  # nothing staged, nothing sent across ranks
+    for s in rollout.specs:
+        assert rollout.params[s.local_name].data_ptr() == before[s.local_name]
+        got = rollout.params[s.local_name].clone()
+        for box in s.padding:
+            got[box.slices()] = 0
+        assert torch.equal(got, cut(s, full)), s.local_name
