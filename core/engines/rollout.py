@@ -133,6 +133,17 @@ class RolloutEngine(EngineBase, abc.ABC):
                 tensor has `spec.local_shape` with every non-padding element filled.
         """
 
+    def weight_buffers(self, specs: Sequence[ShardSpec]) -> list[torch.Tensor] | None:
+        """Optional zero-copy fast path: the engine's own tensors for `specs`, or `None`.
+
+        When an engine returns its live local tensors (same shapes as the specs), the
+        weight sync writes received regions straight into them instead of staging a copy,
+        then still calls `load_weights` with those very tensors (an engine skips copying a
+        tensor onto itself, and may post-process, e.g. repack kernels). Called between
+        `begin_weight_update` and `finish_weight_update`. The default, `None`, stages.
+        """
+        return None
+
     def finish_weight_update(self) -> None:
         """Publishes the pending version; engines reset prefix caches here."""
         self._weight_version = self._pending_version
