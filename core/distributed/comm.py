@@ -53,7 +53,7 @@ def wait_all(works: Sequence[Any], what: str, timeout: float | None = None) -> N
             peer = _peer_failure()
             cause = f"; {peer}" if peer else ""
             raise WorkerFailedError(
-                f"{what} did not complete within {timeout:.0f} s ({exc}){cause}"
+                f"{what} did not complete within {timeout:g} s ({exc}){cause}"
             ) from exc
 
 

@@ -136,3 +136,41 @@ def test_clean_finish_is_not_a_failure() -> None:
     time.sleep(1.5)
     monitors[0].close()
     assert exits == [] and read_failure(store) is None
+
+
+def _silent_peer(rank: int, port: int, out) -> None:
+    import torch
+
+    from peerflow.distributed import init_distributed, wait_all
+    from peerflow.errors import WorkerFailedError
+
+    init_distributed("gloo", timeout=30, rank=rank, world_size=2,
+                     init_method=f"tcp://127.0.0.1:{port}", monitor=False)
+    if rank == 0:
+        start = time.monotonic()
+        try:
+            wait_all([dist.irecv(torch.zeros(1), src=1)], "receiving advantages", timeout=1.5)
+            out.put(("no error", 0.0))
+        except WorkerFailedError as exc:
+            out.put((str(exc), time.monotonic() - start))
+    else:
+        time.sleep(4)
+    os._exit(0)  # rank 1 never sends; skip the collective teardown
+
+
+def test_point_to_point_waits_time_out_with_a_message() -> None:
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [ctx.Process(target=_silent_peer, args=(r, port, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    message, waited = out.get(timeout=120)
+    for p in procs:
+        p.join(timeout=30)
+    assert "receiving advantages did not complete within 1.5 s" in message
+    assert waited < 10
