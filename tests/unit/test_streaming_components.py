@@ -236,3 +236,28 @@ def test_step_inbox_counts_out_of_order_seals():
     assert not inbox.complete(1)
     inbox.forget(0)
     assert not inbox.complete(0)
+
+
+# --- async config checks -------------------------------------------------------------
+
+
+def test_async_config_errors_name_the_fix():
+    import attrs
+
+    from peerflow.config import RunConfig
+    from peerflow.errors import ConfigError
+    from peerflow.layout import ParallelLayout
+    from peerflow.worker.async_loop import check_async_config
+
+    config = RunConfig()
+    layouts = {"rollout": ParallelLayout(ranks=(0,)), "actor": ParallelLayout(ranks=(1,))}
+    runtime = attrs.evolve(config.runtime, mode="async")
+    with pytest.raises(ConfigError, match="placement: split"):
+        check_async_config(attrs.evolve(config, runtime=runtime), layouts)
+    split = attrs.evolve(config, runtime=attrs.evolve(runtime, placement="split"))
+    check_async_config(split, layouts)
+    with pytest.raises(ConfigError, match="tp=pp=1"):
+        check_async_config(split, {**layouts, "rollout": ParallelLayout(tp=2, ranks=(0, 1))})
+    with pytest.raises(UnknownNameError, match="sampler"):
+        check_async_config(
+            attrs.evolve(split, runtime=attrs.evolve(split.runtime, sampler="nope")), layouts)
