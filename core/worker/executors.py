@@ -68,11 +68,13 @@ def run_reward(rt: WorkerRuntime, node: Any, batch: Batch, metrics: StepMetrics)
     """Scores every answer; with `algorithm.dynamic_sampling`, refills flat groups (DAPO)."""
     _score(rt, batch, node)
     if rt.config.algorithm.dynamic_sampling and "reward" in batch:
-        batch = _dynamic_sampling(rt, batch, metrics)
+        batch = _dynamic_sampling(rt, batch, metrics, node)
     return batch
 
 
-def _dynamic_sampling(rt: WorkerRuntime, batch: Batch, metrics: StepMetrics) -> Batch:
+def _dynamic_sampling(
+    rt: WorkerRuntime, batch: Batch, metrics: StepMetrics, node: Any = None
+) -> Batch:
     """Drops groups whose rewards are all equal and samples new prompts to refill (DAPO).
 
     Refill rounds are bounded by `rt.max_refill_rounds`. When the bound is hit, the batch
@@ -91,7 +93,7 @@ def _dynamic_sampling(rt: WorkerRuntime, batch: Batch, metrics: StepMetrics) -> 
         rounds += 1
         draws = rt.sampler.draw(result.refill_groups)
         fresh = generate_batch(rt.engine("rollout"), rt.tokenizer, draws, _sampling(rt, rounds))
-        _score(rt, fresh)
+        _score(rt, fresh, node)
         pool.append(fresh)
         result = filter_groups(Batch.concat(pool), target)
     out = take_groups(result.batch, target)
@@ -102,8 +104,10 @@ def _dynamic_sampling(rt: WorkerRuntime, batch: Batch, metrics: StepMetrics) -> 
         flat = [i for i, g in enumerate(everything.group_id.tolist()) if g not in chosen]
         out = Batch.concat([out, take_groups(everything.select(flat), missing)])
     for name, value in first.metrics().items():
-        metrics.sum(name, value) if not name.endswith("fraction") else metrics.mean(
-            name, value, target)
+        if name.endswith("fraction"):
+            metrics.mean(name, value, target)
+        else:
+            metrics.sum(name, value)
     metrics.sum("dynamic_sampling/refill_rounds", rounds)
     metrics.sum("dynamic_sampling/topped_up_groups", max(missing, 0))
     return out
