@@ -138,6 +138,7 @@ class ReinforcePP(AdvantageEstimator):
 
     name: ClassVar[str] = "reinforce_pp"
     options_class: ClassVar[type] = ReinforcePPOptions
+    uses_token_rewards: ClassVar[bool] = True
 
     def compute(self, batch: Batch) -> dict[str, RaggedField | torch.Tensor]:
         """Returns `advantages` (whitened) and `returns` (before whitening)."""

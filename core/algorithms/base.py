@@ -70,6 +70,10 @@ class AdvantageEstimator(_Component, abc.ABC):
     needs_values: ClassVar[bool] = False
     """Whether it reads a `values` field from a critic (GAE does)."""
 
+    uses_token_rewards: ClassVar[bool] = False
+    """Whether it reads per-token `token_rewards` (then a KL reward penalty is applied
+    per token rather than summed into `reward`)."""
+
     process_group: Any = None
     """torch.distributed group over which batch-wide statistics (whitening) are reduced;
     `None` reduces over the batch given to `compute` only. The runtime sets it to the

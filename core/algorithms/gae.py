@@ -51,6 +51,7 @@ class GAE(AdvantageEstimator):
     name: ClassVar[str] = "gae"
     options_class: ClassVar[type] = GAEOptions
     needs_values: ClassVar[bool] = True
+    uses_token_rewards: ClassVar[bool] = True
 
     def compute(self, batch: Batch) -> dict[str, RaggedField | torch.Tensor]:
         """Returns `advantages` and `returns`."""

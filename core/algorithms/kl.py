@@ -14,7 +14,9 @@ The worker uses them in one of two ways (`algorithm.kl.mode`):
   `coef * aggregate(kl_t)` computed on the current log-probs (with grad);
 * `reward` — call `apply_kl_penalty(batch, coef, estimator)` before the advantage node:
   it subtracts `coef * sum_t kl_t` from each sample's `reward` (keeping the raw reward
-  in `score`).
+  in `score`); with `per_token=True` (for the token-level estimators `gae` and
+  `reinforce_pp`, see `Algorithm.kl_penalty`) it subtracts `coef * kl_t` from each
+  token's `token_rewards` instead.
 """
 
 from __future__ import annotations
@@ -105,8 +107,13 @@ def apply_kl_penalty(
     coef: float,
     estimator: str = "k1",
     logprobs_field: str | None = None,
+    *,
+    per_token: bool = False,
 ) -> dict[str, float]:
     """Subtracts `coef * sum_t kl_t` from every sample's `reward`, in place.
+
+    With `per_token`, subtracts `coef * kl_t` from `token_rewards` (created as zeros when
+    missing) and leaves `reward` alone.
 
     Args:
         batch: Has `reward`, `ref_logprobs` and the sampling policy's log-probs.
@@ -114,6 +121,7 @@ def apply_kl_penalty(
         estimator: `k1`, `k2` or `k3`.
         logprobs_field: Field holding the policy's log-probs; default `old_logprobs` when
             present, else `rollout_logprobs`.
+        per_token: Penalise `token_rewards` per token instead of the sample's `reward`.
 
     Returns:
         Metrics `kl/mean` (per-token mean) and `kl/penalty_mean` (mean penalty a sample).
@@ -127,11 +135,17 @@ def apply_kl_penalty(
     ref = token_values(batch, "ref_logprobs").detach().to(torch.float64)
     kl = kl_estimate(logprobs, ref, estimator)
     penalty = coef * segment_sum(kl, batch.lengths("response_ids"))
-    reward = batch["reward"]
-    if "score" not in batch:
-        batch.set("score", reward.clone())
-    batch.set("reward", (reward.to(torch.float64) - penalty).to(reward.dtype))
     offsets = batch.ragged(logprobs_field).offsets
+    if per_token:
+        previous = (token_values(batch, "token_rewards").to(torch.float64)
+                    if "token_rewards" in batch else torch.zeros_like(kl))
+        batch.set("token_rewards", RaggedField(
+            values=(previous - coef * kl).to(torch.float32), offsets=offsets))
+    else:
+        reward = batch["reward"]
+        if "score" not in batch:
+            batch.set("score", reward.clone())
+        batch.set("reward", (reward.to(torch.float64) - penalty).to(reward.dtype))
     batch.set("kl", RaggedField(values=kl.to(torch.float32), offsets=offsets))
     return {
         "kl/mean": float(kl.mean()) if kl.numel() else 0.0,

@@ -12,7 +12,7 @@ from typing import Any
 import attrs
 
 from peerflow.algorithms.base import AdvantageEstimator
-from peerflow.algorithms.kl import KLRegularizedLoss
+from peerflow.algorithms.kl import KLRegularizedLoss, apply_kl_penalty
 
 
 @attrs.define(eq=False)
@@ -41,8 +41,19 @@ class Algorithm:
 
     @property
     def kl_in_reward(self) -> bool:
-        """Whether to call `apply_kl_penalty` before the advantage node."""
+        """Whether to call `kl_penalty` (or `apply_kl_penalty`) before the advantage node."""
         return self.kl_coef > 0 and self.kl_mode == "reward"
+
+    def kl_penalty(self, batch: Any) -> dict[str, float]:
+        """Applies the configured KL reward penalty to `batch` in place; returns metrics.
+
+        Per token for estimators that read `token_rewards`, on the sample's reward
+        otherwise. A no-op (empty metrics) unless `kl_in_reward`.
+        """
+        if not self.kl_in_reward:
+            return {}
+        return apply_kl_penalty(batch, self.kl_coef, self.kl_estimator,
+                                per_token=type(self.estimator).uses_token_rewards)
 
 
 def build_algorithm(

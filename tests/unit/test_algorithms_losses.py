@@ -217,3 +217,16 @@ def test_dynamic_sampling_drops_all_equal_groups_and_reports_refill():
     merged = filter_groups(Batch.concat([result.batch, more]), target_groups=2)
     assert merged.refill_groups == 0
     assert take_groups(merged.batch, 2).group_id.tolist() == [1, 1, 5, 5]
+
+
+def test_kl_reward_penalty_per_token_feeds_token_level_estimators():
+    from peerflow.algorithms.advantages import ReinforcePP, ReinforcePPOptions
+
+    # k1 per token: [log 2, 0]; coef 0.5 -> token_rewards [-0.5 log 2, 0]; reward untouched
+    batch = batch_of([2], reward=torch.tensor([1.0]), rollout_logprobs=[math.log(2.0), 0.0],
+                     ref_logprobs=[0.0, 0.0])
+    apply_kl_penalty(batch, coef=0.5, estimator="k1", per_token=True)
+    assert batch["reward"].tolist() == [1.0] and "score" not in batch
+    assert batch["token_rewards"].values.tolist() == pytest.approx([-0.5 * math.log(2), 0.0])
+    returns = ReinforcePP(ReinforcePPOptions()).compute(batch)["returns"].values
+    assert returns.tolist() == pytest.approx([1 - 0.5 * math.log(2), 1.0])

@@ -148,3 +148,23 @@ def test_model_builder_options_are_checked_before_start(plugin_manager):
     assert "has no model builder" in check_model_builder(no_builder, plugin_manager)[0]
     unknown = load_config(None, ["model.builder=revers-digits"])
     assert "(model.builder)" in check_model_builder(unknown, plugin_manager)[0]
+
+
+def test_algorithm_kl_penalty_picks_per_token_for_token_level_estimators(plugin_manager):
+    def batch():
+        b = Batch(sample_id=torch.arange(1), group_id=torch.zeros(1, dtype=torch.int64),
+                  weight_version=torch.zeros(1, dtype=torch.int64))
+        b.set("response_ids", [torch.zeros(2, dtype=torch.int64)])
+        b.set("reward", torch.tensor([1.0]))
+        b.set("rollout_logprobs", [torch.tensor([0.5, 0.0])])
+        b.set("ref_logprobs", [torch.tensor([0.0, 0.0])])
+        return b
+
+    kl = {"coef": 0.1, "estimator": "k1", "mode": "reward"}
+    for advantage, per_token in (("grpo", False), ("reinforce_pp", True), ("gae", True)):
+        algo = build_algorithm(structure(AlgorithmConfig, {"advantage": advantage, "kl": kl}),
+                               plugin_manager=plugin_manager)
+        b = batch()
+        assert algo.kl_penalty(b)["kl/mean"] == pytest.approx(0.25)
+        assert ("token_rewards" in b) is per_token
+        assert b["reward"].item() == pytest.approx(1.0 if per_token else 0.95)
