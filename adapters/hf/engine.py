@@ -317,23 +317,34 @@ class HFRolloutEngine(RolloutEngine):
             for name, p in self._params.items()
         ]
 
+    def _param(self, spec: ShardSpec) -> torch.Tensor:
+        param = self._params.get(spec.local_name)
+        if param is None:
+            raise KeyError(
+                f"hf engine has no parameter {spec.local_name!r}; weight syncs take the specs "
+                f"of weight_targets() (e.g. {next(iter(self._params), '')!r})."
+            )
+        return param
+
+    def weight_buffers(self, specs: Sequence[ShardSpec]) -> list[torch.Tensor]:
+        """The live parameters of `specs`, so a sync writes into them without staging."""
+        return [self._param(spec).data for spec in specs]
+
     def load_weights(self, items: Sequence[tuple[ShardSpec, torch.Tensor]]) -> None:
-        """Copies each tensor into the live parameter of the same name (dtype converted)."""
+        """Copies each tensor into the live parameter of the same name (dtype converted).
+
+        A tensor that already is the parameter (from `weight_buffers`) is left as is.
+        """
         with torch.no_grad():
             for spec, tensor in items:
-                param = self._params.get(spec.local_name)
-                if param is None:
-                    raise KeyError(
-                        f"hf engine has no parameter {spec.local_name!r}; load_weights takes "
-                        "the specs of weight_targets() (e.g. "
-                        f"{next(iter(self._params), '')!r})."
-                    )
+                param = self._param(spec)
                 if tuple(tensor.shape) != tuple(param.shape):
                     raise ValueError(
                         f"hf engine: tensor for {spec.local_name!r} has shape "
                         f"{tuple(tensor.shape)}, expected {tuple(param.shape)}."
                     )
-                param.copy_(tensor)
+                if tensor.data_ptr() != param.data_ptr():
+                    param.copy_(tensor)
 
     # -- conformance hooks (read by peerflow.conformance; see its profile module) ---------
 

@@ -256,3 +256,18 @@ def test_tensor_parallel_layout_is_rejected(tiny_model):
 
     with pytest.raises(ConfigError, match="rollout.layout.tp"):
         HFRolloutEngine(EngineContext(model_path=tiny_model, layout=ParallelLayout(tp=2)))
+
+
+def test_weight_buffers_are_the_live_parameters(tiny_model):
+    from peerflow.adapters.hf.engine import HFRolloutEngine
+
+    engine = HFRolloutEngine(EngineContext(model_path=tiny_model, layout=ParallelLayout()))
+    specs = engine.weight_targets()
+    engine.begin_weight_update(3)
+    buffers = engine.weight_buffers(specs)
+    for buf in buffers:
+        buf.fill_(0.25)
+    engine.load_weights(list(zip(specs, buffers, strict=True)))
+    engine.finish_weight_update()
+    assert all(bool((p == 0.25).all()) for p in engine.model.parameters())
+    assert engine.weight_version == 3
