@@ -169,7 +169,7 @@ def test_point_to_point_waits_time_out_with_a_message() -> None:
     procs = [ctx.Process(target=_silent_peer, args=(r, port, out)) for r in range(2)]
     for p in procs:
         p.start()
-    message, waited = out.get(timeout=120)
+    message, waited = out.get(timeout=280)
     for p in procs:
         p.join(timeout=30)
     assert "receiving advantages did not complete within 1.5 s" in message
