@@ -43,6 +43,8 @@ def _ensure_distributed(context: EngineContext) -> None:
     import torch.distributed as dist
 
     backend = "nccl" if context.device.startswith("cuda") else "gloo"
+    # zero.Init reads LOCAL_RANK even when the caller started torch.distributed itself.
+    os.environ.setdefault("LOCAL_RANK", context.device.partition(":")[2] or "0")
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 20000))
@@ -107,6 +109,7 @@ class DeepSpeedTrainEngine(TrainEngine):
             with _no_init_weights(), deepspeed.zero.Init(
                     config_dict_or_path=self.ds_config, remote_device=None, dtype=torch.float32):
                 model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+            model.tie_weights()
             load_hf_weights(model, context.model_path, partitioned=True)
         else:
             model = AutoModelForCausalLM.from_pretrained(context.model_path,

@@ -1,0 +1,48 @@
+"""What the DeepSpeed engine exports on each rank, as a pure function of config and layout.
+
+Every HF parameter is one full-tensor `ShardSpec` on every dp rank; its *owner* (the rank
+that sends it, `replica == 0`) is chosen by `owners_by_size`, so a sync spreads the bytes
+over the dp ranks instead of funnelling them through rank 0. Other ranks carry the same
+spec with `replica = (rank - owner) mod dp`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from peerflow.adapters.deepspeed.loading import owners_by_size
+from peerflow.errors import ConfigError
+from peerflow.layout import ParallelLayout
+from peerflow.models import ModelShape, hf_parameters
+from peerflow.shard import ShardSpec
+
+#: Dense HF families whose module names are the canonical names (MoE families pack experts
+#: differently in transformers 5, so their module names are not the canonical ones).
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+
+
+def check_layout(layout: ParallelLayout) -> None:
+    """Raises `ConfigError` unless the layout is data parallel only."""
+    if layout.tp * layout.pp * layout.ep * layout.cp != 1:
+        raise ConfigError(
+            f"trainer.backend=deepspeed got layout {layout.describe()}; DeepSpeed ZeRO here is "
+            "data parallel only (tp=pp=ep=cp=1). Use trainer.backend=megatron for tensor or "
+            "pipeline parallelism."
+        )
+
+
+def deepspeed_shard_layout(hf_config: Any, layout: ParallelLayout, rank: int,
+                           dtype: str = "float32") -> list[ShardSpec]:
+    """Returns `weight_sources()` of global rank `rank` of `layout` for `hf_config`."""
+    check_layout(layout)
+    family = ModelShape.from_hf_config(hf_config).family
+    if family not in FAMILIES:
+        raise ConfigError(
+            f"trainer.backend=deepspeed: model_type {family!r} is not supported for weight "
+            f"export; supported: {FAMILIES}."
+        )
+    shapes = hf_parameters(hf_config)
+    dp_rank, dp = layout.dp_rank(rank), layout.dp
+    owners = owners_by_size(list(shapes.items()), dp)
+    return [ShardSpec.of_slice(name, shape, dtype=dtype, replica=(dp_rank - owners[name]) % dp)
+            for name, shape in shapes.items()]
