@@ -24,6 +24,7 @@ from typing import Any, ClassVar
 import torch
 
 from peerflow.adapters.vllm.channel import SharedBuffer
+from peerflow.adapters.vllm.hooks import VLLMConformanceHooks
 from peerflow.adapters.vllm.options import VLLM_LOGPROBS_MODES, VLLMRolloutOptions
 from peerflow.capabilities import Capabilities
 from peerflow.engines import (
@@ -56,7 +57,7 @@ def _split_local_name(local_name: str) -> tuple[int, str]:
     return 0, local_name
 
 
-class VLLMRolloutEngine(RolloutEngine):
+class VLLMRolloutEngine(VLLMConformanceHooks, RolloutEngine):
     """Rollout engine on vLLM: n samples, stop strings, per-token log-probs, in-place syncs.
 
     Args:
@@ -342,43 +343,6 @@ class VLLMRolloutEngine(RolloutEngine):
         # collective_rpc answers in worker order, which is tp-rank order without pp.
         return {f"tp{rank}/{name}": digest
                 for rank, worker in enumerate(sums) for name, digest in worker.items()}
-
-    # -- conformance hooks (read by peerflow.conformance; see its profile module) ---------
-
-    @classmethod
-    def shard_layout(cls, hf_config: Any, layout: Any, rank: int) -> list[ShardSpec]:
-        """Returns what one vLLM tp worker of `layout` holds (no engine built).
-
-        vLLM's tp workers are driven by the engine on one host rank, whose
-        `weight_targets()` lists every worker's shards prefixed `tp{r}/`; tp rank r's
-        part is exactly this function's result for rank r.
-        """
-        from peerflow.models.vllm import vllm_layout
-
-        coord = layout.coord(rank)
-        return vllm_layout(hf_config, coord.tp, layout.tp, pp_rank=coord.pp,
-                           pp_size=layout.pp, dp_rank=coord.dp)
-
-    @classmethod
-    def conformance_read_weights(cls, engine: VLLMRolloutEngine) -> dict[str, torch.Tensor]:
-        """Returns vLLM's live parameters, read from the model inside its worker.
-
-        In-process only (the tensors are the parameters themselves); with worker
-        processes use `checksums()`, which hashes them where they live.
-        """
-        if engine.options.uses_worker_processes:
-            raise NotImplementedError(
-                "conformance_read_weights needs rollout.vllm.executor: inprocess; worker "
-                "processes cannot hand back live tensors (compare checksums() instead)."
-            )
-        return dict(engine.llm.collective_rpc("peerflow_read_params")[0])
-
-    @classmethod
-    def conformance_scribble(cls, engine: VLLMRolloutEngine) -> None:
-        """Overwrites every vLLM parameter with a constant, inside vLLM's workers."""
-        engine.llm.collective_rpc("peerflow_fill", args=(0.0123,))
-        if engine.options.enable_prefix_caching:
-            engine.llm.reset_prefix_cache()
 
     # -- lifecycle ----------------------------------------------------------------------
 
