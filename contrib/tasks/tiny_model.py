@@ -21,7 +21,7 @@ from typing import Any, Literal
 import attrs
 
 #: Bumped when the builder's output for the same options changes.
-BUILDER_VERSION = 1
+BUILDER_VERSION = 2
 MARKER = "peerflow_builder.json"
 
 
@@ -142,6 +142,12 @@ def _write_model(directory: Path, corpus: list[str], options: TinyModelOptions) 
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(directory, safe_serialization=True)
     tokenizer.save_pretrained(directory)
+    # Name the generic fast-tokenizer class, which transformers 4.x and 5.x both load
+    # (5.x would otherwise record its own `TokenizersBackend`, unknown to 4.x).
+    config_path = directory / "tokenizer_config.json"
+    tokenizer_config = json.loads(config_path.read_text())
+    tokenizer_config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config_path.write_text(json.dumps(tokenizer_config, indent=2))
 
 
 class _seeded:
