@@ -9,9 +9,10 @@ Per bucket, on every rank of the plan (the same sequence everywhere):
 1. `materialize(specs)` on ranks holding source tensors the bucket reads (replicas too);
 2. pack this rank's outgoing regions into one flat `uint8` buffer per peer;
 3. `transport.exchange(...)` (every rank calls it, even with nothing to move);
-4. free the send buffers, allocate this bucket's destination tensors, copy regions this
-   rank sends to itself directly, unpack received buffers;
-5. `load(items)` with complete destination tensors; free them.
+4. carve this bucket's destination tensors (from a staging arena reused across buckets,
+   or the engine's own tensors via `weight_buffers`), copy regions this rank sends to
+   itself directly, unpack received buffers;
+5. `load(items)` with complete destination tensors (valid only during the call).
 
 Extra memory is tracked by a `MemoryMeter`: at most max(send + receive, receive +
 destination) bytes of one bucket are alive, i.e. at most `2 * max(bucket_bytes, largest
@@ -23,6 +24,7 @@ not counted.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -69,6 +71,47 @@ class MemoryMeter:
     def release(self, nbytes: int) -> None:
         """Records `nbytes` released."""
         self.current -= nbytes
+
+
+@attrs.define(eq=False)
+class Arena:
+    """One reusable byte buffer per sync, carved into a bucket's tensors.
+
+    Reusing it across buckets avoids allocating (and first-touching) fresh memory for
+    every bucket; it grows to the largest bucket and is released when the sync ends.
+    """
+
+    meter: MemoryMeter
+    device: Any = "cpu"
+    buffer: torch.Tensor | None = None
+    cursor: int = 0
+
+    def reset(self) -> None:
+        """Starts carving a new bucket from offset 0."""
+        self.cursor = 0
+
+    def reserve_total(self, nbytes: int) -> None:
+        """Makes room for `nbytes` in this bucket (grows the buffer when needed)."""
+        have = 0 if self.buffer is None else self.buffer.numel()
+        if nbytes > have:
+            if self.buffer is not None:
+                self.meter.free(self.buffer)
+                self.buffer = None
+            self.buffer = self.meter.alloc(torch.empty(nbytes, dtype=torch.uint8,
+                                                       device=self.device))
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """Returns the next `nbytes` (16-byte aligned) of the buffer as `uint8`."""
+        assert self.buffer is not None
+        start = self.cursor
+        self.cursor += _aligned(nbytes)
+        return self.buffer[start:start + nbytes]
+
+    def release(self) -> None:
+        """Frees the buffer."""
+        if self.buffer is not None:
+            self.meter.free(self.buffer)
+            self.buffer = None
 
 
 @attrs.define(eq=False)
@@ -135,6 +178,22 @@ def run_plan(
     stats = ExecStats()
     my_sources = {s.local_name: s for s in plan.sources.get(rank, ())}
     my_targets = {s.local_name: s for s in plan.destinations.get(rank, ())}
+    # One arena per sync: a bucket's send buffers, then (once sent) its staged tensors.
+    arena = Arena(meter=meter, device=device)
+    try:
+        _run_buckets(plan, buckets, rank, transport, materialize, load, buffers, meter,
+                     stats, my_sources, my_targets, arena)
+    finally:
+        arena.release()
+    stats.peak_extra_bytes = meter.peak
+    return stats
+
+
+def _run_buckets(plan: ReshardPlan, buckets: Sequence[Bucket], rank: int,
+                 transport: WeightTransport, materialize: Materialize | None,
+                 load: Load | None, buffers: Buffers | None, meter: MemoryMeter,
+                 stats: ExecStats, my_sources: dict[str, ShardSpec],
+                 my_targets: dict[str, ShardSpec], arena: Arena) -> None:
     for bucket in buckets:
         specs = [my_sources[n] for n in bucket.source_tensors if n in my_sources]
         if specs and materialize is None:
@@ -150,17 +209,15 @@ def run_plan(
                         f"{tuple(sources[spec.local_name].shape)} but its spec says "
                         f"{spec.local_shape}; the engine's weight_sources() is wrong."
                     )
-            _run_bucket(bucket, rank, sources, my_targets, transport, load, device, meter,
-                        stats, buffers)
+            _run_bucket(bucket, rank, sources, my_targets, transport, load, meter, stats,
+                        buffers, arena)
         stats.buckets += 1
-    stats.peak_extra_bytes = meter.peak
-    return stats
 
 
 def _run_bucket(bucket: Bucket, rank: int, sources: dict[str, torch.Tensor],
                 targets: dict[str, ShardSpec], transport: WeightTransport, load: Load | None,
-                device: Any, meter: MemoryMeter, stats: ExecStats,
-                buffers: Buffers | None = None) -> None:
+                meter: MemoryMeter, stats: ExecStats, buffers: Buffers | None,
+                arena: Arena) -> None:
     outgoing: dict[int, list[Transfer]] = {}
     incoming: dict[int, list[Transfer]] = {}
     local: list[Transfer] = []
@@ -178,9 +235,13 @@ def _run_bucket(bucket: Bucket, rank: int, sources: dict[str, torch.Tensor],
 
     start = time.perf_counter()
     sends: dict[int, torch.Tensor] = {}
+    layouts = {peer: packed_layout(ts) for peer, ts in outgoing.items()}
+    arena.reset()
+    if layouts:
+        arena.reserve_total(sum(_aligned(size) for _, size in layouts.values()))
     for peer, transfers in outgoing.items():
-        offsets, size = packed_layout(transfers)
-        buf = meter.alloc(torch.empty(size, dtype=torch.uint8, device=device))
+        offsets, size = layouts[peer]
+        buf = arena.take(size)
         for t, off in zip(transfers, offsets):
             _region(buf, off, t).copy_(sources[t.src_tensor][t.src_box.slices()])
         sends[peer] = buf
@@ -192,15 +253,12 @@ def _run_bucket(bucket: Bucket, rank: int, sources: dict[str, torch.Tensor],
     route_list = [(s, d, packed_layout(ts)[1]) for (s, d), ts in sorted(routes.items())]
     meter.reserve(sum(recv_sizes.values()))
     received = transport.exchange(sends, recv_sizes, route_list)
-    for buf in sends.values():
-        meter.free(buf)
     sends.clear()
     stats.wire_s += time.perf_counter() - start
 
     start = time.perf_counter()
     mine = [(r, n) for r, n in bucket.targets if r == rank]
     out: dict[str, torch.Tensor] = {}
-    staged: list[torch.Tensor] = []
     views = buffers([targets[n] for _, n in mine]) if buffers is not None and mine else None
     if views is not None:
         for (_, name), view in zip(mine, views, strict=True):
@@ -208,15 +266,18 @@ def _run_bucket(bucket: Bucket, rank: int, sources: dict[str, torch.Tensor],
                 raise ShardError(f"weight_buffers returned shape {tuple(view.shape)} for "
                                  f"{name!r}, whose spec says {targets[name].local_shape}.")
             out[name] = view
-    else:
-        for _, name in mine:
+    elif mine:
+        sizes = [math.prod(targets[n].local_shape) * itemsize(targets[n].dtype)
+                 for _, n in mine]
+        arena.reset()
+        arena.reserve_total(sum(_aligned(n) for n in sizes))
+        for (_, name), nbytes in zip(mine, sizes):
             spec = targets[name]
-            tensor = meter.alloc(torch.empty(spec.local_shape,
-                                             dtype=getattr(torch, spec.dtype), device=device))
+            tensor = arena.take(nbytes).view(getattr(torch, spec.dtype)).view(
+                spec.local_shape)
             for box in spec.padding:
                 tensor[box.slices()].zero_()
             out[name] = tensor
-            staged.append(tensor)
     for t in local:
         out[t.dst_tensor][t.dst_box.slices()].copy_(sources[t.src_tensor][t.src_box.slices()])
         stats.bytes_sent += t.numel * itemsize(t.src_dtype)
@@ -237,6 +298,4 @@ def _run_bucket(bucket: Bucket, rank: int, sources: dict[str, torch.Tensor],
             raise ShardError(f"rank {rank} holds destination tensors but was given no "
                              "rollout engine to load them into.")
         load([(targets[name], out[name]) for _, name in mine])
-    for tensor in staged:
-        meter.free(tensor)
     stats.load_s += time.perf_counter() - start
