@@ -42,7 +42,7 @@ PEER_FAILED_EXIT = 3
 PREFIX = "peerflow/faults/"
 
 _COMM_ERROR_WORDS = ("gloo", "connection", "timed out", "timeout", "nccl", "closed",
-                     "reset by peer", "broken pipe", "peer")
+                     "reset by peer", "broken pipe", "peer", "did not complete")
 
 
 @attrs.frozen(kw_only=True)
@@ -100,8 +100,8 @@ def rank_info(store: Any, rank: int) -> tuple[str, str]:
 def looks_like_comm_error(exc: BaseException) -> bool:
     """Whether an exception is what a collective raises when a peer vanished or timed out."""
     text = f"{type(exc).__name__} {exc}".lower()
-    return isinstance(exc, RuntimeError | ConnectionError | TimeoutError) and any(
-        w in text for w in _COMM_ERROR_WORDS)
+    kinds = RuntimeError | ConnectionError | TimeoutError | WorkerFailedError
+    return isinstance(exc, kinds) and any(w in text for w in _COMM_ERROR_WORDS)
 
 
 @attrs.define(eq=False)

@@ -186,3 +186,36 @@ def test_point_to_point_waits_time_out_with_a_message() -> None:
         p.join(timeout=30)
     assert "receiving advantages did not complete within 1.5 s" in message
     assert waited < 10
+
+
+def test_stage_reports_own_error_and_comm_errors_blame_the_peer() -> None:
+    from peerflow.distributed.faults import (
+        FailureRecord,
+        handle_failure,
+        publish_failure,
+        set_monitor,
+        stage,
+    )
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    exits: list[int] = []
+    monitor = FaultMonitor(store=store, rank=0, world_size=2, fault_timeout=2.0,
+                           exit_process=exits.append)
+    set_monitor(monitor)
+    try:
+        with pytest.raises(ValueError), stage("reward"):
+            raise ValueError("bad row 7")
+    finally:
+        set_monitor(None)
+    record = read_failure(store)
+    assert (record.rank, record.stage, record.reason) == (0, "reward", "ValueError: bad row 7")
+    assert exits == []
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    monitor = FaultMonitor(store=store, rank=0, world_size=2, fault_timeout=2.0,
+                           exit_process=exits.append)
+    publish_failure(store, FailureRecord(rank=1, host="h1", stage="generate", reason="killed",
+                                         reporter=-1))
+    handle_failure(RuntimeError("[gloo] Connection closed by peer"), monitor)
+    assert exits == [PEER_FAILED_EXIT]
+    assert read_failure(store).rank == 1  # the first record stays
