@@ -1,6 +1,6 @@
 """Worker for the multi-process fsdp tests, launched with `torch.distributed.run`.
 
-Usage: python -m torch.distributed.run --nproc-per-node 2 dist_worker.py MODEL OUT dp|tp
+Usage: python -m torch.distributed.run --nproc-per-node N dist_worker.py MODEL OUT dp|tp|dptp OPTIM
 
 Every rank builds the same batch, trains `STEPS` steps with an NLL loss on its share of
 the samples, and saves what the test checks: losses, log-probs, its weight specs and
@@ -30,13 +30,15 @@ def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     rank, world = dist.get_rank(), dist.get_world_size()
-    layout = ParallelLayout(dp=world) if mode == "dp" else ParallelLayout(tp=world)
+    layout = {"dp": ParallelLayout(dp=world), "tp": ParallelLayout(tp=world),
+              "dptp": ParallelLayout(dp=world // 2, tp=2)}[mode]
     context = EngineContext(
         model_path=model, layout=layout, rank=rank, process_group=dist.group.WORLD
     )
     engine = FSDPTrainEngine(context, FSDPTrainOptions(), OptimSettings(**json.loads(sys.argv[4])))
     batch, _ = make_batch(model)
-    local = batch.select(range(rank, len(batch), world)) if mode == "dp" else batch
+    dp_rank = layout.coord(rank).dp
+    local = batch.select(range(dp_rank, len(batch), layout.dp))
     before = engine.forward_logprobs(local)
     losses = [engine.train_step(local, nll_loss)["loss"] for _ in range(STEPS)]
     after = engine.forward_logprobs(local)
