@@ -89,7 +89,7 @@ class KLRegularizedLoss:
         loss, metrics = self.loss(
             logprobs, batch, global_tokens=global_tokens, global_samples=global_samples
         )
-        ref = token_values(batch, "ref_logprobs").to(logprobs.values.dtype).detach()
+        ref = token_values(batch, "ref_logprobs").detach().to(logprobs.values)
         kl = kl_estimate(logprobs.values, ref, self.estimator)
         options = getattr(self.loss, "options", None)
         kl_loss = aggregate(

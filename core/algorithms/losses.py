@@ -44,7 +44,7 @@ def old_logprobs(batch: Batch, logprobs: torch.Tensor) -> torch.Tensor:  # [tota
     """The ratio's denominator: `old_logprobs`, else `rollout_logprobs`, else detached."""
     for name in ("old_logprobs", "rollout_logprobs"):
         if name in batch:
-            return token_values(batch, name).to(logprobs.dtype).detach()
+            return token_values(batch, name).detach().to(logprobs)
     return logprobs.detach()
 
 
@@ -127,7 +127,7 @@ class PPOClip(PolicyLoss):
         current = logprobs.values
         lengths = logprobs.lengths
         old = old_logprobs(batch, current)
-        advantages = token_values(batch, "advantages").to(current.dtype).detach()
+        advantages = token_values(batch, "advantages").detach().to(current)
         ratio = self.ratios(current, old, lengths)
         opts = self.options
         unclipped = -advantages * ratio
@@ -140,6 +140,7 @@ class PPOClip(PolicyLoss):
             per_token = torch.where(advantages < 0, torch.minimum(per_token, cap), per_token)
         weights = truncated_is_weights(batch, opts.tis_cap, current.dtype)
         if weights is not None:
+            weights = weights.to(current.device)
             per_token = per_token * weights
         loss = aggregate(
             per_token, lengths, self.aggregation, global_tokens=global_tokens,
@@ -190,6 +191,7 @@ class GSPO(PPOClip):
         """Sequence-level ratios broadcast to tokens, with per-token gradients."""
         seq_log_ratio = segment_mean(logprobs - old, lengths).detach()
         per_token_log = (
-            torch.repeat_interleave(seq_log_ratio, lengths) + logprobs - logprobs.detach()
+            torch.repeat_interleave(seq_log_ratio, lengths.to(logprobs.device))
+            + logprobs - logprobs.detach()
         )
         return per_token_log.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT).exp()

@@ -14,7 +14,7 @@ from peerflow.batch import Batch, RaggedField
 
 def segment_ids(lengths: torch.Tensor) -> torch.Tensor:  # [total_tokens]
     """Returns, for every token, the index of the sample it belongs to."""
-    return torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+    return torch.repeat_interleave(torch.arange(len(lengths), device=lengths.device), lengths)
 
 
 def segment_sum(values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:  # [num_samples]
@@ -25,7 +25,7 @@ def segment_sum(values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:  #
 
 def segment_mean(values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:  # [num_samples]
     """Averages each sample's tokens; empty samples give 0."""
-    return segment_sum(values, lengths) / lengths.clamp(min=1).to(values.dtype)
+    return segment_sum(values, lengths) / lengths.clamp(min=1).to(values)
 
 
 def per_token(per_sample: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:  # [total_tokens]
