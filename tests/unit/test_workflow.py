@@ -182,3 +182,15 @@ workflow:
 """))
     problems = validate_workflow(config, None)
     assert any("cycle" in p for p in problems)
+
+
+def test_workflow_section_round_trips_through_dump(tmp_path) -> None:
+    from peerflow.config import dump_config
+
+    config = load_config(None, ["workflow.nodes=[{name: generate}, {name: reward, outputs: "
+                                "[r1]}, {name: advantage, inputs: [r1]}]"])
+    path = tmp_path / "resolved.yaml"
+    path.write_text(dump_config(config))
+    again = load_config(path)
+    assert again.workflow == config.workflow
+    assert build_graph(again).node("advantage").inputs == ("r1",)
