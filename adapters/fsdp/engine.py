@@ -27,7 +27,8 @@ import torch.distributed as dist
 from peerflow.adapters.fsdp import checkpoint as ckpt
 from peerflow.adapters.fsdp.layout import FAMILIES, fsdp_shard_layout
 from peerflow.adapters.fsdp.model import apply_fsdp, apply_tensor_parallel, load_module
-from peerflow.adapters.fsdp.packing import agree_micro_batches
+from peerflow.adapters.fsdp.optim import build_adamw, clip_grad_norm
+from peerflow.adapters.fsdp.packing import agree_micro_batches, padded_inputs
 from peerflow.adapters.fsdp.shards import local_box, named_shard_specs, replica_index
 from peerflow.batch import Batch, RaggedField
 from peerflow.capabilities import Capabilities
@@ -118,15 +119,10 @@ class FSDPTrainEngine(TrainEngine):
         self._dp_group = None
         if self.distributed:
             self._shard(group)
-        self.optimizer = torch.optim.AdamW(
-            [p for p in self.model.parameters() if p.requires_grad],
-            lr=self.optim.lr,
-            betas=self.optim.betas,
-            eps=self.optim.eps,
-            weight_decay=self.optim.weight_decay,
-            # foreach (one fused update for all tensors) is torch's default only on GPU; it
-            # groups tensors across DTensor meshes, which tp's mixed meshes forbid.
-            foreach=layout.tp == 1,
+        self.optimizer = build_adamw(
+            (p for p in self.model.parameters() if p.requires_grad),
+            self.optim,
+            mixed_meshes=layout.tp > 1,
         )
 
     def _bf16_supported(self) -> bool:
@@ -180,22 +176,7 @@ class FSDPTrainEngine(TrainEngine):
             with self._autocast():
                 out = self._model_out(ids, torch.ones_like(ids))
             return out.float().sum() * 0.0
-        prompts = batch.ragged("prompt_ids").rows()
-        responses = batch.ragged("response_ids").rows()
-        lengths = [len(p) + len(r) for p, r in zip(prompts, responses, strict=True)]
-        width = max(lengths)
-        ids = torch.zeros((len(batch), width), dtype=torch.long)
-        mask = torch.zeros((len(batch), width), dtype=torch.long)
-        targets = torch.zeros((len(batch), width - 1), dtype=torch.bool)
-        for b, (p, r) in enumerate(zip(prompts, responses, strict=True)):
-            if len(p) == 0:
-                raise ValueError(
-                    f"sample {int(batch.sample_id[b])} has an empty prompt_ids; every sample "
-                    "needs at least one prompt token."
-                )
-            ids[b, : len(p) + len(r)] = torch.cat([p, r])
-            mask[b, : len(p) + len(r)] = 1
-            targets[b, len(p) - 1 : len(p) + len(r) - 1] = True
+        ids, mask, targets = padded_inputs(batch)
         ids, mask, targets = ids.to(self.device), mask.to(self.device), targets.to(self.device)
         with self._autocast():
             out = self._model_out(ids, mask)
@@ -205,8 +186,7 @@ class FSDPTrainEngine(TrainEngine):
             logits = out[:, :-1][targets].float()  # [response_tokens, vocab]
             picked = logits.gather(-1, ids[:, 1:][targets][:, None]).squeeze(-1)
             values = picked - torch.logsumexp(logits, dim=-1)
-        offsets = torch.zeros(len(batch) + 1, dtype=torch.int64)
-        torch.cumsum(torch.tensor([len(r) for r in responses]), 0, out=offsets[1:])
+        offsets = batch.ragged("response_ids").offsets
         return RaggedField(values=values, offsets=offsets.to(values.device))
 
     def _model_out(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -314,7 +294,7 @@ class FSDPTrainEngine(TrainEngine):
                 for key, v in metrics.items():
                     sums[key] = sums.get(key, 0.0) + float(v)
                     counts[key] = counts.get(key, 0) + 1
-            totals["grad_norm"] += self._clip_gradients()
+            totals["grad_norm"] += clip_grad_norm(self.model.parameters(), self.optim.grad_clip)
             self.optimizer.step()
             totals["loss"] += self._dp_sum(mini_loss)
         self.version += 1
@@ -345,29 +325,6 @@ class FSDPTrainEngine(TrainEngine):
         t = torch.tensor([value], dtype=torch.float64, device=self._collective_device)
         dist.all_reduce(t, group=self._dp_group)
         return float(t.item())
-
-    def _clip_gradients(self) -> float:
-        """Clips gradients to `optim.grad_clip` by their global norm; returns the norm."""
-        from torch.distributed.tensor import DTensor
-
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        by_spec: dict[Any, list[torch.Tensor]] = {}
-        for g in grads:
-            key = (g.device_mesh, tuple(g.placements)) if isinstance(g, DTensor) else None
-            by_spec.setdefault(key, []).append(g)
-        squares = 0.0
-        for group in by_spec.values():
-            norm = torch.nn.utils.get_total_norm(group, norm_type=2.0)
-            if isinstance(norm, DTensor):
-                norm = norm.full_tensor()
-            squares += float(norm) ** 2
-        total = squares**0.5
-        if self.optim.grad_clip > 0 and total > self.optim.grad_clip:
-            scale = self.optim.grad_clip / (total + 1e-6)
-            with torch.no_grad():
-                for g in grads:
-                    g.mul_(scale)
-        return total
 
     # -- weights and checkpoints ----------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""Token-balanced micro-batches whose count every data-parallel rank agrees on.
+"""Token-balanced micro-batches every dp-rank agrees on, and their padded model inputs.
 
 Samples are right-padded inside a micro-batch, so its cost is
 `num_samples * longest_sample`. Sorting by length and filling micro-batches up to the
@@ -15,6 +15,8 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+
+from peerflow.batch import Batch
 
 
 def pack_by_tokens(lengths: Sequence[int], budget: int) -> list[list[int]]:
@@ -82,3 +84,32 @@ def agree_micro_batches(
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
         count = int(agreed.item())
     return split_to_count(bins, lengths, count)
+
+
+def padded_inputs(batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded `prompt + response` token rows of a micro-batch.
+
+    Returns:
+        `(ids, mask, targets)`: ids and attention mask `[batch, width]`, and
+        `targets` `[batch, width - 1]`, True at the positions whose next token is a
+        response token (reading them in row-major order follows `response_ids`).
+
+    Raises:
+        ValueError: A sample has no prompt token (nothing predicts its first token).
+    """
+    prompts = batch.ragged("prompt_ids").rows()
+    responses = batch.ragged("response_ids").rows()
+    width = max(len(p) + len(r) for p, r in zip(prompts, responses, strict=True))
+    ids = torch.zeros((len(batch), width), dtype=torch.long)
+    mask = torch.zeros((len(batch), width), dtype=torch.long)
+    targets = torch.zeros((len(batch), width - 1), dtype=torch.bool)
+    for b, (p, r) in enumerate(zip(prompts, responses, strict=True)):
+        if len(p) == 0:
+            raise ValueError(
+                f"sample {int(batch.sample_id[b])} has an empty prompt_ids; every sample "
+                "needs at least one prompt token."
+            )
+        ids[b, : len(p) + len(r)] = torch.cat([p, r])
+        mask[b, : len(p) + len(r)] = 1
+        targets[b, len(p) - 1 : len(p) + len(r) - 1] = True
+    return ids, mask, targets
