@@ -64,3 +64,13 @@ def test_vocab_padding_off_by_one_fails_layers_1_and_2(tmp_path):
     assert "model.embed_tokens.weight: 16 of 1120 elements are held by no shard" in out
     # Layer 2: the planner refuses the plan, naming parameter and region.
     assert "lm_head.weight: region [69:70, 0:16] of source rank 0" in out
+
+
+def test_expected_failures_are_strict(tmp_path):
+    result = run_suite(tmp_path, "layout_adapters", ["VocabPaddingWithXfails"],
+                       "l1_ and llama-mha-untied and tp2 and not pp2")
+    out = result.stdout
+    assert result.returncode == 1, out[-3000:]
+    # well-formed passes, coverage fails as declared, the wrongly declared one XPASSes.
+    assert "1 failed, 1 passed" in out and "1 xfailed" in out, out[-3000:]
+    assert "[XPASS(strict)] declared by mistake: this test passes" in out
