@@ -27,7 +27,16 @@ from peerflow.config.schema import (
 from peerflow.config.structure import apply_override, structure, unstructure
 from peerflow.config.workflow import NodeConfig, WorkflowConfig, check_workflow
 
-EXTRA_VALIDATORS.append(check_workflow)
+
+
+def check_model_builder(config: RunConfig, pm: object) -> list[str]:
+    """`EXTRA_VALIDATORS` entry: `model.builder_options` checked by the task's builder."""
+    from peerflow.algorithms import check_model_builder as check
+
+    return check(config, pm)
+
+
+EXTRA_VALIDATORS += [check_workflow, check_model_builder]
 
 __all__ = [
     "EXTRA_VALIDATORS",
