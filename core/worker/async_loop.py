@@ -106,12 +106,30 @@ def run_async(rt: WorkerRuntime, program: Any, stage: Any) -> None:
     with stage("plan weight push"):
         plan = plan_weight_sync(actor, rollout)
         buckets = make_buckets(plan, rt.config.weight_sync.bucket_bytes)
+        stream_group = _stream_group(rt.config.runtime.fault_timeout)
     if rollout is not None:
         with stage("async rollout"):
-            _run_rollout(rt, nodes, rollout_layout, trainer_layout, plan, buckets)
+            _run_rollout(rt, nodes, rollout_layout, trainer_layout, plan, buckets, stream_group)
     elif actor is not None:
         with stage("async trainer"):
-            _run_trainer(rt, program, nodes, rollout_layout, trainer_layout, plan, buckets)
+            _run_trainer(
+                rt, program, nodes, rollout_layout, trainer_layout, plan, buckets, stream_group
+            )
+
+
+def _stream_group(timeout: float) -> Any:
+    """A gloo group over every rank for the streams (CPU bytes), unless the default is gloo.
+
+    Created collectively on every rank. Samples and packed weight buckets are CPU
+    tensors, which NCCL cannot send.
+    """
+    import datetime
+
+    import torch.distributed as dist
+
+    if dist.get_backend() == "gloo":
+        return None
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout))
 
 
 def _resume_state(rt: WorkerRuntime) -> tuple[int, dict[str, Any] | None]:
@@ -133,6 +151,7 @@ def _run_rollout(
     trainer_layout: Any,
     plan: Any,
     buckets: Any,
+    stream_group: Any = None,
 ) -> None:
     from peerflow.streaming.assignment import TokenBalancer
     from peerflow.streaming.rollout_loop import RolloutStreamer, make_generate
@@ -173,7 +192,11 @@ def _run_rollout(
         buckets=buckets,
         rank=rt.rank,
         receiver=StreamReceiver(
-            sources=tuple(sorted(plan.sources)), tag=WEIGHT_TAG, timeout=timeout, what="weights"
+            sources=tuple(sorted(plan.sources)),
+            tag=WEIGHT_TAG,
+            group=stream_group,
+            timeout=timeout,
+            what="weights",
         ).start(),
     )
     streamer = RolloutStreamer(
@@ -187,7 +210,7 @@ def _run_rollout(
         scheduler=scheduler,
         balancer=TokenBalancer(num_consumers=trainer_layout.dp, source_index=dp),
         trainer_layout=trainer_layout,
-        sender=StreamSender(tag=DATA_TAG, timeout=timeout),
+        sender=StreamSender(tag=DATA_TAG, group=stream_group, timeout=timeout),
         weights=weights,
         steps=cfg.run.steps,
         rank=rt.rank,
@@ -225,6 +248,7 @@ def _run_trainer(
     trainer_layout: Any,
     plan: Any,
     buckets: Any,
+    stream_group: Any = None,
 ) -> None:
     from peerflow.streaming.accumulator import MicroBatchAccumulator, StepInbox
     from peerflow.streaming.samplers import MicroBatchBudget, get_sampler
@@ -271,7 +295,7 @@ def _run_trainer(
 
         progress = StepProgress(cfg.run.steps, start=start_step)
     sources = tuple(rollout_layout.global_ranks)
-    sender = StreamSender(tag=WEIGHT_TAG, timeout=timeout)
+    sender = StreamSender(tag=WEIGHT_TAG, group=stream_group, timeout=timeout)
     pusher = WeightPusher(plan=plan, buckets=buckets, rank=rt.rank, sender=sender)
     spans = _tracer(rt)
     trained: dict[int, list[int]] = {
@@ -304,7 +328,9 @@ def _run_trainer(
             _save_trainer_checkpoint(rt, step + 1, trained, group)
 
     step_started = [time.time()]
-    receiver = StreamReceiver(sources=sources, tag=DATA_TAG, timeout=timeout).start()
+    receiver = StreamReceiver(
+        sources=sources, tag=DATA_TAG, group=stream_group, timeout=timeout
+    ).start()
     streamer = TrainerStreamer(
         receiver=receiver,
         inbox=StepInbox(sources=sources),
