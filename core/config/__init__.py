@@ -28,7 +28,6 @@ from peerflow.config.structure import apply_override, structure, unstructure
 from peerflow.config.workflow import NodeConfig, WorkflowConfig, check_workflow
 
 
-
 def check_model_builder(config: RunConfig, pm: object) -> list[str]:
     """`EXTRA_VALIDATORS` entry: `model.builder_options` checked by the task's builder."""
     from peerflow.algorithms import check_model_builder as check
