@@ -43,8 +43,12 @@ def needs(request: pytest.FixtureRequest, profile: AdapterProfile, capability: s
 def check_layout(request: pytest.FixtureRequest, profile: AdapterProfile,
                  layout: ParallelLayout) -> None:
     """Skips a layout whose mesh needs a capability the adapter lacks."""
+    from peerflow.conformance.profile import LAYOUT_CAPABILITIES
+
     missing = profile.missing_capability(layout)
-    request.node.user_properties.append(("capability", missing or "core"))
+    exercised = next((flag for dim, flag in LAYOUT_CAPABILITIES.items()
+                      if getattr(layout, dim) > 1), None)
+    request.node.user_properties.append(("capability", missing or exercised or "core"))
     if missing:
         pytest.skip(f"layout {layout_id(layout)} requires Capabilities.{missing}, which "
                     f"{profile.name} does not declare")
