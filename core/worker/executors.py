@@ -8,6 +8,7 @@ types carry a `run(runtime, node, batch, metrics)` method instead.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -59,7 +60,12 @@ def run_generate(rt: WorkerRuntime, node: Any, batch: Batch, metrics: StepMetric
     count = split_evenly(rt.config.run.prompts_per_step, rt.dp_size, rt.dp_rank)
     draws = rt.sampler.draw(count)
     engine = rt.engine("rollout")
-    out = generate_batch(engine, rt.tokenizer, draws, _sampling(rt, 0))
+    sampling = _sampling(rt, 0)
+    bar = rt.progress.generation(len(draws) * sampling.n) if rt.progress is not None else (
+        contextlib.nullcontext(lambda n=1: None))
+    with bar as advance:
+        out = generate_batch(engine, rt.tokenizer, draws, sampling)
+        advance(len(out))
     metrics.sum("rollout/prompts", len(draws))
     return out if not len(batch) else Batch.concat([batch, out])
 

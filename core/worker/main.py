@@ -224,6 +224,7 @@ def _train(rt: WorkerRuntime, program: RankProgram, stage: Any, *, resuming: boo
     tracer = Tracer(rt.run_dir, rt.rank, enabled=config.run.trace)
     set_tracer(tracer)
     progress = StepProgress(config.run.steps, start=start_step, enabled=rt.rank == 0)
+    rt.progress = progress
     registry = rt.pm.registry("node")
     node_types = {name: registry.get(name) for name in registry.names()}
     try:

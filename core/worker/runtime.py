@@ -86,6 +86,8 @@ class WorkerRuntime:
     kl_reward: Callable[[Any, Any], None] | None = None
     sync_weights: Callable[[], Any] = attrs.field(default=lambda: None)
     max_refill_rounds: int = 4
+    progress: Any = None
+    """The step progress bar (`peerflow.outputs.StepProgress`); draws on rank 0 only."""
     step: int = 0
 
     def engine(self, role: str) -> Any:
