@@ -5,13 +5,18 @@
 * Parametrises suite tests by the adapter's layouts and the suite's model matrix.
 * Applies the adapter's `conformance_xfail()` declarations as strict expected failures.
 * Deselects suite classes of the other kind (a rollout adapter skips the train suite).
+* `--peerflow-table` prints a results table per layer and capability at the end;
+  `--peerflow-report FILE` writes the same as JSON (what `peerflow conformance` uses).
 """
 
 from __future__ import annotations
 
 import itertools
+import time
 
 import pytest
+
+_COLLECTOR = pytest.StashKey[object]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -19,12 +24,51 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("peerflow", "PeerFlow adapter conformance suite")
     group.addoption("--peerflow-adapter", action="store", default=None, metavar="NAME",
                     help="registered engine adapter the conformance suite tests")
+    group.addoption("--peerflow-table", action="store_true", default=False,
+                    help="print the conformance results table per layer and capability")
+    group.addoption("--peerflow-report", action="store", default=None, metavar="FILE",
+                    help="write the conformance results as JSON")
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Registers the suite's markers."""
+    """Registers the suite's markers and, when asked, the results collector."""
     config.addinivalue_line("markers", "peerflow_layer(n): PeerFlow conformance suite layer")
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU")
+    if config.getoption("peerflow_table") or config.getoption("peerflow_report"):
+        from peerflow.conformance.runner import ResultCollector
+
+        collector = ResultCollector()
+        config.stash[_COLLECTOR] = (collector, time.perf_counter(), {})
+        config.pluginmanager.register(collector, "peerflow-conformance-results")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Builds the results report and writes `--peerflow-report`."""
+    entry = session.config.stash.get(_COLLECTOR, None)
+    if entry is None:
+        return
+    from peerflow.conformance.runner import build_report, write_json
+
+    collector, start, holder = entry
+    report = build_report(session.config.getoption("peerflow_adapter"), collector,
+                          int(exitstatus), time.perf_counter() - start)
+    holder["report"] = report
+    path = session.config.getoption("peerflow_report")
+    if path:
+        write_json(report, path)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    """Prints the results table (`--peerflow-table`)."""
+    entry = config.stash.get(_COLLECTOR, None)
+    if entry is None or not config.getoption("peerflow_table") or "report" not in entry[2]:
+        return
+    from peerflow.conformance.runner import format_report
+
+    terminalreporter.write_line("")
+    for line in format_report(entry[2]["report"]).splitlines():
+        terminalreporter.write_line(line)
 
 
 def _profile(cls: type, config: pytest.Config):

@@ -1,20 +1,18 @@
-"""`peerflow conformance NAME`: run the suite for an installed adapter, tabulate results.
+"""Results of a suite run: per-test records, the table per layer and capability, JSON.
 
-Runs pytest in-process on `cli_suite.py` with `--peerflow-adapter NAME`, records every
-test's outcome, layer and capability, prints a table per layer and capability, and
-optionally writes the same as JSON.
+The pytest plugin registers a `ResultCollector` when `--peerflow-table` or
+`--peerflow-report FILE` is given; at the end of the session it builds the report with
+`build_report`, prints `format_report` and writes the JSON. `peerflow conformance NAME`
+runs pytest on `cli_suite.py` that way, in a subprocess.
 """
 
 from __future__ import annotations
 
 import json
 import re
-import sys
-import tempfile
-import time
 from collections import Counter
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 import pytest
 
@@ -22,7 +20,7 @@ OUTCOMES = ("passed", "failed", "skipped", "xfailed")
 _CAPABILITY = re.compile(r"Capabilities\.(\w+)")
 
 
-class _Collector:
+class ResultCollector:
     """pytest plugin object that records each suite test's result."""
 
     def __init__(self) -> None:
@@ -30,11 +28,13 @@ class _Collector:
         self.layers: dict[str, int] = {}
 
     def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
+        """Records each selected suite test's layer."""
         for item in items:
             marker = item.get_closest_marker("peerflow_layer")
             self.layers[item.nodeid] = int(marker.args[0]) if marker else -1
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        """Folds one setup/call/teardown report into the test's record."""
         entry = self.tests.setdefault(report.nodeid, {
             "id": report.nodeid.split("::", 1)[-1], "layer": self.layers.get(report.nodeid, -1),
             "outcome": "passed", "capability": "-", "message": "", "duration_s": 0.0})
@@ -83,32 +83,23 @@ def adapter_classes(name: str) -> list[tuple[str, type]]:
     return found
 
 
-def run_conformance(name: str, *, pytest_args: tuple[str, ...] = (),
-                    out: TextIO = sys.stdout) -> dict[str, Any]:
-    """Runs the suite for adapter `name`; returns the machine-readable report."""
-    classes = adapter_classes(name)
-    collector = _Collector()
-    suite = str(Path(__file__).with_name("cli_suite.py"))
-    start = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="peerflow-conformance-") as tmp:
-        args = [suite, "--peerflow-adapter", name, "-p", "no:cacheprovider", "-q",
-                "--rootdir", tmp, "--basetemp", str(Path(tmp) / "t"), "-o", "addopts=",
-                "--no-header", "-rN", *pytest_args]
-        exit_code = int(pytest.main(args, plugins=[collector]))
+def build_report(name: str | None, collector: ResultCollector, exit_code: int,
+                 duration_s: float) -> dict[str, Any]:
+    """Returns the machine-readable report of a finished suite run."""
+    classes = adapter_classes(name) if name else []
     tests = sorted(collector.tests.values(), key=lambda t: (t["layer"], t["id"]))
     summary = Counter(t["outcome"] for t in tests)
-    report = {
+    return {
         "adapter": name,
         "engines": [{"kind": kind, "class": f"{cls.__module__}.{cls.__qualname__}",
                      "capabilities": cls.capabilities.enabled()} for kind, cls in classes],
-        "passed": summary.get("failed", 0) == 0 and exit_code in (0, 5) and bool(tests),
+        "passed": summary.get("failed", 0) == 0 and exit_code == 0 and bool(tests),
         "pytest_exit_code": exit_code,
-        "duration_s": round(time.perf_counter() - start, 3),
+        "duration_s": round(duration_s, 3),
         "summary": {k: summary.get(k, 0) for k in OUTCOMES},
         "layers": _table(tests),
         "tests": tests,
     }
-    return report
 
 
 def _table(tests: list[dict[str, Any]]) -> list[dict[str, Any]]:
