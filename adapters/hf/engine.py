@@ -1,13 +1,20 @@
 """`hf`: the reference rollout engine, built on Hugging Face transformers.
 
 The engine PeerFlow runs by default (the CPU quickstart): one full copy of the model per
-rank, all prompts × n samples decoded together in one batched loop. Prompts are
-left-padded so every row's newest token sits in the last column; a `DynamicCache` keeps
-keys and values; rows that finish are dropped from the batch (and the cache) so the
-loop's cost follows the unfinished rows, and it stops as soon as every row is done.
+rank, all prompts × n samples decoded together in one batched loop under
+`torch.inference_mode()`. Prompts are left-padded so every row's newest token sits in the
+last column, and each prompt is prefilled once, its `DynamicCache` rows then repeated for
+its n samples (what vLLM's prefix cache gives parallel sampling). Rows that finish are
+dropped from the batch and the cache once a quarter of them are done, so the loop's cost
+follows the unfinished rows, and it stops as soon as every row is done.
 
 Log-probs are those of the unscaled policy (temperature 1), matching what the `fsdp`
-train engine computes; see `peerflow.adapters.hf.sampling` for the alternative.
+train engine computes, so PPO ratios start at 1; `logprobs_mode: processed` gives those
+of the distribution actually sampled (see `peerflow.adapters.hf.sampling`).
+
+Randomness: with `SamplingParams.seed` a call is reproducible on its own (the runtime
+passes a per-step seed, so resumed runs sample the same answers); without it the engine
+draws from its own generator, seeded from `EngineContext.seed` and the rank.
 """
 
 from __future__ import annotations
