@@ -20,12 +20,16 @@ sample is trained twice.
 
 from __future__ import annotations
 
-import json
 import time
-from pathlib import Path
 from typing import Any
 
 from peerflow.errors import ConfigError
+from peerflow.worker.async_checkpoint import (
+    load_trainer_checkpoint,
+    replay_sampler,
+    resume_state,
+    save_trainer_checkpoint,
+)
 from peerflow.worker.metrics import StepMetrics, all_reduce_metrics
 from peerflow.worker.runtime import WorkerRuntime
 
@@ -35,7 +39,6 @@ ROLLOUT_KINDS = ("reward",)
 MICRO_BATCH_KINDS = ("ref_logprob", "old_logprob", "values")
 #: Node kinds replaced by the asynchronous push.
 SKIPPED_KINDS = ("generate", "sync_weights")
-ASYNC_STATE = "async_state.json"
 
 
 def check_async_config(config: Any, layouts: dict[str, Any]) -> None:
@@ -132,18 +135,6 @@ def _stream_group(timeout: float) -> Any:
     return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout))
 
 
-def _resume_state(rt: WorkerRuntime) -> tuple[int, dict[str, Any] | None]:
-    from peerflow.worker import checkpoint as ckpt
-
-    found = ckpt.latest_checkpoint(rt.run_dir)
-    if not found:
-        return 0, None
-    step, directory = found
-    state_path = Path(directory) / ASYNC_STATE
-    state = json.loads(state_path.read_text()) if state_path.is_file() else None
-    return step, state
-
-
 def _run_rollout(
     rt: WorkerRuntime,
     nodes: list[Any],
@@ -166,11 +157,11 @@ def _run_rollout(
     timeout = cfg.runtime.fault_timeout
     dp, dp_size = rollout_layout.dp_rank(rt.rank), rollout_layout.dp
     quota = split_evenly(cfg.run.prompts_per_step, dp_size, dp)
-    start_step, state = _resume_state(rt)
+    start_step, state = resume_state(rt)
     scheduler = StalenessScheduler(
         max_staleness=cfg.runtime.max_staleness, quota=quota, next_step=start_step
     )
-    pending = _replay_sampler(rt, state) if state else []
+    pending = replay_sampler(rt, state) if state else []
     group_nodes = [n for n in nodes if n.kind in ROLLOUT_KINDS]
 
     def per_group(batch: Any) -> Any:
@@ -225,21 +216,6 @@ def _run_rollout(
         spans.flush()
 
 
-def _replay_sampler(rt: WorkerRuntime, state: dict[str, Any]) -> list[Any]:
-    """Advances the prompt stream past every trained prompt; returns the untrained ones."""
-    trained = set(state.get("trained_groups", {}).get(str(rt.rank), []))
-    if not trained:
-        return []
-    holes = []
-    top = max(trained)
-    while True:
-        (draw,) = rt.sampler.draw(1)
-        if draw.position not in trained:
-            holes.append(draw)
-        if draw.position >= top:
-            return holes
-
-
 def _run_trainer(
     rt: WorkerRuntime,
     program: Any,
@@ -269,9 +245,9 @@ def _run_trainer(
     timeout = cfg.runtime.fault_timeout
     group = program.process_group("actor")
     first_trainer = min(trainer_layout.global_ranks)
-    start_step, state = _resume_state(rt)
+    start_step, state = resume_state(rt)
     if start_step:
-        _load_trainer_checkpoint(rt, start_step)
+        load_trainer_checkpoint(rt, start_step)
     if rt.estimator is not None:  # batch-wide statistics span the trainer group
         rt.estimator.process_group = group
     micro_nodes = [n for n in nodes if n.kind in MICRO_BATCH_KINDS]
@@ -325,7 +301,7 @@ def _run_trainer(
             for src, gids in streamer.trained_groups.items():
                 trained.setdefault(src, []).extend(gids)
             streamer.trained_groups.clear()
-            _save_trainer_checkpoint(rt, step + 1, trained, group)
+            save_trainer_checkpoint(rt, step + 1, trained, group)
 
     step_started = [time.time()]
     receiver = StreamReceiver(
@@ -368,32 +344,3 @@ def _run_trainer(
     while not receiver.all_stopped:  # groups beyond the last step are not trained
         receiver.get(timeout=0.5)
     receiver.join()
-
-
-def _save_trainer_checkpoint(
-    rt: WorkerRuntime, step: int, trained: dict[int, list[int]], group: Any
-) -> None:
-    from peerflow.distributed import barrier
-    from peerflow.worker import checkpoint as ckpt
-
-    directory = ckpt.checkpoint_dir(rt.run_dir, step)
-    directory.mkdir(parents=True, exist_ok=True)
-    barrier(group, what=f"async checkpoint step {step}")
-    rt.engine("actor").save_checkpoint(str(directory / "actor"))
-    barrier(group, what=f"async checkpoint step {step}")
-    if rt.rank == min(rt.layouts["actor"].global_ranks):
-        ckpt.write_json_atomic(
-            directory / ASYNC_STATE,
-            {
-                "step": step,
-                "trained_groups": {str(k): sorted(set(v)) for k, v in trained.items()},
-            },
-        )
-        ckpt.write_json_atomic(directory / ckpt.COMPLETE, {"step": step})
-
-
-def _load_trainer_checkpoint(rt: WorkerRuntime, step: int) -> None:
-    from peerflow.worker import checkpoint as ckpt
-
-    directory = ckpt.checkpoint_dir(rt.run_dir, step)
-    rt.engine("actor").load_checkpoint(str(directory / "actor"))

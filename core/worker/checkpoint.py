@@ -18,7 +18,6 @@ import base64
 import json
 import os
 import random
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -90,19 +89,6 @@ def find_resume_checkpoint(run_dir: str | Path) -> tuple[int, Path]:
             "steps and at its end. Start a fresh run instead, or pick another run directory."
         )
     return found
-
-
-def prune_checkpoints(run_dir: str | Path, keep: int) -> None:
-    """Deletes all but the newest `keep` complete checkpoints (rank 0 only)."""
-    root = Path(run_dir) / CHECKPOINTS
-    if keep <= 0 or not root.is_dir():
-        return
-    complete = sorted(
-        (int(c.name[5:]), c) for c in root.iterdir()
-        if c.name.startswith("step_") and (c / COMPLETE).is_file()
-    )
-    for _, path in complete[:-keep]:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def truncate_metrics(path: Path, last_step: int) -> None:
