@@ -149,14 +149,15 @@ class DeepSpeedTrainEngine(TrainEngine):
     def _full_shape(param: torch.nn.Parameter) -> tuple[int, ...]:
         return tuple(getattr(param, "ds_shape", param.shape))
 
-    def _forward(self, inputs: mb.PaddedInputs) -> torch.Tensor:  # [B, L] log-probs
+    def _token_logprobs(self, inputs: mb.PaddedInputs) -> torch.Tensor:  # [B, L]
+        """Log-probs of every next token of a padded micro-batch, on the engine device."""
         out = self.engine(
             input_ids=inputs.input_ids.to(self.device),
             attention_mask=inputs.attention_mask.to(self.device),
             position_ids=inputs.position_ids.to(self.device),
             use_cache=False,
         )
-        return mb.token_logprobs(out.logits, inputs.target_ids.to(self.device)).cpu()
+        return mb.token_logprobs(out.logits, inputs.target_ids.to(self.device))
 
     # ---------------------------------------------------------------- contract
     def forward_logprobs(self, batch: Batch) -> RaggedField:
@@ -167,7 +168,7 @@ class DeepSpeedTrainEngine(TrainEngine):
             for indices in mb.plan_micro_batches(batch, self.optim.micro_batch_tokens,
                                                  self.group):
                 inputs = mb.pad_inputs(batch.select(indices))
-                logprobs = self._forward(inputs)
+                logprobs = self._token_logprobs(inputs).cpu()
                 if indices:
                     parts.append(inputs.gather(logprobs))
         if not parts:
@@ -193,9 +194,10 @@ class DeepSpeedTrainEngine(TrainEngine):
                 self.engine.set_gradient_accumulation_boundary(step == len(micro) - 1)
                 part = mini.select(indices)
                 inputs = mb.pad_inputs(part)
-                logprobs = self._forward_with_grad(inputs)
+                logprobs = self._token_logprobs(inputs)
                 if indices:
-                    value, metrics = loss(inputs.gather(logprobs), part,
+                    value, metrics = loss(inputs.gather(logprobs),
+                                          mb.batch_to(part, self.device),
                                           global_tokens=max(tokens, 1),
                                           global_samples=max(samples, 1))
                     for key, item in metrics.items():
@@ -215,15 +217,6 @@ class DeepSpeedTrainEngine(TrainEngine):
         metrics["grad_norm"] = sum(norms) / len(norms) if norms else float("nan")
         metrics["lr"] = float(self.engine.get_lr()[0])
         return metrics
-
-    def _forward_with_grad(self, inputs: mb.PaddedInputs) -> torch.Tensor:
-        out = self.engine(
-            input_ids=inputs.input_ids.to(self.device),
-            attention_mask=inputs.attention_mask.to(self.device),
-            position_ids=inputs.position_ids.to(self.device),
-            use_cache=False,
-        )
-        return mb.token_logprobs(out.logits, inputs.target_ids.to(self.device))
 
     def weight_sources(self) -> list[ShardSpec]:
         """One full-tensor spec per HF parameter; its owner rank sends it (replica 0)."""

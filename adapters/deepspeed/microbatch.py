@@ -44,9 +44,11 @@ class PaddedInputs:
 
     def gather(self, per_position: torch.Tensor) -> RaggedField:
         """Packs `[B, L]` per-position values at response positions into a ragged field."""
+        device = per_position.device
         return RaggedField(
-            values=per_position[self.response_mask()],
-            offsets=torch.nn.functional.pad(torch.cumsum(self.response_lengths, 0), (1, 0)),
+            values=per_position[self.response_mask().to(device)],
+            offsets=torch.nn.functional.pad(torch.cumsum(self.response_lengths, 0),
+                                            (1, 0)).to(device),
         )
 
 
@@ -168,8 +170,31 @@ def global_counts(batch: Batch, group: object | None) -> tuple[int, int]:
     return int(value[0]), int(value[1])
 
 
+def batch_to(batch: Batch, device: torch.device) -> Batch:
+    """Returns `batch` with its tensor fields on `device` (itself when already there)."""
+    if device.type == "cpu":
+        return batch
+    fields = {}
+    for name, column in batch.fields.items():
+        if isinstance(column, RaggedField):
+            fields[name] = RaggedField(values=column.values.to(device),
+                                       offsets=column.offsets.to(device))
+        elif isinstance(column, torch.Tensor):
+            fields[name] = column.to(device)
+        else:
+            fields[name] = column
+    return Batch(sample_id=batch.sample_id, group_id=batch.group_id,
+                 weight_version=batch.weight_version, fields=fields)
+
+
 def empty_like_logprobs(batch: Batch) -> RaggedField:
-    """An all-zero float32 ragged field aligned with `response_ids` (for filler checks)."""
+    """Returns zero log-probs aligned with `response_ids`.
+
+    For a rank with no samples (or only empty responses), which still ran filler passes.
+    """
+    if "response_ids" not in batch:
+        return RaggedField(values=torch.zeros(0), offsets=torch.zeros(len(batch) + 1,
+                                                                      dtype=torch.int64))
     lengths = batch.lengths("response_ids")
     return RaggedField(values=torch.zeros(int(lengths.sum())),
                        offsets=torch.nn.functional.pad(torch.cumsum(lengths, 0), (1, 0)))

@@ -257,7 +257,7 @@ class MegatronTrainEngine(TrainEngine):
             logprobs = self._logprobs(output, inputs)
             ragged = inputs.gather(logprobs)
             ragged = RaggedField(values=ragged.values, offsets=ragged.offsets[:len(part) + 1])
-            value, extra = loss_of(ragged, part, logprobs)
+            value, extra = loss_of(ragged, mb.batch_to(part, self.device), logprobs)
             results.append(extra)
             tokens = torch.tensor(int(ragged.lengths.sum()), dtype=torch.int)
             return value, tokens, {}
@@ -295,7 +295,7 @@ class MegatronTrainEngine(TrainEngine):
             result = (RaggedField(
                 values=torch.cat([p.values.detach().cpu() for p in parts]),
                 offsets=torch.nn.functional.pad(
-                    torch.cumsum(torch.cat([p.lengths for p in parts]), 0), (1, 0)),
+                    torch.cumsum(torch.cat([p.lengths.cpu() for p in parts]), 0), (1, 0)),
             ) if parts else mb.empty_like_logprobs(batch))
         return self._from_last_stage(result)
 
