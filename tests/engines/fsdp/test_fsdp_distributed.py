@@ -104,7 +104,7 @@ def test_exported_shards_cover_every_tensor_once_and_load_into_hf(run, reference
     assert set(full) == set(trained)  # tied lm_head is listed once, as embed_tokens
     assert "lm_head.weight" not in full
     worst = max(float((full[n] - trained[n].detach()).abs().max()) for n in full)
-    print(f"{mode}: max |multi-rank - 1-rank| parameter difference after {STEPS} steps = {worst:.2e}")
+    print(f"{mode}: max |multi-rank - 1-rank| parameter diff after {STEPS} steps = {worst:.2e}")
     assert worst < 1e-4
     if "tp" in mode:  # norms are replicated on the tp peers: rank 1 holds replica 1
         norm = [s for s in ranks[1]["specs"] if s.local_name == "model.norm.weight"]
