@@ -1,4 +1,4 @@
-"""`peerflow plan CONFIG [--nprocs N] [--format text|json|dot] [--simulate]`."""
+"""`peerflow plan CONFIG [--nprocs N] [--format text|json|dot] [--rank R] [--simulate]`."""
 
 from __future__ import annotations
 
@@ -22,6 +22,8 @@ def add_parser(subparsers: Any) -> None:
                         help="world size to plan for (default: runtime.nprocs)")
     parser.add_argument("--format", choices=["text", "json", "dot"], default="text",
                         help="output format (dot: Graphviz source of the graph)")
+    parser.add_argument("--rank", type=int, default=None,
+                        help="print only this rank's program, one op a line")
     parser.add_argument("--simulate", action="store_true",
                         help="add the modelled bytes of each route through the busiest rank, "
                         "peer-to-peer and centralized, for one step's batch")
@@ -59,6 +61,14 @@ def run(args: argparse.Namespace) -> int:
     problems = check_model_layouts(config, plan.graph, plan.roles)
     if problems:
         raise ConfigError("\n".join(problems))
+    if args.rank is not None:
+        try:
+            program = plan.program(args.rank)
+        except ValueError as exc:
+            raise ConfigError(f"--rank {args.rank}: {exc}") from None
+        for op in program:
+            print(op.describe())
+        return 0
     simulation = _simulation(plan, config) if args.simulate else None
     if args.format == "json":
         data = plan.to_dict()

@@ -22,12 +22,18 @@ from peerflow.distributed.init import FAULT_STORE_ENV
 
 
 def _gone(pid: int) -> bool:
-    import psutil
-
+    """Whether a local process has exited (a zombie awaiting its parent counts as gone)."""
     try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
+        os.kill(pid, 0)
+    except ProcessLookupError:
         return True
+    except PermissionError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return False
 
 
 @attrs.define(eq=False)

@@ -164,3 +164,19 @@ def test_colocated_route_moves_less_with_locality() -> None:
     assert same.total_bytes < p2p.total_bytes
     central = simulate_route(src, dst, samples_per_dp=64, mode="centralized")
     assert central.busiest_rank_bytes >= 4 * p2p.busiest_rank_bytes
+
+
+def test_plan_cli_text_dot_rank_and_errors(tmp_path, capsys) -> None:
+    from peerflow.cli import main
+
+    config = tmp_path / "run.yaml"
+    config.write_text("runtime: {placement: split}\nrollout: {layout: {dp: 0}}\n")
+    assert main(["plan", str(config), "--nprocs", "4", "--rank", "3"]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == "route rollout->actor@old_logprob"
+    assert main(["plan", str(config), "--nprocs", "4", "--format", "dot"]) == 0
+    assert capsys.readouterr().out.startswith("digraph peerflow")
+    assert main(["plan", str(config), "--nprocs", "4", "--simulate"]) == 0
+    out = capsys.readouterr().out
+    assert "routes:" in out and "centralized" in out and "p2p" in out
+    assert main(["plan", str(config), "--nprocs", "4", "--set", "rollout.layout.tp=3"]) == 1
+    assert "does not divide" in capsys.readouterr().err
