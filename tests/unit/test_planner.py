@@ -178,5 +178,5 @@ def test_plan_cli_text_dot_rank_and_errors(tmp_path, capsys) -> None:
     assert main(["plan", str(config), "--nprocs", "4", "--simulate"]) == 0
     out = capsys.readouterr().out
     assert "routes:" in out and "centralized" in out and "p2p" in out
-    assert main(["plan", str(config), "--nprocs", "4", "--set", "rollout.layout.tp=3"]) == 1
+    assert main(["plan", str(config), "--nprocs", "4", "--set", "rollout.layout.tp=2"]) == 1
     assert "does not divide" in capsys.readouterr().err
