@@ -82,7 +82,8 @@ def metrics(run_dir):
 
 
 def test_zero_staleness_matches_sync_and_bounds_hold(tmp_path):
-    steps = ["run.steps=3"]
+    # a large learning rate makes later steps' samples depend on the pushed weights
+    steps = ["run.steps=3", "trainer.lr=0.05"]
     assert run_single([*SMALL, *steps, "runtime.nprocs=1"], tmp_path / "sync") == 0
     codes = run_workers([*SMALL, *steps, *SPLIT, "runtime.mode=async", "runtime.max_staleness=0"],
                         tmp_path / "async0")
