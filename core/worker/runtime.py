@@ -1,8 +1,9 @@
 """`WorkerRuntime`: everything one worker process holds while it runs its program.
 
-Built once per process by `WorkerRuntime.build`: the resolved model directory, the
+Built once per process by `peerflow.worker.main`: the resolved model directory, the
 tokenizer, the task and its rewards, the advantage estimator and losses (looked up through
-the plugin registries), this rank's engines (one per role it hosts) and its prompt sampler.
+the plugin registries by `build_components`), this rank's engines (one per role it hosts,
+built by `WorkerRuntime.build_engine`) and its prompt sampler.
 """
 
 from __future__ import annotations
@@ -67,24 +68,37 @@ class WorkerRuntime:
 
     config: RunConfig
     rank: int
+    """Global rank."""
     world_size: int
     run_dir: Path
+    """The run directory every rank writes into."""
     pm: Any
+    """This process's `PluginManager`."""
     model_path: str
+    """Local HF model directory the engines load."""
     tokenizer: Any
     task: Task
     rewards: dict[str, RewardFunction]
+    """Reward functions built so far, by registered name."""
     default_reward: str
+    """`task.reward`, else the task's `default_reward`."""
     estimator: AdvantageEstimator | None
     policy_loss: Any
+    """The actor's `LossFunction` (KL-regularised when `kl.mode: loss`)."""
     value_loss: Any
+    """The critic's `LossFunction`, or `None` without a critic."""
     dp_rank: int
+    """This rank's index among the prompt readers."""
     dp_size: int
+    """Number of prompt readers (dp-ranks of the `generate` role)."""
     sampler: ShardedPromptSampler | None
     engines: dict[str, Any] = attrs.field(factory=dict)
+    """This rank's engine for each hosted role (`rollout`, `actor`, `ref`, `critic`)."""
     layouts: dict[str, ParallelLayout] = attrs.field(factory=dict)
     kl_reward: Callable[[Any, Any], None] | None = None
+    """`f(batch, metrics)` subtracting the KL penalty from `reward` (`kl.mode: reward`)."""
     sync_weights: Callable[[], Any] = attrs.field(default=lambda: None)
+    """Runs one trainer → rollout weight sync on this rank; returns `WeightSyncStats`."""
     max_refill_rounds: int = 4
     progress: Any = None
     """The step progress bar (`peerflow.outputs.StepProgress`); draws on rank 0 only."""
