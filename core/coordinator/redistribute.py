@@ -14,9 +14,10 @@ route (ranks outside it must not):
    `isend`/`irecv` (a size, then the bytes); a colocated consumer copies locally;
 5. consumers concatenate what they received in producer-dp order.
 
-Gloo implements `all_to_all` only for equal splits on some builds, and a route seldom
-connects every pair, so point-to-point sends are used: each pair that exchanges data
-costs two messages and nothing else moves. `mode="centralized"` is the single-controller
+Gloo's list `all_to_all` rejects tensors of different sizes (torch 2.13:
+`ProcessGroupGloo::alltoall: invalid tensor size`), and a route seldom connects every
+pair, so point-to-point sends are used: each pair that exchanges data costs two
+messages and no other pair exchanges anything. `mode="centralized"` is the single-controller
 baseline: producers send everything to one rank, which plans and scatters.
 
 Every wait has a timeout (`runtime.fault_timeout`); a dead peer raises
