@@ -172,3 +172,20 @@ def test_dead_rollout_rank_fails_the_run_fast(tmp_path):
     assert noticed - died < 60  # well within the fault timeout plus start-up noise
     trainer_log = (tmp_path / "rank1.log").read_text()
     assert "rank 0" in trainer_log, trainer_log[-2000:]
+
+
+@pytest.mark.slow
+def test_two_rollout_ranks_feed_one_trainer(tmp_path):
+    overrides = [*SMALL, "runtime.placement=split", "rollout.layout.dp=2",
+                 "trainer.layout.dp=1", "runtime.nprocs=3", "runtime.mode=async",
+                 "runtime.max_staleness=2", "runtime.sampler=length_balanced", "run.steps=3",
+                 "run.checkpoint_every=3"]
+    assert run_workers(overrides, tmp_path / "run", world=3) == [0, 0, 0]
+    rows = metrics(tmp_path / "run")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["samples"] == 16 and r["staleness/max"] <= 2 for r in rows)
+    state = json.loads((tmp_path / "run" / "checkpoints" / "step_000003" /
+                        "async_state.json").read_text())
+    per_source = {int(k): v for k, v in state["trained_groups"].items()}
+    assert sorted(per_source) == [0, 1] and all(len(v) == 3 * 2 for v in per_source.values())
+    assert all(g % 2 == src for src, gids in per_source.items() for g in gids)  # own shard
