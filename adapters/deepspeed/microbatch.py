@@ -198,3 +198,20 @@ def empty_like_logprobs(batch: Batch) -> RaggedField:
     lengths = batch.lengths("response_ids")
     return RaggedField(values=torch.zeros(int(lengths.sum())),
                        offsets=torch.nn.functional.pad(torch.cumsum(lengths, 0), (1, 0)))
+
+
+def pad_to_shape(inputs: PaddedInputs, rows: int, length: int) -> PaddedInputs:
+    """Pads a micro-batch to exactly `[rows, length]` with empty filler rows.
+
+    Pipeline schedules exchange activations of one fixed shape per call.
+    """
+    count, width = inputs.input_ids.shape
+    pad = (0, length - width, 0, rows - count)
+    lengths_pad = (0, rows - count)
+    return PaddedInputs(
+        input_ids=torch.nn.functional.pad(inputs.input_ids, pad),
+        attention_mask=torch.nn.functional.pad(inputs.attention_mask, pad),
+        position_ids=torch.arange(length)[None, :].expand(rows, -1).contiguous(),
+        prompt_lengths=torch.nn.functional.pad(inputs.prompt_lengths, lengths_pad, value=1),
+        response_lengths=torch.nn.functional.pad(inputs.response_lengths, lengths_pad),
+    )

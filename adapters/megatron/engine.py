@@ -37,17 +37,20 @@ from peerflow.adapters.megatron.cpu import (
     needs_cpu_redirects,
     tensor_cuda_is_identity,
 )
+from peerflow.adapters.megatron.layout import megatron_shard_layout
 from peerflow.adapters.megatron.model import (
     SUPPORTED_FAMILIES,
     build_gpt_model,
     check_supported,
     transformer_config,
 )
+from peerflow.adapters.megatron.optim import build_optimizer, clip_and_step
 from peerflow.adapters.megatron.options import MegatronOptions
 from peerflow.adapters.megatron.weights import covered_names, import_hf_weights
 from peerflow.batch import Batch, RaggedField
 from peerflow.capabilities import Capabilities
 from peerflow.engines import EngineContext, LossFunction, OptimSettings, TrainEngine
+from peerflow.engines.train import yield_tensors
 from peerflow.errors import ConfigError, ShardError
 from peerflow.shard import ShardSpec
 
@@ -176,7 +179,8 @@ class MegatronTrainEngine(TrainEngine):
                                              module=model)
         self.config.no_sync_func = self.model.no_sync
         self.config.finalize_model_grads_func = _finalize_without_token_scaling
-        self.optimizer = self._build_optimizer(on_gpu)
+        self.optimizer = build_optimizer(self.model, self.module, optim, dtype=dtype,
+                                         distributed=options.use_distributed_optimizer)
         self.vocab_local = model.output_layer.weight.shape[0] if self.is_last and \
             model.output_layer.weight is not None else None
         if self.is_last and self.vocab_local is None:
@@ -197,21 +201,6 @@ class MegatronTrainEngine(TrainEngine):
             )
         return specs
 
-    def _build_optimizer(self, on_gpu: bool) -> Any:
-        optim = self.optim
-        if self.options.use_distributed_optimizer and on_gpu:
-            from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
-            config = OptimizerConfig(
-                optimizer="adam", lr=optim.lr, weight_decay=optim.weight_decay,
-                adam_beta1=optim.betas[0], adam_beta2=optim.betas[1], adam_eps=optim.eps,
-                clip_grad=optim.grad_clip, use_distributed_optimizer=True,
-                bf16=self.dtype == torch.bfloat16,
-            )
-            return get_megatron_optimizer(config, [self.model])
-        return torch.optim.AdamW(self.module.parameters(), lr=optim.lr, betas=optim.betas,
-                                 eps=optim.eps, weight_decay=optim.weight_decay)
-
     # ---------------------------------------------------------------- batches
     def _micro_batches(self, batch: Batch) -> tuple[list[tuple[mb.PaddedInputs, Batch]], int]:
         """Splits `batch` into micro-batches of one shape `[B, L]`; returns them and `L`."""
@@ -223,7 +212,7 @@ class MegatronTrainEngine(TrainEngine):
         out = []
         for indices in chunks:
             part = batch.select(indices)
-            out.append((_fixed_shape(mb.pad_inputs(part), size, seq), part))
+            out.append((mb.pad_to_shape(mb.pad_inputs(part), size, seq), part))
         return out, seq
 
     def _logprobs(self, logits: torch.Tensor, inputs: mb.PaddedInputs) -> torch.Tensor:
@@ -321,7 +310,9 @@ class MegatronTrainEngine(TrainEngine):
             self.optimizer.zero_grad()
             collected += [m for m in self._run(micro, seq, forward_only=False, loss_of=loss_of)
                           if m]
-            norms.append(self._step())
+            norms.append(clip_and_step(self.optimizer, self.module, self.optim.grad_clip,
+                                       tp_rank=self.tp_rank,
+                                       group=self.ps.get_model_parallel_group()))
         self.version += 1
         metrics: dict[str, float] = {}
         if self.is_last:
@@ -332,31 +323,6 @@ class MegatronTrainEngine(TrainEngine):
         metrics["grad_norm"] = sum(norms) / len(norms)
         metrics["lr"] = float(self.optim.lr)
         return metrics
-
-    def _step(self) -> float:
-        """Clips and applies the reduced gradients; returns the pre-clip global norm."""
-        if not isinstance(self.optimizer, torch.optim.Optimizer):
-            ok, norm, _ = self.optimizer.step()
-            return float(norm or 0.0)
-        import torch.distributed as dist
-
-        params = list(self.module.parameters())
-        square = torch.zeros((), dtype=torch.float64)
-        for param in params:
-            param.grad = param.main_grad.to(param.dtype)
-            counted = getattr(param, "tensor_model_parallel", False) or self.tp_rank == 0
-            if counted and not getattr(param, "shared", False):
-                square += param.grad.double().pow(2).sum().cpu()
-        group = self.ps.get_model_parallel_group()
-        if dist.get_world_size(group) > 1:
-            dist.all_reduce(square, group=group)
-        norm = float(square.sqrt())
-        if self.optim.grad_clip > 0 and norm > self.optim.grad_clip:
-            scale = self.optim.grad_clip / (norm + 1e-6)
-            for param in params:
-                param.grad.mul_(scale)
-        self.optimizer.step()
-        return norm
 
     def weight_sources(self) -> list[ShardSpec]:
         """This rank's Megatron tensors as pieces of HF tensors (see `megatron_layout`)."""
@@ -373,7 +339,7 @@ class MegatronTrainEngine(TrainEngine):
                 f"MegatronTrainEngine.materialize got unknown tensors {missing[:3]}; pass "
                 "specs returned by weight_sources()."
             )
-        return _yield([params[s.local_name].detach() for s in specs])
+        return yield_tensors([params[s.local_name].detach() for s in specs])
 
     def save_checkpoint(self, directory: str) -> None:
         """Saves this rank's model shard (safetensors) and optimiser state; see `checkpoint`."""
@@ -416,29 +382,6 @@ class MegatronTrainEngine(TrainEngine):
             self.ps.destroy_model_parallel()
 
 
-@contextlib.contextmanager
-def _yield(tensors: list[torch.Tensor]) -> Iterator[list[torch.Tensor]]:
-    yield tensors
-
-
-def megatron_shard_layout(hf_config: Any, layout: Any, rank: int, *,
-                          vocab_multiple: int = 128, dtype: str = "float32") -> list[ShardSpec]:
-    """Returns the Megatron shards of global rank `rank` of `layout`.
-
-    Megatron's default rank order (tp fastest, then dp, then pp) is `ParallelLayout`'s.
-    """
-    from peerflow.models import megatron_layout
-
-    if layout.ep * layout.cp != 1:
-        raise ConfigError(f"trainer.backend=megatron: layout {layout.describe()} uses ep/cp, "
-                          "which the adapter does not wire up.")
-    shape = check_supported(hf_config)
-    layout.check_divides("layers", shape.num_layers, dim="pp")
-    coord = layout.coord(rank)
-    return megatron_layout(hf_config, coord.tp, layout.tp, pp_rank=coord.pp, pp_size=layout.pp,
-                           dp_rank=coord.dp, vocab_multiple=vocab_multiple, dtype=dtype)
-
-
 def _finalize_without_token_scaling(model: list[Any], num_tokens: Any = None,
                                     **kwargs: Any) -> None:
     """Megatron's `finalize_model_grads` without dividing by the token count.
@@ -449,17 +392,3 @@ def _finalize_without_token_scaling(model: list[Any], num_tokens: Any = None,
     from megatron.core.distributed import finalize_model_grads
 
     finalize_model_grads(model, None, **kwargs)
-
-
-def _fixed_shape(inputs: mb.PaddedInputs, rows: int, length: int) -> mb.PaddedInputs:
-    """Pads a micro-batch to exactly `[rows, length]` with empty filler rows."""
-    count, width = inputs.input_ids.shape
-    pad = (0, length - width, 0, rows - count)
-    lengths_pad = (0, rows - count)
-    return mb.PaddedInputs(
-        input_ids=torch.nn.functional.pad(inputs.input_ids, pad),
-        attention_mask=torch.nn.functional.pad(inputs.attention_mask, pad),
-        position_ids=torch.arange(length)[None, :].expand(rows, -1).contiguous(),
-        prompt_lengths=torch.nn.functional.pad(inputs.prompt_lengths, lengths_pad, value=1),
-        response_lengths=torch.nn.functional.pad(inputs.response_lengths, lengths_pad),
-    )

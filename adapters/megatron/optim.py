@@ -1,0 +1,75 @@
+"""Optimisers of the Megatron engine: Megatron's distributed optimizer (GPU) or AdamW.
+
+On CPU, megatron-core 0.16's optimizers refuse non-CUDA tensors, so a `torch.optim.AdamW`
+steps the parameters with the gradients Megatron's DDP wrapper reduced into
+`param.main_grad`. Clipping then needs the global norm over the model-parallel group,
+counting each tensor once: tp-replicated tensors (norms) only on tp rank 0, and the last
+stage's copy of a tied embedding (`shared`) not at all.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from peerflow.engines import OptimSettings
+
+
+def build_optimizer(model: Any, module: torch.nn.Module, optim: OptimSettings, *,
+                    dtype: torch.dtype, distributed: bool) -> Any:
+    """Returns Megatron's distributed optimizer over `model` (DDP-wrapped) or AdamW.
+
+    Args:
+        model: The DDP-wrapped `GPTModel`.
+        module: The bare `GPTModel` (its parameters).
+        optim: PeerFlow's optimiser settings.
+        dtype: Parameter dtype (bf16 turns on Megatron's mixed precision).
+        distributed: Use Megatron's distributed optimizer (CUDA only).
+    """
+    if distributed:
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        config = OptimizerConfig(
+            optimizer="adam", lr=optim.lr, weight_decay=optim.weight_decay,
+            adam_beta1=optim.betas[0], adam_beta2=optim.betas[1], adam_eps=optim.eps,
+            clip_grad=optim.grad_clip, use_distributed_optimizer=True,
+            bf16=dtype == torch.bfloat16,
+        )
+        return get_megatron_optimizer(config, [model])
+    return torch.optim.AdamW(module.parameters(), lr=optim.lr, betas=optim.betas,
+                             eps=optim.eps, weight_decay=optim.weight_decay)
+
+
+def clip_and_step(optimizer: Any, module: torch.nn.Module, grad_clip: float, *,
+                  tp_rank: int, group: Any) -> float:
+    """Clips and applies the reduced gradients; returns the pre-clip global norm.
+
+    Args:
+        optimizer: What `build_optimizer` returned.
+        module: The bare `GPTModel`.
+        grad_clip: Global norm limit (0 disables clipping).
+        tp_rank: This rank's tensor-parallel index.
+        group: Megatron's model-parallel group (tp × pp) the norm is summed over.
+    """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        _, norm, _ = optimizer.step()  # Megatron clips inside its own step
+        return float(norm or 0.0)
+    import torch.distributed as dist
+
+    params = list(module.parameters())
+    square = torch.zeros((), dtype=torch.float64)
+    for param in params:
+        param.grad = param.main_grad.to(param.dtype)
+        counted = getattr(param, "tensor_model_parallel", False) or tp_rank == 0
+        if counted and not getattr(param, "shared", False):
+            square += param.grad.double().pow(2).sum().cpu()
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(square, group=group)
+    norm = float(square.sqrt())
+    if grad_clip > 0 and norm > grad_clip:
+        scale = grad_clip / (norm + 1e-6)
+        for param in params:
+            param.grad.mul_(scale)
+    optimizer.step()
+    return norm
