@@ -59,6 +59,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(report, indent=2))
         return 0
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     console = Console()
@@ -74,11 +75,12 @@ def run(args: argparse.Namespace) -> int:
         engines.add_column(column)
     for e in report["engines"]:
         detail = ", ".join(e["capabilities"]) if e["installed"] else e["install_hint"]
-        engines.add_row(e["kind"], e["name"], "yes" if e["installed"] else "no", detail)
+        engines.add_row(e["kind"], e["name"], "yes" if e["installed"] else "no", escape(detail))
     console.print(engines)
     for e in report["errors"]:
-        console.print(f"[red]failed to load[/red] {e['entry_point']} from {e['distribution']}: "
-                      f"{e['exception']}", markup=True, highlight=False, soft_wrap=True)
+        console.print(f"[red]failed to load[/red] {escape(e['entry_point'])} from "
+                      f"{escape(e['distribution'])}: {escape(e['exception'])}",
+                      highlight=False, soft_wrap=True)
         if args.verbose:
             console.print(e["traceback"], markup=False, highlight=False)
     return 0
