@@ -165,6 +165,8 @@ def _silent_peer(rank: int, port: int, out) -> None:
             out.put(("no error", 0.0))
         except WorkerFailedError as exc:
             out.put((str(exc), time.monotonic() - start))
+        out.close()
+        out.join_thread()  # flush the queue before leaving without teardown
     else:
         time.sleep(4)
     os._exit(0)  # rank 1 never sends; skip the collective teardown
