@@ -26,7 +26,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default="examples/quickstart.yaml",
                         help="run config both sides use (default: the quickstart)")
     parser.add_argument("--nprocs", type=int, default=2, help="processes per side")
-    parser.add_argument("--steps", type=int, default=8, help="training steps per side")
+    parser.add_argument("--steps", type=int, default=20,
+                        help="training steps per side (start-up is amortised over them)")
     parser.add_argument("--runs", type=int, default=1, help="repetitions (medians reported)")
     parser.add_argument("--set", dest="overrides", action="append", default=[],
                         metavar="KEY=VALUE", help="config override applied to both sides")
