@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
+import queue
 import socket
 import traceback
 
@@ -88,7 +90,7 @@ def _worker(rank: int, world: int, port: int, results) -> None:
     from peerflow.reshard import plan_weight_sync, sync_weights
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
+                            world_size=world, timeout=datetime.timedelta(seconds=240))
     try:
         Trainer, Rollout = _engines()
         full = arange_globals(hf_parameters(CONFIG))
@@ -123,14 +125,20 @@ def _worker(rank: int, world: int, port: int, results) -> None:
 
 def test_sync_weights_split_and_colocated_over_gloo():
     ctx = mp.get_context("spawn")
-    results = ctx.SimpleQueue()
+    results = ctx.Queue()
     port = _free_port()
     procs = [ctx.Process(target=_worker, args=(r, 2, port, results)) for r in range(2)]
     for p in procs:
         p.start()
-    got = [results.get() for _ in procs]
-    for p in procs:
-        p.join(60)
+    try:
+        got = [results.get(timeout=400) for _ in procs]
+    except queue.Empty:
+        pytest.fail("a reshard worker neither finished nor reported an error within 400 s")
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
     errors = [err for _, _, err in got if err]
     assert not errors, "\n".join(errors)
     by_rank = {rank: out for rank, out, _ in got}
