@@ -35,7 +35,22 @@ def check_model_builder(config: RunConfig, pm: object) -> list[str]:
     return check(config, pm)
 
 
-EXTRA_VALIDATORS += [check_workflow, check_model_builder]
+def check_async_mode(config: RunConfig, pm: object) -> list[str]:
+    """`EXTRA_VALIDATORS` entry: settings `runtime.mode: async` cannot run, before spawn."""
+    if config.runtime.mode != "async":
+        return []
+    from peerflow.errors import ConfigError
+    from peerflow.planner import plan_run
+    from peerflow.worker.async_loop import check_async_config
+
+    try:
+        check_async_config(config, plan_run(config, config.runtime.nprocs, pm).roles)
+    except ConfigError as exc:
+        return [str(exc)]
+    return []
+
+
+EXTRA_VALIDATORS += [check_workflow, check_model_builder, check_async_mode]
 
 __all__ = [
     "EXTRA_VALIDATORS",

@@ -63,3 +63,9 @@ def test_section_that_is_no_backend_gets_did_you_mean(plugin_manager):
     expected = r"rollout.samplng: unknown key. Did you mean 'sampling'\?"
     with pytest.raises(ConfigError, match=expected):
         validate_config(config, plugin_manager)
+
+
+def test_async_settings_are_checked_before_any_process_starts(plugin_manager):
+    config = load_config(None, ["runtime.mode=async"])
+    with pytest.raises(ConfigError, match="runtime.mode=async needs runtime.placement=split"):
+        validate_config(config, plugin_manager)
