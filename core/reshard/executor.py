@@ -85,6 +85,8 @@ class Arena:
     device: Any = "cpu"
     buffer: torch.Tensor | None = None
     cursor: int = 0
+    stage_bytes: int = 0
+    """Size to grow to the first time a bucket stages tensors (its largest need)."""
 
     def reset(self) -> None:
         """Starts carving a new bucket from offset 0."""
@@ -92,6 +94,8 @@ class Arena:
 
     def reserve_total(self, nbytes: int) -> None:
         """Makes room for `nbytes` in this bucket (grows the buffer when needed)."""
+        if nbytes <= 0:
+            return
         have = 0 if self.buffer is None else self.buffer.numel()
         if nbytes > have:
             if self.buffer is not None:
@@ -179,7 +183,10 @@ def run_plan(
     my_sources = {s.local_name: s for s in plan.sources.get(rank, ())}
     my_targets = {s.local_name: s for s in plan.destinations.get(rank, ())}
     # One arena per sync: a bucket's send buffers, then (once sent) its staged tensors.
+    # Sized once for the largest bucket so no bucket reallocates (and re-faults) memory.
     arena = Arena(meter=meter, device=device)
+    arena.reserve_total(_arena_bytes(buckets, rank, my_targets, stage=False))
+    arena.stage_bytes = _arena_bytes(buckets, rank, my_targets, stage=True)
     try:
         _run_buckets(plan, buckets, rank, transport, materialize, load, buffers, meter,
                      stats, my_sources, my_targets, arena)
@@ -187,6 +194,22 @@ def run_plan(
         arena.release()
     stats.peak_extra_bytes = meter.peak
     return stats
+
+
+def _arena_bytes(buckets: Sequence[Bucket], rank: int, targets: dict[str, ShardSpec],
+                 *, stage: bool) -> int:
+    """Largest arena any bucket of this rank needs (send buffers; staged tensors too)."""
+    need = 0
+    for bucket in buckets:
+        per_peer: dict[int, list[Transfer]] = {}
+        for t in bucket.transfers:
+            if t.src_rank == rank and t.dst_rank != rank:
+                per_peer.setdefault(t.dst_rank, []).append(t)
+        send = sum(_aligned(packed_layout(ts)[1]) for ts in per_peer.values())
+        staged = sum(_aligned(math.prod(targets[n].local_shape) * itemsize(targets[n].dtype))
+                     for r, n in bucket.targets if r == rank) if stage else 0
+        need = max(need, send, staged)
+    return need
 
 
 def _run_buckets(plan: ReshardPlan, buckets: Sequence[Bucket], rank: int,
@@ -270,7 +293,7 @@ def _run_bucket(bucket: Bucket, rank: int, sources: dict[str, torch.Tensor],
         sizes = [math.prod(targets[n].local_shape) * itemsize(targets[n].dtype)
                  for _, n in mine]
         arena.reset()
-        arena.reserve_total(sum(_aligned(n) for n in sizes))
+        arena.reserve_total(max(sum(_aligned(n) for n in sizes), arena.stage_bytes))
         for (_, name), nbytes in zip(mine, sizes):
             spec = targets[name]
             tensor = arena.take(nbytes).view(getattr(torch, spec.dtype)).view(
