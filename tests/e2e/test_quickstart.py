@@ -38,3 +38,14 @@ def test_bad_config_fails_before_spawning(tmp_path, quickstart):
     assert proc.returncode == 1
     assert "grop" in proc.stderr and "grpo" in proc.stderr
     assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.slow
+def test_quickstart_learns(tmp_path, quickstart, metrics_of, peerflow_train):
+    """The full quickstart (100 steps, 2 processes): last-5 mean reward ≥ first-5 + 0.3."""
+    run_dir = tmp_path / "run"
+    peerflow_train([quickstart, "--run-dir", str(run_dir)], ["run.trace=false"])
+    rewards = [m["reward/mean"] for m in metrics_of(run_dir)]
+    assert len(rewards) == 100
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    assert last - first >= 0.3, (first, last)
