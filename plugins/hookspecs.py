@@ -131,7 +131,7 @@ def peerflow_register_nodes(register: Any) -> None:
 
     Args:
         register: Call `register(cls)` for each node class; its `name` is what a node's
-            `type` in `workflow.nodes` selects.
+            `kind` in `workflow.nodes` selects.
 
     Returns:
         Nothing; the return value is ignored.

