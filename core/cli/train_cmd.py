@@ -91,13 +91,14 @@ def run(args: argparse.Namespace) -> int:
             )
         return int(launch(config_path=config_path, overrides=list(args.overrides),
                           run_dir=run_dir, resume=args.resume, launcher=args.launcher) or 0)
-    config = check_config(config_path, list(args.overrides))
-    nprocs = args.nprocs or config.runtime.nprocs
-    if nprocs < 1:
-        raise ConfigError(f"--nprocs {nprocs}: must be at least 1.")
+    if args.nprocs is not None and args.nprocs < 1:
+        raise ConfigError(f"--nprocs {args.nprocs}: must be at least 1.")
     overrides = list(args.overrides)
     if args.nprocs is not None:
-        overrides.append(f"runtime.nprocs={nprocs}")
+        # Before validation: a split layout may only fit the --nprocs world size.
+        overrides.append(f"runtime.nprocs={args.nprocs}")
+    config = check_config(config_path, overrides)
+    nprocs = config.runtime.nprocs
     run_path = create_run_dir(run_dir, name=Path(config_path).stem)
     print(f"peerflow train: {nprocs} worker(s), run directory {run_path}", flush=True)
     return int(launch(

@@ -32,8 +32,9 @@ def _builtin(name: str, config: Any) -> WorkflowGraph:
             f"workflow.graph={name!r} is not a built-in graph.{hint} Choose one of "
             f"{', '.join(BUILTIN_GRAPHS)}, or describe the graph with workflow.nodes."
         ) from None
-    kl = bool(config is not None and config.algorithm.kl.coef > 0
-              and config.algorithm.kl.mode == "loss")
+    kl = None
+    if config is not None and config.algorithm.kl.coef > 0:
+        kl = config.algorithm.kl.mode
     return factory(kl=kl)
 
 

@@ -94,43 +94,56 @@ def _node(kind: str, name: str | None = None, **changes: Any) -> Node:
     return Node(name=name or kind, kind=kind, **values)
 
 
-def grpo_graph(*, kl: bool = False, old_logprobs: bool = True) -> WorkflowGraph:
+def _kl_inputs(kl: str | None) -> tuple[list[Node], tuple[str, ...], list[str]]:
+    """Returns the reference node (if any) and where `ref_logprobs` flows for `kl`."""
+    if kl not in (None, "loss", "reward"):
+        raise ValueError(f"kl={kl!r}: expected None, 'loss' or 'reward'")
+    if kl is None:
+        return [], (), []
+    to_advantage = ("ref_logprobs",) if kl == "reward" else ()
+    to_loss = ["ref_logprobs"] if kl == "loss" else []
+    return [_node("ref_logprob")], to_advantage, to_loss
+
+
+def grpo_graph(*, kl: str | None = None, old_logprobs: bool = True) -> WorkflowGraph:
     """GRPO: generate → reward → (ref_logprob) → old_logprob → advantage → train → sync.
 
     Args:
-        kl: Include the frozen reference model (`ref_logprob`) and feed it to the loss.
+        kl: Include the frozen reference model (`ref_logprob`) and feed its log-probs to
+            the loss (`"loss"`) or to the advantage node's reward penalty (`"reward"`).
         old_logprobs: Recompute the trainer's log-probs before the update; without it the
             loss uses the rollout engine's log-probs (purely on-policy runs).
     """
-    train_inputs = ["prompt_ids", "response_ids", "advantages"]
-    nodes = [_node("generate"), _node("reward")]
-    if kl:
-        nodes.append(_node("ref_logprob"))
-        train_inputs.append("ref_logprobs")
+    ref_nodes, advantage_extra, loss_extra = _kl_inputs(kl)
+    train_inputs = ["prompt_ids", "response_ids", "advantages", *loss_extra]
+    nodes = [_node("generate"), _node("reward"), *ref_nodes]
     if old_logprobs:
         nodes.append(_node("old_logprob"))
         train_inputs.append("old_logprobs")
     else:
         train_inputs.append("rollout_logprobs")
     nodes += [
-        _node("advantage", outputs=("advantages",)),
+        _node("advantage", inputs=("response_ids", "reward", *advantage_extra),
+              outputs=("advantages",)),
         _node("train_actor", inputs=tuple(train_inputs)),
         _node("sync_weights", after=("train_actor",), options={"target": "rollout"}),
     ]
     return WorkflowGraph(nodes, SOURCE_FIELDS)
 
 
-def ppo_graph(*, kl: bool = False) -> WorkflowGraph:
-    """PPO with a critic: GRPO's nodes plus `values` and `train_critic`; GAE advantages."""
-    train_inputs = ["prompt_ids", "response_ids", "advantages", "old_logprobs"]
-    nodes = [_node("generate"), _node("reward")]
-    if kl:
-        nodes.append(_node("ref_logprob"))
-        train_inputs.append("ref_logprobs")
+def ppo_graph(*, kl: str | None = None) -> WorkflowGraph:
+    """PPO with a critic: GRPO's nodes plus `values` and `train_critic`; GAE advantages.
+
+    Args:
+        kl: As for `grpo_graph`.
+    """
+    ref_nodes, advantage_extra, loss_extra = _kl_inputs(kl)
+    train_inputs = ["prompt_ids", "response_ids", "advantages", "old_logprobs", *loss_extra]
+    nodes = [_node("generate"), _node("reward"), *ref_nodes]
     nodes += [
         _node("old_logprob"),
         _node("values"),
-        _node("advantage", inputs=("response_ids", "reward", "values")),
+        _node("advantage", inputs=("response_ids", "reward", "values", *advantage_extra)),
         _node("train_actor", inputs=tuple(train_inputs)),
         _node("train_critic"),
         _node("sync_weights", after=("train_actor",), options={"target": "rollout"}),

@@ -6,13 +6,6 @@ import pytest
 
 from peerflow.worker.main import run_worker
 
-KL_REWARD_GRAPH = (
-    "[{name: generate}, {name: reward}, {name: ref_logprob}, {name: old_logprob},"
-    " {name: advantage, inputs: [response_ids, reward, ref_logprobs, old_logprobs]},"
-    " {name: train_actor, inputs: [prompt_ids, response_ids, advantages, old_logprobs]},"
-    " {name: sync_weights, after: [train_actor], options: {target: rollout}}]"
-)
-
 CASES = {
     "grpo": ([], ["advantages/mean"]),
     "dr_grpo": (["algorithm.options.grpo.unbiased=true"], ["advantages/mean"]),
@@ -26,10 +19,7 @@ CASES = {
     "gspo": (["algorithm.loss=gspo"], ["time/train_actor"]),
     "kl_loss": (["algorithm.kl.coef=0.05", "algorithm.kl.mode=loss"],
                 ["time/ref_logprob", "kl/mean"]),
-    # The built-in graphs add `ref_logprob` only for `kl.mode: loss`; a KL reward penalty
-    # is wired with an explicit graph whose advantage node reads `ref_logprobs`.
-    "kl_reward": (["algorithm.kl.coef=0.05", "algorithm.kl.mode=reward", "workflow.graph=null",
-                   "workflow.nodes=" + KL_REWARD_GRAPH],
+    "kl_reward": (["algorithm.kl.coef=0.05", "algorithm.kl.mode=reward"],
                   ["time/ref_logprob", "kl/mean", "score/mean"]),
     "dynamic_sampling": (["algorithm.dynamic_sampling=true"],
                          ["dynamic_sampling/dropped_groups", "dynamic_sampling/refill_rounds"]),

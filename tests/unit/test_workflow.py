@@ -33,8 +33,12 @@ def test_grpo_and_ppo_graphs_order_and_edges() -> None:
                          "sync_weights")
     assert {e.name for e in g.producers("advantage")} == {"generate->advantage",
                                                            "reward->advantage"}
-    assert "ref_logprob" in grpo_graph(kl=True).order()
-    assert "ref_logprobs" in grpo_graph(kl=True).node("train_actor").inputs
+    assert "ref_logprob" in grpo_graph(kl="loss").order()
+    assert "ref_logprobs" in grpo_graph(kl="loss").node("train_actor").inputs
+    in_reward = grpo_graph(kl="reward")
+    assert "ref_logprobs" in in_reward.node("advantage").inputs
+    assert "ref_logprobs" not in in_reward.node("train_actor").inputs
+    assert "ref_logprobs" in ppo_graph(kl="reward").node("advantage").inputs
     p = ppo_graph()
     order = p.order()
     assert order.index("values") < order.index("advantage") < order.index("train_critic")
