@@ -48,8 +48,8 @@ def test_layer_3_passes_the_real_hf_engine_and_fails_one_swapping_k_and_v(tmp_pa
     assert any("test_l3_load_is_bit_exact" in line for line in failed)
     assert any("test_l3_corrupt_then_restore" in line for line in failed)
     # The message names the HF parameter, the region and where the wrong values sit.
-    assert "model.layers.0.self_attn.k_proj.weight region [0:16, 0:32]" in out
-    assert "model.layers.0.self_attn.v_proj.weight region [0:16, 0:32]" in out
+    assert "model.layers.0.self_attn.k_proj.weight region [0:64, 0:128]" in out
+    assert "model.layers.0.self_attn.v_proj.weight region [0:64, 0:128]" in out
     assert "elements wrong, first at global index (0, 0)" in out
 
 
