@@ -36,7 +36,8 @@ SIZES: dict[str, tuple[int, int, int, int, int]] = {
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Adds the benchmark's options."""
-    parser.add_argument("--backend", default="vllm", help="rollout engine (default vllm)")
+    parser.add_argument("--backend", "--rollout", dest="backend", default="vllm",
+                        help="rollout engine (default vllm)")
     parser.add_argument("--trainer", default="fsdp", help="train engine (default fsdp)")
     parser.add_argument("--sizes", default="quickstart,500m",
                         help=f"comma-separated model sizes from {sorted(SIZES)}")
@@ -110,6 +111,8 @@ def _measure(size: str, args: argparse.Namespace, workdir: Path) -> dict[str, An
                                             "layers": layers, "heads": heads, "kv_heads": kv},
             "first_plan_s": first_plan_s, **medians,
             "bytes": runs[0]["bytes"], "buckets": runs[0]["buckets"],
+            # One process hosts both engines here, so rank 0 sends every byte.
+            "bytes_sent_per_rank": {"0": runs[0]["bytes"]},
             "median_of": args.runs, "runs": runs}
 
 
