@@ -122,6 +122,9 @@ class FaultMonitor:
     world_size: int
     fault_timeout: float = 60.0
     exit_process: Any = os._exit
+    store_owner: int | None = None
+    """Rank whose process hosts the store (rank 0 under plain `env://`), `None` when a
+    launcher or torchrun agent hosts it."""
     stage_name: str = "startup"
     host: str = attrs.field(factory=_hostname)
     _stop: threading.Event = attrs.field(factory=threading.Event)
@@ -193,6 +196,26 @@ class FaultMonitor:
         self._stop.set()
         self.exit_process(PEER_FAILED_EXIT)
 
+    def store_lost(self, exc: BaseException) -> FailureRecord:
+        """The failure to report when the store itself is unreachable: its host died."""
+        if self.store_owner is not None and self.store_owner != self.rank:
+            return FailureRecord(
+                rank=self.store_owner, host=os.environ.get("MASTER_ADDR", "?"), stage="?",
+                reporter=self.rank,
+                reason=f"it hosted the rendezvous store, which is unreachable ({exc}): the "
+                "process died")
+        return FailureRecord(
+            rank=-1, host="?", stage="store", reporter=self.rank,
+            reason=f"lost the rendezvous store ({exc}); the launcher or the rank hosting it died")
+
+    def store_reachable(self) -> bool:
+        """Whether the store still answers."""
+        try:
+            self.store.check([PREFIX + "abort"])
+        except Exception:  # noqa: BLE001 - any failure means the store is gone
+            return False
+        return True
+
     def _watched(self) -> list[int]:
         others = [(self.rank + k) % self.world_size for k in (1, 2)]
         return list(dict.fromkeys(r for r in others if r != self.rank))
@@ -223,11 +246,7 @@ class FaultMonitor:
             except Exception as exc:  # the store itself is gone: its host died
                 self._store_error_since = self._store_error_since or now
                 if now - self._store_error_since > self.stale_after and not self._stop.is_set():
-                    record = FailureRecord(
-                        rank=-1, host="?", stage="store", reporter=self.rank,
-                        reason=f"lost the rendezvous store ({exc}); the launcher or the rank "
-                        "hosting it died")
-                    self.exit_for(record)
+                    self.exit_for(self.store_lost(exc))
                 continue
             if record is not None and record.rank != self.rank and not self._stop.is_set():
                 self.exit_for(record)
@@ -279,6 +298,8 @@ def handle_failure(exc: BaseException, monitor: FaultMonitor | None = None) -> N
         record = read_failure(monitor.store)
         if record is None and looks_like_comm_error(exc):
             record = monitor.wait_for_failure(monitor.stale_after + 2 * monitor.interval)
+    if record is None and looks_like_comm_error(exc) and not monitor.store_reachable():
+        record = monitor.store_lost(exc)
     if record is not None and record.rank != monitor.rank:
         monitor.exit_for(record)
         return

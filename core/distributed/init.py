@@ -127,8 +127,11 @@ def init_distributed(
     store = _fault_store(dist.distributed_c10d._get_default_store(), timeout)
     fault_monitor = None
     if monitor:
+        agent_store = (os.environ.get(FAULT_STORE_ENV)
+                       or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True")
         fault_monitor = FaultMonitor(store=store, rank=rank, world_size=world_size,
-                                     fault_timeout=timeout).start()
+                                     fault_timeout=timeout,
+                                     store_owner=None if agent_store else 0).start()
         fault_monitor.install_sigterm_handler()
         set_monitor(fault_monitor)
     _CONTEXT = DistContext(rank=rank, world_size=world_size, local_rank=local_rank,
