@@ -12,7 +12,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _pyright() -> str:
-    found = shutil.which("pyright", path=str(Path(sys.executable).parent)) or shutil.which("pyright")
+    venv_bin = str(Path(sys.executable).parent)
+    found = shutil.which("pyright", path=venv_bin) or shutil.which("pyright")
     if found is None:
         pytest.skip("pyright is not installed (it is in the `test` extra)")
     return found
