@@ -41,10 +41,9 @@ def check_async_mode(config: RunConfig, pm: object) -> list[str]:
         return []
     from peerflow.errors import ConfigError
     from peerflow.planner import plan_run
-    from peerflow.worker.async_loop import check_async_config
 
     try:
-        check_async_config(config, plan_run(config, config.runtime.nprocs, pm).roles)
+        plan_run(config, config.runtime.nprocs, pm)
     except ConfigError as exc:
         return [str(exc)]
     return []

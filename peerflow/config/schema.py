@@ -108,8 +108,8 @@ class RuntimeConfig:
     a request (0: a quarter of `rollout.sampling.max_tokens`)."""
     sampler: str = "grouped"
     """Async mode: how a trainer forms micro-batches from streamed samples (`sequential`,
-    `grouped`, `length_balanced`, or one registered with
-    `peerflow.streaming.samplers.register_sampler`)."""
+    `grouped`, `length_balanced`, or one a plugin registers with
+    `peerflow_register_samplers`)."""
     async_prompts_per_call: int = 0
     """Async mode: most prompts a rollout rank starts in one generate call (0: its share of
     `run.prompts_per_step`); smaller calls stream finished groups sooner."""

@@ -11,12 +11,11 @@ Interface for the worker (`peerflow.worker`): every rank computes
 bytes a route moves at any scale from the same planning code.
 """
 
-from peerflow.planner.placement import ROLE_SECTION, place_roles
+from peerflow.planner.placement import place_roles
 from peerflow.planner.plan import Op, Route, RouteOp, RunNode, RunPlan, plan_run
 from peerflow.planner.simulate import RouteTraffic, simulate_route
 
 __all__ = [
-    "ROLE_SECTION",
     "Op",
     "Route",
     "RouteOp",

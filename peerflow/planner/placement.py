@@ -15,12 +15,7 @@ from typing import Any
 
 from peerflow.errors import ConfigError
 from peerflow.layout import ParallelLayout
-
-#: Which config section shapes each role.
-ROLE_SECTION: dict[str, str] = {
-    "rollout": "rollout", "reward": "rollout",
-    "actor": "trainer", "ref": "trainer", "critic": "trainer",
-}
+from peerflow.workflow.roles import ROLES
 
 
 def _model_size(section: Any) -> int:
@@ -84,4 +79,4 @@ def place_roles(config: Any, world_size: int) -> dict[str, ParallelLayout]:
                  "trainer": _fill("trainer", config.trainer, everyone[cut:], (0,))}
     else:
         raise ConfigError(f"runtime.placement={placement!r}; use colocated or split.")
-    return {role: sides[section] for role, section in ROLE_SECTION.items()}
+    return {name: sides[role.side] for name, role in ROLES.items()}

@@ -8,6 +8,10 @@
 4. `RunPlan.program(rank)` keeps the ops a rank takes part in: `RunNode` where the rank
    hosts the node's role, `RouteOp` where it is in `route.src ∪ route.dst`.
 
+That is the lockstep (sync) program. With `runtime.mode: async` step 3 instead gives every
+node its streaming phase (`peerflow.planner.streaming`): no routes, the sample stream
+moves the batch from rollout to trainer ranks.
+
 Every rank runs the same `plan_run` and so agrees on the programs and routes. A step's
 batch starts on the first data node's layout (each dp-rank reads its dataset shard).
 """
@@ -18,6 +22,7 @@ from typing import Any
 
 import attrs
 
+from peerflow.errors import ConfigError
 from peerflow.layout import ParallelLayout
 from peerflow.planner.placement import place_roles
 from peerflow.workflow.build import build_graph
@@ -67,10 +72,13 @@ class RunNode:
     role: str
     ranks: tuple[int, ...]
     """Global ranks that run it."""
+    phase: str = ""
+    """Async mode: the streaming phase (`peerflow.planner.streaming.PHASES`); "" in sync."""
 
     def describe(self) -> str:
         """Short text form."""
-        return f"run {self.node} ({self.kind} on {self.role})"
+        phase = f", {self.phase.replace('_', ' ')}" if self.phase else ""
+        return f"run {self.node} ({self.kind} on {self.role}{phase})"
 
 
 @attrs.frozen(kw_only=True)
@@ -114,6 +122,8 @@ class RunPlan:
     world_size: int
     placement: str
     coordinator: str
+    mode: str = "sync"
+    """`sync` (lockstep program) or `async` (streaming phases)."""
     graph: WorkflowGraph
     roles: dict[str, ParallelLayout]
     ops: tuple[Op, ...]
@@ -150,6 +160,7 @@ class RunPlan:
         """Plain data for `peerflow plan --format json`."""
         return {
             "world_size": self.world_size,
+            "mode": self.mode,
             "placement": self.placement,
             "coordinator": self.coordinator,
             "samples_per_step": self.samples_per_step,
@@ -178,15 +189,18 @@ class RunPlan:
                 continue
             src = self.roles[self.graph.node(edge.producer).role]
             dst = self.roles[self.graph.node(edge.consumer).role]
+            local = "sample stream" if self.mode == "async" and src != dst else "local"
             out.append({"edge": edge.name, "fields": list(edge.fields),
                         "src": src.describe(), "dst": dst.describe(),
-                        "route": carried.get(edge.name, "local (same layout)")})
+                        "route": carried.get(edge.name, f"{local} (same layout)"
+                                             if local == "local" else local)})
         return out
 
     def to_text(self) -> str:
         """Human-readable plan (`peerflow plan --format text`)."""
-        lines = [f"world size {self.world_size}, placement {self.placement}, coordinator "
-                 f"{self.coordinator}, {self.samples_per_step} samples per step",
+        lines = [f"world size {self.world_size}, {self.mode} mode, placement "
+                 f"{self.placement}, coordinator {self.coordinator}, "
+                 f"{self.samples_per_step} samples per step",
                  "", "roles:"]
         lines += [f"  {role:8s} {lay.describe()}" for role, lay in self.roles.items()]
         lines += ["", "nodes (in order):"]
@@ -240,6 +254,45 @@ def plan_run(config: Any, world_size: int, pm: Any = None,
     """
     graph = graph or build_graph(config, pm)
     roles = place_roles(config, world_size)
+    if config.runtime.mode == "async":
+        ops = _streaming_ops(config, graph, roles, pm)
+    else:
+        ops = _lockstep_ops(graph, roles)
+    samples = config.run.prompts_per_step * config.rollout.sampling.n
+    return RunPlan(world_size=world_size, placement=config.runtime.placement,
+                   mode=config.runtime.mode,
+                   coordinator=config.runtime.coordinator, graph=graph, roles=roles,
+                   ops=tuple(ops), samples_per_step=samples)
+
+
+def _ranks(node: Any, roles: dict[str, ParallelLayout]) -> tuple[int, ...]:
+    """Ranks running `node`: its role's, plus its `target` role's (`sync_weights`)."""
+    ranks = set(roles[node.role].global_ranks)
+    target = node.options.get("target")
+    if target in roles:
+        ranks |= set(roles[target].global_ranks)
+    return tuple(sorted(ranks))
+
+
+def _streaming_ops(config: Any, graph: WorkflowGraph, roles: dict[str, ParallelLayout],
+                   pm: Any) -> tuple[Op, ...]:
+    """The async program: every node with its streaming phase, no routes."""
+    from peerflow.planner.streaming import check_async_config, node_phase
+    from peerflow.workflow.build import node_kinds
+
+    check_async_config(config, roles, pm)
+    if set(roles["rollout"].global_ranks) & set(roles["actor"].global_ranks):
+        raise ConfigError("runtime.mode=async: rollout and actor ranks overlap; "
+                          "use split placement.")
+    kinds = node_kinds(pm)
+    return tuple(RunNode(node=name, kind=graph.node(name).kind, role=graph.node(name).role,
+                         ranks=_ranks(graph.node(name), roles),
+                         phase=node_phase(graph.node(name), kinds, roles))
+                 for name in graph.order())
+
+
+def _lockstep_ops(graph: WorkflowGraph, roles: dict[str, ParallelLayout]) -> tuple[Op, ...]:
+    """The sync program: nodes in order, a `RouteOp` wherever the batch changes layout."""
     steps: list[Any] = []  # RunNode, or [src, dst, src_role, dst_role, edges, fields]
     location: ParallelLayout | None = None
     location_role = ""
@@ -260,12 +313,8 @@ def plan_run(config: Any, world_size: int, pm: Any = None,
             for edge in graph.producers(name):
                 if edge.fields and written_on.get(edge.producer) != layout and last_route:
                     last_route[4].append(edge.name)
-        ranks = set(layout.global_ranks)
-        target = node.options.get("target")
-        if target in roles:
-            ranks |= set(roles[target].global_ranks)
         steps.append(RunNode(node=name, kind=node.kind, role=node.role,
-                             ranks=tuple(sorted(ranks))))
+                             ranks=_ranks(node, roles)))
         written_on[name] = location if location is not None else layout
         fields += [f for f in node.outputs if f not in fields]
     ops: list[Op] = []
@@ -277,7 +326,4 @@ def plan_run(config: Any, world_size: int, pm: Any = None,
         ops.append(RouteOp(route=Route(name=f"{src_role}->{dst_role}@{at}", src=src, dst=dst,
                                        src_role=src_role, dst_role=dst_role,
                                        edges=tuple(edges), fields=carried)))
-    samples = config.run.prompts_per_step * config.rollout.sampling.n
-    return RunPlan(world_size=world_size, placement=config.runtime.placement,
-                   coordinator=config.runtime.coordinator, graph=graph, roles=roles,
-                   ops=tuple(ops), samples_per_step=samples)
+    return tuple(ops)

@@ -141,6 +141,21 @@ def peerflow_register_nodes(register: Any) -> None:
 
 
 @hookspec
+def peerflow_register_samplers(register: Any) -> None:
+    """Register async-mode micro-batch samplers.
+
+    Args:
+        register: Call `register(cls)` for each `peerflow.streaming.samplers.Sampler`
+            subclass; its `name` is what `runtime.sampler` selects.
+
+    Returns:
+        Nothing; the return value is ignored.
+
+    Since: 0.2.
+    """
+
+
+@hookspec
 def peerflow_before_weight_sync(version: int, role: str, rank: int) -> None:
     """Called on every rank taking part in a weight sync, before any bucket moves.
 

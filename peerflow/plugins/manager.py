@@ -11,6 +11,7 @@ algorithms) always load: they register exactly like third parties, and a run nee
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import importlib.metadata
 import os
@@ -27,6 +28,8 @@ from peerflow.plugins.registry import KINDS, Registry
 
 ENTRY_POINT_GROUP = "peerflow"
 BUILTIN_DISTRIBUTION = "peerflow"
+#: Core modules that register their built-ins through the same hooks a plugin uses.
+CORE_PLUGINS = ("peerflow.streaming.samplers",)
 
 
 @attrs.frozen(kw_only=True)
@@ -94,12 +97,35 @@ class PluginManager:
         if self.pm.has_plugin(name):
             return
         self.pm.register(plugin, name=name)
+        self.check_pending()
         module = getattr(plugin, "__name__", type(plugin).__name__)
         self.records[name] = PluginRecord(
             name=name, distribution=distribution, version=version, module=module,
             hooks=sorted(h.name for h in self.pm.get_hookcallers(plugin) or ()),
         )
         self._registries = None
+
+    def check_pending(self) -> None:
+        """Raises `PluginError` for a hook implementation that matches no hookspec.
+
+        Pluggy would otherwise register a misspelled hook silently and never call it.
+        """
+        try:
+            self.pm.check_pending()
+        except pluggy.PluginValidationError:
+            specs = [n for n in vars(hookspecs) if n.startswith(f"{hookspecs.PROJECT}_")]
+            bad = [(impl.plugin_name, hook) for hook, caller in vars(self.pm.hook).items()
+                   if not hook.startswith("_") and not caller.has_spec()
+                   for impl in caller.get_hookimpls()]
+            plugin, hook = bad[0]
+            self.pm.unregister(name=plugin)
+            self.records.pop(plugin, None)
+            close = difflib.get_close_matches(hook, specs, n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise PluginError(
+                f"plugin {plugin!r} implements {hook!r}, which is not a PeerFlow hook.{hint} "
+                f"Rename the function to one of: {', '.join(sorted(specs))}."
+            ) from None
 
     def unregister(self, name: str) -> None:
         """Removes a plugin registered under `name` (used by tests)."""
@@ -119,6 +145,9 @@ class PluginManager:
             if self._entry_points_loaded:
                 return
             self._entry_points_loaded = True
+            for module in CORE_PLUGINS:
+                self.register(importlib.import_module(module), module,
+                              distribution=BUILTIN_DISTRIBUTION)
             allow = _env_allowlist()
             disabled = _autoload_disabled()
             seen: set[tuple[str, str]] = set()

@@ -49,6 +49,8 @@ KINDS: dict[str, Kind] = {
              config_key="task.name", base="peerflow.algorithms.Task"),
         Kind(key="node", hook="peerflow_register_nodes", label="workflow node type",
              config_key="workflow.nodes[].kind", base=""),
+        Kind(key="sampler", hook="peerflow_register_samplers", label="sampler",
+             config_key="runtime.sampler", base="peerflow.streaming.samplers.Sampler"),
     )
 }
 

@@ -1,7 +1,7 @@
 """Asynchronous streaming mode: bounded staleness, p2p sample streaming, async weight push.
 
-The pieces are small and independently testable; `peerflow.worker.async_loop` wires them
-into the rollout and trainer programs of `runtime.mode: async`.
+The pieces are small and independently testable; `peerflow.worker.async_schedule` wires
+them into the rollout and trainer schedules the run driver runs in `runtime.mode: async`.
 """
 
 from peerflow.streaming.staleness import StalenessError, StalenessScheduler, StepAssignment

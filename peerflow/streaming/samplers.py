@@ -10,19 +10,19 @@ when no micro-batch is full yet. Built in (`runtime.sampler`):
 * `length_balanced` — first-fit-decreasing packing by tokens, so micro-batches are evenly
   filled; closes when the budget is at least `fill` full.
 
-Third parties add one with `@register_sampler` on a `Sampler` subclass carrying `name`.
+Registered like a plugin's (`peerflow_register_samplers`); a plugin adds one the same way,
+on a `Sampler` subclass carrying `name`.
 """
 
 from __future__ import annotations
 
 import abc
-import difflib
 from collections.abc import Sequence
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import attrs
 
-from peerflow.errors import ConfigError, DuplicateNameError, UnknownNameError
+from peerflow.plugins.hookspecs import hookimpl
 
 
 @attrs.frozen(kw_only=True)
@@ -141,47 +141,8 @@ class LengthBalancedSampler(Sampler):
         return sorted(chosen) if (full or final) else []
 
 
-SAMPLERS: dict[str, type[Sampler]] = {}
-
-
-def register_sampler(cls: type[Sampler]) -> type[Sampler]:
-    """Class decorator registering a sampler under `cls.name`.
-
-    Raises:
-        DuplicateNameError: another class already uses the name.
-    """
-    name = getattr(cls, "name", None)
-    if not isinstance(name, str) or not name:
-        raise ConfigError(
-            f"sampler class {cls.__qualname__} needs a string class attribute `name`."
-        )
-    existing = SAMPLERS.get(name)
-    if existing is not None and existing is not cls:
-        raise DuplicateNameError(
-            f"two samplers are named {name!r}: {existing.__module__}.{existing.__qualname__} "
-            f"and {cls.__module__}.{cls.__qualname__}; rename one."
-        )
-    SAMPLERS[name] = cls
-    return cls
-
-
-for _builtin in (SequentialSampler, GroupedSampler, LengthBalancedSampler):
-    register_sampler(_builtin)
-
-
-def get_sampler(name: str) -> Sampler:
-    """Returns a new sampler instance for `runtime.sampler: name`.
-
-    Raises:
-        UnknownNameError: naming the registered samplers and the closest match.
-    """
-    try:
-        return SAMPLERS[name]()
-    except KeyError:
-        close = difflib.get_close_matches(name, list(SAMPLERS), n=1)
-        hint = f" Did you mean {close[0]!r}?" if close else ""
-        raise UnknownNameError(
-            f"unknown sampler {name!r} (runtime.sampler).{hint} Registered samplers: "
-            f"{', '.join(sorted(SAMPLERS))}; add one with "
-            "peerflow.streaming.samplers.register_sampler."
-        ) from None
+@hookimpl
+def peerflow_register_samplers(register: Any) -> None:
+    """Registers the built-in samplers (this module is a core plugin)."""
+    for cls in (SequentialSampler, GroupedSampler, LengthBalancedSampler):
+        register(cls)

@@ -12,14 +12,14 @@ Loop on every trainer rank, step `s = start … steps-1` (version `s` → `s + 1
    (advantage if it needs trainer output, `train_actor`, …) on the step's samples in
    `sample_id` order;
 3. push version `s + 1` asynchronously (`WeightPusher`, every `weight_sync.every` steps)
-   and report the step's metrics.
+   and yield the step to the run driver (`peerflow.worker.driver`), which reports it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import attrs
@@ -36,7 +36,6 @@ from peerflow.streaming.metrics import (
     total,
 )
 from peerflow.streaming.transport import Kind, StreamReceiver, unpickle_payload
-from peerflow.streaming.weight_push import WeightPusher
 
 
 @attrs.define(eq=False)
@@ -52,8 +51,6 @@ class TrainerStreamer:
     """`f(step_batch, metrics) -> batch`: the remaining nodes, training included."""
     push: Callable[[int], Any] | None
     """`push(version)` starts sending new weights (`None`: never)."""
-    end_step: Callable[[int, Batch, Any, dict[str, float]], None]
-    """`end_step(step, batch, metrics, extra)` reduces and reports the step's metrics."""
     new_metrics: Callable[[], Any]
     """Returns a fresh `StepMetrics`."""
     steps: int
@@ -145,8 +142,13 @@ class TrainerStreamer:
             batch = self.per_micro_batch(batch, metrics)
         return batch, max_depth
 
-    def run(self) -> None:
-        """Trains `steps` steps, then tells the rollout ranks to stop."""
+    def run(self) -> Iterator[tuple[int, Batch, Any, dict[str, float]]]:
+        """Trains steps `start_step … steps-1`, yielding each as it ends.
+
+        Yields:
+            `(step, batch, metrics, extra)`: the 0-based step, its trained samples, this
+            rank's `StepMetrics` and the streaming figures (idle, queue, staleness, …).
+        """
         for step in range(self.start_step, self.steps):
             metrics = self.new_metrics()
             window_start = time.time()
@@ -161,7 +163,7 @@ class TrainerStreamer:
                     with self._span("push weights", version=version):
                         self.push(version)
             extra = self._step_extra(step, batch, depth, (window_start, time.time()))
-            self.end_step(step, batch, metrics, extra)
+            yield step, batch, metrics, extra
 
     def _step_extra(
         self, step: int, batch: Batch, depth: int, window: tuple[float, float]
@@ -196,8 +198,3 @@ class TrainerStreamer:
             extra["rollout/skipped_versions"] = float(max(r["skipped_versions"] for r in reports))
         extra.update(staleness_metrics((step - batch.weight_version).tolist(), self.max_staleness))
         return extra
-
-
-def make_pusher_fn(pusher: WeightPusher, trainer: Any) -> Callable[[int], Any]:
-    """Returns `push(version)` for a trainer engine."""
-    return lambda version: pusher.push(trainer, version)

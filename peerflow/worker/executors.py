@@ -204,29 +204,26 @@ EXECUTORS: dict[str, Executor] = {
 }
 
 
-def executor_for(kind: str, node_type: type | None = None) -> Executor:
-    """Returns the executor of a built-in node kind or of a plugin `NodeType` class.
+def run_node(rt: WorkerRuntime, node: Any, batch: Batch, metrics: StepMetrics) -> Batch:
+    """Runs one workflow node of a built-in kind or of a plugin `NodeType` on this rank.
 
-    A plugin node type's `run(batch, context)` returns its new fields; the executor adds
-    them to the batch.
+    A plugin node type's `run(batch, context)` returns its new fields; they are added to
+    the batch.
 
     Raises:
         KeyError: neither a built-in kind nor a registered node type.
     """
-    if kind in EXECUTORS:
-        return EXECUTORS[kind]
-    if node_type is None:
+    if node.kind in EXECUTORS:
+        return EXECUTORS[node.kind](rt, node, batch, metrics)
+    registry = rt.pm.registry("node")
+    if node.kind not in registry:
         raise KeyError(
-            f"workflow node kind {kind!r} has no executor; built-in kinds are "
+            f"workflow node kind {node.kind!r} has no executor; built-in kinds are "
             f"{', '.join(EXECUTORS)}; register other kinds with peerflow_register_nodes."
         )
-
-    def run_plugin(rt: WorkerRuntime, node: Any, batch: Batch, metrics: StepMetrics) -> Batch:
-        for name, column in dict(node_type(node, rt.config).run(batch, rt) or {}).items():
-            if isinstance(column, list) and column and not isinstance(column[0], torch.Tensor):
-                batch.set_objects(name, column)
-            else:
-                batch.set(name, column)
-        return batch
-
-    return run_plugin
+    for name, column in dict(registry.get(node.kind)(node, rt.config).run(batch, rt) or {}).items():
+        if isinstance(column, list) and column and not isinstance(column[0], torch.Tensor):
+            batch.set_objects(name, column)
+        else:
+            batch.set(name, column)
+    return batch

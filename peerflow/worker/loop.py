@@ -1,62 +1,19 @@
-"""The step loop every worker runs: its program's nodes, in order, step after step."""
+"""The lockstep (sync) schedule: this rank's program, in order, step after step."""
 
 from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping
 from typing import Any
 
+import attrs
+
 from peerflow.batch import Batch
-from peerflow.worker.executors import executor_for
-from peerflow.worker.metrics import StepMetrics, all_reduce_metrics
-from peerflow.worker.program import RouteStep
+from peerflow.worker.executors import run_node
+from peerflow.worker.metrics import StepMetrics
+from peerflow.worker.program import RankProgram, RouteStep
 from peerflow.worker.runtime import WorkerRuntime
-
-
-def record_batch_metrics(batch: Batch, metrics: StepMetrics) -> None:
-    """Records reward, length and token-count metrics of this rank's samples."""
-    n = len(batch)
-    if not n:
-        return
-    if "reward" in batch:
-        reward = batch["reward"].float()
-        metrics.mean("reward/mean", float(reward.mean()), n)
-        metrics.mean("reward/_sq", float((reward**2).mean()), n)
-        metrics.max("reward/max", float(reward.max()))
-        metrics.min("reward/min", float(reward.min()))
-    if "score" in batch:
-        metrics.mean("score/mean", float(batch["score"].float().mean()), n)
-    if "response_ids" in batch:
-        lengths = batch.lengths("response_ids").float()
-        metrics.mean("response_length/mean", float(lengths.mean()), n)
-        metrics.max("response_length/max", float(lengths.max()))
-        metrics.sum("tokens/response", float(lengths.sum()))
-    if "prompt_ids" in batch:
-        metrics.sum("tokens/prompt", float(batch.lengths("prompt_ids").sum()))
-        metrics.mean("prompt_length/mean", float(batch.lengths("prompt_ids").float().mean()), n)
-    if "finish_reason" in batch:
-        clipped = sum(1 for r in batch["finish_reason"] if r == "length")
-        metrics.mean("response_length/clip_frac", clipped / n, n)
-    metrics.sum("samples", n)
-
-
-def finish_metrics(reduced: dict[str, float], step: int) -> dict[str, float]:
-    """Derives the metrics that need cross-rank totals (std, throughput) and adds `step`."""
-    out = dict(reduced)
-    if "reward/_sq" in out:
-        mean = out.get("reward/mean", 0.0)
-        out["reward/std"] = max(out.pop("reward/_sq") - mean * mean, 0.0) ** 0.5
-    if "advantages/_sq" in out:
-        mean = out.get("advantages/mean", 0.0)
-        out["advantages/std"] = max(out.pop("advantages/_sq") - mean * mean, 0.0) ** 0.5
-    tokens = out.get("tokens/prompt", 0.0) + out.get("tokens/response", 0.0)
-    out["tokens/total"] = tokens
-    step_s = out.get("time/step", 0.0)
-    if step_s > 0:
-        out["throughput/tokens_per_s"] = tokens / step_s
-        out["throughput/samples_per_s"] = out.get("samples", 0.0) / step_s
-    return {"step": step, **dict(sorted(out.items()))}
 
 
 @contextlib.contextmanager
@@ -68,20 +25,13 @@ def timed(metrics: StepMetrics, name: str, stage: Any = None) -> Iterator[None]:
     metrics.max(f"time/{name}", time.perf_counter() - start)
 
 
-def run_step(
-    rt: WorkerRuntime,
-    steps: Sequence[Any],
-    *,
-    node_types: dict[str, type] | None = None,
-    stage_factory: Any = None,
-    tracer: Any = None,
-) -> tuple[Batch, dict[str, float]]:
-    """Runs one step of this rank's program and returns its batch and reduced metrics.
+def run_step(rt: WorkerRuntime, program: RankProgram, *, stage_factory: Any = None,
+             tracer: Any = None) -> tuple[Batch, StepMetrics]:
+    """Runs one step of this rank's program; returns its batch and this rank's metrics.
 
     Args:
         rt: This rank's runtime (its `step` already set to the step being run).
-        steps: Workflow nodes and route steps (`RouteStep.run(batch)`), in program order.
-        node_types: Registered plugin node types by kind.
+        program: This rank's program (workflow nodes and `RouteStep`s, in order).
         stage_factory: `f(name) -> context manager` marking the fault stage (names the
             node in the message peers print if this rank dies there); `None` for none.
         tracer: Optional per-rank timeline recorder with `span(name)`.
@@ -89,16 +39,49 @@ def run_step(
     metrics = StepMetrics()
     batch = Batch.empty()
     start = time.perf_counter()
-    for item in steps:
+    for item in program.steps:
         stage = stage_factory(f"step {rt.step} {item.name}") if stage_factory else None
         span = tracer.span(item.name) if tracer is not None else contextlib.nullcontext()
         with span, timed(metrics, item.name.replace(" ", "_"), stage):
             if isinstance(item, RouteStep):
                 batch = item.run(batch)
             else:
-                run = executor_for(item.kind, (node_types or {}).get(item.kind))
-                batch = run(rt, item, batch, metrics)
+                batch = run_node(rt, item, batch, metrics)
     metrics.max("time/step", time.perf_counter() - start)
-    record_batch_metrics(batch, metrics)
-    reduced = all_reduce_metrics(metrics)
-    return batch, finish_metrics(reduced, rt.step)
+    return batch, metrics
+
+
+@attrs.define(eq=False)
+class LockstepSchedule:
+    """Sync mode: every rank runs its whole program each step; all ranks checkpoint."""
+
+    rt: WorkerRuntime
+    program: RankProgram
+    stage: Any = None
+    """`peerflow.distributed.stage`, naming the node a dying rank was running."""
+    name: str = "lockstep"
+    group: Any = None
+    reports: bool = attrs.field(init=False)
+    ranks: tuple[int, ...] = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self.reports = self.rt.rank == 0
+        self.ranks = tuple(range(self.rt.world_size))
+
+    def restore(self, step: int, states: Mapping[int, dict[str, Any]]) -> None:
+        """Rewinds this rank's prompt cursor and brings the rollout engine up to date."""
+        self.rt.sampler.load_state_dict(states[self.rt.rank]["sampler"])
+        if self.program.has_kind("sync_weights"):
+            self.rt.sync_weights()
+
+    def state(self) -> dict[str, Any]:
+        """This rank's prompt cursor."""
+        return {"sampler": self.rt.sampler.state_dict()}
+
+    def steps(self, start_step: int, tracer: Any) -> Iterator[tuple[int, Batch, StepMetrics]]:
+        """Runs steps `start_step + 1 … run.steps` in lockstep with every other rank."""
+        for step in range(start_step + 1, self.rt.config.run.steps + 1):
+            self.rt.step = step
+            batch, metrics = run_step(self.rt, self.program, stage_factory=self.stage,
+                                      tracer=tracer)
+            yield step, batch, metrics

@@ -7,31 +7,27 @@ Call sequence on every rank (no rank drives the others):
    this rank's program;
 3. build the model directory (one process per machine, the others wait), the task,
    reward, algorithm and the engines of the roles this rank hosts;
-4. restore the newest checkpoint when resuming;
-5. run step after step: the program's nodes in order, metrics reduced across ranks
-   (rank 0 appends them to `metrics.jsonl`), checkpoints every `run.checkpoint_every`.
+4. hand this rank's schedule (`LockstepSchedule` in sync mode, a streaming schedule in
+   async mode) to the run driver (`peerflow.worker.driver.drive`), which resumes, runs
+   the steps, writes metrics and traces, calls hooks and checkpoints.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from peerflow.config import RunConfig, load_config, validate_config
-from peerflow.errors import ConfigError
-from peerflow.worker import checkpoint as ckpt
-from peerflow.worker.loop import run_step
+from peerflow.worker.driver import drive
+from peerflow.worker.loop import LockstepSchedule
 from peerflow.worker.program import RankProgram, program_from_plan
-from peerflow.worker.runtime import TRAIN_ROLES, WorkerRuntime, build_components, resolve_model_path
+from peerflow.worker.runtime import WorkerRuntime, build_components, resolve_model_path
 from peerflow.worker.sampler import ShardedPromptSampler
-
-#: Roles whose engines are the rollout engine; `reward` needs none.
-ROLLOUT_ROLES = ("rollout",)
+from peerflow.workflow.roles import engine_roles
 
 
 def _environment(config: RunConfig | None = None) -> None:
@@ -103,7 +99,7 @@ def run_worker(
     try:
         with stage("start-up"):
             runtime, program = _start(config, run_path, rank, world_size, resume)
-        _train(runtime, program, stage, resuming=resume is not None)
+        drive(runtime, _schedule(runtime, program, stage), stage, resuming=resume is not None)
     finally:
         if runtime is not None:
             for engine in runtime.engines.values():
@@ -155,7 +151,7 @@ def _start(
         layouts=dict(program.layouts),
     )
     for role in program.roles:
-        if role in ROLLOUT_ROLES or role in TRAIN_ROLES:
+        if role in engine_roles():
             rt.engines[role] = rt.build_engine(role, program.process_group(role))
     if "actor" in rt.engines or "rollout" in rt.engines:
         rt.sync_weights = _weight_sync(rt)
@@ -197,86 +193,10 @@ def _weight_sync(rt: WorkerRuntime, group: Any = None) -> Any:
     return run
 
 
-def _train(rt: WorkerRuntime, program: RankProgram, stage: Any, *, resuming: bool = False
-           ) -> None:
-    from peerflow.outputs import MetricsWriter, StepProgress, Tracer, set_tracer
+def _schedule(rt: WorkerRuntime, program: RankProgram, stage: Any) -> Any:
+    """This rank's schedule: lockstep (sync) or streaming (async; collective)."""
+    if rt.config.runtime.mode == "async":
+        from peerflow.worker.async_schedule import streaming_schedule
 
-    if rt.config.runtime.mode == "async":  # streaming with bounded staleness
-        from peerflow.worker.async_loop import run_async
-
-        return run_async(rt, program, stage)
-    config = rt.config
-    start_step = 0
-    if resuming:
-        with stage("resume"):
-            start_step = _restore(rt, program)
-    elif ckpt.latest_checkpoint(rt.run_dir):
-        raise ConfigError(
-            f"run directory {str(rt.run_dir)!r} already holds checkpoints; continue it with "
-            f"`peerflow train --resume {rt.run_dir}`, or pick another --run-dir."
-        )
-    writer = None
-    if rt.rank == 0:
-        if start_step:
-            ckpt.truncate_metrics(rt.run_dir / "metrics.jsonl", start_step)
-        writer = MetricsWriter(rt.run_dir, config, tensorboard=config.run.tensorboard,
-                               wandb=config.run.wandb)
-    tracer = Tracer(rt.run_dir, rt.rank, enabled=config.run.trace)
-    set_tracer(tracer)
-    progress = StepProgress(config.run.steps, start=start_step, enabled=rt.rank == 0)
-    rt.progress = progress
-    registry = rt.pm.registry("node")
-    node_types = {name: registry.get(name) for name in registry.names()}
-    try:
-        for step in range(start_step + 1, config.run.steps + 1):
-            rt.step = step
-            _, metrics = run_step(rt, program.steps, node_types=node_types,
-                                  stage_factory=stage, tracer=tracer)
-            if writer is not None and (step % max(config.run.log_every, 1) == 0
-                                       or step == config.run.steps):
-                writer.write(step, metrics)
-            progress.update(step, metrics)
-            rt.pm.hook.peerflow_end_of_step(step=step, metrics=metrics, rank=rt.rank)
-            every = config.run.checkpoint_every
-            if (every and step % every == 0) or step == config.run.steps:
-                with stage(f"checkpoint step {step}"), tracer.span("checkpoint"):
-                    _save(rt, step)
-    finally:
-        progress.close()
-        tracer.flush()
-        set_tracer(None)
-        if writer is not None:
-            writer.close()
-
-
-def _save(rt: WorkerRuntime, step: int) -> None:
-    directory = ckpt.checkpoint_dir(rt.run_dir, step)
-    if rt.rank == 0:
-        directory.mkdir(parents=True, exist_ok=True)
-    _barrier()
-    for role, engine in sorted(rt.engines.items()):
-        if role in TRAIN_ROLES and role != "ref":
-            engine.save_checkpoint(str(directory / role))
-    ckpt.write_json_atomic(directory / f"worker_rank{rt.rank}.json", {
-        "step": step, "sampler": rt.sampler.state_dict(), "rng": ckpt.rng_state(),
-        "time": time.time(),
-    })
-    _barrier()
-    if rt.rank == 0:
-        ckpt.write_json_atomic(directory / ckpt.COMPLETE, {"step": step})
-
-
-def _restore(rt: WorkerRuntime, program: RankProgram) -> int:
-    step, directory = ckpt.find_resume_checkpoint(rt.run_dir)
-    import json
-
-    for role, engine in sorted(rt.engines.items()):
-        if role in TRAIN_ROLES and role != "ref":
-            engine.load_checkpoint(str(directory / role))
-    state = json.loads((directory / f"worker_rank{rt.rank}.json").read_text())
-    rt.sampler.load_state_dict(state["sampler"])
-    ckpt.set_rng_state(state["rng"])
-    if any(getattr(n, "kind", "") == "sync_weights" for n in program.steps):
-        rt.sync_weights()
-    rt.step = step
-    return step
+        return streaming_schedule(rt, program, stage)
+    return LockstepSchedule(rt=rt, program=program, stage=stage)

@@ -14,6 +14,8 @@ from typing import Any, Literal
 
 import attrs
 
+from peerflow.batch import Batch
+
 Reduce = Literal["mean", "sum", "max", "min"]
 
 
@@ -121,3 +123,48 @@ def all_reduce_metrics(metrics: StepMetrics, group: Any = None) -> dict[str, flo
     gathered: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, raw, group=group)
     return reduce_metrics(gathered)
+
+
+def record_batch_metrics(batch: Batch, metrics: StepMetrics) -> None:
+    """Records reward, length and token-count metrics of this rank's samples."""
+    n = len(batch)
+    if not n:
+        return
+    if "reward" in batch:
+        reward = batch["reward"].float()
+        metrics.mean("reward/mean", float(reward.mean()), n)
+        metrics.mean("reward/_sq", float((reward**2).mean()), n)
+        metrics.max("reward/max", float(reward.max()))
+        metrics.min("reward/min", float(reward.min()))
+    if "score" in batch:
+        metrics.mean("score/mean", float(batch["score"].float().mean()), n)
+    if "response_ids" in batch:
+        lengths = batch.lengths("response_ids").float()
+        metrics.mean("response_length/mean", float(lengths.mean()), n)
+        metrics.max("response_length/max", float(lengths.max()))
+        metrics.sum("tokens/response", float(lengths.sum()))
+    if "prompt_ids" in batch:
+        metrics.sum("tokens/prompt", float(batch.lengths("prompt_ids").sum()))
+        metrics.mean("prompt_length/mean", float(batch.lengths("prompt_ids").float().mean()), n)
+    if "finish_reason" in batch:
+        clipped = sum(1 for r in batch["finish_reason"] if r == "length")
+        metrics.mean("response_length/clip_frac", clipped / n, n)
+    metrics.sum("samples", n)
+
+
+def finish_metrics(reduced: dict[str, float], step: int) -> dict[str, float]:
+    """Derives the metrics that need cross-rank totals (std, throughput) and adds `step`."""
+    out = dict(reduced)
+    if "reward/_sq" in out:
+        mean = out.get("reward/mean", 0.0)
+        out["reward/std"] = max(out.pop("reward/_sq") - mean * mean, 0.0) ** 0.5
+    if "advantages/_sq" in out:
+        mean = out.get("advantages/mean", 0.0)
+        out["advantages/std"] = max(out.pop("advantages/_sq") - mean * mean, 0.0) ** 0.5
+    tokens = out.get("tokens/prompt", 0.0) + out.get("tokens/response", 0.0)
+    out["tokens/total"] = tokens
+    step_s = out.get("time/step", 0.0)
+    if step_s > 0:
+        out["throughput/tokens_per_s"] = tokens / step_s
+        out["throughput/samples_per_s"] = out.get("samples", 0.0) / step_s
+    return {"step": step, **dict(sorted(out.items()))}

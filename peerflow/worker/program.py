@@ -53,8 +53,12 @@ class RankProgram:
     """Layout of every role whose engine this rank hosts."""
     data_layout: ParallelLayout
     """Layout whose dp-ranks read prompt shards (the `generate` node's role)."""
+    placement: dict[str, ParallelLayout] = attrs.field(factory=dict)
+    """Layout of every role of the run, hosted here or not."""
     groups: dict[str, Any] = attrs.field(factory=dict)
     """torch.distributed group of each hosted role (`None` only without torch.distributed)."""
+    phases: dict[str, str] = attrs.field(factory=dict)
+    """Async mode: node name → streaming phase (`peerflow.planner.streaming.PHASES`)."""
 
     @property
     def roles(self) -> tuple[str, ...]:
@@ -64,6 +68,14 @@ class RankProgram:
     def process_group(self, role: str) -> Any:
         """Returns the process group of `role`."""
         return self.groups.get(role)
+
+    def nodes(self, phase: str) -> list[Any]:
+        """This rank's nodes of one streaming phase, in program order."""
+        return [n for n in self.steps if self.phases.get(getattr(n, "name", "")) == phase]
+
+    def has_kind(self, kind: str) -> bool:
+        """Whether this rank runs a node of `kind`."""
+        return any(getattr(n, "kind", "") == kind for n in self.steps)
 
 
 def _new_groups(layouts: dict[str, ParallelLayout], world_size: int, timeout: float) -> dict:
@@ -101,6 +113,7 @@ def program_from_plan(plan: Any, rank: int, *, mode: str = "p2p",
     role_groups = _new_groups(plan.roles, plan.world_size, timeout)
     steps: list[Any] = []
     hosted: dict[str, ParallelLayout] = {}
+    phases: dict[str, str] = {}
     data_role = None
     for op in plan.program(rank):
         if isinstance(op, RouteOp):
@@ -109,6 +122,7 @@ def program_from_plan(plan: Any, rank: int, *, mode: str = "p2p",
             continue
         node = plan.graph.node(op.node)
         steps.append(node)
+        phases[node.name] = op.phase
         if data_role is None and node.kind == "generate":
             data_role = node.role
         for role in (node.role, node.options.get("target")):
@@ -116,4 +130,5 @@ def program_from_plan(plan: Any, rank: int, *, mode: str = "p2p",
                 hosted[role] = plan.roles[role]
     data_layout = plan.roles[data_role or "rollout"]
     return RankProgram(rank=rank, steps=tuple(steps), layouts=hosted, data_layout=data_layout,
-                       groups={r: role_groups.get(r) for r in hosted})
+                       placement=dict(plan.roles),
+                       groups={r: role_groups.get(r) for r in hosted}, phases=phases)

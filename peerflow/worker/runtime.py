@@ -21,9 +21,7 @@ from peerflow.engines import EngineContext
 from peerflow.errors import ConfigError
 from peerflow.layout import ParallelLayout
 from peerflow.worker.sampler import ShardedPromptSampler
-
-#: Roles that run on a train engine (the rest run on the rollout engine).
-TRAIN_ROLES = ("actor", "ref", "critic")
+from peerflow.workflow.roles import ROLES
 
 
 def resolve_model_path(config: RunConfig, pm: Any) -> str:
@@ -142,7 +140,7 @@ class WorkerRuntime:
     def build_engine(self, role: str, process_group: Any = None) -> Any:
         """Builds the engine of one role from the registries and the config's options."""
         cfg = self.config
-        if role == "rollout":
+        if ROLES[role].engine == "rollout_engine":
             cls = self.pm.get("rollout_engine", cfg.rollout.backend)
             options = _options(cls, cfg.rollout.engine_options.get(cfg.rollout.backend),
                                f"rollout.{cfg.rollout.backend}")

@@ -25,7 +25,8 @@ from peerflow.workflow.builtin import (
     grpo_graph,
     ppo_graph,
 )
-from peerflow.workflow.graph import ROLES, SOURCE_FIELDS, Edge, Node, WorkflowGraph
+from peerflow.workflow.graph import SOURCE_FIELDS, Edge, Node, WorkflowGraph
+from peerflow.workflow.roles import ROLES, Role
 from peerflow.workflow.validate import validate_workflow
 
 __all__ = [
@@ -33,6 +34,7 @@ __all__ = [
     "BUILTIN_KINDS",
     "ROLES",
     "SOURCE_FIELDS",
+    "Role",
     "Edge",
     "KindSpec",
     "Node",

@@ -7,7 +7,8 @@ from typing import Any
 
 from peerflow.errors import ConfigError
 from peerflow.workflow.builtin import BUILTIN_GRAPHS, BUILTIN_KINDS, KindSpec
-from peerflow.workflow.graph import ROLES, Node, WorkflowGraph
+from peerflow.workflow.graph import Node, WorkflowGraph
+from peerflow.workflow.roles import ROLES
 
 
 def node_kinds(pm: Any = None) -> dict[str, KindSpec]:

@@ -32,25 +32,29 @@ class KindSpec:
     """Fields it writes by default."""
     after: tuple[str, ...] = ()
     """Kinds it runs after by default (resolved to nodes of those kinds)."""
+    phase: str = "per_step"
+    """Where async mode runs it (`peerflow.planner.streaming.PHASES`)."""
 
 
 #: The built-in node kinds.
 BUILTIN_KINDS: dict[str, KindSpec] = {
     "generate": KindSpec(role="rollout", inputs=("prompt_ids",),
-                         outputs=("response_ids", "rollout_logprobs")),
-    "reward": KindSpec(role="reward", inputs=("response_ids", "example"), outputs=("reward",)),
+                         outputs=("response_ids", "rollout_logprobs"), phase="generate"),
+    "reward": KindSpec(role="reward", inputs=("response_ids", "example"), outputs=("reward",),
+                       phase="per_group"),
     "ref_logprob": KindSpec(role="ref", inputs=("prompt_ids", "response_ids"),
-                            outputs=("ref_logprobs",)),
+                            outputs=("ref_logprobs",), phase="per_micro_batch"),
     "old_logprob": KindSpec(role="actor", inputs=("prompt_ids", "response_ids"),
-                            outputs=("old_logprobs",)),
-    "values": KindSpec(role="critic", inputs=("prompt_ids", "response_ids"), outputs=("values",)),
+                            outputs=("old_logprobs",), phase="per_micro_batch"),
+    "values": KindSpec(role="critic", inputs=("prompt_ids", "response_ids"), outputs=("values",),
+                       phase="per_micro_batch"),
     "advantage": KindSpec(role="actor", inputs=("response_ids", "reward"),
                           outputs=("advantages", "returns")),
     "train_actor": KindSpec(role="actor",
                             inputs=("prompt_ids", "response_ids", "advantages", "old_logprobs")),
     "train_critic": KindSpec(role="critic",
                              inputs=("prompt_ids", "response_ids", "returns", "values")),
-    "sync_weights": KindSpec(role="actor", after=("train_actor",)),
+    "sync_weights": KindSpec(role="actor", after=("train_actor",), phase="weight_sync"),
 }
 
 
@@ -66,6 +70,7 @@ class NodeType:
     role: ClassVar[str] = "actor"
     inputs: ClassVar[tuple[str, ...]] = ()
     outputs: ClassVar[tuple[str, ...]] = ()
+    phase: ClassVar[str] = "per_step"
 
     def __init__(self, node: Node, config: Any) -> None:
         self.node = node
@@ -83,7 +88,8 @@ class NodeType:
     @classmethod
     def spec(cls) -> KindSpec:
         """The defaults a YAML node of this type inherits."""
-        return KindSpec(role=cls.role, inputs=tuple(cls.inputs), outputs=tuple(cls.outputs))
+        return KindSpec(role=cls.role, inputs=tuple(cls.inputs), outputs=tuple(cls.outputs),
+                        phase=cls.phase)
 
 
 def _node(kind: str, name: str | None = None, **changes: Any) -> Node:

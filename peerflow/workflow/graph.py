@@ -24,9 +24,6 @@ import attrs
 
 from peerflow.errors import ConfigError
 
-#: Roles a node may name; each maps to an engine group placed by the planner.
-ROLES: tuple[str, ...] = ("rollout", "reward", "actor", "ref", "critic")
-
 #: Fields the dataset provides before any node runs.
 SOURCE_FIELDS: tuple[str, ...] = ("prompt_ids", "example")
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from peerflow.errors import ConfigError
+from peerflow.workflow.roles import ROLES
 
 #: Keys of a Hugging Face model config (or of `model.builder_options`) the checks read.
 _HEADS = ("num_attention_heads", "n_head", "num_heads")
@@ -52,7 +53,7 @@ def check_model_layouts(config: Any, graph: Any, roles: dict[str, Any]) -> list[
     for name in graph.order():
         node = graph.node(name)
         layout = roles[node.role]
-        section = "rollout" if node.role in ("rollout", "reward") else "trainer"
+        section = ROLES[node.role].side
         key = (section, layout.tp, layout.pp)
         if key in checked:
             continue

@@ -77,6 +77,15 @@ def _single(overrides, run_dir):
     run_worker(QUICKSTART, overrides, run_dir)
 
 
+def trained_groups(run_dir, step):
+    """Rollout rank → prompt groups trained by step `step`, over every trainer rank."""
+    found = {}
+    for path in (Path(run_dir) / "checkpoints" / f"step_{step:06d}").glob("worker_rank*.json"):
+        for source, gids in json.loads(path.read_text()).get("trained_groups", {}).items():
+            found.setdefault(int(source), []).extend(gids)
+    return found
+
+
 def metrics(run_dir):
     return [json.loads(line) for line in Path(run_dir, "metrics.jsonl").read_text().splitlines()]
 
@@ -108,7 +117,7 @@ def test_async_run_respects_bound_loses_nothing_and_resumes(tmp_path):
             "runtime.partial_rollout=true", "runtime.partial_rollout_tokens=2"]
     assert run_workers([*base, "run.steps=2"], run_dir) == [0, 0]
     first = metrics(run_dir)
-    state2 = json.loads((run_dir / "checkpoints" / "step_000002" / "async_state.json").read_text())
+    state2 = trained_groups(run_dir, 2)
     assert run_workers([*base, "run.steps=4"], run_dir, resume=str(run_dir)) == [0, 0]
     rows = metrics(run_dir)
     assert [m["step"] for m in rows] == [1, 2, 3, 4]
@@ -116,9 +125,9 @@ def test_async_run_respects_bound_loses_nothing_and_resumes(tmp_path):
     for row in rows:
         assert row["staleness/max"] <= 1 and row["samples"] == 16
         assert math.isclose(sum(v for k, v in row.items() if k.startswith("staleness/hist_")), 1.0)
-    state4 = json.loads((run_dir / "checkpoints" / "step_000004" / "async_state.json").read_text())
-    trained2 = [g for gids in state2["trained_groups"].values() for g in gids]
-    trained4 = [g for gids in state4["trained_groups"].values() for g in gids]
+    state4 = trained_groups(run_dir, 4)
+    trained2 = [g for gids in state2.values() for g in gids]
+    trained4 = [g for gids in state4.values() for g in gids]
     assert len(trained2) == len(set(trained2)) == 2 * 4
     assert len(trained4) == len(set(trained4)) == 4 * 4  # nothing trained twice
     assert set(trained2) <= set(trained4)
@@ -184,8 +193,6 @@ def test_two_rollout_ranks_feed_one_trainer(tmp_path):
     rows = metrics(tmp_path / "run")
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(r["samples"] == 16 and r["staleness/max"] <= 2 for r in rows)
-    state = json.loads((tmp_path / "run" / "checkpoints" / "step_000003" /
-                        "async_state.json").read_text())
-    per_source = {int(k): v for k, v in state["trained_groups"].items()}
+    per_source = trained_groups(tmp_path / "run", 3)
     assert sorted(per_source) == [0, 1] and all(len(v) == 3 * 2 for v in per_source.values())
     assert all(g % 2 == src for src, gids in per_source.items() for g in gids)  # own shard

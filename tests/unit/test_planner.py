@@ -175,3 +175,35 @@ def test_plan_cli_text_dot_rank_and_errors(tmp_path, capsys) -> None:
     assert "routes:" in out and "centralized" in out and "p2p" in out
     assert main(["plan", str(config), "--nprocs", "4", "--set", "rollout.layout.tp=2"]) == 1
     assert "does not divide" in capsys.readouterr().err
+
+
+def test_async_program_gives_every_node_its_streaming_phase() -> None:
+    config = load_config(None, ["runtime.mode=async", "runtime.placement=split",
+                                "rollout.layout.dp=1", "trainer.layout.dp=2",
+                                "workflow.graph=ppo", "algorithm.advantage=gae"])
+    plan = plan_run(config, 3)
+    assert plan.mode == "async" and plan.routes == ()
+    phases = {op.node: op.phase for op in plan.ops}
+    assert phases == {"generate": "generate", "reward": "per_group",
+                      "old_logprob": "per_micro_batch", "values": "per_micro_batch",
+                      "advantage": "per_step", "train_actor": "per_step",
+                      "train_critic": "per_step", "sync_weights": "weight_sync"}
+    rollout_ops = [op.describe() for op in plan.program(0)]
+    assert rollout_ops == ["run generate (generate on rollout, generate)",
+                           "run reward (reward on reward, per group)",
+                           "run sync_weights (sync_weights on actor, weight sync)"]
+    assert {op.node for op in plan.program(2)} == set(phases) - {"generate", "reward"}
+    edges = {e["edge"]: e["route"] for e in plan.edge_routes()}
+    assert edges["generate->old_logprob"] == "sample stream"
+    assert "async mode" in plan.to_text()
+
+
+def test_async_plan_errors_name_the_fix() -> None:
+    with pytest.raises(ConfigError, match="placement: split"):
+        plan_run(load_config(None, ["runtime.mode=async"]), 2)
+    with pytest.raises(ConfigError, match="other side"):
+        plan_run(load_config(None, [
+            "runtime.mode=async", "runtime.placement=split", "rollout.layout.dp=1",
+            "trainer.layout.dp=1", "workflow.nodes=[{name: generate}, {name: reward, "
+            "role: actor}, {name: advantage}, {name: train_actor, inputs: [prompt_ids, "
+            "response_ids, advantages]}]"]), 2)

@@ -9,16 +9,10 @@ from hypothesis import strategies as st
 
 from peerflow.batch import Batch, RaggedField
 from peerflow.errors import DuplicateNameError, UnknownNameError
+from peerflow.plugins import get_plugin_manager, hookimpl
 from peerflow.streaming.accumulator import MicroBatchAccumulator, StepInbox
 from peerflow.streaming.assignment import TokenBalancer
-from peerflow.streaming.samplers import (
-    SAMPLERS,
-    MicroBatchBudget,
-    PooledSample,
-    Sampler,
-    get_sampler,
-    register_sampler,
-)
+from peerflow.streaming.samplers import MicroBatchBudget, PooledSample, Sampler
 from peerflow.streaming.versions import (
     append_segment,
     check_segments,
@@ -26,6 +20,10 @@ from peerflow.streaming.versions import (
     segments_from_token_versions,
     token_versions,
 )
+
+
+def get_sampler(name):
+    return get_plugin_manager().get("sampler", name)()
 
 
 def group_batch(group_id, lengths, first_sid, version=0):
@@ -133,9 +131,9 @@ def test_sample_count_budget():
         assert get_sampler(name).select(pool_of([1, 1, 1]), budget, final=False) == [0, 1]
 
 
-def test_sampler_registry_errors():
+def test_sampler_registry_errors(plugin_manager):
     with pytest.raises(UnknownNameError, match="Did you mean 'grouped'"):
-        get_sampler("groupd")
+        plugin_manager.get("sampler", "groupd")
 
     class Another(Sampler):
         name = "sequential"
@@ -143,20 +141,28 @@ def test_sampler_registry_errors():
         def select(self, pool, budget, final):
             return []
 
-    with pytest.raises(DuplicateNameError, match="sequential"):
-        register_sampler(Another)
-
     class Reverse(Sampler):
         name = "test_reverse"
 
         def select(self, pool, budget, final):
             return list(range(len(pool)))[::-1] if final else []
 
-    try:
-        register_sampler(Reverse)
-        assert isinstance(get_sampler("test_reverse"), Reverse)
-    finally:
-        SAMPLERS.pop("test_reverse", None)
+    class Samplers:
+        @hookimpl
+        def peerflow_register_samplers(self, register):
+            register(Reverse)
+
+    plugin_manager.register(Samplers(), "test-samplers")
+    assert isinstance(plugin_manager.get("sampler", "test_reverse")(), Reverse)
+
+    class Clash:
+        @hookimpl
+        def peerflow_register_samplers(self, register):
+            register(Another)
+
+    plugin_manager.register(Clash(), "test-clash")
+    with pytest.raises(DuplicateNameError, match="sequential"):
+        plugin_manager.registry("sampler")
 
 
 # --- accumulator ---------------------------------------------------------------------
@@ -247,7 +253,7 @@ def test_async_config_errors_name_the_fix():
     from peerflow.config import RunConfig
     from peerflow.errors import ConfigError
     from peerflow.layout import ParallelLayout
-    from peerflow.worker.async_loop import check_async_config
+    from peerflow.planner.streaming import check_async_config
 
     config = RunConfig()
     layouts = {"rollout": ParallelLayout(ranks=(0,)), "actor": ParallelLayout(ranks=(1,))}
@@ -260,4 +266,5 @@ def test_async_config_errors_name_the_fix():
         check_async_config(split, {**layouts, "rollout": ParallelLayout(tp=2, ranks=(0, 1))})
     with pytest.raises(UnknownNameError, match="sampler"):
         check_async_config(
-            attrs.evolve(split, runtime=attrs.evolve(split.runtime, sampler="nope")), layouts)
+            attrs.evolve(split, runtime=attrs.evolve(split.runtime, sampler="nope")), layouts,
+            get_plugin_manager())

@@ -5,8 +5,7 @@ import json
 import pytest
 
 from peerflow.worker import checkpoint as ckpt
-from peerflow.worker.loop import finish_metrics
-from peerflow.worker.metrics import StepMetrics, all_reduce_metrics, reduce_metrics
+from peerflow.worker.metrics import StepMetrics, all_reduce_metrics, finish_metrics, reduce_metrics
 
 
 def test_reduction_kinds_across_ranks():

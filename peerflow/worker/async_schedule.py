@@ -1,0 +1,278 @@
+"""`runtime.mode: async`: the two streaming schedules the run driver runs.
+
+The planner gives every node of the async program its phase
+(`peerflow.planner.streaming`); rollout and trainer ranks are disjoint and meet only
+through p2p streams. `streaming_schedule` (every rank, collectively) plans the weight
+push once (`peerflow.reshard.plan_weight_sync`), cuts it into buckets and returns:
+
+* on rollout ranks a `RolloutSchedule`: `RolloutStreamer` generates (phase `generate`),
+  runs the `per_group` nodes on each finished group and streams it to a trainer; it
+  reports no steps (the trainers do);
+* on trainer ranks a `TrainerSchedule`: `TrainerStreamer` runs the `per_micro_batch`
+  nodes as micro-batches fill and the `per_step` nodes on each whole step, pushes new
+  weights asynchronously, and yields every finished step to the driver, which reduces
+  and writes its metrics and checkpoints.
+
+A checkpoint's schedule state is `trained_groups` (rollout rank → prompt groups trained),
+per trainer rank. On resume a rollout rank replays its prompt stream past the prompts
+trained anywhere and queues the ones that were in flight to be generated again first, so
+no prompt is lost and no sample is trained twice.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import attrs
+
+from peerflow.batch import Batch
+from peerflow.worker.executors import run_node
+from peerflow.worker.metrics import StepMetrics
+from peerflow.worker.program import RankProgram
+from peerflow.worker.runtime import WorkerRuntime
+
+
+@attrs.frozen(kw_only=True)
+class StreamLink:
+    """What both sides of the streams agree on: the weight-push plan and the channel."""
+
+    plan: Any
+    """The `ReshardPlan` of the trainer → rollout weight push."""
+    buckets: Any
+    group: Any = None
+    """Gloo group the streams use (`None`: the default group, already gloo)."""
+    timeout: float = 60.0
+
+
+def streaming_schedule(rt: WorkerRuntime, program: RankProgram, stage: Any) -> Any:
+    """Returns this rank's streaming schedule (call on every rank: it is collective)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from peerflow.reshard import make_buckets, plan_weight_sync
+
+    timeout = rt.config.runtime.fault_timeout
+    with stage("plan weight push"):
+        plan = plan_weight_sync(rt.engines.get("actor"), rt.engines.get("rollout"))
+        buckets = make_buckets(plan, rt.config.weight_sync.bucket_bytes)
+        # samples and packed weight buckets are CPU tensors, which NCCL cannot send
+        group = None if dist.get_backend() == "gloo" else dist.new_group(
+            backend="gloo", timeout=datetime.timedelta(seconds=timeout))
+    link = StreamLink(plan=plan, buckets=buckets, group=group, timeout=timeout)
+    if "rollout" in rt.engines:
+        return RolloutSchedule(rt=rt, program=program, link=link)
+    return TrainerSchedule(rt=rt, program=program, link=link)
+
+
+def _runner(rt: WorkerRuntime, nodes: Sequence[Any]) -> Callable[[Batch, StepMetrics], Batch]:
+    def run(batch: Batch, metrics: StepMetrics) -> Batch:
+        for node in nodes:
+            batch = run_node(rt, node, batch, metrics)
+        return batch
+
+    return run
+
+
+def _replay(sampler: Any, trained: set[int]) -> list[Any]:
+    """Advances the prompt stream past every trained prompt; returns the untrained ones."""
+    holes: list[Any] = []
+    while trained:
+        (draw,) = sampler.draw(1)
+        if draw.position not in trained:
+            holes.append(draw)
+        if draw.position >= max(trained):
+            break
+    return holes
+
+
+@attrs.define(eq=False)
+class RolloutSchedule:
+    """A rollout rank of an async run: generate, score per group, stream; no steps."""
+
+    rt: WorkerRuntime
+    program: RankProgram
+    link: StreamLink
+    name: str = "async rollout"
+    group: Any = None
+    ranks: tuple[int, ...] = ()
+    reports: bool = False
+    pending: list[Any] = attrs.field(factory=list)
+    """Draws to generate before new ones (prompts in flight at the checkpoint)."""
+
+    def restore(self, step: int, states: Mapping[int, dict[str, Any]]) -> None:
+        """Replays the prompt stream past what any trainer rank has trained."""
+        mine = str(self.rt.rank)
+        self.pending = _replay(self.rt.sampler, {
+            g for state in states.values() for g in state.get("trained_groups", {}).get(mine, ())
+        })
+
+    def state(self) -> dict[str, Any]:
+        """Nothing: rollout ranks do not checkpoint."""
+        return {}
+
+    def steps(self, start_step: int, tracer: Any) -> Iterator[tuple[int, Batch, StepMetrics]]:
+        """Streams groups until the trainers have every step; yields nothing."""
+        self._streamer(start_step, tracer).run()
+        yield from ()
+
+    def _streamer(self, start_step: int, tracer: Any) -> Any:
+        from peerflow.streaming.assignment import TokenBalancer
+        from peerflow.streaming.rollout_loop import RolloutStreamer, make_generate
+        from peerflow.streaming.staleness import StalenessScheduler
+        from peerflow.streaming.transport import DATA_TAG, WEIGHT_TAG, StreamReceiver, StreamSender
+        from peerflow.streaming.weight_push import WeightReceiver
+        from peerflow.worker.rollout import step_seed
+        from peerflow.worker.sampler import split_evenly
+
+        rt, cfg, link = self.rt, self.rt.config, self.link
+        layout = self.program.layouts["rollout"]
+        trainer_layout = self.program.placement["actor"]
+        per_group = _runner(rt, self.program.nodes("per_group"))
+        engine = rt.engine("rollout")
+        runtime = cfg.runtime
+        chunk = runtime.partial_rollout_tokens or max(cfg.rollout.sampling.max_tokens // 4, 1)
+        receiver = StreamReceiver(sources=tuple(sorted(link.plan.sources)), tag=WEIGHT_TAG,
+                                  group=link.group, timeout=link.timeout, what="weights")
+        return RolloutStreamer(
+            engine=engine,
+            generate=make_generate(engine, rt.tokenizer, partial_rollout=runtime.partial_rollout,
+                                   chunk_tokens=chunk),
+            draw=rt.sampler.draw,
+            sampling_for=lambda open_step, call: cfg.rollout.sampling.to_params(
+                seed=step_seed(cfg.seed, open_step + 1, rt.dp_rank, call)),
+            per_group=lambda batch: per_group(batch, StepMetrics()),
+            scheduler=StalenessScheduler(
+                max_staleness=runtime.max_staleness, next_step=start_step,
+                quota=split_evenly(cfg.run.prompts_per_step, layout.dp, layout.dp_rank(rt.rank))),
+            balancer=TokenBalancer(num_consumers=trainer_layout.dp,
+                                   source_index=layout.dp_rank(rt.rank)),
+            trainer_layout=trainer_layout,
+            sender=StreamSender(tag=DATA_TAG, group=link.group, timeout=link.timeout),
+            weights=WeightReceiver(plan=link.plan, buckets=link.buckets, rank=rt.rank,
+                                   receiver=receiver.start()),
+            steps=cfg.run.steps, rank=rt.rank,
+            prompts_per_call=runtime.async_prompts_per_call,
+            heartbeat_s=max(link.timeout / 6, 0.5), spans=tracer, pending=self.pending,
+        )
+
+
+def _add_stream_metrics(metrics: StepMetrics, extra: dict[str, float], samples: int) -> None:
+    for name, value in extra.items():
+        if name.endswith("max") or name.startswith("queue/"):
+            metrics.max(name, value)
+        elif name.startswith("staleness/"):
+            metrics.mean(name, value, max(samples, 1))
+        else:
+            metrics.mean(name, value)
+
+
+@attrs.define(eq=False)
+class TrainerSchedule:
+    """A trainer rank of an async run: collect each step from the stream, train, push."""
+
+    rt: WorkerRuntime
+    program: RankProgram
+    link: StreamLink
+    name: str = "async trainer"
+    trained: dict[int, list[int]] = attrs.field(factory=dict)
+    """Rollout rank → prompt groups this rank has trained (checkpointed)."""
+    _streamer: Any = attrs.field(default=None, init=False)
+
+    @property
+    def group(self) -> Any:
+        """The trainer ranks' group (metrics reduce and checkpoints barrier over it)."""
+        return self.program.process_group("actor")
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """The trainer ranks."""
+        return tuple(self.program.layouts["actor"].global_ranks)
+
+    @property
+    def reports(self) -> bool:
+        """The first trainer rank writes the metrics."""
+        return self.rt.rank == min(self.ranks)
+
+    def restore(self, step: int, states: Mapping[int, dict[str, Any]]) -> None:
+        """Takes back this rank's record of trained groups."""
+        saved = states[self.rt.rank].get("trained_groups", {})
+        self.trained = {int(k): list(v) for k, v in saved.items()}
+
+    def state(self) -> dict[str, Any]:
+        """Every group this rank has trained so far, by rollout rank."""
+        for source, gids in self._streamer.trained_groups.items():
+            self.trained.setdefault(source, []).extend(gids)
+        self._streamer.trained_groups.clear()
+        return {"trained_groups": {str(k): sorted(set(v)) for k, v in self.trained.items()}}
+
+    def steps(self, start_step: int, tracer: Any) -> Iterator[tuple[int, Batch, StepMetrics]]:
+        """Trains steps `start_step + 1 … run.steps` as their samples stream in."""
+        from peerflow.streaming.transport import (
+            DATA_TAG,
+            WEIGHT_TAG,
+            Heartbeat,
+            Kind,
+            StreamReceiver,
+            StreamSender,
+        )
+        from peerflow.streaming.weight_push import WeightPusher
+
+        rt, link = self.rt, self.link
+        sources = tuple(self.program.placement["rollout"].global_ranks)
+        sender = StreamSender(tag=WEIGHT_TAG, group=link.group, timeout=link.timeout)
+        pusher = WeightPusher(plan=link.plan, buckets=link.buckets, rank=rt.rank, sender=sender)
+        receiver = StreamReceiver(sources=sources, tag=DATA_TAG, group=link.group,
+                                  timeout=link.timeout).start()
+        self._streamer = self._make_streamer(receiver, sources, start_step, tracer,
+                                             functools.partial(pusher.push, rt.engine("actor")))
+        beat = Heartbeat(sender=sender, targets=sources,
+                         interval=max(link.timeout / 6, 0.5)).start()
+        try:
+            if start_step:  # the rollout engines start from the initial weights
+                pusher.push(rt.engine("actor"), start_step)
+            started = time.time()
+            for step, batch, metrics, extra in self._streamer.run():
+                _add_stream_metrics(metrics, extra, len(batch))
+                metrics.max("time/step", time.time() - started)
+                yield step + 1, batch, metrics
+                started = time.time()
+        finally:
+            beat.stop()
+        pusher.drain()
+        for dst in sources:
+            sender.send(dst, Kind.STOP)
+        sender.flush()
+        while not receiver.all_stopped:  # groups beyond the last step are not trained
+            receiver.get(timeout=0.5)
+        receiver.join()
+
+    def _make_streamer(self, receiver: Any, sources: tuple[int, ...], start_step: int,
+                       tracer: Any, push: Callable[[int], Any]) -> Any:
+        from peerflow.streaming.accumulator import MicroBatchAccumulator, StepInbox
+        from peerflow.streaming.samplers import MicroBatchBudget
+        from peerflow.streaming.trainer_loop import TrainerStreamer
+
+        cfg = self.rt.config
+        return TrainerStreamer(
+            receiver=receiver,
+            inbox=StepInbox(sources=sources),
+            accumulator=MicroBatchAccumulator(
+                sampler=self.rt.pm.get("sampler", cfg.runtime.sampler)(),
+                budget=MicroBatchBudget(max_tokens=cfg.trainer.micro_batch_tokens),
+            ),
+            per_micro_batch=_runner(self.rt, self.program.nodes("per_micro_batch")),
+            per_step=_runner(self.rt, self.program.nodes("per_step")),
+            push=push,
+            new_metrics=StepMetrics,
+            steps=cfg.run.steps,
+            rank=self.rt.rank,
+            stream_micro_batches=len(self.ranks) == 1,
+            sync_every=max(cfg.weight_sync.every, 1),
+            start_step=start_step,
+            spans=tracer,
+            max_staleness=cfg.runtime.max_staleness,
+        )
