@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from peerflow.batch import Batch
+from peerflow.distributed import describe_stage
 from peerflow.worker.metrics import StepMetrics
 from peerflow.worker.rollout import generate_batch, group_count, step_seed
 from peerflow.worker.sampler import split_evenly
@@ -44,6 +45,7 @@ def _score(rt: WorkerRuntime, batch: Batch, node: Any = None) -> None:
     )
     options = getattr(node, "options", None) or {}
     fn = rt.reward_fn(options.get("reward"))
+    describe_stage(f"reward {fn.name!r} on {_samples(batch)}")
     values = fn.score(texts, batch["example"])
     if len(values) != len(texts):
         raise RuntimeError(
@@ -53,6 +55,17 @@ def _score(rt: WorkerRuntime, batch: Batch, node: Any = None) -> None:
     outputs = tuple(getattr(node, "outputs", ()) or ("reward",))
     batch.set_objects("response_text", texts)
     batch.set(outputs[0], torch.tensor([float(v) for v in values], dtype=torch.float32))
+
+
+def _samples(batch: Batch) -> str:
+    """Names a batch's samples for messages: ids and the first prompt."""
+    ids = batch.sample_id.tolist()
+    shown = ", ".join(map(str, ids[:8])) + (f", … ({len(ids)} in all)" if len(ids) > 8 else "")
+    if not len(batch) or "example" not in batch:
+        return f"sample_id {shown}"
+    first = batch["example"][0]
+    return (f"sample_id {shown}; first: dataset row {getattr(first, 'index', '?')}, prompt "
+            f"{str(getattr(first, 'prompt', ''))[:60]!r}")
 
 
 def run_generate(rt: WorkerRuntime, node: Any, batch: Batch, metrics: StepMetrics) -> Batch:
