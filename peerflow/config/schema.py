@@ -161,6 +161,12 @@ class RuntimeConfig:
     """Data routing; `centralized` is the single-controller baseline for benchmarks."""
     fault_timeout: float = 60.0
     """Seconds before a rank gives up on a dead peer and exits naming it."""
+    stage_timeout: float = 1800.0
+    """Seconds any one stage of a step (a node, a route, a weight sync, a checkpoint) may
+    run on a rank before the run fails naming that rank and stage (0: no deadline)."""
+    reward_timeout: float = 600.0
+    """Seconds a reward node may run on a rank (the outer bound around per-call reward
+    limits) before the run fails naming the rank, the reward and its samples (0: none)."""
     max_staleness: int = 1
     """Async mode: most weight versions a sample may lag the trainer by."""
     partial_rollout: bool = False
@@ -177,6 +183,11 @@ class RuntimeConfig:
     `run.prompts_per_step`); smaller calls stream finished groups sooner."""
     torch_threads: int = 1
     """torch intra-op threads per worker process."""
+
+    def stage_deadline(self, kind: str) -> float | None:
+        """Seconds a stage running a node of `kind` may take (`None`: no deadline)."""
+        seconds = self.reward_timeout if kind == "reward" else self.stage_timeout
+        return seconds if seconds > 0 else None
 
 
 @attrs.frozen(kw_only=True)

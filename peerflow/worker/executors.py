@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from peerflow.batch import Batch
+from peerflow.distributed import describe_stage
 from peerflow.worker.metrics import StepMetrics
 from peerflow.worker.rollout import generate_batch, group_count, step_seed
 from peerflow.worker.sampler import split_evenly
@@ -46,8 +47,10 @@ def _score(rt: WorkerRuntime, batch: Batch, node: Any = None,
         [row.tolist() for row in batch.ragged("response_ids").rows()], skip_special_tokens=True
     )
     options = getattr(node, "options", None) or {}
-    scores = rt.reward_set(options.get("reward")).score(
-        texts, batch["example"], batch.sample_id.tolist())
+    rewards = rt.reward_set(options.get("reward"))
+    describe_stage(f"reward {', '.join(c.name for c in rewards.components)!r} on "
+                   f"{_samples(batch)}")
+    scores = rewards.score(texts, batch["example"], batch.sample_id.tolist())
     if metrics is not None:
         for name, (value, count) in scores.metrics.items():
             metrics.mean(name, value, count)
@@ -56,6 +59,17 @@ def _score(rt: WorkerRuntime, batch: Batch, node: Any = None,
     outputs = tuple(getattr(node, "outputs", ()) or ("reward",))
     batch.set_objects("response_text", texts)
     batch.set(outputs[0], torch.tensor(scores.total, dtype=torch.float32))
+
+
+def _samples(batch: Batch) -> str:
+    """Names a batch's samples for messages: ids and the first prompt."""
+    ids = batch.sample_id.tolist()
+    shown = ", ".join(map(str, ids[:8])) + (f", … ({len(ids)} in all)" if len(ids) > 8 else "")
+    if not len(batch) or "example" not in batch:
+        return f"sample_id {shown}"
+    first = batch["example"][0]
+    return (f"sample_id {shown}; first: dataset row {getattr(first, 'index', '?')}, prompt "
+            f"{str(getattr(first, 'prompt', ''))[:60]!r}")
 
 
 def run_generate(rt: WorkerRuntime, node: Any, batch: Batch, metrics: StepMetrics) -> Batch:
