@@ -19,6 +19,8 @@ from peerflow.config.schema import (
     AlgorithmConfig,
     KLConfig,
     ModelConfig,
+    OffPolicyConfig,
+    OverlongConfig,
     RunConfig,
     RunSettings,
     RuntimeConfig,
@@ -31,6 +33,13 @@ from peerflow.config.workflow import NodeConfig, WorkflowConfig, check_workflow
 def check_model_builder(config: RunConfig, pm: object) -> list[str]:
     """`EXTRA_VALIDATORS` entry: `model.builder_options` checked by the task's builder."""
     from peerflow.algorithms import check_model_builder as check
+
+    return check(config, pm)
+
+
+def check_off_policy(config: RunConfig, pm: object) -> list[str]:
+    """`EXTRA_VALIDATORS` entry: stale samples need an off-policy correction."""
+    from peerflow.algorithms.setup import check_off_policy as check
 
     return check(config, pm)
 
@@ -50,7 +59,7 @@ def check_async_mode(config: RunConfig, pm: object) -> list[str]:
     return []
 
 
-EXTRA_VALIDATORS += [check_workflow, check_model_builder, check_async_mode]
+EXTRA_VALIDATORS += [check_workflow, check_model_builder, check_off_policy, check_async_mode]
 
 __all__ = [
     "EXTRA_VALIDATORS",
@@ -59,6 +68,8 @@ __all__ = [
     "LayoutConfig",
     "ModelConfig",
     "NodeConfig",
+    "OffPolicyConfig",
+    "OverlongConfig",
     "RolloutConfig",
     "RunConfig",
     "RunSettings",
