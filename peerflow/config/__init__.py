@@ -17,10 +17,13 @@ from peerflow.config.loader import (
 )
 from peerflow.config.schema import (
     AlgorithmConfig,
+    EvalConfig,
     KLConfig,
     ModelConfig,
     OffPolicyConfig,
     OverlongConfig,
+    RewardEntry,
+    RewardLimits,
     RunConfig,
     RunSettings,
     RuntimeConfig,
@@ -59,17 +62,28 @@ def check_async_mode(config: RunConfig, pm: object) -> list[str]:
     return []
 
 
-EXTRA_VALIDATORS += [check_workflow, check_model_builder, check_off_policy, check_async_mode]
+def check_rewards(config: RunConfig, pm: object) -> list[str]:
+    """`EXTRA_VALIDATORS` entry: every reward loads, with a usable signature, before spawn."""
+    from peerflow.rewards import check_rewards as check
+
+    return check(config, pm)
+
+
+EXTRA_VALIDATORS += [check_workflow, check_model_builder, check_off_policy, check_async_mode,
+                     check_rewards]
 
 __all__ = [
     "EXTRA_VALIDATORS",
     "AlgorithmConfig",
+    "EvalConfig",
     "KLConfig",
     "LayoutConfig",
     "ModelConfig",
     "NodeConfig",
     "OffPolicyConfig",
     "OverlongConfig",
+    "RewardEntry",
+    "RewardLimits",
     "RolloutConfig",
     "RunConfig",
     "RunSettings",

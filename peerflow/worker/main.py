@@ -241,7 +241,8 @@ def _train(rt: WorkerRuntime, program: RankProgram, stage: Any, *, resuming: boo
             rt.pm.hook.peerflow_end_of_step(step=step, metrics=metrics, rank=rt.rank)
             every = config.run.checkpoint_every
             if (every and step % every == 0) or step == config.run.steps:
-                with stage(f"checkpoint step {step}"), tracer.span("checkpoint"):
+                with stage(f"checkpoint step {step}",
+                           config.runtime.stage_deadline("checkpoint")), tracer.span("checkpoint"):
                     _save(rt, step)
     finally:
         progress.close()
