@@ -105,7 +105,7 @@ def _dynamic_sampling(
     (train engines step in lock-step); flat groups carry zero group-relative advantage.
     Works with one reward node (the one writing `reward`).
     """
-    from peerflow.algorithms.dynamic_sampling import filter_groups, take_groups
+    from peerflow.algorithms.dynamic_sampling import filter_groups, take_groups, top_up
 
     target = group_count(batch)
     pool = [batch]
@@ -121,11 +121,10 @@ def _dynamic_sampling(
         result = filter_groups(Batch.concat(pool), target)
     out = take_groups(result.batch, target)
     missing = target - group_count(out)
-    if missing > 0:
-        everything = Batch.concat(pool)
-        chosen = set(out.group_id.tolist())
-        flat = [i for i, g in enumerate(everything.group_id.tolist()) if g not in chosen]
-        out = Batch.concat([out, take_groups(everything.select(flat), missing)])
+    everything = Batch.concat(pool)
+    chosen = set(out.group_id.tolist())
+    flat = [i for i, g in enumerate(everything.group_id.tolist()) if g not in chosen]
+    out = top_up(out, take_groups(everything.select(flat), max(missing, 0)))
     for name, value in first.metrics().items():
         if name.endswith("fraction"):
             metrics.mean(name, value, target)
@@ -181,8 +180,9 @@ def run_advantage(rt: WorkerRuntime, node: Any, batch: Batch, metrics: StepMetri
 
 def run_train_actor(rt: WorkerRuntime, node: Any, batch: Batch, metrics: StepMetrics) -> Batch:
     """One `train_step` of the actor with the configured policy loss."""
-    out = rt.engine("actor").train_step(batch, rt.policy_loss)
-    metrics.add_engine_metrics("actor", out, max(len(batch), 1))
+    actor_batch = rt.algorithm.prepare_actor_batch(batch, metrics) if rt.algorithm else batch
+    out = rt.engine("actor").train_step(actor_batch, rt.policy_loss)
+    metrics.add_engine_metrics("actor", out, max(len(actor_batch), 1))
     return batch
 
 

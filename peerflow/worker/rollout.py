@@ -71,9 +71,16 @@ def generate_batch(
         draw, prompt = by_request[res.request_id]
         prompt_rows.append(torch.tensor(prompt, dtype=torch.int64))
         response_rows.append(torch.tensor(res.token_ids, dtype=torch.int64))
-        logprobs = res.logprobs if len(res.logprobs) == len(res.token_ids) else (
-            [0.0] * len(res.token_ids))
-        logprob_rows.append(torch.tensor(logprobs, dtype=torch.float32))
+        if len(res.logprobs) != len(res.token_ids):
+            raise RuntimeError(
+                f"rollout engine {type(engine).__name__} returned {len(res.logprobs)} "
+                f"log-probs for {len(res.token_ids)} tokens (request {res.request_id}); "
+                "training needs the sampling policy's log-prob of every token (the behaviour "
+                "policy of the off-policy correction, the mismatch metrics). Keep "
+                "SamplingParams.logprobs true, and make the adapter fill "
+                "GenerationResult.logprobs."
+            )
+        logprob_rows.append(torch.tensor(res.logprobs, dtype=torch.float32))
         group_ids.append(draw.position)
         sample_ids.append(draw.position * n + res.index)
         finish.append(res.finish_reason)
