@@ -157,7 +157,9 @@ def drive(rt: WorkerRuntime, schedule: Schedule, stage: Any, *, resuming: bool =
                 outputs.write(step, reduced, rt.config.run)
                 rt.pm.hook.peerflow_end_of_step(step=step, metrics=reduced, rank=rt.rank)
                 if (every and step % every == 0) or step == last:
-                    with stage(f"checkpoint step {step}"), outputs.tracer.span("checkpoint"):
+                    deadline = rt.config.runtime.stage_deadline("checkpoint")
+                    with stage(f"checkpoint step {step}", deadline), \
+                            outputs.tracer.span("checkpoint"):
                         _save(rt, step, schedule)
     finally:
         for hook in hooks:

@@ -147,7 +147,7 @@ def _start(
         rewards=components["rewards"], default_reward=components["default_reward"],
         estimator=components["estimator"], policy_loss=components["policy_loss"],
         value_loss=components["value_loss"], dp_rank=dp_rank, dp_size=dp_size,
-        sampler=sampler, kl_reward=components["kl_reward"],
+        sampler=sampler, kl_reward=components["kl_reward"], algorithm=components["algorithm"],
         layouts=dict(program.layouts),
     )
     for role in program.roles:
@@ -157,9 +157,11 @@ def _start(
         rt.sync_weights = _weight_sync(rt)
     advantage = next((n for n in program.steps if getattr(n, "kind", "") == "advantage"), None)
     layout = program.layouts.get(advantage.role) if advantage is not None else None
-    if layout is not None and layout.tp * layout.pp == 1 and rt.estimator is not None:
-        # batch-wide statistics (REINFORCE++ / GAE whitening) span every dp-shard
+    if layout is not None and rt.estimator is not None:
+        # batch-wide statistics (REINFORCE++ / GAE whitening) span every dp-shard; each
+        # dp-shard is held by world_size / dp ranks of the role (its tp/pp/... peers)
         rt.estimator.process_group = program.process_group(advantage.role)
+        rt.estimator.group_replicas = layout.world_size // layout.dp
     return rt, program
 
 
