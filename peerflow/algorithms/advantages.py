@@ -149,7 +149,7 @@ class ReinforcePP(AdvantageEstimator):
         lengths = response_lengths(batch)
         token_rewards = _token_rewards(batch, reward, lengths)
         returns = _discounted_returns(token_rewards, lengths, self.options.gamma)
-        advantages = whiten(returns, self.process_group)
+        advantages = whiten(returns, self.process_group, replicas=self.group_replicas)
         return {
             "advantages": ragged_like(advantages.to(torch.float32), lengths),
             "returns": ragged_like(returns.to(torch.float32), lengths),

@@ -71,7 +71,7 @@ class GAE(AdvantageEstimator):
         returns = (advantages + v)[mask]
         flat = advantages[mask]
         if self.options.whiten_advantages:
-            flat = whiten(flat, self.process_group)
+            flat = whiten(flat, self.process_group, replicas=self.group_replicas)
         return {
             "advantages": ragged_like(flat.to(torch.float32), lengths),
             "returns": ragged_like(returns.to(torch.float32), lengths),

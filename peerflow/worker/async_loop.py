@@ -258,6 +258,7 @@ def _run_trainer(
         load_trainer_checkpoint(rt, start_step)
     if rt.estimator is not None:  # batch-wide statistics span the trainer group
         rt.estimator.process_group = group
+        rt.estimator.group_replicas = trainer_layout.world_size // trainer_layout.dp
     micro_nodes = [n for n in nodes if n.kind in MICRO_BATCH_KINDS]
     step_nodes = [
         n for n in nodes if n.kind not in (*MICRO_BATCH_KINDS, *SKIPPED_KINDS, *ROLLOUT_KINDS)

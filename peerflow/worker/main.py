@@ -151,7 +151,7 @@ def _start(
         rewards=components["rewards"], default_reward=components["default_reward"],
         estimator=components["estimator"], policy_loss=components["policy_loss"],
         value_loss=components["value_loss"], dp_rank=dp_rank, dp_size=dp_size,
-        sampler=sampler, kl_reward=components["kl_reward"],
+        sampler=sampler, kl_reward=components["kl_reward"], algorithm=components["algorithm"],
         layouts=dict(program.layouts),
     )
     for role in program.roles:
@@ -162,9 +162,11 @@ def _start(
         rt.weight_sync = _weight_sync(rt)
     advantage = next((n for n in program.steps if getattr(n, "kind", "") == "advantage"), None)
     layout = program.layouts.get(advantage.role) if advantage is not None else None
-    if layout is not None and layout.tp * layout.pp == 1 and rt.estimator is not None:
-        # batch-wide statistics (REINFORCE++ / GAE whitening) span every dp-shard
+    if layout is not None and rt.estimator is not None:
+        # batch-wide statistics (REINFORCE++ / GAE whitening) span every dp-shard; each
+        # dp-shard is held by world_size / dp ranks of the role (its tp/pp/... peers)
         rt.estimator.process_group = program.process_group(advantage.role)
+        rt.estimator.group_replicas = layout.world_size // layout.dp
     return rt, program
 
 
@@ -235,7 +237,8 @@ def _train(rt: WorkerRuntime, program: RankProgram, stage: Any, *, resuming: boo
             rt.pm.hook.peerflow_end_of_step(step=step, metrics=metrics, rank=rt.rank)
             every = config.run.checkpoint_every
             if (every and step % every == 0) or step == config.run.steps:
-                with stage(f"checkpoint step {step}"), tracer.span("checkpoint"):
+                with stage(f"checkpoint step {step}",
+                           config.runtime.stage_deadline("checkpoint")), tracer.span("checkpoint"):
                     _save(rt, step)
     finally:
         progress.close()
