@@ -42,8 +42,9 @@ from peerflow.engines.base import NoOptions
 class Example:
     """One prompt of a task, with what its reward needs to score an answer."""
 
-    prompt: str
-    """Prompt text (chat template not yet applied)."""
+    prompt: str | list[dict[str, str]]
+    """Prompt text, or chat messages (`{role, content}`); the chat template is applied when
+    the prompt is encoded."""
     answer: Any = None
     """Reference answer or any metadata the reward reads (must be picklable)."""
     index: int = 0
