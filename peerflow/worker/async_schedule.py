@@ -2,8 +2,8 @@
 
 The planner gives every node of the async program its phase
 (`peerflow.planner.streaming`); rollout and trainer ranks are disjoint and meet only
-through p2p streams. `streaming_schedule` (every rank, collectively) plans the weight
-push once (`peerflow.reshard.plan_weight_sync`), cuts it into buckets and returns:
+through p2p streams. `streaming_schedule` (every rank, collectively) opens the stream
+channel and returns, driving the run's `WeightSyncService` (`rt.weight_sync`):
 
 * on rollout ranks a `RolloutSchedule`: `RolloutStreamer` generates (phase `generate`),
   runs the `per_group` nodes on each finished group and streams it to a trainer; it
@@ -37,13 +37,12 @@ from peerflow.worker.runtime import WorkerRuntime
 
 @attrs.frozen(kw_only=True)
 class StreamLink:
-    """What both sides of the streams agree on: the weight-push plan and the channel."""
+    """What both sides of the streams share: the run's weight sync and the channel."""
 
-    plan: Any
-    """The `ReshardPlan` of the trainer → rollout weight push."""
-    buckets: Any
+    service: Any
+    """The run's `WeightSyncService` (`rt.weight_sync`), driven by the streaming push."""
     group: Any = None
-    """Gloo group the streams use (`None`: the default group, already gloo)."""
+    """Gloo group the sample and weight-announcement streams use (`None`: the default)."""
     timeout: float = 60.0
 
 
@@ -53,16 +52,12 @@ def streaming_schedule(rt: WorkerRuntime, program: RankProgram, stage: Any) -> A
 
     import torch.distributed as dist
 
-    from peerflow.reshard import make_buckets, plan_weight_sync
-
     timeout = rt.config.runtime.fault_timeout
-    with stage("plan weight push"):
-        plan = plan_weight_sync(rt.engines.get("actor"), rt.engines.get("rollout"))
-        buckets = make_buckets(plan, rt.config.weight_sync.bucket_bytes)
-        # samples and packed weight buckets are CPU tensors, which NCCL cannot send
+    with stage("stream channel"):
+        # samples are CPU tensors, which NCCL cannot send
         group = None if dist.get_backend() == "gloo" else dist.new_group(
             backend="gloo", timeout=datetime.timedelta(seconds=timeout))
-    link = StreamLink(plan=plan, buckets=buckets, group=group, timeout=timeout)
+    link = StreamLink(service=rt.weight_sync, group=group, timeout=timeout)
     if "rollout" in rt.engines:
         return RolloutSchedule(rt=rt, program=program, link=link)
     return TrainerSchedule(rt=rt, program=program, link=link)
@@ -135,8 +130,9 @@ class RolloutSchedule:
         engine = rt.engine("rollout")
         runtime = cfg.runtime
         chunk = runtime.partial_rollout_tokens or max(cfg.rollout.sampling.max_tokens // 4, 1)
-        receiver = StreamReceiver(sources=tuple(sorted(link.plan.sources)), tag=WEIGHT_TAG,
-                                  group=link.group, timeout=link.timeout, what="weights")
+        receiver = StreamReceiver(sources=tuple(sorted(link.service.plan.sources)),
+                                  tag=WEIGHT_TAG, group=link.group, timeout=link.timeout,
+                                  what="weights")
         return RolloutStreamer(
             engine=engine,
             generate=make_generate(engine, rt.tokenizer, partial_rollout=runtime.partial_rollout,
@@ -152,8 +148,7 @@ class RolloutSchedule:
                                    source_index=layout.dp_rank(rt.rank)),
             trainer_layout=trainer_layout,
             sender=StreamSender(tag=DATA_TAG, group=link.group, timeout=link.timeout),
-            weights=WeightReceiver(plan=link.plan, buckets=link.buckets, rank=rt.rank,
-                                   receiver=receiver.start()),
+            weights=WeightReceiver(service=link.service, receiver=receiver.start()).start(),
             steps=cfg.run.steps, rank=rt.rank,
             prompts_per_call=runtime.async_prompts_per_call,
             heartbeat_s=max(link.timeout / 6, 0.5), spans=tracer, pending=self.pending,
@@ -224,7 +219,7 @@ class TrainerSchedule:
         rt, link = self.rt, self.link
         sources = tuple(self.program.placement["rollout"].global_ranks)
         sender = StreamSender(tag=WEIGHT_TAG, group=link.group, timeout=link.timeout)
-        pusher = WeightPusher(plan=link.plan, buckets=link.buckets, rank=rt.rank, sender=sender)
+        pusher = WeightPusher(service=link.service, sender=sender)
         receiver = StreamReceiver(sources=sources, tag=DATA_TAG, group=link.group,
                                   timeout=link.timeout).start()
         self._streamer = self._make_streamer(receiver, sources, start_step, tracer,

@@ -153,8 +153,8 @@ def _start(
     for role in program.roles:
         if role in engine_roles():
             rt.engines[role] = rt.build_engine(role, program.process_group(role))
-    if "actor" in rt.engines or "rollout" in rt.engines:
-        rt.sync_weights = _weight_sync(rt)
+    if program.has_kind("sync_weights") or config.runtime.mode == "async":
+        rt.weight_sync = _weight_sync(rt)
     advantage = next((n for n in program.steps if getattr(n, "kind", "") == "advantage"), None)
     layout = program.layouts.get(advantage.role) if advantage is not None else None
     if layout is not None and rt.estimator is not None:
@@ -179,20 +179,25 @@ def _load_tokenizer(model_path: str) -> Any:
     return AutoTokenizer.from_pretrained(model_path)
 
 
-def _weight_sync(rt: WorkerRuntime, group: Any = None) -> Any:
-    """Returns the callable the `sync_weights` node runs on every rank taking part."""
-    from peerflow.reshard import sync_weights
+def _weight_sync(rt: WorkerRuntime) -> Any:
+    """Builds the run's `WeightSyncService` (collective over every rank taking part).
 
-    transport = rt.config.weight_sync.transport
-    actor, rollout = rt.engines.get("actor"), rt.engines.get("rollout")
+    Async mode's push runs the transport on background threads, so there it gets a
+    process group of its own that carries nothing else.
+    """
+    import datetime
 
-    def run() -> Any:
-        version = actor.version if actor is not None else rt.step
-        return sync_weights(actor, rollout, version=version,
-                            bucket_bytes=rt.config.weight_sync.bucket_bytes, group=group,
-                            transport=None if transport == "auto" else transport)
+    import torch.distributed as dist
 
-    return run
+    from peerflow.reshard import WeightSyncService
+
+    ws, runtime = rt.config.weight_sync, rt.config.runtime
+    group = None
+    if runtime.mode == "async":
+        group = dist.new_group(timeout=datetime.timedelta(seconds=runtime.fault_timeout))
+    return WeightSyncService.build(
+        rt.engines.get("actor"), rt.engines.get("rollout"), transport=ws.transport,
+        bucket_bytes=ws.bucket_bytes, group=group, colocated=runtime.placement == "colocated")
 
 
 def _schedule(rt: WorkerRuntime, program: RankProgram, stage: Any) -> Any:
