@@ -74,8 +74,8 @@ def sync(engine: RolloutEngine, full: dict[str, torch.Tensor], version: int) -> 
 def sample(engine: RolloutEngine, temperature: float, seed: int = 3):
     """Non-greedy samples of the fixed prompts: `(results, rows)`."""
     requests = [GenerationRequest(request_id=i, prompt_ids=p) for i, p in enumerate(PROMPTS)]
-    results = engine.generate(requests, SamplingParams(n=2, temperature=temperature,
-                                                       max_tokens=8, seed=seed))
+    results = engine.generate(requests, SamplingParams(n=2 if temperature else 1, seed=seed,
+                                                       temperature=temperature, max_tokens=8))
     rows = [(PROMPTS[r.request_id], tuple(r.token_ids)) for r in results]
     for r in results:
         assert len(r.logprobs) == len(r.token_ids), (
@@ -107,11 +107,11 @@ class Layer3RolloutEngine(EngineLayerBase):
                            s.local_name in got and torch.equal(got[s.local_name],
                                                                 before[s.local_name]))
         if untouched:
-            _fail([f"{n}: not written by the sync (it still holds its old values)"
-                   for n in untouched] + [
-                   f"load_weights must copy every (spec, tensor) item of every bucket; "
-                   f"{len(untouched)} of {len(specs)} tensors kept their old values (a "
-                   "skipped layer or a dropped bucket?)"], what)
+            _fail([f"{profile.cls.__qualname__}.load_weights must copy every (spec, tensor) "
+                   f"item of every bucket; {len(untouched)} of {len(specs)} tensors kept their "
+                   "old values (a skipped layer or a dropped bucket?)"] +
+                  ["not written by the sync (still holding their old values): " +
+                   ", ".join(untouched)], what)
         _fail(compare(shard_all({0: specs}, full), {0: got}, {0: specs}, check_padding=False),
               what)
 
@@ -168,8 +168,8 @@ class Layer3RolloutEngine(EngineLayerBase):
             problems.append("the engine's outputs changed when the caller overwrote the "
                             "tensors it had passed to load_weights")
         if problems:
-            problems.append(f"{profile.name}.load_weights keeps the tensors it is given instead "
-                            "of copying them; copy into the engine's own storage "
+            problems.append(f"{profile.cls.__qualname__}.load_weights keeps the tensors it is "
+                            "given instead of copying them; copy into the engine's own storage "
                             "(param.copy_(tensor)), never `param.data = tensor` or a new "
                             "Parameter around it")
         _fail(problems, f"{profile.name} {engine_model} load_weights")
@@ -196,8 +196,9 @@ class Layer3RolloutEngine(EngineLayerBase):
         results, rows = sample(engine, temperature)
         stale = sorted({r.version_segments for r in results} - {((0, 5),)})
         assert not stale, (
-            f"{profile.name}.generate reports version_segments {stale[0]} after a sync to "
-            "version 5; report ((0, self.weight_version),) — the version the tokens came from")
+            f"{profile.cls.__qualname__}.generate reports version_segments {stale[0]} after a "
+            "sync to version 5; report ((0, self.weight_version),), the version the tokens "
+            "came from")
         got = _logprobs(results)
         worst = gap(got, reference_logprobs(config, new, rows, temperature))
         if worst <= logprob_atol:
@@ -208,8 +209,8 @@ class Layer3RolloutEngine(EngineLayerBase):
         if temperature != 1.0 and gap(got, reference_logprobs(config, new, rows)) <= \
                 logprob_atol:
             pytest.fail(f"{what}; they equal the untempered log_softmax(logits). "
-                        f"{profile.name}.generate must return log-probs of the sampling "
-                        "distribution, log_softmax(logits / T) before top-k/top-p (vLLM: "
+                        f"{profile.cls.__qualname__}.generate must return log-probs of the "
+                        "sampling distribution, log_softmax(logits / T) before top-k/top-p (vLLM: "
                         "logprobs_mode='processed_logprobs').", pytrace=False)
         specs = list(engine.weight_targets())
         version = iter(range(100, 1000))

@@ -24,7 +24,7 @@ class Test{cls}(RolloutAdapterSuite):
 '''
 
 
-def run_suite(tmp_path, module: str, classes: list[str], keyword: str):
+def run_suite(tmp_path, module: str, classes: list[str], keyword: str, *extra: str):
     test_file = tmp_path / f"test_{module}.py"
     test_file.write_text(SUITE.format(
         here=str(HERE), module=module, classes=", ".join(classes),
@@ -32,13 +32,13 @@ def run_suite(tmp_path, module: str, classes: list[str], keyword: str):
     env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
     return subprocess.run(
         [sys.executable, "-m", "pytest", str(test_file), "-q", "-p", "no:cacheprovider",
-         "--rootdir", str(tmp_path), "-o", "addopts=", "-rfE", "-k", keyword],
+         "--rootdir", str(tmp_path), "-o", "addopts=", "-rfE", "-k", keyword, *extra],
         capture_output=True, text=True, env=env, timeout=600)
 
 
 def test_layer_3_passes_the_real_hf_engine_and_fails_one_swapping_k_and_v(tmp_path):
     result = run_suite(tmp_path, "engine_adapters", ["HFWithHooks", "HFSwapsKV"],
-                       "l3_ and llama-tied")
+                       "l3_ and llama-tied", "--peerflow-all-failures")
     out = result.stdout
     assert result.returncode == 1, out[-3000:]
     failed = [line for line in out.splitlines() if line.startswith("FAILED")]
