@@ -140,3 +140,24 @@ def test_cadence_rng_and_metrics_truncation(tmp_path):
     metrics.write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 7)))
     truncate_metrics(metrics, 4)
     assert [json.loads(x)["step"] for x in metrics.read_text().splitlines()] == [1, 2, 3, 4]
+
+
+def test_peerflow_checkpoints_lists_status(tmp_path, capsys):
+    from peerflow.cli import main
+
+    for step in (2, 4):
+        _save(tmp_path, step)
+    shard = step_dir(tmp_path, 4) / "actor" / "w.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-10])
+    step_dir(tmp_path, 6).mkdir()
+    assert main(["checkpoints", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["step", "status", "size", "path"]
+    assert lines[1].split()[:2] == ["2", "verified"] and "--resume continues here" in lines[1]
+    assert lines[2].split()[:2] == ["4", "corrupt"] and "actor/w.safetensors has" in lines[2]
+    assert lines[3].split()[:2] == ["6", "incomplete"]
+    assert main(["checkpoints", str(tmp_path), "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["step"], r["status"], r["resume"]) for r in rows] == [
+        (2, "verified", True), (4, "corrupt", False), (6, "incomplete", False)]
+    assert main(["checkpoints", str(tmp_path / "nothing-here")]) == 1
