@@ -41,6 +41,9 @@ class Example:
     """Reference answer or any metadata the reward reads (must be picklable)."""
     index: int = 0
     """Position in the dataset (stable, used for resumable sampling)."""
+    metadata: dict[str, Any] = attrs.field(factory=dict)
+    """Other fields of the dataset row (`data_source`, `extra_info`, …), passed to function
+    rewards inside their `example` dict."""
 
 
 class _Component:

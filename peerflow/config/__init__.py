@@ -17,8 +17,11 @@ from peerflow.config.loader import (
 )
 from peerflow.config.schema import (
     AlgorithmConfig,
+    EvalConfig,
     KLConfig,
     ModelConfig,
+    RewardEntry,
+    RewardLimits,
     RunConfig,
     RunSettings,
     RuntimeConfig,
@@ -50,15 +53,25 @@ def check_async_mode(config: RunConfig, pm: object) -> list[str]:
     return []
 
 
-EXTRA_VALIDATORS += [check_workflow, check_model_builder, check_async_mode]
+def check_rewards(config: RunConfig, pm: object) -> list[str]:
+    """`EXTRA_VALIDATORS` entry: every reward loads, with a usable signature, before spawn."""
+    from peerflow.rewards import check_rewards as check
+
+    return check(config, pm)
+
+
+EXTRA_VALIDATORS += [check_workflow, check_model_builder, check_async_mode, check_rewards]
 
 __all__ = [
     "EXTRA_VALIDATORS",
     "AlgorithmConfig",
+    "EvalConfig",
     "KLConfig",
     "LayoutConfig",
     "ModelConfig",
     "NodeConfig",
+    "RewardEntry",
+    "RewardLimits",
     "RolloutConfig",
     "RunConfig",
     "RunSettings",

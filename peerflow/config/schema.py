@@ -26,6 +26,38 @@ class ModelConfig:
 
 
 @attrs.frozen(kw_only=True)
+class RewardEntry:
+    """One reward of `task.rewards`: a function and its weight in the total."""
+
+    fn: str
+    """A registered reward name, `path/to/rewards.py:function` or `package.module:function`."""
+    weight: float = 1.0
+    """Weight of this reward in the summed `reward`."""
+    name: str | None = None
+    """Name of its metrics (`reward/<name>/mean`); default: the function's name."""
+    batched: bool | None = None
+    """Call a function reward once per batch (`fn(responses, examples)`); `None` decides by
+    its first parameter's name (`responses`, `completions`, … mean batched)."""
+
+
+@attrs.frozen(kw_only=True)
+class RewardLimits:
+    """How function rewards run: a pool of worker processes with per-call limits."""
+
+    workers: int = 2
+    """Reward worker processes per rank that scores (0: call in the rank's own process,
+    without time or memory limits — for debugging)."""
+    timeout_s: float = 30.0
+    """Wall-clock limit of one call (one sample, or one batched call); the worker running
+    a call past it is killed and the samples are scored `failure_score`."""
+    memory_mb: int = 4096
+    """Address-space limit of each reward worker (`RLIMIT_AS`; 0: none)."""
+    failure_score: float = 0.0
+    """Score of a sample whose reward raised, timed out or returned a non-number (each one
+    is counted in `reward/errors` or `reward/timeouts` and logged with the sample)."""
+
+
+@attrs.frozen(kw_only=True)
 class TaskConfig:
     """Where prompts come from and how answers are scored."""
 
@@ -34,7 +66,34 @@ class TaskConfig:
     options: dict[str, Any] = attrs.field(factory=dict)
     """The task's own options, validated by the task's options class."""
     reward: str | None = None
-    """Registered reward; defaults to the task's own reward."""
+    """Registered reward name, `path/to/rewards.py:function` or `package.module:function`;
+    defaults to the task's own reward."""
+    rewards: list[RewardEntry] = attrs.field(factory=list)
+    """Several weighted rewards (instead of `reward`); `reward` is their weighted sum."""
+    reward_limits: RewardLimits = attrs.Factory(RewardLimits)
+    """Time and memory limits of function rewards."""
+
+    def __attrs_post_init__(self) -> None:
+        if self.reward and self.rewards:
+            raise ValueError("set task.reward (one reward) or task.rewards (a weighted list), "
+                             "not both.")
+
+
+@attrs.frozen(kw_only=True)
+class EvalConfig:
+    """Held-out evaluation: `run.eval_every`, and `peerflow eval`."""
+
+    split: str = "eval"
+    """The task's split to score."""
+    max_prompts: int = 64
+    """Prompts evaluated (the split's first ones; 0: all)."""
+    greedy: bool = True
+    """Score one greedy answer per prompt (`eval/greedy/*`)."""
+    n: int = 0
+    """Sampled answers per prompt at `rollout.sampling.temperature` (`eval/sampled/*` and
+    `eval/pass@k` for k = 1, 2, 4, … ≤ n); 0: none."""
+    correct_threshold: float = 1.0
+    """A sampled answer counts as correct for pass@k when its reward reaches this."""
 
 
 @attrs.frozen(kw_only=True)
@@ -85,6 +144,9 @@ class RunSettings:
     """Log to Weights & Biases when it is installed."""
     trace: bool = True
     """Write a per-rank Chrome-trace timeline."""
+    eval_every: int = 0
+    """Score the held-out split (see `eval`) every K steps, before the first step and at
+    the end (0: never)."""
 
 
 @attrs.frozen(kw_only=True)
@@ -101,6 +163,12 @@ class RuntimeConfig:
     """Data routing; `centralized` is the single-controller baseline for benchmarks."""
     fault_timeout: float = 60.0
     """Seconds before a rank gives up on a dead peer and exits naming it."""
+    stage_timeout: float = 1800.0
+    """Seconds any one stage of a step (a node, a route, a weight sync, a checkpoint) may
+    run on a rank before the run fails naming that rank and stage (0: no deadline)."""
+    reward_timeout: float = 600.0
+    """Seconds a reward node may run on a rank (the outer bound around per-call reward
+    limits) before the run fails naming the rank, the reward and its samples (0: none)."""
     max_staleness: int = 1
     """Async mode: most weight versions a sample may lag the trainer by."""
     partial_rollout: bool = False
@@ -117,6 +185,11 @@ class RuntimeConfig:
     `run.prompts_per_step`); smaller calls stream finished groups sooner."""
     torch_threads: int = 1
     """torch intra-op threads per worker process."""
+
+    def stage_deadline(self, kind: str) -> float | None:
+        """Seconds a stage running a node of `kind` may take (`None`: no deadline)."""
+        seconds = self.reward_timeout if kind == "reward" else self.stage_timeout
+        return seconds if seconds > 0 else None
 
 
 @attrs.frozen(kw_only=True)
@@ -135,3 +208,5 @@ class RunConfig:
     """The workflow graph: `{graph: grpo|ppo}` or `{nodes: [...]}` (`peerflow.workflow`)."""
     runtime: RuntimeConfig = attrs.Factory(RuntimeConfig)
     run: RunSettings = attrs.Factory(RunSettings)
+    eval: EvalConfig = attrs.Factory(EvalConfig)
+    """What `run.eval_every` and `peerflow eval` score."""

@@ -38,7 +38,7 @@ KINDS: dict[str, Kind] = {
         Kind(key="weight_transport", hook="peerflow_register_weight_transports",
              label="weight transport", config_key="weight_sync.transport", base=""),
         Kind(key="reward", hook="peerflow_register_rewards", label="reward",
-             config_key="reward.name", base="peerflow.algorithms.RewardFunction"),
+             config_key="task.reward", base="peerflow.algorithms.RewardFunction"),
         Kind(key="advantage_estimator", hook="peerflow_register_advantage_estimators",
              label="advantage estimator", config_key="algorithm.advantage",
              base="peerflow.algorithms.AdvantageEstimator"),

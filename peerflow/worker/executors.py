@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from peerflow.batch import Batch
+from peerflow.distributed import describe_stage
 from peerflow.worker.metrics import StepMetrics
 from peerflow.worker.rollout import generate_batch, group_count, step_seed
 from peerflow.worker.sampler import split_evenly
@@ -32,27 +33,43 @@ def _sampling(rt: WorkerRuntime, attempt: int) -> Any:
     )
 
 
-def _score(rt: WorkerRuntime, batch: Batch, node: Any = None) -> None:
+def _score(rt: WorkerRuntime, batch: Batch, node: Any = None,
+           metrics: StepMetrics | None = None) -> None:
     """Decodes the answers, adds `response_text` and the node's reward field.
 
-    The reward is `node.options["reward"]` when the node names one, else the task's; the
-    field is the node's first output (`reward` by default), so several reward nodes can
-    feed one advantage node under different names (fan-in).
+    The rewards are `node.options["reward"]` when the node names one, else the run's
+    (`task.reward` / `task.rewards`); the field is the node's first output (`reward` by
+    default), so several reward nodes can feed one advantage node under different names
+    (fan-in). Per-reward means and the `reward/errors` / `reward/timeouts` counts go
+    into `metrics`.
     """
     texts = rt.tokenizer.batch_decode(
         [row.tolist() for row in batch.ragged("response_ids").rows()], skip_special_tokens=True
     )
     options = getattr(node, "options", None) or {}
-    fn = rt.reward_fn(options.get("reward"))
-    values = fn.score(texts, batch["example"])
-    if len(values) != len(texts):
-        raise RuntimeError(
-            f"reward {fn.name!r} returned {len(values)} scores for {len(texts)} answers; "
-            "RewardFunction.score must return one float per answer."
-        )
+    rewards = rt.reward_set(options.get("reward"))
+    describe_stage(f"reward {', '.join(c.name for c in rewards.components)!r} on "
+                   f"{_samples(batch)}")
+    scores = rewards.score(texts, batch["example"], batch.sample_id.tolist())
+    if metrics is not None:
+        for name, (value, count) in scores.metrics.items():
+            metrics.mean(name, value, count)
+        for name, count in scores.counts.items():
+            metrics.sum(name, count)
     outputs = tuple(getattr(node, "outputs", ()) or ("reward",))
     batch.set_objects("response_text", texts)
-    batch.set(outputs[0], torch.tensor([float(v) for v in values], dtype=torch.float32))
+    batch.set(outputs[0], torch.tensor(scores.total, dtype=torch.float32))
+
+
+def _samples(batch: Batch) -> str:
+    """Names a batch's samples for messages: ids and the first prompt."""
+    ids = batch.sample_id.tolist()
+    shown = ", ".join(map(str, ids[:8])) + (f", … ({len(ids)} in all)" if len(ids) > 8 else "")
+    if not len(batch) or "example" not in batch:
+        return f"sample_id {shown}"
+    first = batch["example"][0]
+    return (f"sample_id {shown}; first: dataset row {getattr(first, 'index', '?')}, prompt "
+            f"{str(getattr(first, 'prompt', ''))[:60]!r}")
 
 
 def run_generate(rt: WorkerRuntime, node: Any, batch: Batch, metrics: StepMetrics) -> Batch:
@@ -72,7 +89,7 @@ def run_generate(rt: WorkerRuntime, node: Any, batch: Batch, metrics: StepMetric
 
 def run_reward(rt: WorkerRuntime, node: Any, batch: Batch, metrics: StepMetrics) -> Batch:
     """Scores every answer; with `algorithm.dynamic_sampling`, refills flat groups (DAPO)."""
-    _score(rt, batch, node)
+    _score(rt, batch, node, metrics)
     if rt.config.algorithm.dynamic_sampling and "reward" in batch:
         batch = _dynamic_sampling(rt, batch, metrics, node)
     return batch
@@ -99,7 +116,7 @@ def _dynamic_sampling(
         rounds += 1
         draws = rt.sampler.draw(result.refill_groups)
         fresh = generate_batch(rt.engine("rollout"), rt.tokenizer, draws, _sampling(rt, rounds))
-        _score(rt, fresh, node)
+        _score(rt, fresh, node, metrics)
         pool.append(fresh)
         result = filter_groups(Batch.concat(pool), target)
     out = take_groups(result.batch, target)

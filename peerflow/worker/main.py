@@ -243,7 +243,8 @@ def _train(rt: WorkerRuntime, program: RankProgram, stage: Any, *, resuming: boo
             progress.update(step, metrics)
             rt.pm.hook.peerflow_end_of_step(step=step, metrics=metrics, rank=rt.rank)
             if should_checkpoint(step, config.run.checkpoint_every, config.run.steps):
-                with stage(f"checkpoint step {step}"), tracer.span("checkpoint"):
+                with stage(f"checkpoint step {step}",
+                           config.runtime.stage_deadline("checkpoint")), tracer.span("checkpoint"):
                     save_step(rt.run_dir, step, engines=rt.engines, rank=rt.rank,
                               driver_state={"sampler": rt.sampler.state_dict()},
                               keep_last=config.run.keep_last)
