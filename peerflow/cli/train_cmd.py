@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 from pathlib import Path
 from typing import Any
 
@@ -115,15 +116,12 @@ def _torchrun_worker(args: argparse.Namespace, config_path: str, run_dir: str | 
             "peerflow train under torchrun: pass --run-dir DIR (on shared storage for "
             "several machines) so every rank writes the same run directory."
         )
-    import os
-
-    lock = contextlib.nullcontext()
-    if os.environ.get("RANK") == "0":  # one lock per run: rank 0 holds it
+    lead = os.environ.get("RANK") == "0"  # one lock per run: rank 0 takes it and checks
+    if lead:
         config = check_config(config_path, list(args.overrides))
         Path(run_dir).mkdir(parents=True, exist_ok=True)
-        lock = RunLock(Path(run_dir))
-    with lock:
-        if os.environ.get("RANK") == "0":
+    with RunLock(Path(run_dir)) if lead else contextlib.nullcontext():
+        if lead:
             check_run_dir(Path(run_dir), config, args)
         return int(launch(config_path=config_path, overrides=list(args.overrides),
                           run_dir=run_dir, resume=args.resume, launcher=args.launcher) or 0)
