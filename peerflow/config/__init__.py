@@ -20,6 +20,8 @@ from peerflow.config.schema import (
     EvalConfig,
     KLConfig,
     ModelConfig,
+    OffPolicyConfig,
+    OverlongConfig,
     RewardEntry,
     RewardLimits,
     RunConfig,
@@ -34,6 +36,13 @@ from peerflow.config.workflow import NodeConfig, WorkflowConfig, check_workflow
 def check_model_builder(config: RunConfig, pm: object) -> list[str]:
     """`EXTRA_VALIDATORS` entry: `model.builder_options` checked by the task's builder."""
     from peerflow.algorithms import check_model_builder as check
+
+    return check(config, pm)
+
+
+def check_off_policy(config: RunConfig, pm: object) -> list[str]:
+    """`EXTRA_VALIDATORS` entry: stale samples need an off-policy correction."""
+    from peerflow.algorithms.setup import check_off_policy as check
 
     return check(config, pm)
 
@@ -60,7 +69,8 @@ def check_rewards(config: RunConfig, pm: object) -> list[str]:
     return check(config, pm)
 
 
-EXTRA_VALIDATORS += [check_workflow, check_model_builder, check_async_mode, check_rewards]
+EXTRA_VALIDATORS += [check_workflow, check_model_builder, check_off_policy, check_async_mode,
+                     check_rewards]
 
 __all__ = [
     "EXTRA_VALIDATORS",
@@ -70,6 +80,8 @@ __all__ = [
     "LayoutConfig",
     "ModelConfig",
     "NodeConfig",
+    "OffPolicyConfig",
+    "OverlongConfig",
     "RewardEntry",
     "RewardLimits",
     "RolloutConfig",

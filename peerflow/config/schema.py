@@ -98,14 +98,57 @@ class EvalConfig:
 
 @attrs.frozen(kw_only=True)
 class KLConfig:
-    """KL regularisation towards a frozen reference model."""
+    """KL regularisation towards a frozen reference model (see docs/algorithms.md)."""
 
     coef: float = 0.0
     """KL coefficient; 0 disables the reference model entirely."""
-    estimator: Literal["k1", "k2", "k3"] = "k3"
-    """Per-token KL estimator (Schulman's k1/k2/k3)."""
+    estimator: Literal["k1", "k2", "k3"] | None = None
+    """Per-token KL estimator (Schulman's k1/k2/k3); `None` picks `k1` in `reward` mode
+    (its score-function gradient is the KL gradient) and `k3` in `loss` mode (GRPO's
+    choice; its gradient as a loss is that of KL(reference || policy)). `k2` is the one
+    whose gradient as a loss is that of KL(policy || reference); `k1` as a loss has zero
+    expected gradient (a warning says so)."""
     mode: Literal["loss", "reward"] = "loss"
-    """Add KL to the loss, or subtract it from the reward."""
+    """Add KL to the loss, or subtract it from the reward (per token for the token-level
+    estimators `gae` and `reinforce_pp`, summed into the sample's reward otherwise)."""
+
+    @property
+    def resolved_estimator(self) -> str:
+        """The estimator in use: `estimator`, else the mode's default."""
+        return self.estimator or ("k1" if self.mode == "reward" else "k3")
+
+
+@attrs.frozen(kw_only=True)
+class OffPolicyConfig:
+    """Correction for samples drawn by another policy than the trainer's (decoupled PPO).
+
+    The behaviour policy is the rollout engine's (`rollout_logprobs`), the proximal policy
+    the trainer's recomputed log-probs before the update (`old_logprobs`); each token's
+    loss is multiplied by `w = exp(old_logprobs - rollout_logprobs)`, truncated or masked.
+    Stale samples (async mode, `weight_sync.every > 1`) are refused without it.
+    """
+
+    correction: Literal["tis", "mis", "none"] = "tis"
+    """`tis`: truncated importance sampling, `min(w, cap)` (verl's token-level TIS);
+    `mis`: masked importance sampling, `w` where `lower <= w <= cap`, else 0 (AReaL's
+    `behav_imp_weight_cap`, verl's IcePop); `none`: no correction (on-policy runs only)."""
+    cap: float = attrs.field(default=2.0, validator=attrs.validators.gt(1.0))
+    """Upper bound on the weight (2.0, verl's default `rollout_is_threshold`)."""
+    lower: float = attrs.field(default=0.0, validator=attrs.validators.ge(0.0))
+    """`mis` only: tokens whose weight is below this are masked too (0: none)."""
+
+
+@attrs.frozen(kw_only=True)
+class OverlongConfig:
+    """DAPO's handling of answers that reach (or nearly reach) `max_tokens`."""
+
+    buffer: int = attrs.field(default=0, validator=attrs.validators.ge(0))
+    """Soft overlong punishment: an answer longer than `max_tokens - buffer` tokens loses
+    `penalty * (length - (max_tokens - buffer)) / buffer` reward (0 disables)."""
+    penalty: float = attrs.field(default=1.0, validator=attrs.validators.ge(0.0))
+    """Largest reward lost to the soft punishment (at `max_tokens`)."""
+    filter: bool = False
+    """Overlong filtering: truncated answers (`finish_reason == "length"`) get no loss."""
 
 
 @attrs.frozen(kw_only=True)
@@ -120,6 +163,12 @@ class AlgorithmConfig:
     """Options of the selected estimator and loss, keyed by their names."""
     kl: KLConfig = attrs.Factory(KLConfig)
     """KL to the reference model."""
+    off_policy: OffPolicyConfig = attrs.Factory(OffPolicyConfig)
+    """Importance weights for stale or mismatched samples (on by default)."""
+    entropy_coef: float = attrs.field(default=0.0, validator=attrs.validators.ge(0.0))
+    """Entropy bonus: the loss subtracts `entropy_coef * aggregate(entropy)` (0: off)."""
+    overlong: OverlongConfig = attrs.Factory(OverlongConfig)
+    """DAPO's overlong reward shaping and filtering (off by default)."""
     dynamic_sampling: bool = False
     """DAPO: drop groups whose rewards are all equal and refill the batch."""
 

@@ -17,7 +17,9 @@ rank per replica and declares `Capabilities.multiprocess`):
    * `generate(requests, sampling)`;
    * a weight sync: `begin_weight_update(version)`, then `load_weights(items)` once per
      bucket, then `finish_weight_update()` (resets caches and publishes `version`);
-   * with `Capabilities.sleep`: `sleep()` … `wake()`;
+   * with `Capabilities.sleep` (colocated placement time-shares the accelerator, in the
+     order of verl's hybrid engine): `sleep()` after generating; before the next
+     generation `wake(tags=("weights",))`, a weight sync, `wake(tags=("kv_cache",))`;
    * with `Capabilities.partial_rollout`: `pause()` … (a weight sync) … `resume()`.
 4. `shutdown()`.
 """
@@ -155,11 +157,19 @@ class RolloutEngine(EngineBase, abc.ABC):
         )
 
     def sleep(self) -> None:
-        """Releases accelerator memory (needs `Capabilities.sleep`)."""
+        """Releases accelerator memory: weights and KV cache (needs `Capabilities.sleep`)."""
         raise self._unsupported("sleep")
 
-    def wake(self) -> None:
-        """Restores what `sleep` released (needs `Capabilities.sleep`)."""
+    def wake(self, tags: Sequence[str] | None = None) -> None:
+        """Restores what `sleep` released (needs `Capabilities.sleep`).
+
+        Args:
+            tags: What to restore: `"weights"`, `"kv_cache"`, or both (`None`). The
+                runtime wakes the weights first, loads new ones into them, then wakes the
+                KV cache, so the two are never both allocated beside stale buffers.
+                Engines written before `tags` existed may declare `wake(self)`; the
+                runtime then wakes them whole, once, before loading.
+        """
         raise self._unsupported("sleep")
 
     def pause(self) -> None:

@@ -2,8 +2,8 @@
 
 Requires `runtime.placement: split` (rollout and trainer on disjoint ranks). Every rank:
 
-1. plans the weight push once (`peerflow.reshard.plan_weight_sync`, a collective over
-   all ranks) and cuts it into buckets;
+1. builds the run's `WeightSyncService` once (a collective over all ranks), with its
+   transport on a process group of its own, which the streaming push drives;
 2. rollout ranks run `RolloutStreamer` (generate + per-group nodes such as reward and
    GRPO advantages), trainer ranks run `TrainerStreamer` (micro-batch forwards, training,
    asynchronous weight push); they meet only through p2p messages;
@@ -91,8 +91,6 @@ def _tracer(rt: WorkerRuntime) -> Any:
 
 def run_async(rt: WorkerRuntime, program: Any, stage: Any) -> None:
     """Runs this rank's part of an async run (called by `run_worker` on every rank)."""
-    from peerflow.reshard import make_buckets, plan_weight_sync
-
     nodes, layouts = _graph_nodes(rt)
     check_async_config(rt.config, layouts)
     rollout_layout, trainer_layout = layouts["rollout"], layouts["actor"]
@@ -103,24 +101,21 @@ def run_async(rt: WorkerRuntime, program: Any, stage: Any) -> None:
     actor = rt.engines.get("actor")
     rollout = rt.engines.get("rollout")
     with stage("plan weight push"):
-        plan = plan_weight_sync(actor, rollout)
-        buckets = make_buckets(plan, rt.config.weight_sync.bucket_bytes)
         stream_group = _stream_group(rt.config.runtime.fault_timeout)
+        service = _weight_service(rt, actor, rollout)
     if rollout is not None:
         with stage("async rollout"):
-            _run_rollout(rt, nodes, rollout_layout, trainer_layout, plan, buckets, stream_group)
+            _run_rollout(rt, nodes, rollout_layout, trainer_layout, service, stream_group)
     elif actor is not None:
         with stage("async trainer"):
-            _run_trainer(
-                rt, program, nodes, rollout_layout, trainer_layout, plan, buckets, stream_group
-            )
+            _run_trainer(rt, program, nodes, rollout_layout, trainer_layout, service,
+                         stream_group)
 
 
 def _stream_group(timeout: float) -> Any:
     """A gloo group over every rank for the streams (CPU bytes), unless the default is gloo.
 
-    Created collectively on every rank. Samples and packed weight buckets are CPU
-    tensors, which NCCL cannot send.
+    Created collectively on every rank. Samples are CPU tensors, which NCCL cannot send.
     """
     import datetime
 
@@ -131,13 +126,29 @@ def _stream_group(timeout: float) -> Any:
     return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout))
 
 
+def _weight_service(rt: WorkerRuntime, actor: Any, rollout: Any) -> Any:
+    """Builds the run's weight sync (collective) with its transport on a group of its own.
+
+    The push runs the transport on background threads, so its group carries nothing else.
+    """
+    import datetime
+
+    import torch.distributed as dist
+
+    from peerflow.reshard import WeightSyncService
+
+    cfg = rt.config
+    group = dist.new_group(timeout=datetime.timedelta(seconds=cfg.runtime.fault_timeout))
+    return WeightSyncService.build(actor, rollout, transport=cfg.weight_sync.transport,
+                                   bucket_bytes=cfg.weight_sync.bucket_bytes, group=group)
+
+
 def _run_rollout(
     rt: WorkerRuntime,
     nodes: list[Any],
     rollout_layout: Any,
     trainer_layout: Any,
-    plan: Any,
-    buckets: Any,
+    service: Any,
     stream_group: Any = None,
 ) -> None:
     from peerflow.streaming.assignment import TokenBalancer
@@ -177,17 +188,15 @@ def _run_rollout(
     engine = rt.engine("rollout")
     spans = _tracer(rt)
     weights = WeightReceiver(
-        plan=plan,
-        buckets=buckets,
-        rank=rt.rank,
+        service=service,
         receiver=StreamReceiver(
-            sources=tuple(sorted(plan.sources)),
+            sources=tuple(sorted(service.plan.sources)),
             tag=WEIGHT_TAG,
             group=stream_group,
             timeout=timeout,
             what="weights",
         ).start(),
-    )
+    ).start()
     streamer = RolloutStreamer(
         engine=engine,
         generate=make_generate(
@@ -220,8 +229,7 @@ def _run_trainer(
     nodes: list[Any],
     rollout_layout: Any,
     trainer_layout: Any,
-    plan: Any,
-    buckets: Any,
+    service: Any,
     stream_group: Any = None,
 ) -> None:
     from peerflow.streaming.accumulator import MicroBatchAccumulator, StepInbox
@@ -247,6 +255,7 @@ def _run_trainer(
     start_step = resumed.step if resumed is not None else 0
     if rt.estimator is not None:  # batch-wide statistics span the trainer group
         rt.estimator.process_group = group
+        rt.estimator.group_replicas = trainer_layout.world_size // trainer_layout.dp
     micro_nodes = [n for n in nodes if n.kind in MICRO_BATCH_KINDS]
     step_nodes = [
         n for n in nodes if n.kind not in (*MICRO_BATCH_KINDS, *SKIPPED_KINDS, *ROLLOUT_KINDS)
@@ -269,7 +278,7 @@ def _run_trainer(
         progress = StepProgress(cfg.run.steps, start=start_step)
     sources = tuple(rollout_layout.global_ranks)
     sender = StreamSender(tag=WEIGHT_TAG, group=stream_group, timeout=timeout)
-    pusher = WeightPusher(plan=plan, buckets=buckets, rank=rt.rank, sender=sender)
+    pusher = WeightPusher(service=service, sender=sender)
     spans = _tracer(rt)
     trained = trained_groups(resumed.inflight if resumed is not None else None)
 

@@ -80,7 +80,7 @@ def run_generate(rt: WorkerRuntime, node: Any, batch: Batch, metrics: StepMetric
     sampling = _sampling(rt, 0)
     bar = rt.progress.generation(len(draws) * sampling.n) if rt.progress is not None else (
         contextlib.nullcontext(lambda n=1: None))
-    with bar as advance:
+    with bar as advance, rt.generating():
         out = generate_batch(engine, rt.tokenizer, draws, sampling)
         advance(len(out))
     metrics.sum("rollout/prompts", len(draws))
@@ -105,7 +105,7 @@ def _dynamic_sampling(
     (train engines step in lock-step); flat groups carry zero group-relative advantage.
     Works with one reward node (the one writing `reward`).
     """
-    from peerflow.algorithms.dynamic_sampling import filter_groups, take_groups
+    from peerflow.algorithms.dynamic_sampling import filter_groups, take_groups, top_up
 
     target = group_count(batch)
     pool = [batch]
@@ -115,17 +115,18 @@ def _dynamic_sampling(
     while result.refill_groups > 0 and rounds < rt.max_refill_rounds:
         rounds += 1
         draws = rt.sampler.draw(result.refill_groups)
-        fresh = generate_batch(rt.engine("rollout"), rt.tokenizer, draws, _sampling(rt, rounds))
+        with rt.generating():
+            fresh = generate_batch(rt.engine("rollout"), rt.tokenizer, draws,
+                                   _sampling(rt, rounds))
         _score(rt, fresh, node, metrics)
         pool.append(fresh)
         result = filter_groups(Batch.concat(pool), target)
     out = take_groups(result.batch, target)
     missing = target - group_count(out)
-    if missing > 0:
-        everything = Batch.concat(pool)
-        chosen = set(out.group_id.tolist())
-        flat = [i for i, g in enumerate(everything.group_id.tolist()) if g not in chosen]
-        out = Batch.concat([out, take_groups(everything.select(flat), missing)])
+    everything = Batch.concat(pool)
+    chosen = set(out.group_id.tolist())
+    flat = [i for i, g in enumerate(everything.group_id.tolist()) if g not in chosen]
+    out = top_up(out, take_groups(everything.select(flat), max(missing, 0)))
     for name, value in first.metrics().items():
         if name.endswith("fraction"):
             metrics.mean(name, value, target)
@@ -181,8 +182,9 @@ def run_advantage(rt: WorkerRuntime, node: Any, batch: Batch, metrics: StepMetri
 
 def run_train_actor(rt: WorkerRuntime, node: Any, batch: Batch, metrics: StepMetrics) -> Batch:
     """One `train_step` of the actor with the configured policy loss."""
-    out = rt.engine("actor").train_step(batch, rt.policy_loss)
-    metrics.add_engine_metrics("actor", out, max(len(batch), 1))
+    actor_batch = rt.algorithm.prepare_actor_batch(batch, metrics) if rt.algorithm else batch
+    out = rt.engine("actor").train_step(actor_batch, rt.policy_loss)
+    metrics.add_engine_metrics("actor", out, max(len(actor_batch), 1))
     return batch
 
 

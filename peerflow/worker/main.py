@@ -156,19 +156,22 @@ def _start(
         rewards=components["rewards"], default_reward=components["default_reward"],
         estimator=components["estimator"], policy_loss=components["policy_loss"],
         value_loss=components["value_loss"], dp_rank=dp_rank, dp_size=dp_size,
-        sampler=sampler, kl_reward=components["kl_reward"],
+        sampler=sampler, kl_reward=components["kl_reward"], algorithm=components["algorithm"],
         layouts=dict(program.layouts),
     )
     for role in program.roles:
         if role in ROLLOUT_ROLES or role in TRAIN_ROLES:
             rt.engines[role] = rt.build_engine(role, program.process_group(role))
-    if "actor" in rt.engines or "rollout" in rt.engines:
-        rt.sync_weights = _weight_sync(rt)
+    syncs = any(getattr(n, "kind", "") == "sync_weights" for n in program.steps)
+    if syncs and config.runtime.mode != "async":  # async builds its own, on its own group
+        rt.weight_sync = _weight_sync(rt)
     advantage = next((n for n in program.steps if getattr(n, "kind", "") == "advantage"), None)
     layout = program.layouts.get(advantage.role) if advantage is not None else None
-    if layout is not None and layout.tp * layout.pp == 1 and rt.estimator is not None:
-        # batch-wide statistics (REINFORCE++ / GAE whitening) span every dp-shard
+    if layout is not None and rt.estimator is not None:
+        # batch-wide statistics (REINFORCE++ / GAE whitening) span every dp-shard; each
+        # dp-shard is held by world_size / dp ranks of the role (its tp/pp/... peers)
         rt.estimator.process_group = program.process_group(advantage.role)
+        rt.estimator.group_replicas = layout.world_size // layout.dp
     return rt, program
 
 
@@ -187,19 +190,14 @@ def _load_tokenizer(model_path: str) -> Any:
 
 
 def _weight_sync(rt: WorkerRuntime, group: Any = None) -> Any:
-    """Returns the callable the `sync_weights` node runs on every rank taking part."""
-    from peerflow.reshard import sync_weights
+    """Builds the run's `WeightSyncService` (collective over every rank taking part)."""
+    from peerflow.reshard import WeightSyncService
 
-    transport = rt.config.weight_sync.transport
-    actor, rollout = rt.engines.get("actor"), rt.engines.get("rollout")
-
-    def run() -> Any:
-        version = actor.version if actor is not None else rt.step
-        return sync_weights(actor, rollout, version=version,
-                            bucket_bytes=rt.config.weight_sync.bucket_bytes, group=group,
-                            transport=None if transport == "auto" else transport)
-
-    return run
+    ws = rt.config.weight_sync
+    return WeightSyncService.build(
+        rt.engines.get("actor"), rt.engines.get("rollout"), transport=ws.transport,
+        bucket_bytes=ws.bucket_bytes, group=group,
+        colocated=rt.config.runtime.placement == "colocated")
 
 
 def _train(rt: WorkerRuntime, program: RankProgram, stage: Any, *, resuming: bool = False

@@ -8,6 +8,7 @@ built by `WorkerRuntime.build_engine`) and its prompt sampler.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -97,9 +98,12 @@ class WorkerRuntime:
     """This rank's engine for each hosted role (`rollout`, `actor`, `ref`, `critic`)."""
     layouts: dict[str, ParallelLayout] = attrs.field(factory=dict)
     kl_reward: Callable[[Any, Any], None] | None = None
-    """`f(batch, metrics)` subtracting the KL penalty from `reward` (`kl.mode: reward`)."""
-    sync_weights: Callable[[], Any] = attrs.field(default=lambda: None)
-    """Runs one trainer → rollout weight sync on this rank; returns `WeightSyncStats`."""
+    """`f(batch, metrics)` shaping the rewards before the estimator (`Algorithm.shape_rewards`:
+    overlong punishment and filtering, the KL penalty with `kl.mode: reward`)."""
+    algorithm: Any = None
+    """The run's `peerflow.algorithms.Algorithm` (the train node's `prepare_actor_batch`)."""
+    weight_sync: Any = None
+    """The run's `WeightSyncService` on ranks that take part in weight syncs, else `None`."""
     max_refill_rounds: int = 4
     progress: Any = None
     """The step progress bar (`peerflow.outputs.StepProgress`); draws on rank 0 only."""
@@ -118,6 +122,23 @@ class WorkerRuntime:
                 f"rank {self.rank} runs a node of role {role!r} but hosts only "
                 f"{sorted(self.engines)}; the per-rank program and placement disagree."
             ) from None
+
+    def sync_weights(self) -> Any:
+        """Runs one trainer → rollout weight sync (every rank of the sync, together).
+
+        Returns:
+            This rank's `WeightSyncStats`, or `None` on a rank outside the sync.
+        """
+        if self.weight_sync is None:
+            return None
+        actor = self.engines.get("actor")
+        return self.weight_sync.sync(actor.version if actor is not None else self.step)
+
+    def generating(self) -> Any:
+        """Context around generation: the weight sync's sleep/wake time sharing, if any."""
+        if self.weight_sync is None:
+            return contextlib.nullcontext()
+        return self.weight_sync.generating()
 
     def reward_set(self, name: str | None = None) -> RewardSet:
         """Returns the rewards a reward node scores with (built once).
@@ -181,19 +202,13 @@ def build_components(config: RunConfig, pm: Any) -> dict[str, Any]:
 
     Rewards are built on first use by `WorkerRuntime.reward_set`, on the ranks that score.
     """
-    from peerflow.algorithms.kl import apply_kl_penalty
     from peerflow.algorithms.setup import build_algorithm
 
     task_cls = pm.get("task", config.task.name)
     task = task_cls(_options(task_cls, config.task.options, "task.options"))
     algo = build_algorithm(config.algorithm, max_tokens=config.rollout.sampling.max_tokens,
                            plugin_manager=pm)
-    kl_reward = None
-    if algo.kl_in_reward:
-        def kl_reward(batch: Any, metrics: Any) -> None:
-            for name, value in apply_kl_penalty(batch, algo.kl_coef, algo.kl_estimator).items():
-                metrics.mean(name, value, len(batch))
-
+    kl_reward = algo.shape_rewards if algo.shapes_rewards else None
     return {"task": task, "rewards": {}, "default_reward": task_cls.default_reward,
             "estimator": algo.estimator, "policy_loss": algo.policy_loss,
-            "value_loss": algo.value_loss, "kl_reward": kl_reward}
+            "value_loss": algo.value_loss, "kl_reward": kl_reward, "algorithm": algo}

@@ -353,11 +353,11 @@ class VLLMRolloutEngine(VLLMConformanceHooks, RolloutEngine):
             raise self._unsupported("sleep")
         self.llm.sleep(level=1)
 
-    def wake(self) -> None:
-        """Restores what `sleep` freed (`LLM.wake_up()`)."""
+    def wake(self, tags: Sequence[str] | None = None) -> None:
+        """Restores what `sleep` freed (`LLM.wake_up(tags)`: `weights`, `kv_cache`)."""
         if not self.capabilities.sleep:
             raise self._unsupported("sleep")
-        self.llm.wake_up()
+        self.llm.wake_up(tags=list(tags) if tags else None)
 
     def shutdown(self) -> None:
         """Stops vLLM's engine and workers and removes the shared-memory file."""
