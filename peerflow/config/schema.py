@@ -192,6 +192,8 @@ class RunSettings:
     """Prompts sampled per step across all dp-ranks (each gets `sampling.n` answers)."""
     checkpoint_every: int = 0
     """Save a checkpoint every K steps (0: only at the end)."""
+    keep_last: int = attrs.field(default=0, validator=attrs.validators.ge(0))
+    """Keep only the newest K verified checkpoints, removing older ones (0: keep all)."""
     log_every: int = 1
     """Write metrics every K steps."""
     tensorboard: bool = True
