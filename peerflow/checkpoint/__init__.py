@@ -2,7 +2,8 @@
 
 * `save_step`, `restore_latest` — the API the run driver calls (`api`).
 * `atomic_path`, `write_text_atomic`, `write_json_atomic` — the one atomic-write helper.
-* `list_checkpoints`, `newest_verified`, `prune`, `step_dir` — the run's checkpoints.
+* `list_checkpoints`, `newest_complete`, `newest_verified`, `prune`, `step_dir` — the
+  run's checkpoints.
 * `write_manifest`, `verify` — sizes and SHA-256 of every file, written last.
 * `check_shapes` — strict loads: every saved tensor's shape matches exactly.
 """
@@ -21,6 +22,7 @@ from peerflow.checkpoint.state import truncate_metrics
 from peerflow.checkpoint.store import (
     CheckpointInfo,
     list_checkpoints,
+    newest_complete,
     newest_verified,
     prune,
     step_dir,
@@ -34,6 +36,7 @@ __all__ = [
     "atomic_path",
     "check_shapes",
     "list_checkpoints",
+    "newest_complete",
     "newest_verified",
     "prune",
     "restore_latest",

@@ -71,6 +71,12 @@ def list_checkpoints(run_dir: str | Path, *, check: bool = False) -> list[Checkp
     return sorted(found, key=lambda info: info.step)
 
 
+def newest_complete(run_dir: str | Path) -> CheckpointInfo | None:
+    """The newest checkpoint whose save finished (it has a manifest; checksums not read)."""
+    complete = [i for i in list_checkpoints(run_dir) if (i.path / MANIFEST).is_file()]
+    return complete[-1] if complete else None
+
+
 def newest_verified(
     run_dir: str | Path, report: Callable[[str], None] = print
 ) -> CheckpointInfo | None:

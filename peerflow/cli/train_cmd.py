@@ -88,17 +88,25 @@ def check_config(config_path: str, overrides: list[str]) -> Any:
     return config
 
 
-def check_run_dir(run_dir: Path, config: Any, args: argparse.Namespace) -> None:
+def check_run_dir(
+    run_dir: Path, config: Any, *, resume: bool, allow_change: list[str]
+) -> None:
     """Refuses a fresh run into a used directory, or a resume that changes the fingerprint.
+
+    Args:
+        run_dir: The run directory (locked by the caller).
+        config: The validated `RunConfig` about to run.
+        resume: Whether the run continues `run_dir` (`--resume`, or a torchrun restart).
+        allow_change: `--allow-change` keys.
 
     Raises:
         ConfigError: naming the directory, or each differing key with both values.
     """
     from peerflow.checkpoint.fingerprint import check_resume
 
-    if args.resume:
-        check_resume(run_dir, config, args.allow_change)
-    elif args.allow_change:
+    if resume:
+        check_resume(run_dir, config, allow_change)
+    elif allow_change:
         raise ConfigError("--allow-change only applies to --resume RUN_DIR; drop it.")
     elif (run_dir / "config.yaml").is_file():
         raise ConfigError(
@@ -122,7 +130,8 @@ def _torchrun_worker(args: argparse.Namespace, config_path: str, run_dir: str | 
         Path(run_dir).mkdir(parents=True, exist_ok=True)
     with RunLock(Path(run_dir)) if lead else contextlib.nullcontext():
         if lead:
-            check_run_dir(Path(run_dir), config, args)
+            check_run_dir(Path(run_dir), config, resume=bool(args.resume),
+                          allow_change=args.allow_change)
         return int(launch(config_path=config_path, overrides=list(args.overrides),
                           run_dir=run_dir, resume=args.resume, launcher=args.launcher) or 0)
 
@@ -145,7 +154,8 @@ def run(args: argparse.Namespace) -> int:
     nprocs = config.runtime.nprocs
     run_path = create_run_dir(run_dir, name=Path(config_path).stem)
     with RunLock(run_path):
-        check_run_dir(run_path, config, args)
+        check_run_dir(run_path, config, resume=bool(args.resume),
+                      allow_change=args.allow_change)
         print(f"peerflow train: {nprocs} worker(s), run directory {run_path}", flush=True)
         return int(launch(
             config_path=config_path, overrides=overrides, run_dir=str(run_path),

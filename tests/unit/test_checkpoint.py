@@ -12,6 +12,7 @@ from peerflow.checkpoint import (
     atomic_path,
     check_shapes,
     list_checkpoints,
+    newest_complete,
     newest_verified,
     restore_latest,
     save_step,
@@ -102,6 +103,7 @@ def test_unfinished_or_tampered_checkpoints_are_not_used(tmp_path):
     step_dir(tmp_path, 6).mkdir(parents=True)  # a save interrupted before its manifest
     (step_dir(tmp_path, 6) / "actor").mkdir()
     assert newest_verified(tmp_path, report=lambda _: None).step == 2
+    assert newest_complete(tmp_path).step == 2
     driver = step_dir(tmp_path, 2) / "driver" / "rank0.json"
     driver.write_text(driver.read_text().replace('"cursor": 2', '"cursor": 9'))
     assert "checksum" in verify(step_dir(tmp_path, 2)).problem
