@@ -13,22 +13,23 @@ channel and returns, driving the run's `WeightSyncService` (`rt.weight_sync`):
   weights asynchronously, and yields every finished step to the driver, which reduces
   and writes its metrics and checkpoints.
 
-A checkpoint's schedule state is `trained_groups` (rollout rank → prompt groups trained),
-per trainer rank. On resume a rollout rank replays its prompt stream past the prompts
-trained anywhere and queues the ones that were in flight to be generated again first, so
-no prompt is lost and no sample is trained twice.
+A checkpoint's in-flight state (`peerflow.checkpoint.inflight`) is `trained_groups`
+(rollout rank → prompt groups trained on any trainer rank). On resume a rollout rank
+replays its prompt stream past them and queues the prompts that were in flight to be
+generated again first, so no prompt is lost and no sample is trained twice.
 """
 
 from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import attrs
 
 from peerflow.batch import Batch
+from peerflow.checkpoint.inflight import replay_prompts, trained_groups, trained_groups_state
 from peerflow.worker.executors import run_node
 from peerflow.worker.metrics import StepMetrics
 from peerflow.worker.program import RankProgram
@@ -72,18 +73,6 @@ def _runner(rt: WorkerRuntime, nodes: Sequence[Any]) -> Callable[[Batch, StepMet
     return run
 
 
-def _replay(sampler: Any, trained: set[int]) -> list[Any]:
-    """Advances the prompt stream past every trained prompt; returns the untrained ones."""
-    holes: list[Any] = []
-    while trained:
-        (draw,) = sampler.draw(1)
-        if draw.position not in trained:
-            holes.append(draw)
-        if draw.position >= max(trained):
-            break
-    return holes
-
-
 @attrs.define(eq=False)
 class RolloutSchedule:
     """A rollout rank of an async run: generate, score per group, stream; no steps."""
@@ -93,21 +82,20 @@ class RolloutSchedule:
     link: StreamLink
     name: str = "async rollout"
     group: Any = None
-    ranks: tuple[int, ...] = ()
     reports: bool = False
     pending: list[Any] = attrs.field(factory=list)
     """Draws to generate before new ones (prompts in flight at the checkpoint)."""
 
-    def restore(self, step: int, states: Mapping[int, dict[str, Any]]) -> None:
-        """Replays the prompt stream past what any trainer rank has trained."""
-        mine = str(self.rt.rank)
-        self.pending = _replay(self.rt.sampler, {
-            g for state in states.values() for g in state.get("trained_groups", {}).get(mine, ())
-        })
+    def restore(self, resumed: Any) -> None:
+        """Replays the prompt stream past what the trainers have trained."""
+        trained = trained_groups(resumed.inflight).get(self.rt.rank, [])
+        self.pending = replay_prompts(self.rt.sampler, trained)
 
-    def state(self) -> dict[str, Any]:
+    def state(self) -> None:
         """Nothing: rollout ranks do not checkpoint."""
-        return {}
+
+    def inflight(self) -> None:
+        """Nothing: the trainers save the in-flight state."""
 
     def steps(self, start_step: int, tracer: Any) -> Iterator[tuple[int, Batch, StepMetrics]]:
         """Streams groups until the trainers have every step; yields nothing."""
@@ -192,17 +180,30 @@ class TrainerSchedule:
         """The first trainer rank writes the metrics."""
         return self.rt.rank == min(self.ranks)
 
-    def restore(self, step: int, states: Mapping[int, dict[str, Any]]) -> None:
-        """Takes back this rank's record of trained groups."""
-        saved = states[self.rt.rank].get("trained_groups", {})
-        self.trained = {int(k): list(v) for k, v in saved.items()}
+    def restore(self, resumed: Any) -> None:
+        """Takes back the record of trained groups."""
+        self.trained = trained_groups(resumed.inflight)
 
-    def state(self) -> dict[str, Any]:
-        """Every group this rank has trained so far, by rollout rank."""
+    def state(self) -> None:
+        """Nothing of its own beyond the engines and RNG."""
+
+    def inflight(self) -> dict[str, Any]:
+        """Every group trained so far on any trainer rank, by rollout rank (collective)."""
+        import torch.distributed as dist
+
         for source, gids in self._streamer.trained_groups.items():
             self.trained.setdefault(source, []).extend(gids)
         self._streamer.trained_groups.clear()
-        return {"trained_groups": {str(k): sorted(set(v)) for k, v in self.trained.items()}}
+        mine: list[Any] = [self.trained]
+        if len(self.ranks) > 1:  # each trainer dp-rank trained its own share
+            gathered: list[Any] = [None] * len(self.ranks)
+            dist.all_gather_object(gathered, self.trained, group=self.group)
+            mine = gathered
+        merged: dict[int, list[int]] = {}
+        for trained in mine:
+            for source, gids in trained.items():
+                merged.setdefault(source, []).extend(gids)
+        return trained_groups_state(merged)
 
     def steps(self, start_step: int, tracer: Any) -> Iterator[tuple[int, Batch, StepMetrics]]:
         """Trains steps `start_step + 1 … run.steps` as their samples stream in."""

@@ -5,29 +5,36 @@ program's nodes and routes in order, every step; `peerflow.worker.loop`) or the 
 schedules of async mode (`RolloutSchedule`, `TrainerSchedule`;
 `peerflow.worker.async_schedule`). The driver owns what every run has once, on every rank:
 
-1. resume (`--resume`): the newest complete checkpoint's engines — every trainable role
-   this rank hosts — and RNG, then the schedule's own saved state (`Schedule.restore`);
+1. resume (`--resume`): `peerflow.checkpoint.restore_latest` loads the newest verified
+   checkpoint's engines (every trainable role this rank hosts) and RNG, then the schedule
+   takes back its own state (`Schedule.restore`);
 2. outputs: the per-rank tracer, and on the schedule's reporting rank the metrics writer
    (`metrics.jsonl`, TensorBoard, W&B) and the progress bar;
 3. for each step the schedule finishes: reduce its metrics over the schedule's group, run
    the driver hooks (`DriverHook.end_step`, e.g. evaluation), write the metrics, call the
    plugins' `peerflow_end_of_step`, and checkpoint every `run.checkpoint_every` steps and
-   at the end (the schedule's ranks together; `Schedule.state` is saved beside the engines).
+   at the end (`peerflow.checkpoint.save_step` on the schedule's ranks together, with
+   `Schedule.state` and `Schedule.inflight` beside the engines).
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
-import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
 import attrs
 
 from peerflow.batch import Batch
+from peerflow.checkpoint import (
+    Resumed,
+    list_checkpoints,
+    restore_latest,
+    save_step,
+    should_checkpoint,
+    truncate_metrics,
+)
 from peerflow.errors import ConfigError
-from peerflow.worker import checkpoint as ckpt
 from peerflow.worker.metrics import (
     StepMetrics,
     all_reduce_metrics,
@@ -35,7 +42,6 @@ from peerflow.worker.metrics import (
     record_batch_metrics,
 )
 from peerflow.worker.runtime import WorkerRuntime
-from peerflow.workflow.roles import trainable_roles
 
 
 class Schedule(Protocol):
@@ -45,16 +51,17 @@ class Schedule(Protocol):
     """Fault stage of the whole run on this rank (`step N <node>` stages nest inside)."""
     group: Any
     """Process group whose ranks reduce step metrics and checkpoint together (None: world)."""
-    ranks: tuple[int, ...]
-    """Global ranks of `group`; the lowest writes the checkpoint's `COMPLETE` marker."""
     reports: bool
     """This rank writes `metrics.jsonl` and draws the progress bar."""
 
-    def restore(self, step: int, states: Mapping[int, dict[str, Any]]) -> None:
-        """Takes back the state saved at `step` (`states`: every saving rank's `state()`)."""
+    def restore(self, resumed: Resumed) -> None:
+        """Takes back this rank's state from a restored checkpoint (engines are loaded)."""
 
-    def state(self) -> dict[str, Any]:
-        """This rank's schedule state to checkpoint (JSON-ready)."""
+    def state(self) -> dict[str, Any] | None:
+        """This rank's own state to checkpoint (JSON-ready; `None`: none)."""
+
+    def inflight(self) -> dict[str, Any] | None:
+        """The run's in-flight streaming state, the same on every saving rank (or `None`)."""
 
     def steps(self, start_step: int, tracer: Any) -> Iterator[tuple[int, Batch, StepMetrics]]:
         """Runs steps `start_step + 1 …`, yielding `(step, batch, metrics)` as each ends."""
@@ -92,7 +99,7 @@ class RunOutputs:
         writer = None
         if reports:
             if start_step:
-                ckpt.truncate_metrics(rt.run_dir / "metrics.jsonl", start_step)
+                truncate_metrics(rt.run_dir / "metrics.jsonl", start_step)
             writer = MetricsWriter(rt.run_dir, rt.config, tensorboard=run.tensorboard,
                                    wandb=run.wandb)
         progress = StepProgress(run.steps, start=start_step, enabled=reports)
@@ -130,21 +137,20 @@ def drive(rt: WorkerRuntime, schedule: Schedule, stage: Any, *, resuming: bool =
     Raises:
         ConfigError: not resuming, but the run directory already holds checkpoints.
     """
+    start_step = 0
     if resuming:
         with stage("resume"):
             start_step = _restore(rt, schedule)
-    elif ckpt.latest_checkpoint(rt.run_dir):
+    elif list_checkpoints(rt.run_dir):
         raise ConfigError(
             f"run directory {str(rt.run_dir)!r} already holds checkpoints; continue it with "
             f"`peerflow train --resume {rt.run_dir}`, or pick another --run-dir."
         )
-    else:
-        start_step = 0
     rt.step = start_step
     outputs = RunOutputs.open(rt, start_step, reports=schedule.reports)
     for hook in hooks:
         getattr(hook, "begin", lambda *a: None)(rt, start_step)
-    every, last = rt.config.run.checkpoint_every, rt.config.run.steps
+    run = rt.config.run
     try:
         with stage(schedule.name), contextlib.closing(
                 schedule.steps(start_step, outputs.tracer)) as steps:
@@ -154,48 +160,29 @@ def drive(rt: WorkerRuntime, schedule: Schedule, stage: Any, *, resuming: bool =
                 reduced = finish_metrics(all_reduce_metrics(metrics, schedule.group), step)
                 for hook in hooks:
                     getattr(hook, "end_step", lambda *a: None)(rt, step, reduced)
-                outputs.write(step, reduced, rt.config.run)
+                outputs.write(step, reduced, run)
                 rt.pm.hook.peerflow_end_of_step(step=step, metrics=reduced, rank=rt.rank)
-                if (every and step % every == 0) or step == last:
+                if should_checkpoint(step, run.checkpoint_every, run.steps):
                     deadline = rt.config.runtime.stage_deadline("checkpoint")
                     with stage(f"checkpoint step {step}", deadline), \
                             outputs.tracer.span("checkpoint"):
-                        _save(rt, step, schedule)
+                        save_step(rt.run_dir, step, engines=rt.engines, rank=rt.rank,
+                                  driver_state=schedule.state(), inflight=schedule.inflight(),
+                                  group=schedule.group, keep_last=run.keep_last)
     finally:
         for hook in hooks:
             getattr(hook, "end", lambda *a: None)(rt)
         outputs.close()
 
 
-def _hosted_trainable(rt: WorkerRuntime) -> list[tuple[str, Any]]:
-    return [(role, rt.engines[role]) for role in trainable_roles() if role in rt.engines]
-
-
-def _save(rt: WorkerRuntime, step: int, schedule: Schedule) -> None:
-    """Every rank of the schedule: its trainable engines, RNG and schedule state."""
-    from peerflow.distributed import barrier
-
-    directory = ckpt.checkpoint_dir(rt.run_dir, step)
-    directory.mkdir(parents=True, exist_ok=True)
-    barrier(schedule.group, what=f"checkpoint step {step}")
-    for role, engine in _hosted_trainable(rt):
-        engine.save_checkpoint(str(directory / role))
-    ckpt.write_json_atomic(directory / f"worker_rank{rt.rank}.json", {
-        "step": step, "rng": ckpt.rng_state(), "time": time.time(), **schedule.state(),
-    })
-    barrier(schedule.group, what=f"checkpoint step {step}")
-    if rt.rank == min(schedule.ranks):
-        ckpt.write_json_atomic(directory / ckpt.COMPLETE, {"step": step})
-
-
 def _restore(rt: WorkerRuntime, schedule: Schedule) -> int:
-    """Loads the newest complete checkpoint into this rank; returns its step."""
-    step, directory = ckpt.find_resume_checkpoint(rt.run_dir)
-    for role, engine in _hosted_trainable(rt):
-        engine.load_checkpoint(str(directory / role))
-    states = {int(path.stem.removeprefix("worker_rank")): json.loads(path.read_text())
-              for path in directory.glob("worker_rank*.json")}
-    if rt.rank in states:
-        ckpt.set_rng_state(states[rt.rank]["rng"])
-    schedule.restore(step, states)
-    return step
+    """Loads the newest verified checkpoint into this rank (every rank); returns its step."""
+    resumed = restore_latest(rt.run_dir, engines=rt.engines, rank=rt.rank)
+    if resumed is None:
+        raise ConfigError(
+            f"--resume {str(rt.run_dir)!r}: no verified checkpoint under "
+            f"{rt.run_dir / 'checkpoints'}; a run saves one every run.checkpoint_every steps "
+            "and at its end. Start a fresh run instead, or pick another run directory."
+        )
+    schedule.restore(resumed)
+    return resumed.step

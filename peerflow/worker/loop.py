@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from typing import Any
 
 import attrs
@@ -65,21 +65,23 @@ class LockstepSchedule:
     name: str = "lockstep"
     group: Any = None
     reports: bool = attrs.field(init=False)
-    ranks: tuple[int, ...] = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
         self.reports = self.rt.rank == 0
-        self.ranks = tuple(range(self.rt.world_size))
 
-    def restore(self, step: int, states: Mapping[int, dict[str, Any]]) -> None:
+    def restore(self, resumed: Any) -> None:
         """Rewinds this rank's prompt cursor and brings the rollout engine up to date."""
-        self.rt.sampler.load_state_dict(states[self.rt.rank]["sampler"])
+        if resumed.driver_state is not None:
+            self.rt.sampler.load_state_dict(resumed.driver_state["sampler"])
         if self.program.has_kind("sync_weights"):
             self.rt.sync_weights()
 
     def state(self) -> dict[str, Any]:
         """This rank's prompt cursor."""
         return {"sampler": self.rt.sampler.state_dict()}
+
+    def inflight(self) -> None:
+        """Nothing is in flight between lockstep steps."""
 
     def steps(self, start_step: int, tracer: Any) -> Iterator[tuple[int, Batch, StepMetrics]]:
         """Runs steps `start_step + 1 … run.steps` in lockstep with every other rank."""
