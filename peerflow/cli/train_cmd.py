@@ -13,10 +13,12 @@ placement groups with `--launcher ray`), each running `peerflow.worker.main.run_
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import Any
 
-from peerflow.errors import ConfigError
+from peerflow.errors import ConfigError, RunInterruptedError, WorkerFailedError
+from peerflow.launch.entry import INTERRUPTED_EXIT
 
 
 def add_parser(subparsers: Any) -> None:
@@ -68,12 +70,15 @@ def resolve_paths(args: argparse.Namespace) -> tuple[str, str | None]:
 
 
 def check_config(config_path: str, overrides: list[str]) -> Any:
-    """Loads and validates the config (names, options, workflow graph) before launch."""
+    """Validates the config and opens its model directory and dataset, before launch."""
     from peerflow.config import load_config, validate_config
+    from peerflow.launch.preflight import preflight
     from peerflow.plugins import load_plugins
 
     config = load_config(config_path, overrides)
-    validate_config(config, load_plugins())
+    pm = load_plugins()
+    validate_config(config, pm)
+    preflight(config, pm)
     return config
 
 
@@ -101,8 +106,28 @@ def run(args: argparse.Namespace) -> int:
     nprocs = config.runtime.nprocs
     run_path = create_run_dir(run_dir, name=Path(config_path).stem)
     print(f"peerflow train: {nprocs} worker(s), run directory {run_path}", flush=True)
-    return int(launch(
-        config_path=config_path, overrides=overrides, run_dir=str(run_path),
-        resume=args.resume, nprocs=nprocs, launcher=args.launcher,
-        fault_timeout=config.runtime.fault_timeout,
-    ) or 0)
+    try:
+        return int(launch(
+            config_path=config_path, overrides=overrides, run_dir=str(run_path),
+            resume=args.resume, nprocs=nprocs, launcher=args.launcher,
+            fault_timeout=config.runtime.fault_timeout,
+        ) or 0)
+    except RunInterruptedError as exc:
+        print(f"peerflow train: {exc}.\n{resume_hint(run_path)}", file=sys.stderr, flush=True)
+        return INTERRUPTED_EXIT
+    except WorkerFailedError as exc:
+        print(f"error: {exc}\n{resume_hint(run_path)}", file=sys.stderr, flush=True)
+        return 1
+
+
+def resume_hint(run_dir: Path) -> str:
+    """Where a stopped run can continue from, and the command that does it."""
+    from peerflow.worker.checkpoint import latest_checkpoint
+
+    found = latest_checkpoint(run_dir)
+    if found is None:
+        return (f"No checkpoint was written yet (run.checkpoint_every), so there is nothing "
+                f"to resume in {run_dir}; start a fresh run.")
+    step, directory = found
+    return (f"The newest complete checkpoint is step {step} ({directory}); continue with:\n"
+            f"  peerflow train --resume {run_dir}")
