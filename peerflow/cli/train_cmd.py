@@ -95,7 +95,8 @@ def run(args: argparse.Namespace) -> int:
                 "several machines) so every rank writes the same run directory."
             )
         return int(launch(config_path=config_path, overrides=list(args.overrides),
-                          run_dir=run_dir, resume=args.resume, launcher=args.launcher) or 0)
+                          run_dir=run_dir, resume=args.resume or restart_resume(run_dir),
+                          launcher=args.launcher) or 0)
     if args.nprocs is not None and args.nprocs < 1:
         raise ConfigError(f"--nprocs {args.nprocs}: must be at least 1.")
     overrides = list(args.overrides)
@@ -118,6 +119,25 @@ def run(args: argparse.Namespace) -> int:
     except WorkerFailedError as exc:
         print(f"error: {exc}\n{resume_hint(run_path)}", file=sys.stderr, flush=True)
         return 1
+
+
+def restart_resume(run_dir: str) -> str | None:
+    """Under `torchrun --max-restarts`, a restarted worker group resumes by itself.
+
+    Returns `run_dir` when torchrun restarted the workers (`TORCHELASTIC_RESTART_COUNT`
+    > 0) and the run directory holds a complete checkpoint, else `None`.
+    """
+    import os
+
+    from peerflow.worker.checkpoint import latest_checkpoint
+
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    found = latest_checkpoint(run_dir) if restarts else None
+    if found is None:
+        return None
+    print(f"peerflow train: torchrun restart {restarts}: resuming {run_dir} from step "
+          f"{found[0]}", file=sys.stderr, flush=True)
+    return run_dir
 
 
 def resume_hint(run_dir: Path) -> str:
