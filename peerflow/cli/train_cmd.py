@@ -122,21 +122,24 @@ def run(args: argparse.Namespace) -> int:
 
 
 def restart_resume(run_dir: str) -> str | None:
-    """Under `torchrun --max-restarts`, a restarted worker group resumes by itself.
+    """Under `torchrun --max-restarts N` (N > 0), a run directory with checkpoints resumes.
 
-    Returns `run_dir` when torchrun restarted the workers (`TORCHELASTIC_RESTART_COUNT`
-    > 0) and the run directory holds a complete checkpoint, else `None`.
+    torchrun restarts every worker of the job after a failure (and after a membership
+    change, without counting it), so every agent's workers must take the same decision
+    from what they share: the run directory. Returns `run_dir` when torchrun may restart
+    (`TORCHELASTIC_MAX_RESTARTS` > 0) and it holds a complete checkpoint, else `None`.
     """
     import os
 
     from peerflow.worker.checkpoint import latest_checkpoint
 
-    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-    found = latest_checkpoint(run_dir) if restarts else None
+    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
+    found = latest_checkpoint(run_dir) if restarts > 0 else None
     if found is None:
         return None
-    print(f"peerflow train: torchrun restart {restarts}: resuming {run_dir} from step "
-          f"{found[0]}", file=sys.stderr, flush=True)
+    print(f"peerflow train: torchrun --max-restarts {restarts} (restart "
+          f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '?')} of this agent): resuming "
+          f"{run_dir} from step {found[0]}", file=sys.stderr, flush=True)
     return run_dir
 
 
