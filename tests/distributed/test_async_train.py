@@ -116,6 +116,10 @@ def test_async_run_respects_bound_loses_nothing_and_resumes(tmp_path):
     for row in rows:
         assert row["staleness/max"] <= 1 and row["samples"] == 16
         assert math.isclose(sum(v for k, v in row.items() if k.startswith("staleness/hist_")), 1.0)
+        # decoupled PPO is on by default: its weights and the rollout/trainer mismatch
+        assert row["off_policy/is_weight_max"] > 0
+        assert 0 <= row["off_policy/truncated_fraction"] <= 1
+        assert row["mismatch/kl"] >= 0.0 and row["mismatch/abs_max"] >= 0.0
     state4 = json.loads((run_dir / "checkpoints" / "step_000004" / "inflight.json").read_text())
     trained2 = [g for gids in state2["trained_groups"].values() for g in gids]
     trained4 = [g for gids in state4["trained_groups"].values() for g in gids]
