@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from peerflow.checkpoint import newest_complete
+
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = str(ROOT / "examples" / "quickstart.yaml")
 
@@ -94,7 +96,7 @@ def test_ctrl_c_stops_every_rank_and_prints_the_resume_command(tmp_path) -> None
         env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         start_new_session=True)  # its own process group, as a terminal's foreground job
     deadline = time.monotonic() + 240
-    while not list(run.glob("checkpoints/*/COMPLETE")) and time.monotonic() < deadline:
+    while newest_complete(run) is None and time.monotonic() < deadline:
         time.sleep(0.2)
     assert proc.poll() is None, proc.communicate()
     os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does

@@ -21,7 +21,10 @@ from pathlib import Path
 import pytest
 from netns import Hosts, unavailable  # this folder's helper (pytest puts it on sys.path)
 
+from peerflow.checkpoint import CheckpointInfo, newest_complete
+
 ROOT = Path(__file__).resolve().parents[2]
+_NONE = CheckpointInfo(step=-1, path=Path("."))
 QUICKSTART = str(ROOT / "examples" / "quickstart.yaml")
 FAULT_TIMEOUT = 10.0
 
@@ -78,7 +81,7 @@ def _steps(run_dir: Path) -> list[int]:
 
 def _wait_for_checkpoint(run_dir: Path, procs: list[subprocess.Popen], step: int) -> None:
     deadline = time.monotonic() + 240
-    while not (run_dir / "checkpoints" / f"step_{step:06d}" / "COMPLETE").is_file():
+    while (newest_complete(run_dir) or _NONE).step < step:
         assert time.monotonic() < deadline, "no checkpoint within 240 s"
         assert all(p.poll() is None for p in procs), _finish(procs)
         time.sleep(0.2)
@@ -113,8 +116,7 @@ def test_a_lost_host_stops_the_survivor_naming_it_then_resume_continues(
     assert survivor_s < FAULT_TIMEOUT + 30, (survivor_s, output)
     print(f"{fault}: surviving host's torchrun exited {survivor_s:.1f} s after the fault")
     hosts.kill_host(1)  # a cut-off host's processes are stopped by its operator
-    resumed_from = max(int(p.name[5:]) for p in (run / "checkpoints").glob("step_*")
-                       if (p / "COMPLETE").is_file())
+    resumed_from = newest_complete(run).step
     if fault == "cut":
         return
     target = resumed_from + 2
