@@ -111,21 +111,32 @@ def evaluate(rt: WorkerRuntime, step: int) -> dict[str, float]:
 
 
 def _load_checkpoint(rt: WorkerRuntime, program: Any, checkpoint: str) -> int:
-    """Loads a checkpoint (or a run directory's newest) into the trainable engines."""
-    import json
+    """Loads a checkpoint into the trainable engines and syncs the rollout engine.
+
+    `checkpoint` is a run directory (its newest verified checkpoint) or one of its
+    `checkpoints/step_*` directories (verified against its manifest first).
+    """
     from pathlib import Path
 
-    from peerflow.worker import checkpoint as ckpt
-    from peerflow.worker.runtime import TRAIN_ROLES
+    from peerflow.checkpoint import restore_latest, trainable_engines, verify
+    from peerflow.errors import ConfigError
 
     directory = Path(checkpoint).expanduser()
-    if (directory / ckpt.COMPLETE).is_file():
-        step = int(json.loads((directory / ckpt.COMPLETE).read_text()).get("step", 0))
-    else:
-        step, directory = ckpt.find_resume_checkpoint(directory)
-    for role, engine in sorted(rt.engines.items()):
-        if role in TRAIN_ROLES and role != "ref":
+    if directory.name.startswith("step_") and directory.parent.name == "checkpoints":
+        verdict = verify(directory)
+        if not verdict.ok:
+            raise ConfigError(f"--checkpoint {str(directory)!r} fails verification: "
+                              f"{verdict.problem}; pick another step or the run directory.")
+        step = int(directory.name.removeprefix("step_"))
+        for role, engine in trainable_engines(rt.engines).items():
             engine.load_checkpoint(str(directory / role))
+    else:
+        resumed = restore_latest(directory, engines=rt.engines, rank=rt.rank)
+        if resumed is None:
+            raise ConfigError(f"--checkpoint {str(directory)!r}: no verified checkpoint under "
+                              f"{directory / 'checkpoints'}; give a run directory or one of "
+                              "its checkpoints/step_* directories.")
+        step = resumed.step
     if any(getattr(n, "kind", "") == "sync_weights" for n in program.steps):
         rt.sync_weights()
     return step

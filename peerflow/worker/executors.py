@@ -85,7 +85,7 @@ def run_generate(rt: WorkerRuntime, node: Any, batch: Batch, metrics: StepMetric
     sampling = _sampling(rt, 0)
     bar = rt.progress.generation(len(draws) * sampling.n) if rt.progress is not None else (
         contextlib.nullcontext(lambda n=1: None))
-    with bar as advance:
+    with bar as advance, rt.generating():
         out = generate_batch(engine, rt.tokenizer, draws, sampling)
         advance(len(out))
     metrics.sum("rollout/prompts", len(draws))
@@ -120,7 +120,9 @@ def _dynamic_sampling(
     while result.refill_groups > 0 and rounds < rt.max_refill_rounds:
         rounds += 1
         draws = rt.sampler.draw(result.refill_groups)
-        fresh = generate_batch(rt.engine("rollout"), rt.tokenizer, draws, _sampling(rt, rounds))
+        with rt.generating():
+            fresh = generate_batch(rt.engine("rollout"), rt.tokenizer, draws,
+                                   _sampling(rt, rounds))
         _score(rt, fresh, node, metrics)
         pool.append(fresh)
         result = filter_groups(Batch.concat(pool), target)

@@ -8,6 +8,7 @@ built by `WorkerRuntime.build_engine`) and its prompt sampler.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -101,8 +102,8 @@ class WorkerRuntime:
     overlong punishment and filtering, the KL penalty with `kl.mode: reward`)."""
     algorithm: Any = None
     """The run's `peerflow.algorithms.Algorithm` (the train node's `prepare_actor_batch`)."""
-    sync_weights: Callable[[], Any] = attrs.field(default=lambda: None)
-    """Runs one trainer → rollout weight sync on this rank; returns `WeightSyncStats`."""
+    weight_sync: Any = None
+    """The run's `WeightSyncService` on ranks that take part in weight syncs, else `None`."""
     max_refill_rounds: int = 4
     progress: Any = None
     """The step progress bar (`peerflow.outputs.StepProgress`); draws on rank 0 only."""
@@ -121,6 +122,23 @@ class WorkerRuntime:
                 f"rank {self.rank} runs a node of role {role!r} but hosts only "
                 f"{sorted(self.engines)}; the per-rank program and placement disagree."
             ) from None
+
+    def sync_weights(self) -> Any:
+        """Runs one trainer → rollout weight sync (every rank of the sync, together).
+
+        Returns:
+            This rank's `WeightSyncStats`, or `None` on a rank outside the sync.
+        """
+        if self.weight_sync is None:
+            return None
+        actor = self.engines.get("actor")
+        return self.weight_sync.sync(actor.version if actor is not None else self.step)
+
+    def generating(self) -> Any:
+        """Context around generation: the weight sync's sleep/wake time sharing, if any."""
+        if self.weight_sync is None:
+            return contextlib.nullcontext()
+        return self.weight_sync.generating()
 
     def reward_set(self, name: str | None = None) -> RewardSet:
         """Returns the rewards a reward node scores with (built once).
