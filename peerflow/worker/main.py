@@ -16,15 +16,20 @@ from __future__ import annotations
 
 import contextlib
 import os
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from peerflow.checkpoint import (
+    list_checkpoints,
+    restore_latest,
+    save_step,
+    should_checkpoint,
+    truncate_metrics,
+)
 from peerflow.config import RunConfig, load_config, validate_config
 from peerflow.errors import ConfigError
-from peerflow.worker import checkpoint as ckpt
 from peerflow.worker.loop import run_step
 from peerflow.worker.program import RankProgram, program_from_plan
 from peerflow.worker.runtime import TRAIN_ROLES, WorkerRuntime, build_components, resolve_model_path
@@ -208,7 +213,7 @@ def _train(rt: WorkerRuntime, program: RankProgram, stage: Any, *, resuming: boo
     if resuming:
         with stage("resume"):
             start_step = _restore(rt, program)
-    elif ckpt.latest_checkpoint(rt.run_dir):
+    elif list_checkpoints(rt.run_dir):
         raise ConfigError(
             f"run directory {str(rt.run_dir)!r} already holds checkpoints; continue it with "
             f"`peerflow train --resume {rt.run_dir}`, or pick another --run-dir."
@@ -216,7 +221,7 @@ def _train(rt: WorkerRuntime, program: RankProgram, stage: Any, *, resuming: boo
     writer = None
     if rt.rank == 0:
         if start_step:
-            ckpt.truncate_metrics(rt.run_dir / "metrics.jsonl", start_step)
+            truncate_metrics(rt.run_dir / "metrics.jsonl", start_step)
         writer = MetricsWriter(rt.run_dir, config, tensorboard=config.run.tensorboard,
                                wandb=config.run.wandb)
     tracer = Tracer(rt.run_dir, rt.rank, enabled=config.run.trace)
@@ -235,11 +240,12 @@ def _train(rt: WorkerRuntime, program: RankProgram, stage: Any, *, resuming: boo
                 writer.write(step, metrics)
             progress.update(step, metrics)
             rt.pm.hook.peerflow_end_of_step(step=step, metrics=metrics, rank=rt.rank)
-            every = config.run.checkpoint_every
-            if (every and step % every == 0) or step == config.run.steps:
+            if should_checkpoint(step, config.run.checkpoint_every, config.run.steps):
                 with stage(f"checkpoint step {step}",
                            config.runtime.stage_deadline("checkpoint")), tracer.span("checkpoint"):
-                    _save(rt, step)
+                    save_step(rt.run_dir, step, engines=rt.engines, rank=rt.rank,
+                              driver_state={"sampler": rt.sampler.state_dict()},
+                              keep_last=config.run.keep_last)
     finally:
         progress.close()
         tracer.flush()
@@ -248,34 +254,17 @@ def _train(rt: WorkerRuntime, program: RankProgram, stage: Any, *, resuming: boo
             writer.close()
 
 
-def _save(rt: WorkerRuntime, step: int) -> None:
-    directory = ckpt.checkpoint_dir(rt.run_dir, step)
-    if rt.rank == 0:
-        directory.mkdir(parents=True, exist_ok=True)
-    _barrier()
-    for role, engine in sorted(rt.engines.items()):
-        if role in TRAIN_ROLES and role != "ref":
-            engine.save_checkpoint(str(directory / role))
-    ckpt.write_json_atomic(directory / f"worker_rank{rt.rank}.json", {
-        "step": step, "sampler": rt.sampler.state_dict(), "rng": ckpt.rng_state(),
-        "time": time.time(),
-    })
-    _barrier()
-    if rt.rank == 0:
-        ckpt.write_json_atomic(directory / ckpt.COMPLETE, {"step": step})
-
-
 def _restore(rt: WorkerRuntime, program: RankProgram) -> int:
-    step, directory = ckpt.find_resume_checkpoint(rt.run_dir)
-    import json
-
-    for role, engine in sorted(rt.engines.items()):
-        if role in TRAIN_ROLES and role != "ref":
-            engine.load_checkpoint(str(directory / role))
-    state = json.loads((directory / f"worker_rank{rt.rank}.json").read_text())
-    rt.sampler.load_state_dict(state["sampler"])
-    ckpt.set_rng_state(state["rng"])
+    resumed = restore_latest(rt.run_dir, engines=rt.engines, rank=rt.rank)
+    if resumed is None:
+        raise ConfigError(
+            f"--resume {str(rt.run_dir)!r}: no verified checkpoint under "
+            f"{rt.run_dir / 'checkpoints'}; a run saves one every run.checkpoint_every steps "
+            "and at its end. Start a fresh run instead, or pick another run directory."
+        )
+    if resumed.driver_state is not None:
+        rt.sampler.load_state_dict(resumed.driver_state["sampler"])
     if any(getattr(n, "kind", "") == "sync_weights" for n in program.steps):
         rt.sync_weights()
-    rt.step = step
-    return step
+    rt.step = resumed.step
+    return resumed.step
