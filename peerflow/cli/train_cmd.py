@@ -102,10 +102,17 @@ def check_run_dir(
     Raises:
         ConfigError: naming the directory, or each differing key with both values.
     """
+    from peerflow.checkpoint import newest_complete
     from peerflow.checkpoint.fingerprint import check_resume
 
     if resume:
         check_resume(run_dir, config, allow_change)
+        if newest_complete(run_dir) is None:
+            raise ConfigError(
+                f"--resume {str(run_dir)!r}: no finished checkpoint under {run_dir}/"
+                "checkpoints; a run saves one every run.checkpoint_every steps and at its "
+                "end. Start a fresh run instead (another --run-dir)."
+            )
     elif allow_change:
         raise ConfigError("--allow-change only applies to --resume RUN_DIR; drop it.")
     elif (run_dir / "config.yaml").is_file():
