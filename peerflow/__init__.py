@@ -4,6 +4,12 @@
 process that needs only a small piece — a reward pool worker, the CLI's `--help` — does
 not pay for torch. Engines (vLLM, SGLang, DeepSpeed, Megatron-core, Ray) are imported
 lazily by their adapters, when a run selects them.
+
+What an engine author needs is exported here: the contracts (`RolloutEngine`,
+`TrainEngine`, `EngineContext`, `Capabilities`, the sampling types), the shard
+description (`ShardSpec`, `ShardPiece`, `Box`) and the layout builders that produce
+`ShardSpec` lists for the supported model families (`hf_layout`, `tp_layout`,
+`vllm_layout`, `sglang_layout`, `megatron_layout`, `hf_parameters`, `ModelShape`).
 """
 
 from __future__ import annotations
@@ -18,8 +24,11 @@ _EXPORTS = {
     "Batch": "peerflow.batch",
     "Box": "peerflow.shard",
     "Capabilities": "peerflow.capabilities",
+    "EngineContext": "peerflow.engines",
     "GenerationRequest": "peerflow.engines",
     "GenerationResult": "peerflow.engines",
+    "ModelShape": "peerflow.models",
+    "OptimSettings": "peerflow.engines",
     "ParallelLayout": "peerflow.layout",
     "RolloutEngine": "peerflow.engines",
     "SamplingParams": "peerflow.engines",
@@ -27,7 +36,13 @@ _EXPORTS = {
     "ShardSpec": "peerflow.shard",
     "TrainEngine": "peerflow.engines",
     "evaluate": "peerflow.api",
+    "hf_layout": "peerflow.models",
+    "hf_parameters": "peerflow.models",
+    "megatron_layout": "peerflow.models",
+    "sglang_layout": "peerflow.models",
+    "tp_layout": "peerflow.models",
     "train": "peerflow.api",
+    "vllm_layout": "peerflow.models",
 }
 
 if TYPE_CHECKING:
@@ -35,13 +50,24 @@ if TYPE_CHECKING:
     from peerflow.batch import Batch
     from peerflow.capabilities import Capabilities
     from peerflow.engines import (
+        EngineContext,
         GenerationRequest,
         GenerationResult,
+        OptimSettings,
         RolloutEngine,
         SamplingParams,
         TrainEngine,
     )
     from peerflow.layout import ParallelLayout
+    from peerflow.models import (
+        ModelShape,
+        hf_layout,
+        hf_parameters,
+        megatron_layout,
+        sglang_layout,
+        tp_layout,
+        vllm_layout,
+    )
     from peerflow.shard import Box, ShardPiece, ShardSpec
 
 
@@ -58,8 +84,11 @@ __all__ = [
     "Batch",
     "Box",
     "Capabilities",
+    "EngineContext",
     "GenerationRequest",
     "GenerationResult",
+    "ModelShape",
+    "OptimSettings",
     "ParallelLayout",
     "RolloutEngine",
     "SamplingParams",
@@ -68,5 +97,11 @@ __all__ = [
     "TrainEngine",
     "__version__",
     "evaluate",
+    "hf_layout",
+    "hf_parameters",
+    "megatron_layout",
+    "sglang_layout",
+    "tp_layout",
     "train",
+    "vllm_layout",
 ]
