@@ -68,16 +68,21 @@ class Schedule(Protocol):
 
 
 class DriverHook(Protocol):
-    """Per-run work beside the schedule (evaluation, extra outputs); all methods optional."""
+    """Per-run work beside the schedule (e.g. `EvalHook`); every method is optional.
 
-    def begin(self, rt: WorkerRuntime, start_step: int) -> None:
-        """Called before the first step."""
+    `begin` and `end_step` may return extra metrics; the driver then writes that step
+    (`begin`'s as step `start_step`) whatever `run.log_every` says.
+    """
 
-    def end_step(self, rt: WorkerRuntime, step: int, metrics: dict[str, float]) -> None:
-        """Called after each step, before its metrics are written (may add some)."""
+    def begin(self, rt: WorkerRuntime, start_step: int) -> dict[str, float] | None:
+        """Called on every rank before the first step."""
+
+    def end_step(self, rt: WorkerRuntime, step: int, metrics: dict[str, float]
+                 ) -> dict[str, float] | None:
+        """Called on every rank after each step, before its metrics are written."""
 
     def end(self, rt: WorkerRuntime) -> None:
-        """Called when the run ends, also on error."""
+        """Called on every rank when the run ends, also on error."""
 
 
 @attrs.define(eq=False)
@@ -106,11 +111,14 @@ class RunOutputs:
         rt.progress = progress
         return cls(tracer=tracer, writer=writer, progress=progress)
 
-    def write(self, step: int, metrics: dict[str, float], run: Any) -> None:
-        """Writes a step's metrics (every `run.log_every` steps and the last)."""
-        if self.writer is not None and (step % max(run.log_every, 1) == 0 or step == run.steps):
+    def write(self, step: int, metrics: dict[str, float], run: Any, *, force: bool = False
+              ) -> None:
+        """Writes a step's metrics (every `run.log_every` steps, the last, or `force`)."""
+        due = step % max(run.log_every, 1) == 0 or step == run.steps
+        if self.writer is not None and (due or force):
             self.writer.write(step, metrics)
-        self.progress.update(step, metrics)
+        if step:
+            self.progress.update(step, metrics)
 
     def close(self) -> None:
         """Flushes the timeline and closes the writer."""
@@ -148,9 +156,10 @@ def drive(rt: WorkerRuntime, schedule: Schedule, stage: Any, *, resuming: bool =
         )
     rt.step = start_step
     outputs = RunOutputs.open(rt, start_step, reports=schedule.reports)
-    for hook in hooks:
-        getattr(hook, "begin", lambda *a: None)(rt, start_step)
     run = rt.config.run
+    initial = _call(hooks, "begin", rt, start_step)
+    if initial:
+        outputs.write(start_step, initial, run, force=True)
     try:
         with stage(schedule.name), contextlib.closing(
                 schedule.steps(start_step, outputs.tracer)) as steps:
@@ -158,9 +167,9 @@ def drive(rt: WorkerRuntime, schedule: Schedule, stage: Any, *, resuming: bool =
                 rt.step = step
                 record_batch_metrics(batch, metrics)
                 reduced = finish_metrics(all_reduce_metrics(metrics, schedule.group), step)
-                for hook in hooks:
-                    getattr(hook, "end_step", lambda *a: None)(rt, step, reduced)
-                outputs.write(step, reduced, run)
+                extra = _call(hooks, "end_step", rt, step, reduced)
+                reduced.update(extra)
+                outputs.write(step, reduced, run, force=bool(extra))
                 rt.pm.hook.peerflow_end_of_step(step=step, metrics=reduced, rank=rt.rank)
                 if should_checkpoint(step, run.checkpoint_every, run.steps):
                     deadline = rt.config.runtime.stage_deadline("checkpoint")
@@ -170,9 +179,16 @@ def drive(rt: WorkerRuntime, schedule: Schedule, stage: Any, *, resuming: bool =
                                   driver_state=schedule.state(), inflight=schedule.inflight(),
                                   group=schedule.group, keep_last=run.keep_last)
     finally:
-        for hook in hooks:
-            getattr(hook, "end", lambda *a: None)(rt)
+        _call(hooks, "end", rt)
         outputs.close()
+
+
+def _call(hooks: Sequence[DriverHook], method: str, *args: Any) -> dict[str, float]:
+    """Calls `method` on every hook having it, in order; returns the metrics they add."""
+    added: dict[str, float] = {}
+    for hook in hooks:
+        added.update(getattr(hook, method, lambda *a: None)(*args) or {})
+    return added
 
 
 def _restore(rt: WorkerRuntime, schedule: Schedule) -> int:

@@ -23,6 +23,7 @@ import torch
 
 from peerflow.config import RunConfig, load_config, validate_config
 from peerflow.worker.driver import drive
+from peerflow.worker.evaluation import EvalHook
 from peerflow.worker.loop import LockstepSchedule
 from peerflow.worker.program import RankProgram, program_from_plan
 from peerflow.worker.runtime import WorkerRuntime, build_components, resolve_model_path
@@ -68,7 +69,8 @@ def _seed_everything(seed: int, rank: int) -> None:
 
 
 def run_worker(
-    config_path: str, overrides: list[str], run_dir: str, resume: str | None = None
+    config_path: str, overrides: list[str], run_dir: str, resume: str | None = None,
+    *, body: Any = None,
 ) -> None:
     """Runs one worker process of a training run to completion.
 
@@ -78,6 +80,7 @@ def run_worker(
         run_dir: The run directory (shared by all ranks; created by the launcher).
         resume: A run directory to continue from its newest complete checkpoint (the run
             then writes into that directory).
+        body: `f(runtime, program, stage)` run instead of training (`peerflow eval`).
 
     Raises:
         ConfigError: the config, a name in it, or the resume directory is invalid.
@@ -99,12 +102,17 @@ def run_worker(
     try:
         with stage("start-up"):
             runtime, program = _start(config, run_path, rank, world_size, resume)
-        drive(runtime, _schedule(runtime, program, stage), stage, resuming=resume is not None)
+        if body is not None:
+            body(runtime, program, stage)
+        else:
+            _train(runtime, program, stage, resuming=resume is not None)
     finally:
         if runtime is not None:
             for engine in runtime.engines.values():
                 with contextlib.suppress(Exception):
                     engine.shutdown()
+            for rewards in runtime.rewards.values():  # a live pool would block the exit
+                rewards.close()
         shutdown_distributed()
 
 
@@ -174,9 +182,9 @@ def _program(config: RunConfig, world_size: int, rank: int, pm: Any) -> RankProg
 
 
 def _load_tokenizer(model_path: str) -> Any:
-    from transformers import AutoTokenizer
+    from peerflow.launch.preflight import load_tokenizer
 
-    return AutoTokenizer.from_pretrained(model_path)
+    return load_tokenizer(model_path)
 
 
 def _weight_sync(rt: WorkerRuntime) -> Any:
@@ -200,10 +208,30 @@ def _weight_sync(rt: WorkerRuntime) -> Any:
         bucket_bytes=ws.bucket_bytes, group=group, colocated=runtime.placement == "colocated")
 
 
-def _schedule(rt: WorkerRuntime, program: RankProgram, stage: Any) -> Any:
-    """This rank's schedule: lockstep (sync) or streaming (async; collective)."""
+def _train(rt: WorkerRuntime, program: RankProgram, stage: Any, *, resuming: bool) -> None:
+    """Runs this rank's schedule under the run driver: lockstep (sync) or streaming (async)."""
     if rt.config.runtime.mode == "async":
         from peerflow.worker.async_schedule import streaming_schedule
 
-        return streaming_schedule(rt, program, stage)
-    return LockstepSchedule(rt=rt, program=program, stage=stage)
+        drive(rt, streaming_schedule(rt, program, stage), stage, resuming=resuming)
+    else:  # held-out evaluation is collective over every rank: lockstep runs only
+        drive(rt, LockstepSchedule(rt=rt, program=program, stage=stage), stage,
+              resuming=resuming, hooks=[EvalHook(stage=stage)])
+
+
+def run_eval_worker(config_path: str, overrides: list[str], run_dir: str,
+                    checkpoint: str | None = None) -> None:
+    """The worker function of `peerflow eval`: builds the run, loads `checkpoint`, evaluates.
+
+    Args:
+        config_path: The run's YAML config.
+        overrides: `--set` assignments.
+        run_dir: Where `config.yaml` and `eval.json` are written.
+        checkpoint: A checkpoint directory, or a run directory (its newest complete
+            checkpoint); `None` evaluates the model at `model.path` / `model.builder`.
+    """
+    from peerflow.worker.evaluation import evaluate_checkpoint
+
+    run_worker(config_path, overrides, run_dir, None,
+               body=lambda rt, program, stage: evaluate_checkpoint(rt, program, stage,
+                                                                  checkpoint))
