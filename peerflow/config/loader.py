@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import difflib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -54,11 +54,6 @@ def dump_config(config: RunConfig) -> str:
 def structure_options(cls: type, section: Any, key: str) -> Any:
     """Validates one adapter's or component's option section against its options class."""
     return structure(cls, section or {}, key)
-
-
-#: Extra validators run by `validate_config` (the runtime adds graph and layout checks).
-#: Each takes the config and the plugin manager and returns a list of problems.
-EXTRA_VALIDATORS: list[Callable[[RunConfig, Any], list[str]]] = []
 
 
 def _check_name(pm: Any, kind: str, name: str, problems: list[str]) -> type | None:
@@ -130,10 +125,10 @@ def validate_config(config: RunConfig, pm: Any) -> None:
             structure_options(known[name].options_class, section, f"algorithm.options.{name}")
         except ConfigError as exc:
             problems.append(str(exc))
-    for validator in EXTRA_VALIDATORS:
-        try:
-            problems += validator(config, pm)
-        except PeerFlowError as exc:
-            problems.append(str(exc))
+    try:
+        for found in pm.hook.peerflow_validate_config(config=config, pm=pm):
+            problems += found or []
+    except PeerFlowError as exc:
+        problems.append(str(exc))
     if problems:
         raise ConfigError("\n".join(problems))

@@ -67,10 +67,3 @@ class WorkflowConfig:
     def graph_name(self) -> str | None:
         """The built-in graph selected (`grpo` by default), or `None` for custom nodes."""
         return None if self.nodes else (self.graph or "grpo")
-
-
-def check_workflow(config: Any, pm: Any) -> list[str]:
-    """`EXTRA_VALIDATORS` entry: the graph and layout checks of `peerflow.workflow`."""
-    from peerflow.workflow.validate import validate_workflow
-
-    return validate_workflow(config, pm)

@@ -156,6 +156,25 @@ def peerflow_register_samplers(register: Any) -> None:
 
 
 @hookspec
+def peerflow_validate_config(config: Any, pm: Any) -> list[str] | None:
+    """Check a run config before any worker process starts.
+
+    Called by `peerflow.config.validate_config` (`peerflow train`, `peerflow config
+    validate`) after names and option sections are checked.
+
+    Args:
+        config: The structured `peerflow.config.RunConfig`.
+        pm: This process's `PluginManager` (to look up registered classes).
+
+    Returns:
+        The problems found, each naming the key and the fix; empty or `None` when the
+        config is fine. Every implementation's problems are reported together.
+
+    Since: 0.2.
+    """
+
+
+@hookspec
 def peerflow_before_weight_sync(version: int, role: str, rank: int) -> None:
     """Called on every rank taking part in a weight sync, before any bucket moves.
 

@@ -1,6 +1,6 @@
 """Building a run's `RewardSet` from `task.reward` / `task.rewards`, and checking it early.
 
-`check_rewards` is a config validator (`peerflow.config.EXTRA_VALIDATORS`): it imports
+`check_rewards` is a config validator (run by `peerflow.config.validators`): it imports
 every referenced file or module and reads each function's signature in the launching
 process, so a typo in a path or a function name, or an unusable signature, is reported
 before any worker starts.

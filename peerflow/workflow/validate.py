@@ -1,9 +1,9 @@
 """Checks of the workflow and the layouts that `peerflow config validate` runs.
 
-Registered in `peerflow.config.EXTRA_VALIDATORS`, so every problem — unknown kinds or
-roles, cycles, missing inputs, an estimator that needs a critic the graph lacks, layouts
-that do not fill the ranks, tp that does not divide the model's attention heads — is
-reported before any process starts, naming the node or key and the fix.
+Run by the core's config validator (`peerflow.config.validators`), so every problem —
+unknown kinds or roles, cycles, missing inputs, an estimator that needs a critic the
+graph lacks, layouts that do not fill the ranks, tp that does not divide the model's
+attention heads — is reported before any process starts, naming the node or key and the fix.
 """
 
 from __future__ import annotations

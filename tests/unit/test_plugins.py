@@ -159,3 +159,26 @@ def test_unknown_name_with_autoload_disabled_blames_the_environment_variable(tmp
     assert "rollout backend 'toy' is not registered because " \
         "PEERFLOW_DISABLE_PLUGIN_AUTOLOAD is set" in result.stderr, result.stderr
     assert "good (good-plugin" in result.stderr and "PEERFLOW_PLUGINS=good" in result.stderr
+
+
+def test_misspelled_hook_is_an_error_naming_plugin_and_hook():
+    from peerflow.errors import PluginError
+    from peerflow.plugins.manager import PluginManager
+
+    class Typo:
+        @hookimpl
+        def peerflow_register_reward(self, register):
+            raise AssertionError("never called")
+
+    pm = PluginManager()
+    with pytest.raises(PluginError, match=r"'typo-plugin'.*'peerflow_register_reward'.*"
+                                          r"Did you mean 'peerflow_register_rewards'"):
+        pm.register(Typo(), "typo-plugin")
+    assert "typo-plugin" not in pm.records and not pm.pm.has_plugin("typo-plugin")
+
+
+def test_core_registers_samplers_and_validators_like_a_plugin(plugin_manager):
+    assert {"sequential", "grouped", "length_balanced"} <= set(
+        plugin_manager.registry("sampler").names())
+    for module in ("peerflow.streaming.samplers", "peerflow.config.validators"):
+        assert plugin_manager.records[module].distribution == "peerflow"

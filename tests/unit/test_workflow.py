@@ -5,10 +5,9 @@ import types
 
 import pytest
 
-from peerflow.config import EXTRA_VALIDATORS, load_config
-from peerflow.config.workflow import check_workflow
+from peerflow.config import load_config, validate_config
 from peerflow.errors import ConfigError
-from peerflow.plugins import hookimpl
+from peerflow.plugins import get_plugin_manager, hookimpl
 from peerflow.plugins.manager import PluginManager
 from peerflow.workflow import (
     Node,
@@ -153,7 +152,9 @@ workflow:
 
 
 def test_validator_is_registered_and_reports_everything(tmp_path) -> None:
-    assert check_workflow in EXTRA_VALIDATORS
+    with pytest.raises(ConfigError, match="unknown role 'actr'"):  # through the hook
+        validate_config(load_config(None, ["workflow.nodes=[{name: generate, role: actr}]"]),
+                        get_plugin_manager())
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text(json.dumps(
