@@ -48,7 +48,7 @@ KINDS: dict[str, Kind] = {
         Kind(key="task", hook="peerflow_register_tasks", label="task",
              config_key="task.name", base="peerflow.algorithms.Task"),
         Kind(key="node", hook="peerflow_register_nodes", label="workflow node type",
-             config_key="workflow.nodes[].kind", base=""),
+             config_key="workflow.nodes[].kind", base="peerflow.workflow.NodeType"),
         Kind(key="sampler", hook="peerflow_register_samplers", label="sampler",
              config_key="runtime.sampler", base="peerflow.streaming.samplers.Sampler"),
     )

@@ -30,8 +30,8 @@ import attrs
 
 from peerflow.batch import Batch
 from peerflow.checkpoint.inflight import replay_prompts, trained_groups, trained_groups_state
-from peerflow.worker.executors import run_node
 from peerflow.worker.metrics import StepMetrics
+from peerflow.worker.nodes import run_node
 from peerflow.worker.program import RankProgram
 from peerflow.worker.runtime import WorkerRuntime
 

@@ -2,8 +2,7 @@
 
 An executor is `fn(runtime, node, batch, metrics) -> batch`. It reads the fields its node
 declares as inputs from this rank's batch and adds its outputs; fields it does not know
-travel untouched. Executors are looked up by node kind in `EXECUTORS`; a plugin's own node
-types carry a `run(runtime, node, batch, metrics)` method instead.
+travel untouched. `peerflow.worker.nodes` registers each as a node kind, like a plugin's.
 """
 
 from __future__ import annotations
@@ -215,7 +214,8 @@ def run_sync_weights(rt: WorkerRuntime, node: Any, batch: Batch, metrics: StepMe
     return batch
 
 
-EXECUTORS: dict[str, Executor] = {
+#: What each built-in kind does (`peerflow.worker.nodes` registers them as node kinds).
+BUILTIN_EXECUTORS: dict[str, Executor] = {
     "generate": run_generate,
     "reward": run_reward,
     "ref_logprob": run_ref_logprob,
@@ -226,28 +226,3 @@ EXECUTORS: dict[str, Executor] = {
     "train_critic": run_train_critic,
     "sync_weights": run_sync_weights,
 }
-
-
-def run_node(rt: WorkerRuntime, node: Any, batch: Batch, metrics: StepMetrics) -> Batch:
-    """Runs one workflow node of a built-in kind or of a plugin `NodeType` on this rank.
-
-    A plugin node type's `run(batch, context)` returns its new fields; they are added to
-    the batch.
-
-    Raises:
-        KeyError: neither a built-in kind nor a registered node type.
-    """
-    if node.kind in EXECUTORS:
-        return EXECUTORS[node.kind](rt, node, batch, metrics)
-    registry = rt.pm.registry("node")
-    if node.kind not in registry:
-        raise KeyError(
-            f"workflow node kind {node.kind!r} has no executor; built-in kinds are "
-            f"{', '.join(EXECUTORS)}; register other kinds with peerflow_register_nodes."
-        )
-    for name, column in dict(registry.get(node.kind)(node, rt.config).run(batch, rt) or {}).items():
-        if isinstance(column, list) and column and not isinstance(column[0], torch.Tensor):
-            batch.set_objects(name, column)
-        else:
-            batch.set(name, column)
-    return batch

@@ -10,8 +10,8 @@ from typing import Any
 import attrs
 
 from peerflow.batch import Batch
-from peerflow.worker.executors import run_node
 from peerflow.worker.metrics import StepMetrics
+from peerflow.worker.nodes import run_node
 from peerflow.worker.program import RankProgram, RouteStep
 from peerflow.worker.runtime import WorkerRuntime
 

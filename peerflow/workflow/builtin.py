@@ -59,11 +59,12 @@ BUILTIN_KINDS: dict[str, KindSpec] = {
 
 
 class NodeType:
-    """Base class of a user node type registered through `peerflow_register_nodes`.
+    """Base class of every node kind, registered through `peerflow_register_nodes`.
 
-    Subclasses set `name` (what `workflow.nodes[].kind` selects), `role`, `inputs` and
-    `outputs` defaults, and implement `run`, which every rank of the node's role calls
-    with its dp-shard of the step's batch.
+    The built-in kinds are subclasses too (`peerflow.worker.nodes`). Subclasses set `name`
+    (what `workflow.nodes[].kind` selects), `role`, `inputs`, `outputs` and `phase`
+    defaults, and implement `run`, which every rank of the node's role calls with its
+    dp-shard of the step's batch (async mode: see `peerflow.planner.streaming`).
     """
 
     name: ClassVar[str]
@@ -81,7 +82,8 @@ class NodeType:
 
         Args:
             batch: This dp-rank's `peerflow.Batch`, holding at least `node.inputs`.
-            context: The worker's per-rank context (engines, process groups, step).
+            context: A `peerflow.worker.nodes.NodeContext`: `engine(role)`,
+                `rewards(name)`, `step`, `options`, `metrics`, `config`.
         """
         raise NotImplementedError(f"node type {type(self).__name__} must implement run()")
 

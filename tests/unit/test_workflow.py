@@ -10,6 +10,7 @@ from peerflow.errors import ConfigError
 from peerflow.plugins import get_plugin_manager, hookimpl
 from peerflow.plugins.manager import PluginManager
 from peerflow.workflow import (
+    BUILTIN_KINDS,
     Node,
     NodeType,
     WorkflowGraph,
@@ -199,3 +200,12 @@ def test_workflow_section_round_trips_through_dump(tmp_path) -> None:
     again = load_config(path)
     assert again.workflow == config.workflow
     assert build_graph(again).node("advantage").inputs == ("r1",)
+
+
+def test_builtin_kinds_register_through_pluggy_like_a_plugin(plugin_manager) -> None:
+    registry = plugin_manager.registry("node")
+    assert set(BUILTIN_KINDS) <= set(registry.names())
+    for kind, spec in BUILTIN_KINDS.items():
+        cls = registry.get(kind)
+        assert issubclass(cls, NodeType) and cls.spec() == spec and cls.phase == spec.phase
+        assert registry.entries[kind].distribution == "peerflow"

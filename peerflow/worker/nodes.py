@@ -1,0 +1,113 @@
+"""Node kinds at run time: one registered class per kind, run against a narrow context.
+
+Every kind — built-in or a plugin's — is a `peerflow.workflow.NodeType` subclass
+registered with `peerflow_register_nodes`. This module is a core plugin: it registers
+the built-in kinds, each made of its defaults (`peerflow.workflow.BUILTIN_KINDS`) and its
+executor (`peerflow.worker.executors`). `run_node` looks a node's kind up in the registry
+and runs it with a `NodeContext`, the same in the lockstep and streaming schedules.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import attrs
+import torch
+
+from peerflow.batch import Batch
+from peerflow.plugins.hookspecs import hookimpl
+from peerflow.worker.executors import BUILTIN_EXECUTORS, Executor
+from peerflow.worker.metrics import StepMetrics
+from peerflow.workflow.builtin import BUILTIN_KINDS, KindSpec, NodeType
+
+if TYPE_CHECKING:
+    from peerflow.worker.runtime import WorkerRuntime
+
+
+@attrs.frozen(kw_only=True)
+class NodeContext:
+    """What a node sees on a rank: engines by role, rewards, the step, its options."""
+
+    node: Any
+    """The workflow `Node` being run (name, role, fields, `options`)."""
+    step: int
+    """The step being run (1-based)."""
+    metrics: StepMetrics
+    """This rank's metrics of the step (`mean`, `sum`, `max`, `min`)."""
+    config: Any
+    """The run's `RunConfig` (read-only)."""
+    _runtime: WorkerRuntime
+    """The worker's services; only the built-in kinds reach past the methods below."""
+
+    @property
+    def options(self) -> Mapping[str, Any]:
+        """The node's `options` from the workflow config."""
+        return self.node.options
+
+    def engine(self, role: str) -> Any:
+        """This rank's engine of `role` (`rollout`, `actor`, `ref`, `critic`)."""
+        return self._runtime.engine(role)
+
+    def rewards(self, name: str | None = None) -> Any:
+        """The `RewardSet` called `name`, or the run's (`task.reward` / `task.rewards`)."""
+        return self._runtime.reward_set(name)
+
+
+class BuiltinNode(NodeType):
+    """A built-in node kind: its `BUILTIN_KINDS` defaults and its executor."""
+
+    executor: ClassVar[Executor]
+
+    def run(self, batch: Batch, context: NodeContext) -> Batch:
+        """Runs the executor on this rank's batch; returns the batch with its outputs."""
+        return self.executor(context._runtime, self.node, batch, context.metrics)
+
+    @classmethod
+    def spec(cls) -> KindSpec:
+        """The kind's defaults (`peerflow.workflow.BUILTIN_KINDS`)."""
+        return BUILTIN_KINDS[cls.name]
+
+
+def _builtin(kind: str, executor: Executor) -> type[BuiltinNode]:
+    spec = BUILTIN_KINDS[kind]
+    name = "".join(part.title() for part in kind.split("_")) + "Node"
+    return type(name, (BuiltinNode,), {
+        "name": kind, "role": spec.role, "inputs": spec.inputs, "outputs": spec.outputs,
+        "phase": spec.phase, "executor": staticmethod(executor),
+        "__doc__": executor.__doc__, "__module__": __name__,
+    })
+
+
+#: The built-in node kinds, as registered classes.
+BUILTIN_NODE_TYPES = tuple(_builtin(kind, fn) for kind, fn in BUILTIN_EXECUTORS.items())
+
+
+@hookimpl
+def peerflow_register_nodes(register: Any) -> None:
+    """Registers the built-in node kinds (this module is a core plugin)."""
+    for cls in BUILTIN_NODE_TYPES:
+        register(cls)
+
+
+def run_node(rt: WorkerRuntime, node: Any, batch: Batch, metrics: StepMetrics) -> Batch:
+    """Runs one workflow node on this rank; returns the batch with the node's outputs.
+
+    A kind's `run(batch, context)` returns the batch, or a mapping of new fields (a
+    plugin's usual answer), which are added to it.
+
+    Raises:
+        UnknownNameError: no registered kind has the node's `kind`.
+    """
+    kind = rt.pm.get("node", node.kind)
+    context = NodeContext(node=node, step=rt.step, metrics=metrics, config=rt.config,
+                          runtime=rt)
+    out = kind(node, rt.config).run(batch, context)
+    if isinstance(out, Batch):
+        return out
+    for name, column in dict(out or {}).items():
+        if isinstance(column, list) and column and not isinstance(column[0], torch.Tensor):
+            batch.set_objects(name, column)
+        else:
+            batch.set(name, column)
+    return batch
