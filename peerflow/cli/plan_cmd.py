@@ -52,8 +52,8 @@ def run(args: argparse.Namespace) -> int:
     from peerflow.config import load_config
     from peerflow.errors import ConfigError
     from peerflow.planner import plan_run
+    from peerflow.planner.validate import check_model_layouts
     from peerflow.plugins import get_plugin_manager
-    from peerflow.workflow.validate import check_model_layouts
 
     config = load_config(args.config, args.overrides)
     nprocs = args.nprocs or config.runtime.nprocs

@@ -30,8 +30,8 @@ def _async_program(config: Any, pm: Any) -> list[str]:
 def _checks() -> list[Any]:
     from peerflow.algorithms import check_model_builder
     from peerflow.algorithms.setup import check_algorithm
+    from peerflow.planner.validate import validate_workflow
     from peerflow.rewards import check_rewards
-    from peerflow.workflow.validate import validate_workflow
 
     return [validate_workflow, check_model_builder, check_algorithm, _async_program,
             check_rewards]

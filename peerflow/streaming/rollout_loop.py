@@ -208,15 +208,22 @@ class RolloutStreamer:
 
 
 def make_generate(
-    engine: Any, tokenizer: Any, *, partial_rollout: bool, chunk_tokens: int
+    engine: Any, generate_batch: Callable[[Any, Sequence[Any], Any], Batch], *,
+    partial_rollout: bool, chunk_tokens: int,
 ) -> Callable[[Sequence[Any], Any, Callable[[], None]], Batch]:
-    """Returns the rollout's generate function (`generate_batch`, optionally in segments)."""
-    from peerflow.worker.rollout import generate_batch
+    """Returns the rollout's generate function, optionally generating in segments.
 
+    Args:
+        engine: This rank's rollout engine.
+        generate_batch: `f(engine, draws, sampling) -> batch`, the worker's batch builder
+            (`peerflow.worker.rollout.generate_batch` with the tokenizer bound).
+        partial_rollout: Generate in chunks, applying new weights between them.
+        chunk_tokens: Tokens per chunk.
+    """
     if not partial_rollout:
 
         def plain(draws: Sequence[Any], sampling: Any, between: Callable[[], None]) -> Batch:
-            return generate_batch(engine, tokenizer, draws, sampling)
+            return generate_batch(engine, draws, sampling)
 
         return plain
 
@@ -240,7 +247,7 @@ def make_generate(
 
     def segmented(draws: Sequence[Any], sampling: Any, between: Callable[[], None]) -> Batch:
         proxy = _Segmented(between)
-        batch = generate_batch(proxy, tokenizer, draws, sampling)
+        batch = generate_batch(proxy, draws, sampling)
         return attach_segments(batch, proxy.segments) if len(batch) else batch
 
     return segmented

@@ -8,9 +8,7 @@ Interface for the worker (`peerflow.worker`) and plugin authors:
   built-in node kinds with their default role and fields;
 * `build_graph(config, pm)` — the run's graph from `config.workflow` (YAML `{graph: grpo}`
   or `{nodes: [...]}`), resolving plugin node types (`NodeType` subclasses registered
-  with `peerflow_register_nodes`);
-* `validate_workflow(config, pm)` — every graph and layout problem, as strings (runs
-  inside `peerflow config validate`).
+  with `peerflow_register_nodes`).
 
 Fan-out is one field read by several nodes; fan-in is a node reading fields of several
 producers (e.g. two `reward` nodes writing `format_reward` and `correct_reward`).
@@ -27,7 +25,6 @@ from peerflow.workflow.builtin import (
 )
 from peerflow.workflow.graph import SOURCE_FIELDS, Edge, Node, WorkflowGraph
 from peerflow.workflow.roles import ROLES, Role
-from peerflow.workflow.validate import validate_workflow
 
 __all__ = [
     "BUILTIN_GRAPHS",
@@ -44,5 +41,4 @@ __all__ = [
     "grpo_graph",
     "node_kinds",
     "ppo_graph",
-    "validate_workflow",
 ]

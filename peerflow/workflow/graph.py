@@ -12,7 +12,7 @@ special syntax. Fields nobody writes must be *source* fields, provided by the da
 `WorkflowGraph(nodes)` checks the structure when built and raises one `ConfigError`
 listing every problem (duplicate names or outputs, missing inputs, cycles), each naming
 the node and the fix. Role and layout checks that need the run config live in
-`peerflow.workflow.validate`.
+`peerflow.planner.validate`.
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ import pytest
 
 from peerflow.config import load_config, validate_config
 from peerflow.errors import ConfigError
+from peerflow.planner.validate import validate_workflow
 from peerflow.plugins import get_plugin_manager, hookimpl
 from peerflow.plugins.manager import PluginManager
 from peerflow.workflow import (
@@ -17,7 +18,6 @@ from peerflow.workflow import (
     build_graph,
     grpo_graph,
     ppo_graph,
-    validate_workflow,
 )
 
 
