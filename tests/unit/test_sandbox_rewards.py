@@ -149,3 +149,18 @@ def test_math_reward_compares_final_answers(response, answer, expected):
 def test_math_reward_rejects_an_unparseable_reference():
     with pytest.raises(ValueError, match="does not parse"):
         math_reward(r"\boxed{1}", {"answer": " "})
+
+
+def test_math_reward_through_the_pool(plugin_manager):
+    config = load_config(None, ["task.reward=math"])
+    validate_config(config, plugin_manager)
+    rewards = build_reward_set(config.task, plugin_manager, "char_match")
+    examples = [Example(prompt="half?", answer="1/2", index=0),
+                Example(prompt="x?", answer="2x+1", index=1),
+                Example(prompt="bad", answer=" ", index=2)]
+    try:
+        out = rewards.score([r"so \boxed{0.5}", r"\boxed{3x}", r"\boxed{1}"], examples)
+    finally:
+        rewards.close()
+    assert out.total == [1.0, 0.0, 0.0]
+    assert out.counts == {"reward/errors": 1, "reward/timeouts": 0}  # the unparseable answer
