@@ -20,10 +20,12 @@ from peerflow.conformance.checks import (
     canonical_specs,
     check_coverage,
     check_well_formed,
+    layout_specs,
     round_trip,
 )
 from peerflow.conformance.models import LAYOUT_MODELS, hf_config
 from peerflow.conformance.profile import layout_id
+from peerflow.errors import ConfigError
 from peerflow.models import hf_parameters
 
 layer0 = pytest.mark.peerflow_layer(0)
@@ -162,6 +164,39 @@ class Layer2RoundTrip(SuiteBase):
             src, dst = canonical_specs(canonical), specs
         _fail(round_trip(src, dst, canonical),
               f"{profile.name} {layout_model} canonical<->{layout_id(layout)}")
+
+    @layer2
+    def test_l2_from_trainer_layouts(self, profile, layout_model, trainer_layout, request):
+        """Weights of a built-in trainer layout reshard exactly into every adapter layout.
+
+        The source is a registered train engine's own `shard_layout` (FSDP dp shards,
+        DTensor tp, Megatron tp/pp, DeepSpeed ZeRO-3 owners); trainer and rollout ranks
+        coincide, as in a colocated run.
+        """
+        if profile.kind != "rollout":
+            pytest.skip("train adapters are the trainer layouts; their pairs run in "
+                        "test_l2_reshard_between_layouts")
+        check_family(profile, layout_model)
+        config = hf_config(LAYOUT_MODELS[layout_model])
+        src = trainer_layout.specs(config)
+        if src is None:
+            pytest.skip(f"trainer {trainer_layout.id} refuses {layout_model}")
+        canonical = hf_parameters(config)
+        problems, tested = [], 0
+        for layout in profile.layouts():
+            if profile.missing_capability(layout):
+                continue
+            try:
+                dst = layout_specs(profile.cls, config, layout)
+            except ConfigError:
+                continue
+            tested += 1
+            problems += [f"-> {layout_id(layout)}: {p}" for p in round_trip(src, dst, canonical)]
+            if problems:
+                break
+        if not tested:
+            pytest.skip(f"{profile.name} accepts no layout of {layout_model}")
+        _fail(problems, f"{profile.name} {layout_model} from trainer {trainer_layout.id}")
 
     @layer2
     def test_l2_reshard_between_layouts(self, profile, layout_model, layout_pair, request):
