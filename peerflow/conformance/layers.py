@@ -148,6 +148,24 @@ class Layer1Layouts(SuiteBase):
             specs_or_skip(profile, layout_model, layout)
 
 
+    @layer1
+    def test_l1_declared_dtype_follows_the_argument(self, profile, layout_model, request):
+        """`shard_layout(…, dtype="bfloat16")` declares bfloat16 local tensors."""
+        hook = shard_layout_of(profile)
+        if "dtype" not in inspect.signature(hook).parameters:
+            pytest.skip(f"{profile.name}.shard_layout takes no dtype argument; add "
+                        "`dtype=\"float32\"` so runs in other dtypes plan the right sizes")
+        check_family(profile, layout_model)
+        layout = profile.layouts()[0]
+        try:
+            specs = profile.shard_layout(hf_config(LAYOUT_MODELS[layout_model]), layout, 0,
+                                         dtype="bfloat16")
+        except ConfigError as exc:
+            pytest.skip(f"{profile.name} refuses {layout_id(layout)} for {layout_model}: {exc}")
+        _fail([f"{s.local_name}: dtype {s.dtype!r}, asked for 'bfloat16'" for s in specs
+               if s.dtype != "bfloat16"], f"{profile.name} {layout_model} dtype")
+
+
 class Layer2RoundTrip(SuiteBase):
     """Layer 2: CPU reshards against the oracle, `torch.arange` weights, every layout pair."""
 
@@ -166,6 +184,23 @@ class Layer2RoundTrip(SuiteBase):
               f"{profile.name} {layout_model} canonical<->{layout_id(layout)}")
 
     @layer2
+    def test_l2_reshard_between_layouts(self, profile, layout_model, layout_pair, request):
+        """Every layout pair, world-size changes included, reshards exactly and back."""
+        check_family(profile, layout_model)
+        src_layout, dst_layout = layout_pair
+        check_layout(request, profile, src_layout)
+        check_layout(request, profile, dst_layout)
+        canonical = hf_parameters(hf_config(LAYOUT_MODELS[layout_model]))
+        src = specs_or_skip(profile, layout_model, src_layout)
+        dst = specs_or_skip(profile, layout_model, dst_layout)
+        _fail(round_trip(src, dst, canonical),
+              f"{profile.name} {layout_model} {layout_id(src_layout)}->{layout_id(dst_layout)}")
+
+
+class Layer2FromTrainers(SuiteBase):
+    """Layer 2 for rollout adapters: from every registered trainer layout."""
+
+    @layer2
     def test_l2_from_trainer_layouts(self, profile, layout_model, trainer_layout, request):
         """Weights of a built-in trainer layout reshard exactly into every adapter layout.
 
@@ -173,9 +208,6 @@ class Layer2RoundTrip(SuiteBase):
         DTensor tp, Megatron tp/pp, DeepSpeed ZeRO-3 owners); trainer and rollout ranks
         coincide, as in a colocated run.
         """
-        if profile.kind != "rollout":
-            pytest.skip("train adapters are the trainer layouts; their pairs run in "
-                        "test_l2_reshard_between_layouts")
         check_family(profile, layout_model)
         config = hf_config(LAYOUT_MODELS[layout_model])
         src = trainer_layout.specs(config)
@@ -197,16 +229,3 @@ class Layer2RoundTrip(SuiteBase):
         if not tested:
             pytest.skip(f"{profile.name} accepts no layout of {layout_model}")
         _fail(problems, f"{profile.name} {layout_model} from trainer {trainer_layout.id}")
-
-    @layer2
-    def test_l2_reshard_between_layouts(self, profile, layout_model, layout_pair, request):
-        """Every layout pair, world-size changes included, reshards exactly and back."""
-        check_family(profile, layout_model)
-        src_layout, dst_layout = layout_pair
-        check_layout(request, profile, src_layout)
-        check_layout(request, profile, dst_layout)
-        canonical = hf_parameters(hf_config(LAYOUT_MODELS[layout_model]))
-        src = specs_or_skip(profile, layout_model, src_layout)
-        dst = specs_or_skip(profile, layout_model, dst_layout)
-        _fail(round_trip(src, dst, canonical),
-              f"{profile.name} {layout_model} {layout_id(src_layout)}->{layout_id(dst_layout)}")

@@ -24,13 +24,13 @@ SUITE = '''
 import sys
 sys.path.insert(0, {here!r})
 import mutants
-from peerflow.conformance.layers import Layer1Layouts, Layer2RoundTrip
+from peerflow.conformance.layers import Layer1Layouts, Layer2FromTrainers, Layer2RoundTrip
 from peerflow.conformance.layer3_rollout import Layer3RolloutEngine
 {classes}
 '''
 
 CLASS = '''
-class Test{name}(Layer1Layouts, Layer2RoundTrip, Layer3RolloutEngine):
+class Test{name}(Layer1Layouts, Layer2RoundTrip, Layer2FromTrainers, Layer3RolloutEngine):
     suite_kind = "rollout"
     adapter_class = mutants.{name}
 '''
