@@ -19,8 +19,7 @@ from peerflow.algorithms.off_policy import (
     attach_weights,
     importance_weights,
     mismatch_metrics,
-    record,
-    weight_metrics,
+    record_metrics,
 )
 from peerflow.algorithms.overlong import shape_overlong
 from peerflow.algorithms.regularized import RegularizedLoss
@@ -116,15 +115,15 @@ class Algorithm:
             metrics.mean("actor/masked_fraction", float((~keep).double().mean()) if len(batch)
                          else 0.0, len(batch))
             batch = batch.select(keep.nonzero().flatten())
-        record(metrics, mismatch_metrics(batch))
+        record_metrics(metrics, mismatch_metrics(batch))
         correction = self.off_policy.correction
         weights = importance_weights(batch, correction, self.off_policy.cap,
                                      self.off_policy.lower)
         if weights is not None:
             batch = attach_weights(batch, weights)
-            record(metrics, weight_metrics(weights, correction))
+            record_metrics(metrics, weights.metrics(correction))
         if self.kl_coef > 0 and self.kl_mode == "loss":
-            record(metrics, kl_loss_metrics(batch, self.kl_coef, self.kl_estimator,
+            record_metrics(metrics, kl_loss_metrics(batch, self.kl_coef, self.kl_estimator,
                                             self.policy_loss))
         return batch
 
@@ -228,23 +227,31 @@ def staleness_bound(config: Any) -> int:
     return max(config.weight_sync.every, 1) - 1
 
 
-def check_off_policy(config: Any, pm: Any) -> list[str]:
-    """A `peerflow.config.EXTRA_VALIDATORS` entry: stale samples need a correction.
+def check_algorithm(config: Any, pm: Any) -> list[str]:
+    """A `peerflow.config.EXTRA_VALIDATORS` entry: algorithm settings the run cannot use.
 
     Refuses a run whose samples can be stale (async mode with `max_staleness > 0`, sync
     mode with `weight_sync.every > 1`) when `algorithm.off_policy.correction` is `none`
-    or the policy loss does not apply importance weights.
+    or the policy loss does not apply importance weights, and an overlong buffer longer
+    than the generation budget.
 
     Returns:
         One message per problem (empty when the config is fine).
     """
+    algorithm = config.algorithm
+    max_tokens = config.rollout.sampling.max_tokens
+    problems = []
+    if algorithm.overlong.buffer > max_tokens:
+        problems.append(
+            f"algorithm.overlong.buffer={algorithm.overlong.buffer} exceeds "
+            f"rollout.sampling.max_tokens={max_tokens}; the soft punishment starts at "
+            "max_tokens - buffer, so lower the buffer (0 disables it)."
+        )
     lag = staleness_bound(config)
     if lag == 0:
-        return []
-    algorithm = config.algorithm
+        return problems
     why = (f"runtime.mode={config.runtime.mode} with runtime.max_staleness={lag}"
            if config.runtime.mode == "async" else f"weight_sync.every={config.weight_sync.every}")
-    problems = []
     if algorithm.off_policy.correction == "none":
         problems.append(
             f"algorithm.off_policy.correction=none, but {why} trains on samples up to {lag} "

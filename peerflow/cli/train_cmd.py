@@ -1,22 +1,31 @@
 """`peerflow train CONFIG`: run RL training on this machine or under torchrun / Ray.
 
     peerflow train CONFIG [--nprocs N] [--run-dir DIR] [--launcher elastic|ray] [--set k=v]
-    peerflow train --resume RUN_DIR [--set k=v]          # continue from the last checkpoint
+    peerflow train --resume RUN_DIR [--set k=v] [--allow-change KEY]   # continue a run
     torchrun --nnodes 2 --nproc-per-node 8 ... -m peerflow train CONFIG --run-dir DIR
 
 The config is read and validated here, before any worker starts. Under `torchrun` (the
 environment carries `RANK` and `WORLD_SIZE`) this process *is* a worker; otherwise the
 command spawns `--nprocs` workers through torch.distributed's elastic launcher (or Ray
 placement groups with `--launcher ray`), each running `peerflow.worker.main.run_worker`.
+
+Before anything is written, the run directory's lock (`RUN_DIR/run.lock`) is taken, a
+fresh run refuses a directory that already holds one, and a resume refuses a config that
+differs from the run's fingerprint (`peerflow.checkpoint.fingerprint`) — so a refused
+command leaves the directory as it was.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+import sys
 from pathlib import Path
 from typing import Any
 
-from peerflow.errors import ConfigError
+from peerflow.errors import ConfigError, RunInterruptedError, WorkerFailedError
+from peerflow.launch.entry import INTERRUPTED_EXIT
 
 
 def add_parser(subparsers: Any) -> None:
@@ -33,7 +42,11 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--run-dir", default=None,
                         help="output directory (default: a fresh runs/<config>-<UTC timestamp>)")
     parser.add_argument("--resume", metavar="RUN_DIR", default=None,
-                        help="continue the run in RUN_DIR from its newest checkpoint")
+                        help="continue the run in RUN_DIR from its newest verified checkpoint")
+    parser.add_argument("--allow-change", dest="allow_change", action="append", default=[],
+                        metavar="KEY", help="with --resume: let this fingerprinted setting or "
+                        "section (e.g. algorithm.kl.coef) differ from the run's (repeatable; "
+                        "never the model architecture, dtype or tokenizer)")
     parser.add_argument("--launcher", choices=("elastic", "ray"), default="elastic",
                         help="how workers are started on one machine (default: elastic)")
     parser.add_argument("--set", dest="overrides", action="append", default=[],
@@ -68,29 +81,114 @@ def resolve_paths(args: argparse.Namespace) -> tuple[str, str | None]:
 
 
 def check_config(config_path: str, overrides: list[str]) -> Any:
-    """Loads and validates the config (names, options, workflow graph) before launch."""
+    """Validates the config and opens its model directory and dataset, before launch."""
     from peerflow.config import load_config, validate_config
+    from peerflow.launch.preflight import preflight
     from peerflow.plugins import load_plugins
 
     config = load_config(config_path, overrides)
-    validate_config(config, load_plugins())
+    pm = load_plugins()
+    validate_config(config, pm)
+    preflight(config, pm)
     return config
+
+
+def check_run_dir(
+    run_dir: Path, config: Any, *, resume: bool, allow_change: list[str]
+) -> None:
+    """Refuses a fresh run into a used directory, or a resume that changes the fingerprint.
+
+    Args:
+        run_dir: The run directory (locked by the caller).
+        config: The validated `RunConfig` about to run.
+        resume: Whether the run continues `run_dir` (`--resume`, or a torchrun restart).
+        allow_change: `--allow-change` keys.
+
+    Raises:
+        ConfigError: naming the directory, or each differing key with both values.
+    """
+    from peerflow.checkpoint import newest_complete
+    from peerflow.checkpoint.fingerprint import check_resume
+
+    if resume:
+        check_resume(run_dir, config, allow_change)
+        if newest_complete(run_dir) is None:
+            raise ConfigError(
+                f"--resume {str(run_dir)!r}: no finished checkpoint under {run_dir}/"
+                "checkpoints; a run saves one every run.checkpoint_every steps and at its "
+                "end. Start a fresh run instead (another --run-dir)."
+            )
+    elif allow_change:
+        raise ConfigError("--allow-change only applies to --resume RUN_DIR; drop it.")
+    elif (run_dir / "config.yaml").is_file():
+        raise ConfigError(
+            f"run directory {str(run_dir)!r} already holds a run (config.yaml); continue it "
+            f"with `peerflow train --resume {run_dir}`, or pick another --run-dir."
+        )
+
+
+def _torchrun_worker(args: argparse.Namespace, config_path: str, run_dir: str | None) -> int:
+    from peerflow.launch import launch
+    from peerflow.outputs import RunLock
+
+    if run_dir is None:
+        raise ConfigError(
+            "peerflow train under torchrun: pass --run-dir DIR (on shared storage for "
+            "several machines) so every rank writes the same run directory."
+        )
+    resume = args.resume or restart_resume(run_dir)
+    lead = os.environ.get("RANK") == "0"  # one lock per run: rank 0 takes it and checks
+    if lead:
+        config = check_config(config_path, list(args.overrides))
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+    with RunLock(Path(run_dir)) if lead else contextlib.nullcontext():
+        if lead:
+            check_run_dir(Path(run_dir), config, resume=bool(resume),
+                          allow_change=args.allow_change)
+        return int(launch(config_path=config_path, overrides=list(args.overrides),
+                          run_dir=run_dir, resume=resume, launcher=args.launcher) or 0)
+
+
+def restart_resume(run_dir: str) -> str | None:
+    """Under `torchrun --max-restarts N` (N > 0), a run directory with checkpoints resumes.
+
+    torchrun restarts every worker of the job after a failure (and after a membership
+    change, without counting it), so every agent's workers must take the same decision
+    from what they share: the run directory. Returns `run_dir` when torchrun may restart
+    (`TORCHELASTIC_MAX_RESTARTS` > 0) and it holds a complete checkpoint, else `None`.
+    """
+    from peerflow.checkpoint import newest_complete
+
+    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
+    found = newest_complete(run_dir) if restarts > 0 else None
+    if found is None:
+        return None
+    print(f"peerflow train: torchrun --max-restarts {restarts} (restart "
+          f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '?')} of this agent): resuming "
+          f"{run_dir} from step {found.step}", file=sys.stderr, flush=True)
+    return run_dir
+
+
+def resume_hint(run_dir: Path) -> str:
+    """Where a stopped run can continue from, and the command that does it."""
+    from peerflow.checkpoint import newest_complete
+
+    found = newest_complete(run_dir)
+    if found is None:
+        return (f"No checkpoint was written yet (run.checkpoint_every), so there is nothing "
+                f"to resume in {run_dir}; start a fresh run.")
+    return (f"The newest complete checkpoint is step {found.step} ({found.path}); continue "
+            f"with:\n  peerflow train --resume {run_dir}")
 
 
 def run(args: argparse.Namespace) -> int:
     """Runs `peerflow train`; returns the exit code."""
     from peerflow.launch import in_distributed_env, launch
-    from peerflow.outputs import create_run_dir
+    from peerflow.outputs import RunLock, create_run_dir
 
     config_path, run_dir = resolve_paths(args)
     if in_distributed_env():  # under torchrun: this process is one worker
-        if run_dir is None:
-            raise ConfigError(
-                "peerflow train under torchrun: pass --run-dir DIR (on shared storage for "
-                "several machines) so every rank writes the same run directory."
-            )
-        return int(launch(config_path=config_path, overrides=list(args.overrides),
-                          run_dir=run_dir, resume=args.resume, launcher=args.launcher) or 0)
+        return _torchrun_worker(args, config_path, run_dir)
     if args.nprocs is not None and args.nprocs < 1:
         raise ConfigError(f"--nprocs {args.nprocs}: must be at least 1.")
     overrides = list(args.overrides)
@@ -100,9 +198,20 @@ def run(args: argparse.Namespace) -> int:
     config = check_config(config_path, overrides)
     nprocs = config.runtime.nprocs
     run_path = create_run_dir(run_dir, name=Path(config_path).stem)
-    print(f"peerflow train: {nprocs} worker(s), run directory {run_path}", flush=True)
-    return int(launch(
-        config_path=config_path, overrides=overrides, run_dir=str(run_path),
-        resume=args.resume, nprocs=nprocs, launcher=args.launcher,
-        fault_timeout=config.runtime.fault_timeout,
-    ) or 0)
+    with RunLock(run_path):
+        check_run_dir(run_path, config, resume=bool(args.resume),
+                      allow_change=args.allow_change)
+        print(f"peerflow train: {nprocs} worker(s), run directory {run_path}", flush=True)
+        try:
+            return int(launch(
+                config_path=config_path, overrides=overrides, run_dir=str(run_path),
+                resume=args.resume, nprocs=nprocs, launcher=args.launcher,
+                fault_timeout=config.runtime.fault_timeout,
+            ) or 0)
+        except RunInterruptedError as exc:
+            print(f"peerflow train: {exc}.\n{resume_hint(run_path)}", file=sys.stderr,
+                  flush=True)
+            return INTERRUPTED_EXIT
+        except WorkerFailedError as exc:
+            print(f"error: {exc}\n{resume_hint(run_path)}", file=sys.stderr, flush=True)
+            return 1

@@ -40,9 +40,9 @@ def check_model_builder(config: RunConfig, pm: object) -> list[str]:
     return check(config, pm)
 
 
-def check_off_policy(config: RunConfig, pm: object) -> list[str]:
-    """`EXTRA_VALIDATORS` entry: stale samples need an off-policy correction."""
-    from peerflow.algorithms.setup import check_off_policy as check
+def check_algorithm(config: RunConfig, pm: object) -> list[str]:
+    """`EXTRA_VALIDATORS` entry: stale samples need an off-policy correction, and more."""
+    from peerflow.algorithms.setup import check_algorithm as check
 
     return check(config, pm)
 
@@ -69,7 +69,7 @@ def check_rewards(config: RunConfig, pm: object) -> list[str]:
     return check(config, pm)
 
 
-EXTRA_VALIDATORS += [check_workflow, check_model_builder, check_off_policy, check_async_mode,
+EXTRA_VALIDATORS += [check_workflow, check_model_builder, check_algorithm, check_async_mode,
                      check_rewards]
 
 __all__ = [

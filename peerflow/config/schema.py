@@ -132,10 +132,19 @@ class OffPolicyConfig:
     """`tis`: truncated importance sampling, `min(w, cap)` (verl's token-level TIS);
     `mis`: masked importance sampling, `w` where `lower <= w <= cap`, else 0 (AReaL's
     `behav_imp_weight_cap`, verl's IcePop); `none`: no correction (on-policy runs only)."""
-    cap: float = attrs.field(default=2.0, validator=attrs.validators.gt(1.0))
+    cap: float = attrs.field(default=2.0)
     """Upper bound on the weight (2.0, verl's default `rollout_is_threshold`)."""
-    lower: float = attrs.field(default=0.0, validator=attrs.validators.ge(0.0))
+    lower: float = attrs.field(default=0.0)
     """`mis` only: tokens whose weight is below this are masked too (0: none)."""
+
+    def __attrs_post_init__(self) -> None:
+        if not self.cap > 1.0:
+            raise ValueError(
+                f"cap={self.cap}: must be > 1 (a cap at or below 1 would shrink the weight of "
+                "on-policy tokens, whose weight is 1); verl's and the default is 2.0."
+            )
+        if not 0.0 <= self.lower < 1.0:
+            raise ValueError(f"lower={self.lower}: must lie in [0, 1) (0: no lower mask).")
 
 
 @attrs.frozen(kw_only=True)
@@ -183,6 +192,8 @@ class RunSettings:
     """Prompts sampled per step across all dp-ranks (each gets `sampling.n` answers)."""
     checkpoint_every: int = 0
     """Save a checkpoint every K steps (0: only at the end)."""
+    keep_last: int = attrs.field(default=0, validator=attrs.validators.ge(0))
+    """Keep only the newest K verified checkpoints, removing older ones (0: keep all)."""
     log_every: int = 1
     """Write metrics every K steps."""
     tensorboard: bool = True

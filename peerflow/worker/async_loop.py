@@ -11,10 +11,11 @@ Requires `runtime.placement: split` (rollout and trainer on disjoint ranks). Eve
    trainer group, plus what the rollout ranks report with every sealed step); every rank
    writes its Chrome-trace timeline under `trace/`.
 
-Checkpoints (trainer ranks, every `run.checkpoint_every` steps and at the end) hold the
-engine state plus `async_state.json`: which prompt groups each rollout rank has had
-trained. On resume a rollout rank replays its prompt stream up to the last trained
-prompt and re-generates the ones that were in flight, so no prompt is lost and no
+Checkpoints (`peerflow.checkpoint.save_step` on the trainer ranks, every
+`run.checkpoint_every` steps and at the end) hold every trainable role's engine state plus
+the in-flight state (`peerflow.checkpoint.inflight`): which prompt groups each rollout rank
+has had trained. On resume a rollout rank replays its prompt stream up to the last
+trained prompt and re-generates the ones that were in flight, so no prompt is lost and no
 sample is trained twice.
 """
 
@@ -23,13 +24,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from peerflow.checkpoint import restore_latest, save_step, should_checkpoint, truncate_metrics
+from peerflow.checkpoint.inflight import replay_prompts, trained_groups, trained_groups_state
 from peerflow.errors import ConfigError
-from peerflow.worker.async_checkpoint import (
-    load_trainer_checkpoint,
-    replay_sampler,
-    resume_state,
-    save_trainer_checkpoint,
-)
 from peerflow.worker.metrics import StepMetrics, all_reduce_metrics
 from peerflow.worker.runtime import WorkerRuntime
 
@@ -77,10 +74,9 @@ def _graph_nodes(rt: WorkerRuntime) -> tuple[list[Any], dict[str, Any]]:
 
 def _writer(rt: WorkerRuntime, start_step: int) -> Any:
     from peerflow.outputs import MetricsWriter
-    from peerflow.worker import checkpoint as ckpt
 
     if start_step:
-        ckpt.truncate_metrics(rt.run_dir / "metrics.jsonl", start_step)
+        truncate_metrics(rt.run_dir / "metrics.jsonl", start_step)
     run = rt.config.run
     return MetricsWriter(rt.run_dir, rt.config, tensorboard=run.tensorboard, wandb=run.wandb)
 
@@ -168,11 +164,13 @@ def _run_rollout(
     timeout = cfg.runtime.fault_timeout
     dp, dp_size = rollout_layout.dp_rank(rt.rank), rollout_layout.dp
     quota = split_evenly(cfg.run.prompts_per_step, dp_size, dp)
-    start_step, state = resume_state(rt)
+    resumed = restore_latest(rt.run_dir, engines=rt.engines, rank=rt.rank)
+    start_step = resumed.step if resumed is not None else 0
     scheduler = StalenessScheduler(
         max_staleness=cfg.runtime.max_staleness, quota=quota, next_step=start_step
     )
-    pending = replay_sampler(rt, state) if state else []
+    trained = trained_groups(resumed.inflight if resumed is not None else None)
+    pending = replay_prompts(rt.sampler, trained.get(rt.rank, []))
     group_nodes = [n for n in nodes if n.kind in ROLLOUT_KINDS]
 
     def per_group(batch: Any) -> Any:
@@ -253,9 +251,8 @@ def _run_trainer(
     timeout = cfg.runtime.fault_timeout
     group = program.process_group("actor")
     first_trainer = min(trainer_layout.global_ranks)
-    start_step, state = resume_state(rt)
-    if start_step:
-        load_trainer_checkpoint(rt, start_step)
+    resumed = restore_latest(rt.run_dir, engines=rt.engines, rank=rt.rank)
+    start_step = resumed.step if resumed is not None else 0
     if rt.estimator is not None:  # batch-wide statistics span the trainer group
         rt.estimator.process_group = group
         rt.estimator.group_replicas = trainer_layout.world_size // trainer_layout.dp
@@ -283,9 +280,7 @@ def _run_trainer(
     sender = StreamSender(tag=WEIGHT_TAG, group=stream_group, timeout=timeout)
     pusher = WeightPusher(service=service, sender=sender)
     spans = _tracer(rt)
-    trained: dict[int, list[int]] = {
-        int(k): list(v) for k, v in (state or {}).get("trained_groups", {}).items()
-    }
+    trained = trained_groups(resumed.inflight if resumed is not None else None)
 
     def end_step(step: int, batch: Any, metrics: StepMetrics, extra: dict[str, float]) -> None:
         record_batch_metrics(batch, metrics)
@@ -305,12 +300,13 @@ def _run_trainer(
                 progress.update(step + 1, reduced)
         rt.step = step + 1
         rt.pm.hook.peerflow_end_of_step(step=step + 1, metrics=reduced, rank=rt.rank)
-        every = cfg.run.checkpoint_every
-        if (every and (step + 1) % every == 0) or step + 1 == cfg.run.steps:
+        if should_checkpoint(step + 1, cfg.run.checkpoint_every, cfg.run.steps):
             for src, gids in streamer.trained_groups.items():
                 trained.setdefault(src, []).extend(gids)
             streamer.trained_groups.clear()
-            save_trainer_checkpoint(rt, step + 1, trained, group)
+            save_step(rt.run_dir, step + 1, engines=rt.engines, rank=rt.rank,
+                      inflight=trained_groups_state(trained), group=group,
+                      keep_last=cfg.run.keep_last)
 
     step_started = [time.time()]
     receiver = StreamReceiver(

@@ -16,15 +16,21 @@ from __future__ import annotations
 
 import contextlib
 import os
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from peerflow.checkpoint import (
+    list_checkpoints,
+    restore_latest,
+    save_step,
+    should_checkpoint,
+    truncate_metrics,
+)
 from peerflow.config import RunConfig, load_config, validate_config
 from peerflow.errors import ConfigError
-from peerflow.worker import checkpoint as ckpt
+from peerflow.worker.evaluation import eval_due, evaluate
 from peerflow.worker.loop import run_step
 from peerflow.worker.program import RankProgram, program_from_plan
 from peerflow.worker.runtime import TRAIN_ROLES, WorkerRuntime, build_components, resolve_model_path
@@ -72,7 +78,8 @@ def _seed_everything(seed: int, rank: int) -> None:
 
 
 def run_worker(
-    config_path: str, overrides: list[str], run_dir: str, resume: str | None = None
+    config_path: str, overrides: list[str], run_dir: str, resume: str | None = None,
+    *, body: Any = None,
 ) -> None:
     """Runs one worker process of a training run to completion.
 
@@ -82,6 +89,7 @@ def run_worker(
         run_dir: The run directory (shared by all ranks; created by the launcher).
         resume: A run directory to continue from its newest complete checkpoint (the run
             then writes into that directory).
+        body: `f(runtime, program, stage)` run instead of training (`peerflow eval`).
 
     Raises:
         ConfigError: the config, a name in it, or the resume directory is invalid.
@@ -103,12 +111,17 @@ def run_worker(
     try:
         with stage("start-up"):
             runtime, program = _start(config, run_path, rank, world_size, resume)
-        _train(runtime, program, stage, resuming=resume is not None)
+        if body is not None:
+            body(runtime, program, stage)
+        else:
+            _train(runtime, program, stage, resuming=resume is not None)
     finally:
         if runtime is not None:
             for engine in runtime.engines.values():
                 with contextlib.suppress(Exception):
                     engine.shutdown()
+            for rewards in runtime.rewards.values():  # a live pool would block the exit
+                rewards.close()
         shutdown_distributed()
 
 
@@ -179,9 +192,9 @@ def _program(config: RunConfig, world_size: int, rank: int, pm: Any) -> RankProg
 
 
 def _load_tokenizer(model_path: str) -> Any:
-    from transformers import AutoTokenizer
+    from peerflow.launch.preflight import load_tokenizer
 
-    return AutoTokenizer.from_pretrained(model_path)
+    return load_tokenizer(model_path)
 
 
 def _weight_sync(rt: WorkerRuntime, group: Any = None) -> Any:
@@ -208,7 +221,7 @@ def _train(rt: WorkerRuntime, program: RankProgram, stage: Any, *, resuming: boo
     if resuming:
         with stage("resume"):
             start_step = _restore(rt, program)
-    elif ckpt.latest_checkpoint(rt.run_dir):
+    elif list_checkpoints(rt.run_dir):
         raise ConfigError(
             f"run directory {str(rt.run_dir)!r} already holds checkpoints; continue it with "
             f"`peerflow train --resume {rt.run_dir}`, or pick another --run-dir."
@@ -216,7 +229,7 @@ def _train(rt: WorkerRuntime, program: RankProgram, stage: Any, *, resuming: boo
     writer = None
     if rt.rank == 0:
         if start_step:
-            ckpt.truncate_metrics(rt.run_dir / "metrics.jsonl", start_step)
+            truncate_metrics(rt.run_dir / "metrics.jsonl", start_step)
         writer = MetricsWriter(rt.run_dir, config, tensorboard=config.run.tensorboard,
                                wandb=config.run.wandb)
     tracer = Tracer(rt.run_dir, rt.rank, enabled=config.run.trace)
@@ -226,20 +239,28 @@ def _train(rt: WorkerRuntime, program: RankProgram, stage: Any, *, resuming: boo
     registry = rt.pm.registry("node")
     node_types = {name: registry.get(name) for name in registry.names()}
     try:
+        if start_step == 0 and eval_due(config, 0):
+            metrics = _evaluate(rt, 0, stage)
+            if writer is not None:
+                writer.write(0, metrics)
         for step in range(start_step + 1, config.run.steps + 1):
             rt.step = step
             _, metrics = run_step(rt, program.steps, node_types=node_types,
                                   stage_factory=stage, tracer=tracer)
+            evaluated = eval_due(config, step)
+            if evaluated:
+                metrics.update(_evaluate(rt, step, stage))
             if writer is not None and (step % max(config.run.log_every, 1) == 0
-                                       or step == config.run.steps):
+                                       or step == config.run.steps or evaluated):
                 writer.write(step, metrics)
             progress.update(step, metrics)
             rt.pm.hook.peerflow_end_of_step(step=step, metrics=metrics, rank=rt.rank)
-            every = config.run.checkpoint_every
-            if (every and step % every == 0) or step == config.run.steps:
+            if should_checkpoint(step, config.run.checkpoint_every, config.run.steps):
                 with stage(f"checkpoint step {step}",
                            config.runtime.stage_deadline("checkpoint")), tracer.span("checkpoint"):
-                    _save(rt, step)
+                    save_step(rt.run_dir, step, engines=rt.engines, rank=rt.rank,
+                              driver_state={"sampler": rt.sampler.state_dict()},
+                              keep_last=config.run.keep_last)
     finally:
         progress.close()
         tracer.flush()
@@ -248,34 +269,40 @@ def _train(rt: WorkerRuntime, program: RankProgram, stage: Any, *, resuming: boo
             writer.close()
 
 
-def _save(rt: WorkerRuntime, step: int) -> None:
-    directory = ckpt.checkpoint_dir(rt.run_dir, step)
-    if rt.rank == 0:
-        directory.mkdir(parents=True, exist_ok=True)
-    _barrier()
-    for role, engine in sorted(rt.engines.items()):
-        if role in TRAIN_ROLES and role != "ref":
-            engine.save_checkpoint(str(directory / role))
-    ckpt.write_json_atomic(directory / f"worker_rank{rt.rank}.json", {
-        "step": step, "sampler": rt.sampler.state_dict(), "rng": ckpt.rng_state(),
-        "time": time.time(),
-    })
-    _barrier()
-    if rt.rank == 0:
-        ckpt.write_json_atomic(directory / ckpt.COMPLETE, {"step": step})
+def _evaluate(rt: WorkerRuntime, step: int, stage: Any) -> dict[str, float]:
+    with stage(f"eval after step {step}"):
+        return evaluate(rt, step)
+
+
+def run_eval_worker(config_path: str, overrides: list[str], run_dir: str,
+                    checkpoint: str | None = None) -> None:
+    """The worker function of `peerflow eval`: builds the run, loads `checkpoint`, evaluates.
+
+    Args:
+        config_path: The run's YAML config.
+        overrides: `--set` assignments.
+        run_dir: Where `config.yaml` and `eval.json` are written.
+        checkpoint: A checkpoint directory, or a run directory (its newest complete
+            checkpoint); `None` evaluates the model at `model.path` / `model.builder`.
+    """
+    from peerflow.worker.evaluation import evaluate_checkpoint
+
+    run_worker(config_path, overrides, run_dir, None,
+               body=lambda rt, program, stage: evaluate_checkpoint(rt, program, stage,
+                                                                  checkpoint))
 
 
 def _restore(rt: WorkerRuntime, program: RankProgram) -> int:
-    step, directory = ckpt.find_resume_checkpoint(rt.run_dir)
-    import json
-
-    for role, engine in sorted(rt.engines.items()):
-        if role in TRAIN_ROLES and role != "ref":
-            engine.load_checkpoint(str(directory / role))
-    state = json.loads((directory / f"worker_rank{rt.rank}.json").read_text())
-    rt.sampler.load_state_dict(state["sampler"])
-    ckpt.set_rng_state(state["rng"])
+    resumed = restore_latest(rt.run_dir, engines=rt.engines, rank=rt.rank)
+    if resumed is None:
+        raise ConfigError(
+            f"--resume {str(rt.run_dir)!r}: no verified checkpoint under "
+            f"{rt.run_dir / 'checkpoints'}; a run saves one every run.checkpoint_every steps "
+            "and at its end. Start a fresh run instead, or pick another run directory."
+        )
+    if resumed.driver_state is not None:
+        rt.sampler.load_state_dict(resumed.driver_state["sampler"])
     if any(getattr(n, "kind", "") == "sync_weights" for n in program.steps):
         rt.sync_weights()
-    rt.step = step
-    return step
+    rt.step = resumed.step
+    return resumed.step

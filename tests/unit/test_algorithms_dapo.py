@@ -58,3 +58,12 @@ def test_flat_top_up_groups_do_not_count_in_the_normaliser(plugin_manager):
     actor = algo.prepare_actor_batch(step, StepMetrics())
     assert int(actor.lengths("response_ids").sum()) == 4  # the flat groups' 10 tokens are out
     assert top_up(kept, flat.select([]))["train_mask"].tolist() == [True, True]
+
+
+def test_an_overlong_buffer_past_the_budget_is_refused(plugin_manager):
+    from peerflow.algorithms.setup import check_algorithm
+    from peerflow.config import load_config
+
+    config = load_config(None, ["rollout.sampling.max_tokens=4", "algorithm.overlong.buffer=6"])
+    [problem] = check_algorithm(config, plugin_manager)
+    assert "algorithm.overlong.buffer=6 exceeds rollout.sampling.max_tokens=4" in problem

@@ -9,7 +9,7 @@ import torch
 
 from peerflow.algorithms.losses import PPOClip, PPOClipOptions
 from peerflow.algorithms.off_policy import attach_weights, importance_weights, mismatch_metrics
-from peerflow.algorithms.setup import build_algorithm, check_off_policy
+from peerflow.algorithms.setup import build_algorithm, check_algorithm
 from peerflow.batch import Batch, RaggedField
 from peerflow.config import AlgorithmConfig, load_config, structure, validate_config
 from peerflow.errors import ConfigError
@@ -105,16 +105,16 @@ def test_stale_samples_give_the_on_policy_gradient_only_with_the_correction():
 def test_stale_configurations_without_a_correction_are_refused(plugin_manager):
     stale_async = ["runtime.mode=async", "runtime.placement=split", "runtime.max_staleness=2"]
     ok = load_config(None, stale_async)
-    assert check_off_policy(ok, plugin_manager) == []
+    assert check_algorithm(ok, plugin_manager) == []
     off = load_config(None, [*stale_async, "algorithm.off_policy.correction=none"])
-    [problem] = check_off_policy(off, plugin_manager)
+    [problem] = check_algorithm(off, plugin_manager)
     assert "max_staleness=2" in problem and "correction to tis" in problem
     with pytest.raises(ConfigError, match="algorithm.off_policy.correction=none"):
         validate_config(off, plugin_manager)
     every = load_config(None, ["weight_sync.every=3", "algorithm.off_policy.correction=none"])
-    assert "weight_sync.every=3" in check_off_policy(every, plugin_manager)[0]
+    assert "weight_sync.every=3" in check_algorithm(every, plugin_manager)[0]
     fresh = load_config(None, ["algorithm.off_policy.correction=none"])
-    assert check_off_policy(fresh, plugin_manager) == []
+    assert check_algorithm(fresh, plugin_manager) == []
 
 
 def test_a_loss_that_cannot_apply_weights_is_refused_for_stale_samples(plugin_manager):
@@ -128,7 +128,7 @@ def test_a_loss_that_cannot_apply_weights_is_refused_for_stale_samples(plugin_ma
 
     plugin_manager.registry("policy_loss").register(PlainPG, plugin="test", distribution=None)
     config = load_config(None, ["weight_sync.every=2", "algorithm.loss=plain_pg"])
-    [problem] = check_off_policy(config, plugin_manager)
+    [problem] = check_algorithm(config, plugin_manager)
     assert "algorithm.loss='plain_pg' does not apply importance weights" in problem
 
 
