@@ -192,9 +192,9 @@ def _program(config: RunConfig, world_size: int, rank: int, pm: Any) -> RankProg
 
 
 def _load_tokenizer(model_path: str) -> Any:
-    from transformers import AutoTokenizer
+    from peerflow.launch.preflight import load_tokenizer
 
-    return AutoTokenizer.from_pretrained(model_path)
+    return load_tokenizer(model_path)
 
 
 def _weight_sync(rt: WorkerRuntime, group: Any = None) -> Any:
