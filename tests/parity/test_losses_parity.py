@@ -14,7 +14,8 @@ from peerflow.algorithms.aggregation import AGGREGATIONS, aggregate
 from peerflow.algorithms.kl import kl_estimate
 from peerflow.algorithms.losses import GSPO, GSPOOptions, PPOClip, PPOClipOptions
 from peerflow.algorithms.off_policy import attach_weights, importance_weights
-from tests.parity.conftest import TOLERANCE
+from peerflow.batch import RaggedField
+from tests.parity.batches import TOLERANCE
 
 NORM = 9  # the constant length of seq-mean-token-sum-norm
 
@@ -42,9 +43,7 @@ def _ours(loss, case, current, micro_batches=1, **fields):
         micro = batch.select(part.tolist())
         offsets = case.ragged(leaf).offsets
         pieces = [leaf[offsets[i]:offsets[i + 1]] for i in part.tolist()]
-        values = torch.cat(pieces)
-        field = micro.ragged("response_ids").__class__(
-            values=values, offsets=micro.ragged("response_ids").offsets)
+        field = RaggedField(values=torch.cat(pieces), offsets=micro.ragged("response_ids").offsets)
         value, _ = loss(field, micro, global_tokens=tokens, global_samples=n)
         total = total + value
     (grad,) = torch.autograd.grad(total, leaf)
@@ -132,7 +131,7 @@ def test_truncated_importance_weights_in_the_loss(verl, actor_config, case):
         rollout_is_threshold=2.0)
     ours_weights = importance_weights(case.batch(old_logprobs=old, rollout_logprobs=rollout),
                                       "tis", cap=2.0)
-    _close(ours_weights.weights.to(torch.float64), theirs_weights[case.mask])
+    _close(ours_weights.weights, theirs_weights[case.mask])
     loss = PPOClip(PPOClipOptions(aggregation="token-mean"))
     ours, ours_grad = _ours(loss, case, current, 2, old_logprobs=old, rollout_logprobs=rollout,
                             advantages=advantages)
@@ -153,4 +152,4 @@ def test_masked_importance_weights(verl, case):
         rollout_is_threshold="0.5_2.0")  # IcePop: zero outside [0.5, 2]
     ours = importance_weights(case.batch(old_logprobs=old, rollout_logprobs=rollout), "mis",
                               cap=2.0, lower=0.5)
-    _close(ours.weights.to(torch.float64), theirs[case.mask])
+    _close(ours.weights, theirs[case.mask])
