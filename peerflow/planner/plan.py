@@ -73,7 +73,7 @@ class RunNode:
     ranks: tuple[int, ...]
     """Global ranks that run it."""
     phase: str = ""
-    """Async mode: the streaming phase (`peerflow.planner.streaming.PHASES`); "" in sync."""
+    """Async mode: the streaming phase (`peerflow.planner.streaming`); "" in sync."""
 
     def describe(self) -> str:
         """Short text form."""

@@ -20,8 +20,6 @@ from typing import Any
 from peerflow.errors import ConfigError
 from peerflow.layout import ParallelLayout
 
-#: Phases of the streaming schedule, in the order a sample meets them.
-PHASES = ("generate", "per_group", "per_micro_batch", "per_step", "weight_sync")
 #: Phases that run on rollout ranks (the others run on trainer ranks).
 ROLLOUT_PHASES = ("generate", "per_group")
 

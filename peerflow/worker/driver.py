@@ -157,10 +157,10 @@ def drive(rt: WorkerRuntime, schedule: Schedule, stage: Any, *, resuming: bool =
     rt.step = start_step
     outputs = RunOutputs.open(rt, start_step, reports=schedule.reports)
     run = rt.config.run
-    initial = _call(hooks, "begin", rt, start_step)
-    if initial:
-        outputs.write(start_step, initial, run, force=True)
     try:
+        initial = _call(hooks, "begin", rt, start_step)
+        if initial:
+            outputs.write(start_step, initial, run, force=True)
         with stage(schedule.name), contextlib.closing(
                 schedule.steps(start_step, outputs.tracer)) as steps:
             for step, batch, metrics in steps:

@@ -58,7 +58,7 @@ class RankProgram:
     groups: dict[str, Any] = attrs.field(factory=dict)
     """torch.distributed group of each hosted role (`None` only without torch.distributed)."""
     phases: dict[str, str] = attrs.field(factory=dict)
-    """Async mode: node name → streaming phase (`peerflow.planner.streaming.PHASES`)."""
+    """Async mode: node name → streaming phase (`peerflow.planner.streaming`)."""
 
     @property
     def roles(self) -> tuple[str, ...]:

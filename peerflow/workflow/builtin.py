@@ -33,7 +33,7 @@ class KindSpec:
     after: tuple[str, ...] = ()
     """Kinds it runs after by default (resolved to nodes of those kinds)."""
     phase: str = "per_step"
-    """Where async mode runs it (`peerflow.planner.streaming.PHASES`)."""
+    """Where async mode runs it (`peerflow.planner.streaming`)."""
 
 
 #: The built-in node kinds.
