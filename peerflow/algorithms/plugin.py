@@ -1,4 +1,4 @@
-"""Registers the built-in advantage estimators and policy losses.
+"""Registers the built-in advantage estimators and policy losses, and checks configs.
 
 Entry point `algorithms = peerflow.algorithms.plugin`: they register exactly as a
 third-party plugin would.
@@ -28,3 +28,11 @@ def peerflow_register_policy_losses(register: Any) -> None:
 
     for cls in (PPOClip, GSPO):
         register(cls)
+
+
+@hookimpl
+def peerflow_validate_config(config: Any, pm: Any) -> list[str]:
+    """The task's model builder options, and algorithm settings the run cannot use."""
+    from peerflow.algorithms.setup import check_algorithm, check_model_builder
+
+    return check_model_builder(config, pm) + check_algorithm(config, pm)

@@ -198,7 +198,7 @@ def build_algorithm(
 
 
 def check_model_builder(config: Any, pm: Any) -> list[str]:
-    """A config check (run by `peerflow.config.validators`): checks `model.builder_options`.
+    """A config check (`peerflow.algorithms.plugin` registers it): checks `model.builder_options`.
 
     `validate_config` does not look at the builder; this asks the builder task's
     `check_builder_options` (which builds nothing), so a bad option is reported before
@@ -228,7 +228,7 @@ def staleness_bound(config: Any) -> int:
 
 
 def check_algorithm(config: Any, pm: Any) -> list[str]:
-    """A config check (run by `peerflow.config.validators`): algorithm settings the run cannot use.
+    """A config check (`peerflow.algorithms.plugin` registers it): settings the run can't use.
 
     Refuses a run whose samples can be stale (async mode with `max_staleness > 0`, sync
     mode with `weight_sync.every > 1`) when `algorithm.off_policy.correction` is `none`

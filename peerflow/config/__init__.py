@@ -1,7 +1,8 @@
 """Run configuration: attrs classes, YAML files, typed `--set` overrides, validation.
 
 `validate_config` checks names and option sections, then every `peerflow_validate_config`
-hook implementation (the core's own are in `peerflow.config.validators`).
+hook implementation (the core registers its own like a plugin: the planner's graph and
+layout checks, the algorithms', the rewards').
 """
 
 from peerflow.config.engines import (

@@ -125,10 +125,11 @@ def validate_config(config: RunConfig, pm: Any) -> None:
             structure_options(known[name].options_class, section, f"algorithm.options.{name}")
         except ConfigError as exc:
             problems.append(str(exc))
-    try:
-        for found in pm.hook.peerflow_validate_config(config=config, pm=pm):
-            problems += found or []
-    except PeerFlowError as exc:
-        problems.append(str(exc))
+    arguments = {"config": config, "pm": pm}
+    for impl in pm.hook.peerflow_validate_config.get_hookimpls():  # one failing check
+        try:                                                       # hides no other
+            problems += impl.function(*(arguments[a] for a in impl.argnames)) or []
+        except PeerFlowError as exc:
+            problems.append(str(exc))
     if problems:
         raise ConfigError("\n".join(problems))

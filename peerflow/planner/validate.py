@@ -1,6 +1,7 @@
 """Checks of the workflow and the layouts that `peerflow config validate` runs.
 
-Run by the core's config validator (`peerflow.config.validators`), so every problem —
+A core plugin (`peerflow_validate_config`, run by `peerflow.config.validate_config`), so
+every problem —
 unknown kinds or roles, cycles, missing inputs, an estimator that needs a critic the
 graph lacks, layouts that do not fill the ranks, tp that does not divide the model's
 attention heads — is reported before any process starts, naming the node or key and the fix.
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from peerflow.errors import ConfigError
+from peerflow.plugins.hookspecs import hookimpl
 from peerflow.workflow.roles import ROLES
 
 #: Keys of a Hugging Face model config (or of `model.builder_options`) the checks read.
@@ -116,3 +118,22 @@ def check_prompts_per_step(config: Any, graph: Any, roles: dict[str, Any]) -> li
             f"{roles[role].describe()}): every dp-rank needs at least one prompt a step; set "
             f"run.prompts_per_step to at least {dp} (a multiple of {dp} balances the ranks), "
             "or use fewer processes."]
+
+
+def check_async_program(config: Any, pm: Any) -> list[str]:
+    """Settings `runtime.mode: async` cannot run (the planner's async program refuses them)."""
+    if config.runtime.mode != "async":
+        return []
+    from peerflow.planner.plan import plan_run
+
+    try:
+        plan_run(config, config.runtime.nprocs, pm)
+    except ConfigError as exc:
+        return [str(exc)]
+    return []
+
+
+@hookimpl
+def peerflow_validate_config(config: Any, pm: Any) -> list[str]:
+    """The workflow graph, the layouts and, in async mode, the streaming program."""
+    return validate_workflow(config, pm) + check_async_program(config, pm)

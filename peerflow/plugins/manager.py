@@ -29,8 +29,8 @@ from peerflow.plugins.registry import KINDS, Registry
 ENTRY_POINT_GROUP = "peerflow"
 BUILTIN_DISTRIBUTION = "peerflow"
 #: Core modules that register their built-ins through the same hooks a plugin uses.
-CORE_PLUGINS = ("peerflow.streaming.samplers", "peerflow.config.validators",
-                "peerflow.worker.nodes")
+CORE_PLUGINS = ("peerflow.streaming.samplers", "peerflow.planner.validate",
+                "peerflow.rewards.setup", "peerflow.worker.nodes")
 
 
 @attrs.frozen(kw_only=True)

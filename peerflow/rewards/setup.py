@@ -1,6 +1,7 @@
 """Building a run's `RewardSet` from `task.reward` / `task.rewards`, and checking it early.
 
-`check_rewards` is a config validator (run by `peerflow.config.validators`): it imports
+`check_rewards` is a config validator (this module, a core plugin, registers it as
+`peerflow_validate_config`): it imports
 every referenced file or module and reads each function's signature in the launching
 process, so a typo in a path or a function name, or an unusable signature, is reported
 before any worker starts.
@@ -11,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from peerflow.errors import ConfigError
+from peerflow.plugins.hookspecs import hookimpl
 from peerflow.rewards.loading import load_function, parse_target, reward_shape
 from peerflow.rewards.pool import RewardPool
 from peerflow.rewards.scoring import RewardComponent, RewardSet
@@ -101,3 +103,9 @@ def check_rewards(config: Any, pm: Any) -> list[str]:
         problems.append(f"task.rewards: several rewards are named {duplicates}; give each a "
                         "distinct `name` (its metrics are reward/<name>/...).")
     return problems
+
+
+@hookimpl
+def peerflow_validate_config(config: Any, pm: Any) -> list[str]:
+    """Every reward loads, with a usable signature, before spawn (`check_rewards`)."""
+    return check_rewards(config, pm)

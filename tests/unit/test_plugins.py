@@ -180,5 +180,6 @@ def test_misspelled_hook_is_an_error_naming_plugin_and_hook():
 def test_core_registers_samplers_and_validators_like_a_plugin(plugin_manager):
     assert {"sequential", "grouped", "length_balanced"} <= set(
         plugin_manager.registry("sampler").names())
-    for module in ("peerflow.streaming.samplers", "peerflow.config.validators"):
+    for module in ("peerflow.streaming.samplers", "peerflow.planner.validate",
+                   "peerflow.rewards.setup", "peerflow.worker.nodes"):
         assert plugin_manager.records[module].distribution == "peerflow"
