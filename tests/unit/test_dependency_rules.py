@@ -74,13 +74,15 @@ def test_adapters_never_import_each_other(adapter):
     assert not bad, "\n".join(bad)
 
 
-# Layers of the core, lowest first: a package never imports one that runs it. Planning
-# (config, workflow, planner) knows nothing of the processes that execute a plan, the
-# streaming pieces know nothing of the worker that wires them, and the data and weight
-# movers know nothing of plans or workers.
+# Layers of the core: a package never imports one that runs it. The config knows only
+# its own schema (subsystems check it through `peerflow_validate_config`); planning
+# (workflow, planner) knows nothing of the processes that execute a plan; the streaming
+# pieces know nothing of the worker that wires them; the data and weight movers know
+# nothing of plans or workers.
 RUNNERS = ("peerflow.worker", "peerflow.launch", "peerflow.cli", "peerflow.api")
 CORE_LAYERS = {
-    "config": (*RUNNERS, "peerflow.streaming"),
+    "config": (*RUNNERS, "peerflow.streaming", "peerflow.planner", "peerflow.workflow",
+               "peerflow.algorithms", "peerflow.rewards"),
     "workflow": (*RUNNERS, "peerflow.streaming", "peerflow.planner"),
     "planner": (*RUNNERS, "peerflow.streaming"),
     "checkpoint": (*RUNNERS, "peerflow.streaming", "peerflow.planner"),
