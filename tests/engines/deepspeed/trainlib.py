@@ -19,6 +19,8 @@ import torch
 #: float noise of near-zero gradients (see tests/engines/fsdp).
 OPTIM = {"lr": 0.01, "eps": 1e-3, "grad_clip": 0.0, "micro_batch_tokens": 24}
 SAMPLES = 8
+#: Sampling temperature the engines score at (not 1, so a missing division shows).
+TEMPERATURE = 0.7
 ROOT = Path(__file__).resolve().parents[3]
 
 
@@ -72,18 +74,20 @@ def nll_loss(logprobs, batch, *, global_tokens, global_samples):
 
 
 def reference(model_path: str) -> dict:
-    """Log-probs, gradient norm and post-step HF state of one plain AdamW step."""
+    """Log-probs at `TEMPERATURE`, gradient norm and post-step HF state of one AdamW step."""
     from transformers import AutoModelForCausalLM
 
-    from peerflow.adapters.deepspeed import microbatch as mb
+    from peerflow.training import pad_inputs
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     batch = full_batch()
-    inputs = mb.pad_inputs(batch)
+    inputs = pad_inputs(batch)
     out = model(input_ids=inputs.input_ids, attention_mask=inputs.attention_mask,
                 position_ids=inputs.position_ids)
-    logprobs = inputs.gather(mb.token_logprobs(out.logits, inputs.target_ids))
+    # log_softmax(logits / T)[target], written out here rather than through the toolkit
+    logprobs = inputs.gather(torch.log_softmax(out.logits / TEMPERATURE, -1).gather(
+        -1, inputs.target_ids[..., None])[..., 0])
     loss = -logprobs.values.sum() / len(logprobs.values)
     loss.backward()
     norm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in model.parameters()))
