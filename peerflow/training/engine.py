@@ -232,7 +232,7 @@ class CausalLMTrainEngine(TrainEngine, abc.ABC):
                    micro: MicroBatch, output: torch.Tensor) -> torch.Tensor:
         if not micro.indices:
             return output.float().sum() * 0.0
-        entropy_grad = bool(getattr(loss, "needs_entropy_grad", False))
+        entropy_grad = bool(getattr(loss, "needs_entropy", False))
         values, entropy = self.score(output, micro, entropy_grad=entropy_grad)
         part = batch_to(micro.batch, self.device)
         if entropy is not None:

@@ -103,9 +103,11 @@ class DeepSpeedTrainEngine(CausalLMTrainEngine):
         if options.zero_stage == 3:
             # HF's weight init indexes into parameters (e.g. the padding row of the
             # embedding), which zero.Init has already partitioned away; every weight is
-            # read from the checkpoint next, so skip it.
+            # read from the checkpoint next, so skip it. No `dtype`: zero.Init then takes
+            # it from the config (float32 unless bf16); an explicit dtype is ignored on
+            # accelerators without fp16 (DeepSpeed 0.19 picks bfloat16 on CPU).
             with _no_init_weights(), deepspeed.zero.Init(
-                    config_dict_or_path=self.ds_config, remote_device=None, dtype=torch.float32):
+                    config_dict_or_path=self.ds_config, remote_device=None):
                 model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
             model.tie_weights()
             load_hf_weights(model, context.model_path, partitioned=True)

@@ -8,6 +8,7 @@ on CPU, NCCL on GPU); with `layout.tp > 1` the blocks' projections are first spl
 Micro-batching, log-probs at the sampling temperature, metrics and the step loop are the
 training toolkit's (`peerflow.training.CausalLMTrainEngine`); this module supplies the
 FSDP2 forward, backward and optimiser step.
+
 As a critic (`fsdp: {value_head: true}`) the engine puts a scalar head on the backbone;
 `forward_values` returns one value per response token (the value of the state *before*
 the token, i.e. read at the position that predicts it), and `train_step` hands the loss

@@ -74,7 +74,8 @@ def nll_loss(logprobs, batch, *, global_tokens, global_samples):
 
 
 def reference(model_path: str) -> dict:
-    """Log-probs at `TEMPERATURE`, gradient norm and post-step HF state of one AdamW step."""
+    """Log-probs at `TEMPERATURE`, loss, entropy, gradient norm and post-step HF state of one
+    AdamW step."""
     from transformers import AutoModelForCausalLM
 
     from peerflow.training import pad_inputs
@@ -86,8 +87,9 @@ def reference(model_path: str) -> dict:
     out = model(input_ids=inputs.input_ids, attention_mask=inputs.attention_mask,
                 position_ids=inputs.position_ids)
     # log_softmax(logits / T)[target], written out here rather than through the toolkit
-    logprobs = inputs.gather(torch.log_softmax(out.logits / TEMPERATURE, -1).gather(
-        -1, inputs.target_ids[..., None])[..., 0])
+    log_pi = torch.log_softmax(out.logits / TEMPERATURE, -1)
+    logprobs = inputs.gather(log_pi.gather(-1, inputs.target_ids[..., None])[..., 0])
+    entropy = inputs.gather(-(log_pi.exp() * log_pi).sum(-1)).values.mean()
     loss = -logprobs.values.sum() / len(logprobs.values)
     loss.backward()
     norm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in model.parameters()))
@@ -97,7 +99,8 @@ def reference(model_path: str) -> dict:
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     if "lm_head.weight" in state and model.config.tie_word_embeddings:
         del state["lm_head.weight"]
-    return {"logprobs": logprobs.values.detach(), "grad_norm": float(norm), "state": state}
+    return {"logprobs": logprobs.values.detach(), "grad_norm": float(norm), "state": state,
+            "loss": float(loss.detach()), "entropy": float(entropy.detach())}
 
 
 def free_port() -> int:
