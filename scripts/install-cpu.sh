@@ -17,4 +17,13 @@ spec="."
 [ -n "$extras" ] && spec=".[${extras}]"
 .venv/bin/python -m pip install -q --disable-pip-version-check -c constraints-cpu.txt -e "$spec"
 .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+if [[ ",$extras," == *",test,"* ]]; then
+    # verl's core_algos is the reference of tests/parity. Its pinned dependencies
+    # (transformers<5.11, tensordict<=0.10, ...) clash with ours, so it is installed without
+    # them (the test extra carries what core_algos imports), and the top-level `tests` and
+    # `scripts` packages its wheel ships are removed: they would shadow this repository's.
+    .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps verl==0.9.1
+    site="$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+    rm -rf "$site/tests" "$site/scripts"
+fi
 echo "PeerFlow installed in .venv ($(.venv/bin/peerflow --version))"

@@ -25,7 +25,7 @@ from peerflow.algorithms.ragged_ops import (
 from peerflow.batch import Batch, RaggedField
 
 
-def _rewards(batch: Batch) -> torch.Tensor:  # [num_samples], float32
+def _rewards(batch: Batch) -> torch.Tensor:  # [num_samples], float64
     reward = batch["reward"]
     if not isinstance(reward, torch.Tensor) or reward.dim() != 1:
         raise TypeError(
@@ -33,11 +33,17 @@ def _rewards(batch: Batch) -> torch.Tensor:  # [num_samples], float32
             f"per answer); got {type(reward).__name__}"
             f"{tuple(reward.shape) if isinstance(reward, torch.Tensor) else ''}."
         )
-    return reward.to(torch.float32)
+    return reward.to(torch.float64)
 
 
-def _outputs(advantages: torch.Tensor, lengths: torch.Tensor) -> dict[str, RaggedField]:
-    field = ragged_like(advantages.to(torch.float32), lengths)
+def output_dtype(batch: Batch) -> torch.dtype:
+    """Advantages and returns are float32, or float64 when the rewards are (tests)."""
+    return torch.float64 if batch["reward"].dtype == torch.float64 else torch.float32
+
+
+def _outputs(advantages: torch.Tensor, lengths: torch.Tensor,
+             dtype: torch.dtype) -> dict[str, RaggedField]:
+    field = ragged_like(advantages.to(dtype), lengths)
     return {"advantages": field, "returns": field}
 
 
@@ -83,12 +89,12 @@ class GRPO(AdvantageEstimator):
         """Returns `advantages` and `returns` (identical ragged fields)."""
         reward = _rewards(batch)
         count, mean, std = group_stats(reward, batch.group_id)
-        advantage = reward.to(torch.float64) - mean
+        advantage = reward - mean
         if not self.options.unbiased and self.options.scale_by_std:
             advantage = advantage / (std + self.options.eps)
         advantage = torch.where(count > 1, advantage, torch.zeros_like(advantage))
         lengths = response_lengths(batch)
-        return _outputs(per_token(advantage.to(torch.float32), lengths), lengths)
+        return _outputs(per_token(advantage, lengths), lengths, output_dtype(batch))
 
 
 @attrs.frozen(kw_only=True)
@@ -107,12 +113,12 @@ class RLOO(AdvantageEstimator):
 
     def compute(self, batch: Batch) -> dict[str, RaggedField | torch.Tensor]:
         """Returns `advantages` and `returns` (identical ragged fields)."""
-        reward = _rewards(batch).to(torch.float64)
+        reward = _rewards(batch)
         count, mean, _ = group_stats(reward, batch.group_id)
         baseline = (mean * count - reward) / (count - 1).clamp(min=1)
         advantage = torch.where(count > 1, reward - baseline, torch.zeros_like(reward))
         lengths = response_lengths(batch)
-        return _outputs(per_token(advantage.to(torch.float32), lengths), lengths)
+        return _outputs(per_token(advantage, lengths), lengths, output_dtype(batch))
 
 
 @attrs.frozen(kw_only=True)
@@ -142,17 +148,17 @@ class ReinforcePP(AdvantageEstimator):
 
     def compute(self, batch: Batch) -> dict[str, RaggedField | torch.Tensor]:
         """Returns `advantages` (whitened) and `returns` (before whitening)."""
-        reward = _rewards(batch).to(torch.float64)
+        reward = _rewards(batch)
         if self.options.group_baseline:
             _, mean, _ = group_stats(reward, batch.group_id)
             reward = reward - mean
         lengths = response_lengths(batch)
         token_rewards = _token_rewards(batch, reward, lengths)
         returns = _discounted_returns(token_rewards, lengths, self.options.gamma)
-        advantages = whiten(returns, self.process_group)
+        advantages = whiten(returns, self.process_group, replicas=self.group_replicas)
         return {
-            "advantages": ragged_like(advantages.to(torch.float32), lengths),
-            "returns": ragged_like(returns.to(torch.float32), lengths),
+            "advantages": ragged_like(advantages.to(output_dtype(batch)), lengths),
+            "returns": ragged_like(returns.to(output_dtype(batch)), lengths),
         }
 
 

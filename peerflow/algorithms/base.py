@@ -16,6 +16,13 @@ Batch fields the algorithms read and write (ragged fields are aligned with
 * `advantages`, `returns` — ragged, written by the advantage estimator.
 * `token_rewards` — optional ragged per-token rewards added on top of `reward`
   (read by the token-level estimators `gae` and `reinforce_pp`).
+* `is_weights` — ragged, decoupled-PPO importance weights `π_prox / π_behav` (truncated
+  or masked, no grad), written before `train_step` (`peerflow.algorithms.off_policy`).
+* `train_mask` — optional `[num_samples]` bool: `False` samples (DAPO's overlong
+  filtering, dynamic sampling's flat top-up groups) are left out of the actor's loss
+  and of its token and sample normalisers.
+* `entropy` — ragged, the current policy's per-token entropy *with grad*; the train
+  engine sets it on a micro-batch when the loss's `needs_entropy` is true (entropy bonus).
 """
 
 from __future__ import annotations
@@ -35,12 +42,16 @@ from peerflow.engines.base import NoOptions
 class Example:
     """One prompt of a task, with what its reward needs to score an answer."""
 
-    prompt: str
-    """Prompt text (chat template not yet applied)."""
+    prompt: str | list[dict[str, str]]
+    """Prompt text, or chat messages (`{role, content}`); the chat template is applied when
+    the prompt is encoded."""
     answer: Any = None
     """Reference answer or any metadata the reward reads (must be picklable)."""
     index: int = 0
     """Position in the dataset (stable, used for resumable sampling)."""
+    metadata: dict[str, Any] = attrs.field(factory=dict)
+    """Other fields of the dataset row (`data_source`, `extra_info`, …), passed to function
+    rewards inside their `example` dict."""
 
 
 class _Component:
@@ -79,6 +90,11 @@ class AdvantageEstimator(_Component, abc.ABC):
     `None` reduces over the batch given to `compute` only. The runtime sets it to the
     group of ranks that each hold a share of the step's samples."""
 
+    group_replicas: int = 1
+    """How many ranks of `process_group` hold each dp-shard (tp·pp·… of the advantage
+    role's layout); the reduced statistics are divided by it, so replicated shards count
+    once and the whitening is global over the dp-ranks."""
+
     @property
     def preferred_aggregation(self) -> str | None:
         """Loss aggregation this estimator's options call for, or `None`.
@@ -97,6 +113,10 @@ class AdvantageEstimator(_Component, abc.ABC):
 
 class PolicyLoss(_Component, abc.ABC):
     """A policy-gradient loss; instances satisfy `peerflow.engines.LossFunction`."""
+
+    applies_importance_weights: ClassVar[bool] = False
+    """Whether the loss multiplies each token's loss by the batch's `is_weights`
+    (decoupled PPO). A run whose samples can be stale refuses a loss that does not."""
 
     @abc.abstractmethod
     def __call__(

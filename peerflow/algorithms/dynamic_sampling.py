@@ -78,3 +78,18 @@ def take_groups(batch: Batch, num_groups: int) -> Batch:
         seen.setdefault(gid, None)
     wanted = set(list(seen)[:num_groups])
     return batch.select([i for i, gid in enumerate(batch.group_id.tolist()) if gid in wanted])
+
+
+def top_up(batch: Batch, flat: Batch) -> Batch:
+    """`batch` followed by `flat` groups that only fill the step, with `train_mask`.
+
+    Every dp-rank trains on the same number of groups (train engines step in lock-step),
+    so when refills run out the step is topped up with flat groups. They carry zero
+    group-relative advantage, but they must not count in the loss's token and sample
+    normalisers either: their `train_mask` is `False` and the actor's batch leaves them
+    out (`Algorithm.prepare_actor_batch`). Both parts get the field, so batches from
+    every rank concatenate.
+    """
+    batch.set("train_mask", torch.ones(len(batch), dtype=torch.bool))
+    flat.set("train_mask", torch.zeros(len(flat), dtype=torch.bool))
+    return Batch.concat([batch, flat])

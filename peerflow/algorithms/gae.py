@@ -7,7 +7,7 @@ from typing import ClassVar
 import attrs
 import torch
 
-from peerflow.algorithms.advantages import _rewards, _token_rewards, _unit
+from peerflow.algorithms.advantages import _rewards, _token_rewards, _unit, output_dtype
 from peerflow.algorithms.base import AdvantageEstimator
 from peerflow.algorithms.ragged_ops import (
     pad,
@@ -56,7 +56,7 @@ class GAE(AdvantageEstimator):
     def compute(self, batch: Batch) -> dict[str, RaggedField | torch.Tensor]:
         """Returns `advantages` and `returns`."""
         lengths = response_lengths(batch)
-        rewards = _token_rewards(batch, _rewards(batch).to(torch.float64), lengths)
+        rewards = _token_rewards(batch, _rewards(batch), lengths)
         values = token_values(batch, "values").detach().to(torch.float64)
         r, mask = pad(rewards, lengths)
         v, _ = pad(values, lengths)
@@ -71,10 +71,10 @@ class GAE(AdvantageEstimator):
         returns = (advantages + v)[mask]
         flat = advantages[mask]
         if self.options.whiten_advantages:
-            flat = whiten(flat, self.process_group)
+            flat = whiten(flat, self.process_group, replicas=self.group_replicas)
         return {
-            "advantages": ragged_like(flat.to(torch.float32), lengths),
-            "returns": ragged_like(returns.to(torch.float32), lengths),
+            "advantages": ragged_like(flat.to(output_dtype(batch)), lengths),
+            "returns": ragged_like(returns.to(output_dtype(batch)), lengths),
         }
 
     def value_loss(self) -> ClippedValueLoss:

@@ -1,31 +1,33 @@
 """KL divergence to a frozen reference model, as a loss term or a reward penalty.
 
-Per-token estimators of `KL(policy || reference)` from samples of the policy
-(Schulman, "Approximating KL divergence"), with `log_ratio = logp - ref_logp`:
+Per-token estimators (Schulman, "Approximating KL divergence"), with
+`x = log_ratio = logp - ref_logp` on tokens sampled from the policy π:
 
-* `k1 = log_ratio` — unbiased, high variance, can be negative;
-* `k2 = log_ratio^2 / 2` — biased, low variance, non-negative;
-* `k3 = exp(-log_ratio) - 1 + log_ratio` — unbiased, low variance, non-negative
-  (GRPO's choice).
+* `k1 = x` — its *value* is an unbiased estimate of KL(π ‖ ref);
+* `k2 = x² / 2` — biased value, non-negative;
+* `k3 = exp(-x) - 1 + x` — unbiased value of KL(π ‖ ref), non-negative (GRPO's).
 
-The worker uses them in one of two ways (`algorithm.kl.mode`):
+What matters for training is the *gradient*. With the sampled tokens held fixed (the
+loss is differentiated through `logp` only, as every trainer does):
 
-* `loss` — wrap the policy loss in `KLRegularizedLoss`, which adds
-  `coef * aggregate(kl_t)` computed on the current log-probs (with grad);
-* `reward` — call `apply_kl_penalty(batch, coef, estimator)` before the advantage node:
-  it subtracts `coef * sum_t kl_t` from each sample's `reward` (keeping the raw reward
-  in `score`); with `per_token=True` (for the token-level estimators `gae` and
-  `reinforce_pp`, see `Algorithm.kl_penalty`) it subtracts `coef * kl_t` from each
-  token's `token_rewards` instead.
+* as a **loss** (`kl.mode: loss`, `RegularizedLoss`): `E_π[∇k1] = E_π[∇logπ] = 0` —
+  `k1` has zero expected gradient (a warning says so); `E_π[∇k2] = E_π[x ∇logπ] =
+  ∇KL(π ‖ ref)` — `k2` is the forward-KL gradient; `E_π[∇k3] = E_π[(1 - ref/π) ∇logπ] =
+  -Σ ref ∇logπ = ∇KL(ref ‖ π)` — `k3` gives the reverse direction's gradient.
+* as a **reward** (`kl.mode: reward`, `apply_kl_penalty`): the policy gradient is the
+  score function times the penalty, `E_π[∇logπ(y) · Σ_t k_t]`; for `k1` this is
+  `∇KL(π ‖ ref)` (the default, as in verl's in-reward penalty), for `k3` it is not.
+  Per token for the token-level estimators (`gae`, `reinforce_pp`): `-coef · k1_t` is
+  added to `token_rewards`, so each token's return carries only the KL still ahead of it.
+
+`tests/unit/test_algorithms_kl.py` checks these four statements on an exact small
+categorical policy.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
-from peerflow.algorithms.aggregation import aggregate
 from peerflow.algorithms.ragged_ops import segment_sum, token_values
 from peerflow.batch import Batch, RaggedField
 
@@ -53,53 +55,6 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: s
         f"unknown KL estimator {estimator!r} (algorithm.kl.estimator); expected one of "
         f"{', '.join(KL_ESTIMATORS)}."
     )
-
-
-class KLRegularizedLoss:
-    """A policy loss plus `coef * KL(policy || reference)` (a `LossFunction`).
-
-    The KL term is aggregated like the wrapped loss (its `aggregation` attribute when it
-    has one, else `token-mean`) and uses the batch's `ref_logprobs`.
-    """
-
-    def __init__(self, loss: Any, coef: float, estimator: str = "k3") -> None:
-        if estimator not in KL_ESTIMATORS:
-            raise ValueError(
-                f"unknown KL estimator {estimator!r} (algorithm.kl.estimator); expected one of "
-                f"{', '.join(KL_ESTIMATORS)}."
-            )
-        self.loss = loss
-        self.coef = coef
-        self.estimator = estimator
-
-    @property
-    def name(self) -> str:
-        """The wrapped loss's name."""
-        return getattr(self.loss, "name", type(self.loss).__name__)
-
-    @property
-    def aggregation(self) -> str:
-        """Aggregation of the KL term (the wrapped loss's)."""
-        return getattr(self.loss, "aggregation", "token-mean")
-
-    def __call__(
-        self, logprobs: RaggedField, batch: Batch, *, global_tokens: int, global_samples: int
-    ) -> tuple[torch.Tensor, dict[str, float]]:
-        """See `peerflow.engines.LossFunction`."""
-        loss, metrics = self.loss(
-            logprobs, batch, global_tokens=global_tokens, global_samples=global_samples
-        )
-        ref = token_values(batch, "ref_logprobs").detach().to(logprobs.values)
-        kl = kl_estimate(logprobs.values, ref, self.estimator)
-        options = getattr(self.loss, "options", None)
-        kl_loss = aggregate(
-            kl, logprobs.lengths, self.aggregation, global_tokens=global_tokens,
-            global_samples=global_samples, norm_length=getattr(options, "norm_length", 0),
-        )
-        metrics = dict(metrics)
-        metrics["kl/mean"] = float(kl.detach().mean()) if kl.numel() else 0.0
-        metrics["kl/loss"] = float(kl_loss.detach()) * self.coef
-        return loss + self.coef * kl_loss, metrics
 
 
 def apply_kl_penalty(
@@ -151,3 +106,35 @@ def apply_kl_penalty(
         "kl/mean": float(kl.mean()) if kl.numel() else 0.0,
         "kl/penalty_mean": float(penalty.mean()) if len(penalty) else 0.0,
     }
+
+
+def kl_loss_metrics(batch: Batch, coef: float, estimator: str,
+                    loss: object = None) -> dict[str, tuple[str, float, float]]:
+    """`kl/mean` and `kl/loss` of a whole step, for `kl.mode: loss`.
+
+    Computed once per step on the policy before the update (`old_logprobs`, else
+    `rollout_logprobs`) against `ref_logprobs`, aggregated like the policy loss over this
+    rank's whole batch — so, unlike a per-micro-batch share, it does not change with the
+    micro-batch count. `kl/loss` is `coef` times that aggregate (the KL term's value).
+
+    Returns:
+        `{name: ("mean", value, weight)}`, weighted by tokens (`token-mean`) or samples.
+    """
+    from peerflow.algorithms.aggregation import aggregate
+
+    field = "old_logprobs" if "old_logprobs" in batch else "rollout_logprobs"
+    if not len(batch) or field not in batch or "ref_logprobs" not in batch:
+        return {}
+    lengths = batch.lengths("response_ids")
+    tokens = int(lengths.sum())
+    if not tokens:
+        return {}
+    kl = kl_estimate(token_values(batch, field).to(torch.float64),
+                     token_values(batch, "ref_logprobs").to(torch.float64), estimator)
+    mode = getattr(loss, "aggregation", "token-mean")
+    norm_length = getattr(getattr(loss, "options", None), "norm_length", 0) or int(lengths.max())
+    value = float(aggregate(kl, lengths, mode, global_tokens=tokens, global_samples=len(batch),
+                            norm_length=norm_length))
+    weight = tokens if mode == "token-mean" else len(batch)
+    return {"kl/mean": ("mean", float(kl.mean()), tokens),
+            "kl/loss": ("mean", coef * value, weight)}

@@ -1,6 +1,7 @@
 """Policy losses: PPO-clip and GSPO's sequence-level ratio.
 
-PPO-clip has DAPO's decoupled clip-higher, dual-clip and truncated importance sampling.
+PPO-clip has DAPO's decoupled clip-higher, dual-clip, and decoupled PPO's importance
+weights (the batch field `is_weights`, see `peerflow.algorithms.off_policy`).
 
 Both follow `peerflow.engines.LossFunction`: called once per micro-batch with the current
 policy's per-token log-probs, they return this micro-batch's share of the mini-batch
@@ -48,27 +49,15 @@ def old_logprobs(batch: Batch, logprobs: torch.Tensor) -> torch.Tensor:  # [tota
     return logprobs.detach()
 
 
-def truncated_is_weights(batch: Batch, cap: float, dtype: torch.dtype) -> torch.Tensor | None:
-    """Truncated importance weights `min(exp(old - rollout), cap)` per token (no grad).
+def importance_weights(batch: Batch, like: torch.Tensor) -> torch.Tensor | None:
+    """The batch's decoupled-PPO weights `is_weights` (no grad), or `None` without them.
 
-    They correct for samples drawn by an older (or numerically different) policy than the
-    one the ratio is taken against. `None` when `cap` is 0 or the batch lacks either
-    field (then old and rollout policies are the same and the weight would be 1).
-
-    Raises:
-        ValueError: `cap > 0` but the batch has no `rollout_logprobs`.
+    Written once per step by `Algorithm.prepare_actor_batch` (see
+    `peerflow.algorithms.off_policy`).
     """
-    if cap <= 0:
+    if "is_weights" not in batch:
         return None
-    if "rollout_logprobs" not in batch:
-        raise ValueError(
-            "the loss option tis_cap > 0 needs batch field 'rollout_logprobs' (the sampler's "
-            "log-probs); enable log-probs in the rollout engine or set tis_cap: 0."
-        )
-    if "old_logprobs" not in batch:
-        return None
-    log_w = token_values(batch, "old_logprobs") - token_values(batch, "rollout_logprobs")
-    return log_w.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT).exp().clamp(max=cap).to(dtype).detach()
+    return token_values(batch, "is_weights").detach().to(like)
 
 
 @attrs.frozen(kw_only=True)
@@ -89,9 +78,6 @@ class PPOClipOptions:
     norm_length: int = 0
     """Constant length of `seq-mean-token-sum-norm`; 0 uses
     `rollout.sampling.max_tokens`."""
-    tis_cap: float = attrs.field(default=0.0, validator=_non_negative)
-    """Truncated importance sampling: multiply each token's loss by
-    `min(exp(old_logprobs - rollout_logprobs), tis_cap)`; 0 disables."""
 
     def __attrs_post_init__(self) -> None:
         if 0 < self.dual_clip <= 1:
@@ -107,6 +93,7 @@ class PPOClip(PolicyLoss):
 
     name: ClassVar[str] = "ppo_clip"
     options_class: ClassVar[type] = PPOClipOptions
+    applies_importance_weights: ClassVar[bool] = True
     default_aggregation: ClassVar[str] = "token-mean"
 
     @property
@@ -138,9 +125,8 @@ class PPOClip(PolicyLoss):
             cap = -advantages * opts.dual_clip
             dual_clipped = (advantages < 0) & (per_token > cap)
             per_token = torch.where(advantages < 0, torch.minimum(per_token, cap), per_token)
-        weights = truncated_is_weights(batch, opts.tis_cap, current.dtype)
+        weights = importance_weights(batch, current)
         if weights is not None:
-            weights = weights.to(current.device)
             per_token = per_token * weights
         loss = aggregate(
             per_token, lengths, self.aggregation, global_tokens=global_tokens,
@@ -156,8 +142,6 @@ class PPOClip(PolicyLoss):
             }
             if opts.dual_clip > 0:
                 metrics["actor/dual_clipfrac"] = float(dual_clipped.sum()) / n
-            if weights is not None:
-                metrics["actor/tis_weight_mean"] = float(weights.sum()) / n
         return loss, metrics
 
 

@@ -95,11 +95,14 @@ def group_stats(
     return count[index], mean[index], std[index]
 
 
-def whiten(values: torch.Tensor, process_group: object = None, eps: float = 1e-8) -> torch.Tensor:
+def whiten(values: torch.Tensor, process_group: object = None, eps: float = 1e-8,
+           replicas: int = 1) -> torch.Tensor:
     """Normalises `values` to zero mean and unit (unbiased) std over the whole batch.
 
     With a `process_group`, the count, sum and sum of squares are all-reduced first, so
-    every rank normalises by the statistics of all ranks' values together.
+    every rank normalises by the statistics of all ranks' values together; `replicas`
+    ranks of the group hold each shard (tensor/pipeline peers), so the sums are divided
+    by it.
     """
     stats = torch.stack([
         torch.tensor(float(values.numel()), dtype=torch.float64),
@@ -110,6 +113,7 @@ def whiten(values: torch.Tensor, process_group: object = None, eps: float = 1e-8
         import torch.distributed as dist
 
         dist.all_reduce(stats, group=process_group)
+        stats = stats / max(replicas, 1)
     count, total, sq = stats.tolist()
     if count == 0:
         return values

@@ -7,32 +7,56 @@ built-in one.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import attrs
+import torch
 
 from peerflow.algorithms.base import AdvantageEstimator
-from peerflow.algorithms.kl import KLRegularizedLoss, apply_kl_penalty
+from peerflow.algorithms.kl import apply_kl_penalty, kl_loss_metrics
+from peerflow.algorithms.off_policy import (
+    attach_weights,
+    importance_weights,
+    mismatch_metrics,
+    record,
+    weight_metrics,
+)
+from peerflow.algorithms.overlong import shape_overlong
+from peerflow.algorithms.regularized import RegularizedLoss
+from peerflow.batch import Batch
+from peerflow.config.schema import OffPolicyConfig, OverlongConfig
 
 
 @attrs.define(eq=False)
 class Algorithm:
-    """The configured estimator, losses and KL settings of one run."""
+    """The configured estimator, losses, KL, off-policy and DAPO settings of one run.
+
+    The worker calls `shape_rewards` in the advantage node (before the estimator) and
+    `prepare_actor_batch` in the train node (before `train_step`).
+    """
 
     estimator: AdvantageEstimator
     """Turns rewards (and values) into advantages (the `advantage` node)."""
     policy_loss: Any
-    """The actor's `LossFunction` (KL-regularised when `kl.mode == "loss"`)."""
+    """The actor's `LossFunction` (a `RegularizedLoss` with KL in the loss or an entropy
+    bonus)."""
     value_loss: Any | None
     """The critic's `LossFunction` when the estimator needs values, else `None`."""
     kl_coef: float
     """KL coefficient (0: no reference model is needed)."""
     kl_estimator: str
-    """`k1`, `k2` or `k3`."""
+    """`k1`, `k2` or `k3` (resolved: `k1` by default in reward mode, `k3` in loss mode)."""
     kl_mode: str
     """`loss` or `reward`."""
     dynamic_sampling: bool
     """Whether the worker drops all-equal-reward groups and refills (DAPO)."""
+    off_policy: Any = attrs.Factory(OffPolicyConfig)
+    """`algorithm.off_policy`: the importance-weight correction."""
+    overlong: Any = attrs.Factory(OverlongConfig)
+    """`algorithm.overlong`: DAPO's overlong shaping and filtering."""
+    max_tokens: int = 0
+    """`rollout.sampling.max_tokens` (the overlong punishment's budget)."""
 
     @property
     def needs_reference(self) -> bool:
@@ -41,19 +65,68 @@ class Algorithm:
 
     @property
     def kl_in_reward(self) -> bool:
-        """Whether to call `kl_penalty` (or `apply_kl_penalty`) before the advantage node."""
+        """Whether `kl_penalty` changes the rewards before the advantage node."""
         return self.kl_coef > 0 and self.kl_mode == "reward"
+
+    @property
+    def shapes_rewards(self) -> bool:
+        """Whether `shape_rewards` does anything (KL in the reward, overlong shaping)."""
+        return self.kl_in_reward or self.overlong.buffer > 0 or self.overlong.filter
 
     def kl_penalty(self, batch: Any) -> dict[str, float]:
         """Applies the configured KL reward penalty to `batch` in place; returns metrics.
 
-        Per token for estimators that read `token_rewards`, on the sample's reward
-        otherwise. A no-op (empty metrics) unless `kl_in_reward`.
+        Per token (into `token_rewards`) for estimators that read them (`gae`,
+        `reinforce_pp`), summed into the sample's `reward` otherwise. A no-op (empty
+        metrics) unless `kl_in_reward`.
         """
         if not self.kl_in_reward:
             return {}
         return apply_kl_penalty(batch, self.kl_coef, self.kl_estimator,
                                 per_token=type(self.estimator).uses_token_rewards)
+
+    def shape_rewards(self, batch: Any, metrics: Any) -> None:
+        """Overlong shaping and filtering, then the KL reward penalty, in place.
+
+        Args:
+            batch: The advantage node's batch (whole groups, with `reward`).
+            metrics: A `StepMetrics`; the means are weighted by the sample count.
+        """
+        values: dict[str, float] = {}
+        overlong = self.overlong
+        if overlong.buffer > 0 or overlong.filter:
+            values.update(shape_overlong(
+                batch, max_tokens=self.max_tokens, buffer=overlong.buffer,
+                penalty=overlong.penalty, filter_truncated=overlong.filter))
+        values.update(self.kl_penalty(batch))
+        for name, value in values.items():
+            metrics.mean(name, value, len(batch))
+
+    def prepare_actor_batch(self, batch: Batch, metrics: Any) -> Batch:
+        """The batch the actor's `train_step` gets, and this step's off-policy metrics.
+
+        Drops samples whose `train_mask` is false (overlong filtering, dynamic
+        sampling's flat top-up groups), so they count in no normaliser; attaches the
+        decoupled-PPO weights `is_weights`; records `off_policy/*` (importance weights),
+        `mismatch/*` (rollout vs trainer log-probs) and, with KL in the loss, `kl/mean`
+        and `kl/loss` of the policy before the update, over the whole step.
+        """
+        if "train_mask" in batch:
+            keep = batch["train_mask"].to(torch.bool)
+            metrics.mean("actor/masked_fraction", float((~keep).double().mean()) if len(batch)
+                         else 0.0, len(batch))
+            batch = batch.select(keep.nonzero().flatten())
+        record(metrics, mismatch_metrics(batch))
+        correction = self.off_policy.correction
+        weights = importance_weights(batch, correction, self.off_policy.cap,
+                                     self.off_policy.lower)
+        if weights is not None:
+            batch = attach_weights(batch, weights)
+            record(metrics, weight_metrics(weights, correction))
+        if self.kl_coef > 0 and self.kl_mode == "loss":
+            record(metrics, kl_loss_metrics(batch, self.kl_coef, self.kl_estimator,
+                                            self.policy_loss))
+        return batch
 
 
 def build_algorithm(
@@ -94,8 +167,19 @@ def build_algorithm(
         loss_options = attrs.evolve(loss_options, **changes)
     policy_loss: Any = loss_cls(loss_options)
     kl = algorithm.kl
-    if kl.coef > 0 and kl.mode == "loss":
-        policy_loss = KLRegularizedLoss(policy_loss, kl.coef, kl.estimator)
+    estimator_name = kl.resolved_estimator
+    kl_in_loss = kl.coef > 0 and kl.mode == "loss"
+    if kl_in_loss and estimator_name == "k1":
+        warnings.warn(
+            "algorithm.kl.estimator=k1 with kl.mode=loss: k1's expected gradient is zero "
+            "(E[grad log p] = 0), so the KL term does not regularise; use k2 (gradient of "
+            "KL(policy || ref)) or k3 (gradient of KL(ref || policy)), or kl.mode: reward.",
+            stacklevel=2,
+        )
+    if kl_in_loss or algorithm.entropy_coef > 0:
+        policy_loss = RegularizedLoss(
+            policy_loss, kl_coef=kl.coef if kl_in_loss else 0.0, kl_estimator=estimator_name,
+            entropy_coef=algorithm.entropy_coef)
     value_loss = None
     if estimator_cls.needs_values:
         make = getattr(estimator, "value_loss", None)
@@ -107,8 +191,9 @@ def build_algorithm(
             value_loss = make()
     return Algorithm(
         estimator=estimator, policy_loss=policy_loss, value_loss=value_loss,
-        kl_coef=kl.coef, kl_estimator=kl.estimator, kl_mode=kl.mode,
-        dynamic_sampling=algorithm.dynamic_sampling,
+        kl_coef=kl.coef, kl_estimator=estimator_name, kl_mode=kl.mode,
+        dynamic_sampling=algorithm.dynamic_sampling, off_policy=algorithm.off_policy,
+        overlong=algorithm.overlong, max_tokens=max_tokens,
     )
 
 
@@ -130,3 +215,59 @@ def check_model_builder(config: Any, pm: Any) -> list[str]:
     if model.builder not in registry:
         return [registry.unknown_message(model.builder).replace("(task.name)", "(model.builder)")]
     return list(registry.get(model.builder).check_builder_options(dict(model.builder_options)))
+
+
+def staleness_bound(config: Any) -> int:
+    """Most weight versions a trained sample can lag the trainer by under `config`.
+
+    `runtime.max_staleness` in async mode; `weight_sync.every - 1` in sync mode (the
+    rollout engine keeps old weights between syncs).
+    """
+    if config.runtime.mode == "async":
+        return max(config.runtime.max_staleness, 0)
+    return max(config.weight_sync.every, 1) - 1
+
+
+def check_algorithm(config: Any, pm: Any) -> list[str]:
+    """A `peerflow.config.EXTRA_VALIDATORS` entry: algorithm settings the run cannot use.
+
+    Refuses a run whose samples can be stale (async mode with `max_staleness > 0`, sync
+    mode with `weight_sync.every > 1`) when `algorithm.off_policy.correction` is `none`
+    or the policy loss does not apply importance weights, and an overlong buffer longer
+    than the generation budget.
+
+    Returns:
+        One message per problem (empty when the config is fine).
+    """
+    algorithm = config.algorithm
+    max_tokens = config.rollout.sampling.max_tokens
+    problems = []
+    if algorithm.overlong.buffer > max_tokens:
+        problems.append(
+            f"algorithm.overlong.buffer={algorithm.overlong.buffer} exceeds "
+            f"rollout.sampling.max_tokens={max_tokens}; the soft punishment starts at "
+            "max_tokens - buffer, so lower the buffer (0 disables it)."
+        )
+    lag = staleness_bound(config)
+    if lag == 0:
+        return problems
+    why = (f"runtime.mode={config.runtime.mode} with runtime.max_staleness={lag}"
+           if config.runtime.mode == "async" else f"weight_sync.every={config.weight_sync.every}")
+    if algorithm.off_policy.correction == "none":
+        problems.append(
+            f"algorithm.off_policy.correction=none, but {why} trains on samples up to {lag} "
+            "weight version(s) old, whose gradient is then biased; set "
+            "algorithm.off_policy.correction to tis (the default) or mis."
+        )
+    registry = pm.registry("policy_loss")
+    if algorithm.loss in registry:
+        loss_cls = registry.get(algorithm.loss)
+        if not getattr(loss_cls, "applies_importance_weights", False):
+            problems.append(
+                f"algorithm.loss={algorithm.loss!r} does not apply importance weights "
+                f"(PolicyLoss.applies_importance_weights is false), but {why} trains on "
+                f"samples up to {lag} weight version(s) old; use a loss that does "
+                "(ppo_clip, gspo), or make samples fresh (runtime.max_staleness: 0 / "
+                "weight_sync.every: 1)."
+            )
+    return problems

@@ -7,7 +7,9 @@ redistributed to consumers `dp(N/2)×tp2` (the colocated rollout → trainer rou
 tp=2 trainer), once peer to peer and once centralized (gather to one rank, scatter).
 Every run checks that each sample reached exactly one consumer dp-rank. Reported per
 (N, mode): the bytes through the busiest rank (sent + received + metadata) and the wall
-time of the slowest rank, medians over `--runs` repetitions after one warm-up.
+time of the slowest rank, medians over `--runs` repetitions after one warm-up; and the
+payload bandwidth of the busiest rank next to a plain gloo `send` of the same number of
+bytes between two of the same processes, measured in the same run (the wire's speed).
 
 `simulation` models the same route up to N = 1024 with the planner's
 `simulate_route` (the runtime's planning code, no processes).
@@ -110,11 +112,36 @@ def _worker(rank: int, world: int, port: int, args: dict[str, Any], out: Any) ->
                 busiest.append(max(int(g[1]) for g in gathered))
         results[mode] = {"wall_s": statistics.median(walls),
                          "busiest_rank_bytes": int(statistics.median(busiest))}
+    results["gloo_send"] = _plain_send(results["p2p"]["busiest_rank_bytes"], args["runs"])
     if rank == 0:
         members = dp_members(dst)
         out.put({"samples": len(full), "route": f"{src.describe()} -> {dst.describe()}",
                  "consumer_dp_groups": [list(m) for m in members], "modes": results})
     dist.destroy_process_group()
+
+
+def _plain_send(nbytes: int, runs: int) -> dict[str, Any]:
+    """Times a plain gloo send of `nbytes` from rank 0 to rank 1 (median of `runs`)."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    buf = torch.ones(max(1, nbytes), dtype=torch.uint8)
+    walls = []
+    for run in range(runs + 1):
+        dist.barrier()
+        start = time.perf_counter()
+        if rank == 0:
+            dist.send(buf, dst=1)
+        elif rank == 1:
+            dist.recv(buf, src=0)
+        wall = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        dist.all_reduce(wall, op=dist.ReduceOp.MAX)
+        if run:
+            walls.append(float(wall))
+    return {"bytes": int(buf.numel()), "wall_s": statistics.median(walls)}
 
 
 def _measure(world: int, args: dict[str, Any]) -> dict[str, Any]:
@@ -154,6 +181,10 @@ def _simulation(counts: list[int], per_rank: int, args: dict[str, Any]) -> list[
     return rows
 
 
+def _gbps(row: dict[str, Any]) -> float:
+    return row["busiest_rank_bytes"] / max(1e-9, row["wall_s"]) / 1e9
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Runs the benchmark; returns the JSON document."""
     counts = [int(x) for x in str(args.nprocs).split(",") if x.strip()]
@@ -166,15 +197,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     results, ratios = [], {}
     for n in counts:
         measured = _measure(n, params)
+        plain = measured["modes"].pop("gloo_send")
         for mode, row in measured["modes"].items():
             results.append({"nprocs": n, "mode": mode, "route": measured["route"],
                             "busiest_rank_bytes": row["busiest_rank_bytes"],
-                            "wall_s": round(row["wall_s"], 6), "samples": measured["samples"]})
+                            "wall_s": round(row["wall_s"], 6), "samples": measured["samples"],
+                            "busiest_rank_gbps": round(_gbps(row), 3)})
+        plain_row = {"busiest_rank_bytes": plain["bytes"], "wall_s": plain["wall_s"]}
+        results.append({"nprocs": n, "mode": "gloo_send", "bytes": plain["bytes"],
+                        "wall_s": round(plain["wall_s"], 6), "gbps": round(_gbps(plain_row), 3)})
         p2p, central = measured["modes"]["p2p"], measured["modes"]["centralized"]
         ratios[str(n)] = {
             "busiest_bytes_centralized_over_p2p": round(
                 central["busiest_rank_bytes"] / max(1, p2p["busiest_rank_bytes"]), 3),
-            "wall_centralized_over_p2p": round(central["wall_s"] / max(1e-9, p2p["wall_s"]), 3),
+            "wall_p2p_over_centralized": round(p2p["wall_s"] / max(1e-9, central["wall_s"]), 3),
+            "p2p_gbps_over_gloo_send": round(_gbps(p2p) / max(1e-9, _gbps(plain_row)), 3),
         }
     sim_counts = [int(x) for x in str(args.simulate).split(",") if x.strip()]
     return {

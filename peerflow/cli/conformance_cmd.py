@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="peerflow-conformance-") as tmp:
         command = [sys.executable, "-m", "pytest", "--pyargs", SUITE_MODULE,
                    "--peerflow-adapter", args.name, "--peerflow-table",
-                   "-p", "no:cacheprovider", "-q", "--no-header", "-o", "addopts=",
+                   "-p", "no:cacheprovider", "-q", "--no-header", "--tb=line", "-o", "addopts=",
                    "--rootdir", tmp, "--basetemp", str(Path(tmp) / "t")]
         if args.json:
             command += ["--peerflow-report", str(Path(args.json).resolve())]

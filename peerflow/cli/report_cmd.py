@@ -38,4 +38,11 @@ def run(args: argparse.Namespace) -> int:
     if reward:
         print(f"reward/mean: first 5 steps {reward['first_mean']:.3f}, last 5 steps "
               f"{reward['last_mean']:.3f} ({summary['steps']} steps logged)")
+    for name in ("off_policy/is_weight_mean", "off_policy/is_weight_max",
+                 "off_policy/truncated_fraction", "off_policy/masked_fraction",
+                 "mismatch/abs_mean", "mismatch/abs_max", "mismatch/kl"):
+        if name in summary["metrics"]:
+            m = summary["metrics"][name]
+            print(f"{name}: first 5 steps {m['first_mean']:.4g}, last 5 steps "
+                  f"{m['last_mean']:.4g}")
     return 0

@@ -72,14 +72,6 @@ def _model_path(config: Any, pm: Any) -> str:
         dict(config.model.builder_options), None))
 
 
-def _prompt_ids(tokenizer: Any, text: str) -> list[int]:
-    if getattr(tokenizer, "chat_template", None):
-        rendered = tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
-        return list(tokenizer(rendered, add_special_tokens=False)["input_ids"])
-    return list(tokenizer(text, add_special_tokens=True)["input_ids"])
-
-
 def _collate(pairs: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[Any, Any, Any]:
     import torch
 
@@ -117,6 +109,7 @@ def supervised_warm_start(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from peerflow.plugins import get_plugin_manager
+    from peerflow.worker.rollout import encode_prompt
 
     torch.set_num_threads(config.runtime.torch_threads)
     torch.manual_seed(config.seed)
@@ -140,7 +133,7 @@ def supervised_warm_start(
                 examples = task.examples("train", config.seed + step)
                 example = next(examples)
             answer = list(tokenizer(str(example.answer), add_special_tokens=False)["input_ids"])
-            pairs.append((_prompt_ids(tokenizer, example.prompt), answer + [eos]))
+            pairs.append((encode_prompt(tokenizer, example.prompt), answer + [eos]))
         ids, labels, mask = _collate(pairs, pad)
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         optimizer.zero_grad()
@@ -170,13 +163,15 @@ def _exact_match(model: Any, tokenizer: Any, task: Any, count: int) -> float:
     """Greedy exact match of the model's answers on the first `count` eval examples."""
     import torch
 
+    from peerflow.worker.rollout import encode_prompt
+
     size = task.size("eval")
     count = min(count, size) if size is not None else count
     hits = 0
     with torch.inference_mode():
         for index in range(count):
             example = task.example("eval", index, 0)
-            prompt = torch.tensor([_prompt_ids(tokenizer, example.prompt)])
+            prompt = torch.tensor([encode_prompt(tokenizer, example.prompt)])
             answer = str(example.answer)
             output = model.generate(
                 prompt, attention_mask=torch.ones_like(prompt), do_sample=False,

@@ -1,18 +1,25 @@
 """`peerflow train CONFIG`: run RL training on this machine or under torchrun / Ray.
 
     peerflow train CONFIG [--nprocs N] [--run-dir DIR] [--launcher elastic|ray] [--set k=v]
-    peerflow train --resume RUN_DIR [--set k=v]          # continue from the last checkpoint
+    peerflow train --resume RUN_DIR [--set k=v] [--allow-change KEY]   # continue a run
     torchrun --nnodes 2 --nproc-per-node 8 ... -m peerflow train CONFIG --run-dir DIR
 
 The config is read and validated here, before any worker starts. Under `torchrun` (the
 environment carries `RANK` and `WORLD_SIZE`) this process *is* a worker; otherwise the
 command spawns `--nprocs` workers through torch.distributed's elastic launcher (or Ray
 placement groups with `--launcher ray`), each running `peerflow.worker.main.run_worker`.
+
+Before anything is written, the run directory's lock (`RUN_DIR/run.lock`) is taken, a
+fresh run refuses a directory that already holds one, and a resume refuses a config that
+differs from the run's fingerprint (`peerflow.checkpoint.fingerprint`) — so a refused
+command leaves the directory as it was.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +40,11 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--run-dir", default=None,
                         help="output directory (default: a fresh runs/<config>-<UTC timestamp>)")
     parser.add_argument("--resume", metavar="RUN_DIR", default=None,
-                        help="continue the run in RUN_DIR from its newest checkpoint")
+                        help="continue the run in RUN_DIR from its newest verified checkpoint")
+    parser.add_argument("--allow-change", dest="allow_change", action="append", default=[],
+                        metavar="KEY", help="with --resume: let this fingerprinted setting or "
+                        "section (e.g. algorithm.kl.coef) differ from the run's (repeatable; "
+                        "never the model architecture, dtype or tokenizer)")
     parser.add_argument("--launcher", choices=("elastic", "ray"), default="elastic",
                         help="how workers are started on one machine (default: elastic)")
     parser.add_argument("--set", dest="overrides", action="append", default=[],
@@ -77,20 +88,62 @@ def check_config(config_path: str, overrides: list[str]) -> Any:
     return config
 
 
+def check_run_dir(
+    run_dir: Path, config: Any, *, resume: bool, allow_change: list[str]
+) -> None:
+    """Refuses a fresh run into a used directory, or a resume that changes the fingerprint.
+
+    Args:
+        run_dir: The run directory (locked by the caller).
+        config: The validated `RunConfig` about to run.
+        resume: Whether the run continues `run_dir` (`--resume`, or a torchrun restart).
+        allow_change: `--allow-change` keys.
+
+    Raises:
+        ConfigError: naming the directory, or each differing key with both values.
+    """
+    from peerflow.checkpoint.fingerprint import check_resume
+
+    if resume:
+        check_resume(run_dir, config, allow_change)
+    elif allow_change:
+        raise ConfigError("--allow-change only applies to --resume RUN_DIR; drop it.")
+    elif (run_dir / "config.yaml").is_file():
+        raise ConfigError(
+            f"run directory {str(run_dir)!r} already holds a run (config.yaml); continue it "
+            f"with `peerflow train --resume {run_dir}`, or pick another --run-dir."
+        )
+
+
+def _torchrun_worker(args: argparse.Namespace, config_path: str, run_dir: str | None) -> int:
+    from peerflow.launch import launch
+    from peerflow.outputs import RunLock
+
+    if run_dir is None:
+        raise ConfigError(
+            "peerflow train under torchrun: pass --run-dir DIR (on shared storage for "
+            "several machines) so every rank writes the same run directory."
+        )
+    lead = os.environ.get("RANK") == "0"  # one lock per run: rank 0 takes it and checks
+    if lead:
+        config = check_config(config_path, list(args.overrides))
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+    with RunLock(Path(run_dir)) if lead else contextlib.nullcontext():
+        if lead:
+            check_run_dir(Path(run_dir), config, resume=bool(args.resume),
+                          allow_change=args.allow_change)
+        return int(launch(config_path=config_path, overrides=list(args.overrides),
+                          run_dir=run_dir, resume=args.resume, launcher=args.launcher) or 0)
+
+
 def run(args: argparse.Namespace) -> int:
     """Runs `peerflow train`; returns the exit code."""
     from peerflow.launch import in_distributed_env, launch
-    from peerflow.outputs import create_run_dir
+    from peerflow.outputs import RunLock, create_run_dir
 
     config_path, run_dir = resolve_paths(args)
     if in_distributed_env():  # under torchrun: this process is one worker
-        if run_dir is None:
-            raise ConfigError(
-                "peerflow train under torchrun: pass --run-dir DIR (on shared storage for "
-                "several machines) so every rank writes the same run directory."
-            )
-        return int(launch(config_path=config_path, overrides=list(args.overrides),
-                          run_dir=run_dir, resume=args.resume, launcher=args.launcher) or 0)
+        return _torchrun_worker(args, config_path, run_dir)
     if args.nprocs is not None and args.nprocs < 1:
         raise ConfigError(f"--nprocs {args.nprocs}: must be at least 1.")
     overrides = list(args.overrides)
@@ -100,9 +153,12 @@ def run(args: argparse.Namespace) -> int:
     config = check_config(config_path, overrides)
     nprocs = config.runtime.nprocs
     run_path = create_run_dir(run_dir, name=Path(config_path).stem)
-    print(f"peerflow train: {nprocs} worker(s), run directory {run_path}", flush=True)
-    return int(launch(
-        config_path=config_path, overrides=overrides, run_dir=str(run_path),
-        resume=args.resume, nprocs=nprocs, launcher=args.launcher,
-        fault_timeout=config.runtime.fault_timeout,
-    ) or 0)
+    with RunLock(run_path):
+        check_run_dir(run_path, config, resume=bool(args.resume),
+                      allow_change=args.allow_change)
+        print(f"peerflow train: {nprocs} worker(s), run directory {run_path}", flush=True)
+        return int(launch(
+            config_path=config_path, overrides=overrides, run_dir=str(run_path),
+            resume=args.resume, nprocs=nprocs, launcher=args.launcher,
+            fault_timeout=config.runtime.fault_timeout,
+        ) or 0)

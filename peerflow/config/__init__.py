@@ -17,8 +17,13 @@ from peerflow.config.loader import (
 )
 from peerflow.config.schema import (
     AlgorithmConfig,
+    EvalConfig,
     KLConfig,
     ModelConfig,
+    OffPolicyConfig,
+    OverlongConfig,
+    RewardEntry,
+    RewardLimits,
     RunConfig,
     RunSettings,
     RuntimeConfig,
@@ -31,6 +36,13 @@ from peerflow.config.workflow import NodeConfig, WorkflowConfig, check_workflow
 def check_model_builder(config: RunConfig, pm: object) -> list[str]:
     """`EXTRA_VALIDATORS` entry: `model.builder_options` checked by the task's builder."""
     from peerflow.algorithms import check_model_builder as check
+
+    return check(config, pm)
+
+
+def check_algorithm(config: RunConfig, pm: object) -> list[str]:
+    """`EXTRA_VALIDATORS` entry: stale samples need an off-policy correction, and more."""
+    from peerflow.algorithms.setup import check_algorithm as check
 
     return check(config, pm)
 
@@ -50,15 +62,28 @@ def check_async_mode(config: RunConfig, pm: object) -> list[str]:
     return []
 
 
-EXTRA_VALIDATORS += [check_workflow, check_model_builder, check_async_mode]
+def check_rewards(config: RunConfig, pm: object) -> list[str]:
+    """`EXTRA_VALIDATORS` entry: every reward loads, with a usable signature, before spawn."""
+    from peerflow.rewards import check_rewards as check
+
+    return check(config, pm)
+
+
+EXTRA_VALIDATORS += [check_workflow, check_model_builder, check_algorithm, check_async_mode,
+                     check_rewards]
 
 __all__ = [
     "EXTRA_VALIDATORS",
     "AlgorithmConfig",
+    "EvalConfig",
     "KLConfig",
     "LayoutConfig",
     "ModelConfig",
     "NodeConfig",
+    "OffPolicyConfig",
+    "OverlongConfig",
+    "RewardEntry",
+    "RewardLimits",
     "RolloutConfig",
     "RunConfig",
     "RunSettings",

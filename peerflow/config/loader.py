@@ -115,9 +115,6 @@ def validate_config(config: RunConfig, pm: Any) -> None:
             structure_options(task_cls.options_class, config.task.options, "task.options")
         except ConfigError as exc:
             problems.append(str(exc))
-        reward = config.task.reward or getattr(task_cls, "default_reward", None)
-        if reward:
-            _check_name(pm, "reward", reward, problems)
     estimator = _check_name(pm, "advantage_estimator", config.algorithm.advantage, problems)
     loss = _check_name(pm, "policy_loss", config.algorithm.loss, problems)
     known = {c.name: c for c in (estimator, loss) if c is not None}

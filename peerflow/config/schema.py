@@ -26,6 +26,38 @@ class ModelConfig:
 
 
 @attrs.frozen(kw_only=True)
+class RewardEntry:
+    """One reward of `task.rewards`: a function and its weight in the total."""
+
+    fn: str
+    """A registered reward name, `path/to/rewards.py:function` or `package.module:function`."""
+    weight: float = 1.0
+    """Weight of this reward in the summed `reward`."""
+    name: str | None = None
+    """Name of its metrics (`reward/<name>/mean`); default: the function's name."""
+    batched: bool | None = None
+    """Call a function reward once per batch (`fn(responses, examples)`); `None` decides by
+    its first parameter's name (`responses`, `completions`, … mean batched)."""
+
+
+@attrs.frozen(kw_only=True)
+class RewardLimits:
+    """How function rewards run: a pool of worker processes with per-call limits."""
+
+    workers: int = 2
+    """Reward worker processes per rank that scores (0: call in the rank's own process,
+    without time or memory limits — for debugging)."""
+    timeout_s: float = 30.0
+    """Wall-clock limit of one call (one sample, or one batched call); the worker running
+    a call past it is killed and the samples are scored `failure_score`."""
+    memory_mb: int = 4096
+    """Address-space limit of each reward worker (`RLIMIT_AS`; 0: none)."""
+    failure_score: float = 0.0
+    """Score of a sample whose reward raised, timed out or returned a non-number (each one
+    is counted in `reward/errors` or `reward/timeouts` and logged with the sample)."""
+
+
+@attrs.frozen(kw_only=True)
 class TaskConfig:
     """Where prompts come from and how answers are scored."""
 
@@ -34,19 +66,98 @@ class TaskConfig:
     options: dict[str, Any] = attrs.field(factory=dict)
     """The task's own options, validated by the task's options class."""
     reward: str | None = None
-    """Registered reward; defaults to the task's own reward."""
+    """Registered reward name, `path/to/rewards.py:function` or `package.module:function`;
+    defaults to the task's own reward."""
+    rewards: list[RewardEntry] = attrs.field(factory=list)
+    """Several weighted rewards (instead of `reward`); `reward` is their weighted sum."""
+    reward_limits: RewardLimits = attrs.Factory(RewardLimits)
+    """Time and memory limits of function rewards."""
+
+    def __attrs_post_init__(self) -> None:
+        if self.reward and self.rewards:
+            raise ValueError("set task.reward (one reward) or task.rewards (a weighted list), "
+                             "not both.")
+
+
+@attrs.frozen(kw_only=True)
+class EvalConfig:
+    """Held-out evaluation: `run.eval_every`, and `peerflow eval`."""
+
+    split: str = "eval"
+    """The task's split to score."""
+    max_prompts: int = 64
+    """Prompts evaluated (the split's first ones; 0: all)."""
+    greedy: bool = True
+    """Score one greedy answer per prompt (`eval/greedy/*`)."""
+    n: int = 0
+    """Sampled answers per prompt at `rollout.sampling.temperature` (`eval/sampled/*` and
+    `eval/pass@k` for k = 1, 2, 4, … ≤ n); 0: none."""
+    correct_threshold: float = 1.0
+    """A sampled answer counts as correct for pass@k when its reward reaches this."""
 
 
 @attrs.frozen(kw_only=True)
 class KLConfig:
-    """KL regularisation towards a frozen reference model."""
+    """KL regularisation towards a frozen reference model (see docs/algorithms.md)."""
 
     coef: float = 0.0
     """KL coefficient; 0 disables the reference model entirely."""
-    estimator: Literal["k1", "k2", "k3"] = "k3"
-    """Per-token KL estimator (Schulman's k1/k2/k3)."""
+    estimator: Literal["k1", "k2", "k3"] | None = None
+    """Per-token KL estimator (Schulman's k1/k2/k3); `None` picks `k1` in `reward` mode
+    (its score-function gradient is the KL gradient) and `k3` in `loss` mode (GRPO's
+    choice; its gradient as a loss is that of KL(reference || policy)). `k2` is the one
+    whose gradient as a loss is that of KL(policy || reference); `k1` as a loss has zero
+    expected gradient (a warning says so)."""
     mode: Literal["loss", "reward"] = "loss"
-    """Add KL to the loss, or subtract it from the reward."""
+    """Add KL to the loss, or subtract it from the reward (per token for the token-level
+    estimators `gae` and `reinforce_pp`, summed into the sample's reward otherwise)."""
+
+    @property
+    def resolved_estimator(self) -> str:
+        """The estimator in use: `estimator`, else the mode's default."""
+        return self.estimator or ("k1" if self.mode == "reward" else "k3")
+
+
+@attrs.frozen(kw_only=True)
+class OffPolicyConfig:
+    """Correction for samples drawn by another policy than the trainer's (decoupled PPO).
+
+    The behaviour policy is the rollout engine's (`rollout_logprobs`), the proximal policy
+    the trainer's recomputed log-probs before the update (`old_logprobs`); each token's
+    loss is multiplied by `w = exp(old_logprobs - rollout_logprobs)`, truncated or masked.
+    Stale samples (async mode, `weight_sync.every > 1`) are refused without it.
+    """
+
+    correction: Literal["tis", "mis", "none"] = "tis"
+    """`tis`: truncated importance sampling, `min(w, cap)` (verl's token-level TIS);
+    `mis`: masked importance sampling, `w` where `lower <= w <= cap`, else 0 (AReaL's
+    `behav_imp_weight_cap`, verl's IcePop); `none`: no correction (on-policy runs only)."""
+    cap: float = attrs.field(default=2.0)
+    """Upper bound on the weight (2.0, verl's default `rollout_is_threshold`)."""
+    lower: float = attrs.field(default=0.0)
+    """`mis` only: tokens whose weight is below this are masked too (0: none)."""
+
+    def __attrs_post_init__(self) -> None:
+        if not self.cap > 1.0:
+            raise ValueError(
+                f"cap={self.cap}: must be > 1 (a cap at or below 1 would shrink the weight of "
+                "on-policy tokens, whose weight is 1); verl's and the default is 2.0."
+            )
+        if not 0.0 <= self.lower < 1.0:
+            raise ValueError(f"lower={self.lower}: must lie in [0, 1) (0: no lower mask).")
+
+
+@attrs.frozen(kw_only=True)
+class OverlongConfig:
+    """DAPO's handling of answers that reach (or nearly reach) `max_tokens`."""
+
+    buffer: int = attrs.field(default=0, validator=attrs.validators.ge(0))
+    """Soft overlong punishment: an answer longer than `max_tokens - buffer` tokens loses
+    `penalty * (length - (max_tokens - buffer)) / buffer` reward (0 disables)."""
+    penalty: float = attrs.field(default=1.0, validator=attrs.validators.ge(0.0))
+    """Largest reward lost to the soft punishment (at `max_tokens`)."""
+    filter: bool = False
+    """Overlong filtering: truncated answers (`finish_reason == "length"`) get no loss."""
 
 
 @attrs.frozen(kw_only=True)
@@ -61,6 +172,12 @@ class AlgorithmConfig:
     """Options of the selected estimator and loss, keyed by their names."""
     kl: KLConfig = attrs.Factory(KLConfig)
     """KL to the reference model."""
+    off_policy: OffPolicyConfig = attrs.Factory(OffPolicyConfig)
+    """Importance weights for stale or mismatched samples (on by default)."""
+    entropy_coef: float = attrs.field(default=0.0, validator=attrs.validators.ge(0.0))
+    """Entropy bonus: the loss subtracts `entropy_coef * aggregate(entropy)` (0: off)."""
+    overlong: OverlongConfig = attrs.Factory(OverlongConfig)
+    """DAPO's overlong reward shaping and filtering (off by default)."""
     dynamic_sampling: bool = False
     """DAPO: drop groups whose rewards are all equal and refill the batch."""
 
@@ -75,6 +192,8 @@ class RunSettings:
     """Prompts sampled per step across all dp-ranks (each gets `sampling.n` answers)."""
     checkpoint_every: int = 0
     """Save a checkpoint every K steps (0: only at the end)."""
+    keep_last: int = attrs.field(default=0, validator=attrs.validators.ge(0))
+    """Keep only the newest K verified checkpoints, removing older ones (0: keep all)."""
     log_every: int = 1
     """Write metrics every K steps."""
     tensorboard: bool = True
@@ -83,6 +202,9 @@ class RunSettings:
     """Log to Weights & Biases when it is installed."""
     trace: bool = True
     """Write a per-rank Chrome-trace timeline."""
+    eval_every: int = 0
+    """Score the held-out split (see `eval`) every K steps, before the first step and at
+    the end (0: never)."""
 
 
 @attrs.frozen(kw_only=True)
@@ -99,6 +221,12 @@ class RuntimeConfig:
     """Data routing; `centralized` is the single-controller baseline for benchmarks."""
     fault_timeout: float = 60.0
     """Seconds before a rank gives up on a dead peer and exits naming it."""
+    stage_timeout: float = 1800.0
+    """Seconds any one stage of a step (a node, a route, a weight sync, a checkpoint) may
+    run on a rank before the run fails naming that rank and stage (0: no deadline)."""
+    reward_timeout: float = 600.0
+    """Seconds a reward node may run on a rank (the outer bound around per-call reward
+    limits) before the run fails naming the rank, the reward and its samples (0: none)."""
     max_staleness: int = 1
     """Async mode: most weight versions a sample may lag the trainer by."""
     partial_rollout: bool = False
@@ -115,6 +243,11 @@ class RuntimeConfig:
     `run.prompts_per_step`); smaller calls stream finished groups sooner."""
     torch_threads: int = 1
     """torch intra-op threads per worker process."""
+
+    def stage_deadline(self, kind: str) -> float | None:
+        """Seconds a stage running a node of `kind` may take (`None`: no deadline)."""
+        seconds = self.reward_timeout if kind == "reward" else self.stage_timeout
+        return seconds if seconds > 0 else None
 
 
 @attrs.frozen(kw_only=True)
@@ -133,3 +266,5 @@ class RunConfig:
     """The workflow graph: `{graph: grpo|ppo}` or `{nodes: [...]}` (`peerflow.workflow`)."""
     runtime: RuntimeConfig = attrs.Factory(RuntimeConfig)
     run: RunSettings = attrs.Factory(RunSettings)
+    eval: EvalConfig = attrs.Factory(EvalConfig)
+    """What `run.eval_every` and `peerflow eval` score."""

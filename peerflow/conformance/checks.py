@@ -81,7 +81,8 @@ def check_coverage(specs: Specs, canonical: Mapping[str, tuple[int, ...]],
         missing = int((c == 0).sum())
         if missing:
             problems.append(f"{name}: {missing} of {c.numel()} elements are held by no "
-                            f"{'replica-0 ' if exactly_once else ''}shard")
+                            f"{'replica-0 ' if exactly_once else ''}shard; extend a piece over "
+                            "them (padding boxes may only cover rows holding no HF data)")
         if exactly_once and bool((c > 1).any()):
             problems.append(f"{name}: {int((c > 1).sum())} elements are held by several "
                             "replica-0 shards; mark duplicates with replica > 0")

@@ -1,4 +1,7 @@
-"""Layers 3–4 of the conformance suite: the real engine on CPU, then GPU-only checks."""
+"""Layers 3–4 of the conformance suite: the real engine on CPU, then GPU-only checks.
+
+Train adapters' layer 3 lives here, rollout adapters' in `layer3_rollout`.
+"""
 
 from __future__ import annotations
 
@@ -6,19 +9,17 @@ import pytest
 import torch
 
 from peerflow.batch import Batch, RaggedField
-from peerflow.conformance.base import SuiteBase, needs
+from peerflow.conformance.base import SuiteBase, check_family
 from peerflow.conformance.checks import compare, round_trip
-from peerflow.conformance.engines import build_engine, read_weights, scribble
+from peerflow.conformance.engines import build_engine, read_weights
 from peerflow.conformance.layers import _fail
 from peerflow.conformance.models import ENGINE_MODELS, LAYOUT_MODELS, hf_config, write_checkpoint
-from peerflow.conformance.oracle import arange_globals, shard_all
+from peerflow.conformance.oracle import shard_all
 from peerflow.conformance.reference import (
     TensorSink,
-    TensorSource,
     load_checkpoint_tensors,
     reference_logprobs,
 )
-from peerflow.engines import GenerationRequest, SamplingParams
 from peerflow.layout import ParallelLayout
 from peerflow.models import hf_parameters
 from peerflow.reshard import sync_weights
@@ -32,7 +33,8 @@ _CHECKPOINTS: dict[str, str] = {}
 PROMPTS = ((2, 3, 4, 5, 6), (14, 15, 16), (40, 20, 30, 10))
 
 
-def _specs_equal(declared: list, actual: list, what: str) -> None:
+def specs_equal(declared: list, actual: list, what: str) -> None:
+    """Fails listing every difference between declared and live specs."""
     want = {s.local_name: s for s in declared}
     have = {s.local_name: s for s in actual}
     problems = [f"{n}: declared by shard_layout but not by the engine"
@@ -43,7 +45,9 @@ def _specs_equal(declared: list, actual: list, what: str) -> None:
     _fail(sorted(problems), what)
 
 
-class _EngineBase(SuiteBase):
+class EngineLayerBase(SuiteBase):
+    """Fixtures of layer 3: a tiny checkpoint, a one-rank engine, the declared specs."""
+
     @pytest.fixture
     def model_dir(self, engine_model, tmp_path_factory):
         """A tiny checkpoint (weights + tokenizer) of `engine_model`, written once."""
@@ -53,8 +57,9 @@ class _EngineBase(SuiteBase):
         return _CHECKPOINTS[engine_model]
 
     @pytest.fixture
-    def engine(self, profile, model_dir, request):
+    def engine(self, profile, engine_model, model_dir, request):
         """A one-rank engine of the adapter on the tiny checkpoint (CPU)."""
+        check_family(profile, engine_model)
         if profile.cls.capabilities.gpu_only and not torch.cuda.is_available():
             request.node.user_properties.append(("capability", "gpu_only"))
             pytest.skip(f"{profile.name} declares Capabilities.gpu_only and no CUDA device "
@@ -66,87 +71,21 @@ class _EngineBase(SuiteBase):
         yield engine
         engine.shutdown()
 
-    def _declared(self, profile, engine_model):
+    def declared(self, profile, engine_model):
+        """The adapter's `shard_layout` for one rank of the single layout."""
         hook = profile.hook("shard_layout")
         if hook is None:
             pytest.skip(f"{profile.name} defines no shard_layout classmethod")
         return list(hook(hf_config(ENGINE_MODELS[engine_model]), ParallelLayout(), 0))
 
 
-class Layer3RolloutEngine(_EngineBase):
-    """Layer 3 for rollout adapters: load through the adapter, read back around it."""
-
-    @layer3
-    def test_l3_declared_layout_matches_engine(self, profile, engine, engine_model):
-        """`weight_targets()` of a real engine equals the declared `shard_layout`."""
-        _specs_equal(self._declared(profile, engine_model), list(engine.weight_targets()),
-                     f"{profile.name} {engine_model} weight_targets")
-
-    def _sync(self, engine, full, version):
-        stats = sync_weights(TensorSource(full), engine, version=version, bucket_bytes=1 << 16)
-        assert engine.weight_version == version, "finish_weight_update did not publish"
-        return stats
-
-    def _expect_exact(self, profile, engine, full, what):
-        specs = list(engine.weight_targets())
-        got = {0: read_weights(profile, engine)}
-        _fail(compare(shard_all({0: specs}, full), got, {0: specs}, check_padding=False), what)
-
-    @layer3
-    def test_l3_load_is_bit_exact(self, profile, engine, engine_model, request):
-        """Unique `arange` weights loaded through the adapter read back bit-exact."""
-        needs(request, profile, "in_place_weight_update")
-        full = arange_globals(hf_parameters(hf_config(ENGINE_MODELS[engine_model])))
-        self._sync(engine, full, 1)
-        self._expect_exact(profile, engine, full, f"{profile.name} {engine_model} after load")
-
-    @layer3
-    def test_l3_corrupt_then_restore(self, profile, engine, engine_model, request):
-        """Scribbled engine weights are restored bit-exact by the next sync."""
-        needs(request, profile, "in_place_weight_update")
-        full = arange_globals(hf_parameters(hf_config(ENGINE_MODELS[engine_model])))
-        self._sync(engine, full, 1)
-        before = {n: t.clone() for n, t in read_weights(profile, engine).items()}
-        scribble(profile, engine)
-        after = read_weights(profile, engine)
-        assert any(not torch.equal(before[n], after[n]) for n in before), (
-            "scribbling changed no weight; conformance_read_weights must return live tensors "
-            "or the adapter must define conformance_scribble(engine)")
-        self._sync(engine, full, 2)
-        self._expect_exact(profile, engine, full, f"{profile.name} {engine_model} after restore")
-
-    @layer3
-    def test_l3_logprobs_match_reference_after_sync(self, profile, engine, engine_model,
-                                                    model_dir, logprob_atol, request):
-        """After a sync, the engine's sampled-token log-probs match a plain HF model's."""
-        needs(request, profile, "in_place_weight_update")
-        needs(request, profile, "logprobs")
-        config = hf_config(ENGINE_MODELS[engine_model])
-        generator = torch.Generator().manual_seed(1)
-        new = {n: t + 0.05 * torch.randn(t.shape, generator=generator)
-               for n, t in load_checkpoint_tensors(model_dir).items()
-               if n in hf_parameters(config)}
-        self._sync(engine, new, 5)
-        requests = [GenerationRequest(request_id=i, prompt_ids=p) for i, p in enumerate(PROMPTS)]
-        results = engine.generate(requests, SamplingParams(temperature=0.0, max_tokens=6))
-        rows = [(PROMPTS[r.request_id], r.token_ids) for r in results]
-        want = reference_logprobs(config, new, rows)
-        for result, ref in zip(results, want):
-            got = torch.tensor(result.logprobs, dtype=torch.float64)
-            assert len(got) == len(ref), "one log-prob per generated token"
-            worst = float((got - ref).abs().max()) if len(got) else 0.0
-            assert worst <= logprob_atol, (
-                f"request {result.request_id}: log-probs differ from the reference model by "
-                f"{worst:.2e} > {logprob_atol:.0e} after sync")
-
-
-class Layer3TrainEngine(_EngineBase):
+class Layer3TrainEngine(EngineLayerBase):
     """Layer 3 for train adapters: export through the adapter against the checkpoint."""
 
     @layer3
     def test_l3_declared_layout_matches_engine(self, profile, engine, engine_model):
         """`weight_sources()` of a real engine equals the declared `shard_layout`."""
-        _specs_equal(self._declared(profile, engine_model), list(engine.weight_sources()),
+        specs_equal(self.declared(profile, engine_model), list(engine.weight_sources()),
                      f"{profile.name} {engine_model} weight_sources")
 
     @layer3

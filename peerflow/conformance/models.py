@@ -45,6 +45,7 @@ _ENGINE_BASE = dict(vocab_size=len(CHARS) + 2, hidden_size=128, intermediate_siz
 ENGINE_MODELS: dict[str, dict[str, Any]] = {
     "llama-tied": dict(_ENGINE_BASE, model_type="llama", tie_word_embeddings=True),
     "qwen2-untied": dict(_ENGINE_BASE, model_type="qwen2", tie_word_embeddings=False),
+    "qwen3-tied": dict(_ENGINE_BASE, model_type="qwen3", tie_word_embeddings=True),
 }
 
 

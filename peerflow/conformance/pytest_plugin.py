@@ -5,6 +5,8 @@
 * Parametrises suite tests by the adapter's layouts and the suite's model matrix.
 * Applies the adapter's `conformance_xfail()` declarations as strict expected failures.
 * Deselects suite classes of the other kind (a rollout adapter skips the train suite).
+* Skips the rest of a layer of a suite class after its first failure, so one root cause
+  gives one failure (`--peerflow-all-failures` runs everything).
 * `--peerflow-table` prints a results table per layer and capability at the end;
   `--peerflow-report FILE` writes the same as JSON (what `peerflow conformance` uses).
 """
@@ -17,6 +19,7 @@ import time
 import pytest
 
 _COLLECTOR = pytest.StashKey[object]()
+_FIRST_FAILURES = pytest.StashKey[dict]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -24,6 +27,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("peerflow", "PeerFlow adapter conformance suite")
     group.addoption("--peerflow-adapter", action="store", default=None, metavar="NAME",
                     help="registered engine adapter the conformance suite tests")
+    group.addoption("--peerflow-all-failures", action="store_true", default=False,
+                    help="run every test of a layer even after one failed (by default the "
+                    "rest of a layer is skipped after its first failure: one root cause, one "
+                    "failure)")
     group.addoption("--peerflow-table", action="store_true", default=False,
                     help="print the conformance results table per layer and capability")
     group.addoption("--peerflow-report", action="store", default=None, metavar="FILE",
@@ -69,6 +76,35 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     terminalreporter.write_line("")
     for line in format_report(entry[2]["report"]).splitlines():
         terminalreporter.write_line(line)
+
+
+def _layer_key(item: pytest.Item) -> tuple[type, int] | None:
+    cls = getattr(item, "cls", None)
+    marker = item.get_closest_marker("peerflow_layer")
+    if cls is None or marker is None or not getattr(cls, "_peerflow_suite", False):
+        return None
+    return cls, int(marker.args[0])
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Skips the rest of a layer after its first failure (unless --peerflow-all-failures)."""
+    key = _layer_key(item)
+    first = item.config.stash.get(_FIRST_FAILURES, {}).get(key) if key else None
+    if first is not None:
+        pytest.skip(f"layer {key[1]} already failed at {first}; fix that first (one root "
+                    "cause, one failure; --peerflow-all-failures runs the rest)")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    """Remembers the first real failure of each suite class and layer."""
+    report = yield
+    key = _layer_key(item)
+    if key is not None and report.failed and not hasattr(report, "wasxfail") and \
+            not item.config.getoption("peerflow_all_failures"):
+        item.config.stash.setdefault(_FIRST_FAILURES, {}).setdefault(
+            key, item.nodeid.split("::", 1)[-1])
+    return report
 
 
 def _profile(cls: type, config: pytest.Config):

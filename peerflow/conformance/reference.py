@@ -74,13 +74,17 @@ def load_checkpoint_tensors(model_dir: str) -> dict[str, torch.Tensor]:
 
 
 def reference_logprobs(config: Any, tensors: Mapping[str, torch.Tensor],
-                       rows: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[torch.Tensor]:
-    """Log-probabilities of each response token under a plain `transformers` model.
+                       rows: Sequence[tuple[Sequence[int], Sequence[int]]],
+                       temperature: float = 1.0) -> list[torch.Tensor]:
+    """`log_softmax(logits / temperature)` of each response token under a plain HF model.
+
+    The `RolloutEngine.generate` log-prob contract (temperature 0 counts as 1).
 
     Args:
         config: `transformers` config of the model.
         tensors: Full HF tensors to load (canonical names; tied head omitted).
         rows: `(prompt_ids, response_ids)` pairs.
+        temperature: Sampling temperature the log-probs refer to.
 
     Returns:
         One float64 tensor `[len(response_ids)]` per row.
@@ -97,7 +101,7 @@ def reference_logprobs(config: Any, tensors: Mapping[str, torch.Tensor],
         for prompt, response in rows:
             ids = torch.tensor([list(prompt) + list(response)])
             logits = model(input_ids=ids).logits[0].double()
-            logp = torch.log_softmax(logits, dim=-1)
+            logp = torch.log_softmax(logits / (temperature or 1.0), dim=-1)
             start = len(prompt)
             targets = ids[0, start:]
             out.append(logp[start - 1:start - 1 + len(targets)].gather(

@@ -57,13 +57,18 @@ class ResultCollector:
                 entry["capability"] = found.group(1)
         elif report.failed:
             entry["outcome"] = "failed"
-            text = report.longreprtext.strip().splitlines()
-            entry["message"] = "\n".join(
-                line for line in text if line.startswith(("E ", "Failed", "  ")) or
-                "region" in line)[:2000] or (text[-1] if text else "")
+            entry["message"] = failure_message(report)[:3000]
         if report.when == "call" and report.outcome == "passed" and \
                 entry["outcome"] != "failed":
             entry["outcome"] = "passed"
+
+
+def failure_message(report: pytest.TestReport) -> str:
+    """The assertion or `pytest.fail` message of a failed report (never the test source)."""
+    crash = getattr(report.longrepr, "reprcrash", None)
+    if crash is not None:
+        return crash.message.removeprefix("Failed: ")
+    return str(report.longrepr).strip().removeprefix("Failed: ")
 
 
 def adapter_classes(name: str) -> list[tuple[str, type]]:
@@ -132,6 +137,11 @@ def format_report(report: dict[str, Any]) -> str:
         for t in failures:
             lines.append(f"  {t['id']}")
             lines += [f"      {line}" for line in t["message"].splitlines()[:12]]
+        held = sum(t["outcome"] == "skipped" and "already failed at" in t["message"]
+                   for t in report["tests"])
+        if held:
+            lines.append(f"  ({held} more tests of the failed layers skipped; fix the failures "
+                         "above first)")
     lines.append("")
     lines.append(("PASSED" if report["passed"] else "FAILED") +
                  f" in {report['duration_s']:.1f} s")

@@ -17,8 +17,9 @@ Layers, selectable with `-m "peerflow_layer(…)"`-free `-k l0_`, `-k l2_`, …:
 
 from __future__ import annotations
 
+from peerflow.conformance.layer3_rollout import Layer3RolloutEngine
 from peerflow.conformance.layers import Layer0Surface, Layer1Layouts, Layer2RoundTrip
-from peerflow.conformance.layers_engine import Layer3RolloutEngine, Layer3TrainEngine, Layer4Gpu
+from peerflow.conformance.layers_engine import Layer3TrainEngine, Layer4Gpu
 
 
 class RolloutAdapterSuite(Layer0Surface, Layer1Layouts, Layer2RoundTrip, Layer3RolloutEngine,

@@ -1,11 +1,13 @@
 """The data coordinator: peer-to-peer redistribution of batches between layouts.
 
 Interface for the worker (`peerflow.worker`): for each `RouteOp` in its program, every
-rank of the route calls
+rank of the route (`route.src ∪ route.dst`) calls
 
-    batch = redistribute(batch, op.route, groups.get(op.route), mode=config.runtime.coordinator)
+    batch = redistribute(batch, op.route, route_groups.get(op.route),
+                         mode=config.runtime.coordinator)
 
-with `groups = RouteGroups.build(plan)` created once at start-up on every rank. Pure
+with `route_groups = RouteGroups.build(plan)` (one process group per route's rank set)
+created once at start-up on every rank. Pure
 planning pieces (`balance_groups`, `plan_transfer`) are shared with the planner's scaled
 simulation.
 """

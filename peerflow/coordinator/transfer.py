@@ -65,7 +65,7 @@ class TransferPlan:
 def plan_transfer(
     src: ParallelLayout,
     dst: ParallelLayout,
-    group_ids: Sequence[Sequence[int]],
+    prompt_groups: Sequence[Sequence[int]],
     loads: Sequence[Sequence[int]],
 ) -> TransferPlan:
     """Plans a route's movements from per-producer-dp metadata.
@@ -73,7 +73,8 @@ def plan_transfer(
     Args:
         src: Producer layout.
         dst: Consumer layout.
-        group_ids: For each producer dp-rank, the group id of each of its samples.
+        prompt_groups: For each producer dp-rank, the prompt-group id (`Batch.group_id`) of
+            each of its samples; a prompt group always goes whole to one consumer.
         loads: For each producer dp-rank, the token load of each sample.
 
     Returns:
@@ -82,17 +83,17 @@ def plan_transfer(
     Raises:
         ValueError: the metadata does not have one entry per producer dp-rank.
     """
-    if len(group_ids) != src.dp or len(loads) != src.dp:
+    if len(prompt_groups) != src.dp or len(loads) != src.dp:
         raise ValueError(
-            f"plan_transfer: got metadata for {len(group_ids)} producer dp-ranks but the "
+            f"plan_transfer: got metadata for {len(prompt_groups)} producer dp-ranks but the "
             f"producer layout {src.describe()} has dp={src.dp}."
         )
     group_index: dict[int, int] = {}
     group_load: list[int] = []
     sample_group: list[list[int]] = []
-    for gids, lens in zip(group_ids, loads):
+    for gids, lens in zip(prompt_groups, loads):
         if len(gids) != len(lens):
-            raise ValueError("plan_transfer: group_ids and loads differ in length.")
+            raise ValueError("plan_transfer: prompt_groups and loads differ in length.")
         row = []
         for gid, load in zip(gids, lens):
             g = group_index.setdefault(int(gid), len(group_load))

@@ -4,9 +4,11 @@ Interface for the worker (`peerflow.worker`):
 
 * `init_distributed(backend="auto", timeout=fault_timeout) -> DistContext` — idempotent;
   under `peerflow train` the launcher's entry has already called it;
-* `with stage("generate"): …` around every node, weight sync and checkpoint: if this
-  rank raises, every other rank exits within `fault_timeout` naming it (rank, host,
-  stage); if a peer dies, this rank exits naming the peer (`PEER_FAILED_EXIT`);
+* `with stage("generate", deadline=…): …` around every node, weight sync and checkpoint:
+  if this rank raises, every other rank exits within `fault_timeout` naming it (rank,
+  host, stage); if a peer dies, this rank exits naming the peer (`PEER_FAILED_EXIT`);
+  if the block outlives its deadline, the run fails naming this rank, the stage and
+  where it is stuck; `describe_stage("reward 'x' on samples 3-5")` adds what it works on;
 * `wait_all`, `all_gather_tensor`, `all_gather_ragged`, `barrier` — collectives and p2p
   waits with a timeout;
 * `shutdown_distributed()` at the end of a clean run.
@@ -24,6 +26,7 @@ from peerflow.distributed.faults import (
     FailureRecord,
     FaultMonitor,
     current_monitor,
+    describe_stage,
     handle_failure,
     raise_if_failed,
     read_failure,
@@ -48,6 +51,7 @@ __all__ = [
     "barrier",
     "current_monitor",
     "default_timeout",
+    "describe_stage",
     "dist_context",
     "handle_failure",
     "init_distributed",

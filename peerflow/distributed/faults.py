@@ -4,7 +4,10 @@ Every rank runs a `FaultMonitor` thread on the job's `torch.distributed` store (
 launcher's own store named by `PEERFLOW_FAULT_STORE`):
 
 * it bumps its heartbeat counter every `interval` seconds and records its host, pid and
-  current stage (`stage("generate")`, entered by the worker around every node);
+  current stage (`stage("generate", deadline=…)`, entered by the worker around every
+  node) with the stage's start time and deadline (`peerflow.distributed.stages`);
+* a stage of its own rank that runs past its deadline (a reward that never returns)
+  fails the run naming this rank, the stage, its detail and where the main thread is;
 * it watches the heartbeats of the next two ranks (a ring, so the store sees O(N)
   traffic); a counter that stops moving for `stale_after` seconds means that rank died
   or hung, and the watcher publishes an *abort record* naming it;
@@ -34,12 +37,21 @@ from typing import Any
 
 import attrs
 
+from peerflow.distributed.stages import (
+    PREFIX,
+    StageRecord,
+    find_stuck_rank,
+    main_thread_location,
+    main_thread_stack,
+    mark_timed_out,
+    read_stage,
+)
 from peerflow.errors import WorkerFailedError
 
 #: Exit status of a rank that stops because a *peer* failed.
 PEER_FAILED_EXIT = 3
-#: Prefix of every key the monitor writes in the store.
-PREFIX = "peerflow/faults/"
+#: Exit status of a rank whose own stage ran past its deadline.
+STUCK_EXIT = 1
 
 _COMM_ERROR_WORDS = ("gloo", "connection", "timed out", "timeout", "nccl", "closed",
                      "reset by peer", "broken pipe", "peer", "did not complete")
@@ -89,12 +101,11 @@ def publish_failure(store: Any, record: FailureRecord) -> FailureRecord:
 
 def rank_info(store: Any, rank: int) -> tuple[str, str]:
     """Returns `(host, stage)` a rank last recorded (`?` when unknown)."""
-    host = stage = "?"
+    host = "?"
     if store.check([f"{PREFIX}host/{rank}"]):
         host = store.get(f"{PREFIX}host/{rank}").decode().rsplit(":", 1)[0]
-    if store.check([f"{PREFIX}stage/{rank}"]):
-        stage = store.get(f"{PREFIX}stage/{rank}").decode()
-    return host, stage
+    record = read_stage(store, rank)
+    return host, record.label() if record is not None else "?"
 
 
 def looks_like_comm_error(exc: BaseException) -> bool:
@@ -125,7 +136,8 @@ class FaultMonitor:
     store_owner: int | None = None
     """Rank whose process hosts the store (rank 0 under plain `env://`), `None` when a
     launcher or torchrun agent hosts it."""
-    stage_name: str = "startup"
+    current: StageRecord = attrs.field(factory=lambda: StageRecord(name="startup"))
+    """The stage this rank is in."""
     host: str = attrs.field(factory=_hostname)
     _stop: threading.Event = attrs.field(factory=threading.Event)
     _thread: threading.Thread | None = None
@@ -138,6 +150,11 @@ class FaultMonitor:
         return min(1.0, max(0.05, self.fault_timeout / 20))
 
     @property
+    def stage_name(self) -> str:
+        """Name (and detail) of the stage this rank is in, as messages print it."""
+        return self.current.label()
+
+    @property
     def stale_after(self) -> float:
         """Seconds without a heartbeat after which a watched rank counts as failed."""
         return self.fault_timeout / 2
@@ -145,7 +162,7 @@ class FaultMonitor:
     def start(self) -> FaultMonitor:
         """Records host and pid and starts the monitor thread."""
         self.store.set(f"{PREFIX}host/{self.rank}", f"{self.host}:{os.getpid()}")
-        self.store.set(f"{PREFIX}stage/{self.rank}", self.stage_name)
+        self.store.set(f"{PREFIX}stage/{self.rank}", self.current.to_json())
         self.store.add(f"{PREFIX}hb/{self.rank}", 1)
         self._thread = threading.Thread(target=self._loop, name="peerflow-fault-monitor",
                                         daemon=True)
@@ -160,11 +177,25 @@ class FaultMonitor:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=2 * self.interval + 1)
 
-    def set_stage(self, name: str) -> None:
-        """Records the stage this rank is in (what a failure message names)."""
-        self.stage_name = name
+    def set_stage(self, name: str | StageRecord, deadline: float | None = None,
+                  detail: str = "") -> StageRecord:
+        """Enters a stage (what a failure message names); returns the previous one.
+
+        Args:
+            name: Stage name, or a record to return to (an enclosing stage).
+            deadline: Seconds the stage may run (`None`: none of its own).
+            detail: What the stage works on, for messages.
+        """
+        previous = self.current
+        self.current = (name if isinstance(name, StageRecord)
+                        else StageRecord(name=name, deadline=deadline, detail=detail))
         with contextlib.suppress(Exception):
-            self.store.set(f"{PREFIX}stage/{self.rank}", name)
+            self.store.set(f"{PREFIX}stage/{self.rank}", self.current.to_json())
+        return previous
+
+    def describe_stage(self, detail: str) -> None:
+        """Sets what the current stage works on (its start time and deadline stay)."""
+        self.set_stage(attrs.evolve(self.current, detail=detail))
 
     def fail(self, reason: str, rank: int | None = None) -> FailureRecord:
         """Publishes a failure of `rank` (default: this rank); returns the winning record."""
@@ -189,12 +220,33 @@ class FaultMonitor:
                 return None
             time.sleep(self.interval / 2)
 
-    def exit_for(self, record: FailureRecord) -> None:
-        """Prints the failure and leaves the process with `PEER_FAILED_EXIT`."""
+    def exit_for(self, record: FailureRecord, status: int = PEER_FAILED_EXIT) -> None:
+        """Prints the failure and leaves the process with `status`."""
         print(f"peerflow: {record.message()}; rank {self.rank} (host {self.host}, stage "
               f"{self.stage_name!r}) exits.", file=sys.stderr, flush=True)
         self._stop.set()
-        self.exit_process(PEER_FAILED_EXIT)
+        self.exit_process(status)
+
+    def fail_stuck_stage(self) -> FailureRecord:
+        """Publishes this rank's overdue stage as the failure (the main thread is stuck)."""
+        current = self.current
+        print(f"peerflow: rank {self.rank} is stuck in stage {current.label()!r}; main thread:"
+              f"\n{main_thread_stack()}", file=sys.stderr, flush=True)
+        return self.fail(
+            f"stuck for {time.time() - current.since:.1f} s, past the stage's deadline of "
+            f"{current.deadline:g} s (runtime.stage_timeout, or runtime.reward_timeout for "
+            f"rewards); the main thread is at {main_thread_location()}")
+
+    def blame_stuck_peer(self, exc: BaseException) -> FailureRecord | None:
+        """After this rank timed out waiting: publishes the peer it waited for, if found."""
+        found = find_stuck_rank(self.store, self.world_size, self.rank)
+        if found is None:
+            return None
+        rank, record = found
+        return self.fail(
+            f"in that stage for {time.time() - record.since:.1f} s while rank {self.rank} "
+            f"timed out waiting for it in stage {self.stage_name!r} "
+            f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})", rank=rank)
 
     def store_lost(self, exc: BaseException) -> FailureRecord:
         """The failure to report when the store itself is unreachable: its host died."""
@@ -225,6 +277,8 @@ class FaultMonitor:
         record = read_failure(self.store)
         if record is not None:
             return record
+        if self.current.overdue():
+            return self.fail_stuck_stage()
         for peer in self._watched():
             if self.store.check([f"{PREFIX}done/{peer}"]):
                 continue
@@ -248,8 +302,13 @@ class FaultMonitor:
                 if now - self._store_error_since > self.stale_after and not self._stop.is_set():
                     self.exit_for(self.store_lost(exc))
                 continue
-            if record is not None and record.rank != self.rank and not self._stop.is_set():
+            if record is None or self._stop.is_set():
+                continue
+            if record.rank != self.rank:
                 self.exit_for(record)
+                return
+            if self.current.overdue():  # our own stuck stage: the main thread cannot exit
+                self.exit_for(record, STUCK_EXIT)
                 return
 
     def install_sigterm_handler(self) -> None:
@@ -297,7 +356,9 @@ def handle_failure(exc: BaseException, monitor: FaultMonitor | None = None) -> N
     with contextlib.suppress(Exception):
         record = read_failure(monitor.store)
         if record is None and looks_like_comm_error(exc):
-            record = monitor.wait_for_failure(monitor.stale_after + 2 * monitor.interval)
+            mark_timed_out(monitor.store, monitor.rank)
+            record = (monitor.wait_for_failure(monitor.stale_after + 2 * monitor.interval)
+                      or monitor.blame_stuck_peer(exc))
     if record is None and looks_like_comm_error(exc) and not monitor.store_reachable():
         record = monitor.store_lost(exc)
     if record is not None and record.rank != monitor.rank:
@@ -308,16 +369,16 @@ def handle_failure(exc: BaseException, monitor: FaultMonitor | None = None) -> N
 
 
 @contextlib.contextmanager
-def stage(name: str) -> Iterator[None]:
+def stage(name: str, deadline: float | None = None) -> Iterator[None]:
     """Runs a block as stage `name` (a workflow node, `weight_sync`, `checkpoint`, …).
 
-    A failure inside is reported to every rank (see `handle_failure`) and re-raised.
-    Without `init_distributed` it only re-raises.
+    A failure inside is reported to every rank (see `handle_failure`) and re-raised. A
+    block still running `deadline` seconds after it started fails the run from the
+    monitor thread, naming this rank, the stage and where it is stuck. Without
+    `init_distributed` it only re-raises.
     """
     monitor = _MONITOR
-    previous = monitor.stage_name if monitor else None
-    if monitor is not None:
-        monitor.set_stage(name)
+    previous = monitor.set_stage(name, deadline) if monitor is not None else None
     try:
         yield
     except BaseException as exc:
@@ -325,6 +386,15 @@ def stage(name: str) -> Iterator[None]:
         raise
     if monitor is not None and previous is not None:
         monitor.set_stage(previous)
+
+
+def describe_stage(detail: str) -> None:
+    """Says what the current stage works on, named if it fails or gets stuck.
+
+    E.g. `reward 'char_match' on samples 16-31`. A no-op without `init_distributed`.
+    """
+    if _MONITOR is not None:
+        _MONITOR.describe_stage(detail)
 
 
 def raise_if_failed() -> None:

@@ -17,9 +17,28 @@ rank per replica and declares `Capabilities.multiprocess`):
    * `generate(requests, sampling)`;
    * a weight sync: `begin_weight_update(version)`, then `load_weights(items)` once per
      bucket, then `finish_weight_update()` (resets caches and publishes `version`);
-   * with `Capabilities.sleep`: `sleep()` … `wake()`;
+   * with `Capabilities.sleep` (colocated placement time-shares the accelerator, in the
+     order of verl's hybrid engine): `sleep()` after generating; before the next
+     generation `wake(tags=("weights",))`, a weight sync, `wake(tags=("kv_cache",))`;
    * with `Capabilities.partial_rollout`: `pause()` … (a weight sync) … `resume()`.
 4. `shutdown()`.
+
+Log-probs (`GenerationResult.logprobs`), the one contract every engine and the trainer
+share: for each generated token t, `log_softmax(logits / T)[t]`, where `logits` are the
+model's next-token logits and T is `SamplingParams.temperature` — the tempered
+distribution **before** top-k/top-p truncation, not renormalised over the kept tokens.
+Train engines compute exactly this (`log_softmax(logits / T)` at the response tokens), so
+the PPO ratio of a fresh sample is 1 up to float noise. Greedy decoding (T = 0) reports
+`log_softmax(logits)` (T taken as 1). An engine that cannot return this quantity for some
+setting (e.g. vLLM renormalises after top-p) raises `ConfigError` for that setting rather
+than return another one. The conformance suite checks it by sampling at T = 1 and T = 0.7.
+
+EOS and padding: a sample ends at an end-of-sequence id — every id in the checkpoint's
+`generation_config.json` `eos_token_id`, the model config's `eos_token_id` and the
+tokenizer's `eos_token_id` (lists allowed) — or at one of `SamplingParams.stop_token_ids`;
+the EOS token is kept in `token_ids`. Padding is internal to an engine (results are never
+padded); engines that need a pad id take the tokenizer's `pad_token_id`, else the smallest
+EOS id. Nothing in PeerFlow's runtime depends on either id: prompts arrive as token ids.
 """
 
 from __future__ import annotations
@@ -41,7 +60,8 @@ class SamplingParams:
     n: int = 1
     """Samples per prompt (the GRPO group size)."""
     temperature: float = 1.0
-    """Softmax temperature; 0 means greedy."""
+    """Softmax temperature T: tokens are drawn from softmax(logits / T) (then top-k/top-p);
+    0 means greedy. Log-probs are `log_softmax(logits / T)` (see the module docstring)."""
     top_p: float = 1.0
     """Nucleus sampling mass (1.0 disables)."""
     top_k: int = 0
@@ -80,8 +100,9 @@ class GenerationResult:
     token_ids: tuple[int, ...] = attrs.field(converter=tuple)
     """Generated token ids (stop string removed, EOS kept when it ended the sample)."""
     logprobs: tuple[float, ...] = attrs.field(default=(), converter=tuple)
-    """Log-probability of each generated token under the sampling policy (empty when
-    `SamplingParams.logprobs` is False)."""
+    """`log_softmax(logits / T)` of each generated token, T the sampling temperature, before
+    top-k/top-p truncation (T = 0: `log_softmax(logits)`); one per token of `token_ids`,
+    empty when `SamplingParams.logprobs` is False. See the module docstring."""
     finish_reason: str = "length"
     """`stop` (EOS, stop token or stop string), `length` (hit `max_tokens`) or `abort`."""
     version_segments: tuple[tuple[int, int], ...] = attrs.field(default=(), converter=tuple)
@@ -113,7 +134,9 @@ class RolloutEngine(EngineBase, abc.ABC):
             sampling: Sampling settings shared by all requests.
 
         Returns:
-            `len(requests) * sampling.n` results, grouped by request in request order.
+            `len(requests) * sampling.n` results, grouped by request in request order,
+            each with `log_softmax(logits / sampling.temperature)` of every sampled token
+            (before top-k/top-p; see the module docstring).
         """
 
     @abc.abstractmethod
@@ -127,6 +150,10 @@ class RolloutEngine(EngineBase, abc.ABC):
     @abc.abstractmethod
     def load_weights(self, items: Sequence[tuple[ShardSpec, torch.Tensor]]) -> None:
         """Copies one bucket of tensors into the engine.
+
+        Copies: `items` are staging buffers the sync reuses for the next bucket, so an
+        engine must copy their values into its own storage (`param.copy_(tensor)`), never
+        keep or rebind to them (`param.data = tensor`).
 
         Args:
             items: `(spec, tensor)` pairs; every spec is one of `weight_targets()` and the
@@ -145,7 +172,11 @@ class RolloutEngine(EngineBase, abc.ABC):
         return None
 
     def finish_weight_update(self) -> None:
-        """Publishes the pending version; engines reset prefix caches here."""
+        """Publishes the pending version; engines reset prefix caches here.
+
+        An override must call `super().finish_weight_update()`, which is what advances
+        `weight_version`; without it samples keep the old version.
+        """
         self._weight_version = self._pending_version
 
     def _unsupported(self, capability: str) -> NotImplementedError:
@@ -155,11 +186,19 @@ class RolloutEngine(EngineBase, abc.ABC):
         )
 
     def sleep(self) -> None:
-        """Releases accelerator memory (needs `Capabilities.sleep`)."""
+        """Releases accelerator memory: weights and KV cache (needs `Capabilities.sleep`)."""
         raise self._unsupported("sleep")
 
-    def wake(self) -> None:
-        """Restores what `sleep` released (needs `Capabilities.sleep`)."""
+    def wake(self, tags: Sequence[str] | None = None) -> None:
+        """Restores what `sleep` released (needs `Capabilities.sleep`).
+
+        Args:
+            tags: What to restore: `"weights"`, `"kv_cache"`, or both (`None`). The
+                runtime wakes the weights first, loads new ones into them, then wakes the
+                KV cache, so the two are never both allocated beside stale buffers.
+                Engines written before `tags` existed may declare `wake(self)`; the
+                runtime then wakes them whole, once, before loading.
+        """
         raise self._unsupported("sleep")
 
     def pause(self) -> None:

@@ -17,7 +17,13 @@ import threading
 import attrs
 import torch.distributed as dist
 
-from peerflow.distributed.faults import PREFIX, FailureRecord, publish_failure, read_failure
+from peerflow.distributed.faults import (
+    PREFIX,
+    FailureRecord,
+    publish_failure,
+    rank_info,
+    read_failure,
+)
 from peerflow.distributed.init import FAULT_STORE_ENV
 
 
@@ -81,11 +87,7 @@ class FaultStore:
 
     def report(self, rank: int, reason: str) -> FailureRecord:
         """Publishes a failure of `rank` found by the launcher (first record wins)."""
-        host, stage = "?", "?"
-        if self.store.check([f"{PREFIX}host/{rank}"]):
-            host = self.store.get(f"{PREFIX}host/{rank}").decode().rsplit(":", 1)[0]
-        if self.store.check([f"{PREFIX}stage/{rank}"]):
-            stage = self.store.get(f"{PREFIX}stage/{rank}").decode()
+        host, stage = rank_info(self.store, rank)
         record = FailureRecord(rank=rank, host=host, stage=stage, reason=reason, reporter=-1)
         return publish_failure(self.store, record)
 

@@ -12,13 +12,21 @@ Task and samples
     `response_length/clip_frac` — fraction that hit `max_tokens`; `prompt_length/mean`.
 Algorithm
     `actor/pg_loss`, `actor/clipfrac`, `actor/ppo_kl`, `actor/ratio_mean`,
-    `actor/dual_clipfrac`, `actor/tis_weight_mean`, `actor/grad_norm`, `actor/lr`
-    (from the losses in `peerflow.algorithms.losses` and the train engine);
+    `actor/dual_clipfrac`, `actor/grad_norm`, `actor/lr` (from the losses in
+    `peerflow.algorithms.losses` and the train engine); `actor/masked_fraction` — samples
+    left out of the loss (overlong filtering, flat top-up groups);
+    `off_policy/is_weight_mean`, `off_policy/is_weight_max` — decoupled-PPO weights
+    `exp(old_logprobs - rollout_logprobs)` before truncation,
+    `off_policy/applied_weight_mean`, `off_policy/truncated_fraction` (`tis`) or
+    `off_policy/masked_fraction` (`mis`);
+    `mismatch/abs_mean`, `mismatch/abs_max` — |rollout - trainer log-prob| on the sampled
+    tokens, `mismatch/kl` (k3) and `mismatch/kl_k1` — KL(π_rollout ‖ π_trainer);
     `critic/vf_loss`, `critic/vf_clipfrac`, `critic/vpred_mean`, `critic/grad_norm`;
     `kl/mean` (per-token KL to the reference), `kl/loss`, `kl/penalty_mean`;
     `advantages/mean`, `advantages/std`;
     `dynamic_sampling/kept_groups`, `dynamic_sampling/dropped_groups`,
-    `dynamic_sampling/dropped_fraction`.
+    `dynamic_sampling/dropped_fraction`; `overlong/penalty_mean`,
+    `overlong/filtered_fraction` (DAPO's overlong shaping and filtering).
 Speed
     `throughput/tokens_per_s` — prompt + response tokens processed per wall second of the
     step; `throughput/samples_per_s`; `time/step` — wall seconds of the step;

@@ -9,6 +9,11 @@ metrics (names in `peerflow.outputs.metrics`):
 * `throughput.png` — `throughput/*`; `weight_sync.png` — `weight_sync/*` (or `sync/*`);
 * `step_time.png` — `time/<phase>` stacked per step, with `time/step` on top;
 * `training.png` — `actor/*`, `critic/*`;
+* `off_policy.png` — `off_policy/*`: importance weights `π_prox / π_behav` (mean, max,
+  fraction truncated or masked) of the decoupled-PPO correction;
+* `mismatch.png` — `mismatch/*`: rollout-vs-trainer log-prob mismatch on the sampled
+  tokens (mean and max |Δ log-prob|, KL(π_rollout ‖ π_trainer));
+* `dapo.png` — `overlong/*`, `dynamic_sampling/*`;
 * `staleness.png`, `overlap.png` — `staleness/*`; `overlap/*`, `idle/*`, `queue/*`.
 
 `summary.json` records, per metric, the first and last value and the means of the first
@@ -34,6 +39,9 @@ LINE_FIGURES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("throughput", "Throughput", ("throughput/",)),
     ("weight_sync", "Weight sync (seconds, bytes)", ("weight_sync/", "sync/")),
     ("training", "Losses and optimiser", ("actor/", "critic/")),
+    ("off_policy", "Off-policy correction: importance weights", ("off_policy/",)),
+    ("mismatch", "Rollout vs trainer log-prob mismatch", ("mismatch/",)),
+    ("dapo", "DAPO: overlong shaping, dynamic sampling", ("overlong/", "dynamic_sampling/")),
     ("staleness", "Staleness (weight versions)", ("staleness/",)),
     ("overlap", "Overlap, idle time and queues", ("overlap/", "idle/", "queue/")),
 )

@@ -3,22 +3,33 @@
 Layout (what the other `peerflow.outputs` modules write)::
 
     RUN_DIR/
+        run.lock             held while a run uses the directory (host, pid); see `RunLock`
         config.yaml          the resolved config (defaults filled in, overrides applied)
+        fingerprint.json     what a resume must not change (`peerflow.checkpoint.fingerprint`)
         metrics.jsonl        one JSON object per logged step (`step` + metrics)
         tb/                  TensorBoard events
         trace_rank{r}.json   Chrome-trace timeline of rank r (chrome://tracing, Perfetto)
-        checkpoints/         see `peerflow.worker.checkpoint`
+        checkpoints/         see `peerflow.checkpoint.store`
         report/              PNG plots from `peerflow report RUN_DIR`
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import json
 import os
+import socket
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import attrs
+
+from peerflow.checkpoint.atomic import write_text_atomic
+from peerflow.errors import ConfigError
+
 CONFIG_FILE = "config.yaml"
+LOCK_FILE = "run.lock"
 DEFAULT_ROOT = "runs"
 
 
@@ -58,6 +69,9 @@ def create_run_dir(
 def write_resolved_config(run_dir: str | Path, config: Any) -> Path:
     """Writes the resolved config to `RUN_DIR/config.yaml` (atomically) and returns it.
 
+    A `RunConfig` also records its fingerprint (`fingerprint.json`), which a resume
+    checks before loading anything.
+
     Args:
         run_dir: The run directory.
         config: A `RunConfig`, or plain data (a mapping) already resolved.
@@ -66,10 +80,98 @@ def write_resolved_config(run_dir: str | Path, config: Any) -> Path:
 
     from peerflow.config import dump_config
 
-    text = dump_config(config) if not isinstance(config, dict) else yaml.safe_dump(
-        config, sort_keys=False)
-    path = Path(run_dir) / CONFIG_FILE
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-    return path
+    if isinstance(config, dict):
+        text = yaml.safe_dump(config, sort_keys=False)
+    else:
+        from peerflow.checkpoint.fingerprint import write_fingerprint
+
+        text = dump_config(config)
+        write_fingerprint(run_dir, config)
+    return write_text_atomic(Path(run_dir) / CONFIG_FILE, text)
+
+
+@attrs.define(eq=False)
+class RunLock:
+    """The exclusive lock of a run directory: `RUN_DIR/run.lock`, naming host and pid.
+
+    Taken before anything is written to the directory and held for the whole run (by the
+    `peerflow train` launcher, or rank 0 under torchrun). A lock left by a process that
+    no longer exists on this host is stale and taken over, saying so; a lock held by a
+    live process, or by another host, refuses the run.
+    """
+
+    run_dir: Path
+    """The run directory."""
+    log: Callable[[str], None] = print
+    """Where a stale lock's take-over is reported."""
+    _held: bool = False
+
+    @property
+    def path(self) -> Path:
+        """The lock file."""
+        return Path(self.run_dir) / LOCK_FILE
+
+    def acquire(self) -> RunLock:
+        """Takes the lock (creating it atomically) and returns `self`.
+
+        Raises:
+            ConfigError: another live run holds it (its host, pid and start time named).
+        """
+        mine = {"host": socket.gethostname(), "pid": os.getpid(),
+                "started": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
+        for _ in range(3):
+            try:  # O_EXCL: exactly one process creates the file
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                pass
+            else:
+                with os.fdopen(fd, "w") as handle:
+                    handle.write(json.dumps(mine))
+                self._held = True
+                return self
+            holder = self._holder()
+            if holder is None or not self._is_stale(holder):
+                raise self._refusal(holder)
+            self.log(f"{self.path}: removing a stale lock of pid {holder['pid']} on "
+                     f"{holder['host']} (that process no longer exists).")
+            self.path.unlink(missing_ok=True)
+        raise ConfigError(f"{self.path}: could not take the lock; try again.")
+
+    def release(self) -> None:
+        """Removes the lock file if this object holds it."""
+        if self._held:
+            self.path.unlink(missing_ok=True)
+            self._held = False
+
+    def __enter__(self) -> RunLock:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def _holder(self) -> dict[str, Any] | None:
+        try:
+            return json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return None
+
+    @staticmethod
+    def _is_stale(holder: dict[str, Any]) -> bool:
+        if holder.get("host") != socket.gethostname():
+            return False  # a process on another host cannot be checked from here
+        try:
+            os.kill(int(holder["pid"]), 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+        return False
+
+    def _refusal(self, holder: dict[str, Any] | None) -> ConfigError:
+        who = (f"pid {holder['pid']} on host {holder['host']} (since {holder.get('started')})"
+               if holder else "another process")
+        return ConfigError(
+            f"run directory {str(self.run_dir)!r} is in use by {who}: {self.path} is held. "
+            "Two runs on one directory would corrupt each other; wait for that run to end, "
+            "pick another --run-dir, or, if that process is gone, delete the lock file."
+        )

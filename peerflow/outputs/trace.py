@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from peerflow.checkpoint.atomic import write_text_atomic
 
 
 class Tracer:
@@ -87,11 +88,8 @@ class Tracer:
                  "args": {"name": f"rank {self.rank}"}},
                 {"name": "process_sort_index", "ph": "M", "pid": self.rank,
                  "args": {"sort_index": self.rank}}]
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(f".{self.path.name}.tmp{os.getpid()}")
-        tmp.write_text(json.dumps({"traceEvents": meta + events, "displayTimeUnit": "ms"}))
-        os.replace(tmp, self.path)
-        return self.path
+        return write_text_atomic(
+            self.path, json.dumps({"traceEvents": meta + events, "displayTimeUnit": "ms"}))
 
 
 def _jsonable(value: Any) -> Any:

@@ -74,6 +74,7 @@ class PluginManager:
         self.pm = pluggy.PluginManager(hookspecs.PROJECT)
         self.pm.add_hookspecs(hookspecs)
         self.load_errors: list[PluginLoadError] = []
+        self.skipped_entry_points: list[str] = []
         self.records: dict[str, PluginRecord] = {}
         self._registries: dict[str, Registry] | None = None
         self._entry_points_loaded = False
@@ -130,6 +131,7 @@ class PluginManager:
                 seen.add((ep.name, ep.value))
                 builtin = dist == BUILTIN_DISTRIBUTION
                 if not builtin and (disabled or allow is not None) and ep.name not in (allow or ()):
+                    self.skipped_entry_points.append(f"{ep.name} ({dist} {version})".strip())
                     continue
                 try:
                     plugin = ep.load()
@@ -148,7 +150,8 @@ class PluginManager:
                 self.register(plugin, ep.name, distribution=dist, version=version)
 
     def _build_registries(self) -> dict[str, Registry]:
-        registries = {key: Registry(kind=kind) for key, kind in KINDS.items()}
+        registries = {key: Registry(kind=kind, skipped=self._skipped_note())
+                      for key, kind in KINDS.items()}
         for record in self.records.values():
             record.registered = {}
         for key, kind in KINDS.items():
@@ -177,6 +180,17 @@ class PluginManager:
                         )
                     )
         return registries
+
+    def _skipped_note(self) -> str:
+        if not self.skipped_entry_points:
+            return ""
+        names = ", ".join(self.skipped_entry_points)
+        switch = "PEERFLOW_DISABLE_PLUGIN_AUTOLOAD is set" if _autoload_disabled() else \
+            f"PEERFLOW_PLUGINS={os.environ.get('PEERFLOW_PLUGINS', '')!r} does not list them"
+        first = self.skipped_entry_points[0].split(" ")[0]
+        return (f"{switch}, so these installed third-party plugins were not loaded: {names}. "
+                f"Unset PEERFLOW_DISABLE_PLUGIN_AUTOLOAD, or allow-list the plugin "
+                f"(PEERFLOW_PLUGINS={first},…).")
 
     def registry(self, kind: str) -> Registry:
         """Returns the registry of one kind (`rollout_engine`, `reward`, …).

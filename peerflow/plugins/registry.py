@@ -38,7 +38,7 @@ KINDS: dict[str, Kind] = {
         Kind(key="weight_transport", hook="peerflow_register_weight_transports",
              label="weight transport", config_key="weight_sync.transport", base=""),
         Kind(key="reward", hook="peerflow_register_rewards", label="reward",
-             config_key="reward.name", base="peerflow.algorithms.RewardFunction"),
+             config_key="task.reward", base="peerflow.algorithms.RewardFunction"),
         Kind(key="advantage_estimator", hook="peerflow_register_advantage_estimators",
              label="advantage estimator", config_key="algorithm.advantage",
              base="peerflow.algorithms.AdvantageEstimator"),
@@ -79,6 +79,9 @@ class Registry:
 
     kind: Kind
     entries: dict[str, Entry] = attrs.field(factory=dict)
+    skipped: str = ""
+    """Why third-party entry points were not loaded (set by the plugin manager when
+    `PEERFLOW_DISABLE_PLUGIN_AUTOLOAD` or `PEERFLOW_PLUGINS` kept some out), else empty."""
 
     def register(self, cls: Any, *, plugin: str, distribution: str) -> None:
         """Adds `cls` under `cls.name`.
@@ -133,6 +136,8 @@ class Registry:
     def unknown_message(self, name: str) -> str:
         """The message of the error `get(name)` raises."""
         lines = [f"unknown {self.kind.label} {name!r} ({self.kind.config_key})."]
+        if self.skipped:
+            lines = [f"{self.kind.label} {name!r} is not registered because {self.skipped}"]
         close = difflib.get_close_matches(name, self.names(), n=1)
         if close:
             lines[0] += f" Did you mean {close[0]!r}?"

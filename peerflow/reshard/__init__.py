@@ -3,8 +3,10 @@
 * `plan_reshard(sources, destinations) -> ReshardPlan` — index-box intersection with
   coverage checks (`peerflow.reshard.plan`).
 * `make_buckets(plan, bucket_bytes)` and `run_plan(...)` — the executor.
-* `sync_weights(trainer, rollout, *, version, ...)` — what the runtime calls on every
-  rank; see `peerflow.reshard.sync` for the call order.
+* `WeightSyncService.build(trainer, rollout, ...)` — the run's one weight sync (plan,
+  buckets, transport, memory meter): lockstep `sync(version)` and streaming
+  `pack` / `transfer` / `apply` (`peerflow.reshard.service`); `sync_weights(...)` is a
+  one-off sync for tests and the conformance suite.
 * Transports: `WeightTransport`, registered through `peerflow_register_weight_transports`
   (built-ins `inprocess`, `torch`, `torch_broadcast`, `cuda_ipc` in
   `peerflow.reshard.transports`).
@@ -15,9 +17,11 @@ from __future__ import annotations
 from peerflow.reshard.buckets import Bucket, make_buckets
 from peerflow.reshard.executor import ExecStats, MemoryMeter, run_plan
 from peerflow.reshard.plan import ReshardPlan, Transfer, plan_reshard
-from peerflow.reshard.sync import (
+from peerflow.reshard.service import (
     DEFAULT_BUCKET_BYTES,
-    forget_plan,
+    PackedVersion,
+    ReceivedVersion,
+    WeightSyncService,
     gather_specs,
     plan_weight_sync,
     sync_weights,
@@ -29,10 +33,12 @@ __all__ = [
     "Bucket",
     "ExecStats",
     "MemoryMeter",
+    "PackedVersion",
+    "ReceivedVersion",
     "ReshardPlan",
     "Transfer",
+    "WeightSyncService",
     "WeightTransport",
-    "forget_plan",
     "gather_specs",
     "make_buckets",
     "make_transport",

@@ -1,7 +1,7 @@
 """Execute a `ReshardPlan` on one rank: pack, exchange, unpack, load — bucket by bucket.
 
 `run_plan` is engine-agnostic: it reads source tensors through a `materialize` callable
-and hands finished destination tensors to a `load` callable. `peerflow.reshard.sync`
+and hands finished destination tensors to a `load` callable. `peerflow.reshard.service`
 binds those to `TrainEngine.materialize` and `RolloutEngine.load_weights`.
 
 Per bucket, on every rank of the plan (the same sequence everywhere):
@@ -237,88 +237,134 @@ def _run_buckets(plan: ReshardPlan, buckets: Sequence[Bucket], rank: int,
         stats.buckets += 1
 
 
-def _run_bucket(bucket: Bucket, rank: int, sources: dict[str, torch.Tensor],
-                targets: dict[str, ShardSpec], transport: WeightTransport, load: Load | None,
-                meter: MemoryMeter, stats: ExecStats, buffers: Buffers | None,
-                arena: Arena) -> None:
-    outgoing: dict[int, list[Transfer]] = {}
-    incoming: dict[int, list[Transfer]] = {}
-    local: list[Transfer] = []
-    routes: dict[tuple[int, int], list[Transfer]] = {}
-    for t in bucket.transfers:
-        if t.src_rank == t.dst_rank:
-            if t.src_rank == rank:
-                local.append(t)
-            continue
-        routes.setdefault((t.src_rank, t.dst_rank), []).append(t)
-        if t.src_rank == rank:
-            outgoing.setdefault(t.dst_rank, []).append(t)
-        elif t.dst_rank == rank:
-            incoming.setdefault(t.src_rank, []).append(t)
+@attrs.frozen
+class BucketRoutes:
+    """How one bucket's transfers split on one rank."""
 
-    start = time.perf_counter()
-    sends: dict[int, torch.Tensor] = {}
-    layouts = {peer: packed_layout(ts) for peer, ts in outgoing.items()}
-    arena.reset()
-    if layouts:
-        arena.reserve_total(sum(_aligned(size) for _, size in layouts.values()))
-    for peer, transfers in outgoing.items():
-        offsets, size = layouts[peer]
-        buf = arena.take(size)
+    outgoing: dict[int, list[Transfer]]
+    """Peer rank → transfers this rank sends it."""
+    incoming: dict[int, list[Transfer]]
+    """Peer rank → transfers this rank receives from it."""
+    local: list[Transfer]
+    """Transfers from this rank to itself."""
+    routes: list[tuple[int, int, int]]
+    """Every cross-rank `(source, destination, bytes)` of the bucket (same on all ranks)."""
+
+    @classmethod
+    def of(cls, bucket: Bucket, rank: int) -> BucketRoutes:
+        """Splits `bucket`'s transfers as seen from `rank`."""
+        outgoing: dict[int, list[Transfer]] = {}
+        incoming: dict[int, list[Transfer]] = {}
+        local: list[Transfer] = []
+        pairs: dict[tuple[int, int], list[Transfer]] = {}
+        for t in bucket.transfers:
+            if t.src_rank == t.dst_rank:
+                if t.src_rank == rank:
+                    local.append(t)
+                continue
+            pairs.setdefault((t.src_rank, t.dst_rank), []).append(t)
+            if t.src_rank == rank:
+                outgoing.setdefault(t.dst_rank, []).append(t)
+            elif t.dst_rank == rank:
+                incoming.setdefault(t.src_rank, []).append(t)
+        routes = [(s, d, packed_layout(ts)[1]) for (s, d), ts in sorted(pairs.items())]
+        return cls(outgoing, incoming, local, routes)
+
+
+def pack_regions(per_peer: dict[int, list[Transfer]], sources: dict[str, torch.Tensor],
+                 take: Callable[[int], torch.Tensor]) -> dict[int, torch.Tensor]:
+    """Packs each peer's source regions into one flat `uint8` buffer from `take(nbytes)`."""
+    out = {}
+    for peer, transfers in per_peer.items():
+        offsets, size = packed_layout(transfers)
+        buf = take(size)
         for t, off in zip(transfers, offsets):
             _region(buf, off, t).copy_(sources[t.src_tensor][t.src_box.slices()])
-        sends[peer] = buf
-        stats.bytes_sent += size
-    stats.pack_s += time.perf_counter() - start
+        out[peer] = buf
+    return out
 
-    start = time.perf_counter()
-    recv_sizes = {peer: packed_layout(ts)[1] for peer, ts in incoming.items()}
-    route_list = [(s, d, packed_layout(ts)[1]) for (s, d), ts in sorted(routes.items())]
-    meter.reserve(sum(recv_sizes.values()))
-    received = transport.exchange(sends, recv_sizes, route_list)
-    sends.clear()
-    stats.wire_s += time.perf_counter() - start
 
-    start = time.perf_counter()
-    mine = [(r, n) for r, n in bucket.targets if r == rank]
+def destination_tensors(names: Sequence[str], targets: dict[str, ShardSpec],
+                        buffers: Buffers | None, arena: Arena) -> dict[str, torch.Tensor]:
+    """The tensors a bucket fills on this rank: the engine's own, or staged in `arena`."""
+    views = buffers([targets[n] for n in names]) if buffers is not None and names else None
     out: dict[str, torch.Tensor] = {}
-    views = buffers([targets[n] for _, n in mine]) if buffers is not None and mine else None
     if views is not None:
-        for (_, name), view in zip(mine, views, strict=True):
+        for name, view in zip(names, views, strict=True):
             if tuple(view.shape) != targets[name].local_shape:
                 raise ShardError(f"weight_buffers returned shape {tuple(view.shape)} for "
                                  f"{name!r}, whose spec says {targets[name].local_shape}.")
             out[name] = view
-    elif mine:
-        sizes = [math.prod(targets[n].local_shape) * itemsize(targets[n].dtype)
-                 for _, n in mine]
-        arena.reset()
-        arena.reserve_total(max(sum(_aligned(n) for n in sizes), arena.stage_bytes))
-        for (_, name), nbytes in zip(mine, sizes):
-            spec = targets[name]
-            tensor = arena.take(nbytes).view(getattr(torch, spec.dtype)).view(
-                spec.local_shape)
-            for box in spec.padding:
-                tensor[box.slices()].zero_()
-            out[name] = tensor
-    for t in local:
-        out[t.dst_tensor][t.dst_box.slices()].copy_(sources[t.src_tensor][t.src_box.slices()])
-        stats.bytes_sent += t.numel * itemsize(t.src_dtype)
-    for peer, transfers in incoming.items():
-        buf = received[peer]
+        return out
+    if not names:
+        return out
+    sizes = [math.prod(targets[n].local_shape) * itemsize(targets[n].dtype) for n in names]
+    arena.reset()
+    arena.reserve_total(max(sum(_aligned(n) for n in sizes), arena.stage_bytes))
+    for name, nbytes in zip(names, sizes):
+        spec = targets[name]
+        tensor = arena.take(nbytes).view(getattr(torch, spec.dtype)).view(spec.local_shape)
+        for box in spec.padding:
+            tensor[box.slices()].zero_()
+        out[name] = tensor
+    return out
+
+
+def unpack_regions(per_peer: dict[int, list[Transfer]], received: dict[int, torch.Tensor],
+                   out: dict[str, torch.Tensor], *, rank: int, bucket: int) -> int:
+    """Copies each peer's packed buffer into the destination tensors; returns the bytes.
+
+    Raises:
+        ShardError: a buffer's size differs from what the plan says the peer sends.
+    """
+    nbytes = 0
+    for peer, transfers in per_peer.items():
+        buf = received.get(peer)
         offsets, size = packed_layout(transfers)
-        if buf.numel() != size:
-            raise ShardError(f"rank {rank} received {buf.numel()} bytes from rank {peer} in "
-                             f"bucket {bucket.index}, expected {size}; the ranks disagree on "
-                             "the plan (were they given the same specs?).")
+        if buf is None or buf.numel() != size:
+            raise ShardError(f"rank {rank} received {None if buf is None else buf.numel()} "
+                             f"bytes from rank {peer} in bucket {bucket}, expected {size}; "
+                             "the ranks disagree on the plan (were they given the same specs?).")
         for t, off in zip(transfers, offsets):
             out[t.dst_tensor][t.dst_box.slices()].copy_(_region(buf, off, t))
-        stats.bytes_received += size
-        meter.release(size)
+        nbytes += size
+    return nbytes
+
+
+def _run_bucket(bucket: Bucket, rank: int, sources: dict[str, torch.Tensor],
+                targets: dict[str, ShardSpec], transport: WeightTransport, load: Load | None,
+                meter: MemoryMeter, stats: ExecStats, buffers: Buffers | None,
+                arena: Arena) -> None:
+    routes = BucketRoutes.of(bucket, rank)
+    start = time.perf_counter()
+    arena.reset()
+    if routes.outgoing:
+        arena.reserve_total(sum(_aligned(packed_layout(ts)[1])
+                                for ts in routes.outgoing.values()))
+    sends = pack_regions(routes.outgoing, sources, arena.take)
+    stats.bytes_sent += sum(buf.numel() for buf in sends.values())
+    stats.pack_s += time.perf_counter() - start
+
+    start = time.perf_counter()
+    recv_sizes = {peer: packed_layout(ts)[1] for peer, ts in routes.incoming.items()}
+    meter.reserve(sum(recv_sizes.values()))
+    received = transport.exchange(sends, recv_sizes, routes.routes)
+    sends.clear()
+    stats.wire_s += time.perf_counter() - start
+
+    start = time.perf_counter()
+    mine = [n for r, n in bucket.targets if r == rank]
+    out = destination_tensors(mine, targets, buffers, arena)
+    for t in routes.local:
+        out[t.dst_tensor][t.dst_box.slices()].copy_(sources[t.src_tensor][t.src_box.slices()])
+        stats.bytes_sent += t.numel * itemsize(t.src_dtype)
+    got = unpack_regions(routes.incoming, received, out, rank=rank, bucket=bucket.index)
+    stats.bytes_received += got
+    meter.release(got)
     received.clear()
     if mine:
         if load is None:
             raise ShardError(f"rank {rank} holds destination tensors but was given no "
                              "rollout engine to load them into.")
-        load([(targets[name], out[name]) for _, name in mine])
+        load([(targets[name], out[name]) for name in mine])
     stats.load_s += time.perf_counter() - start

@@ -2,8 +2,8 @@
 
 Requires `runtime.placement: split` (rollout and trainer on disjoint ranks). Every rank:
 
-1. plans the weight push once (`peerflow.reshard.plan_weight_sync`, a collective over
-   all ranks) and cuts it into buckets;
+1. builds the run's `WeightSyncService` once (a collective over all ranks), with its
+   transport on a process group of its own, which the streaming push drives;
 2. rollout ranks run `RolloutStreamer` (generate + per-group nodes such as reward and
    GRPO advantages), trainer ranks run `TrainerStreamer` (micro-batch forwards, training,
    asynchronous weight push); they meet only through p2p messages;
@@ -11,10 +11,11 @@ Requires `runtime.placement: split` (rollout and trainer on disjoint ranks). Eve
    trainer group, plus what the rollout ranks report with every sealed step); every rank
    writes its Chrome-trace timeline under `trace/`.
 
-Checkpoints (trainer ranks, every `run.checkpoint_every` steps and at the end) hold the
-engine state plus `async_state.json`: which prompt groups each rollout rank has had
-trained. On resume a rollout rank replays its prompt stream up to the last trained
-prompt and re-generates the ones that were in flight, so no prompt is lost and no
+Checkpoints (`peerflow.checkpoint.save_step` on the trainer ranks, every
+`run.checkpoint_every` steps and at the end) hold every trainable role's engine state plus
+the in-flight state (`peerflow.checkpoint.inflight`): which prompt groups each rollout rank
+has had trained. On resume a rollout rank replays its prompt stream up to the last
+trained prompt and re-generates the ones that were in flight, so no prompt is lost and no
 sample is trained twice.
 """
 
@@ -23,13 +24,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from peerflow.checkpoint import restore_latest, save_step, should_checkpoint, truncate_metrics
+from peerflow.checkpoint.inflight import replay_prompts, trained_groups, trained_groups_state
 from peerflow.errors import ConfigError
-from peerflow.worker.async_checkpoint import (
-    load_trainer_checkpoint,
-    replay_sampler,
-    resume_state,
-    save_trainer_checkpoint,
-)
 from peerflow.worker.metrics import StepMetrics, all_reduce_metrics
 from peerflow.worker.runtime import WorkerRuntime
 
@@ -77,10 +74,9 @@ def _graph_nodes(rt: WorkerRuntime) -> tuple[list[Any], dict[str, Any]]:
 
 def _writer(rt: WorkerRuntime, start_step: int) -> Any:
     from peerflow.outputs import MetricsWriter
-    from peerflow.worker import checkpoint as ckpt
 
     if start_step:
-        ckpt.truncate_metrics(rt.run_dir / "metrics.jsonl", start_step)
+        truncate_metrics(rt.run_dir / "metrics.jsonl", start_step)
     run = rt.config.run
     return MetricsWriter(rt.run_dir, rt.config, tensorboard=run.tensorboard, wandb=run.wandb)
 
@@ -95,8 +91,6 @@ def _tracer(rt: WorkerRuntime) -> Any:
 
 def run_async(rt: WorkerRuntime, program: Any, stage: Any) -> None:
     """Runs this rank's part of an async run (called by `run_worker` on every rank)."""
-    from peerflow.reshard import make_buckets, plan_weight_sync
-
     nodes, layouts = _graph_nodes(rt)
     check_async_config(rt.config, layouts)
     rollout_layout, trainer_layout = layouts["rollout"], layouts["actor"]
@@ -107,24 +101,21 @@ def run_async(rt: WorkerRuntime, program: Any, stage: Any) -> None:
     actor = rt.engines.get("actor")
     rollout = rt.engines.get("rollout")
     with stage("plan weight push"):
-        plan = plan_weight_sync(actor, rollout)
-        buckets = make_buckets(plan, rt.config.weight_sync.bucket_bytes)
         stream_group = _stream_group(rt.config.runtime.fault_timeout)
+        service = _weight_service(rt, actor, rollout)
     if rollout is not None:
         with stage("async rollout"):
-            _run_rollout(rt, nodes, rollout_layout, trainer_layout, plan, buckets, stream_group)
+            _run_rollout(rt, nodes, rollout_layout, trainer_layout, service, stream_group)
     elif actor is not None:
         with stage("async trainer"):
-            _run_trainer(
-                rt, program, nodes, rollout_layout, trainer_layout, plan, buckets, stream_group
-            )
+            _run_trainer(rt, program, nodes, rollout_layout, trainer_layout, service,
+                         stream_group)
 
 
 def _stream_group(timeout: float) -> Any:
     """A gloo group over every rank for the streams (CPU bytes), unless the default is gloo.
 
-    Created collectively on every rank. Samples and packed weight buckets are CPU
-    tensors, which NCCL cannot send.
+    Created collectively on every rank. Samples are CPU tensors, which NCCL cannot send.
     """
     import datetime
 
@@ -135,13 +126,29 @@ def _stream_group(timeout: float) -> Any:
     return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout))
 
 
+def _weight_service(rt: WorkerRuntime, actor: Any, rollout: Any) -> Any:
+    """Builds the run's weight sync (collective) with its transport on a group of its own.
+
+    The push runs the transport on background threads, so its group carries nothing else.
+    """
+    import datetime
+
+    import torch.distributed as dist
+
+    from peerflow.reshard import WeightSyncService
+
+    cfg = rt.config
+    group = dist.new_group(timeout=datetime.timedelta(seconds=cfg.runtime.fault_timeout))
+    return WeightSyncService.build(actor, rollout, transport=cfg.weight_sync.transport,
+                                   bucket_bytes=cfg.weight_sync.bucket_bytes, group=group)
+
+
 def _run_rollout(
     rt: WorkerRuntime,
     nodes: list[Any],
     rollout_layout: Any,
     trainer_layout: Any,
-    plan: Any,
-    buckets: Any,
+    service: Any,
     stream_group: Any = None,
 ) -> None:
     from peerflow.streaming.assignment import TokenBalancer
@@ -157,11 +164,13 @@ def _run_rollout(
     timeout = cfg.runtime.fault_timeout
     dp, dp_size = rollout_layout.dp_rank(rt.rank), rollout_layout.dp
     quota = split_evenly(cfg.run.prompts_per_step, dp_size, dp)
-    start_step, state = resume_state(rt)
+    resumed = restore_latest(rt.run_dir, engines=rt.engines, rank=rt.rank)
+    start_step = resumed.step if resumed is not None else 0
     scheduler = StalenessScheduler(
         max_staleness=cfg.runtime.max_staleness, quota=quota, next_step=start_step
     )
-    pending = replay_sampler(rt, state) if state else []
+    trained = trained_groups(resumed.inflight if resumed is not None else None)
+    pending = replay_prompts(rt.sampler, trained.get(rt.rank, []))
     group_nodes = [n for n in nodes if n.kind in ROLLOUT_KINDS]
 
     def per_group(batch: Any) -> Any:
@@ -179,17 +188,15 @@ def _run_rollout(
     engine = rt.engine("rollout")
     spans = _tracer(rt)
     weights = WeightReceiver(
-        plan=plan,
-        buckets=buckets,
-        rank=rt.rank,
+        service=service,
         receiver=StreamReceiver(
-            sources=tuple(sorted(plan.sources)),
+            sources=tuple(sorted(service.plan.sources)),
             tag=WEIGHT_TAG,
             group=stream_group,
             timeout=timeout,
             what="weights",
         ).start(),
-    )
+    ).start()
     streamer = RolloutStreamer(
         engine=engine,
         generate=make_generate(
@@ -222,8 +229,7 @@ def _run_trainer(
     nodes: list[Any],
     rollout_layout: Any,
     trainer_layout: Any,
-    plan: Any,
-    buckets: Any,
+    service: Any,
     stream_group: Any = None,
 ) -> None:
     from peerflow.streaming.accumulator import MicroBatchAccumulator, StepInbox
@@ -245,11 +251,11 @@ def _run_trainer(
     timeout = cfg.runtime.fault_timeout
     group = program.process_group("actor")
     first_trainer = min(trainer_layout.global_ranks)
-    start_step, state = resume_state(rt)
-    if start_step:
-        load_trainer_checkpoint(rt, start_step)
+    resumed = restore_latest(rt.run_dir, engines=rt.engines, rank=rt.rank)
+    start_step = resumed.step if resumed is not None else 0
     if rt.estimator is not None:  # batch-wide statistics span the trainer group
         rt.estimator.process_group = group
+        rt.estimator.group_replicas = trainer_layout.world_size // trainer_layout.dp
     micro_nodes = [n for n in nodes if n.kind in MICRO_BATCH_KINDS]
     step_nodes = [
         n for n in nodes if n.kind not in (*MICRO_BATCH_KINDS, *SKIPPED_KINDS, *ROLLOUT_KINDS)
@@ -272,11 +278,9 @@ def _run_trainer(
         progress = StepProgress(cfg.run.steps, start=start_step)
     sources = tuple(rollout_layout.global_ranks)
     sender = StreamSender(tag=WEIGHT_TAG, group=stream_group, timeout=timeout)
-    pusher = WeightPusher(plan=plan, buckets=buckets, rank=rt.rank, sender=sender)
+    pusher = WeightPusher(service=service, sender=sender)
     spans = _tracer(rt)
-    trained: dict[int, list[int]] = {
-        int(k): list(v) for k, v in (state or {}).get("trained_groups", {}).items()
-    }
+    trained = trained_groups(resumed.inflight if resumed is not None else None)
 
     def end_step(step: int, batch: Any, metrics: StepMetrics, extra: dict[str, float]) -> None:
         record_batch_metrics(batch, metrics)
@@ -296,12 +300,13 @@ def _run_trainer(
                 progress.update(step + 1, reduced)
         rt.step = step + 1
         rt.pm.hook.peerflow_end_of_step(step=step + 1, metrics=reduced, rank=rt.rank)
-        every = cfg.run.checkpoint_every
-        if (every and (step + 1) % every == 0) or step + 1 == cfg.run.steps:
+        if should_checkpoint(step + 1, cfg.run.checkpoint_every, cfg.run.steps):
             for src, gids in streamer.trained_groups.items():
                 trained.setdefault(src, []).extend(gids)
             streamer.trained_groups.clear()
-            save_trainer_checkpoint(rt, step + 1, trained, group)
+            save_step(rt.run_dir, step + 1, engines=rt.engines, rank=rt.rank,
+                      inflight=trained_groups_state(trained), group=group,
+                      keep_last=cfg.run.keep_last)
 
     step_started = [time.time()]
     receiver = StreamReceiver(

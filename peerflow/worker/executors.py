@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from peerflow.batch import Batch
+from peerflow.distributed import describe_stage
 from peerflow.worker.metrics import StepMetrics
 from peerflow.worker.rollout import generate_batch, group_count, step_seed
 from peerflow.worker.sampler import split_evenly
@@ -32,27 +33,43 @@ def _sampling(rt: WorkerRuntime, attempt: int) -> Any:
     )
 
 
-def _score(rt: WorkerRuntime, batch: Batch, node: Any = None) -> None:
+def _score(rt: WorkerRuntime, batch: Batch, node: Any = None,
+           metrics: StepMetrics | None = None) -> None:
     """Decodes the answers, adds `response_text` and the node's reward field.
 
-    The reward is `node.options["reward"]` when the node names one, else the task's; the
-    field is the node's first output (`reward` by default), so several reward nodes can
-    feed one advantage node under different names (fan-in).
+    The rewards are `node.options["reward"]` when the node names one, else the run's
+    (`task.reward` / `task.rewards`); the field is the node's first output (`reward` by
+    default), so several reward nodes can feed one advantage node under different names
+    (fan-in). Per-reward means and the `reward/errors` / `reward/timeouts` counts go
+    into `metrics`.
     """
     texts = rt.tokenizer.batch_decode(
         [row.tolist() for row in batch.ragged("response_ids").rows()], skip_special_tokens=True
     )
     options = getattr(node, "options", None) or {}
-    fn = rt.reward_fn(options.get("reward"))
-    values = fn.score(texts, batch["example"])
-    if len(values) != len(texts):
-        raise RuntimeError(
-            f"reward {fn.name!r} returned {len(values)} scores for {len(texts)} answers; "
-            "RewardFunction.score must return one float per answer."
-        )
+    rewards = rt.reward_set(options.get("reward"))
+    describe_stage(f"reward {', '.join(c.name for c in rewards.components)!r} on "
+                   f"{_samples(batch)}")
+    scores = rewards.score(texts, batch["example"], batch.sample_id.tolist())
+    if metrics is not None:
+        for name, (value, count) in scores.metrics.items():
+            metrics.mean(name, value, count)
+        for name, count in scores.counts.items():
+            metrics.sum(name, count)
     outputs = tuple(getattr(node, "outputs", ()) or ("reward",))
     batch.set_objects("response_text", texts)
-    batch.set(outputs[0], torch.tensor([float(v) for v in values], dtype=torch.float32))
+    batch.set(outputs[0], torch.tensor(scores.total, dtype=torch.float32))
+
+
+def _samples(batch: Batch) -> str:
+    """Names a batch's samples for messages: ids and the first prompt."""
+    ids = batch.sample_id.tolist()
+    shown = ", ".join(map(str, ids[:8])) + (f", … ({len(ids)} in all)" if len(ids) > 8 else "")
+    if not len(batch) or "example" not in batch:
+        return f"sample_id {shown}"
+    first = batch["example"][0]
+    return (f"sample_id {shown}; first: dataset row {getattr(first, 'index', '?')}, prompt "
+            f"{str(getattr(first, 'prompt', ''))[:60]!r}")
 
 
 def run_generate(rt: WorkerRuntime, node: Any, batch: Batch, metrics: StepMetrics) -> Batch:
@@ -63,7 +80,7 @@ def run_generate(rt: WorkerRuntime, node: Any, batch: Batch, metrics: StepMetric
     sampling = _sampling(rt, 0)
     bar = rt.progress.generation(len(draws) * sampling.n) if rt.progress is not None else (
         contextlib.nullcontext(lambda n=1: None))
-    with bar as advance:
+    with bar as advance, rt.generating():
         out = generate_batch(engine, rt.tokenizer, draws, sampling)
         advance(len(out))
     metrics.sum("rollout/prompts", len(draws))
@@ -72,7 +89,7 @@ def run_generate(rt: WorkerRuntime, node: Any, batch: Batch, metrics: StepMetric
 
 def run_reward(rt: WorkerRuntime, node: Any, batch: Batch, metrics: StepMetrics) -> Batch:
     """Scores every answer; with `algorithm.dynamic_sampling`, refills flat groups (DAPO)."""
-    _score(rt, batch, node)
+    _score(rt, batch, node, metrics)
     if rt.config.algorithm.dynamic_sampling and "reward" in batch:
         batch = _dynamic_sampling(rt, batch, metrics, node)
     return batch
@@ -88,7 +105,7 @@ def _dynamic_sampling(
     (train engines step in lock-step); flat groups carry zero group-relative advantage.
     Works with one reward node (the one writing `reward`).
     """
-    from peerflow.algorithms.dynamic_sampling import filter_groups, take_groups
+    from peerflow.algorithms.dynamic_sampling import filter_groups, take_groups, top_up
 
     target = group_count(batch)
     pool = [batch]
@@ -98,17 +115,18 @@ def _dynamic_sampling(
     while result.refill_groups > 0 and rounds < rt.max_refill_rounds:
         rounds += 1
         draws = rt.sampler.draw(result.refill_groups)
-        fresh = generate_batch(rt.engine("rollout"), rt.tokenizer, draws, _sampling(rt, rounds))
-        _score(rt, fresh, node)
+        with rt.generating():
+            fresh = generate_batch(rt.engine("rollout"), rt.tokenizer, draws,
+                                   _sampling(rt, rounds))
+        _score(rt, fresh, node, metrics)
         pool.append(fresh)
         result = filter_groups(Batch.concat(pool), target)
     out = take_groups(result.batch, target)
     missing = target - group_count(out)
-    if missing > 0:
-        everything = Batch.concat(pool)
-        chosen = set(out.group_id.tolist())
-        flat = [i for i, g in enumerate(everything.group_id.tolist()) if g not in chosen]
-        out = Batch.concat([out, take_groups(everything.select(flat), missing)])
+    everything = Batch.concat(pool)
+    chosen = set(out.group_id.tolist())
+    flat = [i for i, g in enumerate(everything.group_id.tolist()) if g not in chosen]
+    out = top_up(out, take_groups(everything.select(flat), max(missing, 0)))
     for name, value in first.metrics().items():
         if name.endswith("fraction"):
             metrics.mean(name, value, target)
@@ -164,8 +182,9 @@ def run_advantage(rt: WorkerRuntime, node: Any, batch: Batch, metrics: StepMetri
 
 def run_train_actor(rt: WorkerRuntime, node: Any, batch: Batch, metrics: StepMetrics) -> Batch:
     """One `train_step` of the actor with the configured policy loss."""
-    out = rt.engine("actor").train_step(batch, rt.policy_loss)
-    metrics.add_engine_metrics("actor", out, max(len(batch), 1))
+    actor_batch = rt.algorithm.prepare_actor_batch(batch, metrics) if rt.algorithm else batch
+    out = rt.engine("actor").train_step(actor_batch, rt.policy_loss)
+    metrics.add_engine_metrics("actor", out, max(len(actor_batch), 1))
     return batch
 
 

@@ -82,15 +82,18 @@ def run_step(
         rt: This rank's runtime (its `step` already set to the step being run).
         steps: Workflow nodes and route steps (`RouteStep.run(batch)`), in program order.
         node_types: Registered plugin node types by kind.
-        stage_factory: `f(name) -> context manager` marking the fault stage (names the
-            node in the message peers print if this rank dies there); `None` for none.
+        stage_factory: `f(name, deadline) -> context manager` marking the fault stage
+            (names the node in the message peers print if this rank dies or gets stuck
+            there; `peerflow.distributed.stage`); `None` for none.
         tracer: Optional per-rank timeline recorder with `span(name)`.
     """
     metrics = StepMetrics()
     batch = Batch.empty()
     start = time.perf_counter()
     for item in steps:
-        stage = stage_factory(f"step {rt.step} {item.name}") if stage_factory else None
+        kind = "route" if isinstance(item, RouteStep) else item.kind
+        stage = stage_factory(f"step {rt.step} {item.name}",
+                              rt.config.runtime.stage_deadline(kind)) if stage_factory else None
         span = tracer.span(item.name) if tracer is not None else contextlib.nullcontext()
         with span, timed(metrics, item.name.replace(" ", "_"), stage):
             if isinstance(item, RouteStep):

@@ -16,15 +16,20 @@ from __future__ import annotations
 
 import contextlib
 import os
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from peerflow.checkpoint import (
+    list_checkpoints,
+    restore_latest,
+    save_step,
+    should_checkpoint,
+    truncate_metrics,
+)
 from peerflow.config import RunConfig, load_config, validate_config
 from peerflow.errors import ConfigError
-from peerflow.worker import checkpoint as ckpt
 from peerflow.worker.loop import run_step
 from peerflow.worker.program import RankProgram, program_from_plan
 from peerflow.worker.runtime import TRAIN_ROLES, WorkerRuntime, build_components, resolve_model_path
@@ -151,19 +156,22 @@ def _start(
         rewards=components["rewards"], default_reward=components["default_reward"],
         estimator=components["estimator"], policy_loss=components["policy_loss"],
         value_loss=components["value_loss"], dp_rank=dp_rank, dp_size=dp_size,
-        sampler=sampler, kl_reward=components["kl_reward"],
+        sampler=sampler, kl_reward=components["kl_reward"], algorithm=components["algorithm"],
         layouts=dict(program.layouts),
     )
     for role in program.roles:
         if role in ROLLOUT_ROLES or role in TRAIN_ROLES:
             rt.engines[role] = rt.build_engine(role, program.process_group(role))
-    if "actor" in rt.engines or "rollout" in rt.engines:
-        rt.sync_weights = _weight_sync(rt)
+    syncs = any(getattr(n, "kind", "") == "sync_weights" for n in program.steps)
+    if syncs and config.runtime.mode != "async":  # async builds its own, on its own group
+        rt.weight_sync = _weight_sync(rt)
     advantage = next((n for n in program.steps if getattr(n, "kind", "") == "advantage"), None)
     layout = program.layouts.get(advantage.role) if advantage is not None else None
-    if layout is not None and layout.tp * layout.pp == 1 and rt.estimator is not None:
-        # batch-wide statistics (REINFORCE++ / GAE whitening) span every dp-shard
+    if layout is not None and rt.estimator is not None:
+        # batch-wide statistics (REINFORCE++ / GAE whitening) span every dp-shard; each
+        # dp-shard is held by world_size / dp ranks of the role (its tp/pp/... peers)
         rt.estimator.process_group = program.process_group(advantage.role)
+        rt.estimator.group_replicas = layout.world_size // layout.dp
     return rt, program
 
 
@@ -182,19 +190,14 @@ def _load_tokenizer(model_path: str) -> Any:
 
 
 def _weight_sync(rt: WorkerRuntime, group: Any = None) -> Any:
-    """Returns the callable the `sync_weights` node runs on every rank taking part."""
-    from peerflow.reshard import sync_weights
+    """Builds the run's `WeightSyncService` (collective over every rank taking part)."""
+    from peerflow.reshard import WeightSyncService
 
-    transport = rt.config.weight_sync.transport
-    actor, rollout = rt.engines.get("actor"), rt.engines.get("rollout")
-
-    def run() -> Any:
-        version = actor.version if actor is not None else rt.step
-        return sync_weights(actor, rollout, version=version,
-                            bucket_bytes=rt.config.weight_sync.bucket_bytes, group=group,
-                            transport=None if transport == "auto" else transport)
-
-    return run
+    ws = rt.config.weight_sync
+    return WeightSyncService.build(
+        rt.engines.get("actor"), rt.engines.get("rollout"), transport=ws.transport,
+        bucket_bytes=ws.bucket_bytes, group=group,
+        colocated=rt.config.runtime.placement == "colocated")
 
 
 def _train(rt: WorkerRuntime, program: RankProgram, stage: Any, *, resuming: bool = False
@@ -210,7 +213,7 @@ def _train(rt: WorkerRuntime, program: RankProgram, stage: Any, *, resuming: boo
     if resuming:
         with stage("resume"):
             start_step = _restore(rt, program)
-    elif ckpt.latest_checkpoint(rt.run_dir):
+    elif list_checkpoints(rt.run_dir):
         raise ConfigError(
             f"run directory {str(rt.run_dir)!r} already holds checkpoints; continue it with "
             f"`peerflow train --resume {rt.run_dir}`, or pick another --run-dir."
@@ -218,7 +221,7 @@ def _train(rt: WorkerRuntime, program: RankProgram, stage: Any, *, resuming: boo
     writer = None
     if rt.rank == 0:
         if start_step:
-            ckpt.truncate_metrics(rt.run_dir / "metrics.jsonl", start_step)
+            truncate_metrics(rt.run_dir / "metrics.jsonl", start_step)
         writer = MetricsWriter(rt.run_dir, config, tensorboard=config.run.tensorboard,
                                wandb=config.run.wandb)
     tracer = Tracer(rt.run_dir, rt.rank, enabled=config.run.trace)
@@ -237,10 +240,12 @@ def _train(rt: WorkerRuntime, program: RankProgram, stage: Any, *, resuming: boo
                 writer.write(step, metrics)
             progress.update(step, metrics)
             rt.pm.hook.peerflow_end_of_step(step=step, metrics=metrics, rank=rt.rank)
-            every = config.run.checkpoint_every
-            if (every and step % every == 0) or step == config.run.steps:
-                with stage(f"checkpoint step {step}"), tracer.span("checkpoint"):
-                    _save(rt, step)
+            if should_checkpoint(step, config.run.checkpoint_every, config.run.steps):
+                with stage(f"checkpoint step {step}",
+                           config.runtime.stage_deadline("checkpoint")), tracer.span("checkpoint"):
+                    save_step(rt.run_dir, step, engines=rt.engines, rank=rt.rank,
+                              driver_state={"sampler": rt.sampler.state_dict()},
+                              keep_last=config.run.keep_last)
     finally:
         progress.close()
         tracer.flush()
@@ -249,34 +254,17 @@ def _train(rt: WorkerRuntime, program: RankProgram, stage: Any, *, resuming: boo
             writer.close()
 
 
-def _save(rt: WorkerRuntime, step: int) -> None:
-    directory = ckpt.checkpoint_dir(rt.run_dir, step)
-    if rt.rank == 0:
-        directory.mkdir(parents=True, exist_ok=True)
-    _barrier()
-    for role, engine in sorted(rt.engines.items()):
-        if role in TRAIN_ROLES and role != "ref":
-            engine.save_checkpoint(str(directory / role))
-    ckpt.write_json_atomic(directory / f"worker_rank{rt.rank}.json", {
-        "step": step, "sampler": rt.sampler.state_dict(), "rng": ckpt.rng_state(),
-        "time": time.time(),
-    })
-    _barrier()
-    if rt.rank == 0:
-        ckpt.write_json_atomic(directory / ckpt.COMPLETE, {"step": step})
-
-
 def _restore(rt: WorkerRuntime, program: RankProgram) -> int:
-    step, directory = ckpt.find_resume_checkpoint(rt.run_dir)
-    import json
-
-    for role, engine in sorted(rt.engines.items()):
-        if role in TRAIN_ROLES and role != "ref":
-            engine.load_checkpoint(str(directory / role))
-    state = json.loads((directory / f"worker_rank{rt.rank}.json").read_text())
-    rt.sampler.load_state_dict(state["sampler"])
-    ckpt.set_rng_state(state["rng"])
+    resumed = restore_latest(rt.run_dir, engines=rt.engines, rank=rt.rank)
+    if resumed is None:
+        raise ConfigError(
+            f"--resume {str(rt.run_dir)!r}: no verified checkpoint under "
+            f"{rt.run_dir / 'checkpoints'}; a run saves one every run.checkpoint_every steps "
+            "and at its end. Start a fresh run instead, or pick another run directory."
+        )
+    if resumed.driver_state is not None:
+        rt.sampler.load_state_dict(resumed.driver_state["sampler"])
     if any(getattr(n, "kind", "") == "sync_weights" for n in program.steps):
         rt.sync_weights()
-    rt.step = step
-    return step
+    rt.step = resumed.step
+    return resumed.step

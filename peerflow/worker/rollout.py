@@ -17,15 +17,21 @@ from peerflow.engines import GenerationRequest, RolloutEngine, SamplingParams
 from peerflow.worker.sampler import Draw
 
 
-def encode_prompt(tokenizer: Any, text: str) -> list[int]:
-    """Returns the prompt's token ids, chat-templated when the tokenizer has a template."""
+def encode_prompt(tokenizer: Any, prompt: str | list[dict[str, str]]) -> list[int]:
+    """Returns the prompt's token ids, chat-templated when the tokenizer has a template.
+
+    `prompt` is text (sent as one user message) or a list of `{role, content}` messages,
+    rendered with `add_generation_prompt`. Without a chat template, text is tokenized as
+    it is and messages are joined by newlines.
+    """
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
     if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
-        )
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                            tokenize=True)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         return [int(i) for i in ids]
+    text = prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in messages)
     return [int(i) for i in tokenizer(text, add_special_tokens=True)["input_ids"]]
 
 
@@ -65,9 +71,16 @@ def generate_batch(
         draw, prompt = by_request[res.request_id]
         prompt_rows.append(torch.tensor(prompt, dtype=torch.int64))
         response_rows.append(torch.tensor(res.token_ids, dtype=torch.int64))
-        logprobs = res.logprobs if len(res.logprobs) == len(res.token_ids) else (
-            [0.0] * len(res.token_ids))
-        logprob_rows.append(torch.tensor(logprobs, dtype=torch.float32))
+        if len(res.logprobs) != len(res.token_ids):
+            raise RuntimeError(
+                f"rollout engine {type(engine).__name__} returned {len(res.logprobs)} "
+                f"log-probs for {len(res.token_ids)} tokens (request {res.request_id}); "
+                "training needs the sampling policy's log-prob of every token (the behaviour "
+                "policy of the off-policy correction, the mismatch metrics). Keep "
+                "SamplingParams.logprobs true, and make the adapter fill "
+                "GenerationResult.logprobs."
+            )
+        logprob_rows.append(torch.tensor(res.logprobs, dtype=torch.float32))
         group_ids.append(draw.position)
         sample_ids.append(draw.position * n + res.index)
         finish.append(res.finish_reason)

@@ -8,6 +8,7 @@ built by `WorkerRuntime.build_engine`) and its prompt sampler.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -15,11 +16,12 @@ from typing import Any
 
 import attrs
 
-from peerflow.algorithms.base import AdvantageEstimator, RewardFunction, Task
+from peerflow.algorithms.base import AdvantageEstimator, Task
 from peerflow.config import RunConfig, structure_options
 from peerflow.engines import EngineContext
 from peerflow.errors import ConfigError
 from peerflow.layout import ParallelLayout
+from peerflow.rewards import RewardSet, build_reward_set
 from peerflow.worker.sampler import ShardedPromptSampler
 
 #: Roles that run on a train engine (the rest run on the rollout engine).
@@ -78,10 +80,10 @@ class WorkerRuntime:
     """Local HF model directory the engines load."""
     tokenizer: Any
     task: Task
-    rewards: dict[str, RewardFunction]
-    """Reward functions built so far, by registered name."""
+    rewards: dict[str, RewardSet]
+    """Reward sets built so far, by a node's `options.reward` (`""`: the run's rewards)."""
     default_reward: str
-    """`task.reward`, else the task's `default_reward`."""
+    """The task's `default_reward` (used when the config names no reward)."""
     estimator: AdvantageEstimator | None
     policy_loss: Any
     """The actor's `LossFunction` (KL-regularised when `kl.mode: loss`)."""
@@ -96,9 +98,12 @@ class WorkerRuntime:
     """This rank's engine for each hosted role (`rollout`, `actor`, `ref`, `critic`)."""
     layouts: dict[str, ParallelLayout] = attrs.field(factory=dict)
     kl_reward: Callable[[Any, Any], None] | None = None
-    """`f(batch, metrics)` subtracting the KL penalty from `reward` (`kl.mode: reward`)."""
-    sync_weights: Callable[[], Any] = attrs.field(default=lambda: None)
-    """Runs one trainer → rollout weight sync on this rank; returns `WeightSyncStats`."""
+    """`f(batch, metrics)` shaping the rewards before the estimator (`Algorithm.shape_rewards`:
+    overlong punishment and filtering, the KL penalty with `kl.mode: reward`)."""
+    algorithm: Any = None
+    """The run's `peerflow.algorithms.Algorithm` (the train node's `prepare_actor_batch`)."""
+    weight_sync: Any = None
+    """The run's `WeightSyncService` on ranks that take part in weight syncs, else `None`."""
     max_refill_rounds: int = 4
     progress: Any = None
     """The step progress bar (`peerflow.outputs.StepProgress`); draws on rank 0 only."""
@@ -118,13 +123,34 @@ class WorkerRuntime:
                 f"{sorted(self.engines)}; the per-rank program and placement disagree."
             ) from None
 
-    def reward_fn(self, name: str | None = None) -> RewardFunction:
-        """Returns the reward called `name` (built once), or the run's default reward."""
-        name = name or self.default_reward
-        if name not in self.rewards:
-            cls = self.pm.get("reward", name)
-            self.rewards[name] = cls(_options(cls, {}, f"reward {name}"))
-        return self.rewards[name]
+    def sync_weights(self) -> Any:
+        """Runs one trainer → rollout weight sync (every rank of the sync, together).
+
+        Returns:
+            This rank's `WeightSyncStats`, or `None` on a rank outside the sync.
+        """
+        if self.weight_sync is None:
+            return None
+        actor = self.engines.get("actor")
+        return self.weight_sync.sync(actor.version if actor is not None else self.step)
+
+    def generating(self) -> Any:
+        """Context around generation: the weight sync's sleep/wake time sharing, if any."""
+        if self.weight_sync is None:
+            return contextlib.nullcontext()
+        return self.weight_sync.generating()
+
+    def reward_set(self, name: str | None = None) -> RewardSet:
+        """Returns the rewards a reward node scores with (built once).
+
+        `name` is a node's `options.reward` (one reward); `None` is the run's rewards
+        (`task.reward` or `task.rewards`, else the task's own reward).
+        """
+        key = name or ""
+        if key not in self.rewards:
+            self.rewards[key] = build_reward_set(self.config.task, self.pm,
+                                                 self.default_reward, name)
+        return self.rewards[key]
 
     def context(self, role: str, process_group: Any = None) -> EngineContext:
         """Returns the `EngineContext` of this rank's engine for `role`."""
@@ -173,23 +199,17 @@ def _device() -> str:
 
 
 def build_components(config: RunConfig, pm: Any) -> dict[str, Any]:
-    """Instantiates the task, its reward and the algorithm named by the config."""
-    from peerflow.algorithms.kl import apply_kl_penalty
+    """Instantiates the task and the algorithm named by the config.
+
+    Rewards are built on first use by `WorkerRuntime.reward_set`, on the ranks that score.
+    """
     from peerflow.algorithms.setup import build_algorithm
 
     task_cls = pm.get("task", config.task.name)
     task = task_cls(_options(task_cls, config.task.options, "task.options"))
-    reward_name = config.task.reward or task_cls.default_reward
-    reward_cls = pm.get("reward", reward_name)
-    reward = reward_cls(_options(reward_cls, {}, f"reward {reward_name}"))
     algo = build_algorithm(config.algorithm, max_tokens=config.rollout.sampling.max_tokens,
                            plugin_manager=pm)
-    kl_reward = None
-    if algo.kl_in_reward:
-        def kl_reward(batch: Any, metrics: Any) -> None:
-            for name, value in apply_kl_penalty(batch, algo.kl_coef, algo.kl_estimator).items():
-                metrics.mean(name, value, len(batch))
-
-    return {"task": task, "rewards": {reward_name: reward}, "default_reward": reward_name,
+    kl_reward = algo.shape_rewards if algo.shapes_rewards else None
+    return {"task": task, "rewards": {}, "default_reward": task_cls.default_reward,
             "estimator": algo.estimator, "policy_loss": algo.policy_loss,
-            "value_loss": algo.value_loss, "kl_reward": kl_reward}
+            "value_loss": algo.value_loss, "kl_reward": kl_reward, "algorithm": algo}

@@ -108,7 +108,7 @@ def test_async_run_respects_bound_loses_nothing_and_resumes(tmp_path):
             "runtime.partial_rollout=true", "runtime.partial_rollout_tokens=2"]
     assert run_workers([*base, "run.steps=2"], run_dir) == [0, 0]
     first = metrics(run_dir)
-    state2 = json.loads((run_dir / "checkpoints" / "step_000002" / "async_state.json").read_text())
+    state2 = json.loads((run_dir / "checkpoints" / "step_000002" / "inflight.json").read_text())
     assert run_workers([*base, "run.steps=4"], run_dir, resume=str(run_dir)) == [0, 0]
     rows = metrics(run_dir)
     assert [m["step"] for m in rows] == [1, 2, 3, 4]
@@ -116,7 +116,11 @@ def test_async_run_respects_bound_loses_nothing_and_resumes(tmp_path):
     for row in rows:
         assert row["staleness/max"] <= 1 and row["samples"] == 16
         assert math.isclose(sum(v for k, v in row.items() if k.startswith("staleness/hist_")), 1.0)
-    state4 = json.loads((run_dir / "checkpoints" / "step_000004" / "async_state.json").read_text())
+        # decoupled PPO is on by default: its weights and the rollout/trainer mismatch
+        assert row["off_policy/is_weight_max"] > 0
+        assert 0 <= row["off_policy/truncated_fraction"] <= 1
+        assert row["mismatch/kl"] >= 0.0 and row["mismatch/abs_max"] >= 0.0
+    state4 = json.loads((run_dir / "checkpoints" / "step_000004" / "inflight.json").read_text())
     trained2 = [g for gids in state2["trained_groups"].values() for g in gids]
     trained4 = [g for gids in state4["trained_groups"].values() for g in gids]
     assert len(trained2) == len(set(trained2)) == 2 * 4
@@ -127,6 +131,28 @@ def test_async_run_respects_bound_loses_nothing_and_resumes(tmp_path):
     assert holes <= set(trained4)
     trace = json.loads((run_dir / "trace_rank0.json").read_text())
     assert any(e.get("name") == "rollout/generate" for e in trace["traceEvents"])
+
+
+def test_async_ppo_with_a_critic_resumes_exactly(tmp_path):
+    # max_staleness=0 makes the async schedule deterministic, so two runs can be compared
+    base = [*SMALL, *SPLIT, "runtime.mode=async", "runtime.max_staleness=0",
+            "workflow.graph=ppo", "algorithm.advantage=gae", "run.checkpoint_every=2",
+            "trainer.lr=0.05"]
+    assert run_workers([*base, "run.steps=4"], tmp_path / "full") == [0, 0]
+    assert run_workers([*base, "run.steps=2"], tmp_path / "part") == [0, 0]
+    saved = tmp_path / "part" / "checkpoints" / "step_000002"
+    assert (saved / "critic").is_dir() and (saved / "actor").is_dir()
+    assert run_workers([*base, "run.steps=4"], tmp_path / "part",
+                       resume=str(tmp_path / "part")) == [0, 0]
+
+    def learning(rows):
+        return [{k: v for k, v in r.items() if not k.startswith(NOT_LEARNING)} for r in rows]
+
+    full, resumed = learning(metrics(tmp_path / "full")), learning(metrics(tmp_path / "part"))
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    assert any(k.startswith("critic/") for k in resumed[3])
+    assert resumed == full
+    assert resumed[2] != resumed[0]
 
 
 class _DieAtVersion2:
@@ -185,7 +211,7 @@ def test_two_rollout_ranks_feed_one_trainer(tmp_path):
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(r["samples"] == 16 and r["staleness/max"] <= 2 for r in rows)
     state = json.loads((tmp_path / "run" / "checkpoints" / "step_000003" /
-                        "async_state.json").read_text())
+                        "inflight.json").read_text())
     per_source = {int(k): v for k, v in state["trained_groups"].items()}
     assert sorted(per_source) == [0, 1] and all(len(v) == 3 * 2 for v in per_source.values())
     assert all(g % 2 == src for src, gids in per_source.items() for g in gids)  # own shard

@@ -47,7 +47,7 @@ def _worker(rank, port, model_path, out):
     from peerflow.engines import EngineContext, OptimSettings
     from peerflow.layout import ParallelLayout
     from peerflow.plugins import get_plugin_manager
-    from peerflow.reshard import make_buckets, plan_weight_sync
+    from peerflow.reshard import WeightSyncService
     from peerflow.streaming.transport import (
         WEIGHT_TAG,
         Kind,
@@ -59,6 +59,7 @@ def _worker(rank, port, model_path, out):
     dist.init_process_group("gloo", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=60))
     trainer_group = dist.new_group([1])
+    weight_group = dist.new_group([0, 1])  # the transport's own group (background threads)
     hooks = _Hooks()
     get_plugin_manager().register(hooks, "test-weight-hooks")
     result = {}
@@ -67,14 +68,13 @@ def _worker(rank, port, model_path, out):
 
         rollout = HFRolloutEngine(EngineContext(model_path=model_path,
                                                 layout=ParallelLayout(ranks=(0,)), rank=0))
-        plan = plan_weight_sync(None, rollout)
-        buckets = make_buckets(plan, 4096)
+        service = WeightSyncService.build(None, rollout, bucket_bytes=4096, group=weight_group)
         # wipe the rollout's weights so only the push can restore them
         rollout.begin_weight_update(0)
         rollout.load_weights([(s, torch.zeros(s.local_shape)) for s in rollout.weight_targets()])
         rollout.finish_weight_update()
-        receiver = WeightReceiver(plan=plan, buckets=buckets, rank=0, receiver=StreamReceiver(
-            sources=(1,), tag=WEIGHT_TAG, timeout=60, what="weights").start())
+        receiver = WeightReceiver(service=service, receiver=StreamReceiver(
+            sources=(1,), tag=WEIGHT_TAG, timeout=60, what="weights").start()).start()
         version = None
         deadline = time.time() + 60
         while version != 3 and time.time() < deadline:  # let all three versions land
@@ -86,7 +86,7 @@ def _worker(rank, port, model_path, out):
                              for n, p in list(rollout._params.items())[:3]}
         while not receiver.stopped:
             receiver.poll(timeout=0.5)
-        result["buckets"] = len(buckets)
+        result["buckets"] = len(service.buckets)
     else:
         from peerflow.adapters.fsdp.engine import FSDPTrainEngine
 
@@ -94,10 +94,9 @@ def _worker(rank, port, model_path, out):
             EngineContext(model_path=model_path, layout=ParallelLayout(ranks=(1,)), rank=1,
                           process_group=trainer_group),
             FSDPTrainEngine.options_class(), OptimSettings())
-        plan = plan_weight_sync(trainer, None)
-        buckets = make_buckets(plan, 4096)
+        service = WeightSyncService.build(trainer, None, bucket_bytes=4096, group=weight_group)
         sender = StreamSender(tag=WEIGHT_TAG, timeout=60)
-        pusher = WeightPusher(plan=plan, buckets=buckets, rank=1, sender=sender)
+        pusher = WeightPusher(service=service, sender=sender)
         for version in (1, 2, 3):
             pusher.push(trainer, version)
         specs = list(trainer.weight_sources())

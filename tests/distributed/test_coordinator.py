@@ -275,3 +275,21 @@ def test_p2p_busiest_rank_moves_less_than_centralized(pools) -> None:
     busiest = {m: max(sum(info) for _, info in res.values())
                for m, res in (("p2p", p2p), ("centralized", central))}
     assert busiest["centralized"] > 1.5 * busiest["p2p"], busiest
+
+
+def test_missing_load_fields_is_an_error_naming_the_fields(pools) -> None:
+    src, dst = ParallelLayout(dp=2), ParallelLayout(dp=1, tp=2)
+    shards_by_dp, _ = make_shards(src, [[[3, 4]], [[5]]], seed=2)
+    members = dp_members(src)
+    shards = {}
+    for dp, batch in enumerate(shards_by_dp):
+        bare = Batch(sample_id=batch.sample_id, group_id=batch.group_id,
+                     weight_version=batch.weight_version)
+        bare.set("tokens", batch["response_ids"])
+        for r in members[dp]:
+            shards[r] = pack_batch(bare)
+    with pytest.raises(AssertionError) as failure:
+        pools(2).run(src, dst, shards)
+    message = str(failure.value)
+    assert "none of the load fields ['prompt_ids', 'response_ids']" in message
+    assert "it has ['tokens']" in message and "load_fields=" in message

@@ -221,3 +221,120 @@ def test_stage_reports_own_error_and_comm_errors_blame_the_peer() -> None:
     handle_failure(RuntimeError("[gloo] Connection closed by peer"), monitor)
     assert exits == [PEER_FAILED_EXIT]
     assert read_failure(store).rank == 1  # the first record stays
+
+
+def test_a_stage_past_its_deadline_fails_the_run_naming_rank_and_detail() -> None:
+    """The main thread is stuck (a reward that never returns): the monitor thread fails
+    the run naming this rank, the stage, what it worked on and where it is stuck."""
+    from peerflow.distributed.faults import STUCK_EXIT, describe_stage, set_monitor, stage
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    exits: list[int] = []
+    monitor = FaultMonitor(store=store, rank=1, world_size=2, fault_timeout=2.0,
+                           exit_process=exits.append).start()
+    set_monitor(monitor)
+    try:
+        with stage("step 4 reward", deadline=0.3):
+            describe_stage("reward 'hang' on sample_id 7")
+            deadline = time.monotonic() + 10
+            while not exits and time.monotonic() < deadline:
+                time.sleep(0.05)  # "stuck": the monitor must act on its own
+    finally:
+        set_monitor(None)
+        monitor.close()
+    record = read_failure(store)
+    assert exits == [STUCK_EXIT]
+    assert record.rank == 1 and record.stage == "step 4 reward (reward 'hang' on sample_id 7)"
+    assert "past the stage's deadline of 0.3 s" in record.reason
+    assert "test_faults.py" in record.reason  # where the main thread was
+
+
+def test_a_rank_that_timed_out_waiting_names_the_stuck_peer() -> None:
+    """Rank 1 is stuck in its reward (heartbeats go on, no deadline fired yet); rank 0's
+    collective times out: the failure names rank 1 and its stage, not rank 0."""
+    from peerflow.distributed.faults import handle_failure
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    exits: list[int] = []
+    monitors = [FaultMonitor(store=store, rank=r, world_size=3, fault_timeout=1.0,
+                             exit_process=exits.append).start() for r in range(3)]
+    monitors[1].set_stage("step 2 reward", detail="reward 'slow' on sample_id 3")
+    time.sleep(0.05)
+    monitors[2].set_stage("step 2 advantage")
+    monitors[0].set_stage("step 2 advantage")
+    handle_failure(RuntimeError("[gloo] Timed out waiting 1000ms for recv operation"),
+                   monitors[0])  # rank 2 times out the same way, a little later
+    for m in monitors:
+        m.close()
+    record = read_failure(store)
+    assert record.rank == 1, record
+    assert record.stage == "step 2 reward (reward 'slow' on sample_id 3)"
+    assert "rank 0 timed out waiting for it in stage 'step 2 advantage'" in record.reason
+
+
+HANGING_REWARD = textwrap.dedent('''
+    import os, time
+    import torch.distributed as dist
+    from peerflow.algorithms.base import RewardFunction
+    from peerflow.plugins import get_plugin_manager, hookimpl
+    from peerflow.worker.main import run_worker
+
+    class HangingReward(RewardFunction):
+        name = "hang_on_rank1"
+
+        def score(self, responses, examples):
+            if dist.get_rank() == 1:
+                while True:  # a reward that never returns
+                    time.sleep(0.1)
+            return [0.0] * len(responses)
+
+    class Plugin:
+        @hookimpl
+        def peerflow_register_rewards(self, register):
+            register(HangingReward)
+
+    def run(config_path, overrides, run_dir, resume):
+        get_plugin_manager().register(Plugin(), "hanging-reward")
+        run_worker(config_path, overrides, run_dir, resume)
+''')
+
+
+def test_a_reward_that_never_returns_fails_the_run_naming_rank_reward_and_sample(
+        tmp_path) -> None:
+    """The real step loop: rank 1's reward hangs; the run fails after
+    `runtime.reward_timeout`, naming rank 1, the reward stage, the reward, its samples and
+    the line it is stuck on (before, the job hung or blamed a healthy rank)."""
+    (tmp_path / "hangprog.py").write_text(HANGING_REWARD)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    script = textwrap.dedent('''
+        import sys
+        from peerflow.errors import PeerFlowError
+        from peerflow.launch import launch
+        try:
+            launch(sys.argv[1], sys.argv[3:], sys.argv[2], None, nprocs=2,
+                   entry="hangprog:run")
+        except PeerFlowError as exc:
+            print("LAUNCHER:", exc, file=sys.stderr)
+            sys.exit(1)
+    ''')
+    env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+               GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "PEERFLOW_FAULT_STORE"):
+        env.pop(key, None)
+    overrides = ["run.steps=3", "run.prompts_per_step=4", "rollout.sampling.n=4",
+                 "task.reward=hang_on_rank1", "runtime.reward_timeout=4",
+                 "runtime.fault_timeout=60", "run.trace=false", "run.tensorboard=false"]
+    proc = subprocess.run(
+        [sys.executable, "-c", script, os.path.join(root, "examples", "quickstart.yaml"),
+         str(tmp_path / "run"), *overrides],
+        env=env, capture_output=True, text=True, timeout=300)
+    err = proc.stderr
+    assert proc.returncode == 1, err
+    host = socket.gethostname()
+    launcher = next(line for line in err.splitlines() if line.startswith("LAUNCHER:"))
+    assert (f"rank 1 (host {host}) failed in stage \"step 1 reward (reward 'hang_on_rank1' on "
+            "sample_id ") in launcher, err
+    assert "first: dataset row" in launcher
+    assert "past the stage's deadline of 4 s" in launcher
+    assert "hangprog.py:" in launcher and "in score" in launcher
+    assert f"; rank 0 (host {host}" in err  # the healthy rank exits naming rank 1

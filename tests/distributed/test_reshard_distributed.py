@@ -147,3 +147,112 @@ def test_sync_weights_split_and_colocated_over_gloo():
     for transport in ("torch", "torch_broadcast"):
         assert all(by_rank[r][transport][0] > 0 for r in range(2))
         assert all(by_rank[r][transport][2] > 0 for r in range(2))
+
+
+def _both_modes_worker(rank: int, world: int, port: int, results) -> None:
+    """Every registered transport: lockstep `sync` and streaming push → apply."""
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    torch.set_num_threads(1)
+    import time
+
+    import torch.distributed as dist
+
+    from peerflow.conformance.oracle import arange_globals, cut
+    from peerflow.models import hf_layout, hf_parameters, vllm_layout
+    from peerflow.plugins import get_plugin_manager
+    from peerflow.reshard import WeightSyncService
+    from peerflow.streaming.transport import WEIGHT_TAG, Kind, StreamReceiver, StreamSender
+    from peerflow.streaming.weight_push import WeightPusher, WeightReceiver
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=240))
+    try:
+        Trainer, Rollout = _engines()
+
+        class ZeroCopy(Rollout):
+            def weight_buffers(self, specs):
+                return [self.params[s.local_name] for s in specs]
+
+        full = arange_globals(hf_parameters(CONFIG))
+        alone = [dist.new_group([r]) for r in range(world)][rank]
+        registry = get_plugin_manager().registry("weight_transport")
+        out = {}
+        for name in sorted(registry.names()):
+            cls = registry.get(name)
+            if cls.unavailable_reason():
+                out[name] = cls.unavailable_reason()
+                continue
+            group = dist.new_group(list(range(world)))  # the transport's own group
+            specs = hf_layout(CONFIG)
+            trainer = Trainer(specs, {s.local_name: cut(s, full).clone() for s in specs})
+            if name == "inprocess":  # colocated plans only: each rank syncs into itself
+                rollout = ZeroCopy(vllm_layout(CONFIG))
+                service = WeightSyncService.build(trainer, rollout, transport=name, group=alone,
+                                                  bucket_bytes=2048)
+                service.sync(1)
+                _check(rollout, full, 1)
+                service.apply(service.transfer(service.pack(2), 2))
+                _check(rollout, full, 2)
+                out[name] = "both"
+                continue
+            rollout = ZeroCopy(vllm_layout(CONFIG)) if rank == 1 else None
+            trainer = trainer if rank == 0 else None
+            service = WeightSyncService.build(trainer, rollout, transport=name, group=group,
+                                              bucket_bytes=2048)
+            service.sync(1)
+            if rollout is not None:
+                _check(rollout, full, 1)
+                receiver = WeightReceiver(service=service, receiver=StreamReceiver(
+                    sources=(0,), tag=WEIGHT_TAG, timeout=60, what="weights").start()).start()
+                deadline = time.time() + 120
+                while receiver.poll(timeout=0.5) != 3 and time.time() < deadline:
+                    pass
+                receiver.apply(rollout, 3)
+                _check(rollout, {k: v * 3 for k, v in full.items()}, 3)
+                while not receiver.stopped:
+                    receiver.poll(timeout=0.5)
+            else:
+                sender = StreamSender(tag=WEIGHT_TAG, timeout=60)
+                pusher = WeightPusher(service=service, sender=sender)
+                for version in (2, 3):
+                    for s in specs:  # the trainer's weights move on between pushes
+                        trainer.tensors[s.local_name].copy_(cut(s, full) * version)
+                    pusher.push(trainer, version)
+                pusher.drain()
+                sender.send(1, Kind.STOP)
+                sender.flush()
+            out[name] = "both"
+        results.put((rank, out, None))
+    except BaseException:
+        results.put((rank, None, traceback.format_exc()))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_every_registered_transport_runs_lockstep_and_streaming():
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_both_modes_worker, args=(r, 2, port, results))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        got = [results.get(timeout=400) for _ in procs]
+    except queue.Empty:
+        pytest.fail("a transport worker neither finished nor reported an error within 400 s")
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    errors = [err for _, _, err in got if err]
+    assert not errors, "\n".join(errors)
+    from peerflow.plugins import get_plugin_manager
+
+    registry = get_plugin_manager().registry("weight_transport")
+    for _, out, _ in got:
+        assert set(out) == set(registry.names())
+        for name in registry.names():
+            reason = registry.get(name).unavailable_reason()
+            assert out[name] == (reason or "both"), name

@@ -27,7 +27,9 @@ def test_quickstart_two_processes(tmp_path, quickstart, tiny, metrics_of, peerfl
             assert m[f"time/{phase}"] >= 0
     assert (run_dir / "config.yaml").is_file()
     assert (run_dir / "trace_rank0.json").is_file() and (run_dir / "trace_rank1.json").is_file()
-    assert (run_dir / "checkpoints" / "step_000003" / "COMPLETE").is_file()
+    assert (run_dir / "checkpoints" / "step_000003" / "MANIFEST.json").is_file()
+    assert (run_dir / "fingerprint.json").is_file()
+    assert not (run_dir / "run.lock").exists()  # released when the run ends
 
 
 def test_bad_config_fails_before_spawning(tmp_path, quickstart):

@@ -1,4 +1,8 @@
-"""Resume equals an uninterrupted run: 4 steps vs 2 steps + `--resume` for 2 more."""
+"""Resume equals an uninterrupted run: 4 steps vs 2 steps + `--resume` for 2 more.
+
+Then the newest checkpoint is truncated: the resume falls back to the previous verified
+one, says so, and still reproduces the uninterrupted run.
+"""
 
 from __future__ import annotations
 
@@ -30,3 +34,11 @@ def test_resume_equals_uninterrupted(tmp_path, quickstart, tiny, metrics_of, pee
     assert resumed == expected
     # a resume trained: the later steps are not copies of the earlier ones
     assert resumed[2] != resumed[0]
+
+    # a truncated newest checkpoint: reported (step and file), the previous one is used
+    shard = part / "checkpoints" / "step_000004" / "actor" / "model-rank1.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-100])
+    proc = peerflow_train(["--resume", str(part), "--nprocs", "2"], ["run.steps=4"])
+    assert "step 4" in proc.stdout and "actor/model-rank1.safetensors" in proc.stdout
+    assert "resuming from step 2" in proc.stdout
+    assert [_comparable(m) for m in metrics_of(part)] == expected

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from peerflow.algorithms.dynamic_sampling import filter_groups
-from peerflow.algorithms.kl import KLRegularizedLoss, apply_kl_penalty
+from peerflow.algorithms.regularized import RegularizedLoss
 from peerflow.algorithms.setup import build_algorithm
 from peerflow.batch import Batch, RaggedField
 from peerflow.config import AlgorithmConfig, structure
@@ -28,7 +28,7 @@ def test_build_dr_grpo_with_kl_loss(plugin_manager):
         "kl": {"coef": 0.01, "estimator": "k2", "mode": "loss"},
     })
     algo = build_algorithm(config, max_tokens=16, plugin_manager=plugin_manager)
-    assert isinstance(algo.policy_loss, KLRegularizedLoss)
+    assert isinstance(algo.policy_loss, RegularizedLoss)
     inner = algo.policy_loss.loss
     assert inner.aggregation == "seq-mean-token-sum-norm"
     assert inner.options.norm_length == 16 and inner.options.clip_high == 0.28
@@ -94,8 +94,7 @@ def run_toy(plugin_manager, advantage, loss, *, kl_mode=None, dynamic=False, ste
         batch.set("rollout_logprobs", list(lp))
         batch.set("ref_logprobs", list(ref_lp))
         batch.set("values", list(values.detach().expand(len(tokens), 3)))
-        if algo.kl_in_reward:
-            apply_kl_penalty(batch, algo.kl_coef, algo.kl_estimator)
+        algo.kl_penalty(batch)
         if algo.dynamic_sampling:
             batch = filter_groups(batch).batch
             if len(batch) == 0:

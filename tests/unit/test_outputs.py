@@ -1,4 +1,4 @@
-"""Run directory, metrics writer, checkpoints helpers, trace and progress."""
+"""Run directory, metrics writer, trace and progress."""
 
 from __future__ import annotations
 
@@ -14,16 +14,10 @@ from peerflow.outputs import (
     MetricsWriter,
     StepProgress,
     Tracer,
-    atomic_directory,
     create_run_dir,
-    load_tensors,
-    read_latest,
     read_metrics,
-    save_tensors,
     set_tracer,
-    should_checkpoint,
     span,
-    update_latest,
     write_resolved_config,
 )
 
@@ -83,27 +77,6 @@ def test_wandb_missing_is_a_note_not_an_error(tmp_path, capsys, monkeypatch):
     with MetricsWriter(tmp_path, tensorboard=False, wandb=True) as writer:
         writer(1, {"x": 1.0})
     assert "wandb is not installed" in capsys.readouterr().err
-
-
-def test_checkpoint_helpers_are_atomic(tmp_path):
-    tensors = {"w": torch.arange(6.0).reshape(2, 3), "b": torch.ones(2)}
-    final = tmp_path / "checkpoints" / "step_000002"
-    with atomic_directory(final) as tmp:
-        assert not final.exists()
-        save_tensors(tmp / "model.safetensors", tensors, {"step": 2, "version": 2})
-    loaded, meta = load_tensors(final / "model.safetensors")
-    assert torch.equal(loaded["w"], tensors["w"]) and meta == {"step": 2, "version": 2}
-    with pytest.raises(RuntimeError, match="boom"), atomic_directory(final) as tmp:
-        (tmp / "partial").write_text("x")
-        raise RuntimeError("boom")
-    assert sorted(p.name for p in final.iterdir()) == ["model.safetensors",
-                                                       "model.safetensors.json"]
-    assert [p.name for p in final.parent.iterdir()] == ["step_000002"]  # no temp left
-    assert read_latest(final.parent) is None
-    update_latest(final.parent, final.name)
-    assert read_latest(final.parent) == final
-    assert [s for s in range(1, 11) if should_checkpoint(s, 4, 10)] == [4, 8, 10]
-    assert [s for s in range(1, 6) if should_checkpoint(s, 0, 5)] == [5]
 
 
 def test_trace_spans_write_chrome_json(tmp_path):

@@ -149,3 +149,13 @@ def test_autoload_can_be_disabled_or_allow_listed(tmp_path):
     both = _plugins_json(tmp_path, {"PEERFLOW_DISABLE_PLUGIN_AUTOLOAD": "1",
                                     "PEERFLOW_PLUGINS": "good"})
     assert "good" in names(both)
+
+
+def test_unknown_name_with_autoload_disabled_blames_the_environment_variable(tmp_path):
+    make_distribution(tmp_path, "good-plugin", {"good_mod": GOOD_PLUGIN}, {"good": "good_mod"})
+    result = run_peerflow("conformance", "toy", pythonpath=tmp_path,
+                          env={"PEERFLOW_DISABLE_PLUGIN_AUTOLOAD": "1"})
+    assert result.returncode == 1
+    assert "rollout backend 'toy' is not registered because " \
+        "PEERFLOW_DISABLE_PLUGIN_AUTOLOAD is set" in result.stderr, result.stderr
+    assert "good (good-plugin" in result.stderr and "PEERFLOW_PLUGINS=good" in result.stderr

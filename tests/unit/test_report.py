@@ -21,7 +21,10 @@ def write_run(run_dir, steps=12, async_metrics=False):
                 "time/generate": 0.6, "time/train_actor": 0.3, "actor/pg_loss": -0.1,
             }
             if async_metrics:
-                metrics |= {"staleness/mean": 0.5, "overlap/fraction": 0.7, "queue/depth": 3}
+                metrics |= {"staleness/mean": 0.5, "overlap/fraction": 0.7, "queue/depth": 3,
+                            "off_policy/is_weight_mean": 1.01, "off_policy/is_weight_max": 2.5,
+                            "off_policy/truncated_fraction": 0.01, "mismatch/abs_mean": 0.02,
+                            "mismatch/abs_max": 0.9, "mismatch/kl": 0.001}
             writer(step, metrics)
 
 
@@ -43,7 +46,15 @@ def test_report_renders_pngs_and_summary(tmp_path):
 def test_async_metrics_add_staleness_and_overlap_plots(tmp_path):
     write_run(tmp_path, steps=3, async_metrics=True)
     names = {p.name for p in render_report(tmp_path, tmp_path / "out")}
-    assert {"staleness.png", "overlap.png"} <= names
+    assert {"staleness.png", "overlap.png", "off_policy.png", "mismatch.png"} <= names
+
+
+def test_report_cli_prints_the_off_policy_summary(tmp_path, capsys):
+    write_run(tmp_path, steps=6, async_metrics=True)
+    assert main(["report", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "off_policy/is_weight_max: first 5 steps 2.5" in out
+    assert "mismatch/kl: first 5 steps 0.001" in out
 
 
 def test_summarize_skips_missing_values():

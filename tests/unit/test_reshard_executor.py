@@ -1,4 +1,4 @@
-"""Executor and `sync_weights`: memory bound, dtypes, strides, versions, stats."""
+"""Executor and `WeightSyncService`: memory bound, dtypes, strides, versions, stats."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import contextlib
 import pytest
 import torch
 
+from peerflow.capabilities import Capabilities
 from peerflow.conformance.harness import run_threaded
 from peerflow.conformance.oracle import arange_globals, cut, shard_all
 from peerflow.engines import EngineContext, RolloutEngine, TrainEngine
@@ -14,7 +15,13 @@ from peerflow.errors import ConfigError, ShardError
 from peerflow.layout import ParallelLayout
 from peerflow.models import hf_layout, hf_parameters, megatron_layout, vllm_layout
 from peerflow.plugins import get_plugin_manager, hookimpl
-from peerflow.reshard import make_buckets, make_transport, plan_reshard, sync_weights
+from peerflow.reshard import (
+    WeightSyncService,
+    make_buckets,
+    make_transport,
+    plan_reshard,
+    sync_weights,
+)
 from peerflow.shard import Box, ShardSpec
 
 CONFIG = dict(model_type="llama", vocab_size=130, hidden_size=32, intermediate_size=64,
@@ -96,9 +103,11 @@ def test_colocated_sync_megatron_to_vllm_publishes_version_and_reports_phases():
     assert stats.bytes == sum(t.numel() * 4 for t in full.values())  # padding never moves
     assert min(stats.plan_s, stats.pack_s, stats.wire_s, stats.load_s) >= 0
     assert stats.wire_s > 0 and stats.load_s > 0
-    # The plan is cached on the trainer: a second sync does not replan.
-    again = sync_weights(trainer, rollout, version=8, bucket_bytes=8192)
-    assert rollout.weight_version == 8 and again.plan_s < stats.plan_s + 0.5
+    # A run builds the service once; every later sync reuses its plan and buckets.
+    service = WeightSyncService.build(trainer, rollout, bucket_bytes=8192)
+    plan = service.plan
+    assert service.sync(8).plan_s == 0 and rollout.weight_version == 8
+    assert service.plan is plan
 
 
 def test_peak_extra_memory_stays_within_two_buckets_plus_largest_tensor():
@@ -196,3 +205,78 @@ def test_weight_buffers_write_in_place_without_staging():
         for box in s.padding:
             got[box.slices()] = 0
         assert torch.equal(got, cut(s, full)), s.local_name
+
+
+def test_streaming_pack_transfer_apply_snapshots_each_version_in_one_process():
+    """Streaming on one rank (`inprocess`): a packed version is a snapshot, zero-copy apply."""
+    full = arange_globals(hf_parameters(CONFIG))
+    src = hf_layout(CONFIG)
+    trainer = TensorTrainer(src, {s.local_name: cut(s, full).clone() for s in src})
+    rollout = ZeroCopyRollout(vllm_layout(CONFIG))
+    service = WeightSyncService.build(trainer, rollout, bucket_bytes=4096)
+    assert service.transport.name == "inprocess" and len(service.buckets) > 1
+    first = service.pack(1)
+    for tensor in trainer.tensors.values():  # the trainer moves on while v1 is in flight
+        tensor.mul_(-1)
+    second = service.pack(2)
+    got_first = service.transfer(first, 1)
+    got_second = service.transfer(second, 2)
+    pool = service.meter.current - got_first.nbytes - got_second.nbytes
+    assert pool == 2 * first.nbytes  # two pool slots: double buffering
+    stats = service.apply(got_first)
+    assert rollout.weight_version == 1 and stats.bytes == got_first.nbytes
+    for s in rollout.specs:
+        got = rollout.params[s.local_name].clone()
+        for box in s.padding:
+            got[box.slices()] = 0
+        assert torch.equal(got, cut(s, full)), s.local_name
+    service.apply(got_second)
+    assert rollout.weight_version == 2
+    assert service.meter.current == pool  # received buffers released once applied
+    s = rollout.specs[0]
+    assert torch.equal(rollout.params[s.local_name][: cut(s, full).shape[0]], -cut(s, full))
+
+
+class SleepyRollout(TensorRollout):
+    """Declares `Capabilities.sleep` and records the calls (tags optional or not)."""
+
+    name = "test-sleepy-rollout"
+    capabilities = Capabilities(sleep=True)
+
+    def sleep(self):
+        self.calls.append("sleep")
+
+    def wake(self, tags=None):
+        self.calls.append(("wake", tuple(tags or ())))
+
+    def load_weights(self, items):
+        self.calls.append("load")
+
+
+class OldSleepyRollout(SleepyRollout):
+    """An engine written before `wake` took tags."""
+
+    name = "test-old-sleepy-rollout"
+
+    def wake(self):
+        self.calls.append(("wake", ()))
+
+
+@pytest.mark.parametrize("cls,woken", [
+    (SleepyRollout, [("wake", ("weights",)), "load", ("wake", ("kv_cache",))]),
+    (OldSleepyRollout, [("wake", ()), "load"]),
+])
+def test_colocated_time_sharing_follows_the_hybrid_engine_order(cls, woken):
+    src = [ShardSpec.of_slice("w", (4, 4))]
+    trainer = TensorTrainer(src, {"w": torch.ones(4, 4)})
+    rollout = cls(src)
+    service = WeightSyncService.build(trainer, rollout, colocated=True)
+    assert service.time_share
+    with service.generating():
+        rollout.calls.append("generate")
+    service.sync(1)
+    with service.generating():
+        rollout.calls.append("generate")
+    assert rollout.calls == ["generate", "sleep", *woken, "generate", "sleep"]
+    split = WeightSyncService.build(trainer, cls(src), colocated=False)
+    assert not split.time_share

@@ -142,3 +142,86 @@ def test_tiny_model_builder_is_cached_and_loads(tmp_path):
     assert templated == "<s>123>"
     with pytest.raises(ConfigError, match="model.builder_options.hidden: unknown key"):
         ReverseDigitsTask.build_model({"hidden": 3}, str(tmp_path))
+
+
+def _verl_rows():
+    return [{
+        "data_source": "demo/math",
+        "prompt": [{"role": "user", "content": f"What is {i} + {i}?"}],
+        "ability": "math",
+        "reward_model": {"style": "rule", "ground_truth": str(2 * i)},
+        "extra_info": {"split": "train", "index": i},
+    } for i in range(6)]
+
+
+def test_verl_parquet_loads_as_it_is(tmp_path):
+    import datasets
+
+    path = tmp_path / "train.parquet"
+    datasets.Dataset.from_list(_verl_rows()).to_parquet(str(path))
+    task = DatasetTask(DatasetOptions(path=str(path), answer_column="reward_model.ground_truth",
+                                      system_prompt="Answer in \\boxed{}.", shuffle=False))
+    first = next(task.examples("train", 0))
+    assert first.prompt == [{"role": "system", "content": "Answer in \\boxed{}."},
+                            {"role": "user", "content": "What is 0 + 0?"}]
+    assert first.answer == "0" and first.metadata["data_source"] == "demo/math"
+    assert first.metadata["extra_info"] == {"split": "train", "index": 0}
+    assert [e.answer for e in task.examples("train", 0)] == ["0", "2", "4", "6", "8", "10"]
+
+
+def test_save_to_disk_directories_and_their_splits(tmp_path):
+    import datasets
+
+    rows = _verl_rows()
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows[:4]),
+                          "test": datasets.Dataset.from_list(rows[4:])}
+                         ).save_to_disk(str(tmp_path / "dd"))
+    task = DatasetTask(DatasetOptions(path=str(tmp_path / "dd"), eval_split="test",
+                                      answer_column="reward_model.ground_truth"))
+    assert task.size("train") == 4 and task.size("eval") == 2
+    with pytest.raises(ConfigError, match=r"has splits \['test', 'train'\], not 'valid'"):
+        DatasetTask(DatasetOptions(path=str(tmp_path / "dd"), eval_split="valid",
+                                   answer_column="reward_model.ground_truth")).size("eval")
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "single"))
+    single = DatasetTask(DatasetOptions(path=str(tmp_path / "single"),
+                                        answer_column="reward_model.ground_truth"))
+    assert single.size("train") == 6
+
+
+def test_chat_prompts_render_with_the_chat_template(tmp_path):
+    from transformers import AutoTokenizer
+
+    from peerflow.worker.rollout import encode_prompt
+
+    path = ReverseDigitsTask.build_model({"hidden_size": 32, "intermediate_size": 64},
+                                         str(tmp_path))
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    chat = [{"role": "system", "content": "12"}, {"role": "user", "content": "34>"}]
+    assert tokenizer.decode(encode_prompt(tokenizer, chat)) == "<s>1234>"
+    assert encode_prompt(tokenizer, "34>") == encode_prompt(tokenizer, chat[1:])
+
+
+@pytest.mark.parametrize("content, expected", [
+    (b'{"prompt": "a", "answer": "1"}\n{"prompt": "caf\xe9", "answer": "2"}\n',
+     r"line 2: byte b'\\xe9' at column 16 is not UTF-8\. Re-encode the file as UTF-8"),
+    (b'{"prompt": "a", "answer": "1"}\n{"prompt": "b", "answer": }\n',
+     r"line 2, column 27: not valid JSON .*Fix or delete that line"),
+    (b"", r"the dataset is empty \(no rows\); add at least one row"),
+    (b"\n\n", r"the dataset is empty"),
+    (b'["prompt", "answer"]\n', r"line 1: is a JSON list, not an object"),
+    (b'{"prompt": [{"role": "user"}], "answer": "1"}\n',
+     r"row 0: column 'prompt' message 0 is .*needs a role .* and a string content"),
+])
+def test_dataset_file_errors_name_the_line_and_fix(tmp_path, content, expected):
+    path = tmp_path / "data.jsonl"
+    path.write_bytes(content)
+    with pytest.raises(ConfigError, match=expected) as info:
+        DatasetTask(DatasetOptions(path=str(path))).size("train")
+    assert str(path) in str(info.value)
+
+
+def test_a_split_left_empty_is_an_error(tmp_path):
+    path = tmp_path / "one.jsonl"
+    path.write_text('{"prompt": "a", "answer": "1"}\n')
+    with pytest.raises(ConfigError, match="leaves no rows to train on"):
+        DatasetTask(DatasetOptions(path=str(path), eval_fraction=0.9)).size("train")

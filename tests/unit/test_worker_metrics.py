@@ -1,10 +1,7 @@
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from peerflow.worker import checkpoint as ckpt
 from peerflow.worker.loop import finish_metrics
 from peerflow.worker.metrics import StepMetrics, all_reduce_metrics, reduce_metrics
 
@@ -47,33 +44,3 @@ def test_single_process_reduction_and_derived_metrics():
     assert out["reward/std"] == pytest.approx(0.5)
     assert out["throughput/tokens_per_s"] == pytest.approx(25.0)
     assert "reward/_sq" not in out
-
-
-def test_checkpoint_discovery_and_metrics_truncation(tmp_path):
-    for step, complete in ((2, True), (4, True), (6, False)):
-        d = ckpt.checkpoint_dir(tmp_path, step)
-        d.mkdir(parents=True)
-        if complete:
-            ckpt.write_json_atomic(d / ckpt.COMPLETE, {"step": step})
-    assert ckpt.latest_checkpoint(tmp_path)[0] == 4
-    metrics = tmp_path / "metrics.jsonl"
-    metrics.write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 7)))
-    ckpt.truncate_metrics(metrics, 4)
-    assert [json.loads(x)["step"] for x in metrics.read_text().splitlines()] == [1, 2, 3, 4]
-
-
-def test_resume_without_checkpoint_names_the_fix(tmp_path):
-    with pytest.raises(Exception, match="no complete checkpoint"):
-        ckpt.find_resume_checkpoint(tmp_path)
-
-
-def test_rng_state_round_trip():
-    import random
-
-    import torch
-
-    state = ckpt.rng_state()
-    a = (torch.rand(3), random.random())
-    ckpt.set_rng_state(state)
-    b = (torch.rand(3), random.random())
-    assert torch.equal(a[0], b[0]) and a[1] == b[1]

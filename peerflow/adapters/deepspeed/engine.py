@@ -18,13 +18,13 @@ DeepSpeed is imported inside methods only (see `EngineBase`).
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 
+from peerflow.adapters.deepspeed import checkpoint as ckpt
 from peerflow.adapters.deepspeed.layout import FAMILIES, check_layout, deepspeed_shard_layout
 from peerflow.adapters.deepspeed.loading import load_hf_weights
 from peerflow.adapters.deepspeed.options import DeepSpeedOptions
@@ -217,44 +217,12 @@ class DeepSpeedTrainEngine(CausalLMTrainEngine):
             yield [p.data.detach() for p in chosen]
 
     def save_checkpoint(self, directory: str) -> None:
-        """Saves model, optimiser and engine state with DeepSpeed's `save_checkpoint`.
-
-        Every rank writes its own partition files under `directory/<checkpoint_tag>/`;
-        `directory/peerflow_deepspeed.json` records the PeerFlow weight version.
-        """
-        os.makedirs(directory, exist_ok=True)
-        self.engine.save_checkpoint(directory, tag=self.options.checkpoint_tag,
-                                    client_state={"peerflow_version": self.version})
-        if self.dp_rank == 0:
-            meta = {"version": self.version, "zero_stage": self.zero_stage,
-                    "dp_size": self.dp_size, "tag": self.options.checkpoint_tag}
-            tmp = os.path.join(directory, "peerflow_deepspeed.json.tmp")
-            with open(tmp, "w") as handle:
-                json.dump(meta, handle)
-            os.replace(tmp, os.path.join(directory, "peerflow_deepspeed.json"))
-        import torch.distributed as dist
-
-        dist.barrier(group=self.dp_group)
+        """Saves model, optimiser and engine state (every rank); see `checkpoint`."""
+        ckpt.save(self, directory)
 
     def load_checkpoint(self, directory: str) -> None:
-        """Restores what `save_checkpoint` wrote (same ZeRO stage and dp size)."""
-        meta_path = os.path.join(directory, "peerflow_deepspeed.json")
-        if not os.path.exists(meta_path):
-            raise FileNotFoundError(
-                f"{directory} holds no DeepSpeed checkpoint written by PeerFlow "
-                f"({meta_path} is missing); pass the directory save_checkpoint wrote."
-            )
-        with open(meta_path) as handle:
-            meta: dict[str, Any] = json.load(handle)
-        if meta["dp_size"] != self.dp_size:
-            raise ConfigError(
-                f"checkpoint {directory} was written by {meta['dp_size']} DeepSpeed ranks but "
-                f"this run has {self.dp_size}; resume with the same trainer layout."
-            )
-        path, client = self.engine.load_checkpoint(directory, tag=meta["tag"])
-        if path is None:
-            raise RuntimeError(f"DeepSpeed could not load the checkpoint in {directory}.")
-        self.version = int(client.get("peerflow_version", meta["version"]))
+        """Restores what `save_checkpoint` wrote (same dp size, same shapes)."""
+        ckpt.load(self, directory)
 
     # ------------------------------------------------------- conformance hooks
     @classmethod

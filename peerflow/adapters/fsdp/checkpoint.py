@@ -1,6 +1,6 @@
 """FSDP train-engine checkpoints: per-rank safetensors shards plus JSON metadata.
 
-Every rank writes (each file atomically: a temporary name, then `os.replace`):
+Every rank writes (each file atomically, through `peerflow.checkpoint.atomic_path`):
 
 * `model-rank{r}.safetensors` — its local shard of every parameter, keyed by HF name;
 * `optim-rank{r}.safetensors` — its shard of AdamW's `exp_avg` / `exp_avg_sq`
@@ -8,9 +8,11 @@ Every rank writes (each file atomically: a temporary name, then `os.replace`):
 * `meta-rank{r}.json` — the global box of every saved tensor, its replica index, the
   optimiser hyper-parameters, the engine version and the world size.
 
-Loading reads the box metadata of every saved rank and copies each overlapping region
-into this rank's shard, so a checkpoint loads onto a different dp/tp layout too; only the
-regions of replica 0 are read, and every local element must be covered exactly once.
+Loading first checks that the saved tensors are exactly the model's (same names, same
+global shapes: `peerflow.checkpoint.check_shapes`), then reads the box metadata of every
+saved rank and copies each overlapping region into this rank's shard, so a checkpoint
+loads onto a different dp/tp layout too; only the regions of replica 0 are read, and every
+local element must be covered exactly once.
 RNG states are restored only when the layout is unchanged (same world size). On CPU a
 reload reproduces parameters, optimiser moments and step counts bit for bit, so training
 resumes exactly.
@@ -19,7 +21,6 @@ resumes exactly.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from typing import Any
 import torch
 
 from peerflow.adapters.fsdp.shards import local_box
+from peerflow.checkpoint import atomic_path, check_shapes, write_json_atomic
 from peerflow.shard import Box
 
 FORMAT = "peerflow-fsdp/1"
@@ -36,15 +38,8 @@ _MOMENTS = ("exp_avg", "exp_avg_sq")
 def _atomic_save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
     from safetensors.torch import save_file
 
-    tmp = path.with_name(path.name + ".tmp")
-    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp))
-    os.replace(tmp, path)
-
-
-def _atomic_write_json(data: dict[str, Any], path: Path) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp))
 
 
 def save_shards(
@@ -101,7 +96,7 @@ def save_shards(
         "param_groups": json.loads(json.dumps(hyper, default=_json_default)),
         **extra,
     }
-    _atomic_write_json(meta, out / f"meta-rank{rank}.json")
+    write_json_atomic(out / f"meta-rank{rank}.json", meta)
 
 
 def _json_default(value: Any) -> Any:
@@ -204,14 +199,10 @@ def load_shards(
                    for m in metas}
     optim_files = {m["rank"]: safe_open(str(root / f"optim-rank{m['rank']}.safetensors"), "pt")
                    for m in metas}
-    known = set().union(*(m["boxes"] for m in metas))
+    saved = {n: info["global_shape"] for m in metas for n, info in m["boxes"].items()}
+    check_shapes(saved, {name: list(param.shape) for name, param in params}, where=directory)
     with torch.no_grad():
         for name, param in params:
-            if name not in known:
-                raise KeyError(
-                    f"fsdp checkpoint {directory!r} has no parameter {name!r}; it was saved "
-                    f"from another model (it has e.g. {sorted(known)[:3]})."
-                )
             box, local = local_box(param)
             if box.numel:
                 _fill(local, box, name, name, metas, model_files)

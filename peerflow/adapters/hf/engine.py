@@ -8,9 +8,8 @@ its n samples (what vLLM's prefix cache gives parallel sampling). Rows that fini
 dropped from the batch and the cache once a quarter of them are done, so the loop's cost
 follows the unfinished rows, and it stops as soon as every row is done.
 
-Log-probs are those of the unscaled policy (temperature 1), matching what the `fsdp`
-train engine computes, so PPO ratios start at 1; `logprobs_mode: processed` gives those
-of the distribution actually sampled (see `peerflow.adapters.hf.sampling`).
+Log-probs follow the `RolloutEngine.generate` contract: `log_softmax(logits / T)` at the
+sampled token, before top-k/top-p truncation (see `peerflow.adapters.hf.sampling`).
 
 Randomness: with `SamplingParams.seed` a call is reproducible on its own (the runtime
 passes a per-step seed, so resumed runs sample the same answers); without it the engine
@@ -25,7 +24,7 @@ from typing import Any, ClassVar
 import attrs
 import torch
 
-from peerflow.adapters.hf.sampling import LogprobsMode, sample_next
+from peerflow.adapters.hf.sampling import sample_next
 from peerflow.adapters.hf.stops import StopStringMatcher
 from peerflow.capabilities import Capabilities
 from peerflow.engines import (
@@ -46,9 +45,6 @@ class HFRolloutOptions:
     max_batch_size: int = attrs.field(default=0, validator=attrs.validators.ge(0))
     """Most sequences decoded together (prompts × n); 0 decodes everything in one batch.
     Rows are sorted by prompt length before they are split, so batches pad little."""
-    logprobs_mode: LogprobsMode = "raw"
-    """`raw`: log-probs of the model at temperature 1 (what train engines compute);
-    `processed`: of the temperature-scaled, top-k/top-p truncated distribution sampled."""
     include_stop_str_in_output: bool = False
     """Keep the tokens that spell a matched stop string (vLLM's option of the same name)."""
     attn_implementation: str | None = None
@@ -258,7 +254,6 @@ class HFRolloutEngine(RolloutEngine):
                 top_k=sampling.top_k,
                 top_p=sampling.top_p,
                 generator=generator,
-                mode=self.options.logprobs_mode,
             )
             keep: list[int] = []
             sampled = zip(tokens.tolist(), logprobs.tolist(), strict=True)

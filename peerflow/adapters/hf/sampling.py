@@ -1,23 +1,15 @@
 """Batched next-token sampling: temperature, top-k, top-p, and per-token log-probs.
 
-Two meanings of "log-prob of the sampled token" exist in RL stacks (vLLM calls them
-`raw_logprobs` and `processed_logprobs`):
-
-* `raw` — `log_softmax(logits)` of the model at temperature 1, before any truncation.
-  This is what a train engine computes in its forward pass, so importance ratios
-  `exp(logp_train - logp_rollout)` start at exactly 1 (up to float noise). Default.
-* `processed` — the log-prob under the distribution actually sampled from (temperature
-  scaled, top-k/top-p truncated and renormalised). Useful for exact off-policy corrections
-  when the trainer also scales by temperature.
+The log-prob returned for a sampled token is the one `RolloutEngine.generate` promises:
+`log_softmax(logits / T)[token]` — the tempered distribution before top-k/top-p
+truncation, not renormalised over the kept tokens — which is exactly what train engines
+compute at the response tokens, so importance ratios start at 1. Greedy decoding (T = 0)
+reports `log_softmax(logits)` (T taken as 1).
 """
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
-
-LogprobsMode = Literal["raw", "processed"]
 
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -51,7 +43,6 @@ def sample_next(
     top_k: int,
     top_p: float,
     generator: torch.Generator | None,
-    mode: LogprobsMode = "raw",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Samples one token per row and returns it with its log-probability.
 
@@ -61,7 +52,6 @@ def sample_next(
         top_k: Top-k cut-off (0 disables).
         top_p: Nucleus mass (1.0 disables).
         generator: Random stream for the multinomial draw.
-        mode: Which log-prob to return (see the module docstring).
 
     Returns:
         `(tokens, logprobs)`, both `[batch]`; logprobs are float32.
@@ -69,14 +59,11 @@ def sample_next(
     logits = logits.float()
     if temperature <= 0:
         tokens = logits.argmax(dim=-1)
-        # Greedy is the temperature -> 0 limit: the processed distribution is one-hot.
-        if mode == "processed":
-            return tokens, torch.zeros(tokens.shape, dtype=torch.float32, device=logits.device)
         return tokens, _gather_logprob(logits, tokens)
-    processed = filter_logits(logits / temperature, top_k, top_p)
-    probs = processed.softmax(dim=-1)
+    tempered = logits / temperature
+    probs = filter_logits(tempered, top_k, top_p).softmax(dim=-1)
     tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-    return tokens, _gather_logprob(processed if mode == "processed" else logits, tokens)
+    return tokens, _gather_logprob(tempered, tokens)
 
 
 def _gather_logprob(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

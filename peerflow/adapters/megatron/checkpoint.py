@@ -6,9 +6,11 @@ Layout of a checkpoint directory:
 * `megatron_optim_tp{t}_pp{p}.pt` — the torch optimiser state of that model shard;
 * `peerflow_megatron.json` — weight version and the tp/pp/dp layout it was written with.
 
-dp replicas hold identical shards, so only dp-rank 0 writes; every file is written to a
-temporary name and renamed. Loading needs the same tp and pp (the shards are Megatron's
-own); Megatron's distributed optimizer (GPU) is saved with its own `state_dict`.
+dp replicas hold identical shards, so only dp-rank 0 writes; every file is written
+atomically (`peerflow.checkpoint.atomic_path`). Loading needs the same tp and pp (the
+shards are Megatron's own) and is strict: every saved tensor must have exactly the name
+and shape of this model's (`peerflow.checkpoint.check_shapes`). Megatron's distributed
+optimizer (GPU) is saved with its own `state_dict`.
 """
 
 from __future__ import annotations
@@ -19,15 +21,10 @@ from typing import Any
 
 import torch
 
+from peerflow.checkpoint import atomic_path, check_shapes, write_json_atomic
 from peerflow.errors import ConfigError
 
 META = "peerflow_megatron.json"
-
-
-def _atomic(path: str, write: Any) -> None:
-    tmp = path + ".tmp"
-    write(tmp)
-    os.replace(tmp, path)
 
 
 def save(engine: Any, directory: str) -> None:
@@ -40,14 +37,13 @@ def save(engine: Any, directory: str) -> None:
     tag = f"tp{engine.tp_rank}_pp{engine.pp_rank}"
     if engine.dp_rank == 0:
         tensors = {n: p.detach().contiguous().clone() for n, p in engine.module.named_parameters()}
-        _atomic(os.path.join(directory, f"megatron_{tag}.safetensors"),
-                lambda path: save_file(tensors, path))
-        _atomic(os.path.join(directory, f"megatron_optim_{tag}.pt"),
-                lambda path: torch.save(engine.optimizer.state_dict(), path))
+        with atomic_path(os.path.join(directory, f"megatron_{tag}.safetensors")) as tmp:
+            save_file(tensors, str(tmp))
+        with atomic_path(os.path.join(directory, f"megatron_optim_{tag}.pt")) as tmp:
+            torch.save(engine.optimizer.state_dict(), tmp)
     if dist.get_rank() == min(layout.global_ranks):
         meta = {"version": engine.version, "tp": layout.tp, "pp": layout.pp, "dp": layout.dp}
-        _atomic(os.path.join(directory, META),
-                lambda path: open(path, "w").write(json.dumps(meta)))
+        write_json_atomic(os.path.join(directory, META), meta)
     dist.barrier()
 
 
@@ -71,8 +67,11 @@ def load(engine: Any, directory: str) -> None:
         )
     tag = f"tp{engine.tp_rank}_pp{engine.pp_rank}"
     tensors = load_file(os.path.join(directory, f"megatron_{tag}.safetensors"))
+    params = dict(engine.module.named_parameters())
+    check_shapes({n: list(t.shape) for n, t in tensors.items()},
+                 {n: list(p.shape) for n, p in params.items()}, where=f"{directory} ({tag})")
     with torch.no_grad():
-        for name, param in engine.module.named_parameters():
+        for name, param in params.items():
             param.copy_(tensors[name])
     state = torch.load(os.path.join(directory, f"megatron_optim_{tag}.pt"), weights_only=False)
     engine.optimizer.load_state_dict(state)

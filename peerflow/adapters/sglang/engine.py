@@ -356,9 +356,9 @@ class SGLangRolloutEngine(RolloutEngine):
         """Frees weights and KV cache (`release_memory_occupation`)."""
         self.engine.release_memory_occupation()
 
-    def wake(self) -> None:
-        """Restores weights and KV cache (`resume_memory_occupation`)."""
-        self.engine.resume_memory_occupation()
+    def wake(self, tags: Sequence[str] | None = None) -> None:
+        """Restores weights and/or KV cache (`resume_memory_occupation(tags)`)."""
+        self.engine.resume_memory_occupation(tags=list(tags) if tags else None)
 
     def shutdown(self) -> None:
         """Stops SGLang's processes. Safe to call twice."""

@@ -25,7 +25,7 @@ import torch
 
 from peerflow.adapters.vllm.channel import SharedBuffer
 from peerflow.adapters.vllm.hooks import VLLMConformanceHooks
-from peerflow.adapters.vllm.options import VLLM_LOGPROBS_MODES, VLLMRolloutOptions
+from peerflow.adapters.vllm.options import VLLM_LOGPROBS_MODE, VLLMRolloutOptions
 from peerflow.capabilities import Capabilities
 from peerflow.engines import (
     EngineContext,
@@ -118,7 +118,7 @@ class VLLMRolloutEngine(VLLMConformanceHooks, RolloutEngine):
             enforce_eager=opts.enforce_eager,
             enable_prefix_caching=opts.enable_prefix_caching,
             max_num_seqs=opts.max_num_seqs,
-            logprobs_mode=VLLM_LOGPROBS_MODES[opts.logprobs_mode],
+            logprobs_mode=VLLM_LOGPROBS_MODE,
             worker_extension_cls=WORKER_EXTENSION,
         )
         if opts.max_model_len is not None:
@@ -172,6 +172,15 @@ class VLLMRolloutEngine(VLLMConformanceHooks, RolloutEngine):
     def _vllm_sampling(self, sampling: SamplingParams, seed: int | None) -> Any:
         from vllm import SamplingParams as VLLMSamplingParams
 
+        truncated = sampling.top_p < 1.0 or sampling.top_k > 0
+        if sampling.logprobs and truncated and sampling.temperature > 0:
+            raise ConfigError(
+                f"rollout.backend vllm: top_p={sampling.top_p}, top_k={sampling.top_k} with "
+                "log-probs: vLLM reports log-probs renormalised over the top-k/top-p tokens, "
+                "not log_softmax(logits / T) as RolloutEngine.generate promises (and train "
+                "engines compute). Set rollout.sampling top_p: 1.0 and top_k: 0, or use "
+                "rollout.backend hf, whose log-probs ignore the truncation."
+            )
         return VLLMSamplingParams(
             n=sampling.n,
             temperature=sampling.temperature,
@@ -353,11 +362,11 @@ class VLLMRolloutEngine(VLLMConformanceHooks, RolloutEngine):
             raise self._unsupported("sleep")
         self.llm.sleep(level=1)
 
-    def wake(self) -> None:
-        """Restores what `sleep` freed (`LLM.wake_up()`)."""
+    def wake(self, tags: Sequence[str] | None = None) -> None:
+        """Restores what `sleep` freed (`LLM.wake_up(tags)`: `weights`, `kv_cache`)."""
         if not self.capabilities.sleep:
             raise self._unsupported("sleep")
-        self.llm.wake_up()
+        self.llm.wake_up(tags=list(tags) if tags else None)
 
     def shutdown(self) -> None:
         """Stops vLLM's engine and workers and removes the shared-memory file."""

@@ -6,12 +6,11 @@ from typing import Any, Literal
 
 import attrs
 
-#: How `generate` reports log-probs: of the raw model (temperature 1, what train engines
-#: compute) or of the processed distribution that was sampled (temperature, top-k/p).
-LogprobsMode = Literal["raw", "processed"]
-
-#: vLLM's names for `LogprobsMode` values (`LLM(logprobs_mode=...)`).
-VLLM_LOGPROBS_MODES = {"raw": "raw_logprobs", "processed": "processed_logprobs"}
+#: vLLM's `LLM(logprobs_mode=...)` that gives the `RolloutEngine.generate` contract,
+#: `log_softmax(logits / T)` at the sampled token: `processed_logprobs` is taken after
+#: temperature (and after top-k/top-p, which is why the engine refuses truncation when
+#: log-probs are asked for); the `raw_*` modes are taken before temperature.
+VLLM_LOGPROBS_MODE = "processed_logprobs"
 
 
 def _positive_or_none(instance: object, attribute: attrs.Attribute, value: int | None) -> None:
@@ -62,11 +61,6 @@ class VLLMRolloutOptions:
     """On CPU, keep every linear layer's weight as a live tensor instead of vLLM's
     prepacked kernel handle, so in-place weight updates take effect. Turn off only for an
     engine that never receives weights."""
-    logprobs_mode: LogprobsMode = attrs.field(
-        default="raw", validator=attrs.validators.in_(tuple(VLLM_LOGPROBS_MODES))
-    )
-    """`raw`: log-probs of the model at temperature 1 (what train engines compute);
-    `processed`: of the temperature-scaled, top-k/top-p truncated distribution sampled."""
     include_stop_str_in_output: bool = False
     """Keep the tokens that spell a matched stop string (vLLM's option of the same name)."""
     shm_bytes: int = attrs.field(default=256 * 2**20, validator=attrs.validators.ge(2**20))

@@ -22,13 +22,16 @@ def peerflow_register_tasks(register: Any) -> None:
 
 @hookimpl
 def peerflow_register_rewards(register: Any) -> None:
-    """Registers char_match, char_match_strict, exact_match and contains."""
+    """Registers char_match, char_match_strict, exact_match, contains, math and code."""
     from peerflow.contrib.tasks.rewards import (
         CharMatchReward,
+        CodeReward,
         ContainsReward,
         ExactMatchReward,
+        MathReward,
         StrictCharMatchReward,
     )
 
-    for cls in (CharMatchReward, StrictCharMatchReward, ExactMatchReward, ContainsReward):
+    for cls in (CharMatchReward, StrictCharMatchReward, ExactMatchReward, ContainsReward,
+                MathReward, CodeReward):
         register(cls)

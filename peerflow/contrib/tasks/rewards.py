@@ -74,3 +74,45 @@ class ContainsReward(RewardFunction):
     def score(self, responses: Sequence[str], examples: Sequence[Example]) -> list[float]:
         """Returns 1.0 or 0.0 per response."""
         return [float(bool(a) and a in r) for r, a in _pairs(responses, examples)]
+
+
+class FunctionBackedReward(RewardFunction):
+    """A registered reward whose work is a function run in the reward pool.
+
+    `function` (`module:function`) is what a run calls — in a worker process under
+    `task.reward_limits`; `score` calls it in this process (for direct use).
+    """
+
+    function: ClassVar[str]
+
+    def score(self, responses: Sequence[str], examples: Sequence[Example]) -> list[float]:
+        """Calls `function` on every response here, without the pool's limits."""
+        from peerflow.rewards.loading import load_function, parse_target
+        from peerflow.rewards.pool import to_outcome
+        from peerflow.rewards.scoring import example_record
+
+        target = parse_target(self.function)
+        assert target is not None
+        fn = load_function(target)
+        return [to_outcome(fn(r, example_record(e)), self.name).score
+                for r, e in zip(responses, examples)]
+
+
+class MathReward(FunctionBackedReward):
+    """1 when the final answer equals the reference (boxed, fractions, expressions).
+
+    Uses `math-verify`; see `peerflow.rewards.math`.
+    """
+
+    name: ClassVar[str] = "math"
+    function: ClassVar[str] = "peerflow.rewards.math:math_reward"
+
+
+class CodeReward(FunctionBackedReward):
+    """Fraction of the example's tests the answer's program passes, run sandboxed.
+
+    See `peerflow.rewards.code` (tests format) and `peerflow.rewards.sandbox` (isolation).
+    """
+
+    name: ClassVar[str] = "code"
+    function: ClassVar[str] = "peerflow.rewards.code:code_reward"

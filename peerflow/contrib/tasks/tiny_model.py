@@ -12,13 +12,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
 import attrs
+
+from peerflow.checkpoint.atomic import atomic_path
 
 #: Bumped when the builder's output for the same options changes.
 BUILDER_VERSION = 2
@@ -94,24 +94,19 @@ def build_tiny_model(
     target = root / cache_key(builder, corpus, options)
     if (target / MARKER).is_file():
         return target
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=root))
     try:
-        _write_model(tmp, corpus, options)
-        (tmp / MARKER).write_text(json.dumps(
-            {"builder": builder, "version": BUILDER_VERSION, "options": attrs.asdict(options)},
-            indent=1, sort_keys=True))
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not (target / MARKER).is_file():
-                raise
-        else:
-            if log is not None:
-                log(f"built tiny model {builder} at {target}")
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        with atomic_path(target) as tmp:
+            tmp.mkdir()
+            _write_model(tmp, corpus, options)
+            (tmp / MARKER).write_text(json.dumps(
+                {"builder": builder, "version": BUILDER_VERSION, "options": attrs.asdict(options)},
+                indent=1, sort_keys=True))
+    except OSError:
+        if not (target / MARKER).is_file():
+            raise
+        return target  # another process built it first
+    if log is not None:
+        log(f"built tiny model {builder} at {target}")
     return target
 
 

@@ -178,3 +178,16 @@ def test_unsupported_layouts_are_clear_errors(tiny_model):
     ctx = attrs.evolve(ctx, layout=ParallelLayout(dp=2))
     with pytest.raises(ConfigError, match="process_group is None"):
         FSDPTrainEngine(ctx, None, OptimSettings())
+
+
+def test_checkpoint_of_another_model_is_refused(tiny_model, tmp_path):
+    from tests.engines.hf.tiny_models import build_tiny_model
+
+    _engine(tiny_model).save_checkpoint(str(tmp_path / "ckpt"))
+    smaller = build_tiny_model(tmp_path / "smaller", hidden_size=32, intermediate_size=64)
+    engine = _engine(smaller)
+    before = _params(engine)
+    with pytest.raises(ConfigError, match=r"shapes differ: .*saved \[\d+, 64\], model \[\d+, 32\]"):
+        engine.load_checkpoint(str(tmp_path / "ckpt"))
+    after = _params(engine)
+    assert all(torch.equal(before[n], after[n]) for n in before)  # nothing was copied

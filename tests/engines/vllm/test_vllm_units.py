@@ -22,8 +22,6 @@ def test_options_from_config_and_bad_values_named():
     assert not VLLMRolloutOptions().uses_worker_processes
     with pytest.raises(ConfigError, match="executor"):
         structure(VLLMRolloutOptions, {"executor": "threads"}, "rollout.vllm")
-    with pytest.raises(ConfigError, match="logprobs_mode"):
-        structure(VLLMRolloutOptions, {"logprobs_mode": "final"}, "rollout.vllm")
     with pytest.raises(ConfigError, match="max_model_len"):
         structure(VLLMRolloutOptions, {"max_model_len": 0}, "rollout.vllm")
 

@@ -1,0 +1,165 @@
+"""Off-policy correction (decoupled PPO) and the rollout-vs-trainer mismatch metrics.
+
+Three policies meet in one update (Hilton et al., "Batch size-invariance for policy
+optimization"; AReaL's decoupled PPO):
+
+* the behaviour policy `π_behav` that sampled the tokens — the rollout engine's
+  log-probs, `rollout_logprobs`, possibly several weight versions old (async mode,
+  `weight_sync.every > 1`) and computed by another engine (vLLM vs FSDP);
+* the proximal policy `π_prox` the PPO ratio is taken against — the trainer's log-probs
+  of the current weights before the update, `old_logprobs`;
+* the policy being trained `π_θ`.
+
+The loss of token t is `w_t · max(-A_t r_t, -A_t clip(r_t))` with `r_t = π_θ / π_prox`
+and the importance weight `w_t = π_prox / π_behav` (no grad), truncated (`tis`,
+`min(w, cap)`) or masked (`mis`, `w` inside `[lower, cap]`, else 0). `importance_weights`
+computes `w` once per step, before `train_step`, and the policy loss multiplies it in
+(the batch field `is_weights`).
+
+`mismatch_metrics` reports how far apart the two log-prob sources are on the tokens
+actually sampled — the number to watch for inference/training drift.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import torch
+
+from peerflow.algorithms.ragged_ops import ragged_like, response_lengths, token_values
+from peerflow.batch import Batch
+
+#: Log-ratios are clamped here before `exp`, so one wild token cannot overflow.
+LOG_RATIO_LIMIT = 20.0
+
+CORRECTIONS: tuple[str, ...] = ("tis", "mis", "none")
+
+
+@attrs.frozen(kw_only=True)
+class ImportanceWeights:
+    """Per-token importance weights of one batch and what they did."""
+
+    weights: torch.Tensor  # [total_tokens], float32, no grad
+    """`w_t` after truncation or masking, aligned with `response_ids`."""
+    raw_mean: float
+    """Mean of `w_t` before truncation or masking."""
+    raw_max: float
+    """Largest `w_t` before truncation or masking."""
+    mean: float
+    """Mean of the weights applied."""
+    limited_fraction: float
+    """Fraction of tokens truncated (`tis`) or masked (`mis`)."""
+    tokens: int
+    """Tokens the statistics are over (the weight of the means across ranks)."""
+
+
+def importance_weights(batch: Batch, correction: str, cap: float,
+                       lower: float = 0.0) -> ImportanceWeights | None:
+    """Decoupled-PPO weights `π_prox / π_behav` per token, truncated or masked.
+
+    Args:
+        batch: Has `rollout_logprobs` (behaviour) and `old_logprobs` (proximal).
+        correction: `tis` (truncate at `cap`), `mis` (zero outside `[lower, cap]`) or
+            `none`.
+        cap: Upper bound of a weight.
+        lower: `mis` only: weights below it are masked too.
+
+    Returns:
+        The weights, or `None` when `correction` is `none` or the batch has no
+        `old_logprobs` (then the loss's ratio is taken against `rollout_logprobs`
+        itself and already is the importance weight).
+
+    Raises:
+        ValueError: an unknown `correction`, or `old_logprobs` without
+            `rollout_logprobs`.
+    """
+    if correction not in CORRECTIONS:
+        raise ValueError(
+            f"algorithm.off_policy.correction={correction!r}: expected one of "
+            f"{', '.join(CORRECTIONS)}."
+        )
+    if correction == "none" or "old_logprobs" not in batch:
+        return None
+    if "rollout_logprobs" not in batch:
+        raise ValueError(
+            "algorithm.off_policy.correction needs batch field 'rollout_logprobs' (the "
+            "behaviour policy's log-probs, written by the generate node); keep the generate "
+            "node's rollout_logprobs output, or set algorithm.off_policy.correction: none "
+            "for an on-policy run."
+        )
+    log_w = (token_values(batch, "old_logprobs").to(torch.float64)
+             - token_values(batch, "rollout_logprobs").to(torch.float64))
+    raw = log_w.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT).exp()
+    if correction == "tis":
+        limited = raw > cap
+        weights = raw.clamp(max=cap)
+    else:
+        limited = (raw > cap) | (raw < lower)
+        weights = torch.where(limited, torch.zeros_like(raw), raw)
+    n = raw.numel()
+    return ImportanceWeights(
+        weights=weights.to(torch.float32),
+        raw_mean=float(raw.mean()) if n else 1.0,
+        raw_max=float(raw.max()) if n else 1.0,
+        mean=float(weights.mean()) if n else 1.0,
+        limited_fraction=float(limited.double().mean()) if n else 0.0,
+        tokens=n,
+    )
+
+
+def mismatch_metrics(batch: Batch) -> dict[str, tuple[str, float, float]]:
+    """Rollout-vs-trainer log-prob mismatch on the sampled tokens.
+
+    With `Δ_t = rollout_logprobs - old_logprobs` on tokens drawn from the rollout policy:
+    `mismatch/abs_mean` and `mismatch/abs_max` are the mean and max `|Δ_t|`;
+    `mismatch/kl` estimates KL(π_rollout ‖ π_trainer) per token with Schulman's k3,
+    `exp(-Δ) - 1 + Δ` (non-negative, unbiased for samples of π_rollout); `mismatch/kl_k1`
+    is the plain `mean Δ_t`. Both policies at the same temperature and weights give 0.
+
+    Returns:
+        `{name: (reduction, value, weight)}` with reduction `mean` or `max`; empty when the
+        batch lacks either field.
+    """
+    if "old_logprobs" not in batch or "rollout_logprobs" not in batch:
+        return {}
+    delta = (token_values(batch, "rollout_logprobs").to(torch.float64)
+             - token_values(batch, "old_logprobs").to(torch.float64))
+    n = delta.numel()
+    if not n:
+        return {}
+    clamped = delta.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+    k3 = torch.exp(-clamped) - 1 + clamped
+    return {
+        "mismatch/abs_mean": ("mean", float(delta.abs().mean()), n),
+        "mismatch/abs_max": ("max", float(delta.abs().max()), 1.0),
+        "mismatch/kl": ("mean", float(k3.mean()), n),
+        "mismatch/kl_k1": ("mean", float(delta.mean()), n),
+    }
+
+
+def weight_metrics(weights: ImportanceWeights, correction: str) -> dict[str, tuple[str, float,
+                                                                                     float]]:
+    """The `off_policy/*` metrics of one batch's weights (`(reduction, value, weight)`)."""
+    n = weights.tokens
+    limited = "masked_fraction" if correction == "mis" else "truncated_fraction"
+    return {
+        "off_policy/is_weight_mean": ("mean", weights.raw_mean, n),
+        "off_policy/is_weight_max": ("max", weights.raw_max, 1.0),
+        "off_policy/applied_weight_mean": ("mean", weights.mean, n),
+        f"off_policy/{limited}": ("mean", weights.limited_fraction, n),
+    }
+
+
+def record(metrics: Any, values: dict[str, tuple[str, float, float]]) -> None:
+    """Records `(reduction, value, weight)` triples in a `StepMetrics`-like object."""
+    for name, (how, value, weight) in values.items():
+        if how == "mean":
+            metrics.mean(name, value, weight)
+        else:
+            metrics.max(name, value)
+
+
+def attach_weights(batch: Batch, weights: ImportanceWeights) -> Batch:
+    """Sets the batch field `is_weights` (ragged, aligned with `response_ids`)."""
+    return batch.set("is_weights", ragged_like(weights.weights, response_lengths(batch)))

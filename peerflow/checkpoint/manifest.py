@@ -1,0 +1,95 @@
+"""A checkpoint's manifest: every file's size and SHA-256, written last and atomically.
+
+A step directory is a checkpoint only once `MANIFEST.json` exists; the manifest is the
+last thing written (after every rank's files, behind a barrier), so its presence means
+the save finished, and its sizes and checksums let a resume prove that nothing was
+truncated or changed since.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from peerflow.checkpoint.atomic import write_json_atomic
+
+MANIFEST = "MANIFEST.json"
+FORMAT = "peerflow-checkpoint/1"
+
+
+@attrs.frozen(kw_only=True)
+class Verdict:
+    """The outcome of verifying one checkpoint directory."""
+
+    ok: bool
+    """Whether every file the manifest lists is present with its size and checksum."""
+    problem: str = ""
+    """What is wrong, naming the file (empty when `ok`)."""
+
+
+def _digest(path: Path) -> str:
+    with open(path, "rb") as handle:
+        return hashlib.file_digest(handle, "sha256").hexdigest()
+
+
+def _payload_files(directory: Path) -> list[Path]:
+    """Every file of the checkpoint but the manifest and leftover temporaries."""
+    return sorted(
+        p for p in directory.rglob("*")
+        if p.is_file() and p.name != MANIFEST and ".tmp" not in p.name
+    )
+
+
+def write_manifest(directory: str | Path, *, step: int) -> Path:
+    """Hashes every file under `directory` and writes `MANIFEST.json` (atomically, last).
+
+    Args:
+        directory: A checkpoint directory whose files are all written.
+        step: The training step the checkpoint was taken after.
+
+    Returns:
+        The manifest's path.
+    """
+    directory = Path(directory)
+    files = {
+        str(p.relative_to(directory)): {"bytes": p.stat().st_size, "sha256": _digest(p)}
+        for p in _payload_files(directory)
+    }
+    return write_json_atomic(directory / MANIFEST, {"format": FORMAT, "step": step,
+                                                     "files": files})
+
+
+def read_manifest(directory: str | Path) -> dict[str, Any] | None:
+    """Returns the parsed manifest of `directory`, or `None` when it has none (or unreadable)."""
+    path = Path(directory) / MANIFEST
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def verify(directory: str | Path) -> Verdict:
+    """Checks every file the manifest lists: present, same size, same SHA-256.
+
+    Files the manifest does not list are ignored (they were not part of the save).
+    """
+    directory = Path(directory)
+    manifest = read_manifest(directory)
+    if manifest is None or manifest.get("format") != FORMAT:
+        return Verdict(ok=False, problem=f"{MANIFEST} is missing or unreadable (the save "
+                       "did not finish)")
+    for name, want in sorted(manifest["files"].items()):
+        path = directory / name
+        if not path.is_file():
+            return Verdict(ok=False, problem=f"{name} is missing")
+        size = path.stat().st_size
+        if size != want["bytes"]:
+            return Verdict(ok=False, problem=f"{name} has {size} bytes, the manifest says "
+                           f"{want['bytes']} (truncated or rewritten)")
+        if _digest(path) != want["sha256"]:
+            return Verdict(ok=False, problem=f"{name} fails its SHA-256 checksum")
+    return Verdict(ok=True)

@@ -1,0 +1,52 @@
+"""Strict checkpoint loads: the saved tensors must be exactly the model's tensors.
+
+Every train adapter records the global shape of each tensor it saves and calls
+`check_shapes` before copying anything, so a checkpoint of another model (a smaller
+hidden size, fewer layers, another head split) is refused instead of loading slices.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from peerflow.errors import ConfigError
+
+#: How many names an error lists per kind of difference.
+SHOWN = 4
+
+
+def _names(names: Sequence[str]) -> str:
+    more = f" and {len(names) - SHOWN} more" if len(names) > SHOWN else ""
+    return ", ".join(names[:SHOWN]) + more
+
+
+def check_shapes(
+    saved: Mapping[str, Sequence[int]], current: Mapping[str, Sequence[int]], *, where: str
+) -> None:
+    """Raises unless `saved` and `current` hold the same tensor names with the same shapes.
+
+    Args:
+        saved: Tensor name → global shape, as recorded in the checkpoint.
+        current: Tensor name → global shape of the model being loaded.
+        where: The checkpoint directory (named in the error).
+
+    Raises:
+        ConfigError: names or shapes differ; the message lists each difference.
+    """
+    problems = []
+    wrong = [f"{n} saved {list(saved[n])}, model {list(current[n])}"
+             for n in sorted(set(saved) & set(current)) if list(saved[n]) != list(current[n])]
+    if wrong:
+        problems.append(f"shapes differ: {_names(wrong)}")
+    missing = sorted(set(current) - set(saved))
+    if missing:
+        problems.append(f"missing from the checkpoint: {_names(missing)}")
+    extra = sorted(set(saved) - set(current))
+    if extra:
+        problems.append(f"not in the model: {_names(extra)}")
+    if problems:
+        raise ConfigError(
+            f"checkpoint {where} was saved from another model ({'; '.join(problems)}). "
+            "Resume with the model config the run was started with (RUN_DIR/config.yaml), "
+            "or start a fresh run."
+        )

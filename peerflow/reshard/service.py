@@ -1,0 +1,419 @@
+"""`WeightSyncService`: the one weight sync of a run — plan, buckets, transport, memory.
+
+Built once per run on every rank of the sync group (`WeightSyncService.build`, a
+collective), it serves both schedules on one executor (`peerflow.reshard.executor`):
+
+* **Lockstep** (sync mode): `sync(version)` on every rank together. Per bucket:
+  materialise, pack, `transport.exchange`, unpack into the rollout engine's own tensors
+  (`weight_buffers`) or staged copies, `load_weights`. At most two buckets of extra memory.
+* **Streaming** (async mode; `peerflow.streaming.weight_push` schedules it): a trainer
+  rank `pack(version)`s every bucket into one of `depth` reusable buffers (double
+  buffering: training goes on while the bytes travel), then `transfer(packed)` runs the
+  same per-bucket `transport.exchange` on a background thread; a rollout rank's thread
+  calls `transfer(None, version)` in the same order and the rollout loop later
+  `apply(received)`s it between requests. Any registered transport works in both
+  schedules, the zero-copy `weight_buffers` path included.
+
+Time sharing (colocated placement, `Capabilities.sleep`): in the order of verl's hybrid
+engine, `sync` wakes the rollout engine's weights, loads them, then wakes its KV cache;
+`generating()` wraps generation: it wakes whatever is still asleep, then puts the engine
+to sleep so the trainer has the accelerator's memory. An engine whose `wake` takes no
+`tags` (written before tags existed) is woken whole, once, before loading.
+
+Plugin hooks `peerflow_before_weight_sync` / `peerflow_after_weight_sync` fire once per
+engine and version on this rank (role `actor` when packing or syncing, `rollout` when
+loading).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import attrs
+import torch
+import torch.distributed as dist
+
+from peerflow.engines import RolloutEngine, TrainEngine, WeightSyncStats
+from peerflow.reshard.buckets import Bucket, make_buckets
+from peerflow.reshard.executor import (
+    Arena,
+    BucketRoutes,
+    MemoryMeter,
+    destination_tensors,
+    pack_regions,
+    packed_layout,
+    run_plan,
+    unpack_regions,
+)
+from peerflow.reshard.plan import ReshardPlan, plan_reshard
+from peerflow.reshard.transport import WeightTransport, make_transport
+
+#: Default bucket size (bytes of destination tensors moved together).
+DEFAULT_BUCKET_BYTES = 256 * 2**20
+#: What a rollout engine's `wake(tags)` restores, in the order a sync needs them.
+WEIGHTS, KV_CACHE = "weights", "kv_cache"
+
+
+def _rank_and_world(group: Any) -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size(group)
+    return 0, 1
+
+
+def gather_specs(trainer: TrainEngine | None, rollout: RolloutEngine | None, *,
+                 group: Any = None) -> tuple[dict[int, list], dict[int, list]]:
+    """Collects every rank's source and destination specs (collective over `group`).
+
+    Returns:
+        `(sources, destinations)`, each global rank → its specs (ranks without a trainer
+        or rollout engine are absent from that side).
+    """
+    rank, world = _rank_and_world(group)
+    mine = (rank,
+            list(trainer.weight_sources()) if trainer is not None else None,
+            list(rollout.weight_targets()) if rollout is not None else None)
+    entries = [mine]
+    if world > 1:
+        entries = [None] * world
+        dist.all_gather_object(entries, mine, group=group)
+    sources = {r: s for r, s, _ in entries if s is not None}
+    destinations = {r: d for r, _, d in entries if d is not None}
+    return sources, destinations
+
+
+def plan_weight_sync(trainer: TrainEngine | None, rollout: RolloutEngine | None, *,
+                     group: Any = None, ignore: tuple[str, ...] = ()) -> ReshardPlan:
+    """Gathers every rank's specs and plans the sync (collective; same plan everywhere).
+
+    Args:
+        trainer: This rank's train engine, or `None`.
+        rollout: This rank's rollout engine, or `None`.
+        group: Process group of every rank in the sync (`None`: world).
+        ignore: HF names or patterns the rollout side deliberately does not take.
+    """
+    sources, destinations = gather_specs(trainer, rollout, group=group)
+    return plan_reshard(sources, destinations, ignore=ignore)
+
+
+def _hooks() -> Any:
+    from peerflow.plugins import get_plugin_manager
+
+    return get_plugin_manager().hook
+
+
+@attrs.frozen(kw_only=True)
+class PackedVersion:
+    """One version's outgoing bytes on a trainer rank, packed and waiting to travel."""
+
+    version: int
+    sends: tuple[dict[int, torch.Tensor], ...]
+    """Per bucket: destination rank → packed `uint8` regions (this rank too, colocated)."""
+    nbytes: int
+    pack_s: float
+
+
+@attrs.frozen(kw_only=True)
+class ReceivedVersion:
+    """One version's incoming bytes on a rollout rank, waiting to be applied."""
+
+    version: int
+    buffers: tuple[dict[int, torch.Tensor], ...]
+    """Per bucket: source rank → packed `uint8` regions."""
+    nbytes: int
+    wire_s: float
+
+
+def _wake_takes_tags(rollout: RolloutEngine) -> bool:
+    # Like pluggy with hook implementations: an engine written before `tags` existed
+    # declares `wake(self)` and is woken whole.
+    return "tags" in inspect.signature(rollout.wake).parameters
+
+
+@attrs.define(eq=False)
+class WeightSyncService:
+    """This rank's part of the run's weight sync (build with `WeightSyncService.build`)."""
+
+    plan: ReshardPlan
+    """The reshard plan, identical on every rank."""
+    buckets: tuple[Bucket, ...]
+    """`make_buckets(plan, bucket_bytes)`, identical on every rank."""
+    transport: WeightTransport
+    """This rank's transport instance."""
+    rank: int
+    """This process's global rank."""
+    trainer: TrainEngine | None = None
+    """The engine whose weights are read (`None` on rollout-only ranks)."""
+    rollout: RolloutEngine | None = None
+    """The engine that loads them (`None` on trainer-only ranks)."""
+    device: str = "cpu"
+    """Where buffers and staged tensors live."""
+    time_share: bool = False
+    """Sleep the rollout engine while the trainer runs (colocated, `Capabilities.sleep`)."""
+    depth: int = 2
+    """Streaming: packed versions that may be in flight at once (2: double buffering)."""
+    meter: MemoryMeter = attrs.field(factory=MemoryMeter)
+    """Bytes the service holds now and at most (pack pool, received buffers, arenas)."""
+    _pool: list[torch.Tensor | None] = attrs.field(factory=list, init=False)
+    _packs: int = attrs.field(default=0, init=False)
+    _asleep: set[str] = attrs.field(factory=set, init=False)
+
+    @classmethod
+    def build(cls, trainer: TrainEngine | None, rollout: RolloutEngine | None, *,
+              transport: str | WeightTransport = "auto",
+              bucket_bytes: int = DEFAULT_BUCKET_BYTES, group: Any = None,
+              device: str | None = None, colocated: bool = False, plan: ReshardPlan | None = None,
+              ignore: tuple[str, ...] = ()) -> WeightSyncService:
+        """Plans the sync and binds the transport (collective over `group` unless `plan`).
+
+        Args:
+            trainer: This rank's train engine (`None` on rollout-only ranks).
+            rollout: This rank's rollout engine (`None` on trainer-only ranks).
+            transport: Registered transport name or instance; `auto` picks `inprocess`
+                when no transfer crosses ranks, else `torch`.
+            bucket_bytes: Most destination bytes moved per bucket (all ranks together).
+            group: Process group of every rank in the sync (`None`: world).
+            device: Where buffers live; default the engines' `context.device`.
+            colocated: Trainer and rollout share accelerators; the rollout engine then
+                sleeps while the trainer runs, when it declares `Capabilities.sleep`.
+            plan: A plan made already (skips the collective planning step).
+            ignore: HF names or patterns the rollout side deliberately does not take.
+
+        Raises:
+            ConfigError: bad `bucket_bytes`, or the transport cannot run here.
+            UnknownNameError: no transport of that name is registered.
+        """
+        if plan is None:
+            plan = plan_weight_sync(trainer, rollout, group=group, ignore=ignore)
+        rank, _ = _rank_and_world(group)
+        if device is None:
+            engine = trainer if trainer is not None else rollout
+            device = getattr(getattr(engine, "context", None), "device", "cpu") or "cpu"
+        if not isinstance(transport, WeightTransport):
+            if transport in (None, "auto"):
+                cross = any(t.src_rank != t.dst_rank for t in plan.transfers)
+                transport = "torch" if cross else "inprocess"
+            transport = make_transport(transport, rank=rank, group=group, device=device)
+        time_share = bool(colocated and rollout is not None and rollout.capabilities.sleep)
+        return cls(plan=plan, buckets=tuple(make_buckets(plan, bucket_bytes)),
+                   transport=transport, rank=rank, trainer=trainer, rollout=rollout,
+                   device=device, time_share=time_share)
+
+    # -- lockstep -----------------------------------------------------------------------
+
+    def sync(self, version: int) -> WeightSyncStats:
+        """Moves the trainer's weights into the rollout engine(s); every rank, together.
+
+        Returns:
+            This rank's time split (pack / wire / load), bytes sent and received, bucket
+            count and peak extra memory.
+        """
+        roles = self._roles(trainer=True, rollout=True)
+        self._fire_before(version, roles)
+        self._wake((WEIGHTS,))
+        if self.rollout is not None:
+            self.rollout.begin_weight_update(version)
+        self.meter.peak = self.meter.current
+        stats = run_plan(
+            self.plan, self.buckets, rank=self.rank, transport=self.transport,
+            materialize=self.trainer.materialize if self.trainer is not None else None,
+            load=self.rollout.load_weights if self.rollout is not None else None,
+            buffers=self.rollout.weight_buffers if self.rollout is not None else None,
+            device=self.device, meter=self.meter,
+        )
+        if self.rollout is not None:
+            finish = time.perf_counter()
+            self.rollout.finish_weight_update()
+            stats.load_s += time.perf_counter() - finish
+        self._wake((KV_CACHE,))
+        result = WeightSyncStats(
+            version=version, pack_s=stats.pack_s, wire_s=stats.wire_s, load_s=stats.load_s,
+            bytes=stats.bytes_sent + stats.bytes_received, buckets=stats.buckets,
+            peak_extra_bytes=stats.peak_extra_bytes,
+        )
+        self._fire_after(version, roles, result)
+        return result
+
+    # -- streaming ----------------------------------------------------------------------
+
+    def pack(self, version: int) -> PackedVersion:
+        """Packs this trainer rank's regions of every bucket (trainer ranks, same order).
+
+        `materialize` may be a collective over the trainer group. The bytes go into slot
+        `n % depth` of a reusable pool: the caller keeps at most `depth` versions in
+        flight (waits for `transfer` of the oldest before packing another).
+        """
+        roles = self._roles(trainer=True, rollout=False)
+        self._fire_before(version, roles)
+        start = time.perf_counter()
+        mine = {s.local_name: s for s in self.plan.sources.get(self.rank, ())}
+        layouts = [self._outgoing(bucket) for bucket in self.buckets]
+        total = sum(packed_layout(ts)[1] for per in layouts for ts in per.values())
+        slot = self._slot(total)
+        cursor = [0]
+
+        def take(nbytes: int) -> torch.Tensor:
+            begin = cursor[0]
+            cursor[0] += -(-nbytes // 16) * 16
+            return slot[begin:begin + nbytes]
+
+        sends = []
+        for bucket, per_peer in zip(self.buckets, layouts):
+            specs = [mine[n] for n in bucket.source_tensors if n in mine]
+            if not specs:
+                sends.append({})
+                continue
+            assert self.trainer is not None
+            with self.trainer.materialize(specs) as tensors:
+                sources = dict(zip((s.local_name for s in specs), tensors))
+                sends.append(pack_regions(per_peer, sources, take))
+        packed = PackedVersion(version=version, sends=tuple(sends), nbytes=cursor[0],
+                               pack_s=time.perf_counter() - start)
+        self._fire_after(version, roles, WeightSyncStats(
+            version=version, pack_s=packed.pack_s, bytes=packed.nbytes,
+            buckets=len(self.buckets), peak_extra_bytes=self.meter.peak))
+        return packed
+
+    def transfer(self, packed: PackedVersion | None, version: int) -> ReceivedVersion | None:
+        """Runs every bucket's `transport.exchange` for one version (every rank, in order).
+
+        Safe on a background thread when the transport's group serves nothing else.
+
+        Returns:
+            What this rank received (with its own regions when colocated), or `None` on a
+            rank without a rollout engine.
+        """
+        start = time.perf_counter()
+        received, nbytes = [], 0
+        for index, bucket in enumerate(self.buckets):
+            routes = BucketRoutes.of(bucket, self.rank)
+            sends = dict(packed.sends[index]) if packed is not None else {}
+            own = sends.pop(self.rank, None)
+            sizes = {peer: packed_layout(ts)[1] for peer, ts in routes.incoming.items()}
+            got = self.transport.exchange(sends, sizes, routes.routes)
+            if own is not None:  # the pool slot is reused by a later pack
+                got[self.rank] = own.clone()
+            nbytes += sum(buf.numel() for buf in got.values())
+            received.append(got)
+        if self.rollout is None:
+            return None
+        self.meter.reserve(nbytes)
+        return ReceivedVersion(version=version, buffers=tuple(received), nbytes=nbytes,
+                               wire_s=time.perf_counter() - start)
+
+    def apply(self, received: ReceivedVersion) -> WeightSyncStats:
+        """Loads a received version into the rollout engine (between requests)."""
+        assert self.rollout is not None, "apply runs on ranks with a rollout engine"
+        version, roles = received.version, self._roles(trainer=False, rollout=True)
+        self._fire_before(version, roles)
+        start = time.perf_counter()
+        targets = {s.local_name: s for s in self.plan.destinations.get(self.rank, ())}
+        arena = Arena(meter=self.meter, device=self.device)
+        self.rollout.begin_weight_update(version)
+        try:
+            for bucket, buffers in zip(self.buckets, received.buffers):
+                names = [n for r, n in bucket.targets if r == self.rank]
+                if not names:
+                    continue
+                routes = BucketRoutes.of(bucket, self.rank)
+                per_peer = dict(routes.incoming)
+                if routes.local:
+                    per_peer[self.rank] = routes.local
+                out = destination_tensors(names, targets, self.rollout.weight_buffers, arena)
+                unpack_regions(per_peer, buffers, out, rank=self.rank, bucket=bucket.index)
+                self.rollout.load_weights([(targets[n], out[n]) for n in names])
+        finally:
+            arena.release()
+            self.discard(received)
+        self.rollout.finish_weight_update()
+        stats = WeightSyncStats(version=version, wire_s=received.wire_s,
+                                load_s=time.perf_counter() - start, bytes=received.nbytes,
+                                buckets=len(self.buckets), peak_extra_bytes=self.meter.peak)
+        self._fire_after(version, roles, stats)
+        return stats
+
+    def discard(self, received: ReceivedVersion) -> None:
+        """Forgets a received version (applied, or overtaken by a newer one)."""
+        self.meter.release(received.nbytes)
+
+    # -- time sharing -------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def generating(self) -> Iterator[None]:
+        """Around generation: wakes what still sleeps, then sleeps (time sharing only)."""
+        self._wake((WEIGHTS, KV_CACHE))
+        yield
+        if self.time_share and self.rollout is not None and not self._asleep:
+            self.rollout.sleep()
+            self._asleep = {WEIGHTS, KV_CACHE}
+
+    def _wake(self, tags: Sequence[str]) -> None:
+        wanted = [t for t in tags if t in self._asleep]
+        if not wanted or self.rollout is None:
+            return
+        if _wake_takes_tags(self.rollout):
+            self.rollout.wake(tags=tuple(wanted))
+            self._asleep -= set(wanted)
+        else:
+            self.rollout.wake()
+            self._asleep.clear()
+
+    # -- helpers ------------------------------------------------------------------------
+
+    def _outgoing(self, bucket: Bucket) -> dict[int, list]:
+        routes = BucketRoutes.of(bucket, self.rank)
+        per_peer = dict(routes.outgoing)
+        if routes.local:
+            per_peer[self.rank] = routes.local
+        return per_peer
+
+    def _slot(self, nbytes: int) -> torch.Tensor:
+        if not self._pool:
+            self._pool = [None] * max(self.depth, 1)
+        index = self._packs % len(self._pool)
+        self._packs += 1
+        buf = self._pool[index]
+        if buf is None or buf.numel() < nbytes:
+            if buf is not None:
+                self.meter.free(buf)
+            buf = self.meter.alloc(torch.empty(nbytes, dtype=torch.uint8, device=self.device))
+            self._pool[index] = buf
+        return buf
+
+    def _roles(self, *, trainer: bool, rollout: bool) -> list[str]:
+        roles = []
+        if trainer and self.trainer is not None:
+            roles.append("actor")
+        if rollout and self.rollout is not None:
+            roles.append("rollout")
+        return roles
+
+    def _fire_before(self, version: int, roles: list[str]) -> None:
+        hooks = _hooks() if roles else None
+        for role in roles:
+            hooks.peerflow_before_weight_sync(version=version, role=role, rank=self.rank)
+
+    def _fire_after(self, version: int, roles: list[str], stats: WeightSyncStats) -> None:
+        hooks = _hooks() if roles else None
+        for role in roles:
+            hooks.peerflow_after_weight_sync(version=version, role=role, rank=self.rank,
+                                             stats=stats)
+
+
+def sync_weights(trainer: TrainEngine | None, rollout: RolloutEngine | None, *, version: int,
+                 plan: ReshardPlan | None = None, transport: str | WeightTransport = "auto",
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, group: Any = None,
+                 device: str | None = None) -> WeightSyncStats:
+    """One-off sync (tests, conformance): builds a `WeightSyncService` and syncs once.
+
+    A run builds one service and calls `sync` on it every time instead; with `plan=None`
+    this plans (collectively) on every call. `plan_s` reports the build time.
+    """
+    start = time.perf_counter()
+    service = WeightSyncService.build(trainer, rollout, transport=transport, plan=plan,
+                                      bucket_bytes=bucket_bytes, group=group, device=device)
+    plan_s = time.perf_counter() - start
+    return attrs.evolve(service.sync(version), plan_s=plan_s)
