@@ -123,12 +123,13 @@ class CausalLMTrainEngine(TrainEngine, abc.ABC):
         lengths = batch.token_count().tolist() if len(batch) else []
         plan = plan_micro_batches(lengths, self.optim.micro_batch_tokens, self.dp_group,
                                   self.reduce_device)
-        return [self._micro(batch, indices, k == len(plan) - 1, pad_inputs)
+        return [self.build_micro_batch(batch, indices, k == len(plan) - 1, pad_inputs)
                 for k, indices in enumerate(plan)]
 
     @staticmethod
-    def _micro(batch: Batch, indices: list[int], last: bool,
-               layout: Callable[[Batch], PaddedInputs]) -> MicroBatch:
+    def build_micro_batch(batch: Batch, indices: list[int], last: bool,
+                          layout: Callable[[Batch], PaddedInputs]) -> MicroBatch:
+        """The micro-batch of `batch[indices]`, its inputs laid out by `layout`."""
         part = batch.select(indices)
         return MicroBatch(indices=indices, batch=part, inputs=layout(part), last=last)
 

@@ -87,6 +87,37 @@ def _import_megatron() -> None:
     import megatron.core.tensor_parallel  # noqa: F401
 
 
+def _init_parallel_state(context: EngineContext) -> Any:
+    """Megatron's parallel state for `context.layout` (CPU redirects first, on CPU).
+
+    Returns:
+        `megatron.core.parallel_state`, initialised and seeded.
+
+    Raises:
+        ConfigError: This process already runs Megatron with another tp/pp.
+    """
+    layout = context.layout
+    _import_megatron()
+    if needs_cpu_redirects(context.device):
+        enable_cpu_redirects()
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    if ps.model_parallel_is_initialized():
+        current = (ps.get_tensor_model_parallel_world_size(),
+                   ps.get_pipeline_model_parallel_world_size())
+        if current != (layout.tp, layout.pp):
+            raise ConfigError(
+                f"Megatron's parallel state is already initialised with another tp/pp than "
+                f"{layout.describe()}; one process hosts one Megatron layout."
+            )
+    else:
+        ps.initialize_model_parallel(tensor_model_parallel_size=layout.tp,
+                                     pipeline_model_parallel_size=layout.pp)
+    model_parallel_cuda_manual_seed(context.seed)
+    return ps
+
+
 class MegatronTrainEngine(CausalLMTrainEngine):
     """Train engine backed by Megatron-core `GPTModel` (TP, PP, DP from the layout)."""
 
@@ -124,28 +155,7 @@ class MegatronTrainEngine(CausalLMTrainEngine):
                 f"{dist.get_world_size()} processes (Megatron's parallel state is global); "
                 "make dp*tp*pp equal the world size."
             )
-        _import_megatron()
-        if needs_cpu_redirects(context.device):
-            enable_cpu_redirects()
-        from megatron.core import parallel_state as ps
-        from megatron.core.distributed import (
-            DistributedDataParallel,
-            DistributedDataParallelConfig,
-        )
-        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-        if ps.model_parallel_is_initialized():
-            current = (ps.get_tensor_model_parallel_world_size(),
-                       ps.get_pipeline_model_parallel_world_size())
-            if current != (layout.tp, layout.pp):
-                raise ConfigError(
-                    f"Megatron's parallel state is already initialised with another tp/pp than "
-                    f"{layout.describe()}; one process hosts one Megatron layout."
-                )
-        else:
-            ps.initialize_model_parallel(tensor_model_parallel_size=layout.tp,
-                                         pipeline_model_parallel_size=layout.pp)
-        model_parallel_cuda_manual_seed(context.seed)
+        ps = _init_parallel_state(context)
         self.ps = ps
         self.tp_rank = ps.get_tensor_model_parallel_rank()
         self.pp_rank = ps.get_pipeline_model_parallel_rank()
@@ -178,6 +188,11 @@ class MegatronTrainEngine(CausalLMTrainEngine):
             )
         import_hf_weights(params, self._specs, SafetensorsReader(context.model_path))
         self.module = model
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+        )
+
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=options.grad_reduce_in_fp32,
             overlap_grad_reduce=options.overlap_grad_reduce and on_gpu,
@@ -224,7 +239,7 @@ class MegatronTrainEngine(CausalLMTrainEngine):
         def layout(part: Batch) -> PaddedInputs:
             return pad_to_shape(pad_inputs(part), rows, width)
 
-        return [self._micro(batch, indices, k == len(plan) - 1, layout)
+        return [self.build_micro_batch(batch, indices, k == len(plan) - 1, layout)
                 for k, indices in enumerate(plan)]
 
     def forward_micro(self, micro: MicroBatch) -> torch.Tensor:

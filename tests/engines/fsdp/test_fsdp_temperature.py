@@ -1,4 +1,4 @@
-"""The fsdp trainer's update at temperature 0.6 equals the policy gradient computed by hand.
+"""The fsdp trainer at temperature ≠ 1: its update at T = 0.6 is the hand-computed gradient.
 
 A two-step "tree" with a four-token vocabulary, on a real HF model the fsdp engine loads:
 a Llama with no transformer block, identity embeddings and an untied output layer, so the
@@ -164,3 +164,22 @@ def test_a_trainer_at_t1_moves_the_unrewarded_branch(tabular_model):
     _, unrewarded = _tree(pi_sampled)
     assert biased[:, unrewarded].abs().max() > 1e-4
     assert delta[:, unrewarded].abs().max() > 100 * 1e-8  # the tempered trainer's bound
+
+
+def test_trainer_and_rollout_agree_at_t07_with_top_p_and_top_k(tiny_model):
+    """Both sides report the tempered, untruncated log-prob of every sampled token."""
+    from peerflow import GenerationRequest, SamplingParams
+    from peerflow.adapters.hf.engine import HFRolloutEngine
+    from tests.engines.fsdp.fsdp_testlib import to_batch
+
+    rollout = HFRolloutEngine(EngineContext(model_path=tiny_model, layout=ParallelLayout()))
+    requests = [GenerationRequest(request_id=i, prompt_ids=rollout.tokenizer(p).input_ids)
+                for i, p in enumerate(["12+3=", "hello world", "zz"])]
+    sampling = SamplingParams(n=3, max_tokens=10, temperature=0.7, top_p=0.8, top_k=12, seed=5)
+    results = rollout.generate(requests, sampling)
+    batch = to_batch(requests, results)
+    sampled = torch.cat([torch.tensor(r.logprobs) for r in results])
+    tempered = _engine(tiny_model, 0.7).forward_logprobs(batch).values
+    torch.testing.assert_close(tempered, sampled, atol=1e-5, rtol=0)
+    untempered = _engine(tiny_model, 1.0).forward_logprobs(batch).values
+    assert (untempered - sampled).abs().max() > 1e-2
