@@ -36,3 +36,7 @@ class ShardError(PeerFlowError):
 
 class WorkerFailedError(PeerFlowError):
     """A peer process died or raised; carries the failed rank, host and stage."""
+
+
+class RunInterruptedError(PeerFlowError):
+    """The user stopped a run (Ctrl-C, SIGTERM to the launcher); every worker was stopped."""

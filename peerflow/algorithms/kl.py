@@ -28,13 +28,12 @@ from __future__ import annotations
 
 import torch
 
-from peerflow.algorithms.ragged_ops import segment_sum, token_values
+from peerflow.algorithms.aggregation import aggregate
+from peerflow.algorithms.ragged_ops import LOG_RATIO_LIMIT, segment_sum, token_values
 from peerflow.batch import Batch, RaggedField
 
 KL_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3")
 
-#: Log-ratios are clamped here before `exp` in k3 (verl's low-variance KL does the same).
-LOG_RATIO_LIMIT = 20.0
 
 
 def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
@@ -120,8 +119,6 @@ def kl_loss_metrics(batch: Batch, coef: float, estimator: str,
     Returns:
         `{name: ("mean", value, weight)}`, weighted by tokens (`token-mean`) or samples.
     """
-    from peerflow.algorithms.aggregation import aggregate
-
     field = "old_logprobs" if "old_logprobs" in batch else "rollout_logprobs"
     if not len(batch) or field not in batch or "ref_logprobs" not in batch:
         return {}

@@ -22,11 +22,8 @@ import torch
 
 from peerflow.algorithms.aggregation import AGGREGATIONS, aggregate
 from peerflow.algorithms.base import PolicyLoss
-from peerflow.algorithms.ragged_ops import segment_mean, token_values
+from peerflow.algorithms.ragged_ops import LOG_RATIO_LIMIT, segment_mean, token_values
 from peerflow.batch import Batch, RaggedField
-
-#: Log-ratios are clamped to this range before `exp`, so one wild token cannot overflow.
-LOG_RATIO_LIMIT = 20.0
 
 
 def _aggregation(_: object, attribute: attrs.Attribute, value: str | None) -> None:
@@ -49,7 +46,7 @@ def old_logprobs(batch: Batch, logprobs: torch.Tensor) -> torch.Tensor:  # [tota
     return logprobs.detach()
 
 
-def importance_weights(batch: Batch, like: torch.Tensor) -> torch.Tensor | None:
+def batch_is_weights(batch: Batch, like: torch.Tensor) -> torch.Tensor | None:
     """The batch's decoupled-PPO weights `is_weights` (no grad), or `None` without them.
 
     Written once per step by `Algorithm.prepare_actor_batch` (see
@@ -125,7 +122,7 @@ class PPOClip(PolicyLoss):
             cap = -advantages * opts.dual_clip
             dual_clipped = (advantages < 0) & (per_token > cap)
             per_token = torch.where(advantages < 0, torch.minimum(per_token, cap), per_token)
-        weights = importance_weights(batch, current)
+        weights = batch_is_weights(batch, current)
         if weights is not None:
             per_token = per_token * weights
         loss = aggregate(

@@ -27,11 +27,13 @@ from typing import Any
 import attrs
 import torch
 
-from peerflow.algorithms.ragged_ops import ragged_like, response_lengths, token_values
+from peerflow.algorithms.ragged_ops import (
+    LOG_RATIO_LIMIT,
+    ragged_like,
+    response_lengths,
+    token_values,
+)
 from peerflow.batch import Batch
-
-#: Log-ratios are clamped here before `exp`, so one wild token cannot overflow.
-LOG_RATIO_LIMIT = 20.0
 
 CORRECTIONS: tuple[str, ...] = ("tis", "mis", "none")
 
@@ -52,6 +54,16 @@ class ImportanceWeights:
     """Fraction of tokens truncated (`tis`) or masked (`mis`)."""
     tokens: int
     """Tokens the statistics are over (the weight of the means across ranks)."""
+
+    def metrics(self, correction: str) -> dict[str, tuple[str, float, float]]:
+        """The `off_policy/*` metrics, as `{name: (reduction, value, weight)}`."""
+        limited = "masked_fraction" if correction == "mis" else "truncated_fraction"
+        return {
+            "off_policy/is_weight_mean": ("mean", self.raw_mean, self.tokens),
+            "off_policy/is_weight_max": ("max", self.raw_max, 1.0),
+            "off_policy/applied_weight_mean": ("mean", self.mean, self.tokens),
+            f"off_policy/{limited}": ("mean", self.limited_fraction, self.tokens),
+        }
 
 
 def importance_weights(batch: Batch, correction: str, cap: float,
@@ -138,20 +150,7 @@ def mismatch_metrics(batch: Batch) -> dict[str, tuple[str, float, float]]:
     }
 
 
-def weight_metrics(weights: ImportanceWeights, correction: str) -> dict[str, tuple[str, float,
-                                                                                     float]]:
-    """The `off_policy/*` metrics of one batch's weights (`(reduction, value, weight)`)."""
-    n = weights.tokens
-    limited = "masked_fraction" if correction == "mis" else "truncated_fraction"
-    return {
-        "off_policy/is_weight_mean": ("mean", weights.raw_mean, n),
-        "off_policy/is_weight_max": ("max", weights.raw_max, 1.0),
-        "off_policy/applied_weight_mean": ("mean", weights.mean, n),
-        f"off_policy/{limited}": ("mean", weights.limited_fraction, n),
-    }
-
-
-def record(metrics: Any, values: dict[str, tuple[str, float, float]]) -> None:
+def record_metrics(metrics: Any, values: dict[str, tuple[str, float, float]]) -> None:
     """Records `(reduction, value, weight)` triples in a `StepMetrics`-like object."""
     for name, (how, value, weight) in values.items():
         if how == "mean":

@@ -11,6 +11,10 @@ import torch
 
 from peerflow.batch import Batch, RaggedField
 
+#: Log-ratios are clamped to ±this before `exp` (ratios, importance weights, k3), so one
+#: wild token cannot overflow; verl clamps at the same bound.
+LOG_RATIO_LIMIT = 20.0
+
 
 def segment_ids(lengths: torch.Tensor) -> torch.Tensor:  # [total_tokens]
     """Returns, for every token, the index of the sample it belongs to."""

@@ -19,8 +19,7 @@ from peerflow.algorithms.off_policy import (
     attach_weights,
     importance_weights,
     mismatch_metrics,
-    record,
-    weight_metrics,
+    record_metrics,
 )
 from peerflow.algorithms.overlong import shape_overlong
 from peerflow.algorithms.regularized import RegularizedLoss
@@ -51,9 +50,9 @@ class Algorithm:
     """`loss` or `reward`."""
     dynamic_sampling: bool
     """Whether the worker drops all-equal-reward groups and refills (DAPO)."""
-    off_policy: Any = attrs.Factory(OffPolicyConfig)
+    off_policy: OffPolicyConfig = attrs.Factory(OffPolicyConfig)
     """`algorithm.off_policy`: the importance-weight correction."""
-    overlong: Any = attrs.Factory(OverlongConfig)
+    overlong: OverlongConfig = attrs.Factory(OverlongConfig)
     """`algorithm.overlong`: DAPO's overlong shaping and filtering."""
     max_tokens: int = 0
     """`rollout.sampling.max_tokens` (the overlong punishment's budget)."""
@@ -116,16 +115,16 @@ class Algorithm:
             metrics.mean("actor/masked_fraction", float((~keep).double().mean()) if len(batch)
                          else 0.0, len(batch))
             batch = batch.select(keep.nonzero().flatten())
-        record(metrics, mismatch_metrics(batch))
+        record_metrics(metrics, mismatch_metrics(batch))
         correction = self.off_policy.correction
         weights = importance_weights(batch, correction, self.off_policy.cap,
                                      self.off_policy.lower)
         if weights is not None:
             batch = attach_weights(batch, weights)
-            record(metrics, weight_metrics(weights, correction))
+            record_metrics(metrics, weights.metrics(correction))
         if self.kl_coef > 0 and self.kl_mode == "loss":
-            record(metrics, kl_loss_metrics(batch, self.kl_coef, self.kl_estimator,
-                                            self.policy_loss))
+            record_metrics(metrics, kl_loss_metrics(batch, self.kl_coef, self.kl_estimator,
+                                                    self.policy_loss))
         return batch
 
 

@@ -8,7 +8,7 @@ process (the colocated case), so the figure isolates the planner + executor from
 network. Each run times, side by side:
 
 * `memcpy`: one `copy_` of a flat buffer holding exactly the bytes the plan moves;
-* `reshard`: `sync_weights` into destination tensors offered through
+* `reshard`: `WeightSyncService.sync` into destination tensors offered through
   `weight_buffers` (zero-copy, how an in-place engine receives weights);
 * `staged`: the same sync into an engine without `weight_buffers` (a bucket is staged,
   then copied into the engine by `load_weights`).
@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from peerflow.models import megatron_layout, vllm_layout
-from peerflow.reshard import plan_reshard, sync_weights
+from peerflow.reshard import WeightSyncService, plan_reshard
 from peerflow.shard import ShardSpec
 
 
@@ -137,6 +137,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     staged = _Destinations(dst_specs, zero_copy=False)
     flat_src = torch.rand(plan.bytes // 4)
     flat_dst = torch.empty_like(flat_src)
+    services = {name: WeightSyncService.build(sources, dest, plan=plan, transport="inprocess",
+                                              bucket_bytes=bucket_bytes)
+                for name, dest in (("reshard", zero_copy), ("staged", staged))}
     samples: dict[str, list[float]] = {"memcpy": [], "reshard": [], "staged": []}
     peaks: dict[str, int] = {"reshard": 0, "staged": 0}
     # Run 0 warms up (first-touch page faults, plugin loading) and is not timed.
@@ -144,10 +147,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         start = time.perf_counter()
         flat_dst.copy_(flat_src)
         elapsed = {"memcpy": time.perf_counter() - start}
-        for name, dest in (("reshard", zero_copy), ("staged", staged)):
+        for name, service in services.items():
             start = time.perf_counter()
-            stats = sync_weights(sources, dest, version=version, plan=plan,
-                                 transport="inprocess", bucket_bytes=bucket_bytes)
+            stats = service.sync(version)
             elapsed[name] = time.perf_counter() - start
             peaks[name] = max(peaks[name], stats.peak_extra_bytes)
         if version:

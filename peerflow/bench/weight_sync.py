@@ -2,17 +2,20 @@
 
 For each model size a random Llama is written from a config, a train engine
 (`--trainer`, default `fsdp`) and a rollout engine (`--backend`, default `vllm`) load it
-in this process (colocated, one rank), and `peerflow.reshard.sync_weights` moves every
-parameter `--runs` times. Reported per size (medians over runs):
+in this process (colocated, one rank), and the run's `WeightSyncService` (built once:
+`first_plan_s`) moves every parameter `--runs` times. Reported per size (medians over
+runs):
 
-* `plan_s`: gathering both engines' specs and planning the reshard (done once per
-  engine pair in a run, so it is also reported separately as `first_plan_s`);
+* `plan_s`: planning inside a sync (0: the service plans once, when it is built);
 * `pack_s` / `wire_s` / `load_s`: the executor's split — copying regions out of the
   trainer's shards into bucket buffers, the transport, and `load_weights` into the
   rollout engine (for vLLM this includes the adapter's own hop into vLLM's worker);
 * `engine_*`: the rollout adapter's own split of its `load_weights` time, when it
   reports one (`last_sync`): packing for its side channel, the rpc, and the copy into
-  the engine's parameters.
+  the engine's parameters plus its post-load processing (vLLM: repacking its CPU
+  kernels from the new weights).
+
+Generation speed after a load is `peerflow bench rollout`'s `vllm_tokens_per_s`.
 
 Sizes: `quickstart` (the quickstart's hidden 128, 2 layers) and `500m` (hidden 1536,
 16 layers, MLP 6144: ~553 M parameters, ~2.2 GB in float32 per copy).
@@ -44,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--runs", type=int, default=3, help="timed syncs per size")
     parser.add_argument("--bucket-mb", type=int, default=256, help="bucket size in MiB")
     parser.add_argument("--transport", default=None,
-                        help="registered weight transport (default: chosen by sync_weights)")
+                        help="registered weight transport (default: auto)")
     parser.add_argument("--rollout-option", action="append", default=[], metavar="KEY=VALUE",
                         help="rollout adapter option, e.g. executor=multiprocess (YAML value)")
 
@@ -68,7 +71,7 @@ def _measure(size: str, args: argparse.Namespace, workdir: Path) -> dict[str, An
     from peerflow.engines import EngineContext, OptimSettings
     from peerflow.layout import ParallelLayout
     from peerflow.plugins import get_plugin_manager
-    from peerflow.reshard import plan_weight_sync, sync_weights
+    from peerflow.reshard import WeightSyncService
 
     hidden, inter, layers, heads, kv = SIZES[size]
     model = build_random_model(workdir / size, hidden_size=hidden, intermediate_size=inter,
@@ -83,12 +86,12 @@ def _measure(size: str, args: argparse.Namespace, workdir: Path) -> dict[str, An
     rollout = rollout_cls(context, _options(rollout_cls, args.rollout_option))
     try:
         start = time.perf_counter()
-        plan = plan_weight_sync(trainer, rollout)
+        service = WeightSyncService.build(trainer, rollout, transport=args.transport or "auto",
+                                          bucket_bytes=args.bucket_mb * 2**20)
         first_plan_s = time.perf_counter() - start
         runs = []
         for version in range(1, args.runs + 1):
-            stats = sync_weights(trainer, rollout, version=version, plan=plan,
-                                 transport=args.transport, bucket_bytes=args.bucket_mb * 2**20)
+            stats = service.sync(version)
             run = {"plan_s": stats.plan_s, "pack_s": stats.pack_s, "wire_s": stats.wire_s,
                    "load_s": stats.load_s, "bytes": stats.bytes, "buckets": stats.buckets,
                    "peak_extra_bytes": getattr(stats, "peak_extra_bytes", 0)}
@@ -98,7 +101,7 @@ def _measure(size: str, args: argparse.Namespace, workdir: Path) -> dict[str, An
                 run.update(engine_pack_s=engine_stats.pack_s, engine_wire_s=engine_stats.wire_s,
                            engine_load_s=engine_stats.load_s)
             runs.append(run)
-        params = _parameters(plan)
+        params = _parameters(service.plan)
     finally:
         rollout.shutdown()
         trainer.shutdown()

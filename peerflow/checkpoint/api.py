@@ -12,6 +12,9 @@ Call sequence:
    trainable role's engine state, each rank's driver state, the optional in-flight
    streaming state, then (leader only, behind a barrier) the manifest, written last,
    and the retention policy (`run.keep_last`).
+3. On an interrupt (Ctrl-C) between steps, when every rank of `group` finished the same
+   step: `save_step` for it if `newest_complete(run_dir)` is older — as costly as a
+   regular save, so only worth it when the last checkpoint is behind.
 
 Layout: see `peerflow.checkpoint.store`.
 """

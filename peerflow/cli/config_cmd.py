@@ -17,12 +17,15 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def load_validated(args: argparse.Namespace) -> Any:
-    """Loads, overrides and validates the config named by `args` (exits on errors)."""
+    """Loads, overrides and validates a config; opens its model directory and dataset."""
     from peerflow.config import load_config, validate_config
+    from peerflow.launch.preflight import preflight
     from peerflow.plugins import get_plugin_manager
 
     config = load_config(args.config, args.overrides)
-    validate_config(config, get_plugin_manager())
+    pm = get_plugin_manager()
+    validate_config(config, pm)
+    preflight(config, pm)
     return config
 
 

@@ -20,10 +20,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
-from peerflow.errors import ConfigError
+from peerflow.errors import ConfigError, RunInterruptedError, WorkerFailedError
+from peerflow.launch.entry import INTERRUPTED_EXIT
 
 
 def add_parser(subparsers: Any) -> None:
@@ -79,12 +81,15 @@ def resolve_paths(args: argparse.Namespace) -> tuple[str, str | None]:
 
 
 def check_config(config_path: str, overrides: list[str]) -> Any:
-    """Loads and validates the config (names, options, workflow graph) before launch."""
+    """Validates the config and opens its model directory and dataset, before launch."""
     from peerflow.config import load_config, validate_config
+    from peerflow.launch.preflight import preflight
     from peerflow.plugins import load_plugins
 
     config = load_config(config_path, overrides)
-    validate_config(config, load_plugins())
+    pm = load_plugins()
+    validate_config(config, pm)
+    preflight(config, pm)
     return config
 
 
@@ -102,10 +107,17 @@ def check_run_dir(
     Raises:
         ConfigError: naming the directory, or each differing key with both values.
     """
+    from peerflow.checkpoint import newest_complete
     from peerflow.checkpoint.fingerprint import check_resume
 
     if resume:
         check_resume(run_dir, config, allow_change)
+        if newest_complete(run_dir) is None:
+            raise ConfigError(
+                f"--resume {str(run_dir)!r}: no finished checkpoint under {run_dir}/"
+                "checkpoints; a run saves one every run.checkpoint_every steps and at its "
+                "end. Start a fresh run instead (another --run-dir)."
+            )
     elif allow_change:
         raise ConfigError("--allow-change only applies to --resume RUN_DIR; drop it.")
     elif (run_dir / "config.yaml").is_file():
@@ -124,16 +136,49 @@ def _torchrun_worker(args: argparse.Namespace, config_path: str, run_dir: str | 
             "peerflow train under torchrun: pass --run-dir DIR (on shared storage for "
             "several machines) so every rank writes the same run directory."
         )
+    resume = args.resume or restart_resume(run_dir)
     lead = os.environ.get("RANK") == "0"  # one lock per run: rank 0 takes it and checks
     if lead:
         config = check_config(config_path, list(args.overrides))
         Path(run_dir).mkdir(parents=True, exist_ok=True)
     with RunLock(Path(run_dir)) if lead else contextlib.nullcontext():
         if lead:
-            check_run_dir(Path(run_dir), config, resume=bool(args.resume),
+            check_run_dir(Path(run_dir), config, resume=bool(resume),
                           allow_change=args.allow_change)
         return int(launch(config_path=config_path, overrides=list(args.overrides),
-                          run_dir=run_dir, resume=args.resume, launcher=args.launcher) or 0)
+                          run_dir=run_dir, resume=resume, launcher=args.launcher) or 0)
+
+
+def restart_resume(run_dir: str) -> str | None:
+    """Under `torchrun --max-restarts N` (N > 0), a run directory with checkpoints resumes.
+
+    torchrun restarts every worker of the job after a failure (and after a membership
+    change, without counting it), so every agent's workers must take the same decision
+    from what they share: the run directory. Returns `run_dir` when torchrun may restart
+    (`TORCHELASTIC_MAX_RESTARTS` > 0) and it holds a complete checkpoint, else `None`.
+    """
+    from peerflow.checkpoint import newest_complete
+
+    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
+    found = newest_complete(run_dir) if restarts > 0 else None
+    if found is None:
+        return None
+    print(f"peerflow train: torchrun --max-restarts {restarts} (restart "
+          f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '?')} of this agent): resuming "
+          f"{run_dir} from step {found.step}", file=sys.stderr, flush=True)
+    return run_dir
+
+
+def resume_hint(run_dir: Path) -> str:
+    """Where a stopped run can continue from, and the command that does it."""
+    from peerflow.checkpoint import newest_complete
+
+    found = newest_complete(run_dir)
+    if found is None:
+        return (f"No checkpoint was written yet (run.checkpoint_every), so there is nothing "
+                f"to resume in {run_dir}; start a fresh run.")
+    return (f"The newest complete checkpoint is step {found.step} ({found.path}); continue "
+            f"with:\n  peerflow train --resume {run_dir}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -157,8 +202,16 @@ def run(args: argparse.Namespace) -> int:
         check_run_dir(run_path, config, resume=bool(args.resume),
                       allow_change=args.allow_change)
         print(f"peerflow train: {nprocs} worker(s), run directory {run_path}", flush=True)
-        return int(launch(
-            config_path=config_path, overrides=overrides, run_dir=str(run_path),
-            resume=args.resume, nprocs=nprocs, launcher=args.launcher,
-            fault_timeout=config.runtime.fault_timeout,
-        ) or 0)
+        try:
+            return int(launch(
+                config_path=config_path, overrides=overrides, run_dir=str(run_path),
+                resume=args.resume, nprocs=nprocs, launcher=args.launcher,
+                fault_timeout=config.runtime.fault_timeout,
+            ) or 0)
+        except RunInterruptedError as exc:
+            print(f"peerflow train: {exc}.\n{resume_hint(run_path)}", file=sys.stderr,
+                  flush=True)
+            return INTERRUPTED_EXIT
+        except WorkerFailedError as exc:
+            print(f"error: {exc}\n{resume_hint(run_path)}", file=sys.stderr, flush=True)
+            return 1

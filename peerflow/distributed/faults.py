@@ -37,6 +37,7 @@ from typing import Any
 
 import attrs
 
+from peerflow.distributed.ranklog import append_to_rank_log
 from peerflow.distributed.stages import (
     PREFIX,
     StageRecord,
@@ -222,16 +223,20 @@ class FaultMonitor:
 
     def exit_for(self, record: FailureRecord, status: int = PEER_FAILED_EXIT) -> None:
         """Prints the failure and leaves the process with `status`."""
-        print(f"peerflow: {record.message()}; rank {self.rank} (host {self.host}, stage "
-              f"{self.stage_name!r}) exits.", file=sys.stderr, flush=True)
+        text = (f"peerflow: {record.message()}; rank {self.rank} (host {self.host}, stage "
+                f"{self.stage_name!r}) exits.")
+        print(text, file=sys.stderr, flush=True)
+        append_to_rank_log(text)
         self._stop.set()
         self.exit_process(status)
 
     def fail_stuck_stage(self) -> FailureRecord:
         """Publishes this rank's overdue stage as the failure (the main thread is stuck)."""
         current = self.current
-        print(f"peerflow: rank {self.rank} is stuck in stage {current.label()!r}; main thread:"
-              f"\n{main_thread_stack()}", file=sys.stderr, flush=True)
+        text = (f"peerflow: rank {self.rank} is stuck in stage {current.label()!r}; main "
+                f"thread:\n{main_thread_stack()}")
+        print(text, file=sys.stderr, flush=True)
+        append_to_rank_log(text)
         return self.fail(
             f"stuck for {time.time() - current.since:.1f} s, past the stage's deadline of "
             f"{current.deadline:g} s (runtime.stage_timeout, or runtime.reward_timeout for "

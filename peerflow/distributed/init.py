@@ -80,6 +80,16 @@ def _fault_store(default_store: Any, timeout: float) -> Any:
                          timeout=datetime.timedelta(seconds=max(timeout, 30.0)))
 
 
+def _port_in_use(init_method: str | None) -> str:
+    where = init_method or (f"MASTER_PORT={os.environ.get('MASTER_PORT', '?')} on MASTER_ADDR="
+                            f"{os.environ.get('MASTER_ADDR', '?')}")
+    port = (init_method or "").rsplit(":", 1)[-1] if init_method else os.environ.get(
+        "MASTER_PORT", "?")
+    return (f"{where}: the port is already in use (another run, or a process still holding "
+            f"it); pick a free port (MASTER_PORT=… or torchrun --master-port …), or find the "
+            f"holder with `ss -ltnp 'sport = :{port}'`.")
+
+
 def init_distributed(
     backend: str = "auto",
     timeout: float = 60.0,
@@ -120,10 +130,15 @@ def init_distributed(
     if backend == "nccl":
         torch.cuda.set_device(local_rank)
     if not dist.is_initialized():
-        dist.init_process_group(
-            backend=backend, init_method=init_method or "env://", rank=rank,
-            world_size=world_size, timeout=datetime.timedelta(seconds=timeout),
-        )
+        try:
+            dist.init_process_group(
+                backend=backend, init_method=init_method or "env://", rank=rank,
+                world_size=world_size, timeout=datetime.timedelta(seconds=timeout),
+            )
+        except (RuntimeError, OSError) as exc:
+            if "address already in use" not in str(exc).lower():
+                raise
+            raise ConfigError(_port_in_use(init_method)) from None
     store = _fault_store(dist.distributed_c10d._get_default_store(), timeout)
     fault_monitor = None
     if monitor:

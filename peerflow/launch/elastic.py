@@ -6,8 +6,10 @@ import logging
 import socket
 import uuid
 from collections.abc import Sequence
+from pathlib import Path
 
-from peerflow.errors import WorkerFailedError
+from peerflow.distributed.ranklog import rank_log_path
+from peerflow.errors import RunInterruptedError, WorkerFailedError
 from peerflow.launch.entry import worker_entry
 from peerflow.launch.watch import FaultStore
 
@@ -18,8 +20,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def failure_message(store: FaultStore, failures: dict[int, object] | None = None) -> str:
-    """The launcher's one-paragraph account of a failed run."""
+def failure_message(store: FaultStore, failures: dict[int, object] | None = None,
+                    run_dir: str | None = None) -> str:
+    """The launcher's one-paragraph account of a failed run, with where its log is."""
     record = store.failure()
     lines = []
     if record is not None:
@@ -29,7 +32,15 @@ def failure_message(store: FaultStore, failures: dict[int, object] | None = None
         signal = getattr(failure, "signal_name", lambda: "")()
         how = f"signal {signal}" if signal and code is not None and code < 0 else f"exit {code}"
         lines.append(f"  rank {rank}: {how}")
-    return "\n".join(lines) or "a worker failed (no failure record was published)"
+    if not lines:
+        lines.append("a worker failed (no failure record was published)")
+    if run_dir is not None:
+        log = rank_log_path(run_dir, record.rank) if record is not None else None
+        if log is not None and log.is_file():
+            lines.append(f"  full traceback: {log}")
+        elif (Path(run_dir) / "logs").is_dir():
+            lines.append(f"  worker logs: {Path(run_dir) / 'logs'}")
+    return "\n".join(lines)
 
 
 def launch_elastic(
@@ -49,6 +60,7 @@ def launch_elastic(
         WorkerFailedError: a worker died or raised; the message names its rank, host and
             stage, and lists every worker's exit status.
     """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -70,8 +82,12 @@ def launch_elastic(
     quiet.setLevel(logging.CRITICAL)
     try:
         elastic_launch(config, worker_entry)(*args)
+    except (KeyboardInterrupt, SignalException) as exc:
+        raise RunInterruptedError(f"interrupted ({exc or 'Ctrl-C'}); every worker was "
+                                  "stopped") from None
     except ChildFailedError as exc:
-        raise WorkerFailedError(failure_message(store, exc.failures)) from None
+        raise WorkerFailedError(failure_message(store, exc.failures, resume or run_dir)
+                                ) from None
     finally:
         quiet.setLevel(level)
         store.stop()

@@ -12,9 +12,13 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
+import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
+#: Exit status of a worker stopped by Ctrl-C (128 + SIGINT, as shells report it).
+INTERRUPTED_EXIT = 130
 #: The worker function `peerflow train` runs in every process.
 DEFAULT_ENTRY = "peerflow.worker.main:run_worker"
 
@@ -58,14 +62,26 @@ def worker_entry(
     import torch
 
     from peerflow.distributed import handle_failure, init_distributed, shutdown_distributed
+    from peerflow.distributed.ranklog import append_to_rank_log, open_rank_log
 
     torch.set_num_threads(max(1, torch_threads))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     ctx = init_distributed(timeout=fault_timeout)
+    open_rank_log(resume or run_dir, ctx.rank)
     monitor = ctx.monitor
     try:
         resolve_entry(entry)(config_path, list(overrides), run_dir, resume)
+    except KeyboardInterrupt:  # Ctrl-C reaches every local worker; the launcher reports it
+        append_to_rank_log(f"rank {ctx.rank} (pid {os.getpid()}) interrupted (SIGINT) at:\n"
+                           + traceback.format_exc())
+        if monitor is not None:
+            monitor.close()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(INTERRUPTED_EXIT)  # skip collective teardown with peers that are leaving
     except BaseException as exc:
+        append_to_rank_log(f"rank {ctx.rank} (host {ctx.host}, pid {os.getpid()}) raised:\n"
+                           + traceback.format_exc())
         handle_failure(exc, monitor)
         raise
     finally:

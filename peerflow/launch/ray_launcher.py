@@ -114,7 +114,7 @@ def launch_ray(
                        MASTER_ADDR=master, MASTER_PORT=str(nodes[0][2]),
                        PEERFLOW_FAULT_STORE=store.address)
             refs[actors[rank].run.remote(env, args)] = rank
-        _wait(ray, refs, store, fault_timeout)
+        _wait(ray, refs, store, fault_timeout, resume or run_dir)
     finally:
         for actor in actors:
             try:
@@ -128,7 +128,8 @@ def launch_ray(
             ray.shutdown()
 
 
-def _wait(ray: Any, refs: dict[Any, int], store: FaultStore, fault_timeout: float) -> None:
+def _wait(ray: Any, refs: dict[Any, int], store: FaultStore, fault_timeout: float,
+          run_dir: str) -> None:
     pending = list(refs)
     failed: dict[int, str] = {}
     deadline = None
@@ -148,5 +149,5 @@ def _wait(ray: Any, refs: dict[Any, int], store: FaultStore, fault_timeout: floa
                                  f"{str(exc).splitlines()[0] if str(exc) else ''}")
                 deadline = deadline or time.monotonic() + fault_timeout + 10
     if failed:
-        raise WorkerFailedError(failure_message(store) + "\n" + "\n".join(
+        raise WorkerFailedError(failure_message(store, run_dir=run_dir) + "\n" + "\n".join(
             f"  rank {r}: {what}" for r, what in sorted(failed.items())))

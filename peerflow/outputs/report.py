@@ -3,7 +3,8 @@
 One figure per topic; a topic is drawn only when the run logged at least one of its
 metrics (names in `peerflow.outputs.metrics`):
 
-* `reward.png` — `reward/mean` with its min–max band, `score/mean`, `eval/reward/mean`;
+* `reward.png` — `reward/mean` with its min–max band, `score/mean`, `eval/greedy/reward`,
+  `eval/sampled/reward`;
 * `response_length.png` — `response_length/*`;
 * `kl.png` — `kl/*`;
 * `throughput.png` — `throughput/*`; `weight_sync.png` — `weight_sync/*` (or `sync/*`);
@@ -14,7 +15,8 @@ metrics (names in `peerflow.outputs.metrics`):
 * `mismatch.png` — `mismatch/*`: rollout-vs-trainer log-prob mismatch on the sampled
   tokens (mean and max |Δ log-prob|, KL(π_rollout ‖ π_trainer));
 * `dapo.png` — `overlong/*`, `dynamic_sampling/*`;
-* `staleness.png`, `overlap.png` — `staleness/*`; `overlap/*`, `idle/*`, `queue/*`.
+* `staleness.png`, `overlap.png` — `staleness/*`; `overlap/*`, `idle/*`, `queue/*`;
+* `eval.png` — `eval/*` (held-out evaluation: rewards, pass@k), one marker per evaluation.
 
 `summary.json` records, per metric, the first and last value and the means of the first
 and last five logged steps (the learning-curve check of the quickstart).
@@ -44,6 +46,7 @@ LINE_FIGURES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("dapo", "DAPO: overlong shaping, dynamic sampling", ("overlong/", "dynamic_sampling/")),
     ("staleness", "Staleness (weight versions)", ("staleness/",)),
     ("overlap", "Overlap, idle time and queues", ("overlap/", "idle/", "queue/")),
+    ("eval", "Held-out evaluation (run.eval_every)", ("eval/",)),
 )
 
 
@@ -133,7 +136,7 @@ def render_report(
             hi_steps, hi = _series(records, "reward/max")
             if lo and hi and lo_steps == hi_steps:
                 ax.fill_between(lo_steps, lo, hi, alpha=0.15, label="min–max")
-        for name in ("score/mean", "eval/reward/mean"):
+        for name in ("score/mean", "eval/greedy/reward", "eval/sampled/reward"):
             s, v = _series(records, name)
             if v:
                 ax.plot(s, _smooth(v, smooth), label=name, marker="o" if "eval" in name else None)
@@ -150,7 +153,7 @@ def render_report(
                                  sharex=True, squeeze=False)
         for ax, name in zip(axes[:, 0], names):
             s, v = _series(records, name)
-            ax.plot(s, _smooth(v, smooth))
+            ax.plot(s, _smooth(v, smooth), marker="o" if name.startswith("eval/") else None)
             ax.set_ylabel(name, fontsize=8)
             ax.grid(alpha=0.3)
         axes[0, 0].set_title(title)

@@ -14,11 +14,9 @@ collective), it serves both schedules on one executor (`peerflow.reshard.executo
   `apply(received)`s it between requests. Any registered transport works in both
   schedules, the zero-copy `weight_buffers` path included.
 
-Time sharing (colocated placement, `Capabilities.sleep`): in the order of verl's hybrid
-engine, `sync` wakes the rollout engine's weights, loads them, then wakes its KV cache;
-`generating()` wraps generation: it wakes whatever is still asleep, then puts the engine
-to sleep so the trainer has the accelerator's memory. An engine whose `wake` takes no
-`tags` (written before tags existed) is woken whole, once, before loading.
+Time sharing (colocated placement, `Capabilities.sleep`; `peerflow.reshard.time_share`):
+`generating()` wraps generation and puts the rollout engine to sleep after it; `sync`
+wakes its weights, loads them, then wakes its KV cache (verl's hybrid-engine order).
 
 Plugin hooks `peerflow_before_weight_sync` / `peerflow_after_weight_sync` fire once per
 engine and version on this rank (role `actor` when packing or syncing, `rollout` when
@@ -28,9 +26,7 @@ loading).
 from __future__ import annotations
 
 import contextlib
-import inspect
 import time
-from collections.abc import Iterator, Sequence
 from typing import Any
 
 import attrs
@@ -50,12 +46,11 @@ from peerflow.reshard.executor import (
     unpack_regions,
 )
 from peerflow.reshard.plan import ReshardPlan, plan_reshard
+from peerflow.reshard.time_share import KV_CACHE, WEIGHTS, TimeSharing
 from peerflow.reshard.transport import WeightTransport, make_transport
 
 #: Default bucket size (bytes of destination tensors moved together).
 DEFAULT_BUCKET_BYTES = 256 * 2**20
-#: What a rollout engine's `wake(tags)` restores, in the order a sync needs them.
-WEIGHTS, KV_CACHE = "weights", "kv_cache"
 
 
 def _rank_and_world(group: Any) -> tuple[int, int]:
@@ -127,12 +122,6 @@ class ReceivedVersion:
     wire_s: float
 
 
-def _wake_takes_tags(rollout: RolloutEngine) -> bool:
-    # Like pluggy with hook implementations: an engine written before `tags` existed
-    # declares `wake(self)` and is woken whole.
-    return "tags" in inspect.signature(rollout.wake).parameters
-
-
 @attrs.define(eq=False)
 class WeightSyncService:
     """This rank's part of the run's weight sync (build with `WeightSyncService.build`)."""
@@ -151,15 +140,14 @@ class WeightSyncService:
     """The engine that loads them (`None` on trainer-only ranks)."""
     device: str = "cpu"
     """Where buffers and staged tensors live."""
-    time_share: bool = False
-    """Sleep the rollout engine while the trainer runs (colocated, `Capabilities.sleep`)."""
+    time_share: TimeSharing | None = None
+    """Sleeps the rollout engine while the trainer runs (colocated, `Capabilities.sleep`)."""
     depth: int = 2
     """Streaming: packed versions that may be in flight at once (2: double buffering)."""
     meter: MemoryMeter = attrs.field(factory=MemoryMeter)
     """Bytes the service holds now and at most (pack pool, received buffers, arenas)."""
     _pool: list[torch.Tensor | None] = attrs.field(factory=list, init=False)
     _packs: int = attrs.field(default=0, init=False)
-    _asleep: set[str] = attrs.field(factory=set, init=False)
 
     @classmethod
     def build(cls, trainer: TrainEngine | None, rollout: RolloutEngine | None, *,
@@ -197,7 +185,8 @@ class WeightSyncService:
                 cross = any(t.src_rank != t.dst_rank for t in plan.transfers)
                 transport = "torch" if cross else "inprocess"
             transport = make_transport(transport, rank=rank, group=group, device=device)
-        time_share = bool(colocated and rollout is not None and rollout.capabilities.sleep)
+        time_share = (TimeSharing(rollout) if colocated and rollout is not None
+                      and rollout.capabilities.sleep else None)
         return cls(plan=plan, buckets=tuple(make_buckets(plan, bucket_bytes)),
                    transport=transport, rank=rank, trainer=trainer, rollout=rollout,
                    device=device, time_share=time_share)
@@ -341,25 +330,13 @@ class WeightSyncService:
 
     # -- time sharing -------------------------------------------------------------------
 
-    @contextlib.contextmanager
-    def generating(self) -> Iterator[None]:
-        """Around generation: wakes what still sleeps, then sleeps (time sharing only)."""
-        self._wake((WEIGHTS, KV_CACHE))
-        yield
-        if self.time_share and self.rollout is not None and not self._asleep:
-            self.rollout.sleep()
-            self._asleep = {WEIGHTS, KV_CACHE}
+    def generating(self) -> contextlib.AbstractContextManager[None]:
+        """Context around generation: sleep/wake time sharing when colocated, else none."""
+        return self.time_share.generating() if self.time_share else contextlib.nullcontext()
 
-    def _wake(self, tags: Sequence[str]) -> None:
-        wanted = [t for t in tags if t in self._asleep]
-        if not wanted or self.rollout is None:
-            return
-        if _wake_takes_tags(self.rollout):
-            self.rollout.wake(tags=tuple(wanted))
-            self._asleep -= set(wanted)
-        else:
-            self.rollout.wake()
-            self._asleep.clear()
+    def _wake(self, tags: tuple[str, ...]) -> None:
+        if self.time_share is not None:
+            self.time_share.wake(tags)
 
     # -- helpers ------------------------------------------------------------------------
 

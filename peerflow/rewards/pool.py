@@ -163,6 +163,9 @@ class RewardPool:
             self._pool = ProcessPool(
                 max_workers=self.workers, context=multiprocessing.get_context("spawn"),
                 initializer=_init_worker, initargs=(self.memory_mb * 2**20,))
+            # pebble's workers are not daemonic: a process that exits with the pool open
+            # waits for them (multiprocessing joins its children), so owners call close();
+            # atexit covers a plain interpreter exit.
             atexit.register(self.close)
         return self._pool
 

@@ -33,6 +33,13 @@ def _sampling(rt: WorkerRuntime, attempt: int) -> Any:
     )
 
 
+def response_texts(rt: WorkerRuntime, batch: Batch) -> list[str]:
+    """The decoded answers of a batch (special tokens removed), as rewards read them."""
+    return rt.tokenizer.batch_decode(
+        [row.tolist() for row in batch.ragged("response_ids").rows()], skip_special_tokens=True
+    )
+
+
 def _score(rt: WorkerRuntime, batch: Batch, node: Any = None,
            metrics: StepMetrics | None = None) -> None:
     """Decodes the answers, adds `response_text` and the node's reward field.
@@ -43,9 +50,7 @@ def _score(rt: WorkerRuntime, batch: Batch, node: Any = None,
     (fan-in). Per-reward means and the `reward/errors` / `reward/timeouts` counts go
     into `metrics`.
     """
-    texts = rt.tokenizer.batch_decode(
-        [row.tolist() for row in batch.ragged("response_ids").rows()], skip_special_tokens=True
-    )
+    texts = response_texts(rt, batch)
     options = getattr(node, "options", None) or {}
     rewards = rt.reward_set(options.get("reward"))
     describe_stage(f"reward {', '.join(c.name for c in rewards.components)!r} on "

@@ -30,6 +30,7 @@ from peerflow.checkpoint import (
 )
 from peerflow.config import RunConfig, load_config, validate_config
 from peerflow.errors import ConfigError
+from peerflow.worker.evaluation import eval_due, evaluate
 from peerflow.worker.loop import run_step
 from peerflow.worker.program import RankProgram, program_from_plan
 from peerflow.worker.runtime import TRAIN_ROLES, WorkerRuntime, build_components, resolve_model_path
@@ -77,7 +78,8 @@ def _seed_everything(seed: int, rank: int) -> None:
 
 
 def run_worker(
-    config_path: str, overrides: list[str], run_dir: str, resume: str | None = None
+    config_path: str, overrides: list[str], run_dir: str, resume: str | None = None,
+    *, body: Any = None,
 ) -> None:
     """Runs one worker process of a training run to completion.
 
@@ -87,6 +89,7 @@ def run_worker(
         run_dir: The run directory (shared by all ranks; created by the launcher).
         resume: A run directory to continue from its newest complete checkpoint (the run
             then writes into that directory).
+        body: `f(runtime, program, stage)` run instead of training (`peerflow eval`).
 
     Raises:
         ConfigError: the config, a name in it, or the resume directory is invalid.
@@ -108,12 +111,17 @@ def run_worker(
     try:
         with stage("start-up"):
             runtime, program = _start(config, run_path, rank, world_size, resume)
-        _train(runtime, program, stage, resuming=resume is not None)
+        if body is not None:
+            body(runtime, program, stage)
+        else:
+            _train(runtime, program, stage, resuming=resume is not None)
     finally:
         if runtime is not None:
             for engine in runtime.engines.values():
                 with contextlib.suppress(Exception):
                     engine.shutdown()
+            for rewards in runtime.rewards.values():  # a live pool would block the exit
+                rewards.close()
         shutdown_distributed()
 
 
@@ -184,9 +192,9 @@ def _program(config: RunConfig, world_size: int, rank: int, pm: Any) -> RankProg
 
 
 def _load_tokenizer(model_path: str) -> Any:
-    from transformers import AutoTokenizer
+    from peerflow.launch.preflight import load_tokenizer
 
-    return AutoTokenizer.from_pretrained(model_path)
+    return load_tokenizer(model_path)
 
 
 def _weight_sync(rt: WorkerRuntime, group: Any = None) -> Any:
@@ -231,12 +239,19 @@ def _train(rt: WorkerRuntime, program: RankProgram, stage: Any, *, resuming: boo
     registry = rt.pm.registry("node")
     node_types = {name: registry.get(name) for name in registry.names()}
     try:
+        if start_step == 0 and eval_due(config, 0):
+            metrics = _evaluate(rt, 0, stage)
+            if writer is not None:
+                writer.write(0, metrics)
         for step in range(start_step + 1, config.run.steps + 1):
             rt.step = step
             _, metrics = run_step(rt, program.steps, node_types=node_types,
                                   stage_factory=stage, tracer=tracer)
+            evaluated = eval_due(config, step)
+            if evaluated:
+                metrics.update(_evaluate(rt, step, stage))
             if writer is not None and (step % max(config.run.log_every, 1) == 0
-                                       or step == config.run.steps):
+                                       or step == config.run.steps or evaluated):
                 writer.write(step, metrics)
             progress.update(step, metrics)
             rt.pm.hook.peerflow_end_of_step(step=step, metrics=metrics, rank=rt.rank)
@@ -252,6 +267,29 @@ def _train(rt: WorkerRuntime, program: RankProgram, stage: Any, *, resuming: boo
         set_tracer(None)
         if writer is not None:
             writer.close()
+
+
+def _evaluate(rt: WorkerRuntime, step: int, stage: Any) -> dict[str, float]:
+    with stage(f"eval after step {step}"):
+        return evaluate(rt, step)
+
+
+def run_eval_worker(config_path: str, overrides: list[str], run_dir: str,
+                    checkpoint: str | None = None) -> None:
+    """The worker function of `peerflow eval`: builds the run, loads `checkpoint`, evaluates.
+
+    Args:
+        config_path: The run's YAML config.
+        overrides: `--set` assignments.
+        run_dir: Where `config.yaml` and `eval.json` are written.
+        checkpoint: A checkpoint directory, or a run directory (its newest complete
+            checkpoint); `None` evaluates the model at `model.path` / `model.builder`.
+    """
+    from peerflow.worker.evaluation import evaluate_checkpoint
+
+    run_worker(config_path, overrides, run_dir, None,
+               body=lambda rt, program, stage: evaluate_checkpoint(rt, program, stage,
+                                                                  checkpoint))
 
 
 def _restore(rt: WorkerRuntime, program: RankProgram) -> int:

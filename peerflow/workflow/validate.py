@@ -98,4 +98,20 @@ def validate_workflow(config: Any, pm: Any) -> list[str]:
         roles = place_roles(config, config.runtime.nprocs)
     except ConfigError as exc:
         return problems + [f"{exc} (checked for runtime.nprocs={config.runtime.nprocs})"]
-    return problems + check_model_layouts(config, graph, roles)
+    return problems + check_model_layouts(config, graph, roles) + check_prompts_per_step(
+        config, graph, roles)
+
+
+def check_prompts_per_step(config: Any, graph: Any, roles: dict[str, Any]) -> list[str]:
+    """Checks that every dp-rank of every role gets at least one prompt group a step."""
+    widest = max(((roles[n.role].dp, n.role) for n in graph.nodes if n.role in roles),
+                 default=(1, ""))
+    dp, role = widest
+    prompts = config.run.prompts_per_step
+    if prompts >= dp:
+        return []
+    return [f"run.prompts_per_step={prompts} is smaller than the data-parallel size {dp} of "
+            f"role {role!r} (runtime.nprocs={config.runtime.nprocs}, "
+            f"{roles[role].describe()}): every dp-rank needs at least one prompt a step; set "
+            f"run.prompts_per_step to at least {dp} (a multiple of {dp} balances the ranks), "
+            "or use fewer processes."]

@@ -90,8 +90,13 @@ def test_dead_or_raising_worker_stops_everyone(tmp_path, mode) -> None:
     assert f"LAUNCHER: {named}" in err, err
     for survivor in (0, 2):
         assert f"peerflow: {named}" in err and f"; rank {survivor} (host {host}" in err, err
-    if mode == "raise":
+    if mode == "raise":  # one line on the console, the whole traceback in the rank's log
         assert "ValueError: reward function exploded" in err
+        log = tmp_path / "logs" / "rank1.log"
+        assert f"  full traceback: {log}" in err
+        text = log.read_text()
+        assert "Traceback (most recent call last)" in text and "faultprog.py" in text
+        assert text.rstrip().endswith("ValueError: reward function exploded")
     else:
         assert "exited without finishing" in err or "no heartbeat" in err
     t_fail = float((tmp_path / "t_fail").read_text())

@@ -23,6 +23,11 @@ CASES = {
                   ["time/ref_logprob", "kl/mean", "score/mean"]),
     "dynamic_sampling": (["algorithm.dynamic_sampling=true"],
                          ["dynamic_sampling/dropped_groups", "dynamic_sampling/refill_rounds"]),
+    "dapo_overlong": (["rollout.sampling.max_tokens=6", "algorithm.overlong.buffer=2",
+                       "algorithm.overlong.filter=true"],
+                      ["overlong/penalty_mean", "overlong/filtered_fraction", "score/mean"]),
+    "stale_mis": (["weight_sync.every=2", "algorithm.off_policy.correction=mis"],
+                  ["off_policy/masked_fraction", "off_policy/is_weight_max", "mismatch/kl"]),
 }
 
 
@@ -36,10 +41,14 @@ def test_algorithm_smoke(case, tmp_path, monkeypatch, quickstart, tiny, metrics_
     lines = metrics_of(run_dir)
     assert [m["step"] for m in lines] == [1, 2]
     for m in lines:
-        assert 0.0 <= m["reward/mean"] <= 1.0
+        assert 0.0 <= m.get("score/mean", m["reward/mean"]) <= 1.0  # the raw task reward
         assert m["samples"] == 16
         assert m["tokens/response"] > 0
         for name in expected:
             assert name in m, f"{case}: {name} missing from {sorted(m)}"
     # the policy was updated: the actor reported a finite gradient norm every step
     assert all(m["actor/grad_norm"] == m["actor/grad_norm"] for m in lines)
+    # step 1 samples with the trainer's own weights: rollout and trainer agree
+    assert lines[0]["mismatch/abs_max"] < 1e-4
+    if case == "stale_mis":  # step 2's samples come from the weights before step 1's update
+        assert lines[1]["mismatch/abs_max"] > 1e-4

@@ -45,6 +45,14 @@ def test_resume_with_a_smaller_model_is_refused_naming_each_key(run_dir, capsys)
     assert not (run_dir / "run.lock").exists()
 
 
+def test_resume_without_a_finished_checkpoint_is_refused_before_spawning(run_dir, capsys):
+    (run_dir / "checkpoints" / "step_000002").mkdir(parents=True)  # never finished
+    before = (run_dir / "config.yaml").read_bytes()
+    assert main(["train", "--resume", str(run_dir), "--set", "run.steps=5"]) == 1
+    assert "no finished checkpoint" in capsys.readouterr().err
+    assert (run_dir / "config.yaml").read_bytes() == before
+
+
 def test_allow_change_releases_a_key_but_never_the_architecture(run_dir):
     changed = load_config(QUICKSTART, ["algorithm.kl.coef=0.1", "trainer.lr=0.01"])
     with pytest.raises(ConfigError, match=r"algorithm\.kl\.coef: run has 0\.0, resume has 0\.1"):

@@ -25,6 +25,7 @@ def test_every_peerflow_import_resolves():
     report = json.loads(result.stdout)
     unresolved = [f"{d['file']}:{d['range']['start']['line'] + 1}: {d['message']}"
                   for d in report["generalDiagnostics"]
-                  if d.get("rule") == "reportMissingImports" and '"peerflow' in d["message"]]
+                  if d.get("rule") == "reportMissingImports"
+                  and ('"peerflow"' in d["message"] or '"peerflow.' in d["message"])]
     assert report["summary"]["filesAnalyzed"] > 100, report["summary"]
     assert not unresolved, "\n".join(unresolved)

@@ -24,6 +24,7 @@ from typing import Any, ClassVar
 import torch
 
 from peerflow.adapters.vllm.channel import SharedBuffer
+from peerflow.adapters.vllm.cpu_weights import KEEP_CPU_WEIGHTS_ENV
 from peerflow.adapters.vllm.hooks import VLLMConformanceHooks
 from peerflow.adapters.vllm.options import VLLM_LOGPROBS_MODE, VLLMRolloutOptions
 from peerflow.capabilities import Capabilities
@@ -107,7 +108,7 @@ class VLLMRolloutEngine(VLLMConformanceHooks, RolloutEngine):
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = opts.cpu_threads_bind
         os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if opts.uses_worker_processes else "0"
-        os.environ["PEERFLOW_VLLM_KEEP_CPU_WEIGHTS"] = "1" if opts.keep_cpu_weights else "0"
+        os.environ[KEEP_CPU_WEIGHTS_ENV] = "1" if opts.keep_cpu_weights else "0"
         from vllm import LLM
 
         kwargs: dict[str, Any] = dict(
@@ -323,13 +324,14 @@ class VLLMRolloutEngine(VLLMConformanceHooks, RolloutEngine):
             sync["wire_s"] += time.perf_counter() - start - max(loaded)
 
     def finish_weight_update(self) -> None:
-        """Publishes the new version to the workers and resets vLLM's prefix cache."""
+        """Re-runs vLLM's post-load processing, publishes the version, resets the cache."""
         version = getattr(self, "_pending_version", self._weight_version)
-        self.llm.collective_rpc("peerflow_set_version", args=(version,))
+        process_s = self.llm.collective_rpc("peerflow_set_version", args=(version,))
         if self.options.enable_prefix_caching:
             self.llm.reset_prefix_cache()
         super().finish_weight_update()
         sync = self._sync
+        sync["load_s"] = sync.get("load_s", 0.0) + max(process_s, default=0.0)
         self.last_sync = WeightSyncStats(
             version=version,
             pack_s=sync.get("pack_s", 0.0),

@@ -58,8 +58,9 @@ class VLLMRolloutOptions:
     """Cores vLLM-CPU binds its OpenMP threads to (`VLLM_CPU_OMP_THREADS_BIND`): `auto`,
     `nobind`, a range such as `0-1`, or one range per tp worker joined by `|`."""
     keep_cpu_weights: bool = True
-    """On CPU, keep every linear layer's weight as a live tensor instead of vLLM's
-    prepacked kernel handle, so in-place weight updates take effect. Turn off only for an
+    """On CPU, keep every linear layer's weight as a live tensor beside vLLM's prepacked
+    kernel (which is repacked from it after every weight update), so in-place updates
+    work and take effect; costs a second copy of the linear weights. Turn off only for an
     engine that never receives weights."""
     include_stop_str_in_output: bool = False
     """Keep the tokens that spell a matched stop string (vLLM's option of the same name)."""

@@ -5,7 +5,11 @@ vLLM mixes this class into its worker class when the engine is built with
 `LLM.collective_rpc("peerflow_…")` calls its methods on every worker (every tp rank).
 vLLM imports this module in the worker process before it builds the model, which is
 where the CPU weight-keeping dispatch (`peerflow.adapters.vllm.cpu_weights`) must be in
-place; it is installed at import unless `PEERFLOW_VLLM_KEEP_CPU_WEIGHTS=0`.
+place; it is installed at import. After every weight update (`peerflow_set_version`) the
+extension re-runs vLLM's own post-load step on every layer
+(`quant_method.process_weights_after_loading`, as vLLM's loader does after loading): on
+CPU that repacks the linear kernels from the new weights; on GPU, for unquantized
+weights, it is the same no-op vLLM itself runs.
 
 Tensors reach the worker in one of two ways:
 
@@ -26,13 +30,9 @@ from typing import Any
 
 import torch
 
-#: Environment switch the engine sets before vLLM starts (inherited by worker processes).
-KEEP_CPU_WEIGHTS_ENV = "PEERFLOW_VLLM_KEEP_CPU_WEIGHTS"
+from peerflow.adapters.vllm.cpu_weights import keep_live_weights
 
-if os.environ.get(KEEP_CPU_WEIGHTS_ENV, "1") != "0":
-    from peerflow.adapters.vllm.cpu_weights import keep_live_weights
-
-    keep_live_weights()
+keep_live_weights()
 
 #: One tensor in a shared-memory bucket: `(tp_rank, vllm_name, byte_offset, shape, dtype)`.
 SharedEntry = tuple[int, str, int, tuple[int, ...], str]
@@ -126,10 +126,36 @@ class PeerFlowWorkerExtension:
         _synchronize()
         return time.perf_counter() - start
 
-    def peerflow_set_version(self, version: int) -> int:
-        """Records the weight version now loaded; returns it."""
+    def peerflow_process_weights(self) -> float:
+        """Re-runs vLLM's post-load processing of every layer on the current weights.
+
+        The loop body of vLLM's `process_weights_after_loading` (model loader): each
+        layer's `quant_method.process_weights_after_loading(layer)`. On CPU this repacks
+        the linear kernels (`cpu_weights`); deferred attention layers and model-level
+        hooks are not re-run, since a sync changes no attention weights.
+
+        Returns:
+            Seconds spent.
+        """
+        from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+
+        start = time.perf_counter()
+        for module in self.model_runner.model.modules():
+            method = getattr(module, "quant_method", None)
+            if isinstance(method, QuantizeMethodBase):
+                method.process_weights_after_loading(module)
+        _synchronize()
+        return time.perf_counter() - start
+
+    def peerflow_set_version(self, version: int) -> float:
+        """Finishes an update: re-processes the weights and records `version`.
+
+        Returns:
+            Seconds spent re-processing the weights.
+        """
+        seconds = self.peerflow_process_weights()
         self._peerflow_version = int(version)
-        return self._peerflow_version
+        return seconds
 
     def peerflow_read_params(self) -> dict[str, torch.Tensor]:
         """Returns the live parameters by vLLM name.
@@ -143,7 +169,7 @@ class PeerFlowWorkerExtension:
         """Overwrites every parameter with `value` (the conformance suite's scribble)."""
         for param in self._peerflow_params().values():
             param.data.fill_(value)
-        _synchronize()
+        self.peerflow_process_weights()
 
     def peerflow_checksums(self, names: Sequence[str] | None = None) -> dict[str, str]:
         """Returns the SHA-256 of the bytes of every (or the named) parameter.

@@ -2,7 +2,8 @@
 
 For ZeRO stages 1, 2 and 3: log-probs, one train step on this rank's slice, the weights it
 owns after the step (through `weight_sources`/`materialize`, bucket by bucket), and a
-checkpoint round trip (step 2 after `load_checkpoint` equals step 2 without it).
+checkpoint round trip (step 2 after `load_checkpoint` equals step 2 without it), and a
+one-layer model refusing the two-layer checkpoint.
 Writes `rank{R}.pt` into the output directory.
 """
 
@@ -19,7 +20,9 @@ from tests.engines.deepspeed.trainlib import (
     dp_slice,
     full_batch,
     nll_loss,
+    one_layer_copy,
     optim_settings,
+    refused_load,
 )
 
 
@@ -70,6 +73,11 @@ def main() -> None:
             "specs": engine.weight_sources(),
         }
         engine.shutdown()
+    smaller = EngineContext(model_path=one_layer_copy(model_path, out_dir),
+                            layout=ParallelLayout(dp=world), rank=rank)
+    engine = DeepSpeedTrainEngine(smaller, DeepSpeedOptions(zero_stage=2), optim_settings())
+    results["smaller_refused"] = refused_load(engine, os.path.join(out_dir, "ckpt2"))
+    engine.shutdown()
     try:
         DeepSpeedTrainEngine(context, DeepSpeedOptions(
             zero_stage=2, config={"zero_optimization": {"not_a_deepspeed_key": 1}}),

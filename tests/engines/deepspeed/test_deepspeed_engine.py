@@ -127,6 +127,13 @@ def test_checkpoint_resume_is_exact(ranks, stage):
 
 
 @pytest.mark.distributed
+def test_checkpoint_of_a_smaller_model_is_refused(ranks):
+    for rank in ranks:
+        message = rank["smaller_refused"]
+        assert message is not None and "not in the model: model.layers.1." in message
+
+
+@pytest.mark.distributed
 def test_native_config_is_validated_by_deepspeed(ranks):
     message = ranks[0]["bad_passthrough"]
     assert message is not None and "not_a_deepspeed_key" in message

@@ -45,6 +45,31 @@ def build_model(directory: Path | str, family: str = "llama", *, tied: bool = Tr
     return str(directory)
 
 
+def one_layer_copy(model_path: str, out_dir: str) -> str:
+    """The same model with one decoder layer instead of two (rank 0 writes; all ranks call)."""
+    import torch.distributed as dist
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = os.path.join(out_dir, "one-layer")
+    if dist.get_rank() == 0:
+        config = AutoConfig.from_pretrained(model_path)
+        config.num_hidden_layers = 1
+        AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    dist.barrier()
+    return path
+
+
+def refused_load(engine, directory: str) -> str | None:
+    """`engine.load_checkpoint(directory)`'s `ConfigError` message (None: it loaded)."""
+    from peerflow.errors import ConfigError
+
+    try:
+        engine.load_checkpoint(directory)
+    except ConfigError as exc:
+        return str(exc)
+    return None
+
+
 def full_batch():
     """Eight samples of ragged prompt/response lengths (the same on every call)."""
     from peerflow.batch import Batch

@@ -3,8 +3,8 @@
 argv: OUT_DIR then JSON `[[name, family, model_path, tp, pp], ...]`. For every case:
 log-probs, one train step, this rank's exported shards after the step (specs + tensors),
 and for the first tp and pp cases a checkpoint round trip. With `fsdp` in a case name the
-same log-probs are also taken from the `fsdp` trainer on the same weights.
-Writes `rank{R}.pt`.
+same log-probs are also taken from the `fsdp` trainer on the same weights. A one-layer
+copy of the dp case's model must refuse that case's checkpoint. Writes `rank{R}.pt`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,9 @@ from tests.engines.deepspeed.trainlib import (
     dp_slice,
     full_batch,
     nll_loss,
+    one_layer_copy,
     optim_settings,
+    refused_load,
 )
 
 
@@ -82,6 +84,12 @@ def main() -> None:
         if "fsdp" in name:
             result["fsdp_logprobs"] = fsdp_logprobs(model_path, batch, rank, world)
         results[name] = result
+        if kind == "dp" and "version_loaded" in result:
+            smaller = EngineContext(model_path=one_layer_copy(model_path, out_dir),
+                                    layout=layout, rank=rank)
+            engine = MegatronTrainEngine(smaller, None, optim_settings())
+            results["smaller_refused"] = refused_load(engine, ckpt)
+            engine.shutdown()
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 

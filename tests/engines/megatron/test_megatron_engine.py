@@ -148,3 +148,10 @@ def test_checkpoint_resume_is_exact(ranks, name):
         two, resumed = rank[name]["resume"]
         for (spec, a), (_, b) in zip(two, resumed):
             torch.testing.assert_close(b, a, atol=0, rtol=0, msg=spec.local_name)
+
+
+@pytest.mark.distributed
+def test_checkpoint_of_a_smaller_model_is_refused(ranks):
+    for rank in ranks:
+        message = rank["smaller_refused"]
+        assert message is not None and "not in the model:" in message and ".1." in message

@@ -175,6 +175,39 @@ def test_sync_is_bit_exact_versioned_and_restores(engine, hf_state):
     assert engine.generate(_requests(1), greedy)[0].token_ids == before
 
 
+def _kernels_follow_weights(worker):
+    """Inside vLLM's worker: each linear kernel against `F.linear` on the live weight."""
+    from vllm import _custom_ops as ops
+    from vllm.model_executor.layers.linear import LinearBase
+
+    worst, kernels = 0.0, set()
+    generator = torch.Generator().manual_seed(0)
+    for module in worker.model_runner.model.modules():
+        if isinstance(module, LinearBase) and module.weight.ndim == 2:
+            x = torch.randn(3, module.weight.shape[1], generator=generator)
+            got = module.cpu_linear(x, module.weight, module.bias)
+            want = torch.nn.functional.linear(x, module.weight, module.bias)
+            worst = max(worst, float((got - want).abs().max()))
+            kernels.add("onednn" if "handler" in module.cpu_linear.__code__.co_freevars
+                        else module.cpu_linear.__qualname__)
+    return worst, sorted(kernels), bool(ops._supports_onednn)
+
+
+def test_loads_repack_vllms_own_cpu_kernels(engine, hf_state):
+    """After a load, vLLM's own CPU kernels (oneDNN here) compute with the new weights."""
+    if torch.cuda.is_available():
+        pytest.skip("CPU kernels")
+    targets = engine.weight_targets()
+    for fill, version in ((0.01, 4), (None, 5)):
+        engine.begin_weight_update(version)
+        engine.load_weights([(s, _local(s, hf_state, fill=fill)) for s in targets])
+        engine.finish_weight_update()
+        worst, kernels, onednn = engine.llm.collective_rpc(_kernels_follow_weights)[0]
+        assert worst < 1e-4, (fill, worst)  # a stale packed copy would differ by O(1)
+        if onednn:
+            assert kernels == ["onednn"], kernels
+
+
 def test_load_weights_rejects_wrong_shape(engine, hf_state):
     spec = engine.weight_targets()[1]
     engine.begin_weight_update(3)

@@ -1,0 +1,142 @@
+"""Python entry points for scripts and notebooks: `peerflow.train`, `peerflow.evaluate`.
+
+Both run the same launcher as the CLI (`peerflow train` / `peerflow eval`): the config is
+validated here, before any worker starts, then worker processes are spawned (or, under
+`torchrun`, this process is one). A reward given as a Python function must be importable
+by those processes — a top-level function of a module or a `.py` file; a lambda, a nested
+function or one typed into a notebook is refused with the fix.
+
+    import peerflow
+    from my_rewards import score
+
+    run_dir = peerflow.train("examples/quickstart.yaml", overrides={"run.steps": 20},
+                             reward_fn=score)
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from peerflow.errors import ConfigError
+
+ConfigSource = str | Path | Mapping[str, Any] | Any
+RewardSource = str | Callable[..., Any] | Sequence[str | Callable[..., Any]]
+
+
+def _overrides(overrides: Mapping[str, Any] | Sequence[str] | None) -> list[str]:
+    if overrides is None:
+        return []
+    if isinstance(overrides, Mapping):
+        return [f"{key}={yaml.safe_dump(value, default_flow_style=True).strip()}"
+                .removesuffix("\n...") for key, value in overrides.items()]
+    if isinstance(overrides, str):
+        raise ConfigError(f"overrides={overrides!r}: give a list of 'key=value' strings or a "
+                          "dict {key: value}.")
+    return list(overrides)
+
+
+def _reward_overrides(reward_fn: RewardSource | None) -> list[str]:
+    from peerflow.rewards import callable_target
+
+    if reward_fn is None:
+        return []
+    refs = [f if isinstance(f, str) else callable_target(f)
+            for f in (reward_fn if isinstance(reward_fn, Sequence)
+                      and not isinstance(reward_fn, str) else [reward_fn])]
+    if len(refs) == 1:
+        return [f"task.reward={refs[0]}", "task.rewards=[]"]
+    return ["task.reward=null", "task.rewards=" + json.dumps([{"fn": r} for r in refs])]
+
+
+def _config_path(config: ConfigSource) -> str:
+    """A YAML path for the workers: the given file, or the mapping/RunConfig written out."""
+    if isinstance(config, str | Path):
+        return str(config)
+    if not isinstance(config, Mapping):
+        from peerflow.config import unstructure
+
+        config = unstructure(config)
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="peerflow-config-",
+                                     delete=False) as handle:
+        yaml.safe_dump(dict(config), handle, sort_keys=False)
+    return handle.name
+
+
+def _name(config: ConfigSource) -> str:
+    return Path(config).stem if isinstance(config, str | Path) else "run"
+
+
+def train(config: ConfigSource, overrides: Mapping[str, Any] | Sequence[str] | None = None,
+          reward_fn: RewardSource | None = None, *, run_dir: str | Path | None = None,
+          nprocs: int | None = None, launcher: str = "elastic") -> Path:
+    """Trains as `peerflow train` does and returns the run directory.
+
+    Args:
+        config: A YAML path, a mapping of config sections, or a `RunConfig`.
+        overrides: `{"run.steps": 20}` or `["run.steps=20"]`, applied on top.
+        reward_fn: A reward function (or `path.py:fn` / `module:fn` text), or a list of
+            them (equal weights); replaces `task.reward` / `task.rewards`.
+        run_dir: Output directory (default: a fresh `runs/<name>-<UTC timestamp>`).
+        nprocs: Worker processes (default: `runtime.nprocs`).
+        launcher: `elastic` or `ray`.
+
+    Raises:
+        ConfigError: the config or the reward is invalid (before any worker starts).
+        WorkerFailedError: a worker died or raised.
+    """
+    from peerflow.cli.train_cmd import check_config
+    from peerflow.launch import launch
+    from peerflow.outputs import create_run_dir
+
+    extra = _overrides(overrides) + _reward_overrides(reward_fn)
+    if nprocs is not None:
+        extra.append(f"runtime.nprocs={nprocs}")
+    config_path = _config_path(config)
+    settings = check_config(config_path, extra)
+    path = create_run_dir(run_dir, name=_name(config))
+    launch(config_path=config_path, overrides=extra, run_dir=str(path),
+           nprocs=settings.runtime.nprocs, launcher=launcher,
+           fault_timeout=settings.runtime.fault_timeout)
+    return path
+
+
+def evaluate(config: ConfigSource, checkpoint: str | Path | None = None,
+             overrides: Mapping[str, Any] | Sequence[str] | None = None,
+             reward_fn: RewardSource | None = None, *, out_dir: str | Path | None = None,
+             nprocs: int | None = None, launcher: str = "elastic") -> dict[str, Any]:
+    """Evaluates a checkpoint as `peerflow eval` does; returns `eval.json`'s content.
+
+    Args:
+        config: A YAML path, a mapping of config sections, or a `RunConfig`.
+        checkpoint: A checkpoint or run directory (`None`: the initial model).
+        overrides: Applied on top of the config (e.g. `{"eval.n": 8}`).
+        reward_fn: As in `train`.
+        out_dir: Where `eval.json` goes (default: a fresh `runs/eval-<name>-...`).
+        nprocs: Worker processes (default: `runtime.nprocs`).
+        launcher: `elastic` or `ray`.
+    """
+    from peerflow.cli.train_cmd import check_config
+    from peerflow.launch import launch
+    from peerflow.outputs import create_run_dir
+
+    extra = _overrides(overrides) + _reward_overrides(reward_fn)
+    if nprocs is not None:
+        extra.append(f"runtime.nprocs={nprocs}")
+    if checkpoint is not None and not Path(checkpoint).expanduser().is_dir():
+        raise ConfigError(f"--checkpoint {str(checkpoint)!r} is not a directory; give a run "
+                          "directory or one of its checkpoints/step_* directories.")
+    config_path = _config_path(config)
+    settings = check_config(config_path, extra)
+    path = create_run_dir(out_dir, name=f"eval-{_name(config)}")
+    launch(config_path=config_path, overrides=extra, run_dir=str(path),
+           resume=str(Path(checkpoint).resolve()) if checkpoint is not None else None,
+           nprocs=settings.runtime.nprocs, launcher=launcher,
+           fault_timeout=settings.runtime.fault_timeout,
+           entry="peerflow.worker.main:run_eval_worker")
+    return json.loads((path / "eval.json").read_text())

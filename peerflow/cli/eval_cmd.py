@@ -1,0 +1,49 @@
+"""`peerflow eval CONFIG [--checkpoint DIR]`: score the held-out split once.
+
+    peerflow eval CONFIG --checkpoint runs/my-run              # its newest checkpoint
+    peerflow eval CONFIG --checkpoint runs/my-run/checkpoints/step_000050
+    peerflow eval CONFIG --set eval.n=8 --set eval.max_prompts=256
+
+Runs the same workers as `peerflow train` (same launcher, same config validation), loads
+the checkpoint into the trainable engines, syncs the rollout engine, and evaluates as
+`run.eval_every` does (`peerflow.worker.evaluation`). The metrics are printed and
+written to `OUT/eval.json` (default: a fresh `runs/eval-<config>-<UTC timestamp>`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+
+def add_parser(subparsers: Any) -> None:
+    """Adds the `eval` subcommand."""
+    parser = subparsers.add_parser(
+        "eval", help="evaluate a checkpoint on the task's held-out split",
+        description="Score the eval split (greedy and/or sampled, pass@k) with the run's "
+        "rewards, once, on a checkpoint or the initial model.",
+    )
+    parser.add_argument("config", help="run config YAML")
+    parser.add_argument("--checkpoint", default=None, metavar="DIR",
+                        help="a checkpoint directory, or a run directory (its newest "
+                        "complete checkpoint); default: the initial model")
+    parser.add_argument("--out", default=None, metavar="DIR",
+                        help="where eval.json goes (default: a fresh runs/eval-<config>-...)")
+    parser.add_argument("--nprocs", type=int, default=None,
+                        help="worker processes on this machine (default: runtime.nprocs)")
+    parser.add_argument("--launcher", choices=("elastic", "ray"), default="elastic",
+                        help="how workers are started on one machine (default: elastic)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[],
+                        metavar="KEY=VALUE", help="override a config value (repeatable)")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Runs `peerflow eval`; prints the metrics and returns the exit code."""
+    from peerflow.api import evaluate
+
+    result = evaluate(args.config, checkpoint=args.checkpoint, overrides=args.overrides,
+                      out_dir=args.out, nprocs=args.nprocs, launcher=args.launcher)
+    print(json.dumps(result, indent=1, sort_keys=True))
+    return 0

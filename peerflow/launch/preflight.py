@@ -1,0 +1,96 @@
+"""Checks that open the run's inputs before any worker starts (no weights are loaded).
+
+`peerflow config validate` and `peerflow train` call `preflight(config, pm)` after
+`validate_config`: it opens the model directory (config and tokenizer, not the weights)
+and the task's training data (its size and first example), and raises one `ConfigError`
+listing every problem with the file or key and the fix. Workers do not repeat it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from peerflow.errors import ConfigError, PeerFlowError
+
+#: Files of which a Hugging Face tokenizer needs at least one.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json",
+                   "vocab.txt", "spiece.model")
+
+
+def check_model_dir(path: str | Path) -> list[str]:
+    """Problems with a local model directory: its config and tokenizer (weights unread).
+
+    Returns:
+        One message per problem (empty when the directory can be loaded).
+    """
+    path = Path(path).expanduser()
+    if not path.is_dir():
+        return [f"model.path={str(path)!r} is not a directory; point it at a local Hugging "
+                "Face model directory (config.json, weights, tokenizer)."]
+    problems = []
+    if not (path / "config.json").is_file():
+        problems.append(f"model directory {str(path)!r} has no config.json; save the model "
+                        "there with `model.save_pretrained(DIR)`.")
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        problems.append(
+            f"model directory {str(path)!r} has no tokenizer files (one of "
+            f"{', '.join(TOKENIZER_FILES)}); save the tokenizer next to the weights: "
+            f"`AutoTokenizer.from_pretrained(SOURCE).save_pretrained({str(path)!r})`.")
+        return problems
+    try:
+        load_tokenizer(path)
+    except ConfigError as exc:
+        problems.append(str(exc))
+    return problems
+
+
+def load_tokenizer(path: str | Path) -> Any:
+    """Loads the tokenizer of a model directory.
+
+    Raises:
+        ConfigError: naming the directory, the files it has, and the fix.
+    """
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except Exception as exc:  # noqa: BLE001 - transformers raises many kinds here
+        present = sorted(p.name for p in Path(path).iterdir()) if Path(path).is_dir() else []
+        raise ConfigError(
+            f"model directory {str(path)!r}: its tokenizer does not load ({type(exc).__name__}: "
+            f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}); files there: "
+            f"{', '.join(present) or 'none'}. Save a complete tokenizer next to the weights: "
+            f"`AutoTokenizer.from_pretrained(SOURCE).save_pretrained({str(path)!r})`."
+        ) from None
+
+
+def check_dataset(config: Any, pm: Any) -> list[str]:
+    """Problems opening the task's training data: its size and first example."""
+    from peerflow.worker.runtime import build_components
+
+    try:
+        task = build_components(config, pm)["task"]
+        size = task.size("train")
+        if size == 0:
+            return [f"task {config.task.name!r}: the training split is empty; check "
+                    "task.options (the dataset file or split)."]
+        task.example("train", 0, config.seed)
+    except PeerFlowError as exc:
+        return [str(exc)]
+    except Exception as exc:  # noqa: BLE001 - a plugin's own error, shown with its type
+        return [f"task {config.task.name!r} (task.options {dict(config.task.options)}): "
+                f"opening the training data failed: {type(exc).__name__}: {exc}"]
+    return []
+
+
+def preflight(config: Any, pm: Any) -> None:
+    """Opens the model directory and the dataset; raises listing every problem.
+
+    Raises:
+        ConfigError: one line per problem.
+    """
+    problems = check_model_dir(config.model.path) if config.model.path else []
+    problems += check_dataset(config, pm)
+    if problems:
+        raise ConfigError("\n".join(problems))

@@ -1,0 +1,159 @@
+"""Held-out evaluation: the run's rewards on the task's eval split, greedy and sampled.
+
+`evaluate` runs on every rank (the metrics are all-gathered): each rank hosting the
+rollout engine generates for its dp-shard of the first `eval.max_prompts` prompts of
+`eval.split` with the rollout engine's current weights, and scores the answers with the
+same `RewardSet` the reward node uses. Metrics:
+
+* `eval/greedy/reward` (and `eval/greedy/<reward>` per reward, `eval/greedy/response_length`)
+  — one temperature-0 answer per prompt;
+* `eval/sampled/reward`, `eval/pass@k` for k = 1, 2, 4, … ≤ `eval.n` — `eval.n` answers
+  per prompt at `rollout.sampling.temperature`; an answer is correct when its reward is
+  at least `eval.correct_threshold`; pass@k is the unbiased estimator of Chen et al.
+  (2021), `1 - C(n - c, k) / C(n, k)`, averaged over prompts;
+* `eval/prompts`.
+
+The sync driver calls it before the first step, every `run.eval_every` steps and after
+the last step; `peerflow eval` calls it once on a checkpoint.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from peerflow.engines import SamplingParams
+from peerflow.worker.metrics import StepMetrics, all_reduce_metrics
+from peerflow.worker.rollout import generate_batch
+from peerflow.worker.sampler import Draw
+
+if TYPE_CHECKING:
+    from peerflow.worker.runtime import WorkerRuntime
+
+
+def pass_at_k(n: int, correct: int, k: int) -> float:
+    """Unbiased pass@k of one prompt with `correct` of `n` samples right (`k <= n`)."""
+    if n - correct < k:
+        return 1.0
+    return 1.0 - math.prod((n - correct - i) / (n - i) for i in range(k))
+
+
+def eval_due(config: Any, step: int) -> bool:
+    """Whether the sync driver evaluates after `step` (0: before the first step)."""
+    every = config.run.eval_every
+    return bool(every) and (step % every == 0 or step == config.run.steps)
+
+
+def _draws(rt: WorkerRuntime) -> list[Draw]:
+    cfg = rt.config.eval
+    size = rt.task.size(cfg.split)
+    count = size if size is not None else cfg.max_prompts
+    if cfg.max_prompts:
+        count = min(count, cfg.max_prompts)
+    return [Draw(position=i, example=rt.task.example(cfg.split, i, rt.config.seed))
+            for i in range(rt.dp_rank, count, rt.dp_size)]
+
+
+def _generate_and_score(rt: WorkerRuntime, draws: list[Draw], sampling: SamplingParams
+                        ) -> tuple[Any, Any]:
+    from peerflow.worker.executors import response_texts
+
+    batch = generate_batch(rt.engine("rollout"), rt.tokenizer, draws, sampling)
+    scores = rt.reward_set().score(response_texts(rt, batch), batch["example"],
+                                   batch.sample_id.tolist())
+    return batch, scores
+
+
+def _record(metrics: StepMetrics, prefix: str, batch: Any, scores: Any) -> None:
+    count = len(scores.total)
+    metrics.mean(f"{prefix}/reward", sum(scores.total) / count, count)
+    for name, (value, weight) in scores.metrics.items():
+        if name.endswith("/mean"):
+            metrics.mean(f"{prefix}/{name[len('reward/'):-len('/mean')]}", value, weight)
+    for name, value in scores.counts.items():
+        metrics.sum(f"{prefix}/{name[len('reward/'):]}", value)
+    lengths = batch.lengths("response_ids").float()
+    metrics.mean(f"{prefix}/response_length", float(lengths.mean()), count)
+
+
+def evaluate(rt: WorkerRuntime, step: int) -> dict[str, float]:
+    """Scores the eval split on this rank's share and returns the metrics of all ranks.
+
+    Collective: every rank of the run must call it at the same point.
+    """
+    cfg, sampling = rt.config.eval, rt.config.rollout.sampling
+    metrics = StepMetrics()
+    draws = _draws(rt) if "rollout" in rt.engines else []
+    if draws:
+        metrics.sum("eval/prompts", len(draws))
+        seed = (rt.config.seed * 7919 + step * 104_729 + rt.dp_rank) % (2**31 - 1)
+        if cfg.greedy:
+            greedy = SamplingParams(n=1, temperature=0.0, max_tokens=sampling.max_tokens,
+                                    stop=tuple(sampling.stop), seed=seed)
+            _record(metrics, "eval/greedy", *_generate_and_score(rt, draws, greedy))
+        if cfg.n:
+            sampled = attrs.evolve(sampling.to_params(seed=seed), n=cfg.n)
+            batch, scores = _generate_and_score(rt, draws, sampled)
+            _record(metrics, "eval/sampled", batch, scores)
+            correct: dict[int, int] = defaultdict(int)
+            for group, score in zip(batch.group_id.tolist(), scores.total):
+                correct[group] += score >= cfg.correct_threshold
+            k = 1
+            while k <= cfg.n:
+                values = [pass_at_k(cfg.n, correct[d.position], k) for d in draws]
+                metrics.mean(f"eval/pass@{k}", sum(values) / len(values), len(values))
+                k *= 2
+    return {k: v for k, v in all_reduce_metrics(metrics).items() if k.startswith("eval/")}
+
+
+
+def _load_checkpoint(rt: WorkerRuntime, program: Any, checkpoint: str) -> int:
+    """Loads a checkpoint into the trainable engines and syncs the rollout engine.
+
+    `checkpoint` is a run directory (its newest verified checkpoint) or one of its
+    `checkpoints/step_*` directories (verified against its manifest first).
+    """
+    from pathlib import Path
+
+    from peerflow.checkpoint import restore_latest, trainable_engines, verify
+    from peerflow.errors import ConfigError
+
+    directory = Path(checkpoint).expanduser()
+    if directory.name.startswith("step_") and directory.parent.name == "checkpoints":
+        verdict = verify(directory)
+        if not verdict.ok:
+            raise ConfigError(f"--checkpoint {str(directory)!r} fails verification: "
+                              f"{verdict.problem}; pick another step or the run directory.")
+        step = int(directory.name.removeprefix("step_"))
+        for role, engine in trainable_engines(rt.engines).items():
+            engine.load_checkpoint(str(directory / role))
+    else:
+        resumed = restore_latest(directory, engines=rt.engines, rank=rt.rank)
+        if resumed is None:
+            raise ConfigError(f"--checkpoint {str(directory)!r}: no verified checkpoint under "
+                              f"{directory / 'checkpoints'}; give a run directory or one of "
+                              "its checkpoints/step_* directories.")
+        step = resumed.step
+    if any(getattr(n, "kind", "") == "sync_weights" for n in program.steps):
+        rt.sync_weights()
+    return step
+
+
+def evaluate_checkpoint(rt: WorkerRuntime, program: Any, stage: Any,
+                        checkpoint: str | None) -> dict[str, float]:
+    """`peerflow eval`: loads `checkpoint`, evaluates, and (rank 0) writes `eval.json`."""
+    import json
+
+    step = 0
+    if checkpoint:
+        with stage("load checkpoint"):
+            step = _load_checkpoint(rt, program, checkpoint)
+    with stage(f"eval of step {step}"):
+        metrics = evaluate(rt, step)
+    if rt.rank == 0:
+        record = {"checkpoint": checkpoint, "step": step, "metrics": metrics}
+        (rt.run_dir / "eval.json").write_text(json.dumps(record, indent=1, sort_keys=True))
+    return metrics
