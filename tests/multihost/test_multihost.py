@@ -144,3 +144,43 @@ def _is_worker(pid: int) -> bool:
     except OSError:
         return False
     return b"peerflow" in cmdline and b"torch.distributed.run" not in cmdline
+
+
+def _ray_cluster(hosts: Hosts) -> dict[str, str]:
+    """Starts a Ray head on host 0 and a worker node on host 1; returns the driver's env."""
+    ray = str(Path(sys.executable).with_name("ray"))
+    env = dict(_env(), RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0")
+    head = f"{hosts.address(0)}:6379"
+    commands = [[ray, "start", "--head", "--node-ip-address", hosts.address(0), "--port",
+                 "6379", "--num-cpus", "1", "--include-dashboard=false"],
+                [ray, "start", "--address", head, "--node-ip-address", hosts.address(1),
+                 "--num-cpus", "1"]]
+    for i, argv in enumerate(commands):
+        proc = hosts.popen(i, argv, env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True)
+        out = proc.communicate(timeout=180)[0]
+        assert proc.returncode == 0, out
+    return dict(env, RAY_ADDRESS=head)
+
+
+def test_ray_launcher_across_hosts_names_a_lost_host(hosts, tmp_path) -> None:
+    """`ray start` head and worker in two namespaces; `--launcher ray` spreads the ranks
+    over both, trains, and after host 1 dies the driver exits naming it."""
+    pytest.importorskip("ray")
+    env = _ray_cluster(hosts)
+    run = tmp_path / "run"
+    proc = hosts.popen(0, [sys.executable, "-m", "peerflow", "train", QUICKSTART,
+                           "--launcher", "ray", "--nprocs", "2", "--run-dir", str(run),
+                           "--set", "run.steps=400", "--set", "run.checkpoint_every=2",
+                           "--set", "run.trace=false",
+                           "--set", f"runtime.fault_timeout={FAULT_TIMEOUT}"],
+                       env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    _wait_for_checkpoint(run, [proc], 2)  # both hosts' ranks trained two steps
+    lost_at = time.monotonic()
+    hosts.kill_host(1)
+    code = proc.wait(timeout=180)
+    driver_s = time.monotonic() - lost_at
+    output = proc.stdout.read()
+    assert code == 1, output
+    assert "(host h1) failed" in output, output
+    print(f"ray: driver exited {driver_s:.1f} s after host 1 was killed")
