@@ -72,6 +72,21 @@ def _name(config: ConfigSource) -> str:
     return Path(config).stem if isinstance(config, str | Path) else "run"
 
 
+def _prepare(config: ConfigSource, overrides: Any, reward_fn: RewardSource | None,
+             nprocs: int | None) -> tuple[str, list[str], Any]:
+    """Returns `(config path, overrides, validated RunConfig)`.
+
+    Validates before any directory or process is created, as the CLI does.
+    """
+    from peerflow.cli.train_cmd import check_config
+
+    extra = _overrides(overrides) + _reward_overrides(reward_fn)
+    if nprocs is not None:
+        extra.append(f"runtime.nprocs={nprocs}")
+    config_path = _config_path(config)
+    return config_path, extra, check_config(config_path, extra)
+
+
 def train(config: ConfigSource, overrides: Mapping[str, Any] | Sequence[str] | None = None,
           reward_fn: RewardSource | None = None, *, run_dir: str | Path | None = None,
           nprocs: int | None = None, launcher: str = "elastic") -> Path:
@@ -90,15 +105,10 @@ def train(config: ConfigSource, overrides: Mapping[str, Any] | Sequence[str] | N
         ConfigError: the config or the reward is invalid (before any worker starts).
         WorkerFailedError: a worker died or raised.
     """
-    from peerflow.cli.train_cmd import check_config
     from peerflow.launch import launch
     from peerflow.outputs import create_run_dir
 
-    extra = _overrides(overrides) + _reward_overrides(reward_fn)
-    if nprocs is not None:
-        extra.append(f"runtime.nprocs={nprocs}")
-    config_path = _config_path(config)
-    settings = check_config(config_path, extra)
+    config_path, extra, settings = _prepare(config, overrides, reward_fn, nprocs)
     path = create_run_dir(run_dir, name=_name(config))
     launch(config_path=config_path, overrides=extra, run_dir=str(path),
            nprocs=settings.runtime.nprocs, launcher=launcher,
@@ -121,18 +131,13 @@ def evaluate(config: ConfigSource, checkpoint: str | Path | None = None,
         nprocs: Worker processes (default: `runtime.nprocs`).
         launcher: `elastic` or `ray`.
     """
-    from peerflow.cli.train_cmd import check_config
     from peerflow.launch import launch
     from peerflow.outputs import create_run_dir
 
-    extra = _overrides(overrides) + _reward_overrides(reward_fn)
-    if nprocs is not None:
-        extra.append(f"runtime.nprocs={nprocs}")
     if checkpoint is not None and not Path(checkpoint).expanduser().is_dir():
         raise ConfigError(f"--checkpoint {str(checkpoint)!r} is not a directory; give a run "
                           "directory or one of its checkpoints/step_* directories.")
-    config_path = _config_path(config)
-    settings = check_config(config_path, extra)
+    config_path, extra, settings = _prepare(config, overrides, reward_fn, nprocs)
     path = create_run_dir(out_dir, name=f"eval-{_name(config)}")
     launch(config_path=config_path, overrides=extra, run_dir=str(path),
            resume=str(Path(checkpoint).resolve()) if checkpoint is not None else None,

@@ -50,9 +50,9 @@ class Algorithm:
     """`loss` or `reward`."""
     dynamic_sampling: bool
     """Whether the worker drops all-equal-reward groups and refills (DAPO)."""
-    off_policy: Any = attrs.Factory(OffPolicyConfig)
+    off_policy: OffPolicyConfig = attrs.Factory(OffPolicyConfig)
     """`algorithm.off_policy`: the importance-weight correction."""
-    overlong: Any = attrs.Factory(OverlongConfig)
+    overlong: OverlongConfig = attrs.Factory(OverlongConfig)
     """`algorithm.overlong`: DAPO's overlong shaping and filtering."""
     max_tokens: int = 0
     """`rollout.sampling.max_tokens` (the overlong punishment's budget)."""
@@ -124,7 +124,7 @@ class Algorithm:
             record_metrics(metrics, weights.metrics(correction))
         if self.kl_coef > 0 and self.kl_mode == "loss":
             record_metrics(metrics, kl_loss_metrics(batch, self.kl_coef, self.kl_estimator,
-                                            self.policy_loss))
+                                                    self.policy_loss))
         return batch
 
 

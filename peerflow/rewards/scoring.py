@@ -93,7 +93,7 @@ class RewardSet:
         metrics: dict[str, tuple[float, int]] = {}
         counts = {"reward/errors": 0, "reward/timeouts": 0}
         for component, handle in pending:
-            outcomes = self._collect(component, handle, len(responses))
+            outcomes = self._collect(handle)
             scores = self._account(component, outcomes, ids, records, counts)
             for i, value in enumerate(scores):
                 total[i] += component.weight * value
@@ -120,7 +120,8 @@ class RewardSet:
         return [(self.pool.submit(component.ref, False, [r], [e]), 1)
                 for r, e in zip(responses, records)]
 
-    def _collect(self, component: RewardComponent, handle: Any, count: int) -> list[Outcome]:
+    def _collect(self, handle: Any) -> list[Outcome]:
+        """Waits for what `_submit` started."""
         if handle and isinstance(handle[0], Outcome):
             return handle
         assert self.pool is not None

@@ -16,7 +16,7 @@ import torch
 
 from peerflow.algorithms.advantages import GRPO, RLOO, GRPOOptions, ReinforcePP, ReinforcePPOptions
 from peerflow.algorithms.gae import GAE, GAEOptions
-from tests.parity.conftest import TOLERANCE, RaggedCase
+from tests.parity.batches import TOLERANCE, RaggedCase
 
 
 def _ours(estimator, batch, case):

@@ -14,7 +14,8 @@ from peerflow.algorithms.aggregation import AGGREGATIONS, aggregate
 from peerflow.algorithms.kl import kl_estimate
 from peerflow.algorithms.losses import GSPO, GSPOOptions, PPOClip, PPOClipOptions
 from peerflow.algorithms.off_policy import attach_weights, importance_weights
-from tests.parity.conftest import TOLERANCE
+from peerflow.batch import RaggedField
+from tests.parity.batches import TOLERANCE
 
 NORM = 9  # the constant length of seq-mean-token-sum-norm
 
@@ -42,9 +43,7 @@ def _ours(loss, case, current, micro_batches=1, **fields):
         micro = batch.select(part.tolist())
         offsets = case.ragged(leaf).offsets
         pieces = [leaf[offsets[i]:offsets[i + 1]] for i in part.tolist()]
-        values = torch.cat(pieces)
-        field = micro.ragged("response_ids").__class__(
-            values=values, offsets=micro.ragged("response_ids").offsets)
+        field = RaggedField(values=torch.cat(pieces), offsets=micro.ragged("response_ids").offsets)
         value, _ = loss(field, micro, global_tokens=tokens, global_samples=n)
         total = total + value
     (grad,) = torch.autograd.grad(total, leaf)
