@@ -51,7 +51,8 @@ def _env() -> dict[str, str]:
 
 
 def _torchrun(hosts: Hosts, run_dir: Path, *sets: str, resume: bool = False,
-              max_restarts: int = 0) -> list[subprocess.Popen]:
+              max_restarts: int = 0, fault_timeout: float = FAULT_TIMEOUT
+              ) -> list[subprocess.Popen]:
     """Starts one torchrun agent per host, one worker each."""
     train = (["--resume", str(run_dir)] if resume
              else [QUICKSTART, "--run-dir", str(run_dir)])
@@ -62,7 +63,7 @@ def _torchrun(hosts: Hosts, run_dir: Path, *sets: str, resume: bool = False,
                 "--rdzv-endpoint", f"{hosts.address(0)}:29400", "--rdzv-id", hosts.tag,
                 "--local-addr", hosts.address(i), "--max-restarts", str(max_restarts),
                 "-m", "peerflow", "train", *train, "--set", "run.trace=false",
-                "--set", f"runtime.fault_timeout={FAULT_TIMEOUT}",
+                "--set", f"runtime.fault_timeout={fault_timeout}",
                 *[a for s in sets for a in ("--set", s)]]
         procs.append(hosts.popen(i, argv, _env(), stdout=subprocess.PIPE,
                                  stderr=subprocess.STDOUT, text=True))
@@ -127,7 +128,10 @@ def test_a_lost_host_stops_the_survivor_naming_it_then_resume_continues(
 
 def test_torchrun_max_restarts_resumes_by_itself(hosts, tmp_path) -> None:
     run = tmp_path / "run"
-    procs = _torchrun(hosts, run, "run.steps=6", "run.checkpoint_every=2", max_restarts=3)
+    # restarted workers start at different times on the two hosts (seconds apart on a busy
+    # machine); gloo's connect must outlast that skew, so the timeout is more generous here
+    procs = _torchrun(hosts, run, "run.steps=6", "run.checkpoint_every=2", max_restarts=3,
+                      fault_timeout=45)
     _wait_for_checkpoint(run, procs, 2)
     workers = [pid for pid in hosts.pids(1) if _is_worker(pid)]
     assert len(workers) == 1, workers
