@@ -42,7 +42,7 @@ CORRECTIONS: tuple[str, ...] = ("tis", "mis", "none")
 class ImportanceWeights:
     """Per-token importance weights of one batch and what they did."""
 
-    weights: torch.Tensor  # [total_tokens], float32, no grad
+    weights: torch.Tensor  # [total_tokens], no grad, the dtype of `old_logprobs`
     """`w_t` after truncation or masking, aligned with `response_ids`."""
     raw_mean: float
     """Mean of `w_t` before truncation or masking."""
@@ -111,7 +111,7 @@ def importance_weights(batch: Batch, correction: str, cap: float,
         weights = torch.where(limited, torch.zeros_like(raw), raw)
     n = raw.numel()
     return ImportanceWeights(
-        weights=weights.to(torch.float32),
+        weights=weights.to(token_values(batch, "old_logprobs").dtype),
         raw_mean=float(raw.mean()) if n else 1.0,
         raw_max=float(raw.max()) if n else 1.0,
         mean=float(weights.mean()) if n else 1.0,

@@ -113,18 +113,15 @@ def _timed_generate(engine: Any, requests: list, sampling: Any) -> tuple[int, fl
     return sum(len(r.token_ids) for r in results), seconds
 
 
-def _raw_vllm(model: str, options: Any, seed: int) -> Any:
+def _raw_vllm(adapter: Any) -> Any:
     """Raw `vllm.LLM` with the adapter's engine arguments and vLLM's own weight handling."""
     from vllm import LLM
 
+    kwargs = {k: v for k, v in adapter.llm_kwargs.items() if k != "worker_extension_cls"}
     keep = os.environ.get(KEEP_CPU_WEIGHTS_ENV)
     os.environ[KEEP_CPU_WEIGHTS_ENV] = "0"  # vLLM's own dispatch: prepack, drop the weight
     try:
-        return LLM(model=model, dtype="float32", seed=seed,
-                   enforce_eager=options.enforce_eager,
-                   enable_prefix_caching=options.enable_prefix_caching,
-                   max_num_seqs=options.max_num_seqs, max_model_len=options.max_model_len,
-                   logprobs_mode=f"{options.logprobs_mode}_logprobs")
+        return LLM(**kwargs)
     finally:
         if keep is None:
             os.environ.pop(KEEP_CPU_WEIGHTS_ENV, None)
@@ -187,7 +184,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             max_model_len=args.prompt_len + args.max_tokens + 8,
         )
         vllm = vllm_cls(context, vllm_options)
-        raw = _raw_vllm(model, vllm_options, args.seed)
+        raw = _raw_vllm(vllm)
         trainer = train_cls(context, train_cls.options_class(), OptimSettings())
         try:
             service = WeightSyncService.build(trainer, vllm)

@@ -25,8 +25,11 @@ def layout_specs(adapter: type, config: object, layout: ParallelLayout,
 
     Ranks are `layout.global_ranks` shifted by `rank_offset`.
     """
+    from peerflow.conformance.profile import AdapterProfile
+
+    profile = AdapterProfile.of(adapter)
     layout = layout.with_ranks([r + rank_offset for r in range(layout.world_size)])
-    return {rank: list(adapter.shard_layout(config, layout, rank))
+    return {rank: list(profile.shard_layout(config, layout, rank))
             for rank in layout.global_ranks}
 
 

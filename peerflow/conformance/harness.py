@@ -10,6 +10,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import attrs
 import torch
@@ -60,6 +61,7 @@ def run_threaded(
     *,
     bucket_bytes: int = 1 << 20,
     device: str = "cpu",
+    engines: Mapping[int, Any] | None = None,
 ) -> tuple[dict[int, dict[str, torch.Tensor]], dict[int, ExecStats]]:
     """Executes `plan` with one thread per rank; returns destination tensors and stats.
 
@@ -68,7 +70,11 @@ def run_threaded(
         sources: Rank → local source tensors by local name.
         bucket_bytes: Bucket size given to `make_buckets`.
         device: Where the executor allocates buffers and destination tensors.
+        engines: Destination rank → rollout engine that receives that rank's tensors
+            through `load_weights` (and `weight_buffers`), like a real sync; the other
+            destination ranks' tensors are returned.
     """
+    engines = engines or {}
     buckets = make_buckets(plan, bucket_bytes)
     mailbox = Mailbox()
     results: dict[int, dict[str, torch.Tensor]] = {r: {} for r in plan.destinations}
@@ -87,11 +93,14 @@ def run_threaded(
         return load
 
     def work(rank: int) -> None:
+        engine = engines.get(rank)
+        load = engine.load_weights if engine is not None else loader(rank)
         try:
             stats[rank] = run_plan(
                 plan, buckets, rank=rank, transport=MailboxTransport(mailbox, rank=rank),
                 materialize=materializer(rank) if rank in plan.sources else None,
-                load=loader(rank) if rank in plan.destinations else None,
+                load=load if rank in plan.destinations else None,
+                buffers=getattr(engine, "weight_buffers", None),
                 device=device, meter=MemoryMeter(),
             )
         except BaseException as exc:  # reported to the caller below

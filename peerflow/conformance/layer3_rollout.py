@@ -17,6 +17,7 @@ from peerflow.conformance.base import needs
 from peerflow.conformance.checks import compare
 from peerflow.conformance.diagnose import diagnose, gap
 from peerflow.conformance.engines import read_weights, scribble
+from peerflow.conformance.harness import run_threaded
 from peerflow.conformance.layers import _fail
 from peerflow.conformance.layers_engine import PROMPTS, EngineLayerBase, layer3, specs_equal
 from peerflow.conformance.models import ENGINE_MODELS, hf_config
@@ -26,9 +27,10 @@ from peerflow.conformance.reference import (
     load_checkpoint_tensors,
     reference_logprobs,
 )
+from peerflow.conformance.trainers import trainer_layouts
 from peerflow.engines import GenerationRequest, RolloutEngine, SamplingParams
 from peerflow.models import hf_parameters
-from peerflow.reshard import sync_weights
+from peerflow.reshard import plan_reshard, sync_weights
 
 #: Temperatures the log-prob contract is checked at (non-greedy).
 TEMPERATURES = (1.0, 0.7)
@@ -140,6 +142,37 @@ class Layer3RolloutEngine(EngineLayerBase):
         sync(engine, full, 2)
         self._expect_exact(profile, engine, full, after,
                            f"{profile.name} {engine_model} after restore")
+
+    @layer3
+    def test_l3_sync_from_trainer_layouts(self, profile, engine, engine_model, request):
+        """Weights held in every built-in trainer layout load into the engine bit-exact.
+
+        Each registered train engine's layouts (FSDP dp shards, DTensor tp, Megatron
+        tp/pp, DeepSpeed ZeRO-3 owners) are the sources, one thread per trainer rank; the
+        engine is one more rank, loaded through `load_weights` as in a real sync.
+        """
+        needs(request, profile, "in_place_weight_update")
+        config = hf_config(ENGINE_MODELS[engine_model])
+        tested = []
+        for version, trainer in enumerate(trainer_layouts(), start=10):
+            src = trainer.specs(config)
+            if src is None:
+                continue
+            full = arange_globals(hf_parameters(config), start=version)
+            rank = trainer.layout.world_size
+            plan = plan_reshard(src, {rank: list(engine.weight_targets())})
+            before = {n: t.clone() for n, t in read_weights(profile, engine).items()}
+            engine.begin_weight_update(version)
+            run_threaded(plan, shard_all(src, full), bucket_bytes=1 << 16,
+                         engines={rank: engine})
+            engine.finish_weight_update()
+            check_version(engine, version)
+            self._expect_exact(profile, engine, full, before,
+                               f"{profile.name} {engine_model} synced from trainer {trainer.id}")
+            tested.append(trainer.id)
+        if not tested:
+            pytest.skip(f"no registered trainer layout supports {engine_model}")
+        request.node.user_properties.append(("trainer_layouts", ",".join(tested)))
 
     @layer3
     def test_l3_load_copies_instead_of_keeping_references(self, profile, engine, engine_model,

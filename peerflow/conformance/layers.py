@@ -20,10 +20,12 @@ from peerflow.conformance.checks import (
     canonical_specs,
     check_coverage,
     check_well_formed,
+    layout_specs,
     round_trip,
 )
 from peerflow.conformance.models import LAYOUT_MODELS, hf_config
 from peerflow.conformance.profile import layout_id
+from peerflow.errors import ConfigError
 from peerflow.models import hf_parameters
 
 layer0 = pytest.mark.peerflow_layer(0)
@@ -146,6 +148,24 @@ class Layer1Layouts(SuiteBase):
             specs_or_skip(profile, layout_model, layout)
 
 
+    @layer1
+    def test_l1_declared_dtype_follows_the_argument(self, profile, layout_model, request):
+        """`shard_layout(…, dtype="bfloat16")` declares bfloat16 local tensors."""
+        hook = shard_layout_of(profile)
+        if "dtype" not in inspect.signature(hook).parameters:
+            pytest.skip(f"{profile.name}.shard_layout takes no dtype argument; add "
+                        "`dtype=\"float32\"` so runs in other dtypes plan the right sizes")
+        check_family(profile, layout_model)
+        layout = profile.layouts()[0]
+        try:
+            specs = profile.shard_layout(hf_config(LAYOUT_MODELS[layout_model]), layout, 0,
+                                         dtype="bfloat16")
+        except ConfigError as exc:
+            pytest.skip(f"{profile.name} refuses {layout_id(layout)} for {layout_model}: {exc}")
+        _fail([f"{s.local_name}: dtype {s.dtype!r}, asked for 'bfloat16'" for s in specs
+               if s.dtype != "bfloat16"], f"{profile.name} {layout_model} dtype")
+
+
 class Layer2RoundTrip(SuiteBase):
     """Layer 2: CPU reshards against the oracle, `torch.arange` weights, every layout pair."""
 
@@ -175,3 +195,37 @@ class Layer2RoundTrip(SuiteBase):
         dst = specs_or_skip(profile, layout_model, dst_layout)
         _fail(round_trip(src, dst, canonical),
               f"{profile.name} {layout_model} {layout_id(src_layout)}->{layout_id(dst_layout)}")
+
+
+class Layer2FromTrainers(SuiteBase):
+    """Layer 2 for rollout adapters: from every registered trainer layout."""
+
+    @layer2
+    def test_l2_from_trainer_layouts(self, profile, layout_model, trainer_layout, request):
+        """Weights of a built-in trainer layout reshard exactly into every adapter layout.
+
+        The source is a registered train engine's own `shard_layout` (FSDP dp shards,
+        DTensor tp, Megatron tp/pp, DeepSpeed ZeRO-3 owners); trainer and rollout ranks
+        coincide, as in a colocated run.
+        """
+        check_family(profile, layout_model)
+        config = hf_config(LAYOUT_MODELS[layout_model])
+        src = trainer_layout.specs(config)
+        if src is None:
+            pytest.skip(f"trainer {trainer_layout.id} refuses {layout_model}")
+        canonical = hf_parameters(config)
+        problems, tested = [], 0
+        for layout in profile.layouts():
+            if profile.missing_capability(layout):
+                continue
+            try:
+                dst = layout_specs(profile.cls, config, layout)
+            except ConfigError:
+                continue
+            tested += 1
+            problems += [f"-> {layout_id(layout)}: {p}" for p in round_trip(src, dst, canonical)]
+            if problems:
+                break
+        if not tested:
+            pytest.skip(f"{profile.name} accepts no layout of {layout_model}")
+        _fail(problems, f"{profile.name} {layout_model} from trainer {trainer_layout.id}")

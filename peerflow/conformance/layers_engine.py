@@ -73,10 +73,10 @@ class EngineLayerBase(SuiteBase):
 
     def declared(self, profile, engine_model):
         """The adapter's `shard_layout` for one rank of the single layout."""
-        hook = profile.hook("shard_layout")
-        if hook is None:
+        if profile.hook("shard_layout") is None:
             pytest.skip(f"{profile.name} defines no shard_layout classmethod")
-        return list(hook(hf_config(ENGINE_MODELS[engine_model]), ParallelLayout(), 0))
+        return list(profile.shard_layout(hf_config(ENGINE_MODELS[engine_model]),
+                                         ParallelLayout(), 0, dtype="float32"))
 
 
 class Layer3TrainEngine(EngineLayerBase):

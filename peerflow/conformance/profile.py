@@ -4,9 +4,11 @@ An adapter never imports `peerflow.conformance`. It declares itself to the suite
 its registry entry (`peerflow_register_rollout_engines` / `…_train_engines`) and these
 optional classmethods on the engine class, all with defaults:
 
-`shard_layout(hf_config, layout, rank) -> list[ShardSpec]`
+`shard_layout(hf_config, layout, rank, dtype="float32") -> list[ShardSpec]`
     What `weight_targets()` (rollout) or `weight_sources()` (train) returns on global
-    rank `rank` of `layout` for the model `hf_config` — a pure function, no engine built.
+    rank `rank` of `layout` for the model `hf_config` with local tensors of `dtype` (a
+    torch dtype name; the argument is optional for backward compatibility) — a pure
+    function, no engine built.
     Raise `peerflow.errors.ConfigError` for layouts the engine refuses (the suite then
     skips that case and shows the message). Without it, layers 1–2 skip.
 `conformance_layouts() -> list[ParallelLayout]`
@@ -94,6 +96,14 @@ class AdapterProfile:
     def hook(self, name: str) -> Callable[..., Any] | None:
         """Returns the adapter's classmethod `name`, or `None` when it has none."""
         return getattr(self.cls, name, None)
+
+    def shard_layout(self, hf_config: Any, layout: ParallelLayout, rank: int,
+                     dtype: str = "float32") -> list:
+        """Calls the adapter's `shard_layout`, passing `dtype` when the hook accepts it."""
+        hook = self.hook("shard_layout")
+        if "dtype" in inspect.signature(hook).parameters:
+            return hook(hf_config, layout, rank, dtype=dtype)
+        return hook(hf_config, layout, rank)
 
     def layouts(self) -> tuple[ParallelLayout, ...]:
         """Layouts to test."""

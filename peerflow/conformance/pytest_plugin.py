@@ -134,6 +134,11 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         pairs = list(itertools.product(layouts, layouts))
         metafunc.parametrize("layout_pair", pairs,
                              ids=[f"{layout_id(a)}-to-{layout_id(b)}" for a, b in pairs])
+    if "trainer_layout" in names:
+        from peerflow.conformance.trainers import trainer_layouts
+
+        trainers = trainer_layouts()
+        metafunc.parametrize("trainer_layout", trainers, ids=[t.id for t in trainers])
     if "engine_model" in names:
         metafunc.parametrize("engine_model", list(ENGINE_MODELS))
 

@@ -51,6 +51,10 @@ class TensorSink:
         """Remembers the version to publish."""
         self._pending = version
 
+    def weight_buffers(self, specs: Sequence[ShardSpec]) -> None:
+        """No zero-copy path: the sync stages every tensor."""
+        return None
+
     def load_weights(self, items: Sequence[tuple[ShardSpec, torch.Tensor]]) -> None:
         """Keeps a copy of every tensor."""
         for spec, tensor in items:

@@ -9,7 +9,8 @@ Layers, selectable with `-m "peerflow_layer(…)"`-free `-k l0_`, `-k l2_`, …:
 
 0. surface — contract implemented, registered, capabilities and options declared;
 1. layout invariants of the declared shards (`shard_layout`) for several models/layouts;
-2. CPU round trip against the oracle with `torch.arange` weights for every layout pair;
+2. CPU round trip against the oracle with `torch.arange` weights for every layout pair
+   (rollout adapters also from every registered trainer layout);
 3. the real engine: declared layout equals the engine's, bit-exact load/export read back
    around the adapter, corrupt-then-restore, log-probs against a plain HF model;
 4. GPU-only checks (marked `gpu`).
@@ -18,12 +19,17 @@ Layers, selectable with `-m "peerflow_layer(…)"`-free `-k l0_`, `-k l2_`, …:
 from __future__ import annotations
 
 from peerflow.conformance.layer3_rollout import Layer3RolloutEngine
-from peerflow.conformance.layers import Layer0Surface, Layer1Layouts, Layer2RoundTrip
+from peerflow.conformance.layers import (
+    Layer0Surface,
+    Layer1Layouts,
+    Layer2FromTrainers,
+    Layer2RoundTrip,
+)
 from peerflow.conformance.layers_engine import Layer3TrainEngine, Layer4Gpu
 
 
-class RolloutAdapterSuite(Layer0Surface, Layer1Layouts, Layer2RoundTrip, Layer3RolloutEngine,
-                          Layer4Gpu):
+class RolloutAdapterSuite(Layer0Surface, Layer1Layouts, Layer2RoundTrip, Layer2FromTrainers,
+                          Layer3RolloutEngine, Layer4Gpu):
     """Every layer for a `peerflow.RolloutEngine` adapter (its shards are destinations)."""
 
     suite_kind = "rollout"

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from typing import Any
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import attrs
 
@@ -36,68 +36,16 @@ from peerflow.streaming.transport import Kind, StreamReceiver, StreamSender
 
 
 @attrs.define(eq=False)
-class _Worker:
-    """One daemon thread running queued calls in order; an error is re-raised later."""
-
-    name: str
-    _jobs: deque = attrs.field(factory=deque, init=False)
-    _cond: threading.Condition = attrs.field(factory=threading.Condition, init=False)
-    _done: int = attrs.field(default=0, init=False)
-    _queued: int = attrs.field(default=0, init=False)
-    _error: BaseException | None = attrs.field(default=None, init=False)
-    _thread: threading.Thread | None = attrs.field(default=None, init=False)
-
-    def submit(self, job: Any) -> int:
-        """Queues `job()`; returns how many jobs were queued so far."""
-        self.check()
-        with self._cond:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, daemon=True, name=self.name)
-                self._thread.start()
-            self._queued += 1
-            self._jobs.append(job)
-            self._cond.notify_all()
-            return self._queued
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not self._jobs:
-                    self._cond.wait()
-                job = self._jobs[0]
-            try:
-                job()
-            except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread
-                with self._cond:
-                    self._error = exc
-                    self._cond.notify_all()
-                return
-            with self._cond:
-                self._jobs.popleft()
-                self._done += 1
-                self._cond.notify_all()
-
-    def wait_below(self, jobs: int) -> None:
-        """Waits until fewer than `jobs` queued jobs are unfinished (0: all done)."""
-        with self._cond:
-            while self._queued - self._done >= max(jobs, 1) and self._error is None:
-                self._cond.wait()
-        self.check()
-
-    def check(self) -> None:
-        """Re-raises a job's error."""
-        if self._error is not None:
-            raise self._error
-
-
-@attrs.define(eq=False)
 class WeightPusher:
     """Pushes new weights from this trainer rank to every rollout rank, asynchronously."""
 
     service: WeightSyncService
     sender: StreamSender
     """The weight channel (announcements, heartbeats, `STOP`)."""
-    _wire: _Worker = attrs.field(factory=lambda: _Worker("peerflow-weight-push"), init=False)
+    _wire: ThreadPoolExecutor = attrs.field(
+        factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="peerflow-weight-push"),
+        init=False)
+    _in_flight: deque[Future] = attrs.field(factory=deque, init=False)
 
     @property
     def destinations(self) -> tuple[int, ...]:
@@ -113,18 +61,22 @@ class WeightPusher:
             WorkerFailedError: an earlier transfer failed (a peer died or hung).
         """
         assert trainer is self.service.trainer, "push the engine the service was built for"
-        self._wire.wait_below(self.service.depth)  # the oldest pool slot must be free
+        while self._in_flight and (self._in_flight[0].done()
+                                   or len(self._in_flight) >= self.service.depth):
+            self._in_flight.popleft().result()  # frees the oldest pool slot; re-raises
         packed = self.service.pack(version)
         for dst in self.destinations:
             self.sender.send(dst, Kind.WEIGHTS, a=version, b=len(self.service.buckets))
-        self._wire.submit(lambda: self.service.transfer(packed, version))
+        self._in_flight.append(self._wire.submit(self.service.transfer, packed, version))
         return WeightSyncStats(version=version, pack_s=packed.pack_s, bytes=packed.nbytes,
                                buckets=len(self.service.buckets),
                                peak_extra_bytes=self.service.meter.peak)
 
     def drain(self) -> None:
         """Waits until every pushed version has been delivered."""
-        self._wire.wait_below(0)
+        while self._in_flight:
+            self._in_flight.popleft().result()
+        self._wire.shutdown()
         self.sender.flush()
 
 

@@ -13,7 +13,11 @@ import attrs
 import torch
 
 from peerflow.adapters.hf.engine import HFRolloutEngine
+from peerflow.adapters.vllm.engine import VLLMRolloutEngine
+from peerflow.adapters.vllm.options import VLLMRolloutOptions
+from peerflow.engines import EngineContext
 from peerflow.errors import ConfigError
+from peerflow.layout import ParallelLayout
 from peerflow.models import hf_layout, vllm_layout
 from peerflow.shard import Box, ShardPiece
 
@@ -27,8 +31,6 @@ class HFWithLayout(HFRolloutEngine):
 
     @classmethod
     def conformance_layouts(cls):
-        from peerflow.layout import ParallelLayout
-
         return [ParallelLayout()]
 
 
@@ -204,6 +206,16 @@ class UntemperedLogprobs(HFWithLayout):
         return out
 
 
+class VLLMUntempered(VLLMRolloutEngine):
+    """vLLM run with `logprobs_mode="raw_logprobs"`: log-probs taken before temperature."""
+
+    @classmethod
+    def conformance_engine(cls, model_path, *, device="cpu"):
+        context = EngineContext(model_path=model_path, layout=ParallelLayout(), rank=0,
+                                dtype="float32", device=device)
+        return cls(context, VLLMRolloutOptions(engine_args={"logprobs_mode": "raw_logprobs"}))
+
+
 #: mutant → strings its failure report must contain (parameter or method, and the fix).
 EXPECTED = {
     "QKSwapped": ["layer 0 attention", "the engine reads local tensor "
@@ -225,4 +237,11 @@ EXPECTED = {
                       "RebindingLoad.load_weights keeps the tensors", "param.copy_(tensor)"],
     "UntemperedLogprobs": ["they equal the untempered log_softmax(logits)",
                            "UntemperedLogprobs.generate must return", "log_softmax(logits / T)"],
+}
+
+#: vLLM mutants (run when vllm is installed; one engine each).
+EXPECTED_VLLM = {
+    "VLLMUntempered": ["they equal the untempered log_softmax(logits)",
+                       "VLLMUntempered.generate must return",
+                       "logprobs_mode='processed_logprobs'"],
 }

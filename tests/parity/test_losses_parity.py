@@ -131,7 +131,7 @@ def test_truncated_importance_weights_in_the_loss(verl, actor_config, case):
         rollout_is_threshold=2.0)
     ours_weights = importance_weights(case.batch(old_logprobs=old, rollout_logprobs=rollout),
                                       "tis", cap=2.0)
-    _close(ours_weights.weights.to(torch.float64), theirs_weights[case.mask])
+    _close(ours_weights.weights, theirs_weights[case.mask])
     loss = PPOClip(PPOClipOptions(aggregation="token-mean"))
     ours, ours_grad = _ours(loss, case, current, 2, old_logprobs=old, rollout_logprobs=rollout,
                             advantages=advantages)
@@ -152,4 +152,4 @@ def test_masked_importance_weights(verl, case):
         rollout_is_threshold="0.5_2.0")  # IcePop: zero outside [0.5, 2]
     ours = importance_weights(case.batch(old_logprobs=old, rollout_logprobs=rollout), "mis",
                               cap=2.0, lower=0.5)
-    _close(ours.weights.to(torch.float64), theirs[case.mask])
+    _close(ours.weights, theirs[case.mask])

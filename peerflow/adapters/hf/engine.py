@@ -351,7 +351,8 @@ class HFRolloutEngine(RolloutEngine):
     # -- conformance hooks (read by peerflow.conformance; see its profile module) ---------
 
     @classmethod
-    def shard_layout(cls, hf_config: Any, layout: Any, rank: int) -> list[ShardSpec]:
+    def shard_layout(cls, hf_config: Any, layout: Any, rank: int,
+                     dtype: str = "float32") -> list[ShardSpec]:
         """What `weight_targets()` returns on `rank` of `layout`: every HF tensor, whole.
 
         Raises:
@@ -370,7 +371,7 @@ class HFRolloutEngine(RolloutEngine):
                 f"the hf engine maps HF tensors one to one for {cls.conformance_families()}; "
                 f"model family {family!r} packs MoE experts, which its weight sync does not map."
             )
-        return hf_layout(hf_config, replica=layout.coord(rank).dp)
+        return hf_layout(hf_config, replica=layout.coord(rank).dp, dtype=dtype)
 
     @classmethod
     def conformance_families(cls) -> tuple[str, ...]:

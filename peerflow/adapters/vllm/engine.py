@@ -130,6 +130,8 @@ class VLLMRolloutEngine(VLLMConformanceHooks, RolloutEngine):
         if opts.tensor_parallel_size > 1:
             kwargs["distributed_executor_backend"] = "mp"
         kwargs.update(opts.engine_args)
+        self.llm_kwargs = dict(kwargs)
+        """The `vllm.LLM` arguments vLLM was started with (benchmarks reuse them)."""
         return LLM(**kwargs)
 
     def _build_targets(self) -> list[ShardSpec]:

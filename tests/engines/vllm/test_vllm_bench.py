@@ -36,9 +36,15 @@ def test_bench_rollout_json(tmp_path):
     assert result["median_of"] == 2 and len(result["runs"]) == 2
     assert result["hf_tokens_per_s"] > 0 and result["vllm_tokens_per_s"] > 0
     assert result["ratio"] == pytest.approx(result["vllm_tokens_per_s"] / result["hf_tokens_per_s"])
+    raw, adapter, hf = (result[f"{k}_tokens_per_s"] for k in ("raw_vllm", "vllm", "hf"))
+    assert result["adapter_vs_raw_vllm"] == pytest.approx(adapter / raw)
+    assert result["vllm_vs_hf"] == pytest.approx(adapter / hf)
+    assert result["raw_vllm_vs_hf"] == pytest.approx(raw / hf)
+    assert result["vllm_load_s"] > 0
     for run in result["runs"]:
-        assert run["hf_tokens"] > 0 and run["vllm_tokens"] > 0
+        assert run["hf_tokens"] > 0 and run["vllm_tokens"] > 0 and run["raw_vllm_tokens"] > 0
         assert run["vllm_tokens_per_s"] == pytest.approx(run["vllm_tokens"] / run["vllm_s"])
+        assert run["vllm_load_s"] > 0
 
 
 def test_bench_weight_sync_json(tmp_path):
