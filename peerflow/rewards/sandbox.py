@@ -97,6 +97,8 @@ class SandboxLimits:
     """`RLIMIT_NPROC` headroom (processes are also refused by the audit hook)."""
     max_output_mb: int = 8
     """Largest file (and standard output) the program may write."""
+    audit_hook: bool = True
+    """Install the audit hook (layer 4); off only to test the kernel's layers alone."""
 
 
 @attrs.frozen(kw_only=True)
@@ -207,7 +209,8 @@ def run_sandboxed(program: str, stdin: str = "",
         with open(workdir / "stdin.txt", "rb") as fin, \
                 open(workdir / ".stdout", "wb") as fout, open(workdir / ".stderr", "wb") as ferr:
             proc = subprocess.Popen(
-                [sys.executable, "-I", "-B", "guard.py"], cwd=workdir, env=env, stdin=fin,
+                [sys.executable, "-I", "-B", "guard.py" if limits.audit_hook else "main.py"],
+                cwd=workdir, env=env, stdin=fin,
                 stdout=fout, stderr=ferr, start_new_session=True, close_fds=True,
                 preexec_fn=lambda: _child_setup(limits, nproc, str(net_flag), cgroup))
             try:

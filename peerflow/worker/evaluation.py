@@ -109,7 +109,6 @@ def evaluate(rt: WorkerRuntime, step: int) -> dict[str, float]:
     return {k: v for k, v in all_reduce_metrics(metrics).items() if k.startswith("eval/")}
 
 
-
 def _load_checkpoint(rt: WorkerRuntime, program: Any, checkpoint: str) -> int:
     """Loads a checkpoint into the trainable engines and syncs the rollout engine.
 

@@ -51,3 +51,19 @@ def test_engines_are_imported_lazily(folder):
            for path in _sources(folder) for line, module in _imports(path, top_level_only=True)
            if module.split(".")[0] in ENGINES]
     assert not bad, "\n".join(bad)
+
+
+def test_adapters_do_not_import_each_other():
+    """Shared code lives in the core (e.g. `peerflow.training`), not in another adapter."""
+    adapters = ROOT / "peerflow" / "adapters"
+    bad = []
+    for path in sorted(adapters.rglob("*.py")):
+        parts = path.relative_to(adapters).parts
+        if len(parts) < 2:
+            continue
+        own = f"peerflow.adapters.{parts[0]}"
+        bad += [f"{path.relative_to(ROOT)}:{line} imports {module}"
+                for line, module in _imports(path)
+                if module.startswith("peerflow.adapters.")
+                and module != own and not module.startswith(own + ".")]
+    assert not bad, "\n".join(bad)

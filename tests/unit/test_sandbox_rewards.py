@@ -67,20 +67,29 @@ def test_limits_stop_loops_memory_and_floods():
     assert flood.status == "error" and len(flood.stdout) <= 2**20
 
 
-def test_process_limit_holds_even_without_the_audit_hook():
+KERNEL_ONLY = SandboxLimits(timeout_s=15, max_processes=8, audit_hook=False)
+
+
+def test_process_limit_holds_without_the_audit_hook():
     if os.geteuid() == 0 and run_sandboxed("", "", LIMITS).process_limit != "cgroup":
         pytest.skip("root without a writable pids cgroup: only the audit hook limits forks")
-    # `_posixsubprocess.fork_exec` raises no audit event, so this reaches the kernel limit
-    program = ("import _posixsubprocess, os, sys\nspawned = 0\ntry:\n"
-               "    for _ in range(64):\n"
-               "        r, w = os.pipe()\n"
-               "        _posixsubprocess.fork_exec(['/bin/sleep', '5'], [b'/bin/sleep'], True, "
-               "(), None, None, -1, -1, -1, -1, -1, -1, r, w, True, False, 0, None, None, None,"
-               " -1, None, False)\n"
+    # bounded (64 sleepers at most) so a broken limit cannot take the machine down
+    program = ("import os, time\nspawned = 0\ntry:\n    for _ in range(64):\n"
+               "        if os.fork() == 0:\n            time.sleep(3)\n            os._exit(0)\n"
                "        spawned += 1\nexcept OSError as exc:\n"
                "    print('stopped after', spawned, exc)\n")
-    result = run_sandboxed(program, "", SandboxLimits(timeout_s=10, max_processes=8))
+    result = run_sandboxed(program, "", KERNEL_ONLY)
     assert "stopped after" in result.stdout, result.stderr
+    assert int(result.stdout.split()[2]) < 10
+
+
+def test_no_network_without_the_audit_hook():
+    program = ("import socket\ntry:\n    socket.create_connection(('1.1.1.1', 80), timeout=3)\n"
+               "    print('connected')\nexcept OSError as exc:\n    print('refused', exc)\n")
+    result = run_sandboxed(program, "", KERNEL_ONLY)
+    if not result.network_isolated:
+        pytest.skip("this kernel or container refuses unshare(CLONE_NEWNET)")
+    assert result.stdout.startswith("refused") and "Network is unreachable" in result.stdout
 
 
 def test_extract_program_takes_the_last_fence():
@@ -140,3 +149,18 @@ def test_math_reward_compares_final_answers(response, answer, expected):
 def test_math_reward_rejects_an_unparseable_reference():
     with pytest.raises(ValueError, match="does not parse"):
         math_reward(r"\boxed{1}", {"answer": " "})
+
+
+def test_math_reward_through_the_pool(plugin_manager):
+    config = load_config(None, ["task.reward=math"])
+    validate_config(config, plugin_manager)
+    rewards = build_reward_set(config.task, plugin_manager, "char_match")
+    examples = [Example(prompt="half?", answer="1/2", index=0),
+                Example(prompt="x?", answer="2x+1", index=1),
+                Example(prompt="bad", answer=" ", index=2)]
+    try:
+        out = rewards.score([r"so \boxed{0.5}", r"\boxed{3x}", r"\boxed{1}"], examples)
+    finally:
+        rewards.close()
+    assert out.total == [1.0, 0.0, 0.0] and "reward/math/mean" in out.metrics
+    assert out.counts == {"reward/errors": 1, "reward/timeouts": 0}  # the unparseable answer
