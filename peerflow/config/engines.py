@@ -41,8 +41,18 @@ class SamplingConfig:
 
     n: int = 8
     """Answers per prompt (the group size)."""
-    temperature: float = 1.0
-    """Softmax temperature; 0 is greedy."""
+    temperature: float = attrs.field(default=1.0)
+    """Softmax temperature (> 0). Train engines and the reference model compute log-probs
+    at this temperature too, so the policy they train is the one that sampled."""
+
+    @temperature.validator
+    def _check_temperature(self, _: attrs.Attribute, value: float) -> None:
+        if not value > 0:
+            raise ValueError(
+                f"rollout.sampling.temperature={value}: a training run needs a positive "
+                "temperature (greedy decoding, 0, gives every answer of a group the same "
+                "tokens and has no log-probs to train on); use e.g. 1.0."
+            )
     top_p: float = 1.0
     """Nucleus mass; 1.0 disables."""
     top_k: int = 0

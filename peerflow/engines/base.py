@@ -61,6 +61,11 @@ class EngineContext:
     """torch.distributed group of `layout.global_ranks`, or `None` for one process."""
     run_dir: str | None = None
     """Run directory, for engines that write caches or logs of their own."""
+    temperature: float = 1.0
+    """Sampling temperature of the samples the engine scores (`rollout.sampling.
+    temperature`, > 0): train engines compute log-probs of `softmax(logits /
+    temperature)`, the distribution the rollout sampled from. Rollout engines read
+    `SamplingParams` instead."""
 
 
 @attrs.frozen(kw_only=True)

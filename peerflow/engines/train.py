@@ -20,6 +20,19 @@ Call order on the ranks that host the engine (all ranks of its group, SPMD):
 
 Batches given to the engine carry ragged `prompt_ids` and `response_ids` fields; every tp/pp
 peer of one dp-rank receives the same samples.
+
+Log-probs (`forward_logprobs`, and those handed to the loss in `train_step`) are those of
+the distribution the rollout sampled from: `log_softmax(logits / T)[token]` over the full
+vocabulary, with `T = EngineContext.temperature` (the run's `rollout.sampling.temperature`),
+so the reference model, the old-policy forward and the trained policy all score the same
+tempered policy the samples came from. Top-p / top-k truncation is **not** renormalised:
+the trainer scores the tempered, untruncated distribution, as verl's actor and TRL's GRPO
+trainer do (both divide the logits by the temperature and pass top-p/top-k to the
+generator only); rollout engines report log-probs under the same contract, so on-policy
+ratios are 1. See `peerflow.training.logprobs` for why.
+
+Train engines that build on `peerflow.training.CausalLMTrainEngine` get all of this, the
+micro-batching and the metric names, from the training toolkit.
 """
 
 from __future__ import annotations
@@ -64,6 +77,11 @@ class LossFunction(Protocol):
 
     Engines call it once per micro-batch and sum the returned losses' gradients, so a loss
     must scale itself by the *global* normaliser it is given, not by the micro-batch size.
+
+    The micro-batch also carries `entropy` (ragged, aligned with `response_ids`): the
+    entropy of the tempered policy at every response token. It has gradient only when the
+    loss object sets `needs_entropy = True` (an entropy bonus); otherwise it is
+    detached, for metrics.
     """
 
     def __call__(
@@ -96,14 +114,19 @@ class TrainEngine(EngineBase, abc.ABC):
 
     @abc.abstractmethod
     def forward_logprobs(self, batch: Batch) -> RaggedField:
-        """Returns per-response-token log-probs (no grad), aligned with `response_ids`."""
+        """Returns per-response-token log-probs (no grad), aligned with `response_ids`.
+
+        Log-probs of `softmax(logits / EngineContext.temperature)`, untruncated.
+        """
 
     @abc.abstractmethod
     def train_step(self, batch: Batch, loss: LossFunction) -> dict[str, float]:
         """Runs `optim.mini_batches` optimiser steps on this dp-rank's samples.
 
-        Increments `version` once per call. Returns metrics averaged over micro-batches
-        (including `grad_norm` and `lr`).
+        Increments `version` once per call. Returns the loss's metrics averaged over
+        micro-batches, plus `loss` (the mini-batch loss summed over dp-ranks, averaged
+        over mini-batches), `entropy` (token mean of the tempered policy's entropy; policy
+        engines), `grad_norm` (global, before clipping) and `lr`.
         """
 
     def forward_values(self, batch: Batch) -> RaggedField:

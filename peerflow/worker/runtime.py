@@ -161,6 +161,7 @@ class WorkerRuntime:
             seed=self.config.seed,
             process_group=process_group,
             run_dir=str(self.run_dir),
+            temperature=self.config.rollout.sampling.temperature,
         )
 
     def build_engine(self, role: str, process_group: Any = None) -> Any:

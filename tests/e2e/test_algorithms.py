@@ -28,6 +28,10 @@ CASES = {
                       ["overlong/penalty_mean", "overlong/filtered_fraction", "score/mean"]),
     "stale_mis": (["weight_sync.every=2", "algorithm.off_policy.correction=mis"],
                   ["off_policy/masked_fraction", "off_policy/is_weight_max", "mismatch/kl"]),
+    # trainer, old-policy and reference forwards all score at the sampling temperature
+    "temperature_top_p_kl": (["rollout.sampling.temperature=0.7", "rollout.sampling.top_p=0.9",
+                              "algorithm.kl.coef=0.05", "algorithm.kl.mode=loss"],
+                             ["kl/mean", "mismatch/kl"]),
 }
 
 
@@ -48,6 +52,7 @@ def test_algorithm_smoke(case, tmp_path, monkeypatch, quickstart, tiny, metrics_
             assert name in m, f"{case}: {name} missing from {sorted(m)}"
     # the policy was updated: the actor reported a finite gradient norm every step
     assert all(m["actor/grad_norm"] == m["actor/grad_norm"] for m in lines)
+    assert all(m["actor/entropy"] > 0 and "actor/loss" in m for m in lines)
     # step 1 samples with the trainer's own weights: rollout and trainer agree
     assert lines[0]["mismatch/abs_max"] < 1e-4
     if case == "stale_mis":  # step 2's samples come from the weights before step 1's update

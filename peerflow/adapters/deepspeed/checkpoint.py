@@ -37,7 +37,7 @@ def save(engine: Any, directory: str) -> None:
             "version": engine.version, "zero_stage": engine.zero_stage,
             "dp_size": engine.dp_size, "tag": tag, "shapes": _shapes(engine),
         })
-    dist.barrier(group=engine.group)
+    dist.barrier(group=engine.dp_group)
 
 
 def load(engine: Any, directory: str) -> None:

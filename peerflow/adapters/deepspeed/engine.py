@@ -1,9 +1,10 @@
 """`DeepSpeedTrainEngine`: a Hugging Face causal LM trained with DeepSpeed ZeRO 1/2/3.
 
-Runs over gloo on CPU and NCCL on GPU. PeerFlow owns the loss, micro-batching and
-gradient accumulation (token-budget micro-batches; DeepSpeed's accumulation boundary is
-set per micro-batch, so DeepSpeed reduces and steps once per mini-batch), DeepSpeed owns
-partitioning, gradient reduction, clipping and the optimiser step.
+Runs over gloo on CPU and NCCL on GPU. The training toolkit (`peerflow.training`) owns
+the loss, micro-batching, log-probs at the sampling temperature and gradient accumulation
+(DeepSpeed's accumulation boundary is set per micro-batch, so DeepSpeed reduces and steps
+once per mini-batch); DeepSpeed owns partitioning, gradient reduction, clipping and the
+optimiser step.
 
 Weight export never gathers the whole model on one rank: every HF parameter is one
 `ShardSpec` whose *owner* (replica 0) is picked round-robin by size over the dp ranks;
@@ -24,17 +25,14 @@ from typing import Any
 import torch
 
 from peerflow.adapters.deepspeed import checkpoint as ckpt
-from peerflow.adapters.deepspeed import microbatch as mb
 from peerflow.adapters.deepspeed.layout import FAMILIES, check_layout, deepspeed_shard_layout
 from peerflow.adapters.deepspeed.loading import load_hf_weights
 from peerflow.adapters.deepspeed.options import DeepSpeedOptions
-from peerflow.batch import Batch, RaggedField
 from peerflow.capabilities import Capabilities
-from peerflow.engines import EngineContext, LossFunction, OptimSettings, TrainEngine
+from peerflow.engines import EngineContext, OptimSettings
 from peerflow.errors import ConfigError
 from peerflow.shard import ShardSpec
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from peerflow.training import CausalLMTrainEngine, MicroBatch, torch_dtype
 
 
 def _ensure_distributed(context: EngineContext) -> None:
@@ -62,7 +60,7 @@ def _no_init_weights() -> contextlib.AbstractContextManager:
     return no_init_weights()
 
 
-class DeepSpeedTrainEngine(TrainEngine):
+class DeepSpeedTrainEngine(CausalLMTrainEngine):
     """Train engine backed by `deepspeed.initialize` (ZeRO stage from the options)."""
 
     name = "deepspeed"
@@ -92,11 +90,11 @@ class DeepSpeedTrainEngine(TrainEngine):
                 f"all {dist.get_world_size()} processes (ZeRO partitions over the default "
                 "group); give the trainer every rank or use trainer.backend=fsdp."
             )
-        self.group = dist.group.WORLD
+        self.dp_group = dist.group.WORLD
         self.dp_rank = dist.get_rank()
         self.dp_size = dist.get_world_size()
         self.device = torch.device(context.device)
-        dtype = _DTYPES[context.dtype]
+        dtype = torch_dtype(context.dtype)
         bf16 = optim.bf16 or dtype == torch.bfloat16
         self.ds_config = options.deepspeed_config(optim, bf16=bf16)
         torch.manual_seed(context.seed)
@@ -105,9 +103,11 @@ class DeepSpeedTrainEngine(TrainEngine):
         if options.zero_stage == 3:
             # HF's weight init indexes into parameters (e.g. the padding row of the
             # embedding), which zero.Init has already partitioned away; every weight is
-            # read from the checkpoint next, so skip it.
+            # read from the checkpoint next, so skip it. No `dtype`: zero.Init then takes
+            # it from the config (float32 unless bf16); an explicit dtype is ignored on
+            # accelerators without fp16 (DeepSpeed 0.19 picks bfloat16 on CPU).
             with _no_init_weights(), deepspeed.zero.Init(
-                    config_dict_or_path=self.ds_config, remote_device=None, dtype=torch.float32):
+                    config_dict_or_path=self.ds_config, remote_device=None):
                 model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
             model.tie_weights()
             load_hf_weights(model, context.model_path, partitioned=True)
@@ -149,75 +149,45 @@ class DeepSpeedTrainEngine(TrainEngine):
     def _full_shape(param: torch.nn.Parameter) -> tuple[int, ...]:
         return tuple(getattr(param, "ds_shape", param.shape))
 
-    def _token_logprobs(self, inputs: mb.PaddedInputs) -> torch.Tensor:  # [B, L]
-        """Log-probs of every next token of a padded micro-batch, on the engine device."""
-        out = self.engine(
+    # ------------------------------------------------- what the toolkit needs
+    def forward_micro(self, micro: MicroBatch) -> torch.Tensor:
+        """Logits `[B, L, V]` of one padded micro-batch.
+
+        DeepSpeed reduces gradients and steps at the accumulation boundary, which is the
+        last micro-batch of a mini-batch.
+        """
+        self.engine.set_gradient_accumulation_boundary(micro.last)
+        inputs = micro.inputs
+        return self.engine(
             input_ids=inputs.input_ids.to(self.device),
             attention_mask=inputs.attention_mask.to(self.device),
             position_ids=inputs.position_ids.to(self.device),
             use_cache=False,
-        )
-        return mb.token_logprobs(out.logits, inputs.target_ids.to(self.device))
+        ).logits
+
+    def backward_micro(self, loss: torch.Tensor, micro: MicroBatch) -> None:
+        """`engine.backward` of `loss` times the dp size.
+
+        DeepSpeed averages gradients over dp ranks; the loss is already normalised by the
+        global token count, so the scale turns the average into the sum.
+        """
+        self.engine.backward(loss * self.dp_size, scale_wrt_gas=False)
+
+    def optimizer_step(self) -> float:
+        """DeepSpeed's clip and step; returns its global gradient norm."""
+        self.engine.step()
+        norm = self.engine.get_global_grad_norm()
+        return float("nan") if norm is None else float(norm)
+
+    def current_lr(self) -> float:
+        """DeepSpeed's learning rate."""
+        return float(self.engine.get_lr()[0])
+
+    def set_training(self, mode: bool) -> None:
+        """`engine.train(mode)`."""
+        self.engine.train(mode)
 
     # ---------------------------------------------------------------- contract
-    def forward_logprobs(self, batch: Batch) -> RaggedField:
-        """Returns per-response-token log-probs (float32, no grad)."""
-        self.engine.eval()
-        parts = []
-        with torch.no_grad():
-            for indices in mb.plan_micro_batches(batch, self.optim.micro_batch_tokens,
-                                                 self.group):
-                inputs = mb.pad_inputs(batch.select(indices))
-                logprobs = self._token_logprobs(inputs).cpu()
-                if indices:
-                    parts.append(inputs.gather(logprobs))
-        if not parts:
-            return mb.empty_like_logprobs(batch)
-        return RaggedField(
-            values=torch.cat([p.values for p in parts]),
-            offsets=torch.nn.functional.pad(
-                torch.cumsum(torch.cat([p.lengths for p in parts]), 0), (1, 0)),
-        )
-
-    def train_step(self, batch: Batch, loss: LossFunction) -> dict[str, float]:
-        """Runs `optim.mini_batches` optimiser steps on this dp-rank's samples."""
-        self.engine.train()
-        sums: dict[str, float] = {}
-        counts: dict[str, int] = {}
-        norms: list[float] = []
-        order = list(range(len(batch)))
-        for mini_indices in mb.split_even(order, self.optim.mini_batches):
-            mini = batch.select(mini_indices)
-            tokens, samples = mb.global_counts(mini, self.group)
-            micro = mb.plan_micro_batches(mini, self.optim.micro_batch_tokens, self.group)
-            for step, indices in enumerate(micro):
-                self.engine.set_gradient_accumulation_boundary(step == len(micro) - 1)
-                part = mini.select(indices)
-                inputs = mb.pad_inputs(part)
-                logprobs = self._token_logprobs(inputs)
-                if indices:
-                    value, metrics = loss(inputs.gather(logprobs),
-                                          mb.batch_to(part, self.device),
-                                          global_tokens=max(tokens, 1),
-                                          global_samples=max(samples, 1))
-                    for key, item in metrics.items():
-                        sums[key] = sums.get(key, 0.0) + float(item)
-                        counts[key] = counts.get(key, 0) + 1
-                else:
-                    value = logprobs.sum() * 0.0
-                # DeepSpeed averages gradients over dp ranks; the loss is already
-                # normalised by the global token count, so undo the average.
-                self.engine.backward(value * self.dp_size, scale_wrt_gas=False)
-            self.engine.step()
-            norm = self.engine.get_global_grad_norm()
-            if norm is not None:
-                norms.append(float(norm))
-        self.version += 1
-        metrics = {k: sums[k] / counts[k] for k in sums}
-        metrics["grad_norm"] = sum(norms) / len(norms) if norms else float("nan")
-        metrics["lr"] = float(self.engine.get_lr()[0])
-        return metrics
-
     def weight_sources(self) -> list[ShardSpec]:
         """One full-tensor spec per HF parameter; its owner rank sends it (replica 0)."""
         return list(self._specs)

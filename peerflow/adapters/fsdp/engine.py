@@ -5,8 +5,10 @@ the root are sharded with `fully_shard` over the dp dimension of the engine's gr
 on CPU, NCCL on GPU); with `layout.tp > 1` the blocks' projections are first split with
 `parallelize_module` (column-parallel q/k/v/gate/up, row-parallel o/down).
 
-Log-probs are `log_softmax` of the model's logits at temperature 1 for every response
-token, the same quantity the `hf` rollout engine reports, so PPO ratios start at 1.
+Micro-batching, log-probs at the sampling temperature, metrics and the step loop are the
+training toolkit's (`peerflow.training.CausalLMTrainEngine`); this module supplies the
+FSDP2 forward, backward and optimiser step.
+
 As a critic (`fsdp: {value_head: true}`) the engine puts a scalar head on the backbone;
 `forward_values` returns one value per response token (the value of the state *before*
 the token, i.e. read at the position that predicts it), and `train_step` hands the loss
@@ -28,13 +30,12 @@ from peerflow.adapters.fsdp import checkpoint as ckpt
 from peerflow.adapters.fsdp.layout import FAMILIES, fsdp_shard_layout
 from peerflow.adapters.fsdp.model import apply_fsdp, apply_tensor_parallel, load_module
 from peerflow.adapters.fsdp.optim import build_adamw, clip_grad_norm
-from peerflow.adapters.fsdp.packing import agree_micro_batches, padded_inputs
 from peerflow.adapters.fsdp.shards import local_box, named_shard_specs, replica_index
-from peerflow.batch import Batch, RaggedField
 from peerflow.capabilities import Capabilities
-from peerflow.engines import EngineContext, LossFunction, OptimSettings, TrainEngine
+from peerflow.engines import EngineContext, OptimSettings
 from peerflow.errors import ConfigError
 from peerflow.shard import ShardSpec
+from peerflow.training import CausalLMTrainEngine, MicroBatch, torch_dtype
 
 
 @attrs.frozen(kw_only=True)
@@ -53,17 +54,7 @@ class FSDPTrainOptions:
     """transformers attention backend (`sdpa`, `eager`); `None` lets transformers pick."""
 
 
-def _torch_dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ConfigError(
-            f"EngineContext.dtype={name!r} is not a torch floating-point dtype; use float32 "
-            "or bfloat16."
-        )
-    return dtype
-
-
-class FSDPTrainEngine(TrainEngine):
+class FSDPTrainEngine(CausalLMTrainEngine):
     """Trains a transformers model with FSDP2 (and optional DTensor tensor parallelism)."""
 
     name: ClassVar[str] = "fsdp"
@@ -108,7 +99,7 @@ class FSDPTrainEngine(TrainEngine):
         self.model = load_module(
             context.model_path,
             value_head=self.options.value_head,
-            dtype=_torch_dtype(context.dtype),
+            dtype=torch_dtype(context.dtype),
             attn_implementation=self.options.attn_implementation,
         ).to(self.device)
         if self.options.gradient_checkpointing:
@@ -116,7 +107,7 @@ class FSDPTrainEngine(TrainEngine):
             target.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False}
             )
-        self._dp_group = None
+        self.dp_group = None
         if self.distributed:
             self._shard(group)
         self.optimizer = build_adamw(
@@ -146,7 +137,7 @@ class FSDPTrainEngine(TrainEngine):
             mesh = DeviceMesh(device_type, ranks, mesh_dim_names=("dp", "tp"))
             dp_mesh = mesh["dp"]
             apply_tensor_parallel(self.model, mesh["tp"])
-        self._dp_group = dp_mesh.get_group()
+        self.dp_group = dp_mesh.get_group()
         apply_fsdp(
             self.model,
             dp_mesh,
@@ -154,177 +145,59 @@ class FSDPTrainEngine(TrainEngine):
             reshard_after_forward=self.options.reshard_after_forward,
         )
 
-    # -- forward --------------------------------------------------------------------------
+    # -- what the training toolkit needs ---------------------------------------------------
 
     @property
-    def _dp_size(self) -> int:
-        return dist.get_world_size(self._dp_group) if self._dp_group is not None else 1
+    def produces_values(self) -> bool:  # type: ignore[override]
+        """A critic (`value_head: true`) outputs values instead of logits."""
+        return self.options.value_head
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         if self.bf16 and not self.distributed:  # FSDP's MixedPrecisionPolicy casts instead
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def _micro_forward(self, batch: Batch | None) -> RaggedField | torch.Tensor:
-        """Per-response-token log-probs (or values) of one micro-batch.
+    def forward_micro(self, micro: MicroBatch) -> torch.Tensor:
+        """Logits `[B, L, V]` (values `[B, L]` for a critic) of one padded micro-batch.
 
-        `None` runs a one-token pass whose zero output keeps FSDP's collectives in step
-        with ranks that have more micro-batches; it returns a zero scalar with a graph.
+        Gradient sync is switched on for the last micro-batch of a mini-batch only, so
+        FSDP reduce-scatters once per optimiser step.
         """
-        if batch is None:
-            ids = torch.zeros((1, 1), dtype=torch.long, device=self.device)
-            with self._autocast():
-                out = self._model_out(ids, torch.ones_like(ids))
-            return out.float().sum() * 0.0
-        ids, mask, targets = padded_inputs(batch)
-        ids, mask, targets = ids.to(self.device), mask.to(self.device), targets.to(self.device)
-        with self._autocast():
-            out = self._model_out(ids, mask)
-        if self.options.value_head:
-            values = out[:, :-1][targets].float()  # [response_tokens]
-        else:
-            logits = out[:, :-1][targets].float()  # [response_tokens, vocab]
-            picked = logits.gather(-1, ids[:, 1:][targets][:, None]).squeeze(-1)
-            values = picked - torch.logsumexp(logits, dim=-1)
-        offsets = batch.ragged("response_ids").offsets
-        return RaggedField(values=values, offsets=offsets.to(values.device))
-
-    def _model_out(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        if self.options.value_head:
-            return self.model(input_ids=ids, attention_mask=mask)
-        return self.model(input_ids=ids, attention_mask=mask, use_cache=False).logits
-
-    def _micro_batches(self, batch: Batch) -> list[list[int]]:
-        lengths = batch.token_count().tolist()
-        return agree_micro_batches(
-            lengths, self.optim.micro_batch_tokens, self._dp_group, self._collective_device
-        )
-
-    @property
-    def _collective_device(self) -> torch.device:
-        return self.device if self.device.type == "cuda" else torch.device("cpu")
-
-    def _forward_no_grad(self, batch: Batch) -> RaggedField:
-        self.model.eval()
-        pieces: dict[int, torch.Tensor] = {}
-        with torch.no_grad():
-            for micro in self._micro_batches(batch):
-                out = self._micro_forward(batch.select(micro) if micro else None)
-                if micro:
-                    for index, row in zip(micro, out.rows(), strict=True):
-                        pieces[index] = row.cpu()
-        return RaggedField.from_tensors(
-            [pieces[i] for i in range(len(batch))], dtype=torch.float32
-        )
-
-    def forward_logprobs(self, batch: Batch) -> RaggedField:
-        """Log-probs (temperature 1, float32, no grad) of every response token.
-
-        Collective over the engine's dp group: every rank calls it (with its own samples).
-        """
-        if self.options.value_head:
-            raise RuntimeError(
-                "this fsdp engine was built as a critic (value_head: true); use "
-                "forward_values, or build another fsdp engine for log-probs."
-            )
-        return self._forward_no_grad(batch)
-
-    def forward_values(self, batch: Batch) -> RaggedField:
-        """Per-response-token values (float32, no grad); needs `value_head: true`."""
-        if not self.options.value_head:
-            raise RuntimeError(
-                "forward_values needs an fsdp engine built with `trainer.fsdp.value_head: "
-                "true` (the critic role)."
-            )
-        return self._forward_no_grad(batch)
-
-    # -- training -------------------------------------------------------------------------
-
-    def _global_counts(self, batch: Batch) -> tuple[int, int]:
-        counts = torch.tensor(
-            [int(batch.lengths("response_ids").sum()) if len(batch) else 0, len(batch)],
-            dtype=torch.int64,
-            device=self._collective_device,
-        )
-        if self._dp_group is not None:
-            dist.all_reduce(counts, group=self._dp_group)
-        return int(counts[0]), int(counts[1])
-
-    def _set_grad_sync(self, enabled: bool) -> None:
         if self.distributed:
-            self.model.set_requires_gradient_sync(enabled)
+            self.model.set_requires_gradient_sync(micro.last)
+        ids = micro.inputs.input_ids.to(self.device)
+        mask = micro.inputs.attention_mask.to(self.device)
+        with self._autocast():
+            if self.options.value_head:
+                return self.model(input_ids=ids, attention_mask=mask)
+            return self.model(input_ids=ids, attention_mask=mask, use_cache=False).logits
 
-    def train_step(self, batch: Batch, loss: LossFunction) -> dict[str, float]:
-        """Runs `optim.mini_batches` AdamW steps on this dp-rank's samples.
+    def backward_micro(self, loss: torch.Tensor, micro: MicroBatch) -> None:
+        """Backward of `loss` times the dp size.
 
-        Collective over the engine group. Each mini-batch is a contiguous slice of the
-        batch; its micro-batches' gradients are summed (the loss normalises by the global
-        counts it is given) and summed across dp-ranks, then clipped by the global norm.
-
-        Returns:
-            The loss's own metrics averaged over this rank's micro-batches, plus `loss`
-            (the summed mini-batch loss, averaged over mini-batches), `grad_norm`
-            (pre-clip, global) and `lr`.
+        FSDP averages gradients over dp; the loss is already globally normalised, so the
+        scale turns the average into the sum.
         """
-        self.model.train()
-        minis = [c.tolist() for c in torch.arange(len(batch)).tensor_split(self.optim.mini_batches)]
-        sums: dict[str, float] = {}
-        counts: dict[str, int] = {}
-        totals = {"loss": 0.0, "grad_norm": 0.0}
-        for mini in minis:
-            sub = batch.select(mini)
-            global_tokens, global_samples = self._global_counts(sub)
-            micros = self._micro_batches(sub)
-            self.optimizer.zero_grad(set_to_none=True)
-            mini_loss = 0.0
-            for k, micro in enumerate(micros):
-                self._set_grad_sync(k == len(micros) - 1)
-                if not micro:
-                    self._micro_forward(None).backward()
-                    continue
-                part = self._on_device(sub.select(micro))
-                out = self._micro_forward(part)
-                value, metrics = loss(
-                    out, part, global_tokens=global_tokens, global_samples=global_samples
-                )
-                # FSDP averages gradients over dp; the loss is already globally normalised,
-                # so scale by the dp size to obtain the sum.
-                (value * self._dp_size).backward()
-                mini_loss += float(value.detach())
-                for key, v in metrics.items():
-                    sums[key] = sums.get(key, 0.0) + float(v)
-                    counts[key] = counts.get(key, 0) + 1
-            totals["grad_norm"] += clip_grad_norm(self.model.parameters(), self.optim.grad_clip)
-            self.optimizer.step()
-            totals["loss"] += self._dp_sum(mini_loss)
-        self.version += 1
-        out_metrics = {key: sums[key] / counts[key] for key in sums}
-        out_metrics.update({k: v / len(minis) for k, v in totals.items()})
-        out_metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
-        return out_metrics
+        dp = dist.get_world_size(self.dp_group) if self.dp_group is not None else 1
+        (loss * dp).backward()
 
-    def _on_device(self, batch: Batch) -> Batch:
-        """The micro-batch with its tensor fields on the engine's device (for the loss)."""
-        if self.device.type == "cpu":
-            return batch
-        fields: dict[str, Any] = {}
-        for name, column in batch.fields.items():
-            if isinstance(column, RaggedField):
-                fields[name] = RaggedField(values=column.values.to(self.device),
-                                           offsets=column.offsets.to(self.device))
-            elif isinstance(column, torch.Tensor):
-                fields[name] = column.to(self.device)
-            else:
-                fields[name] = column
-        return Batch(sample_id=batch.sample_id, group_id=batch.group_id,
-                     weight_version=batch.weight_version, fields=fields)
+    def zero_grad(self) -> None:
+        """Drops the previous mini-batch's gradients."""
+        self.optimizer.zero_grad(set_to_none=True)
 
-    def _dp_sum(self, value: float) -> float:
-        if self._dp_group is None:
-            return value
-        t = torch.tensor([value], dtype=torch.float64, device=self._collective_device)
-        dist.all_reduce(t, group=self._dp_group)
-        return float(t.item())
+    def optimizer_step(self) -> float:
+        """Global-norm clip (DTensor-aware) and one AdamW step; returns the norm."""
+        norm = clip_grad_norm(self.model.parameters(), self.optim.grad_clip)
+        self.optimizer.step()
+        return norm
+
+    def current_lr(self) -> float:
+        """AdamW's learning rate."""
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def set_training(self, mode: bool) -> None:
+        """`model.train(mode)`."""
+        self.model.train(mode)
 
     # -- weights and checkpoints ----------------------------------------------------------
 

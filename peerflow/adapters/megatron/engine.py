@@ -9,8 +9,10 @@ Megatron shards straight to rollout shards (interleaved QKV per query group, fus
 Forward and backward always go through Megatron's pipeline schedules
 (`get_forward_backward_func`): no pipelining with pp=1, 1F1B with pp>1. Micro-batches share
 one shape per mini-batch (`micro_batch_size × seq_length`, from the token budget), as the
-schedules' p2p buffers need. Log-probs come from the vocab-parallel logits with
-`vocab_parallel_cross_entropy` (the padded vocabulary rows are masked out first).
+schedules' p2p buffers need. Log-probs at the sampling temperature come from the
+vocab-parallel logits through the training toolkit (`peerflow.training.VocabShard`; the
+padded vocabulary rows are masked out first), which also owns mini-batches, global
+counts and metrics; this module supplies the forward, the schedule and the step.
 
 Gradients: Megatron's DDP wrapper reduces them over dp (summed: the PeerFlow loss is
 already normalised by the global token count, `calculate_per_token_loss=True`) and
@@ -29,8 +31,6 @@ from typing import Any
 
 import torch
 
-from peerflow.adapters.deepspeed import microbatch as mb
-from peerflow.adapters.deepspeed.loading import SafetensorsReader
 from peerflow.adapters.megatron import checkpoint as ckpt
 from peerflow.adapters.megatron.cpu import (
     enable_cpu_redirects,
@@ -47,16 +47,24 @@ from peerflow.adapters.megatron.model import (
 from peerflow.adapters.megatron.optim import build_optimizer, clip_and_step
 from peerflow.adapters.megatron.options import MegatronOptions
 from peerflow.adapters.megatron.weights import covered_names, import_hf_weights
-from peerflow.batch import Batch, RaggedField
+from peerflow.batch import Batch
 from peerflow.capabilities import Capabilities
-from peerflow.engines import EngineContext, LossFunction, OptimSettings, TrainEngine
+from peerflow.engines import EngineContext, OptimSettings
 from peerflow.engines.train import yield_tensors
 from peerflow.errors import ConfigError, ShardError
+from peerflow.models.safetensors_reader import SafetensorsReader
 from peerflow.shard import ShardSpec
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-#: Logit given to padded vocabulary rows: exp() underflows to 0 without inf arithmetic.
-_MASKED_LOGIT = -1e30
+from peerflow.training import (
+    CausalLMTrainEngine,
+    MicroBatch,
+    Objective,
+    PaddedInputs,
+    VocabShard,
+    fixed_shape_micro_batches,
+    pad_inputs,
+    pad_to_shape,
+    torch_dtype,
+)
 
 
 def _ensure_distributed(context: EngineContext) -> None:
@@ -79,7 +87,38 @@ def _import_megatron() -> None:
     import megatron.core.tensor_parallel  # noqa: F401
 
 
-class MegatronTrainEngine(TrainEngine):
+def _init_parallel_state(context: EngineContext) -> Any:
+    """Megatron's parallel state for `context.layout` (CPU redirects first, on CPU).
+
+    Returns:
+        `megatron.core.parallel_state`, initialised and seeded.
+
+    Raises:
+        ConfigError: This process already runs Megatron with another tp/pp.
+    """
+    layout = context.layout
+    _import_megatron()
+    if needs_cpu_redirects(context.device):
+        enable_cpu_redirects()
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    if ps.model_parallel_is_initialized():
+        current = (ps.get_tensor_model_parallel_world_size(),
+                   ps.get_pipeline_model_parallel_world_size())
+        if current != (layout.tp, layout.pp):
+            raise ConfigError(
+                f"Megatron's parallel state is already initialised with another tp/pp than "
+                f"{layout.describe()}; one process hosts one Megatron layout."
+            )
+    else:
+        ps.initialize_model_parallel(tensor_model_parallel_size=layout.tp,
+                                     pipeline_model_parallel_size=layout.pp)
+    model_parallel_cuda_manual_seed(context.seed)
+    return ps
+
+
+class MegatronTrainEngine(CausalLMTrainEngine):
     """Train engine backed by Megatron-core `GPTModel` (TP, PP, DP from the layout)."""
 
     name = "megatron"
@@ -116,35 +155,14 @@ class MegatronTrainEngine(TrainEngine):
                 f"{dist.get_world_size()} processes (Megatron's parallel state is global); "
                 "make dp*tp*pp equal the world size."
             )
-        _import_megatron()
-        if needs_cpu_redirects(context.device):
-            enable_cpu_redirects()
-        from megatron.core import parallel_state as ps
-        from megatron.core.distributed import (
-            DistributedDataParallel,
-            DistributedDataParallelConfig,
-        )
-        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-        if ps.model_parallel_is_initialized():
-            current = (ps.get_tensor_model_parallel_world_size(),
-                       ps.get_pipeline_model_parallel_world_size())
-            if current != (layout.tp, layout.pp):
-                raise ConfigError(
-                    f"Megatron's parallel state is already initialised with another tp/pp than "
-                    f"{layout.describe()}; one process hosts one Megatron layout."
-                )
-        else:
-            ps.initialize_model_parallel(tensor_model_parallel_size=layout.tp,
-                                         pipeline_model_parallel_size=layout.pp)
-        model_parallel_cuda_manual_seed(context.seed)
+        ps = _init_parallel_state(context)
         self.ps = ps
         self.tp_rank = ps.get_tensor_model_parallel_rank()
         self.pp_rank = ps.get_pipeline_model_parallel_rank()
         self.dp_rank = ps.get_data_parallel_rank()
         self.dp_group = ps.get_data_parallel_group()
         self.device = torch.device(context.device)
-        dtype = torch.bfloat16 if optim.bf16 else _DTYPES[context.dtype]
+        dtype = torch.bfloat16 if optim.bf16 else torch_dtype(context.dtype)
         self.dtype = dtype
 
         self.hf_config = AutoConfig.from_pretrained(context.model_path)
@@ -154,11 +172,11 @@ class MegatronTrainEngine(TrainEngine):
         self.config = transformer_config(self.hf_config, tp=layout.tp, pp=layout.pp,
                                          dtype=dtype, on_cpu=not on_gpu)
         self.is_first = ps.is_pipeline_first_stage()
-        self.is_last = ps.is_pipeline_last_stage()
+        self.is_last_stage = ps.is_pipeline_last_stage()
         with tensor_cuda_is_identity(needs_cpu_redirects(context.device)):
             model = build_gpt_model(self.hf_config, self.config, tp=layout.tp,
                                     vocab_multiple=options.vocab_multiple,
-                                    pre_process=self.is_first, post_process=self.is_last)
+                                    pre_process=self.is_first, post_process=self.is_last_stage)
         model.to(self.device)
         self._specs = self._layout_specs()
         params = dict(model.named_parameters())
@@ -170,6 +188,11 @@ class MegatronTrainEngine(TrainEngine):
             )
         import_hf_weights(params, self._specs, SafetensorsReader(context.model_path))
         self.module = model
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+        )
+
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=options.grad_reduce_in_fp32,
             overlap_grad_reduce=options.overlap_grad_reduce and on_gpu,
@@ -181,9 +204,9 @@ class MegatronTrainEngine(TrainEngine):
         self.config.finalize_model_grads_func = _finalize_without_token_scaling
         self.optimizer = build_optimizer(self.model, self.module, optim, dtype=dtype,
                                          distributed=options.use_distributed_optimizer)
-        self.vocab_local = model.output_layer.weight.shape[0] if self.is_last and \
+        self.vocab_local = model.output_layer.weight.shape[0] if self.is_last_stage and \
             model.output_layer.weight is not None else None
-        if self.is_last and self.vocab_local is None:
+        if self.is_last_stage and self.vocab_local is None:
             self.vocab_local = model.shared_embedding_or_output_weight().shape[0]
 
     # ------------------------------------------------------------------ setup
@@ -201,66 +224,53 @@ class MegatronTrainEngine(TrainEngine):
             )
         return specs
 
-    # ---------------------------------------------------------------- batches
-    def _micro_batches(self, batch: Batch) -> tuple[list[tuple[mb.PaddedInputs, Batch]], int]:
-        """Splits `batch` into micro-batches of one shape `[B, L]`; returns them and `L`."""
-        lengths = mb.sequence_tokens(batch) if len(batch) else [1]
-        seq = max(lengths)
-        size = max(1, self.optim.micro_batch_tokens // seq)
-        order = list(range(len(batch)))
-        chunks = [order[i:i + size] for i in range(0, len(order), size)] or [[]]
-        out = []
-        for indices in chunks:
-            part = batch.select(indices)
-            out.append((mb.pad_to_shape(mb.pad_inputs(part), size, seq), part))
-        return out, seq
+    # ------------------------------------------------- what the toolkit needs
+    def vocab_shard(self) -> VocabShard:
+        """This tp rank's slice of the vocab-parallel output layer (padded rows masked)."""
+        return VocabShard(group=self.ps.get_tensor_model_parallel_group(),
+                          start=self.tp_rank * self.vocab_local,
+                          vocab_size=self.shape.vocab_size)
 
-    def _logprobs(self, logits: torch.Tensor, inputs: mb.PaddedInputs) -> torch.Tensor:
-        """`[B, L]` log-probs of the next tokens from vocab-parallel `[B, L, V/tp]` logits."""
-        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+    def plan_micro_batches(self, batch: Batch) -> list[MicroBatch]:
+        """Micro-batches of one shape `[rows, width]`, as the schedules' p2p buffers need."""
+        lengths = batch.token_count().tolist() if len(batch) else []
+        plan, (rows, width) = fixed_shape_micro_batches(lengths, self.optim.micro_batch_tokens)
 
-        logits = logits.float()
-        start = self.tp_rank * logits.shape[-1]
-        padded = torch.arange(start, start + logits.shape[-1]) >= self.shape.vocab_size
-        if bool(padded.any()):
-            logits = logits.masked_fill(padded.to(logits.device), _MASKED_LOGIT)
-        targets = inputs.target_ids.to(logits.device)
-        return -vocab_parallel_cross_entropy(logits.contiguous(), targets)
+        def layout(part: Batch) -> PaddedInputs:
+            return pad_to_shape(pad_inputs(part), rows, width)
 
-    def _run(self, micro: list[tuple[mb.PaddedInputs, Batch]], seq: int, *, forward_only: bool,
-             loss_of: Any) -> list[Any]:
-        """Runs Megatron's schedule over `micro`; returns `loss_of`'s outputs (last stage)."""
+        return [self.build_micro_batch(batch, indices, k == len(plan) - 1, layout)
+                for k, indices in enumerate(plan)]
+
+    def forward_micro(self, micro: MicroBatch) -> torch.Tensor:
+        """This stage's output: vocab-parallel logits `[B, L, V / tp]` on the last stage."""
+        width = micro.inputs.input_ids.shape[1]
+        causal = torch.triu(torch.ones(width, width, dtype=torch.bool), 1)[None, None]
+        return self.model(micro.inputs.input_ids.to(self.device),
+                          micro.inputs.position_ids.to(self.device), causal.to(self.device))
+
+    def run_micro_batches(self, micros: Sequence[MicroBatch], objective: Objective) -> None:
+        """Megatron's schedule (1F1B with pp > 1) over `micros`; backward unless no-grad.
+
+        The objective runs on the last stage, inside the schedule's loss function.
+        """
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        results: list[Any] = []
-        mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool), 1)[None, None].to(self.device)
-
         def forward_step(data_iterator: Iterator, model: Any) -> tuple[torch.Tensor, Any]:
-            inputs, part = next(data_iterator)
-            output = model(inputs.input_ids.to(self.device), inputs.position_ids.to(self.device),
-                           mask)
-            return output, partial(loss_step, inputs, part)
+            micro = next(data_iterator)
+            return self.forward_micro(micro), partial(loss_step, micro)
 
-        def loss_step(inputs: mb.PaddedInputs, part: Batch,
-                      output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
-            logprobs = self._logprobs(output, inputs)
-            ragged = inputs.gather(logprobs)
-            ragged = RaggedField(values=ragged.values, offsets=ragged.offsets[:len(part) + 1])
-            value, extra = loss_of(ragged, mb.batch_to(part, self.device), logprobs)
-            results.append(extra)
-            tokens = torch.tensor(int(ragged.lengths.sum()), dtype=torch.int)
-            return value, tokens, {}
+        def loss_step(micro: MicroBatch, output: torch.Tensor) -> tuple[Any, Any, dict]:
+            tokens = torch.tensor(int(micro.inputs.response_lengths.sum()), dtype=torch.int)
+            return objective(micro, output), tokens, {}
 
-        schedule = get_forward_backward_func()
-        context = torch.no_grad() if forward_only else contextlib.nullcontext()
-        with context:
-            schedule(forward_step_func=forward_step, data_iterator=iter(micro),
-                     model=[self.model], num_microbatches=len(micro), seq_length=seq,
-                     micro_batch_size=micro[0][0].input_ids.shape[0],
-                     forward_only=forward_only)
-        return results
+        rows, width = micros[0].inputs.input_ids.shape
+        get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(micros), model=[self.model],
+            num_microbatches=len(micros), seq_length=width, micro_batch_size=rows,
+            forward_only=not torch.is_grad_enabled())
 
-    def _from_last_stage(self, value: Any) -> Any:
+    def share_from_last_stage(self, value: object) -> object:
         """Broadcasts a Python object from the last pipeline stage to the other stages."""
         import torch.distributed as dist
 
@@ -271,59 +281,21 @@ class MegatronTrainEngine(TrainEngine):
                                    group=self.ps.get_pipeline_model_parallel_group())
         return box[0]
 
+    def zero_grad(self) -> None:
+        """Clears Megatron's gradient buffers and the optimiser's gradients."""
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+    def optimizer_step(self) -> float:
+        """Clip over the model-parallel group and step (see `optim.py`)."""
+        return clip_and_step(self.optimizer, self.module, self.optim.grad_clip,
+                             tp_rank=self.tp_rank, group=self.ps.get_model_parallel_group())
+
+    def set_training(self, mode: bool) -> None:
+        """`model.train(mode)`."""
+        self.model.train(mode)
+
     # --------------------------------------------------------------- contract
-    def forward_logprobs(self, batch: Batch) -> RaggedField:
-        """Returns per-response-token log-probs (float32, no grad) on every rank."""
-        self.model.eval()
-        micro, seq = self._micro_batches(batch)
-        parts = self._run(micro, seq, forward_only=True,
-                          loss_of=lambda ragged, part, lp: (lp.sum() * 0.0, ragged))
-        result = None
-        if self.is_last:
-            parts = [p for p, (_, b) in zip(parts, micro) if len(b)]
-            result = (RaggedField(
-                values=torch.cat([p.values.detach().cpu() for p in parts]),
-                offsets=torch.nn.functional.pad(
-                    torch.cumsum(torch.cat([p.lengths.cpu() for p in parts]), 0), (1, 0)),
-            ) if parts else mb.empty_like_logprobs(batch))
-        return self._from_last_stage(result)
-
-    def train_step(self, batch: Batch, loss: LossFunction) -> dict[str, float]:
-        """Runs `optim.mini_batches` optimiser steps on this dp-rank's samples."""
-        self.model.train()
-        collected: list[dict[str, float]] = []
-        norms: list[float] = []
-        for indices in mb.split_even(list(range(len(batch))), self.optim.mini_batches):
-            mini = batch.select(indices)
-            tokens, samples = mb.global_counts(mini, self.dp_group)
-            micro, seq = self._micro_batches(mini)
-
-            def loss_of(ragged: RaggedField, part: Batch, logprobs: torch.Tensor,
-                        tokens: int = tokens, samples: int = samples) -> tuple[torch.Tensor, dict]:
-                if len(part) == 0:
-                    return logprobs.sum() * 0.0, {}
-                value, metrics = loss(ragged, part, global_tokens=max(tokens, 1),
-                                      global_samples=max(samples, 1))
-                return value, {k: float(v) for k, v in metrics.items()}
-
-            self.model.zero_grad_buffer()
-            self.optimizer.zero_grad()
-            collected += [m for m in self._run(micro, seq, forward_only=False, loss_of=loss_of)
-                          if m]
-            norms.append(clip_and_step(self.optimizer, self.module, self.optim.grad_clip,
-                                       tp_rank=self.tp_rank,
-                                       group=self.ps.get_model_parallel_group()))
-        self.version += 1
-        metrics: dict[str, float] = {}
-        if self.is_last:
-            for key in {k for m in collected for k in m}:
-                values = [m[key] for m in collected if key in m]
-                metrics[key] = sum(values) / len(values)
-        metrics = dict(self._from_last_stage(metrics))
-        metrics["grad_norm"] = sum(norms) / len(norms)
-        metrics["lr"] = float(self.optim.lr)
-        return metrics
-
     def weight_sources(self) -> list[ShardSpec]:
         """This rank's Megatron tensors as pieces of HF tensors (see `megatron_layout`)."""
         return list(self._specs)

@@ -12,8 +12,8 @@ from collections.abc import Sequence
 
 import torch
 
-from peerflow.adapters.deepspeed.loading import SafetensorsReader
 from peerflow.errors import ShardError
+from peerflow.models.safetensors_reader import SafetensorsReader
 from peerflow.shard import ShardSpec
 
 

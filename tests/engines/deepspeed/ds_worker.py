@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from tests.engines.deepspeed.trainlib import (
+    TEMPERATURE,
     dp_slice,
     full_batch,
     nll_loss,
@@ -49,7 +50,8 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     batch = dp_slice(full_batch(), rank, world)
-    context = EngineContext(model_path=model_path, layout=ParallelLayout(dp=world), rank=rank)
+    context = EngineContext(model_path=model_path, layout=ParallelLayout(dp=world), rank=rank,
+                            temperature=TEMPERATURE)
     results: dict = {}
     for stage in (1, 2, 3):
         engine = DeepSpeedTrainEngine(context, DeepSpeedOptions(zero_stage=stage),

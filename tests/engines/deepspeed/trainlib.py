@@ -19,6 +19,8 @@ import torch
 #: float noise of near-zero gradients (see tests/engines/fsdp).
 OPTIM = {"lr": 0.01, "eps": 1e-3, "grad_clip": 0.0, "micro_batch_tokens": 24}
 SAMPLES = 8
+#: Sampling temperature the engines score at (not 1, so a missing division shows).
+TEMPERATURE = 0.7
 ROOT = Path(__file__).resolve().parents[3]
 
 
@@ -97,18 +99,22 @@ def nll_loss(logprobs, batch, *, global_tokens, global_samples):
 
 
 def reference(model_path: str) -> dict:
-    """Log-probs, gradient norm and post-step HF state of one plain AdamW step."""
+    """Log-probs at `TEMPERATURE`, loss, entropy, gradient norm and post-step HF state of one
+    AdamW step."""
     from transformers import AutoModelForCausalLM
 
-    from peerflow.adapters.deepspeed import microbatch as mb
+    from peerflow.training import pad_inputs
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     batch = full_batch()
-    inputs = mb.pad_inputs(batch)
+    inputs = pad_inputs(batch)
     out = model(input_ids=inputs.input_ids, attention_mask=inputs.attention_mask,
                 position_ids=inputs.position_ids)
-    logprobs = inputs.gather(mb.token_logprobs(out.logits, inputs.target_ids))
+    # log_softmax(logits / T)[target], written out here rather than through the toolkit
+    log_pi = torch.log_softmax(out.logits / TEMPERATURE, -1)
+    logprobs = inputs.gather(log_pi.gather(-1, inputs.target_ids[..., None])[..., 0])
+    entropy = inputs.gather(-(log_pi.exp() * log_pi).sum(-1)).values.mean()
     loss = -logprobs.values.sum() / len(logprobs.values)
     loss.backward()
     norm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in model.parameters()))
@@ -118,7 +124,8 @@ def reference(model_path: str) -> dict:
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     if "lm_head.weight" in state and model.config.tie_word_embeddings:
         del state["lm_head.weight"]
-    return {"logprobs": logprobs.values.detach(), "grad_norm": float(norm), "state": state}
+    return {"logprobs": logprobs.values.detach(), "grad_norm": float(norm), "state": state,
+            "loss": float(loss.detach()), "entropy": float(entropy.detach())}
 
 
 def free_port() -> int:

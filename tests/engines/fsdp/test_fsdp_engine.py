@@ -41,7 +41,7 @@ def test_registered_through_the_plugin_hooks(plugin_manager):
 
 
 def test_packing_respects_the_budget_and_balances():
-    from peerflow.adapters.fsdp.packing import pack_by_tokens, split_to_count
+    from peerflow.training import pack_by_tokens, split_to_count
 
     lengths = [5, 30, 12, 12, 7, 40, 3, 9]
     bins = pack_by_tokens(lengths, budget=40)

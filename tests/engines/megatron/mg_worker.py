@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from tests.engines.deepspeed.trainlib import (
+    TEMPERATURE,
     dp_slice,
     full_batch,
     nll_loss,
@@ -41,7 +42,7 @@ def fsdp_logprobs(model_path: str, batch, rank: int, world: int) -> torch.Tensor
     from peerflow.layout import ParallelLayout
 
     context = EngineContext(model_path=model_path, layout=ParallelLayout(dp=world), rank=rank,
-                            process_group=dist.group.WORLD)
+                            process_group=dist.group.WORLD, temperature=TEMPERATURE)
     engine = FSDPTrainEngine(context, FSDPTrainEngine.options_class(), optim_settings())
     values = engine.forward_logprobs(batch).values
     engine.shutdown()
@@ -62,7 +63,8 @@ def main() -> None:
     for name, _family, model_path, tp, pp in cases:
         layout = ParallelLayout(dp=world // (tp * pp), tp=tp, pp=pp)
         batch = dp_slice(full_batch(), layout.dp_rank(rank), layout.dp)
-        context = EngineContext(model_path=model_path, layout=layout, rank=rank)
+        context = EngineContext(model_path=model_path, layout=layout, rank=rank,
+                                temperature=TEMPERATURE)
         engine = MegatronTrainEngine(context, None, optim_settings())
         result = {"logprobs": engine.forward_logprobs(batch).values, "dp": layout.dp}
         result["metrics"] = engine.train_step(batch, nll_loss)

@@ -122,7 +122,10 @@ def test_step_and_exported_shards_match_reference(ranks, refs, name):
     ref = refs[family]
     covered = {n: torch.zeros(t.shape, dtype=torch.int64) for n, t in ref["state"].items()}
     for rank in ranks:
-        assert rank[name]["metrics"]["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4)
+        metrics = rank[name]["metrics"]
+        assert metrics["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4)
+        assert metrics["loss"] == pytest.approx(ref["loss"], rel=1e-5)
+        assert metrics["entropy"] == pytest.approx(ref["entropy"], rel=1e-5)
         for spec, tensor in rank[name]["exported"]:
             assert tuple(tensor.shape) == spec.local_shape
             for box in spec.padding:

@@ -1,0 +1,243 @@
+"""`CausalLMTrainEngine`: the `TrainEngine` contract written once on top of the toolkit.
+
+A train adapter subclasses it and supplies only what its framework does differently:
+
+* `forward_micro(micro)` — the model's output for one padded micro-batch: logits
+  `[B, L, V]` (or the local vocabulary slice `[B, L, V / tp]`, see `vocab_shard`), or
+  values `[B, L]` for a critic (`produces_values`);
+* `backward_micro(loss, micro)` — backward of one micro-batch's loss (scaled to the
+  framework's gradient reduction; `micro.last` marks the gradient-sync boundary);
+* `optimizer_step()` — clip, step, and return the global gradient norm before clipping;
+* `set_training(mode)`, and `zero_grad()` when stepping leaves gradients behind.
+
+Everything else is here, once: the PPO mini-batch split, token-balanced micro-batches
+with the same count on every dp-rank, global token and sample counts for the loss,
+device moves, log-probs and entropy at the sampling temperature (`EngineContext.
+temperature`), re-assembling per-sample outputs in batch order, and the step's metrics
+under the same names for every engine (`metrics.py`).
+
+A framework whose schedule runs forward and backward itself (Megatron's pipeline
+schedules) overrides `run_micro_batches` (and `plan_micro_batches` for fixed shapes,
+`share_from_last_stage`, `is_last_stage`); the objective it calls per micro-batch stays
+the toolkit's.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable, Sequence
+from functools import partial
+
+import attrs
+import torch
+
+from peerflow.batch import Batch, RaggedField
+from peerflow.engines.train import LossFunction, TrainEngine
+from peerflow.training.collectives import batch_to, collective_device, global_counts
+from peerflow.training.inputs import PaddedInputs, assemble_rows, pad_inputs
+from peerflow.training.logprobs import VocabShard, token_entropy, token_logprobs
+from peerflow.training.metrics import StepTally
+from peerflow.training.microbatch import plan_micro_batches, split_mini_batches
+
+
+@attrs.frozen(kw_only=True)
+class MicroBatch:
+    """One forward (and backward) pass of a train engine."""
+
+    indices: list[int]
+    """Positions of its samples in the batch being processed; empty for a filler pass
+    that only keeps collectives in step with ranks that have more micro-batches."""
+    batch: Batch
+    """Those samples."""
+    inputs: PaddedInputs
+    """Their padded model inputs (one filler row for a filler pass)."""
+    last: bool
+    """Whether it is the last micro-batch of its mini-batch (gradient-sync boundary)."""
+
+
+#: `objective(micro, output) -> loss`: what the toolkit does with one micro-batch's output.
+Objective = Callable[[MicroBatch, torch.Tensor], torch.Tensor]
+
+
+class CausalLMTrainEngine(TrainEngine, abc.ABC):
+    """A train engine for causal LMs whose contract methods are the toolkit's.
+
+    Subclasses set `self.device` and `self.dp_group` (the data-parallel group, `None` for
+    one rank) in `__init__`.
+    """
+
+    device: torch.device
+    dp_group: object | None = None
+    produces_values: bool = False
+    """The engine is a critic: `forward_micro` returns values `[B, L]`, not logits."""
+    is_last_stage: bool = True
+    """This rank computes the model's output (the last pipeline stage)."""
+
+    # -- what adapters supply --------------------------------------------------------------
+
+    @abc.abstractmethod
+    def forward_micro(self, micro: MicroBatch) -> torch.Tensor:
+        """The model's output for `micro.inputs` (logits `[B, L, V]` or values `[B, L]`)."""
+
+    def backward_micro(self, loss: torch.Tensor, micro: MicroBatch) -> None:
+        """Backward of one micro-batch's loss; plain autograd by default.
+
+        Losses are normalised by the global token count, so gradients must be *summed*
+        over micro-batches and dp-ranks: a framework that averages over dp scales here.
+        """
+        loss.backward()
+
+    @abc.abstractmethod
+    def optimizer_step(self) -> float:
+        """Clips, steps, and returns the global gradient norm before clipping."""
+
+    @abc.abstractmethod
+    def set_training(self, mode: bool) -> None:
+        """Puts the model in training (`True`) or evaluation mode."""
+
+    def zero_grad(self) -> None:
+        """Clears gradients before a mini-batch (nothing when stepping clears them)."""
+
+    def current_lr(self) -> float:
+        """The learning rate of the last optimiser step."""
+        return float(self.optim.lr)
+
+    def vocab_shard(self) -> VocabShard | None:
+        """This rank's slice of a vocab-parallel output layer; `None` for full logits."""
+        return None
+
+    # -- hooks with defaults ---------------------------------------------------------------
+
+    @property
+    def temperature(self) -> float:
+        """The sampling temperature log-probs are computed at (`EngineContext`)."""
+        return self.context.temperature
+
+    @property
+    def reduce_device(self) -> torch.device:
+        """Where dp-group reductions run (the GPU under NCCL, else the CPU)."""
+        return collective_device(self.device)
+
+    def plan_micro_batches(self, batch: Batch) -> list[MicroBatch]:
+        """Token-balanced micro-batches, as many as on every dp-rank (collective)."""
+        lengths = batch.token_count().tolist() if len(batch) else []
+        plan = plan_micro_batches(lengths, self.optim.micro_batch_tokens, self.dp_group,
+                                  self.reduce_device)
+        return [self.build_micro_batch(batch, indices, k == len(plan) - 1, pad_inputs)
+                for k, indices in enumerate(plan)]
+
+    @staticmethod
+    def build_micro_batch(batch: Batch, indices: list[int], last: bool,
+                          layout: Callable[[Batch], PaddedInputs]) -> MicroBatch:
+        """The micro-batch of `batch[indices]`, its inputs laid out by `layout`."""
+        part = batch.select(indices)
+        return MicroBatch(indices=indices, batch=part, inputs=layout(part), last=last)
+
+    def run_micro_batches(self, micros: Sequence[MicroBatch], objective: Objective) -> None:
+        """Forward (and, with grad enabled, backward) of every micro-batch in order."""
+        for micro in micros:
+            loss = objective(micro, self.forward_micro(micro))
+            if torch.is_grad_enabled():
+                self.backward_micro(loss, micro)
+
+    def share_from_last_stage(self, value: object) -> object:
+        """`value` from the last pipeline stage on every rank (identity without pp)."""
+        return value
+
+    # -- the toolkit ------------------------------------------------------------------------
+
+    def score(self, output: torch.Tensor, micro: MicroBatch, *,
+              entropy_grad: bool = False) -> tuple[RaggedField, RaggedField | None]:
+        """Per-response-token log-probs (or values) and entropies of one micro-batch.
+
+        Log-probs and entropy are those of `softmax(logits / temperature)`; entropy
+        carries gradient only with `entropy_grad` (a loss with an entropy term).
+        """
+        mask = micro.inputs.response_mask().to(output.device)
+        lengths = micro.inputs.response_lengths[: len(micro.indices)]
+        offsets = torch.nn.functional.pad(torch.cumsum(lengths, 0), (1, 0)).to(output.device)
+        picked = output[mask]  # [tokens, V] logits, or [tokens] values
+        if self.produces_values:
+            return RaggedField(values=picked.float(), offsets=offsets), None
+        shard = self.vocab_shard()
+        if entropy_grad and shard is not None:
+            raise NotImplementedError(
+                f"{type(self).__name__}: an entropy term in the loss needs full-vocabulary "
+                "logits; with a vocab-parallel output layer entropy is a metric only."
+            )
+        targets = micro.inputs.target_ids.to(output.device)[mask]
+        logprobs = token_logprobs(picked, targets, temperature=self.temperature, shard=shard)
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            entropy = token_entropy(picked, temperature=self.temperature, shard=shard)
+        return (RaggedField(values=logprobs, offsets=offsets),
+                RaggedField(values=entropy, offsets=offsets))
+
+    def _forward_no_grad(self, batch: Batch) -> RaggedField:
+        self.set_training(False)
+        rows: dict[int, torch.Tensor] = {}
+
+        def collect(micro: MicroBatch, output: torch.Tensor) -> torch.Tensor:
+            if micro.indices:
+                values, _ = self.score(output, micro)
+                rows.update(zip(micro.indices, values.rows(), strict=True))
+            return output.float().sum() * 0.0
+
+        with torch.no_grad():
+            self.run_micro_batches(self.plan_micro_batches(batch), collect)
+        result = assemble_rows(len(batch), rows) if self.is_last_stage else None
+        return self.share_from_last_stage(result)
+
+    def forward_logprobs(self, batch: Batch) -> RaggedField:
+        """Log-probs at the sampling temperature (float32, no grad) of response tokens.
+
+        Collective over the engine's group: every rank calls it (with its own samples).
+        """
+        if self.produces_values:
+            raise RuntimeError(
+                f"this {self.name} engine was built as a critic (value head); use "
+                "forward_values, or build another engine for log-probs."
+            )
+        return self._forward_no_grad(batch)
+
+    def forward_values(self, batch: Batch) -> RaggedField:
+        """Per-response-token values (float32, no grad) of a critic."""
+        if not self.produces_values:
+            raise RuntimeError(
+                f"forward_values needs a {self.name} engine built as a critic "
+                f"(`trainer.{self.name}.value_head: true`)."
+            )
+        return self._forward_no_grad(batch)
+
+    def train_step(self, batch: Batch, loss: LossFunction) -> dict[str, float]:
+        """Runs `optim.mini_batches` optimiser steps on this dp-rank's samples.
+
+        Collective over the engine group. Each mini-batch is a contiguous slice of the
+        batch; its micro-batches' gradients are summed (the loss normalises by the global
+        counts it is given) over micro-batches and dp-ranks, then clipped by the global
+        norm. Returns the metrics of `peerflow.training.metrics`.
+        """
+        self.set_training(True)
+        tally = StepTally()
+        for indices in split_mini_batches(len(batch), self.optim.mini_batches):
+            mini = batch.select(indices)
+            tokens, samples = global_counts(mini, self.dp_group, self.reduce_device)
+            self.zero_grad()
+            objective = partial(self._objective, loss, tally, max(tokens, 1), max(samples, 1))
+            self.run_micro_batches(self.plan_micro_batches(mini), objective)
+            tally.add_optimizer_step(self.optimizer_step())
+        self.version += 1
+        return tally.summary(group=self.dp_group, device=self.reduce_device,
+                             lr=self.current_lr(), share=self.share_from_last_stage)
+
+    def _objective(self, loss: LossFunction, tally: StepTally, tokens: int, samples: int,
+                   micro: MicroBatch, output: torch.Tensor) -> torch.Tensor:
+        if not micro.indices:
+            return output.float().sum() * 0.0
+        entropy_grad = bool(getattr(loss, "needs_entropy", False))
+        values, entropy = self.score(output, micro, entropy_grad=entropy_grad)
+        part = batch_to(micro.batch, self.device)
+        if entropy is not None:
+            part.set("entropy", entropy)
+        value, metrics = loss(values, part, global_tokens=tokens, global_samples=samples)
+        tally.add_micro_batch(value, metrics, None if entropy is None else entropy.values)
+        return value

@@ -1,0 +1,112 @@
+"""Causal-LM inputs of a micro-batch: prompt + response, right-padded.
+
+The log-prob (or value) of response token `j` of a sample is read at position
+`len(prompt) + j - 1`, the position that predicts it; `PaddedInputs.response_mask` marks
+those positions and `PaddedInputs.gather` packs per-position values there into a ragged
+field aligned with `response_ids`.
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+
+from peerflow.batch import Batch, RaggedField
+
+
+def _offsets(lengths: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.pad(torch.cumsum(lengths, 0), (1, 0))
+
+
+@attrs.frozen(kw_only=True)
+class PaddedInputs:
+    """One micro-batch laid out for a causal-LM forward."""
+
+    input_ids: torch.Tensor  # [B, L] int64, right-padded with 0
+    attention_mask: torch.Tensor  # [B, L] int64, 1 on real tokens
+    position_ids: torch.Tensor  # [B, L] int64
+    prompt_lengths: torch.Tensor  # [B]
+    response_lengths: torch.Tensor  # [B]
+
+    @property
+    def target_ids(self) -> torch.Tensor:  # [B, L]
+        """Token that each position predicts (the next input id; 0 past the end)."""
+        return torch.nn.functional.pad(self.input_ids[:, 1:], (0, 1))
+
+    def response_mask(self) -> torch.Tensor:  # [B, L] bool
+        """True at positions whose *prediction* is a response token."""
+        pos = torch.arange(self.input_ids.shape[1])[None, :]
+        start = (self.prompt_lengths - 1)[:, None]
+        return (pos >= start) & (pos < start + self.response_lengths[:, None])
+
+    def gather(self, per_position: torch.Tensor) -> RaggedField:
+        """Packs `[B, L, ...]` per-position values at response positions, ragged."""
+        device = per_position.device
+        return RaggedField(values=per_position[self.response_mask().to(device)],
+                           offsets=_offsets(self.response_lengths).to(device))
+
+
+def pad_inputs(batch: Batch) -> PaddedInputs:
+    """Concatenates prompt and response ids and right-pads them.
+
+    An empty batch becomes one filler row of a single token, so a forward still runs
+    (ranks with fewer samples keep collectives in step that way).
+
+    Raises:
+        ValueError: A sample has no prompt token (nothing predicts its first token).
+    """
+    if len(batch) == 0:
+        one = torch.ones(1, 1, dtype=torch.int64)
+        return PaddedInputs(input_ids=one * 0, attention_mask=one,
+                            position_ids=torch.zeros_like(one),
+                            prompt_lengths=torch.ones(1, dtype=torch.int64),
+                            response_lengths=torch.zeros(1, dtype=torch.int64))
+    prompts = batch.ragged("prompt_ids").rows()
+    responses = batch.ragged("response_ids").rows()
+    width = max(len(p) + len(r) for p, r in zip(prompts, responses, strict=True))
+    input_ids = torch.zeros(len(batch), width, dtype=torch.int64)
+    mask = torch.zeros(len(batch), width, dtype=torch.int64)
+    for row, (prompt, response) in enumerate(zip(prompts, responses, strict=True)):
+        if len(prompt) == 0:
+            raise ValueError(
+                f"sample {int(batch.sample_id[row])} has an empty prompt_ids; a causal LM "
+                "needs at least one prompt token to predict the first response token."
+            )
+        input_ids[row, : len(prompt) + len(response)] = torch.cat([prompt, response])
+        mask[row, : len(prompt) + len(response)] = 1
+    return PaddedInputs(
+        input_ids=input_ids, attention_mask=mask,
+        position_ids=torch.arange(width)[None, :].expand(len(batch), -1).contiguous(),
+        prompt_lengths=batch.lengths("prompt_ids"),
+        response_lengths=batch.lengths("response_ids"),
+    )
+
+
+def pad_to_shape(inputs: PaddedInputs, rows: int, width: int) -> PaddedInputs:
+    """Pads a micro-batch to exactly `[rows, width]` with filler rows.
+
+    Pipeline schedules exchange activations of one fixed shape per call.
+    """
+    count, current = inputs.input_ids.shape
+    pad = (0, width - current, 0, rows - count)
+    return PaddedInputs(
+        input_ids=torch.nn.functional.pad(inputs.input_ids, pad),
+        attention_mask=torch.nn.functional.pad(inputs.attention_mask, pad),
+        position_ids=torch.arange(width)[None, :].expand(rows, -1).contiguous(),
+        prompt_lengths=torch.nn.functional.pad(inputs.prompt_lengths, (0, rows - count),
+                                               value=1),
+        response_lengths=torch.nn.functional.pad(inputs.response_lengths, (0, rows - count)),
+    )
+
+
+def assemble_rows(count: int, rows: dict[int, torch.Tensor]) -> RaggedField:
+    """Packs per-sample rows, keyed by batch index `0..count-1`, into one float32 field.
+
+    Raises:
+        KeyError: A sample's row is missing (a micro-batch plan that dropped it).
+    """
+    missing = [i for i in range(count) if i not in rows]
+    if missing:
+        raise KeyError(f"no micro-batch produced samples {missing[:5]}; the plan lost them.")
+    return RaggedField.from_tensors([rows[i].detach().float().cpu() for i in range(count)],
+                                    dtype=torch.float32)

@@ -1,0 +1,75 @@
+"""The metrics every train engine reports from `train_step`, under the same names.
+
+* the loss's own metrics (`actor/pg_loss`, `kl/mean`, …), averaged over this rank's
+  micro-batches (the run's metrics writer weights ranks by their samples);
+* `loss`: the mini-batch loss (the sum of its micro-batch losses over every dp-rank),
+  averaged over mini-batches;
+* `entropy`: mean entropy of the tempered policy over every response token of the step,
+  on every dp-rank (policy engines only);
+* `grad_norm`: global gradient norm before clipping, averaged over mini-batches;
+* `lr`: the learning rate of the last optimiser step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import attrs
+import torch
+
+from peerflow.training.collectives import all_reduce_sum
+
+
+@attrs.define(eq=False)
+class StepTally:
+    """Accumulates one `train_step`'s metrics on one rank."""
+
+    _sums: dict[str, float] = attrs.field(factory=dict)
+    _counts: dict[str, int] = attrs.field(factory=dict)
+    _loss: float = 0.0
+    _entropy_sum: float = 0.0
+    _entropy_tokens: int = 0
+    _grad_norms: list[float] = attrs.field(factory=list)
+
+    def add_micro_batch(self, loss: torch.Tensor, metrics: Mapping[str, Any],
+                        entropy: torch.Tensor | None) -> None:
+        """Records one micro-batch's loss, the loss's metrics and token entropies.
+
+        `entropy` holds one value per response token (`None` for a critic).
+        """
+        self._loss += float(loss.detach())
+        for key, value in metrics.items():
+            self._sums[key] = self._sums.get(key, 0.0) + float(value)
+            self._counts[key] = self._counts.get(key, 0) + 1
+        if entropy is not None:
+            self._entropy_sum += float(entropy.detach().sum())
+            self._entropy_tokens += int(entropy.numel())
+
+    def add_optimizer_step(self, grad_norm: float) -> None:
+        """Records one mini-batch's optimiser step."""
+        self._grad_norms.append(float(grad_norm))
+
+    def summary(self, *, group: object | None, device: torch.device, lr: float,
+                share: Callable[[Any], Any] = lambda value: value) -> dict[str, float]:
+        """The step's metrics (collective over `group`, the dp group).
+
+        Args:
+            group: The data-parallel group the loss and entropy are summed over.
+            device: The device `group` reduces on.
+            lr: The learning rate of the last step.
+            share: Hands the metrics computed where the loss runs (a pipeline's last
+                stage) to every rank; identity without pipelining.
+        """
+        loss, entropy_sum, tokens = all_reduce_sum(
+            [self._loss, self._entropy_sum, self._entropy_tokens], group, device)
+        steps = max(len(self._grad_norms), 1)
+        metrics = {key: self._sums[key] / self._counts[key] for key in self._sums}
+        metrics["loss"] = loss / steps
+        if tokens:
+            metrics["entropy"] = entropy_sum / tokens
+        metrics = dict(share(metrics))
+        norms = self._grad_norms
+        metrics["grad_norm"] = sum(norms) / len(norms) if norms else float("nan")
+        metrics["lr"] = float(lr)
+        return metrics

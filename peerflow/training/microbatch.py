@@ -1,0 +1,121 @@
+"""Mini-batch splits and token-balanced micro-batches every dp-rank agrees on.
+
+A micro-batch is right-padded, so it costs `num_samples * longest_sample` tokens.
+`plan_micro_batches` sorts samples by length and fills micro-batches up to the token
+budget, keeping similar lengths together (little padding) and balancing tokens. Engines
+that run collectives inside every forward and backward (FSDP, ZeRO) need every dp-rank to
+run the same number of micro-batches: the ranks agree on the largest count, and a rank
+that needs fewer splits its costliest micro-batches (or runs empty filler passes).
+
+Pipeline schedules exchange activations of one shape per call instead;
+`fixed_shape_micro_batches` plans those.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from peerflow.training.collectives import all_reduce_max
+
+
+def pack_by_tokens(lengths: Sequence[int], budget: int) -> list[list[int]]:
+    """Packs sample indices into micro-batches of at most `budget` padded tokens.
+
+    Args:
+        lengths: Tokens of each sample (prompt + response).
+        budget: Most padded tokens (`count * longest`) per micro-batch; a sample longer
+            than the budget gets a micro-batch of its own.
+
+    Returns:
+        Lists of sample indices, longest samples first; empty for no samples.
+
+    Raises:
+        ValueError: `budget` is below 1.
+    """
+    if budget < 1:
+        raise ValueError(
+            f"micro_batch_tokens={budget}: must be at least 1; set trainer.micro_batch_tokens."
+        )
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    bins: list[list[int]] = []
+    for index in order:
+        if bins and (len(bins[-1]) + 1) * lengths[bins[-1][0]] <= budget:
+            bins[-1].append(index)
+        else:
+            bins.append([index])
+    return bins
+
+
+def split_to_count(bins: list[list[int]], lengths: Sequence[int], count: int) -> list[list[int]]:
+    """Splits the costliest micro-batches in half until there are `count` of them.
+
+    Micro-batches of one sample cannot split; empty ones pad the list up to `count`.
+    """
+    bins = [list(b) for b in bins]
+    while len(bins) < count:
+        costs = [len(b) * max((lengths[i] for i in b), default=0) if len(b) > 1 else -1
+                 for b in bins]
+        if not bins or max(costs) < 0:
+            bins.append([])
+            continue
+        k = costs.index(max(costs))
+        half = len(bins[k]) // 2
+        bins[k : k + 1] = [bins[k][:half], bins[k][half:]]
+    return bins
+
+
+def plan_micro_batches(
+    lengths: Sequence[int],
+    budget: int,
+    group: object | None = None,
+    device: torch.device | str = "cpu",
+) -> list[list[int]]:
+    """Token-balanced micro-batches, as many on this rank as on every rank of `group`.
+
+    Args:
+        lengths: Tokens (prompt + response) of each local sample.
+        budget: Padded-token budget of one micro-batch.
+        group: The data-parallel group (collective on all its ranks), or `None`.
+        device: Where the count is reduced (the group's backend device).
+
+    Returns:
+        The same number (at least one) of index lists on every rank; some may be empty.
+    """
+    bins = pack_by_tokens(lengths, budget)
+    count = all_reduce_max(max(len(bins), 1), group, device)
+    return split_to_count(bins, lengths, count)
+
+
+def fixed_shape_micro_batches(lengths: Sequence[int],
+                              budget: int) -> tuple[list[list[int]], tuple[int, int]]:
+    """Micro-batches of one shape `[rows, width]` for pipeline schedules.
+
+    Every micro-batch is padded to the longest sample (`width`) and holds `rows =
+    budget // width` samples (at least one), in the batch's order.
+
+    Returns:
+        `(index lists, (rows, width))`; one empty list for no samples.
+    """
+    if budget < 1:
+        raise ValueError(
+            f"micro_batch_tokens={budget}: must be at least 1; set trainer.micro_batch_tokens."
+        )
+    width = max(lengths, default=1)
+    rows = max(1, budget // width)
+    order = list(range(len(lengths)))
+    return [order[i : i + rows] for i in range(0, len(order), rows)] or [[]], (rows, width)
+
+
+def split_mini_batches(count: int, parts: int) -> list[list[int]]:
+    """Splits `count` samples into `parts` contiguous runs of near-equal size.
+
+    These are PPO mini-batches; a run is empty when there are fewer samples than parts.
+
+    Raises:
+        ValueError: `parts` is below 1.
+    """
+    if parts < 1:
+        raise ValueError(f"mini_batches={parts}: must be at least 1; set trainer.mini_batches.")
+    return [chunk.tolist() for chunk in torch.arange(count).tensor_split(parts)]

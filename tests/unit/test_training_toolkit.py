@@ -1,0 +1,218 @@
+"""The training toolkit: micro-batch plans, tempered log-probs and entropy (full and
+vocab-parallel), and `CausalLMTrainEngine` driving a real torch module."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from peerflow import ParallelLayout
+from peerflow.batch import Batch
+from peerflow.engines import EngineContext, OptimSettings
+from peerflow.training import (
+    CausalLMTrainEngine,
+    MicroBatch,
+    VocabShard,
+    fixed_shape_micro_batches,
+    plan_micro_batches,
+    split_mini_batches,
+    token_entropy,
+    token_logprobs,
+)
+
+VOCAB = 11
+
+
+def test_plans_cover_every_sample_once_within_the_budget():
+    lengths = [5, 30, 12, 12, 7, 40, 3, 9]
+    plan = plan_micro_batches(lengths, budget=40)
+    assert sorted(i for b in plan for i in b) == list(range(len(lengths)))
+    assert all(len(b) * max(lengths[i] for i in b) <= 40 or len(b) == 1 for b in plan)
+    fixed, (rows, width) = fixed_shape_micro_batches(lengths, budget=90)
+    assert (rows, width) == (2, 40) and [i for b in fixed for i in b] == list(range(8))
+    assert fixed_shape_micro_batches([], 10) == ([[]], (10, 1))
+    assert split_mini_batches(5, 2) == [[0, 1, 2], [3, 4]]
+    assert split_mini_batches(1, 3) == [[0], [], []]
+    with pytest.raises(ValueError, match="mini_batches=0"):
+        split_mini_batches(4, 0)
+    with pytest.raises(ValueError, match="micro_batch_tokens=0"):
+        plan_micro_batches([3], 0)
+
+
+def test_logprobs_and_entropy_are_those_of_the_tempered_softmax():
+    logits = torch.randn(6, VOCAB, dtype=torch.float64) * 3
+    targets = torch.randint(0, VOCAB, (6,))
+    for temperature in (0.6, 1.0, 1.7):
+        probs = torch.softmax(logits / temperature, -1)
+        expected = probs[torch.arange(6), targets].log()
+        got = token_logprobs(logits, targets, temperature=temperature)
+        torch.testing.assert_close(got, expected.float())
+        entropy = -(probs * probs.log()).sum(-1)
+        torch.testing.assert_close(token_entropy(logits, temperature=temperature),
+                                   entropy.float())
+    with pytest.raises(ValueError, match="temperature=0"):
+        token_logprobs(logits, targets, temperature=0)
+
+
+def test_temperature_is_validated_where_it_is_configured():
+    from peerflow.config.engines import SamplingConfig
+
+    with pytest.raises(ValueError, match="rollout.sampling.temperature=0"):
+        SamplingConfig(temperature=0.0)
+    engine = TabularEngine(EngineContext(model_path="m", layout=ParallelLayout(),
+                                         temperature=0.0), OptimSettings())
+    with pytest.raises(ValueError, match="temperature=0.0: log-probs need a positive"):
+        engine.forward_logprobs(_batch())
+
+
+def _vocab_parallel_rank(rank: int, port: int, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    torch.manual_seed(0)
+    logits = torch.randn(5, 2 * 6, dtype=torch.float64)  # 12 rows: 11 real + 1 padding
+    targets = torch.randint(0, VOCAB, (5,))
+    mine = logits[:, rank * 6:(rank + 1) * 6].clone().requires_grad_(True)
+    shard = VocabShard(group=dist.group.WORLD, start=rank * 6, vocab_size=VOCAB)
+    got = token_logprobs(mine, targets, temperature=0.7, shard=shard)
+    got.sum().backward()
+    entropy = token_entropy(mine.detach(), temperature=0.7, shard=shard)
+    # numpy arrays travel by value (torch tensors would share memory with a dead process)
+    queue.put((rank, *(t.detach().numpy() for t in (got, entropy, mine.grad))))
+    dist.destroy_process_group()
+
+
+def test_vocab_parallel_logprobs_match_full_vocabulary_values_and_gradients():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_vocab_parallel_rank, args=(r, port, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = {r: [torch.from_numpy(a) for a in rest]
+               for r, *rest in (queue.get(timeout=120) for _ in procs)}
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    torch.manual_seed(0)
+    logits = torch.randn(5, 12, dtype=torch.float64)[:, :VOCAB].requires_grad_(True)
+    targets = torch.randint(0, VOCAB, (5,))
+    full = token_logprobs(logits, targets, temperature=0.7)
+    full.sum().backward()
+    entropy = token_entropy(logits.detach(), temperature=0.7)
+    for rank in (0, 1):
+        got, got_entropy, grad = results[rank]
+        torch.testing.assert_close(got, full.detach().float())
+        torch.testing.assert_close(got_entropy, entropy.float())
+    grads = torch.cat([results[0][2], results[1][2]], dim=1)
+    torch.testing.assert_close(grads[:, :VOCAB], logits.grad, atol=1e-6, rtol=1e-5)
+    assert float(grads[:, VOCAB:].abs().max()) == 0.0  # padded row
+
+
+class TabularEngine(CausalLMTrainEngine):
+    """The toolkit over a plain torch module: logits after token `s` are `W[s]`."""
+
+    name = "tabular"
+
+    def __init__(self, context: EngineContext, optim: OptimSettings) -> None:
+        super().__init__(context, None, optim)
+        self.device = torch.device("cpu")
+        torch.manual_seed(0)
+        self.table = torch.nn.Embedding(VOCAB, VOCAB)
+        self.optimizer = torch.optim.SGD(self.table.parameters(), lr=optim.lr)
+
+    def forward_micro(self, micro: MicroBatch) -> torch.Tensor:
+        return self.table(micro.inputs.input_ids)
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def optimizer_step(self) -> float:
+        norm = torch.nn.utils.clip_grad_norm_(self.table.parameters(), float("inf"))
+        self.optimizer.step()
+        return float(norm)
+
+    def set_training(self, mode: bool) -> None:
+        self.table.train(mode)
+
+    def weight_sources(self):
+        return []
+
+    def materialize(self, specs):
+        raise NotImplementedError
+
+
+def _batch() -> Batch:
+    g = torch.Generator().manual_seed(3)
+    n = 7
+    batch = Batch(sample_id=range(n), group_id=[i // 2 for i in range(n)],
+                  weight_version=[0] * n)
+    batch.set("prompt_ids", [torch.randint(0, VOCAB, (1 + i % 3,), generator=g)
+                             for i in range(n)])
+    batch.set("response_ids", [torch.randint(0, VOCAB, (1 + (2 * i) % 5,), generator=g)
+                               for i in range(n)])
+    return batch
+
+
+def nll_with_entropy_bonus(logprobs, batch, *, global_tokens, global_samples):
+    """Token-mean NLL minus 0.1 x token-mean entropy (the entropy carries gradient)."""
+    entropy = batch["entropy"].values
+    value = (-logprobs.values.sum() - 0.1 * entropy.sum()) / global_tokens
+    return value, {"tokens": float(len(logprobs.values))}
+
+
+nll_with_entropy_bonus.needs_entropy = True
+
+
+def _train(micro_batch_tokens: int, mini_batches: int = 1):
+    optim = OptimSettings(lr=0.5, micro_batch_tokens=micro_batch_tokens,
+                          mini_batches=mini_batches)
+    context = EngineContext(model_path="unused", layout=ParallelLayout(), temperature=0.6)
+    engine = TabularEngine(context, optim)
+    metrics = engine.train_step(_batch(), nll_with_entropy_bonus)
+    return engine, metrics
+
+
+def test_train_step_is_the_full_batch_gradient_whatever_the_micro_batches():
+    whole, metrics = _train(micro_batch_tokens=1000)
+    split, split_metrics = _train(micro_batch_tokens=6)
+    torch.testing.assert_close(split.table.weight, whole.table.weight)
+    assert set(metrics) == {"tokens", "loss", "entropy", "grad_norm", "lr"}
+    for key in ("loss", "entropy", "grad_norm"):
+        assert split_metrics[key] == pytest.approx(metrics[key], rel=1e-5)
+
+    reference = TabularEngine(EngineContext(model_path="unused", layout=ParallelLayout()),
+                              OptimSettings(lr=0.5))
+    table = reference.table.weight.detach().clone().requires_grad_(True)
+    batch = _batch()
+    pieces = [(torch.cat([p, r]), len(p)) for p, r in zip(
+        batch.ragged("prompt_ids").rows(), batch.ragged("response_ids").rows(), strict=True)]
+    logp, ent = [], []
+    for seq, start in pieces:
+        logits = table[seq[start - 1:-1]] / 0.6
+        logp.append(torch.log_softmax(logits, -1).gather(-1, seq[start:, None])[:, 0])
+        probs = torch.softmax(logits, -1)
+        ent.append(-(probs * probs.log()).sum(-1))
+    tokens = sum(len(x) for x in logp)
+    loss = (-torch.cat(logp).sum() - 0.1 * torch.cat(ent).sum()) / tokens
+    loss.backward()
+    torch.testing.assert_close(whole.table.weight, table.detach() - 0.5 * table.grad)
+    assert metrics["loss"] == pytest.approx(float(loss.detach()), rel=1e-5)
+    assert metrics["entropy"] == pytest.approx(float(torch.cat(ent).mean()), rel=1e-5)
+
+
+def test_forward_logprobs_keeps_batch_order_and_mini_batches_step_separately():
+    engine, _ = _train(micro_batch_tokens=6)
+    batch = _batch()
+    got = engine.forward_logprobs(batch)
+    assert got.lengths.tolist() == batch.lengths("response_ids").tolist()
+    one = engine.forward_logprobs(batch.select([3]))
+    torch.testing.assert_close(got.row(3), one.row(0))
+    _, metrics = _train(micro_batch_tokens=6, mini_batches=3)
+    assert metrics["lr"] == 0.5 and metrics["grad_norm"] > 0
