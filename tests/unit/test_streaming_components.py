@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from peerflow.batch import Batch, RaggedField
@@ -42,6 +42,7 @@ def group_batch(group_id, lengths, first_sid, version=0):
 # --- versions -----------------------------------------------------------------------
 
 
+@settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])  # loaded CI machines
 @given(st.lists(st.integers(1, 5), min_size=1, max_size=6), st.integers(0, 3))
 def test_segments_round_trip(run_lengths, first_version):
     segments, start = (), 0
