@@ -94,20 +94,20 @@ def plan_checks(out: Path) -> list[Check]:
         Check("env", "torch sees the GPU; versions of torch, CUDA, NCCL, engines", 10,
               [checks, "env"]),
         Check("gpu_tests", "every test marked `gpu` passes (CUDA paths of the adapters, "
-              "reshard executor on CUDA)", 45,
+              "reshard executor on CUDA)", 40,
               ["-m", "pytest", "-m", "gpu", "-q", "-x", "-p", "no:cacheprovider", "tests"],
               needs=("tests",)),
         Check("conformance_hf", "conformance layers 1-4 for the hf rollout adapter (layer 4 "
-              "runs only with CUDA)", 25, ["-m", "peerflow", "conformance", "hf"],
+              "runs only with CUDA)", 20, ["-m", "peerflow", "conformance", "hf"],
               needs=("tests",)),
-        Check("conformance_fsdp", "conformance layers 1-4 for the fsdp (FSDP2) trainer", 25,
+        Check("conformance_fsdp", "conformance layers 1-4 for the fsdp (FSDP2) trainer", 20,
               ["-m", "peerflow", "conformance", "fsdp"], needs=("tests",)),
-        Check("conformance_deepspeed", "conformance layers 1-4 for DeepSpeed", 25,
+        Check("conformance_deepspeed", "conformance layers 1-4 for DeepSpeed", 20,
               ["-m", "peerflow", "conformance", "deepspeed"], needs=("tests", "deepspeed")),
-        Check("conformance_megatron", "conformance layers 1-4 for Megatron-core", 25,
+        Check("conformance_megatron", "conformance layers 1-4 for Megatron-core", 20,
               ["-m", "peerflow", "conformance", "megatron"], needs=("tests", "megatron")),
         Check("quickstart_bf16", "hf + fsdp (FSDP2) in bf16 on CUDA learn the quickstart; "
-              "rollout-vs-trainer log-prob mismatch per step", 60,
+              "rollout-vs-trainer log-prob mismatch per step", 55,
               [*_train(q, 40, "model.dtype=bfloat16", "run.checkpoint_every=20")], run_dir=q),
         Check("resume", "--resume continues the bf16 run from its step-40 checkpoint", 30,
               [*_train(q, 45, resume=True)], run_dir=q),
@@ -125,7 +125,7 @@ def plan_checks(out: Path) -> list[Check]:
               "GPU, time split plan/pack/wire/load", 35, [checks, "ipc-pair"]),
         Check("realsize", "a Qwen2.5-1.5B-shaped model (random weights, bf16): GRPO step "
               "tokens/s with ~512-token prompts and ~1024-token answers, peak memory, "
-              "weight-sync time, sleep/wake memory", 80, [checks, "realsize"]),
+              "weight-sync time, sleep/wake memory", 110, [checks, "realsize"]),
     ]
 
 

@@ -244,7 +244,7 @@ def check_realsize() -> None:
                                vocab_size=vocab)
     overrides = [f"model.path={model}", "model.builder=null", "model.dtype=bfloat16",
                  "task.options={digits: 500}", "rollout.sampling.max_tokens=1024",
-                 "rollout.sampling.n=4", "run.prompts_per_step=2", "run.steps=3",
+                 "rollout.sampling.n=4", "run.prompts_per_step=2", "run.steps=2",
                  "runtime.nprocs=1", "run.tensorboard=false", "run.trace=false",
                  "run.checkpoint_every=0"]
     run_dir = out / "run"

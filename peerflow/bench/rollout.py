@@ -139,6 +139,7 @@ def _timed_raw(llm: Any, requests: list, sampling: Any) -> tuple[int, float]:
                                  max_tokens=sampling.max_tokens, logprobs=0,
                                  seed=None if sampling.seed is None else sampling.seed + i)
               for i in range(len(requests))]
+    llm.reset_prefix_cache()  # as the adapter's is after every load: no warm prompts
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start

@@ -81,10 +81,10 @@ def _fault_store(default_store: Any, timeout: float) -> Any:
 
 
 def _port_in_use(init_method: str | None) -> str:
-    where = init_method or (f"MASTER_PORT={os.environ.get('MASTER_PORT', '?')} on MASTER_ADDR="
-                            f"{os.environ.get('MASTER_ADDR', '?')}")
-    port = (init_method or "").rsplit(":", 1)[-1] if init_method else os.environ.get(
-        "MASTER_PORT", "?")
+    port = os.environ.get("MASTER_PORT", "?")
+    where = init_method or f"MASTER_PORT={port} on MASTER_ADDR={os.environ.get('MASTER_ADDR')}"
+    if init_method:
+        port = init_method.rsplit(":", 1)[-1]
     return (f"{where}: the port is already in use (another run, or a process still holding "
             f"it); pick a free port (MASTER_PORT=… or torchrun --master-port …), or find the "
             f"holder with `ss -ltnp 'sport = :{port}'`.")

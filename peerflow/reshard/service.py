@@ -146,7 +146,7 @@ class WeightSyncService:
     """Streaming: packed versions that may be in flight at once (2: double buffering)."""
     meter: MemoryMeter = attrs.field(factory=MemoryMeter)
     """Bytes the service holds now and at most (pack pool, received buffers, arenas)."""
-    _pool: list[torch.Tensor | None] = attrs.field(factory=list, init=False)
+    _pool: list[Arena] = attrs.field(factory=list, init=False)
     _packs: int = attrs.field(default=0, init=False)
 
     @classmethod
@@ -240,15 +240,7 @@ class WeightSyncService:
         start = time.perf_counter()
         mine = {s.local_name: s for s in self.plan.sources.get(self.rank, ())}
         layouts = [self._outgoing(bucket) for bucket in self.buckets]
-        total = sum(packed_layout(ts)[1] for per in layouts for ts in per.values())
-        slot = self._slot(total)
-        cursor = [0]
-
-        def take(nbytes: int) -> torch.Tensor:
-            begin = cursor[0]
-            cursor[0] += -(-nbytes // 16) * 16
-            return slot[begin:begin + nbytes]
-
+        slot = self._slot(sum(packed_layout(ts)[1] for per in layouts for ts in per.values()))
         sends = []
         for bucket, per_peer in zip(self.buckets, layouts):
             specs = [mine[n] for n in bucket.source_tensors if n in mine]
@@ -258,8 +250,8 @@ class WeightSyncService:
             assert self.trainer is not None
             with self.trainer.materialize(specs) as tensors:
                 sources = dict(zip((s.local_name for s in specs), tensors))
-                sends.append(pack_regions(per_peer, sources, take))
-        packed = PackedVersion(version=version, sends=tuple(sends), nbytes=cursor[0],
+                sends.append(pack_regions(per_peer, sources, slot.take))
+        packed = PackedVersion(version=version, sends=tuple(sends), nbytes=slot.cursor,
                                pack_s=time.perf_counter() - start)
         self._fire_after(version, roles, WeightSyncStats(
             version=version, pack_s=packed.pack_s, bytes=packed.nbytes,
@@ -347,18 +339,16 @@ class WeightSyncService:
             per_peer[self.rank] = routes.local
         return per_peer
 
-    def _slot(self, nbytes: int) -> torch.Tensor:
+    def _slot(self, nbytes: int) -> Arena:
+        """The next of `depth` reusable pack buffers, reset and grown to `nbytes`."""
         if not self._pool:
-            self._pool = [None] * max(self.depth, 1)
-        index = self._packs % len(self._pool)
+            self._pool = [Arena(meter=self.meter, device=self.device)
+                          for _ in range(max(self.depth, 1))]
+        slot = self._pool[self._packs % len(self._pool)]
         self._packs += 1
-        buf = self._pool[index]
-        if buf is None or buf.numel() < nbytes:
-            if buf is not None:
-                self.meter.free(buf)
-            buf = self.meter.alloc(torch.empty(nbytes, dtype=torch.uint8, device=self.device))
-            self._pool[index] = buf
-        return buf
+        slot.reset()
+        slot.reserve_total(nbytes)
+        return slot
 
     def _roles(self, *, trainer: bool, rollout: bool) -> list[str]:
         roles = []

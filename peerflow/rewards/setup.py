@@ -28,6 +28,7 @@ def reward_entries(task: Any, default: str | None) -> list[tuple[str, Any]]:
 
 def _component(key: str, entry: Any, pm: Any) -> RewardComponent:
     target = parse_target(entry.fn)
+    name = entry.name or (entry.fn if target is None else target.function.rpartition(".")[2])
     if target is None:
         cls = pm.get("reward", entry.fn)
         ref = getattr(cls, "function", None)
@@ -36,13 +37,11 @@ def _component(key: str, entry: Any, pm: Any) -> RewardComponent:
 
             options = structure_options(getattr(cls, "options_class", object), {},
                                         f"reward {entry.fn}")
-            return RewardComponent(name=entry.name or entry.fn, weight=entry.weight,
-                                   function=cls(options))
+            return RewardComponent(name=name, weight=entry.weight, function=cls(options))
         target = parse_target(ref)
         assert target is not None, f"{cls.__name__}.function must be 'module:function'"
     fn = load_function(target, key)
-    return RewardComponent(name=entry.name or target.function.rpartition(".")[2],
-                           weight=entry.weight, ref=target.ref,
+    return RewardComponent(name=name, weight=entry.weight, ref=target.ref,
                            shape=reward_shape(fn, entry.batched, key))
 
 

@@ -162,5 +162,5 @@ def test_math_reward_through_the_pool(plugin_manager):
         out = rewards.score([r"so \boxed{0.5}", r"\boxed{3x}", r"\boxed{1}"], examples)
     finally:
         rewards.close()
-    assert out.total == [1.0, 0.0, 0.0]
+    assert out.total == [1.0, 0.0, 0.0] and "reward/math/mean" in out.metrics
     assert out.counts == {"reward/errors": 1, "reward/timeouts": 0}  # the unparseable answer
