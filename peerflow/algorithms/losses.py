@@ -8,9 +8,10 @@ policy's per-token log-probs, they return this micro-batch's share of the mini-b
 loss (see `peerflow.algorithms.aggregation`) and micro-batch-local metrics.
 
 The ratio's denominator is `old_logprobs` (the trainer's log-probs before the update)
-when the batch has them, else `rollout_logprobs` (the sampler's), else the current
-log-probs detached (a purely on-policy step: the ratio is 1, the gradient is the plain
-policy gradient).
+when the batch has them, else the current log-probs detached (the on-policy fast path,
+see `peerflow.workflow.on_policy`: the ratio is 1 in value and its gradient is the plain
+policy gradient; `peerflow.algorithms.off_policy.CurrentProximal` then weighs the
+tokens against `rollout_logprobs`).
 """
 
 from __future__ import annotations
@@ -39,10 +40,9 @@ def _non_negative(_: object, attribute: attrs.Attribute, value: float) -> None:
 
 
 def old_logprobs(batch: Batch, logprobs: torch.Tensor) -> torch.Tensor:  # [total_tokens]
-    """The ratio's denominator: `old_logprobs`, else `rollout_logprobs`, else detached."""
-    for name in ("old_logprobs", "rollout_logprobs"):
-        if name in batch:
-            return token_values(batch, name).detach().to(logprobs)
+    """The ratio's denominator: `old_logprobs`, else the current log-probs detached."""
+    if "old_logprobs" in batch:
+        return token_values(batch, "old_logprobs").detach().to(logprobs)
     return logprobs.detach()
 
 

@@ -18,6 +18,11 @@ computes `w` once per step, before `train_step`, and the policy loss multiplies 
 
 `mismatch_metrics` reports how far apart the two log-prob sources are on the tokens
 actually sampled — the number to watch for inference/training drift.
+
+On the on-policy fast path (no `old_logprob` node, see `peerflow.workflow.on_policy`)
+`π_prox` is `π_θ` itself, detached: `CurrentProximal` wraps the policy loss and runs the
+same `importance_weights` and `mismatch_metrics` on every micro-batch against the
+current log-probs.
 """
 
 from __future__ import annotations
@@ -162,3 +167,45 @@ def record_metrics(metrics: Any, values: dict[str, tuple[str, float, float]]) ->
 def attach_weights(batch: Batch, weights: ImportanceWeights) -> Batch:
     """Sets the batch field `is_weights` (ragged, aligned with `response_ids`)."""
     return batch.set("is_weights", ragged_like(weights.weights, response_lengths(batch)))
+
+
+class CurrentProximal:
+    """A `LossFunction` wrapper: without `old_logprobs`, `π_prox` is the current policy.
+
+    Each such micro-batch gets `old_logprobs` = the current log-probs without grad (the
+    wrapped loss's ratio is then 1 in value, its gradient the policy gradient), and the
+    `is_weights` and `mismatch/*` / `off_policy/*` metrics that
+    `Algorithm.prepare_actor_batch` computes per step when the graph recomputes
+    `old_logprobs`. Those metrics come back as
+    loss metrics, averaged over micro-batches like the others (a `*_max` metric is then
+    the mean of the micro-batch maxima). Batches with `old_logprobs`, or without
+    `rollout_logprobs`, go to the wrapped loss unchanged. Other attributes
+    (`aggregation`, `needs_entropy`, …) are the wrapped loss's.
+    """
+
+    def __init__(self, loss: Any, off_policy: Any) -> None:
+        """`off_policy` is `algorithm.off_policy` (`correction`, `cap`, `lower`)."""
+        self.loss = loss
+        self.off_policy = off_policy
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("loss", "off_policy"):  # not set yet (copy, unpickling)
+            raise AttributeError(name)
+        return getattr(self.loss, name)
+
+    def __call__(self, logprobs: Any, batch: Batch, *, global_tokens: int,
+                 global_samples: int) -> tuple[torch.Tensor, dict[str, float]]:
+        """See `peerflow.engines.LossFunction`."""
+        values: dict[str, tuple[str, float, float]] = {}
+        if "old_logprobs" not in batch and "rollout_logprobs" in batch:
+            batch = attrs.evolve(batch, fields=dict(batch.fields))  # the caller's stays as is
+            batch.set("old_logprobs", ragged_like(logprobs.values.detach(), logprobs.lengths))
+            values = mismatch_metrics(batch)
+            config = self.off_policy
+            weights = importance_weights(batch, config.correction, config.cap, config.lower)
+            if weights is not None:
+                batch = attach_weights(batch, weights)
+                values.update(weights.metrics(config.correction))
+        loss, metrics = self.loss(logprobs, batch, global_tokens=global_tokens,
+                                  global_samples=global_samples)
+        return loss, {**metrics, **{name: value for name, (_, value, _) in values.items()}}

@@ -16,6 +16,7 @@ import torch
 from peerflow.algorithms.base import AdvantageEstimator
 from peerflow.algorithms.kl import apply_kl_penalty, kl_loss_metrics
 from peerflow.algorithms.off_policy import (
+    CurrentProximal,
     attach_weights,
     importance_weights,
     mismatch_metrics,
@@ -38,8 +39,8 @@ class Algorithm:
     estimator: AdvantageEstimator
     """Turns rewards (and values) into advantages (the `advantage` node)."""
     policy_loss: Any
-    """The actor's `LossFunction` (a `RegularizedLoss` with KL in the loss or an entropy
-    bonus)."""
+    """The actor's `LossFunction`: the configured loss (in a `RegularizedLoss` with KL in
+    the loss or an entropy bonus) in a `CurrentProximal` (the on-policy fast path)."""
     value_loss: Any | None
     """The critic's `LossFunction` when the estimator needs values, else `None`."""
     kl_coef: float
@@ -179,6 +180,7 @@ def build_algorithm(
         policy_loss = RegularizedLoss(
             policy_loss, kl_coef=kl.coef if kl_in_loss else 0.0, kl_estimator=estimator_name,
             entropy_coef=algorithm.entropy_coef)
+    policy_loss = CurrentProximal(policy_loss, algorithm.off_policy)
     value_loss = None
     if estimator_cls.needs_values:
         make = getattr(estimator, "value_loss", None)

@@ -53,6 +53,7 @@ def run(args: argparse.Namespace) -> int:
     from peerflow.errors import ConfigError
     from peerflow.planner import plan_run
     from peerflow.plugins import get_plugin_manager
+    from peerflow.workflow.on_policy import old_logprob_decision
     from peerflow.workflow.validate import check_model_layouts
 
     config = load_config(args.config, args.overrides)
@@ -70,8 +71,10 @@ def run(args: argparse.Namespace) -> int:
             print(op.describe())
         return 0
     simulation = _simulation(plan, config) if args.simulate else None
+    decision = old_logprob_decision(config, plan.graph)
     if args.format == "json":
         data = plan.to_dict()
+        data["old_logprob"] = decision.to_dict()
         if simulation is not None:
             data["simulation"] = simulation
         print(json.dumps(data, indent=1))
@@ -79,6 +82,7 @@ def run(args: argparse.Namespace) -> int:
         print(plan.to_dot())
     else:
         print(plan.to_text())
+        print(f"\n{decision.describe()}")
         if simulation is not None:
             print("\nmodelled traffic per step (busiest rank):")
             for row in simulation:

@@ -5,6 +5,7 @@ Train adapters' layer 3 lives here, rollout adapters' in `layer3_rollout`.
 
 from __future__ import annotations
 
+import attrs
 import pytest
 import torch
 
@@ -111,9 +112,14 @@ class Layer3TrainEngine(EngineLayerBase):
               f"{profile.name} {engine_model} memory vs declared shards")
 
     @layer3
+    @pytest.mark.parametrize("temperature", (1.0, 0.7), ids=lambda t: f"T{t}")
     def test_l3_logprobs_match_reference(self, profile, engine, engine_model, model_dir,
-                                         logprob_atol):
-        """`forward_logprobs` matches a plain HF model on fixed tokens."""
+                                         logprob_atol, temperature):
+        """`forward_logprobs` is `log_softmax(logits / T)` of a plain HF model.
+
+        T is `EngineContext.temperature` (the run's sampling temperature), 1 and 0.7.
+        """
+        engine.context = attrs.evolve(engine.context, temperature=temperature)
         config = hf_config(ENGINE_MODELS[engine_model])
         rows = [(p, tuple(reversed(p))) for p in PROMPTS]
         n = len(rows)
@@ -124,10 +130,14 @@ class Layer3TrainEngine(EngineLayerBase):
                           "response_ids": RaggedField.from_tensors(
                               [torch.tensor(r) for _, r in rows])})
         got = engine.forward_logprobs(batch).rows()
-        want = reference_logprobs(config, load_checkpoint_tensors(model_dir), rows)
+        want = reference_logprobs(config, load_checkpoint_tensors(model_dir), rows,
+                                  temperature)
         for i, (g, w) in enumerate(zip(got, want)):
             worst = float((g.double() - w).abs().max())
-            assert worst <= logprob_atol, f"sample {i}: log-probs differ by {worst:.2e}"
+            assert worst <= logprob_atol, (
+                f"sample {i}: log-probs differ from log_softmax(logits / {temperature}) of "
+                f"the reference model by {worst:.2e}; {profile.cls.__qualname__}."
+                "forward_logprobs must divide the logits by EngineContext.temperature")
 
 
 class Layer4Gpu(SuiteBase):

@@ -8,6 +8,7 @@ from typing import Any
 from peerflow.errors import ConfigError
 from peerflow.workflow.builtin import BUILTIN_GRAPHS, BUILTIN_KINDS, KindSpec
 from peerflow.workflow.graph import ROLES, Node, WorkflowGraph
+from peerflow.workflow.on_policy import FAST_PATH_GRAPHS, off_policy_reasons
 
 
 def node_kinds(pm: Any = None) -> dict[str, KindSpec]:
@@ -32,10 +33,12 @@ def _builtin(name: str, config: Any) -> WorkflowGraph:
             f"workflow.graph={name!r} is not a built-in graph.{hint} Choose one of "
             f"{', '.join(BUILTIN_GRAPHS)}, or describe the graph with workflow.nodes."
         ) from None
-    kl = None
+    options: dict[str, Any] = {"kl": None}
     if config is not None and config.algorithm.kl.coef > 0:
-        kl = config.algorithm.kl.mode
-    return factory(kl=kl)
+        options["kl"] = config.algorithm.kl.mode
+    if config is not None and name in FAST_PATH_GRAPHS:
+        options["old_logprobs"] = bool(off_policy_reasons(config))
+    return factory(**options)
 
 
 def build_graph(config: Any, pm: Any = None) -> WorkflowGraph:
@@ -43,7 +46,9 @@ def build_graph(config: Any, pm: Any = None) -> WorkflowGraph:
 
     Args:
         config: The run config (`config.workflow` selects the graph; the KL settings
-            decide whether a built-in graph has a `ref_logprob` node).
+            decide whether a built-in graph has a `ref_logprob` node, and an exactly
+            on-policy update drops GRPO's `old_logprob` node, see
+            `peerflow.workflow.on_policy`).
         pm: The plugin manager, to resolve plugin node types; `None` allows built-in
             kinds only.
 

@@ -111,8 +111,10 @@ def grpo_graph(*, kl: str | None = None, old_logprobs: bool = True) -> WorkflowG
     Args:
         kl: Include the frozen reference model (`ref_logprob`) and feed its log-probs to
             the loss (`"loss"`) or to the advantage node's reward penalty (`"reward"`).
-        old_logprobs: Recompute the trainer's log-probs before the update; without it the
-            loss uses the rollout engine's log-probs (purely on-policy runs).
+        old_logprobs: Recompute the trainer's log-probs before the update; without it
+            (an exactly on-policy update, see `peerflow.workflow.on_policy`) the loss
+            takes the detached current log-probs as the proximal policy and still weighs
+            them against `rollout_logprobs`.
     """
     ref_nodes, advantage_extra, loss_extra = _kl_inputs(kl)
     train_inputs = ["prompt_ids", "response_ids", "advantages", *loss_extra]

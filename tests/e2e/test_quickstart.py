@@ -22,9 +22,12 @@ def test_quickstart_two_processes(tmp_path, quickstart, tiny, metrics_of, peerfl
         assert m["samples"] == 16  # 4 prompts × 4 answers, split over 2 ranks
         assert m["rollout/prompts"] == 4
         assert m["throughput/tokens_per_s"] > 0
-        for phase in ("generate", "reward", "old_logprob", "advantage", "train_actor",
-                      "sync_weights", "step"):
+        for phase in ("generate", "reward", "advantage", "train_actor", "sync_weights",
+                      "step"):
             assert m[f"time/{phase}"] >= 0
+        assert "time/old_logprob" not in m  # on-policy: the fast path skips that forward
+        assert m["mismatch/abs_max"] < 1e-4  # rollout and trainer agree at the same weights
+        assert 0 < m["off_policy/is_weight_mean"] < 2
     assert (run_dir / "config.yaml").is_file()
     assert (run_dir / "trace_rank0.json").is_file() and (run_dir / "trace_rank1.json").is_file()
     assert (run_dir / "checkpoints" / "step_000003" / "MANIFEST.json").is_file()

@@ -20,6 +20,11 @@ from collections.abc import Sequence
 
 import attrs
 
+#: Machine-wide state a host's processes must not share with this machine's: Ray records
+#: the cluster it started in /tmp/ray/ray_current_cluster, which a local `ray.init()`
+#: would then join. Each host gets its own directory mounted there.
+SHARED_STATE = "/tmp/ray"
+
 
 def _ip(*args: str) -> str:
     return subprocess.run(["ip", *args], check=True, capture_output=True, text=True).stdout
@@ -102,12 +107,19 @@ class Hosts:
 
     def popen(self, i: int, argv: Sequence[str], env: dict[str, str], **kwargs) -> subprocess.Popen:
         """Starts `argv` on host `i` (its network namespace and host name)."""
+        private = self.private_dir(i)
+        os.makedirs(private, exist_ok=True)
+        os.makedirs(SHARED_STATE, exist_ok=True)
         command = ["ip", "netns", "exec", self.ns(i), "unshare", "--uts", "--mount", "sh", "-c",
                    f'hostname {self.hostname(i)} && mount --bind {self.hosts_file} /etc/hosts'
-                   ' && exec "$@"', "sh", *argv]
+                   f' && mount --bind {private} {SHARED_STATE} && exec "$@"', "sh", *argv]
         proc = subprocess.Popen(command, env=env, start_new_session=True, **kwargs)
         self.procs.append(proc)
         return proc
+
+    def private_dir(self, i: int) -> str:
+        """Host `i`'s own copy of `SHARED_STATE` (a real host has its own /tmp)."""
+        return f"{self.hosts_file}-h{i}"
 
     def pids(self, i: int) -> list[int]:
         """Every process running in host `i`'s namespace."""
@@ -140,3 +152,5 @@ class Hosts:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         if self.hosts_file:
             os.unlink(self.hosts_file)
+            for i in range(self.count):
+                shutil.rmtree(self.private_dir(i), ignore_errors=True)

@@ -11,10 +11,15 @@ from peerflow.algorithms.aggregation import aggregate
 from peerflow.algorithms.dynamic_sampling import filter_groups, take_groups
 from peerflow.algorithms.kl import apply_kl_penalty, kl_estimate
 from peerflow.algorithms.losses import GSPO, GSPOOptions, PPOClip, PPOClipOptions
-from peerflow.algorithms.off_policy import attach_weights, importance_weights
+from peerflow.algorithms.off_policy import (
+    CurrentProximal,
+    attach_weights,
+    importance_weights,
+)
 from peerflow.algorithms.regularized import RegularizedLoss
 from peerflow.algorithms.value_loss import ClippedValueLoss, ValueLossOptions
 from peerflow.batch import Batch, RaggedField
+from peerflow.config.schema import OffPolicyConfig
 
 
 def batch_of(lengths, groups=None, **fields):
@@ -82,11 +87,17 @@ def test_ppo_clip_truncated_importance_sampling():
         importance_weights(no_rollout, "tis", cap=2.0)
 
 
-def test_ppo_falls_back_to_rollout_logprobs_then_on_policy():
+def test_ppo_without_old_logprobs_takes_the_detached_current_policy():
     batch = batch_of([1], rollout_logprobs=[math.log(0.5)], advantages=[1.0])
-    _, lp = current([math.log(0.55)], [1])  # ratio 1.1, inside the clip range
+    _, lp = current([math.log(0.55)], [1])  # rollout_logprobs are not the denominator
     loss, _ = PPOClip()(lp, batch, global_tokens=1, global_samples=1)
+    assert loss.item() == pytest.approx(-1.0)
+    # the fast path's wrapper weighs the token by pi / pi_rollout = 1.1 instead
+    tis = CurrentProximal(PPOClip(), OffPolicyConfig(correction="tis", cap=2.0))
+    loss, metrics = tis(lp, batch, global_tokens=1, global_samples=1)
     assert loss.item() == pytest.approx(-1.1)
+    assert metrics["off_policy/is_weight_max"] == pytest.approx(1.1)
+    assert "old_logprobs" not in batch  # the caller's batch is left as it was
     on_policy = batch_of([1], advantages=[3.0])
     flat, lp = current([-2.0], [1])
     loss, _ = PPOClip()(lp, on_policy, global_tokens=1, global_samples=1)

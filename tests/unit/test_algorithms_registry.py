@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from peerflow.algorithms.dynamic_sampling import filter_groups
+from peerflow.algorithms.off_policy import CurrentProximal
 from peerflow.algorithms.regularized import RegularizedLoss
 from peerflow.algorithms.setup import build_algorithm
 from peerflow.batch import Batch, RaggedField
@@ -28,8 +29,9 @@ def test_build_dr_grpo_with_kl_loss(plugin_manager):
         "kl": {"coef": 0.01, "estimator": "k2", "mode": "loss"},
     })
     algo = build_algorithm(config, max_tokens=16, plugin_manager=plugin_manager)
-    assert isinstance(algo.policy_loss, RegularizedLoss)
-    inner = algo.policy_loss.loss
+    assert isinstance(algo.policy_loss, CurrentProximal)  # the on-policy fast path
+    assert isinstance(algo.policy_loss.loss, RegularizedLoss)
+    inner = algo.policy_loss.loss.loss
     assert inner.aggregation == "seq-mean-token-sum-norm"
     assert inner.options.norm_length == 16 and inner.options.clip_high == 0.28
     assert algo.needs_reference and not algo.kl_in_reward and algo.value_loss is None

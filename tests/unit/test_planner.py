@@ -25,11 +25,10 @@ def test_colocated_different_meshes_route_between_them() -> None:
     (route,) = plan.routes
     assert route.src == ParallelLayout(dp=2, tp=2, ranks=range(4))
     assert route.dst == ParallelLayout(dp=4, ranks=range(4))
-    assert route.name == "rollout->actor@old_logprob"
-    assert "generate->old_logprob" in route.edges and "reward->advantage" in route.edges
+    assert route.name == "rollout->actor@advantage"  # on-policy: no old_logprob node
+    assert "generate->train_actor" in route.edges and "reward->advantage" in route.edges
     kinds = [type(op).__name__ for op in plan.program(3)]
-    assert kinds == ["RunNode", "RunNode", "RouteOp", "RunNode", "RunNode", "RunNode",
-                     "RunNode"]
+    assert kinds == ["RunNode", "RunNode", "RouteOp", "RunNode", "RunNode", "RunNode"]
 
 
 def test_split_programs_are_disjoint_and_sync_spans_both() -> None:
@@ -167,7 +166,7 @@ def test_plan_cli_text_dot_rank_and_errors(tmp_path, capsys) -> None:
     config = tmp_path / "run.yaml"
     config.write_text("runtime: {placement: split}\nrollout: {layout: {dp: 0}}\n")
     assert main(["plan", str(config), "--nprocs", "4", "--rank", "3"]) == 0
-    assert capsys.readouterr().out.splitlines()[0] == "route rollout->actor@old_logprob"
+    assert capsys.readouterr().out.splitlines()[0] == "route rollout->actor@advantage"
     assert main(["plan", str(config), "--nprocs", "4", "--format", "dot"]) == 0
     assert capsys.readouterr().out.startswith("digraph peerflow")
     assert main(["plan", str(config), "--nprocs", "4", "--simulate"]) == 0

@@ -382,8 +382,7 @@ class HFRolloutEngine(RolloutEngine):
     def conformance_read_weights(cls, engine: HFRolloutEngine) -> dict[str, torch.Tensor]:
         """Copies of the parameters, read from the module (bypassing `load_weights`).
 
-        Copies, because the suite compares a read taken before `conformance_scribble`
-        with one taken after it.
+        Copies or live tensors both work: the suite clones what it keeps.
         """
         return {n: p.detach().clone() for n, p in engine.model.named_parameters()}
 
