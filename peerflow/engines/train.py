@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Protocol
 
 import attrs
@@ -165,10 +165,28 @@ class TrainEngine(EngineBase, abc.ABC):
         """Releases the engine's memory and process groups. Safe to call twice."""
 
 
+def tensors_of(specs: Sequence[ShardSpec], named: Mapping[str, torch.Tensor],
+               engine: str) -> list[torch.Tensor]:
+    """`materialize` helper: the tensors named by the specs' `local_name`, in order.
+
+    Raises:
+        KeyError: A spec names no tensor of the engine (names the first few).
+    """
+    missing = [s.local_name for s in specs if s.local_name not in named]
+    if missing:
+        raise KeyError(
+            f"{engine} engine has no tensors {missing[:3]}; materialize takes specs returned "
+            "by weight_sources()."
+        )
+    return [named[s.local_name] for s in specs]
+
+
 @contextlib.contextmanager
 def yield_tensors(tensors: list[torch.Tensor]) -> Iterator[list[torch.Tensor]]:
     """`materialize` helper for engines whose local shards are already plain tensors."""
     yield tensors
 
 
-__all__ = ["EngineContext", "LossFunction", "OptimSettings", "TrainEngine", "yield_tensors"]
+__all__ = [
+    "EngineContext", "LossFunction", "OptimSettings", "TrainEngine", "tensors_of", "yield_tensors",
+]

@@ -25,6 +25,7 @@ from peerflow.training.microbatch import (
     split_mini_batches,
     split_to_count,
 )
+from peerflow.training.optim import build_adamw
 
 __all__ = [
     "CausalLMTrainEngine",
@@ -37,6 +38,7 @@ __all__ = [
     "all_reduce_sum",
     "assemble_rows",
     "batch_to",
+    "build_adamw",
     "collective_device",
     "fixed_shape_micro_batches",
     "global_counts",

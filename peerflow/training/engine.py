@@ -153,22 +153,21 @@ class CausalLMTrainEngine(TrainEngine, abc.ABC):
         Log-probs and entropy are those of `softmax(logits / temperature)`; entropy
         carries gradient only with `entropy_grad` (a loss with an entropy term).
         """
-        mask = micro.inputs.response_mask().to(output.device)
-        lengths = micro.inputs.response_lengths[: len(micro.indices)]
-        offsets = torch.nn.functional.pad(torch.cumsum(lengths, 0), (1, 0)).to(output.device)
-        picked = output[mask]  # [tokens, V] logits, or [tokens] values
+        picked = micro.inputs.gather(output)  # [tokens, V] logits, or [tokens] values
+        offsets = picked.offsets
         if self.produces_values:
-            return RaggedField(values=picked.float(), offsets=offsets), None
+            return RaggedField(values=picked.values.float(), offsets=offsets), None
         shard = self.vocab_shard()
         if entropy_grad and shard is not None:
             raise NotImplementedError(
                 f"{type(self).__name__}: an entropy term in the loss needs full-vocabulary "
                 "logits; with a vocab-parallel output layer entropy is a metric only."
             )
-        targets = micro.inputs.target_ids.to(output.device)[mask]
-        logprobs = token_logprobs(picked, targets, temperature=self.temperature, shard=shard)
+        targets = micro.inputs.gather(micro.inputs.target_ids.to(output.device)).values
+        logits = picked.values
+        logprobs = token_logprobs(logits, targets, temperature=self.temperature, shard=shard)
         with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            entropy = token_entropy(picked, temperature=self.temperature, shard=shard)
+            entropy = token_entropy(logits, temperature=self.temperature, shard=shard)
         return (RaggedField(values=logprobs, offsets=offsets),
                 RaggedField(values=entropy, offsets=offsets))
 

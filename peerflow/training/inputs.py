@@ -26,7 +26,9 @@ class PaddedInputs:
     attention_mask: torch.Tensor  # [B, L] int64, 1 on real tokens
     position_ids: torch.Tensor  # [B, L] int64
     prompt_lengths: torch.Tensor  # [B]
-    response_lengths: torch.Tensor  # [B]
+    response_lengths: torch.Tensor  # [B], 0 on filler rows
+    samples: int
+    """Real samples: the first rows; the rest are filler rows without response tokens."""
 
     @property
     def target_ids(self) -> torch.Tensor:  # [B, L]
@@ -40,10 +42,14 @@ class PaddedInputs:
         return (pos >= start) & (pos < start + self.response_lengths[:, None])
 
     def gather(self, per_position: torch.Tensor) -> RaggedField:
-        """Packs `[B, L, ...]` per-position values at response positions, ragged."""
+        """Packs `[B, L, ...]` per-position values at response positions, ragged.
+
+        One row per real sample, aligned with its `response_ids` (filler rows dropped).
+        """
         device = per_position.device
+        offsets = _offsets(self.response_lengths[: self.samples])
         return RaggedField(values=per_position[self.response_mask().to(device)],
-                           offsets=_offsets(self.response_lengths).to(device))
+                           offsets=offsets.to(device))
 
 
 def pad_inputs(batch: Batch) -> PaddedInputs:
@@ -60,7 +66,7 @@ def pad_inputs(batch: Batch) -> PaddedInputs:
         return PaddedInputs(input_ids=one * 0, attention_mask=one,
                             position_ids=torch.zeros_like(one),
                             prompt_lengths=torch.ones(1, dtype=torch.int64),
-                            response_lengths=torch.zeros(1, dtype=torch.int64))
+                            response_lengths=torch.zeros(1, dtype=torch.int64), samples=0)
     prompts = batch.ragged("prompt_ids").rows()
     responses = batch.ragged("response_ids").rows()
     width = max(len(p) + len(r) for p, r in zip(prompts, responses, strict=True))
@@ -78,7 +84,7 @@ def pad_inputs(batch: Batch) -> PaddedInputs:
         input_ids=input_ids, attention_mask=mask,
         position_ids=torch.arange(width)[None, :].expand(len(batch), -1).contiguous(),
         prompt_lengths=batch.lengths("prompt_ids"),
-        response_lengths=batch.lengths("response_ids"),
+        response_lengths=batch.lengths("response_ids"), samples=len(batch),
     )
 
 
@@ -96,6 +102,7 @@ def pad_to_shape(inputs: PaddedInputs, rows: int, width: int) -> PaddedInputs:
         prompt_lengths=torch.nn.functional.pad(inputs.prompt_lengths, (0, rows - count),
                                                value=1),
         response_lengths=torch.nn.functional.pad(inputs.response_lengths, (0, rows - count)),
+        samples=inputs.samples,
     )
 
 

@@ -30,9 +30,10 @@ from peerflow.adapters.deepspeed.loading import load_hf_weights
 from peerflow.adapters.deepspeed.options import DeepSpeedOptions
 from peerflow.capabilities import Capabilities
 from peerflow.engines import EngineContext, OptimSettings
+from peerflow.engines.train import tensors_of
 from peerflow.errors import ConfigError
 from peerflow.shard import ShardSpec
-from peerflow.training import CausalLMTrainEngine, MicroBatch, torch_dtype
+from peerflow.training import CausalLMTrainEngine, MicroBatch, build_adamw, torch_dtype
 
 
 def _ensure_distributed(context: EngineContext) -> None:
@@ -117,10 +118,7 @@ class DeepSpeedTrainEngine(CausalLMTrainEngine):
         if options.gradient_checkpointing:
             model.gradient_checkpointing_enable()
         model.config.use_cache = False
-        optimizer = torch.optim.AdamW(
-            [p for p in model.parameters() if p.requires_grad], lr=optim.lr,
-            betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay,
-        )
+        optimizer = build_adamw(model.parameters(), optim)
         self.engine, _, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, config=self.ds_config,
         )
@@ -200,14 +198,7 @@ class DeepSpeedTrainEngine(CausalLMTrainEngine):
 
     @contextlib.contextmanager
     def _materialize(self, specs: Sequence[ShardSpec]) -> Iterator[list[torch.Tensor]]:
-        params = dict(self._module.named_parameters())
-        missing = [s.local_name for s in specs if s.local_name not in params]
-        if missing:
-            raise KeyError(
-                f"DeepSpeedTrainEngine.materialize got unknown tensors {missing[:3]}; pass "
-                "specs returned by weight_sources()."
-            )
-        chosen = [params[s.local_name] for s in specs]
+        chosen = tensors_of(specs, dict(self._module.named_parameters()), self.name)
         if self.zero_stage == 3:
             import deepspeed
 

@@ -29,13 +29,14 @@ import torch.distributed as dist
 from peerflow.adapters.fsdp import checkpoint as ckpt
 from peerflow.adapters.fsdp.layout import FAMILIES, fsdp_shard_layout
 from peerflow.adapters.fsdp.model import apply_fsdp, apply_tensor_parallel, load_module
-from peerflow.adapters.fsdp.optim import build_adamw, clip_grad_norm
+from peerflow.adapters.fsdp.optim import clip_grad_norm
 from peerflow.adapters.fsdp.shards import local_box, named_shard_specs, replica_index
 from peerflow.capabilities import Capabilities
 from peerflow.engines import EngineContext, OptimSettings
+from peerflow.engines.train import tensors_of
 from peerflow.errors import ConfigError
 from peerflow.shard import ShardSpec
-from peerflow.training import CausalLMTrainEngine, MicroBatch, torch_dtype
+from peerflow.training import CausalLMTrainEngine, MicroBatch, build_adamw, torch_dtype
 
 
 @attrs.frozen(kw_only=True)
@@ -110,11 +111,10 @@ class FSDPTrainEngine(CausalLMTrainEngine):
         self.dp_group = None
         if self.distributed:
             self._shard(group)
-        self.optimizer = build_adamw(
-            (p for p in self.model.parameters() if p.requires_grad),
-            self.optim,
-            mixed_meshes=layout.tp > 1,
-        )
+        # foreach (one multi-tensor update, torch's default only on GPU) groups tensors
+        # across DTensor meshes, which tensor parallelism's mixed meshes forbid.
+        self.optimizer = build_adamw(self.model.parameters(), self.optim,
+                                     foreach=layout.tp == 1)
 
     def _bf16_supported(self) -> bool:
         if self.device.type == "cuda" and not torch.cuda.is_bf16_supported():
@@ -212,16 +212,8 @@ class FSDPTrainEngine(CausalLMTrainEngine):
     @contextlib.contextmanager
     def materialize(self, specs: Sequence[ShardSpec]) -> Iterator[list[torch.Tensor]]:
         """Yields the live local shards of `specs` (no copy, no collective)."""
-        params = dict(self._named_params())
-        tensors = []
-        for spec in specs:
-            if spec.local_name not in params:
-                raise KeyError(
-                    f"fsdp engine has no parameter {spec.local_name!r}; materialize takes "
-                    "specs returned by weight_sources()."
-                )
-            tensors.append(local_box(params[spec.local_name])[1].detach())
-        yield tensors
+        params = tensors_of(specs, dict(self._named_params()), self.name)
+        yield [local_box(param)[1].detach() for param in params]
 
     def _group_rank(self) -> tuple[int, int]:
         layout = self.context.layout

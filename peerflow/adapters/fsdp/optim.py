@@ -1,4 +1,4 @@
-"""AdamW and global-norm gradient clipping over plain tensors and DTensors.
+"""Global-norm gradient clipping over plain tensors and DTensors.
 
 With tensor parallelism a model mixes parameters on different meshes (2-D dp × tp
 shards and 1-D dp shards of tp-replicated tensors), which torch's `clip_grad_norm_`
@@ -12,29 +12,6 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-
-from peerflow.engines import OptimSettings
-
-
-def build_adamw(params: Iterable[torch.nn.Parameter], optim: OptimSettings, *,
-                mixed_meshes: bool) -> torch.optim.AdamW:
-    """AdamW with the run's settings.
-
-    Args:
-        params: Trainable parameters (plain tensors or DTensors).
-        optim: Learning rate, betas, eps, weight decay.
-        mixed_meshes: Parameters live on several DTensor meshes (tensor parallelism).
-    """
-    return torch.optim.AdamW(
-        list(params),
-        lr=optim.lr,
-        betas=optim.betas,
-        eps=optim.eps,
-        weight_decay=optim.weight_decay,
-        # foreach (one fused update for all tensors) is torch's default only on GPU; it
-        # groups tensors across DTensor meshes, which mixed meshes forbid.
-        foreach=not mixed_meshes,
-    )
 
 
 def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float) -> float:

@@ -50,7 +50,7 @@ from peerflow.adapters.megatron.weights import covered_names, import_hf_weights
 from peerflow.batch import Batch
 from peerflow.capabilities import Capabilities
 from peerflow.engines import EngineContext, OptimSettings
-from peerflow.engines.train import yield_tensors
+from peerflow.engines.train import tensors_of, yield_tensors
 from peerflow.errors import ConfigError, ShardError
 from peerflow.models.safetensors_reader import SafetensorsReader
 from peerflow.shard import ShardSpec
@@ -304,14 +304,8 @@ class MegatronTrainEngine(CausalLMTrainEngine):
         self, specs: Sequence[ShardSpec]
     ) -> contextlib.AbstractContextManager[list[torch.Tensor]]:
         """Yields this rank's local tensors for `specs` (no gather: shards are plain)."""
-        params = dict(self.module.named_parameters())
-        missing = [s.local_name for s in specs if s.local_name not in params]
-        if missing:
-            raise KeyError(
-                f"MegatronTrainEngine.materialize got unknown tensors {missing[:3]}; pass "
-                "specs returned by weight_sources()."
-            )
-        return yield_tensors([params[s.local_name].detach() for s in specs])
+        params = tensors_of(specs, dict(self.module.named_parameters()), self.name)
+        return yield_tensors([param.detach() for param in params])
 
     def save_checkpoint(self, directory: str) -> None:
         """Saves this rank's model shard (safetensors) and optimiser state; see `checkpoint`."""

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from peerflow.engines import OptimSettings
+from peerflow.training import build_adamw
 
 
 def build_optimizer(model: Any, module: torch.nn.Module, optim: OptimSettings, *,
@@ -37,8 +38,7 @@ def build_optimizer(model: Any, module: torch.nn.Module, optim: OptimSettings, *
             bf16=dtype == torch.bfloat16,
         )
         return get_megatron_optimizer(config, [model])
-    return torch.optim.AdamW(module.parameters(), lr=optim.lr, betas=optim.betas,
-                             eps=optim.eps, weight_decay=optim.weight_decay)
+    return build_adamw(module.parameters(), optim)
 
 
 def clip_and_step(optimizer: Any, module: torch.nn.Module, grad_clip: float, *,
