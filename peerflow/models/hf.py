@@ -188,10 +188,11 @@ def _with_replica(spec: ShardSpec, replica: int) -> ShardSpec:
 
 
 def col_split(name: str, shape: tuple[int, ...], cols: range, *, dtype: str,
-              replica: int = 0) -> ShardSpec:
+              replica: int = 0, local_name: str | None = None) -> ShardSpec:
     """Returns the spec of columns `cols` of a 2-D HF tensor (a row-parallel shard)."""
     box = Box(offsets=(0, cols.start), sizes=(shape[0], len(cols)))
-    return ShardSpec.of_slice(name, shape, box, dtype=dtype, replica=replica)
+    return ShardSpec.of_slice(name, shape, box, local_name=local_name, dtype=dtype,
+                              replica=replica)
 
 
 def row_split(name: str, shape: tuple[int, ...], rows: range, *, dtype: str,

@@ -36,8 +36,8 @@ from peerflow.models.common import (
     whole,
 )
 from peerflow.models.config import ModelShape
-from peerflow.models.hf import EMBED, FINAL_NORM, LM_HEAD, col_split, expert_prefix
-from peerflow.models.vllm import vocab_spec
+from peerflow.models.hf import col_split, expert_prefix
+from peerflow.models.vllm import dense_mlp, stage_ends
 from peerflow.shard import ShardSpec
 
 #: Megatron-LM's default `make_vocab_size_divisible_by`.
@@ -98,43 +98,20 @@ def megatron_layout(
     layers = layers if layers is not None else stage_layers(shape.num_layers, pp_rank, pp_size)
     rep = replica_index(tp_rank, tp_size, dp_rank)
     own = replica_index(0, 1, dp_rank)
-    hd, h, hpg = shape.head_dim, shape.hidden_size, shape.heads_per_group
+    h = shape.hidden_size
     groups = split_even(shape.num_kv_heads, tp_size, tp_rank, what="query groups (kv heads)")
     mlp = split_even(shape.intermediate_size, tp_size, tp_rank, what="MLP channels")
-    q_cols = range(groups.start * hpg * hd, groups.stop * hpg * hd)
-    multiple = vocab_multiple * tp_size
-    specs: list[ShardSpec] = []
-    if pp_rank == 0:
-        specs.append(vocab_spec(EMBED, M_EMBED, shape, tp_rank, tp_size, multiple,
-                                dtype=dtype, replica=own))
+    first, last = stage_ends(shape, tp_rank, tp_size, vocab_multiple * tp_size, pp_rank=pp_rank,
+                             pp_size=pp_size, names=(M_EMBED, M_FINAL_NORM, M_OUTPUT),
+                             dtype=dtype, dp_rank=dp_rank)
+    specs = first
     for local, layer in enumerate(layers):
-        p, a = f"model.layers.{layer}.", f"model.layers.{layer}.self_attn."
-        m = f"decoder.layers.{local}."
+        p, m = f"model.layers.{layer}.", f"decoder.layers.{local}."
         ln1 = ("self_attention.linear_qkv.layer_norm_weight" if te_names
                else "input_layernorm.weight")
         specs.append(whole(f"{p}input_layernorm.weight", (h,), local_name=m + ln1, dtype=dtype,
                            replica=rep))
-        for kind in ("weight", "bias") if shape.qkv_bias else ("weight",):
-            q_dims = (shape.q_rows, h) if kind == "weight" else (shape.q_rows,)
-            kv_dims = (shape.kv_rows, h) if kind == "weight" else (shape.kv_rows,)
-            segments: list[Segment] = []
-            for g in groups:
-                segments.append(rows_of(f"{a}q_proj.{kind}", q_dims,
-                                        range(g * hpg * hd, (g + 1) * hpg * hd)))
-                segments.append(rows_of(f"{a}k_proj.{kind}", kv_dims, range(g * hd, (g + 1) * hd)))
-                segments.append(rows_of(f"{a}v_proj.{kind}", kv_dims, range(g * hd, (g + 1) * hd)))
-            specs.append(stack(f"{m}self_attention.linear_qkv.{kind}", segments, dtype=dtype,
-                               replica=own))
-        if shape.qk_norm:
-            for hf_norm, m_norm in (("q_norm", "q_layernorm"), ("k_norm", "k_layernorm")):
-                specs.append(whole(f"{a}{hf_norm}.weight", (hd,), dtype=dtype, replica=rep,
-                                   local_name=f"{m}self_attention.{m_norm}.weight"))
-        o_proj = col_split(f"{a}o_proj.weight", (h, shape.q_rows), q_cols, dtype=dtype,
-                           replica=own)
-        specs.append(_renamed(o_proj, f"{m}self_attention.linear_proj.weight"))
-        if shape.o_bias:
-            specs.append(whole(f"{a}o_proj.bias", (h,), dtype=dtype, replica=rep,
-                               local_name=f"{m}self_attention.linear_proj.bias"))
+        specs.extend(_attention(shape, layer, m, groups, dtype=dtype, rep=rep, own=own))
         ln2 = "mlp.linear_fc1.layer_norm_weight" if te_names else "pre_mlp_layernorm.weight"
         specs.append(whole(f"{p}post_attention_layernorm.weight", (h,), dtype=dtype,
                            replica=rep, local_name=m + ln2))
@@ -142,35 +119,40 @@ def megatron_layout(
             specs.extend(_moe(shape, layer, m, tp_rank, tp_size, ep_rank, ep_size,
                               expert_tp_size, grouped_experts, expert_replica, dp_rank, dtype))
             continue
-        i = shape.intermediate_size
-        fc1 = [rows_of(f"{p}mlp.gate_proj.weight", (i, h), mlp),
-               rows_of(f"{p}mlp.up_proj.weight", (i, h), mlp)]
-        specs.append(stack(f"{m}mlp.linear_fc1.weight", fc1, dtype=dtype, replica=own))
-        if shape.mlp_bias:
-            bias = [rows_of(f"{p}mlp.gate_proj.bias", (i,), mlp),
-                    rows_of(f"{p}mlp.up_proj.bias", (i,), mlp)]
-            specs.append(stack(f"{m}mlp.linear_fc1.bias", bias, dtype=dtype, replica=own))
-        specs.append(_renamed(col_split(f"{p}mlp.down_proj.weight", (h, i), mlp, dtype=dtype,
-                                        replica=own),
-                              f"{m}mlp.linear_fc2.weight"))
-        if shape.mlp_bias:
-            specs.append(whole(f"{p}mlp.down_proj.bias", (h,), dtype=dtype, replica=rep,
-                               local_name=f"{m}mlp.linear_fc2.bias"))
-    if pp_rank == pp_size - 1:
-        specs.append(whole(FINAL_NORM, (h,), dtype=dtype, replica=rep, local_name=M_FINAL_NORM))
-        if not shape.tie_word_embeddings:
-            specs.append(vocab_spec(LM_HEAD, M_OUTPUT, shape, tp_rank, tp_size, multiple,
-                                    dtype=dtype, replica=own))
-        elif pp_size > 1:
-            specs.append(vocab_spec(EMBED, M_OUTPUT, shape, tp_rank, tp_size, multiple,
-                                    dtype=dtype, replica=replica_index(1, 2, dp_rank)))
+        specs.extend(dense_mlp(shape, layer, mlp, fc1=f"{m}mlp.linear_fc1",
+                               fc2=f"{m}mlp.linear_fc2", dtype=dtype, rep=rep, own=own))
+    specs.extend(last)
     return specs
 
 
-def _renamed(spec: ShardSpec, local_name: str) -> ShardSpec:
-    return ShardSpec(local_name=local_name, local_shape=spec.local_shape, pieces=spec.pieces,
-                     dtype=spec.dtype, padding=spec.padding, replica=spec.replica)
-
+def _attention(shape: ModelShape, layer: int, m: str, groups: range, *, dtype: str, rep: int,
+               own: int) -> list[ShardSpec]:
+    """Returns one layer's attention specs: interleaved `linear_qkv`, q/k norms, `linear_proj`."""
+    a, hd, h = f"model.layers.{layer}.self_attn.", shape.head_dim, shape.hidden_size
+    hpg = shape.heads_per_group
+    specs: list[ShardSpec] = []
+    for kind in ("weight", "bias") if shape.qkv_bias else ("weight",):
+        q_dims = (shape.q_rows, h) if kind == "weight" else (shape.q_rows,)
+        kv_dims = (shape.kv_rows, h) if kind == "weight" else (shape.kv_rows,)
+        segments: list[Segment] = []
+        for g in groups:
+            segments.append(rows_of(f"{a}q_proj.{kind}", q_dims,
+                                    range(g * hpg * hd, (g + 1) * hpg * hd)))
+            segments.append(rows_of(f"{a}k_proj.{kind}", kv_dims, range(g * hd, (g + 1) * hd)))
+            segments.append(rows_of(f"{a}v_proj.{kind}", kv_dims, range(g * hd, (g + 1) * hd)))
+        specs.append(stack(f"{m}self_attention.linear_qkv.{kind}", segments, dtype=dtype,
+                           replica=own))
+    if shape.qk_norm:
+        for hf_norm, m_norm in (("q_norm", "q_layernorm"), ("k_norm", "k_layernorm")):
+            specs.append(whole(f"{a}{hf_norm}.weight", (hd,), dtype=dtype, replica=rep,
+                               local_name=f"{m}self_attention.{m_norm}.weight"))
+    q_cols = range(groups.start * hpg * hd, groups.stop * hpg * hd)
+    specs.append(col_split(f"{a}o_proj.weight", (h, shape.q_rows), q_cols, dtype=dtype,
+                           replica=own, local_name=f"{m}self_attention.linear_proj.weight"))
+    if shape.o_bias:
+        specs.append(whole(f"{a}o_proj.bias", (h,), dtype=dtype, replica=rep,
+                           local_name=f"{m}self_attention.linear_proj.bias"))
+    return specs
 
 def _moe(shape: ModelShape, layer: int, m: str, tp_rank: int, tp_size: int, ep_rank: int,
          ep_size: int, expert_tp_size: int | None, grouped: bool,

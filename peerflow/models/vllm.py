@@ -73,6 +73,69 @@ def vocab_spec(name: str, local_name: str, shape: ModelShape, tp_rank: int, tp_s
     return stack(local_name, [seg], dtype=dtype, replica=replica, pad_rows=pad)
 
 
+def dense_mlp(shape: ModelShape, layer: int, mlp: range, *, fc1: str, fc2: str, dtype: str,
+              rep: int, own: int) -> list[ShardSpec]:
+    """Returns a dense layer's tp-split MLP: stacked `[gate_r; up_r]` `fc1`, row-parallel `fc2`.
+
+    Args:
+        shape: Model shape.
+        layer: Global layer index.
+        mlp: This rank's MLP channels.
+        fc1: Local name (without `.weight`/`.bias`) of the fused gate/up projection.
+        fc2: Local name (without `.weight`/`.bias`) of the down projection.
+        dtype: torch dtype name of the local tensors.
+        rep: Replica index of replicated tensors (the down-projection bias).
+        own: Replica index of this rank's own shards.
+    """
+    p, i, h = f"model.layers.{layer}.mlp.", shape.intermediate_size, shape.hidden_size
+    kinds = ("weight", "bias") if shape.mlp_bias else ("weight",)
+    specs = [stack(f"{fc1}.{kind}", [rows_of(f"{p}{proj}.{kind}", (i, h)[:dims], mlp)
+                                     for proj in ("gate_proj", "up_proj")],
+                   dtype=dtype, replica=own)
+             for kind, dims in zip(kinds, (2, 1))]
+    specs.append(col_split(f"{p}down_proj.weight", (h, i), mlp, dtype=dtype, replica=own,
+                           local_name=f"{fc2}.weight"))
+    if shape.mlp_bias:
+        specs.append(whole(f"{p}down_proj.bias", (h,), dtype=dtype, replica=rep,
+                           local_name=f"{fc2}.bias"))
+    return specs
+
+
+def stage_ends(shape: ModelShape, tp_rank: int, tp_size: int, multiple: int, *, pp_rank: int,
+               pp_size: int, names: tuple[str, str, str], dtype: str,
+               dp_rank: int) -> tuple[list[ShardSpec], list[ShardSpec]]:
+    """Returns (first-stage specs, last-stage specs): embedding; final norm and LM head.
+
+    Args:
+        shape: Model shape.
+        tp_rank: Tensor-parallel rank.
+        tp_size: Tensor-parallel size.
+        multiple: Padding multiple of the whole vocabulary.
+        pp_rank: Pipeline stage.
+        pp_size: Pipeline stages.
+        names: Local names of (embedding, final norm, LM head).
+        dtype: torch dtype name of the local tensors.
+        dp_rank: Data-parallel replica (only for replica indices).
+    """
+    embed, norm, head = names
+    own = replica_index(0, 1, dp_rank)
+    first: list[ShardSpec] = []
+    last: list[ShardSpec] = []
+    if pp_rank == 0:
+        first.append(vocab_spec(EMBED, embed, shape, tp_rank, tp_size, multiple, dtype=dtype,
+                                replica=own))
+    if pp_rank == pp_size - 1:
+        last.append(whole(FINAL_NORM, (shape.hidden_size,), dtype=dtype, local_name=norm,
+                          replica=replica_index(tp_rank, tp_size, dp_rank)))
+        if not shape.tie_word_embeddings:
+            last.append(vocab_spec(LM_HEAD, head, shape, tp_rank, tp_size, multiple,
+                                   dtype=dtype, replica=own))
+        elif pp_size > 1:
+            last.append(vocab_spec(EMBED, head, shape, tp_rank, tp_size, multiple,
+                                   dtype=dtype, replica=replica_index(1, 2, dp_rank)))
+    return first, last
+
+
 def kv_heads_of_rank(shape: ModelShape, tp_rank: int, tp_size: int) -> range:
     """Returns the kv heads a tp rank holds (`QKVParallelLinear`, replicating when needed)."""
     if tp_size >= shape.num_kv_heads:
@@ -129,65 +192,56 @@ def vllm_layout(
     layers = layers if layers is not None else stage_layers(shape.num_layers, pp_rank, pp_size)
     rep = replica_index(tp_rank, tp_size, dp_rank)
     own = replica_index(0, 1, dp_rank)
-    hd, h = shape.head_dim, shape.hidden_size
+    h = shape.hidden_size
     heads = split_even(shape.num_heads, tp_size, tp_rank, what="attention heads")
     kv = kv_heads_of_rank(shape, tp_rank, tp_size)
     kv_copy = 0 if tp_size <= shape.num_kv_heads else tp_rank % (tp_size // shape.num_kv_heads)
-    q_rows = range(heads.start * hd, heads.stop * hd)
-    kv_rows = range(kv.start * hd, kv.stop * hd)
     mlp = split_even(shape.intermediate_size, tp_size, tp_rank, what="MLP channels")
-    specs: list[ShardSpec] = []
-    if pp_rank == 0:
-        specs.append(vocab_spec(EMBED, EMBED, shape, tp_rank, tp_size, vocab_multiple,
-                                dtype=dtype, replica=own))
+    first, last = stage_ends(shape, tp_rank, tp_size, vocab_multiple, pp_rank=pp_rank,
+                             pp_size=pp_size, names=(EMBED, FINAL_NORM, LM_HEAD), dtype=dtype,
+                             dp_rank=dp_rank)
+    specs = first
     for layer in layers:
         p = f"model.layers.{layer}."
-        a = f"{p}self_attn."
         specs.append(whole(f"{p}input_layernorm.weight", (h,), dtype=dtype, replica=rep))
-        for kind in ("weight", "bias") if shape.qkv_bias else ("weight",):
-            segments = [
-                rows_of(f"{a}{proj}.{kind}", (total, h) if kind == "weight" else (total,), rows)
-                for proj, rows, total in (("q_proj", q_rows, shape.q_rows),
-                                          ("k_proj", kv_rows, shape.kv_rows),
-                                          ("v_proj", kv_rows, shape.kv_rows))
-            ]
-            # Query rows are unique per rank; a replicated kv head makes the whole fused
-            # tensor a non-primary copy on all but the first rank holding that head.
-            specs.append(stack(f"{a}qkv_proj.{kind}", segments, dtype=dtype,
-                               replica=own if kv_copy == 0 else rep))
-        specs.append(col_split(f"{a}o_proj.weight", (h, shape.q_rows), q_rows, dtype=dtype,
-                                   replica=own))
-        if shape.o_bias:
-            specs.append(whole(f"{a}o_proj.bias", (h,), dtype=dtype, replica=rep))
-        if shape.qk_norm:
-            for norm in ("q_norm", "k_norm"):
-                specs.append(whole(f"{a}{norm}.weight", (hd,), dtype=dtype, replica=rep))
+        specs.extend(_attention(shape, layer, heads, kv, kv_copy, dtype=dtype, rep=rep, own=own))
         specs.append(whole(f"{p}post_attention_layernorm.weight", (h,), dtype=dtype,
                            replica=rep))
         if shape.is_sparse(layer):
             specs.extend(_moe(shape, layer, tp_rank, tp_size, ep_rank, ep_size,
                               expert_tp_size, expert_replica, dp_rank, dtype))
             continue
-        i = shape.intermediate_size
-        gate_up = [rows_of(f"{p}mlp.gate_proj.weight", (i, h), mlp),
-                   rows_of(f"{p}mlp.up_proj.weight", (i, h), mlp)]
-        specs.append(stack(f"{p}mlp.gate_up_proj.weight", gate_up, dtype=dtype, replica=own))
-        if shape.mlp_bias:
-            bias = [rows_of(f"{p}mlp.gate_proj.bias", (i,), mlp),
-                    rows_of(f"{p}mlp.up_proj.bias", (i,), mlp)]
-            specs.append(stack(f"{p}mlp.gate_up_proj.bias", bias, dtype=dtype, replica=own))
-        specs.append(col_split(f"{p}mlp.down_proj.weight", (h, i), mlp, dtype=dtype,
-                                   replica=own))
-        if shape.mlp_bias:
-            specs.append(whole(f"{p}mlp.down_proj.bias", (h,), dtype=dtype, replica=rep))
-    if pp_rank == pp_size - 1:
-        specs.append(whole(FINAL_NORM, (h,), dtype=dtype, replica=rep))
-        if not shape.tie_word_embeddings:
-            specs.append(vocab_spec(LM_HEAD, LM_HEAD, shape, tp_rank, tp_size, vocab_multiple,
-                                    dtype=dtype, replica=own))
-        elif pp_size > 1:
-            specs.append(vocab_spec(EMBED, LM_HEAD, shape, tp_rank, tp_size, vocab_multiple,
-                                    dtype=dtype, replica=replica_index(1, 2, dp_rank)))
+        specs.extend(dense_mlp(shape, layer, mlp, fc1=f"{p}mlp.gate_up_proj",
+                               fc2=f"{p}mlp.down_proj", dtype=dtype, rep=rep, own=own))
+    specs.extend(last)
+    return specs
+
+
+def _attention(shape: ModelShape, layer: int, heads: range, kv: range, kv_copy: int, *,
+               dtype: str, rep: int, own: int) -> list[ShardSpec]:
+    """Returns one layer's attention specs: fused `qkv_proj`, `o_proj`, q/k norms."""
+    a, hd, h = f"model.layers.{layer}.self_attn.", shape.head_dim, shape.hidden_size
+    q_rows = range(heads.start * hd, heads.stop * hd)
+    kv_rows = range(kv.start * hd, kv.stop * hd)
+    specs: list[ShardSpec] = []
+    for kind in ("weight", "bias") if shape.qkv_bias else ("weight",):
+        segments = [
+            rows_of(f"{a}{proj}.{kind}", (total, h) if kind == "weight" else (total,), rows)
+            for proj, rows, total in (("q_proj", q_rows, shape.q_rows),
+                                      ("k_proj", kv_rows, shape.kv_rows),
+                                      ("v_proj", kv_rows, shape.kv_rows))
+        ]
+        # Query rows are unique per rank; a replicated kv head makes the whole fused
+        # tensor a non-primary copy on all but the first rank holding that head.
+        specs.append(stack(f"{a}qkv_proj.{kind}", segments, dtype=dtype,
+                           replica=own if kv_copy == 0 else rep))
+    specs.append(col_split(f"{a}o_proj.weight", (h, shape.q_rows), q_rows, dtype=dtype,
+                           replica=own))
+    if shape.o_bias:
+        specs.append(whole(f"{a}o_proj.bias", (h,), dtype=dtype, replica=rep))
+    if shape.qk_norm:
+        for norm in ("q_norm", "k_norm"):
+            specs.append(whole(f"{a}{norm}.weight", (hd,), dtype=dtype, replica=rep))
     return specs
 
 
