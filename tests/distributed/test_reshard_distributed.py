@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import os
 import queue
@@ -23,52 +22,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _engines():
-    from peerflow.engines import EngineContext, RolloutEngine, TrainEngine
-    from peerflow.layout import ParallelLayout
-
-    ctx = EngineContext(model_path="", layout=ParallelLayout())
-
-    class Trainer(TrainEngine):
-        name = "dist-test-trainer"
-
-        def __init__(self, specs, tensors):
-            super().__init__(ctx, None, None)
-            self.specs, self.tensors = specs, tensors
-
-        def forward_logprobs(self, batch):
-            raise NotImplementedError("weight-export test engine")
-
-        def train_step(self, batch, loss):
-            raise NotImplementedError("weight-export test engine")
-
-        def weight_sources(self):
-            return self.specs
-
-        def materialize(self, specs):
-            return contextlib.nullcontext([self.tensors[s.local_name] for s in specs])
-
-    class Rollout(RolloutEngine):
-        name = "dist-test-rollout"
-
-        def __init__(self, specs):
-            super().__init__(ctx, None)
-            self.specs = specs
-            self.params = {s.local_name: torch.zeros(s.local_shape) for s in specs}
-
-        def generate(self, requests, sampling):
-            raise NotImplementedError("weight-import test engine")
-
-        def weight_targets(self):
-            return self.specs
-
-        def load_weights(self, items):
-            for spec, tensor in items:
-                self.params[spec.local_name].copy_(tensor)
-
-    return Trainer, Rollout
 
 
 def _check(rollout, full, version):
@@ -120,7 +73,9 @@ def _worker(rank: int, world: int, port: int, results) -> None:
 
     _init(rank, world, port)
     try:
-        Trainer, Rollout = _engines()
+        from tests.helpers.tensor_engines import TensorRollout as Rollout
+        from tests.helpers.tensor_engines import TensorTrainer as Trainer
+
         full = arange_globals(hf_parameters(CONFIG))
         out = {}
         # Split: the trainer (Megatron tp1 layout) on rank 0, the rollout (vLLM) on rank 1.
@@ -176,7 +131,9 @@ def _both_modes_worker(rank: int, world: int, port: int, results) -> None:
 
     _init(rank, world, port)
     try:
-        Trainer, Rollout = _engines()
+        from tests.helpers.tensor_engines import TensorRollout as Rollout
+        from tests.helpers.tensor_engines import TensorTrainer as Trainer
+
 
         class ZeroCopy(Rollout):
             def weight_buffers(self, specs):

@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 
 from peerflow.capabilities import Capabilities
 from peerflow.conformance.harness import run_threaded
 from peerflow.conformance.oracle import arange_globals, cut, shard_all
-from peerflow.engines import EngineContext, RolloutEngine, TrainEngine
 from peerflow.errors import ConfigError, ShardError
-from peerflow.layout import ParallelLayout
 from peerflow.models import hf_layout, hf_parameters, megatron_layout, vllm_layout
 from peerflow.plugins import get_plugin_manager, hookimpl
 from peerflow.reshard import (
@@ -23,57 +19,10 @@ from peerflow.reshard import (
     sync_weights,
 )
 from peerflow.shard import Box, ShardSpec
+from tests.helpers.tensor_engines import TensorRollout, TensorTrainer
 
 CONFIG = dict(model_type="llama", vocab_size=130, hidden_size=32, intermediate_size=64,
               num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4, head_dim=4)
-
-
-class TensorTrainer(TrainEngine):
-    """Serves fixed tensors as a trainer's weights (the weight-export half of the contract)."""
-
-    name = "test-tensor-trainer"
-
-    def __init__(self, specs, tensors):
-        super().__init__(EngineContext(model_path="", layout=ParallelLayout()), None, None)
-        self.specs, self.tensors, self.materialized = list(specs), tensors, []
-
-    def forward_logprobs(self, batch):
-        raise NotImplementedError("weight-export test engine")
-
-    def train_step(self, batch, loss):
-        raise NotImplementedError("weight-export test engine")
-
-    def weight_sources(self):
-        return self.specs
-
-    def materialize(self, specs):
-        self.materialized.append([s.local_name for s in specs])
-        return contextlib.nullcontext([self.tensors[s.local_name] for s in specs])
-
-
-class TensorRollout(RolloutEngine):
-    """Keeps loaded tensors in a dict (the weight-import half of the contract)."""
-
-    name = "test-tensor-rollout"
-
-    def __init__(self, specs):
-        super().__init__(EngineContext(model_path="", layout=ParallelLayout()), None)
-        self.specs = list(specs)
-        self.params = {s.local_name: torch.zeros(s.local_shape, dtype=getattr(torch, s.dtype))
-                       for s in specs}
-        self.calls = []
-
-    def generate(self, requests, sampling):
-        raise NotImplementedError("weight-import test engine")
-
-    def weight_targets(self):
-        return self.specs
-
-    def load_weights(self, items):
-        self.calls.append(len(items))
-        for spec, tensor in items:
-            assert tuple(tensor.shape) == spec.local_shape
-            self.params[spec.local_name].copy_(tensor)
 
 
 def test_colocated_sync_megatron_to_vllm_publishes_version_and_reports_phases():
