@@ -9,9 +9,7 @@ token-load balance against the exact optimum.
 from __future__ import annotations
 
 import itertools
-import os
 import queue
-import socket
 
 import pytest
 import torch
@@ -22,25 +20,17 @@ from hypothesis import strategies as st
 from peerflow.batch import Batch, RaggedField
 from peerflow.coordinator import dp_members, pack_batch, unpack_batch
 from peerflow.layout import ParallelLayout
+from tests.helpers.gloo import free_port, init_gloo
 
 pytestmark = pytest.mark.distributed
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank: int, world: int, port: int, tasks, results) -> None:
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    torch.set_num_threads(1)
     import torch.distributed as dist
 
     from peerflow.coordinator import TransferStats, redistribute
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
+    init_gloo(rank, world, port)
     subgroups = {}
     for ranks in itertools.chain.from_iterable(
             itertools.combinations(range(world), k) for k in range(2, world)):
@@ -71,7 +61,7 @@ class Pool:
         self.world = world
         self.tasks = [ctx.Queue() for _ in range(world)]
         self.results = ctx.Queue()
-        port = _free_port()
+        port = free_port()
         self.procs = [ctx.Process(target=_worker, args=(r, world, port, self.tasks[r],
                                                         self.results), daemon=True)
                       for r in range(world)]

@@ -7,14 +7,12 @@ exactly what whitening the union of the two dp-shards in one process gives.
 
 from __future__ import annotations
 
-import os
-import socket
-
 import pytest
 import torch
 import torch.multiprocessing as mp
 
 from peerflow.algorithms.ragged_ops import whiten
+from tests.helpers.gloo import free_port, init_gloo
 
 pytestmark = pytest.mark.distributed
 
@@ -22,19 +20,10 @@ SHARDS = [torch.tensor([0.5, 2.0, -1.0, 3.0], dtype=torch.float64),
           torch.tensor([1.0, -4.0, 0.25], dtype=torch.float64)]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank: int, world: int, port: int, results) -> None:
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    torch.set_num_threads(1)
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
+    init_gloo(rank, world, port)
     try:
         shard = SHARDS[rank // 2]  # ranks 0, 1: dp-rank 0 (tp peers); 2, 3: dp-rank 1
         results.put((rank, whiten(shard, dist.group.WORLD, replicas=2)))
@@ -45,7 +34,7 @@ def _worker(rank: int, world: int, port: int, results) -> None:
 def test_whitening_counts_each_dp_shard_once():
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, 4, port, results)) for r in range(4)]
     for p in procs:
         p.start()

@@ -12,6 +12,7 @@ import pytest
 
 from peerflow.errors import ConfigError
 from peerflow.launch import launch
+from tests.helpers.gloo import free_port
 
 pytestmark = pytest.mark.distributed
 
@@ -57,12 +58,6 @@ def _env(tmp_path, **extra):
     return env
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _results(tmp_path, n):
     return [(tmp_path / f"rank{r}").read_text() for r in range(n)]
 
@@ -72,7 +67,7 @@ def test_torchrun_runs_the_worker_in_process(tmp_path) -> None:
     env = _env(tmp_path)
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
-         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}",
+         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
          str(tmp_path / "launch_script.py"), str(tmp_path), "2", "elastic"],
         env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr

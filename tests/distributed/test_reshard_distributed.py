@@ -2,26 +2,19 @@
 
 from __future__ import annotations
 
-import datetime
-import os
 import queue
-import socket
 import traceback
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
+from tests.helpers.gloo import free_port, init_gloo
+
 pytestmark = pytest.mark.distributed
 
 CONFIG = dict(model_type="qwen3", vocab_size=130, hidden_size=32, intermediate_size=64,
               num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, head_dim=4)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _check(rollout, full, version):
@@ -37,7 +30,7 @@ def _run_pair(target) -> list:
     """Runs `target(rank, 2, port, results)` in two spawned processes; returns outputs."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=target, args=(r, 2, port, results)) for r in range(2)]
     for p in procs:
         p.start()
@@ -55,15 +48,6 @@ def _run_pair(target) -> list:
     return got
 
 
-def _init(rank: int, world: int, port: int) -> None:
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    torch.set_num_threads(1)
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=240))
-
-
 def _worker(rank: int, world: int, port: int, results) -> None:
     import torch.distributed as dist
 
@@ -71,7 +55,7 @@ def _worker(rank: int, world: int, port: int, results) -> None:
     from peerflow.models import hf_layout, hf_parameters, megatron_layout, vllm_layout
     from peerflow.reshard import plan_weight_sync, sync_weights
 
-    _init(rank, world, port)
+    init_gloo(rank, world, port, timeout_s=240)
     try:
         from tests.helpers.tensor_engines import TensorRollout as Rollout
         from tests.helpers.tensor_engines import TensorTrainer as Trainer
@@ -129,7 +113,7 @@ def _both_modes_worker(rank: int, world: int, port: int, results) -> None:
     from peerflow.streaming.transport import WEIGHT_TAG, Kind, StreamReceiver, StreamSender
     from peerflow.streaming.weight_push import WeightPusher, WeightReceiver
 
-    _init(rank, world, port)
+    init_gloo(rank, world, port, timeout_s=240)
     try:
         from tests.helpers.tensor_engines import TensorRollout as Rollout
         from tests.helpers.tensor_engines import TensorTrainer as Trainer

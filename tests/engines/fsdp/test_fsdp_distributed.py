@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +21,7 @@ from tests.engines.fsdp.fsdp_testlib import (
     nll_loss,
     to_batch,
 )
+from tests.helpers.gloo import free_port
 
 pytestmark = pytest.mark.distributed
 
@@ -31,12 +31,6 @@ pytestmark = pytest.mark.distributed
 # gradients (measured max difference ~4e-6).
 OPTIM = {"lr": 0.01, "micro_batch_tokens": 40, "eps": 1e-3}
 WORKER = Path(__file__).with_name("dist_worker.py")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 LAYOUTS = {"dp": ParallelLayout(dp=2), "tp": ParallelLayout(tp=2),
@@ -52,7 +46,7 @@ def run(request, tiny_model, tmp_path_factory):
     env = dict(os.environ, HF_HUB_OFFLINE="1", GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
-        "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+        "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
         str(WORKER), tiny_model, str(out), request.param, json.dumps(OPTIM),
     ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
