@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -27,6 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from peerflow.bench.e2e import worker_env
 
 #: Phases the trainer group computes in a synchronous step (it waits for the rest, and
 #: both groups take part in the data route and the weight sync).
@@ -53,15 +54,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         metavar="KEY=VALUE", help="config override applied to both sides")
 
 
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env.update({"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "HF_HUB_OFFLINE": "1",
-                "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"})
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    return env
-
-
 def _train(config: str, overrides: list[str], work: Path, label: str) -> list[dict[str, Any]]:
     run_dir = work / f"{label}-{time.time_ns()}"
     cmd = [sys.executable, "-m", "peerflow", "train", config, "--nprocs", "2",
@@ -70,7 +62,7 @@ def _train(config: str, overrides: list[str], work: Path, label: str) -> list[di
         cmd += ["--set", item]
     log = work / f"{label}.log"
     with log.open("w") as out:
-        proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=_env())
+        proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=worker_env())
     if proc.returncode:
         raise RuntimeError(f"{label} run exited {proc.returncode}; log {log}:\n"
                            f"{log.read_text()[-3000:]}")

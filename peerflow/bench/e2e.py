@@ -35,7 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="measure PeerFlow only (TRL not installed)")
 
 
-def _env() -> dict[str, str]:
+def worker_env() -> dict[str, str]:
+    """Returns the environment for a benchmarked `peerflow train` child: one thread, offline."""
     env = dict(os.environ)
     env.update({"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "HF_HUB_OFFLINE": "1",
                 "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"})
@@ -47,7 +48,7 @@ def _env() -> dict[str, str]:
 def _run(cmd: list[str], log: Path) -> float:
     start = time.perf_counter()
     with log.open("w") as out:
-        proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=_env())
+        proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=worker_env())
     wall = time.perf_counter() - start
     if proc.returncode:
         tail = log.read_text()[-3000:]

@@ -17,6 +17,7 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -33,7 +34,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
 
     from peerflow.config import load_config
     from peerflow.plugins import load_plugins
@@ -47,7 +48,6 @@ def main(argv: list[str] | None = None) -> None:
     reward = components["rewards"][components["default_reward"]]
     world = int(os.environ.get("WORLD_SIZE", "1"))
     prompts_per_step = config.run.prompts_per_step
-    n = config.rollout.sampling.n
     examples = {}
     for i, example in enumerate(task.examples("train", config.seed)):
         if i >= prompts_per_step * config.run.steps:
@@ -67,13 +67,33 @@ def main(argv: list[str] | None = None) -> None:
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    trl_args = _grpo_config(config, Path(args.workdir) / "trl", world)
+    trainer = GRPOTrainer(model=model, reward_funcs=[reward_fn], args=trl_args,
+                          train_dataset=dataset, processing_class=tokenizer)
+    start = time.perf_counter()
+    trainer.train()
+    train_s = time.perf_counter() - start
+    if int(os.environ.get("RANK", "0")) == 0:
+        rewards = [h.get("reward") for h in trainer.state.log_history if "reward" in h]
+        Path(args.out).write_text(json.dumps({
+            "tokens": float(trainer.state.num_input_tokens_seen),
+            "train_s": train_s,
+            "steps": trainer.state.global_step,
+            "reward": rewards,
+        }))
+
+
+def _grpo_config(config: Any, output_dir: Path, world: int) -> Any:
+    """Returns TRL's `GRPOConfig` with the PeerFlow config's sampling and optimiser settings."""
+    from trl import GRPOConfig
+
     sampling = config.rollout.sampling
-    trl_args = GRPOConfig(
-        output_dir=str(Path(args.workdir) / "trl"),
-        per_device_train_batch_size=prompts_per_step * n // world,
+    return GRPOConfig(
+        output_dir=str(output_dir),
+        per_device_train_batch_size=config.run.prompts_per_step * sampling.n // world,
         gradient_accumulation_steps=1,
         steps_per_generation=1,
-        num_generations=n,
+        num_generations=sampling.n,
         max_completion_length=sampling.max_tokens,
         temperature=sampling.temperature,
         top_p=sampling.top_p,
@@ -97,19 +117,6 @@ def main(argv: list[str] | None = None) -> None:
         dataloader_num_workers=0,
         disable_tqdm=True,
     )
-    trainer = GRPOTrainer(model=model, reward_funcs=[reward_fn], args=trl_args,
-                          train_dataset=dataset, processing_class=tokenizer)
-    start = time.perf_counter()
-    trainer.train()
-    train_s = time.perf_counter() - start
-    if int(os.environ.get("RANK", "0")) == 0:
-        rewards = [h.get("reward") for h in trainer.state.log_history if "reward" in h]
-        Path(args.out).write_text(json.dumps({
-            "tokens": float(trainer.state.num_input_tokens_seen),
-            "train_s": train_s,
-            "steps": trainer.state.global_step,
-            "reward": rewards,
-        }))
 
 
 if __name__ == "__main__":

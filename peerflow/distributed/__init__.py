@@ -21,15 +21,14 @@ from peerflow.distributed.comm import (
     default_timeout,
     wait_all,
 )
+from peerflow.distributed.failure import FailureRecord, read_failure
 from peerflow.distributed.faults import (
     PEER_FAILED_EXIT,
-    FailureRecord,
     FaultMonitor,
     current_monitor,
     describe_stage,
     handle_failure,
     raise_if_failed,
-    read_failure,
     stage,
 )
 from peerflow.distributed.init import (

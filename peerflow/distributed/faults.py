@@ -25,10 +25,8 @@ takes at most `stale_after + 2 * interval` (half `fault_timeout` by default).
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
-import socket
 import sys
 import threading
 import time
@@ -37,6 +35,14 @@ from typing import Any
 
 import attrs
 
+from peerflow.distributed.failure import (
+    FailureRecord,
+    hostname,
+    looks_like_comm_error,
+    publish_failure,
+    rank_info,
+    read_failure,
+)
 from peerflow.distributed.ranklog import append_to_rank_log
 from peerflow.distributed.stages import (
     PREFIX,
@@ -45,7 +51,6 @@ from peerflow.distributed.stages import (
     main_thread_location,
     main_thread_stack,
     mark_timed_out,
-    read_stage,
 )
 from peerflow.errors import WorkerFailedError
 
@@ -53,68 +58,6 @@ from peerflow.errors import WorkerFailedError
 PEER_FAILED_EXIT = 3
 #: Exit status of a rank whose own stage ran past its deadline.
 STUCK_EXIT = 1
-
-_COMM_ERROR_WORDS = ("gloo", "connection", "timed out", "timeout", "nccl", "closed",
-                     "reset by peer", "broken pipe", "peer", "did not complete")
-
-
-@attrs.frozen(kw_only=True)
-class FailureRecord:
-    """Which rank failed, where, in which stage and why."""
-
-    rank: int
-    host: str
-    stage: str
-    reason: str
-    reporter: int
-
-    def message(self) -> str:
-        """Human form, as every rank prints it."""
-        return (f"rank {self.rank} (host {self.host}) failed in stage {self.stage!r}: "
-                f"{self.reason}")
-
-    def to_json(self) -> str:
-        """Serialised form stored under the abort key."""
-        return json.dumps(attrs.asdict(self))
-
-    @classmethod
-    def from_json(cls, text: str | bytes) -> FailureRecord:
-        """Parses `to_json`'s output."""
-        return cls(**json.loads(text))
-
-
-def _hostname() -> str:
-    return socket.gethostname()
-
-
-def read_failure(store: Any) -> FailureRecord | None:
-    """Returns the published abort record, or `None` if no rank failed."""
-    if not store.check([PREFIX + "abort"]):
-        return None
-    return FailureRecord.from_json(store.get(PREFIX + "abort"))
-
-
-def publish_failure(store: Any, record: FailureRecord) -> FailureRecord:
-    """Publishes `record` unless another failure was published first; returns the winner."""
-    current = store.compare_set(PREFIX + "abort", "", record.to_json())
-    return FailureRecord.from_json(current)
-
-
-def rank_info(store: Any, rank: int) -> tuple[str, str]:
-    """Returns `(host, stage)` a rank last recorded (`?` when unknown)."""
-    host = "?"
-    if store.check([f"{PREFIX}host/{rank}"]):
-        host = store.get(f"{PREFIX}host/{rank}").decode().rsplit(":", 1)[0]
-    record = read_stage(store, rank)
-    return host, record.label() if record is not None else "?"
-
-
-def looks_like_comm_error(exc: BaseException) -> bool:
-    """Whether an exception is what a collective raises when a peer vanished or timed out."""
-    text = f"{type(exc).__name__} {exc}".lower()
-    kinds = RuntimeError | ConnectionError | TimeoutError | WorkerFailedError
-    return isinstance(exc, kinds) and any(w in text for w in _COMM_ERROR_WORDS)
-
 
 @attrs.define(eq=False)
 class FaultMonitor:
@@ -139,7 +82,7 @@ class FaultMonitor:
     launcher or torchrun agent hosts it."""
     current: StageRecord = attrs.field(factory=lambda: StageRecord(name="startup"))
     """The stage this rank is in."""
-    host: str = attrs.field(factory=_hostname)
+    host: str = attrs.field(factory=hostname)
     _stop: threading.Event = attrs.field(factory=threading.Event)
     _thread: threading.Thread | None = None
     _seen: dict[int, tuple[int, float]] = attrs.field(factory=dict)

@@ -44,7 +44,7 @@ EOS id. Nothing in PeerFlow's runtime depends on either id: prompts arrive as to
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import attrs
 import torch
@@ -220,3 +220,22 @@ __all__ = [
     "RolloutEngine",
     "SamplingParams",
 ]
+
+
+def tokens_before_stop(decode: Callable[[list[int]], str], tokens: list[int], text: str) -> int:
+    """Returns how many tokens to keep so the answer ends before its stop string.
+
+    Engines trim the stop string from the text but not always from the token ids;
+    PeerFlow's contract trims both. Keeps the longest prefix whose decoded text fits in
+    the engine's trimmed `text`.
+
+    Args:
+        decode: Token ids to text (special tokens skipped).
+        tokens: The sampled token ids.
+        text: The engine's text, already cut before the stop string.
+    """
+    for keep in range(len(tokens), -1, -1):
+        if len(decode(tokens[:keep])) <= len(text):
+            return keep
+    return 0
+

@@ -27,7 +27,7 @@ import os
 from collections.abc import Sequence
 
 from peerflow.errors import ConfigError
-from peerflow.launch.entry import DEFAULT_ENTRY, resolve_entry, worker_entry
+from peerflow.launch.entry import DEFAULT_ENTRY, WorkerCommand, resolve_entry, worker_entry
 
 #: Launchers `launch` knows.
 LAUNCHERS = ("elastic", "ray")
@@ -81,23 +81,22 @@ def launch(
         nprocs = config.runtime.nprocs if nprocs is None else nprocs
         torch_threads = config.runtime.torch_threads if torch_threads is None else torch_threads
     resolve_entry(entry)  # fail here, not in every worker
+    command = WorkerCommand(entry=entry, config_path=config_path, overrides=overrides,
+                            run_dir=run_dir, resume=resume, fault_timeout=fault_timeout,
+                            torch_threads=torch_threads)
     if in_distributed_env():
-        worker_entry(entry, config_path, overrides, run_dir, resume, fault_timeout,
-                     torch_threads)
+        worker_entry(*command.args())
         return 0
     if nprocs < 1:
         raise ConfigError(f"nprocs={nprocs}: need at least one worker process.")
-    kwargs = dict(entry=entry, config_path=config_path, overrides=list(overrides),
-                  run_dir=run_dir, resume=resume, nprocs=nprocs, fault_timeout=fault_timeout,
-                  torch_threads=torch_threads)
     if launcher == "ray":
         from peerflow.launch.ray_launcher import launch_ray
 
-        launch_ray(**kwargs)
+        launch_ray(command, nprocs=nprocs)
     else:
         from peerflow.launch.elastic import launch_elastic
 
-        launch_elastic(**kwargs)
+        launch_elastic(command, nprocs=nprocs)
     return 0
 
 

@@ -5,12 +5,11 @@ from __future__ import annotations
 import logging
 import socket
 import uuid
-from collections.abc import Sequence
 from pathlib import Path
 
 from peerflow.distributed.ranklog import rank_log_path
 from peerflow.errors import RunInterruptedError, WorkerFailedError
-from peerflow.launch.entry import worker_entry
+from peerflow.launch.entry import WorkerCommand, worker_entry
 from peerflow.launch.watch import FaultStore
 
 
@@ -43,17 +42,7 @@ def failure_message(store: FaultStore, failures: dict[int, object] | None = None
     return "\n".join(lines)
 
 
-def launch_elastic(
-    *,
-    entry: str,
-    config_path: str | None,
-    overrides: Sequence[str],
-    run_dir: str,
-    resume: str | None,
-    nprocs: int,
-    fault_timeout: float,
-    torch_threads: int = 1,
-) -> None:
+def launch_elastic(command: WorkerCommand, *, nprocs: int) -> None:
     """Spawns `nprocs` workers with `elastic_launch`; returns when all finished cleanly.
 
     Raises:
@@ -70,23 +59,22 @@ def launch_elastic(
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nprocs, run_id=f"peerflow-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}",
-        rdzv_configs={"timeout": int(max(60, fault_timeout))}, max_restarts=0,
+        rdzv_configs={"timeout": int(max(60, command.fault_timeout))}, max_restarts=0,
         # our own watcher names the failure first; the agent then stops the rest
         monitor_interval=0.5, start_method="spawn",
     )
-    args = (entry, config_path, list(overrides), run_dir, resume, fault_timeout, torch_threads)
     # The agent logs each failed child's traceback through torch's formatter, which
     # imports torch._dynamo (seconds on a busy machine); our own report names the failure.
     quiet = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
     level = quiet.level
     quiet.setLevel(logging.CRITICAL)
     try:
-        elastic_launch(config, worker_entry)(*args)
+        elastic_launch(config, worker_entry)(*command.args())
     except (KeyboardInterrupt, SignalException) as exc:
         raise RunInterruptedError(f"interrupted ({exc or 'Ctrl-C'}); every worker was "
                                   "stopped") from None
     except ChildFailedError as exc:
-        raise WorkerFailedError(failure_message(store, exc.failures, resume or run_dir)
+        raise WorkerFailedError(failure_message(store, exc.failures, command.logs_dir)
                                 ) from None
     finally:
         quiet.setLevel(level)

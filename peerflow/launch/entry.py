@@ -17,6 +17,8 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import attrs
+
 #: Exit status of a worker stopped by Ctrl-C (128 + SIGINT, as shells report it).
 INTERRUPTED_EXIT = 130
 #: The worker function `peerflow train` runs in every process.
@@ -37,6 +39,36 @@ def resolve_entry(entry: str) -> Callable[..., Any]:
         return getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as exc:
         raise ValueError(f"worker entry {entry!r} does not resolve: {exc}") from exc
+
+
+@attrs.frozen(kw_only=True)
+class WorkerCommand:
+    """What every worker process runs: the arguments of `worker_entry`."""
+
+    entry: str
+    """`module:function` every worker runs."""
+    config_path: str | None
+    """Run config YAML."""
+    overrides: tuple[str, ...] = attrs.field(converter=tuple)
+    """`--set` assignments."""
+    run_dir: str
+    """Run directory."""
+    resume: str | None
+    """Run directory to resume from."""
+    fault_timeout: float
+    """Seconds within which all ranks exit after a failure."""
+    torch_threads: int = 1
+    """torch threads per worker."""
+
+    def args(self) -> tuple[Any, ...]:
+        """Returns `worker_entry`'s positional arguments (picklable for spawned workers)."""
+        return (self.entry, self.config_path, list(self.overrides), self.run_dir, self.resume,
+                self.fault_timeout, self.torch_threads)
+
+    @property
+    def logs_dir(self) -> str:
+        """The run directory whose logs a failure message points to."""
+        return self.resume or self.run_dir
 
 
 def worker_entry(

@@ -13,12 +13,11 @@ from __future__ import annotations
 import os
 import socket
 import time
-from collections.abc import Sequence
 from typing import Any
 
 from peerflow.errors import EngineNotInstalledError, WorkerFailedError
 from peerflow.launch.elastic import failure_message
-from peerflow.launch.entry import worker_entry
+from peerflow.launch.entry import WorkerCommand, worker_entry
 from peerflow.launch.watch import FaultStore
 
 _PASS_ENV = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "HF_HUB_OFFLINE", "PYTHONPATH",
@@ -54,18 +53,7 @@ def _import_ray() -> Any:
     return ray
 
 
-def launch_ray(
-    *,
-    entry: str,
-    config_path: str | None,
-    overrides: Sequence[str],
-    run_dir: str,
-    resume: str | None,
-    nprocs: int,
-    fault_timeout: float,
-    torch_threads: int = 1,
-    num_cpus: int | None = None,
-) -> None:
+def launch_ray(command: WorkerCommand, *, nprocs: int, num_cpus: int | None = None) -> None:
     """Runs `nprocs` workers as Ray actors in one placement group.
 
     Raises:
@@ -92,20 +80,19 @@ def launch_ray(
     actors: list[Any] = []
     store: FaultStore | None = None
     try:
-        ray.get(group.ready(), timeout=max(60.0, fault_timeout))
+        ray.get(group.ready(), timeout=max(60.0, command.fault_timeout))
         actor_cls = ray.remote(RayWorker)
         actors = [actor_cls.options(
             num_cpus=per_worker, scheduling_strategy=PlacementGroupSchedulingStrategy(
                 placement_group=group, placement_group_bundle_index=i)).remote()
             for i in range(nprocs)]
-        nodes = ray.get([a.node.remote() for a in actors], timeout=max(60.0, fault_timeout))
+        nodes = ray.get([a.node.remote() for a in actors], timeout=max(60.0, command.fault_timeout))
         master = "127.0.0.1" if not cluster else nodes[0][1]
         store = FaultStore(world_size=nprocs,
                            host="127.0.0.1" if not cluster else ray.util.get_node_ip_address())
         store.start_watching()
         passed = {k: os.environ[k] for k in _PASS_ENV if k in os.environ}
-        args = (entry, config_path, list(overrides), run_dir, resume, fault_timeout,
-                torch_threads)
+        args = command.args()
         seen: dict[str, int] = {}
         refs = {}
         for rank, (node_id, _, _) in enumerate(nodes):
@@ -114,7 +101,7 @@ def launch_ray(
                        MASTER_ADDR=master, MASTER_PORT=str(nodes[0][2]),
                        PEERFLOW_FAULT_STORE=store.address)
             refs[actors[rank].run.remote(env, args)] = rank
-        _wait(ray, refs, store, fault_timeout, resume or run_dir)
+        _wait(ray, refs, store, command.fault_timeout, command.logs_dir)
     finally:
         for actor in actors:
             try:

@@ -17,14 +17,14 @@ import threading
 import attrs
 import torch.distributed as dist
 
-from peerflow.distributed.faults import (
-    PREFIX,
+from peerflow.distributed.failure import (
     FailureRecord,
     publish_failure,
     rank_info,
     read_failure,
 )
 from peerflow.distributed.init import FAULT_STORE_ENV
+from peerflow.distributed.stages import PREFIX
 
 
 def _gone(pid: int) -> bool:

@@ -26,6 +26,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
+import attrs
+
 from peerflow.models.common import (
     Segment,
     pad_to_multiple,
@@ -274,6 +276,29 @@ def _moe(shape: ModelShape, layer: int, tp_rank: int, tp_size: int, ep_rank: int
 
 #: SGLang uses vLLM's parameter names, stacking and vocabulary padding.
 sglang_layout = vllm_layout
+
+def tp_prefixed_layout(config: Any, tp_size: int, *, dtype: str) -> list[ShardSpec]:
+    """Returns every tp rank's specs for an engine that loads all ranks from one process.
+
+    With `tp_size > 1` each local name gets a `tp{rank}/` prefix (`split_tp_prefix`
+    reverses it); with one rank the names are vLLM's own.
+    """
+    targets = []
+    for tp_rank in range(tp_size):
+        for spec in vllm_layout(config, tp_rank, tp_size, dtype=dtype):
+            if tp_size > 1:
+                spec = attrs.evolve(spec, local_name=f"tp{tp_rank}/{spec.local_name}")
+            targets.append(spec)
+    return targets
+
+
+def split_tp_prefix(local_name: str) -> tuple[int, str]:
+    """Returns `(tp_rank, engine_name)` of a `tp_prefixed_layout` name (`tp{r}/name` or `name`)."""
+    head, sep, rest = local_name.partition("/")
+    if sep and head.startswith("tp") and head[2:].isdigit():
+        return int(head[2:]), rest
+    return 0, local_name
+
 
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)"
                      r"\.weight$")

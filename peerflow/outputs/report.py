@@ -129,20 +129,7 @@ def render_report(
 
     if _names(records, ("reward/", "score/", "eval/")):
         fig, ax = plt.subplots(figsize=(7, 4))
-        steps, mean = _series(records, "reward/mean")
-        if mean:
-            ax.plot(steps, _smooth(mean, smooth), label="reward/mean")
-            lo_steps, lo = _series(records, "reward/min")
-            hi_steps, hi = _series(records, "reward/max")
-            if lo and hi and lo_steps == hi_steps:
-                ax.fill_between(lo_steps, lo, hi, alpha=0.15, label="min–max")
-        for name in ("score/mean", "eval/greedy/reward", "eval/sampled/reward"):
-            s, v = _series(records, name)
-            if v:
-                ax.plot(s, _smooth(v, smooth), label=name, marker="o" if "eval" in name else None)
-        ax.set(title="Reward", xlabel="step", ylabel="reward")
-        ax.legend()
-        ax.grid(alpha=0.3)
+        _plot_reward(ax, records, smooth)
         save(fig, "reward")
 
     for stem, title, prefixes in LINE_FIGURES:
@@ -163,20 +150,43 @@ def render_report(
     phases = [n for n in _names(records, ("time/",)) if n != "time/step"]
     if phases or _series(records, "time/step")[1]:
         fig, ax = plt.subplots(figsize=(7, 4))
-        steps = [int(r["step"]) for r in records]
-        bottom = [0.0] * len(records)
-        for name in phases:
-            values = [float(r.get(name) or 0.0) for r in records]
-            ax.bar(steps, values, bottom=bottom, label=name[len("time/"):], width=0.9)
-            bottom = [b + v for b, v in zip(bottom, values)]
-        s, v = _series(records, "time/step")
-        if v:
-            ax.plot(s, v, color="black", label="step (wall)")
-        ax.set(title="Step time breakdown", xlabel="step", ylabel="seconds")
-        ax.legend(fontsize=7, ncol=2)
+        _plot_step_time(ax, records, phases)
         save(fig, "step_time")
 
     summary_path = out / "summary.json"
     summary_path.write_text(json.dumps(summarize(records), indent=1, sort_keys=True))
     written.append(summary_path)
     return written
+
+
+def _plot_reward(ax: Any, records: Sequence[dict[str, Any]], smooth: int) -> None:
+    """Draws reward mean (with its min–max band), score and eval rewards on `ax`."""
+    steps, mean = _series(records, "reward/mean")
+    if mean:
+        ax.plot(steps, _smooth(mean, smooth), label="reward/mean")
+        lo_steps, lo = _series(records, "reward/min")
+        hi_steps, hi = _series(records, "reward/max")
+        if lo and hi and lo_steps == hi_steps:
+            ax.fill_between(lo_steps, lo, hi, alpha=0.15, label="min–max")
+    for name in ("score/mean", "eval/greedy/reward", "eval/sampled/reward"):
+        s, v = _series(records, name)
+        if v:
+            ax.plot(s, _smooth(v, smooth), label=name, marker="o" if "eval" in name else None)
+    ax.set(title="Reward", xlabel="step", ylabel="reward")
+    ax.legend()
+    ax.grid(alpha=0.3)
+
+
+def _plot_step_time(ax: Any, records: Sequence[dict[str, Any]], phases: list[str]) -> None:
+    """Draws the per-phase step times stacked, and the wall step time, on `ax`."""
+    steps = [int(r["step"]) for r in records]
+    bottom = [0.0] * len(records)
+    for name in phases:
+        values = [float(r.get(name) or 0.0) for r in records]
+        ax.bar(steps, values, bottom=bottom, label=name[len("time/"):], width=0.9)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    s, v = _series(records, "time/step")
+    if v:
+        ax.plot(s, v, color="black", label="step (wall)")
+    ax.set(title="Step time breakdown", xlabel="step", ylabel="seconds")
+    ax.legend(fontsize=7, ncol=2)

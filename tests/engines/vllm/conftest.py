@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 
 import pytest
+import torch
 
 from tests.engines.hf.tiny_models import build_tiny_model
 
@@ -25,3 +27,20 @@ def build_vllm_tiny_model(directory, *, tied: bool = True, arch: str = "qwen2",
 @pytest.fixture(scope="session")
 def vllm_tiny_model(tmp_path_factory) -> str:
     return build_vllm_tiny_model(tmp_path_factory.mktemp("vllm-tiny-qwen2"), tied=False)
+
+
+def sha(tensor: torch.Tensor) -> str:
+    """Returns the SHA-256 of a tensor's bytes (what `checksums()` compares)."""
+    return hashlib.sha256(tensor.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def local_tensor(spec, state, fill=None):
+    """Builds the local tensor of `spec` from HF tensors (padding rows left zero).
+
+    With `fill`, the held regions are set to that value instead of the HF values.
+    """
+    out = torch.zeros(spec.local_shape, dtype=torch.float32)
+    for piece in spec.pieces:
+        region = state[piece.name][piece.global_box.slices()]
+        out[piece.local_box.slices()] = region if fill is None else fill
+    return out

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
-
 import pytest
 import torch
 
@@ -11,12 +9,9 @@ pytest.importorskip("vllm", reason="vllm is not installed (pip install 'peerflow
 
 from peerflow.engines import EngineContext, GenerationRequest, SamplingParams  # noqa: E402
 from peerflow.layout import ParallelLayout  # noqa: E402
+from tests.engines.vllm.conftest import local_tensor, sha
 
 pytestmark = pytest.mark.engine("vllm")
-
-
-def _sha(tensor: torch.Tensor) -> str:
-    return hashlib.sha256(tensor.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
 @pytest.fixture(scope="module")
@@ -42,15 +37,6 @@ def hf_state(vllm_tiny_model):
     from safetensors.torch import load_file
 
     return load_file(f"{vllm_tiny_model}/model.safetensors")
-
-
-def _local(spec, state, fill=None):
-    """Builds the local tensor of `spec` from HF tensors (padding rows left zero)."""
-    out = torch.zeros(spec.local_shape, dtype=torch.float32)
-    for piece in spec.pieces:
-        region = state[piece.name][piece.global_box.slices()]
-        out[piece.local_box.slices()] = region if fill is None else fill
-    return out
 
 
 def _requests(n=3):
@@ -157,7 +143,7 @@ def test_sync_is_bit_exact_versioned_and_restores(engine, hf_state):
     before = engine.generate(_requests(1), greedy)[0].token_ids
 
     engine.begin_weight_update(1)
-    engine.load_weights([(s, _local(s, hf_state, fill=0.01)) for s in targets])
+    engine.load_weights([(s, local_tensor(s, hf_state, fill=0.01)) for s in targets])
     engine.finish_weight_update()
     corrupted = engine.generate(_requests(1), greedy)[0]
     assert engine.weight_version == 1 and corrupted.version_segments == ((0, 1),)
@@ -165,12 +151,12 @@ def test_sync_is_bit_exact_versioned_and_restores(engine, hf_state):
 
     engine.begin_weight_update(2)
     for start in range(0, len(targets), 5):
-        engine.load_weights([(s, _local(s, hf_state)) for s in targets[start : start + 5]])
+        engine.load_weights([(s, local_tensor(s, hf_state)) for s in targets[start : start + 5]])
     engine.finish_weight_update()
     stats = engine.last_sync
     assert stats.version == 2 and stats.buckets == -(-len(targets) // 5)
     assert stats.bytes == sum(s.numel * 4 for s in targets)
-    expected = {s.local_name: _sha(_local(s, hf_state)) for s in targets}
+    expected = {s.local_name: sha(local_tensor(s, hf_state)) for s in targets}
     assert engine.checksums() == expected
     assert engine.generate(_requests(1), greedy)[0].token_ids == before
 
@@ -200,7 +186,7 @@ def test_loads_repack_vllms_own_cpu_kernels(engine, hf_state):
     targets = engine.weight_targets()
     for fill, version in ((0.01, 4), (None, 5)):
         engine.begin_weight_update(version)
-        engine.load_weights([(s, _local(s, hf_state, fill=fill)) for s in targets])
+        engine.load_weights([(s, local_tensor(s, hf_state, fill=fill)) for s in targets])
         engine.finish_weight_update()
         worst, kernels, onednn = engine.llm.collective_rpc(_kernels_follow_weights)[0]
         assert worst < 1e-4, (fill, worst)  # a stale packed copy would differ by O(1)
@@ -213,7 +199,7 @@ def test_load_weights_rejects_wrong_shape(engine, hf_state):
     engine.begin_weight_update(3)
     with pytest.raises(ValueError, match="expected"):
         engine.load_weights([(spec, torch.zeros(3, 3))])
-    engine.load_weights([(spec, _local(spec, hf_state))])
+    engine.load_weights([(spec, local_tensor(spec, hf_state))])
     engine.finish_weight_update()
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
 
 import pytest
@@ -12,20 +11,9 @@ pytest.importorskip("vllm", reason="vllm is not installed (pip install 'peerflow
 
 from peerflow.engines import EngineContext, GenerationRequest, SamplingParams  # noqa: E402
 from peerflow.layout import ParallelLayout  # noqa: E402
+from tests.engines.vllm.conftest import local_tensor, sha
 
 pytestmark = pytest.mark.engine("vllm")
-
-
-def _sha(tensor: torch.Tensor) -> str:
-    return hashlib.sha256(tensor.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
-
-
-def _local(spec, state, fill=None):
-    out = torch.zeros(spec.local_shape, dtype=torch.float32)
-    for piece in spec.pieces:
-        region = state[piece.name][piece.global_box.slices()]
-        out[piece.local_box.slices()] = region if fill is None else fill
-    return out
 
 
 def _start(model, **options):
@@ -46,14 +34,14 @@ def _round_trip(engine, model):
     before = engine.generate(prompt, greedy)[0].token_ids
     targets = engine.weight_targets()
     engine.begin_weight_update(1)
-    engine.load_weights([(s, _local(s, state, fill=0.02)) for s in targets])
+    engine.load_weights([(s, local_tensor(s, state, fill=0.02)) for s in targets])
     engine.finish_weight_update()
     assert engine.generate(prompt, greedy)[0].token_ids != before
     engine.begin_weight_update(2)
     for start in range(0, len(targets), 7):
-        engine.load_weights([(s, _local(s, state)) for s in targets[start : start + 7]])
+        engine.load_weights([(s, local_tensor(s, state)) for s in targets[start : start + 7]])
     engine.finish_weight_update()
-    assert engine.checksums() == {s.local_name: _sha(_local(s, state)) for s in targets}
+    assert engine.checksums() == {s.local_name: sha(local_tensor(s, state)) for s in targets}
     after = engine.generate(prompt, greedy)[0]
     assert after.token_ids == before and after.version_segments == ((0, 2),)
     return before
