@@ -60,14 +60,17 @@ def streaming_schedule(rt: WorkerRuntime, program: RankProgram, stage: Any) -> A
             backend="gloo", timeout=datetime.timedelta(seconds=timeout))
     link = StreamLink(service=rt.weight_sync, group=group, timeout=timeout)
     if "rollout" in rt.engines:
-        return RolloutSchedule(rt=rt, program=program, link=link)
-    return TrainerSchedule(rt=rt, program=program, link=link)
+        return RolloutSchedule(rt=rt, program=program, link=link, stage=stage)
+    return TrainerSchedule(rt=rt, program=program, link=link, stage=stage)
 
 
-def _runner(rt: WorkerRuntime, nodes: Sequence[Any]) -> Callable[[Batch, StepMetrics], Batch]:
+def _runner(rt: WorkerRuntime, nodes: Sequence[Any], stage: Any
+            ) -> Callable[[Batch, StepMetrics], Batch]:
+    """Runs `nodes` in order, each as a fault stage with its kind's deadline."""
     def run(batch: Batch, metrics: StepMetrics) -> Batch:
         for node in nodes:
-            batch = run_node(rt, node, batch, metrics)
+            with stage(f"{node.name} (async)", rt.config.runtime.stage_deadline(node.kind)):
+                batch = run_node(rt, node, batch, metrics)
         return batch
 
     return run
@@ -80,6 +83,8 @@ class RolloutSchedule:
     rt: WorkerRuntime
     program: RankProgram
     link: StreamLink
+    stage: Any
+    """`peerflow.distributed.stage`: every node runs as a stage with its deadline."""
     name: str = "async rollout"
     group: Any = None
     reports: bool = False
@@ -114,7 +119,7 @@ class RolloutSchedule:
         rt, cfg, link = self.rt, self.rt.config, self.link
         layout = self.program.layouts["rollout"]
         trainer_layout = self.program.placement["actor"]
-        per_group = _runner(rt, self.program.nodes("per_group"))
+        per_group = _runner(rt, self.program.nodes("per_group"), self.stage)
         engine = rt.engine("rollout")
         runtime = cfg.runtime
         chunk = runtime.partial_rollout_tokens or max(cfg.rollout.sampling.max_tokens // 4, 1)
@@ -162,6 +167,8 @@ class TrainerSchedule:
     rt: WorkerRuntime
     program: RankProgram
     link: StreamLink
+    stage: Any
+    """`peerflow.distributed.stage`: every node runs as a stage with its deadline."""
     name: str = "async trainer"
     trained: dict[int, list[int]] = attrs.field(factory=dict)
     """Rollout rank → prompt groups this rank has trained (checkpointed)."""
@@ -262,8 +269,8 @@ class TrainerSchedule:
                 sampler=self.rt.pm.get("sampler", cfg.runtime.sampler)(),
                 budget=MicroBatchBudget(max_tokens=cfg.trainer.micro_batch_tokens),
             ),
-            per_micro_batch=_runner(self.rt, self.program.nodes("per_micro_batch")),
-            per_step=_runner(self.rt, self.program.nodes("per_step")),
+            per_micro_batch=_runner(self.rt, self.program.nodes("per_micro_batch"), self.stage),
+            per_step=_runner(self.rt, self.program.nodes("per_step"), self.stage),
             push=push,
             new_metrics=StepMetrics,
             steps=cfg.run.steps,

@@ -288,7 +288,7 @@ HANGING_REWARD = textwrap.dedent('''
         name = "hang_on_rank1"
 
         def score(self, responses, examples):
-            if dist.get_rank() == 1:
+            if dist.get_rank() == int(os.environ.get("HANG_RANK", "1")):
                 while True:  # a reward that never returns
                     time.sleep(0.1)
             return [0.0] * len(responses)
@@ -304,11 +304,8 @@ HANGING_REWARD = textwrap.dedent('''
 ''')
 
 
-def test_a_reward_that_never_returns_fails_the_run_naming_rank_reward_and_sample(
-        tmp_path) -> None:
-    """The real step loop: rank 1's reward hangs; the run fails after
-    `runtime.reward_timeout`, naming rank 1, the reward stage, the reward, its samples and
-    the line it is stuck on (before, the job hung or blamed a healthy rank)."""
+def _run_hanging_reward(tmp_path, config: str, hang_rank: int) -> subprocess.CompletedProcess:
+    """Launches `config` on 2 processes with a reward that never returns on `hang_rank`."""
     (tmp_path / "hangprog.py").write_text(HANGING_REWARD)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     script = textwrap.dedent('''
@@ -323,16 +320,24 @@ def test_a_reward_that_never_returns_fails_the_run_naming_rank_reward_and_sample
             sys.exit(1)
     ''')
     env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-               GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+               GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", HANG_RANK=str(hang_rank))
     for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "PEERFLOW_FAULT_STORE"):
         env.pop(key, None)
     overrides = ["run.steps=3", "run.prompts_per_step=4", "rollout.sampling.n=4",
                  "task.reward=hang_on_rank1", "runtime.reward_timeout=4",
                  "runtime.fault_timeout=60", "run.trace=false", "run.tensorboard=false"]
-    proc = subprocess.run(
-        [sys.executable, "-c", script, os.path.join(root, "examples", "quickstart.yaml"),
+    return subprocess.run(
+        [sys.executable, "-c", script, os.path.join(root, "examples", config),
          str(tmp_path / "run"), *overrides],
         env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_a_reward_that_never_returns_fails_the_run_naming_rank_reward_and_sample(
+        tmp_path) -> None:
+    """The real step loop: rank 1's reward hangs; the run fails after
+    `runtime.reward_timeout`, naming rank 1, the reward stage, the reward, its samples and
+    the line it is stuck on (before, the job hung or blamed a healthy rank)."""
+    proc = _run_hanging_reward(tmp_path, "quickstart.yaml", hang_rank=1)
     err = proc.stderr
     assert proc.returncode == 1, err
     host = socket.gethostname()
@@ -343,3 +348,18 @@ def test_a_reward_that_never_returns_fails_the_run_naming_rank_reward_and_sample
     assert "past the stage's deadline of 4 s" in launcher
     assert "hangprog.py:" in launcher and "in score" in launcher
     assert f"; rank 0 (host {host}" in err  # the healthy rank exits naming rank 1
+
+
+def test_an_async_reward_that_never_returns_fails_the_run_naming_rank_and_reward(
+        tmp_path) -> None:
+    """Async mode: every node of the streaming schedules runs as a stage with its deadline,
+    so the rollout rank's hanging reward fails the run naming it (not the waiting trainer)."""
+    proc = _run_hanging_reward(tmp_path, "async.yaml", hang_rank=0)
+    err = proc.stderr
+    assert proc.returncode == 1, err
+    host = socket.gethostname()
+    launcher = next(line for line in err.splitlines() if line.startswith("LAUNCHER:"))
+    assert (f"rank 0 (host {host}) failed in stage \"reward (async) (reward 'hang_on_rank1' "
+            "on sample_id ") in launcher, err
+    assert "past the stage's deadline of 4 s" in launcher
+    assert "hangprog.py:" in launcher and "in score" in launcher
