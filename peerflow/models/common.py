@@ -15,7 +15,8 @@ Conventions every builder follows:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import attrs
 
@@ -199,3 +200,21 @@ def replica_index(copy: int, copies: int, dp_rank: int) -> int:
         dp_rank: Data-parallel replica index.
     """
     return dp_rank * copies + copy
+
+
+def rank_layout(builder: Callable[..., list[ShardSpec]], hf_config: Any, layout: Any, rank: int,
+                **options: Any) -> list[ShardSpec]:
+    """Returns a tp/pp layout builder's specs for `rank` of a `ParallelLayout`.
+
+    Args:
+        builder: `vllm_layout`, `megatron_layout` or any builder taking
+            `(config, tp_rank, tp_size, *, pp_rank, pp_size, dp_rank, ...)`.
+        hf_config: HF config (object or dict) or `ModelShape`.
+        layout: The `ParallelLayout` whose coordinates `rank` has.
+        rank: Rank inside the layout.
+        **options: Further builder keywords (`dtype`, `vocab_multiple`, ...).
+    """
+    coord = layout.coord(rank)
+    return builder(hf_config, coord.tp, layout.tp, pp_rank=coord.pp, pp_size=layout.pp,
+                   dp_rank=coord.dp, **options)
+

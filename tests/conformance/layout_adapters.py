@@ -12,6 +12,7 @@ import attrs
 from peerflow.capabilities import Capabilities
 from peerflow.engines import RolloutEngine, TrainEngine
 from peerflow.models import hf_layout, megatron_layout, tp_layout, vllm_layout
+from peerflow.models.common import rank_layout
 from peerflow.shard import Box, ShardPiece, ShardSpec
 
 PARALLEL = Capabilities(tensor_parallel=True, pipeline_parallel=True)
@@ -23,9 +24,7 @@ class VllmStyleLayouts(RolloutEngine):
 
     @classmethod
     def shard_layout(cls, hf_config, layout, rank):
-        c = layout.coord(rank)
-        return vllm_layout(hf_config, c.tp, layout.tp, pp_rank=c.pp, pp_size=layout.pp,
-                           dp_rank=c.dp)
+        return rank_layout(vllm_layout, hf_config, layout, rank)
 
 
 class MegatronStyleLayouts(TrainEngine):
@@ -34,9 +33,7 @@ class MegatronStyleLayouts(TrainEngine):
 
     @classmethod
     def shard_layout(cls, hf_config, layout, rank):
-        c = layout.coord(rank)
-        return megatron_layout(hf_config, c.tp, layout.tp, pp_rank=c.pp, pp_size=layout.pp,
-                               dp_rank=c.dp)
+        return rank_layout(megatron_layout, hf_config, layout, rank)
 
 
 class FsdpStyleLayouts(TrainEngine):

@@ -39,6 +39,7 @@ from peerflow.engines import (
     WeightSyncStats,
 )
 from peerflow.engines.rollout import tokens_before_stop
+from peerflow.models.common import rank_layout
 from peerflow.models.vllm import sglang_layout, split_tp_prefix, tp_prefixed_layout
 from peerflow.shard import ShardSpec
 
@@ -312,9 +313,7 @@ class SGLangRolloutEngine(RolloutEngine):
         `weight_targets()` lists every rank's shards prefixed `tp{r}/`; tp rank r's part
         is exactly this function's result for rank r.
         """
-        coord = layout.coord(rank)
-        return sglang_layout(hf_config, coord.tp, layout.tp, pp_rank=coord.pp,
-                             pp_size=layout.pp, dp_rank=coord.dp)
+        return rank_layout(sglang_layout, hf_config, layout, rank)
 
     @classmethod
     def conformance_read_weights(cls, engine: SGLangRolloutEngine) -> dict[str, torch.Tensor]:

@@ -24,11 +24,10 @@ class VLLMConformanceHooks:
         `weight_targets()` lists every worker's shards prefixed `tp{r}/`; tp rank r's
         part is exactly this function's result for rank r.
         """
+        from peerflow.models.common import rank_layout
         from peerflow.models.vllm import vllm_layout
 
-        coord = layout.coord(rank)
-        return vllm_layout(hf_config, coord.tp, layout.tp, pp_rank=coord.pp,
-                           pp_size=layout.pp, dp_rank=coord.dp)
+        return rank_layout(vllm_layout, hf_config, layout, rank)
 
     @classmethod
     def conformance_read_weights(cls, engine: Any) -> dict[str, torch.Tensor]:
