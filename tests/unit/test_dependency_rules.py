@@ -37,12 +37,16 @@ def _sources(folder: str) -> list[Path]:
                   if path.relative_to(package).parts[0] not in SATELLITES)
 
 
-@pytest.mark.parametrize("folder", sorted(FORBIDDEN))
-def test_dependencies_point_one_way(folder):
+def _assert_no_imports(folder: str, forbidden: tuple[str, ...]) -> None:
     bad = [f"{path.relative_to(ROOT)}:{line} imports {module}"
            for path in _sources(folder) for line, module in _imports(path)
-           if module.startswith(FORBIDDEN[folder])]
+           if module.startswith(forbidden)]
     assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("folder", sorted(FORBIDDEN))
+def test_dependencies_point_one_way(folder):
+    _assert_no_imports(folder, FORBIDDEN[folder])
 
 
 @pytest.mark.parametrize("folder", ["core", "plugins", "adapters"])
@@ -90,7 +94,4 @@ CORE_LAYERS = {
 
 @pytest.mark.parametrize("layer", sorted(CORE_LAYERS))
 def test_core_layers_point_down(layer):
-    bad = [f"{path.relative_to(ROOT)}:{line} imports {module}"
-           for path in _sources(layer) for line, module in _imports(path)
-           if module.startswith(CORE_LAYERS[layer])]
-    assert not bad, "\n".join(bad)
+    _assert_no_imports(layer, CORE_LAYERS[layer])
