@@ -178,9 +178,8 @@ def _moe(shape: ModelShape, layer: int, m: str, tp_rank: int, tp_size: int, ep_r
         fc1 = [rows_of(f"{x}gate_proj.weight", (i, h), width),
                rows_of(f"{x}up_proj.weight", (i, h), width)]
         specs.append(stack(fc1_name, fc1, dtype=dtype, replica=expert_rep))
-        fc2 = col_split(f"{x}down_proj.weight", (h, i), width, dtype=dtype)
-        specs.append(ShardSpec(local_name=fc2_name, local_shape=fc2.local_shape,
-                               pieces=fc2.pieces, dtype=dtype, replica=expert_rep))
+        specs.append(col_split(f"{x}down_proj.weight", (h, i), width, dtype=dtype,
+                               replica=expert_rep, local_name=fc2_name))
     return specs
 
 
