@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from peerflow.adapters.vllm.channel import SharedBuffer
-from peerflow.adapters.vllm.engine import _split_local_name
 from peerflow.adapters.vllm.options import VLLMRolloutOptions
 from peerflow.config.structure import structure
 from peerflow.errors import ConfigError
+from peerflow.models.vllm import split_tp_prefix
 
 
 def test_options_from_config_and_bad_values_named():
@@ -26,10 +26,10 @@ def test_options_from_config_and_bad_values_named():
         structure(VLLMRolloutOptions, {"max_model_len": 0}, "rollout.vllm")
 
 
-def test_split_local_name():
-    assert _split_local_name("tp3/model.norm.weight") == (3, "model.norm.weight")
-    assert _split_local_name("model.norm.weight") == (0, "model.norm.weight")
-    assert _split_local_name("tpx/a") == (0, "tpx/a")
+def testsplit_tp_prefix():
+    assert split_tp_prefix("tp3/model.norm.weight") == (3, "model.norm.weight")
+    assert split_tp_prefix("model.norm.weight") == (0, "model.norm.weight")
+    assert split_tp_prefix("tpx/a") == (0, "tpx/a")
 
 
 def test_shared_buffer_round_trip_and_chunks(tmp_path):
