@@ -23,3 +23,20 @@ def plugin_manager():
     reset_plugin_manager()
     yield get_plugin_manager()
     reset_plugin_manager()
+
+
+# Tiny models the engine tests share, built once per session. They live here rather than in
+# a tests/engines/conftest.py: pytest would put tests/engines on sys.path for that file,
+# and its sub-folders (sglang/, vllm/, …) would then look like installed engine packages.
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> str:
+    from tests.engines.hf.tiny_models import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_untied_qwen(tmp_path_factory) -> str:
+    from tests.engines.hf.tiny_models import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), tied=False, arch="qwen2")

@@ -26,7 +26,8 @@ def _worker(rank: int, world: int, port: int, results) -> None:
     init_gloo(rank, world, port)
     try:
         shard = SHARDS[rank // 2]  # ranks 0, 1: dp-rank 0 (tp peers); 2, 3: dp-rank 1
-        results.put((rank, whiten(shard, dist.group.WORLD, replicas=2)))
+        results.put((rank, whiten(shard, dist.group.WORLD, replicas=2).tolist()))  # plain data: the
+        # parent may read it after this process exited (a shared tensor's fd would be gone)
     finally:
         dist.destroy_process_group()
 
@@ -45,4 +46,5 @@ def test_whitening_counts_each_dp_shard_once():
     expected = whiten(torch.cat(SHARDS))
     for rank in range(4):
         want = expected[:4] if rank < 2 else expected[4:]
-        torch.testing.assert_close(got[rank], want, rtol=0, atol=1e-12)
+        torch.testing.assert_close(torch.tensor(got[rank], dtype=torch.float64), want, rtol=0,
+                                   atol=1e-12)
