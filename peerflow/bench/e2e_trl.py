@@ -38,6 +38,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from peerflow.config import load_config
     from peerflow.plugins import load_plugins
+    from peerflow.rewards.setup import build_reward_set
     from peerflow.worker.runtime import build_components, resolve_model_path
 
     config = load_config(args.config, args.overrides)
@@ -45,7 +46,7 @@ def main(argv: list[str] | None = None) -> None:
     model_path = resolve_model_path(config, pm)
     components = build_components(config, pm)
     task = components["task"]
-    reward = components["rewards"][components["default_reward"]]
+    reward = build_reward_set(config.task, pm, components["default_reward"])
     world = int(os.environ.get("WORLD_SIZE", "1"))
     prompts_per_step = config.run.prompts_per_step
     examples = {}
@@ -60,9 +61,10 @@ def main(argv: list[str] | None = None) -> None:
 
     def reward_fn(completions: list, example_index: list, **_: object) -> list[float]:
         texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
-        return [float(x) for x in reward.score(texts, [examples[int(i)] for i in example_index])]
+        scores = reward.score(texts, [examples[int(i)] for i in example_index])
+        return [float(x) for x in scores.total]
 
-    reward_fn.__name__ = reward.name
+    reward_fn.__name__ = "reward"
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
