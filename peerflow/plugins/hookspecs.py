@@ -156,6 +156,21 @@ def peerflow_register_samplers(register: Any) -> None:
 
 
 @hookspec
+def peerflow_register_environments(register: Any) -> None:
+    """Register multi-turn agent environments (tools are environments too).
+
+    Args:
+        register: Call `register(cls)` for each `peerflow.agents.Environment` subclass;
+            its `name` is what `rollout.agent.environment` selects.
+
+    Returns:
+        Nothing; the return value is ignored.
+
+    Since: 0.3.
+    """
+
+
+@hookspec
 def peerflow_validate_config(config: Any, pm: Any) -> list[str] | None:
     """Check a run config before any worker process starts.
 
