@@ -81,6 +81,7 @@ def _resolve_shape(args: argparse.Namespace) -> None:
 def _model_overrides(args: argparse.Namespace) -> dict[str, int]:
     names = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads")
     overrides = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+    overrides["seed"] = args.seed
     overrides["max_position_embeddings"] = max(
         BENCH_MODEL["max_position_embeddings"], args.prompt_len + args.max_tokens + 8)
     return overrides
