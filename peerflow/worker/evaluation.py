@@ -28,7 +28,6 @@ import attrs
 
 from peerflow.engines import SamplingParams
 from peerflow.worker.metrics import StepMetrics, all_reduce_metrics
-from peerflow.worker.rollout import generate_batch
 from peerflow.worker.sampler import Draw
 
 if TYPE_CHECKING:
@@ -62,7 +61,7 @@ def _generate_and_score(rt: WorkerRuntime, draws: list[Draw], sampling: Sampling
                         ) -> tuple[Any, Any]:
     from peerflow.worker.executors import response_texts
 
-    batch = generate_batch(rt.engine("rollout"), rt.tokenizer, draws, sampling)
+    batch = rt.generate_batch(rt.engine("rollout"), draws, sampling)
     scores = rt.reward_set().score(response_texts(rt, batch), batch["example"],
                                    batch.sample_id.tolist())
     return batch, scores

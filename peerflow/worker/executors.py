@@ -17,7 +17,7 @@ import torch
 from peerflow.batch import Batch
 from peerflow.distributed import describe_stage
 from peerflow.worker.metrics import StepMetrics
-from peerflow.worker.rollout import generate_batch, group_count, step_seed
+from peerflow.worker.rollout import group_count, step_seed
 from peerflow.worker.sampler import split_evenly
 
 if TYPE_CHECKING:
@@ -85,7 +85,7 @@ def run_generate(rt: WorkerRuntime, node: Any, batch: Batch, metrics: StepMetric
     bar = rt.progress.generation(len(draws) * sampling.n) if rt.progress is not None else (
         contextlib.nullcontext(lambda n=1: None))
     with bar as advance, rt.generating():
-        out = generate_batch(engine, rt.tokenizer, draws, sampling)
+        out = rt.generate_batch(engine, draws, sampling)
         advance(len(out))
     metrics.sum("rollout/prompts", len(draws))
     return out if not len(batch) else Batch.concat([batch, out])
@@ -120,8 +120,7 @@ def _dynamic_sampling(
         rounds += 1
         draws = rt.sampler.draw(result.refill_groups)
         with rt.generating():
-            fresh = generate_batch(rt.engine("rollout"), rt.tokenizer, draws,
-                                   _sampling(rt, rounds))
+            fresh = rt.generate_batch(rt.engine("rollout"), draws, _sampling(rt, rounds))
         _score(rt, fresh, node, metrics)
         pool.append(fresh)
         result = filter_groups(Batch.concat(pool), target)

@@ -1,6 +1,7 @@
 """Registers the first-party tasks and rewards.
 
-Entry point `tasks = peerflow.contrib.tasks.plugin`.
+Entry point `tasks = peerflow.contrib.tasks.plugin`; also the first-party agent environments
+(`peerflow.contrib.agents`).
 """
 
 from __future__ import annotations
@@ -35,3 +36,11 @@ def peerflow_register_rewards(register: Any) -> None:
     for cls in (CharMatchReward, StrictCharMatchReward, ExactMatchReward, ContainsReward,
                 MathReward, CodeReward):
         register(cls)
+
+
+@hookimpl
+def peerflow_register_environments(register: Any) -> None:
+    """Registers the first-party agent environments: retry."""
+    from peerflow.contrib.agents.retry import RetryEnvironment
+
+    register(RetryEnvironment)

@@ -1,0 +1,1 @@
+"""First-party agent environments (registered by `peerflow.contrib.tasks.plugin`)."""
