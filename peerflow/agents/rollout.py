@@ -61,7 +61,10 @@ class Trajectory:
     logprobs: list[float] = attrs.field(factory=list)
     mask: list[bool] = attrs.field(factory=list)
     versions: list[int] = attrs.field(factory=list)
-    turn_rewards: list[float] = attrs.field(factory=list)
+    token_rewards: list[float] = attrs.field(factory=list)
+    """Each turn's `StepResult.reward` at that turn's last sampled token, else 0."""
+    last_sampled: int = -1
+    """Index (in `tokens`) of the last token the model sampled; -1 before any."""
     turns: int = 0
     finish: str = ""
     """`finish_reason` once the episode is over, empty while it is open."""
@@ -76,10 +79,18 @@ class Trajectory:
     def append(self, ids: Sequence[int], logprobs: Sequence[float], versions: Sequence[int],
                sampled: bool) -> None:
         """Appends model tokens (`sampled`) or observation tokens to the sequence."""
+        if sampled and len(ids):
+            self.last_sampled = len(self.tokens) + len(ids) - 1
         self.tokens += [int(t) for t in ids]
         self.logprobs += [float(lp) for lp in logprobs]
         self.versions += [int(v) for v in versions]
         self.mask += [sampled] * len(ids)
+        self.token_rewards += [0.0] * len(ids)
+
+    def reward_turn(self, reward: float) -> None:
+        """Puts a turn's reward on the last token the model sampled."""
+        if reward and self.last_sampled >= 0:
+            self.token_rewards[self.last_sampled] += float(reward)
 
 
 def _turn_seed(seed: int | None, turn: int) -> int | None:
@@ -132,7 +143,9 @@ class AgentRollout:
 
         Returns:
             A batch with the fields of `generate_batch` plus `loss_mask`,
-            `token_versions`, `num_turns`, `turn_rewards`, `env_reward` and `agent_error`.
+            `token_versions`, `token_rewards` (each turn's reward on its last sampled
+            token), `env_reward` (`final_reward()`, NaN for "let the task's reward score
+            it"), `num_turns` and `agent_error`.
         """
         if not draws:
             return Batch.empty()
@@ -231,7 +244,7 @@ class AgentRollout:
                       f"{type(outcome.error).__name__}: {outcome.error}")
                 continue
             result: StepResult = outcome.value
-            t.turn_rewards.append(float(result.reward))
+            t.reward_turn(result.reward)
             if result.done:
                 t.end("stop")
             elif turn + 1 >= settings.max_turns:
@@ -283,7 +296,7 @@ def _pack(trajectories: list[Trajectory], final: list[float], n: int, version: i
     batch.set("rollout_logprobs", ragged([t.logprobs for t in ts], torch.float32))
     batch.set(LOSS_MASK, ragged([t.mask for t in ts], torch.bool))
     batch.set(TOKEN_VERSIONS, ragged([t.versions for t in ts], torch.int64))
-    batch.set("turn_rewards", ragged([t.turn_rewards for t in ts], torch.float32))
+    batch.set("token_rewards", ragged([t.token_rewards for t in ts], torch.float32))
     batch.set("env_reward", torch.tensor(final, dtype=torch.float32))
     batch.set("num_turns", torch.tensor([t.turns for t in ts], dtype=torch.int64))
     batch.set_objects("finish_reason", [t.finish for t in ts])
@@ -311,6 +324,8 @@ def record_episode_metrics(batch: Batch, metrics: Any) -> None:
         metrics.mean(f"agent/finish/{reason}", sum(r == reason for r in reasons) / n, n)
     mask = batch.ragged(LOSS_MASK)
     metrics.sum("agent/observation_tokens", float((~mask.values).sum()))
+    turn_rewards = batch.ragged("token_rewards")
+    metrics.mean("agent/turn_reward_mean", float(turn_rewards.values.sum()) / n, n)
     if TOKEN_VERSIONS in batch:
         spans = [len(set(v[m].tolist())) for v, m in zip(batch.ragged(TOKEN_VERSIONS).rows(),
                                                          mask.rows())]

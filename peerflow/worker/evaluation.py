@@ -59,12 +59,10 @@ def _draws(rt: WorkerRuntime) -> list[Draw]:
 
 def _generate_and_score(rt: WorkerRuntime, draws: list[Draw], sampling: SamplingParams
                         ) -> tuple[Any, Any]:
-    from peerflow.worker.executors import response_texts
+    from peerflow.worker.executors import response_texts, score_texts
 
     batch = rt.generate_batch(rt.engine("rollout"), draws, sampling)
-    scores = rt.reward_set().score(response_texts(rt, batch), batch["example"],
-                                   batch.sample_id.tolist())
-    return batch, scores
+    return batch, score_texts(rt.reward_set(), batch, response_texts(rt, batch))
 
 
 def _record(metrics: StepMetrics, prefix: str, batch: Any, scores: Any) -> None:

@@ -76,7 +76,11 @@ def test_trajectories_are_groups_of_n_episodes(batch):
     assert batch.sample_id.tolist() == [20, 21, 22, 23, 24, 25]
     assert batch["finish_reason"] == ["stop"] * 6
     assert batch["num_turns"].tolist() == [3] * 6
-    assert _rows(batch, "turn_rewards") == [[0.25] * 3] * 6
+    for rewards, mask in zip(_rows(batch, "token_rewards"), _rows(batch, LOSS_MASK)):
+        # each turn's reward sits on its last sampled token
+        ends = [i for i, m in enumerate(mask) if m and (i + 1 == len(mask) or not mask[i + 1])]
+        assert [i for i, r in enumerate(rewards) if r] == ends
+        assert [rewards[i] for i in ends] == [0.25] * 3
     assert batch["env_reward"].tolist() == [1.0] * 6
     assert batch["agent_error"] == [""] * 6
 

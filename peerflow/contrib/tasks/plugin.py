@@ -1,7 +1,6 @@
 """Registers the first-party tasks, rewards, agent environments and tools.
 
-Entry point `tasks = peerflow.contrib.tasks.plugin`; also the first-party agent environments
-(`peerflow.contrib.agents`).
+Entry point `tasks = peerflow.contrib.tasks.plugin`.
 """
 
 from __future__ import annotations
@@ -26,12 +25,13 @@ def peerflow_register_tasks(register: Any) -> None:
 
 @hookimpl
 def peerflow_register_environments(register: Any) -> None:
-    """Registers tools (any registered tools), guess-number and calculator-arithmetic."""
+    """Registers tools (any registered tools), guess-number, calculator-arithmetic, retry."""
     from peerflow.agents.tool_env import ToolEnvironment
     from peerflow.contrib.tasks.guess_number import GuessNumber
+    from peerflow.contrib.tasks.retry import RetryEnvironment
     from peerflow.contrib.tasks.tool_arithmetic import CalculatorArithmetic
 
-    for cls in (ToolEnvironment, GuessNumber, CalculatorArithmetic):
+    for cls in (ToolEnvironment, GuessNumber, CalculatorArithmetic, RetryEnvironment):
         register(cls)
 
 
@@ -58,11 +58,3 @@ def peerflow_register_rewards(register: Any) -> None:
     for cls in (CharMatchReward, StrictCharMatchReward, ExactMatchReward, ContainsReward,
                 MathReward, CodeReward):
         register(cls)
-
-
-@hookimpl
-def peerflow_register_environments(register: Any) -> None:
-    """Registers the first-party agent environments: retry."""
-    from peerflow.contrib.agents.retry import RetryEnvironment
-
-    register(RetryEnvironment)

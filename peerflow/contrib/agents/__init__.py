@@ -1,1 +1,0 @@
-"""First-party agent environments (registered by `peerflow.contrib.tasks.plugin`)."""
