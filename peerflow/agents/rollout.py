@@ -5,7 +5,7 @@
 rollout loop run it unchanged when the config has a `rollout.agent` section. Per call:
 
 1. every draw gets `sampling.n` environments (a GRPO group is `n` trajectories of one
-   prompt); the first prompt is chat-templated once;
+   prompt); the first prompt is chat-templated once (with the environment's tool schemas);
 2. each turn, all open trajectories generate in **one** `engine.generate` call — the first
    turn samples `n` answers per prompt, later turns continue every trajectory's own token
    sequence with `n = 1`; the sampled tokens keep their log-probs and weight versions;
@@ -93,6 +93,18 @@ class Trajectory:
             self.token_rewards[self.last_sampled] += float(reward)
 
 
+def first_prompt(tokenizer: Any, env: Environment) -> list[int]:
+    """The token ids of an episode's first prompt, with the environment's tool schemas."""
+    prompt = env.initial_prompt()
+    schemas = env.tool_schemas()
+    if not schemas:
+        return encode_prompt(tokenizer, prompt)
+    from peerflow.agents.tools import render_prompt
+
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    return render_prompt(tokenizer, messages, schemas)
+
+
 def _turn_seed(seed: int | None, turn: int) -> int | None:
     if seed is None or turn == 0:
         return seed
@@ -175,7 +187,7 @@ class AgentRollout:
         trajectories = []
         for draw in draws:
             group = [self.env_cls(draw.example, self.env_options) for _ in range(n)]
-            prompts = [encode_prompt(tokenizer, env.initial_prompt()) for env in group]
+            prompts = [first_prompt(tokenizer, env) for env in group]
             if any(p != prompts[0] for p in prompts):
                 raise RuntimeError(
                     f"environment {self.env_cls.name!r} gave the {n} trajectories of dataset "

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from peerflow import ParallelLayout, SamplingParams
-from peerflow.agents import StepResult
+from peerflow.agents import StepResult, Turn
 from peerflow.agents.render import TurnRenderer
 from peerflow.agents.rollout import LOSS_MASK, AgentRollout
 from peerflow.algorithms.base import Example
@@ -158,3 +158,57 @@ def test_driver_with_a_chat_template_is_token_exact(chat_model, tok):
     for got, want, keep in zip(trained.rows(), batch.ragged("rollout_logprobs").rows(),
                                batch.ragged(LOSS_MASK).rows(), strict=True):
         assert torch.allclose(got[keep], want[keep], atol=1e-4)
+
+
+def test_tool_results_continue_the_conversation_as_the_qwen_template_renders_them(
+        plugin_manager):
+    """A real tool call: ToolEnvironment runs it sandboxed; its `tool` messages (grouped in
+    one user turn by the Qwen2.5-style template) continue the token sequence exactly as
+    re-rendering the whole conversation would (its text round-trips)."""
+    from peerflow.agents.tool_env import ToolEnvironment, ToolOptions
+    from peerflow.agents.tools import render_prompt
+    from tests.helpers.chat_model import build_chat_tokenizer
+
+    tok = build_chat_tokenizer()
+    env = ToolEnvironment(Example(prompt="What is 6 * 7?", answer="42"),
+                          ToolOptions(tools=("calculator",)))
+    schemas = env.tool_schemas()
+    first = env.initial_prompt()
+    first = [{"role": "user", "content": first}] if isinstance(first, str) else first
+    prompt = render_prompt(tok, first, schemas)
+    call = ('<tool_call>\n{"name": "calculator", "arguments": {"expression": "6 * 7"}}\n'
+            '</tool_call>\n<tool_call>\n{"name": "calculator", "arguments": '
+            '{"expression": "6 + 7"}}\n</tool_call>')
+    turn_ids = _ids(tok, call) + [tok.eos_token_id]
+    result = env.step(Turn(token_ids=turn_ids, text=call, index=0))
+    env.close()
+    assert [m["role"] for m in result.observation] == ["tool", "tool"]
+    obs = TurnRenderer(tok).observation(result, turn_ids)
+    rerendered = tok.apply_chat_template(
+        [*first, {"role": "assistant", "content": call}, *result.observation],
+        tools=schemas, add_generation_prompt=True, tokenize=True)
+    rerendered = list(rerendered["input_ids"] if hasattr(rerendered, "keys") else rerendered)
+    assert prompt + turn_ids + obs == rerendered
+    assert tok.decode(obs).count("<|im_start|>user") == 1  # both results in one user turn
+    assert "42" in tok.decode(obs) and "13" in tok.decode(obs)
+
+
+def test_driver_renders_the_first_prompt_with_the_tool_schemas(plugin_manager, tmp_path):
+    from peerflow.adapters.hf.engine import HFRolloutEngine
+    from peerflow.agents.tool_env import ToolEnvironment, ToolOptions
+    from peerflow.agents.tools import render_prompt
+    from tests.helpers.chat_model import build_chat_model
+
+    path = build_chat_model(tmp_path)
+    engine = HFRolloutEngine(EngineContext(model_path=path, layout=ParallelLayout()))
+    options = ToolOptions(tools=("calculator",))
+    driver = AgentRollout(env_cls=ToolEnvironment, env_options=options,
+                          settings=AgentConfig(environment="tools", max_turns=2))
+    example = Example(prompt="What is 6 * 7?", answer="42")
+    batch = driver(engine, engine.tokenizer, [Draw(position=0, example=example)],
+                   SamplingParams(n=2, temperature=0.9, max_tokens=8, seed=1))
+    env = ToolEnvironment(example, options)
+    want = render_prompt(engine.tokenizer, [{"role": "user", "content": "What is 6 * 7?"}],
+                         env.tool_schemas())
+    assert [r.tolist() for r in batch.ragged("prompt_ids").rows()] == [want, want]
+    assert '"name": "calculator"' in engine.tokenizer.decode(want)
