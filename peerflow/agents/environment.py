@@ -97,6 +97,15 @@ class Environment(abc.ABC):
         """Returns the first prompt of the episode (default: the example's prompt)."""
         return self.example.prompt
 
+    def tool_schemas(self) -> list[dict[str, Any]]:
+        """Returns the JSON schemas of the tools the model may call (default: none).
+
+        The driver renders the first prompt with them (`peerflow.agents.tools.render_prompt`:
+        the chat template's `tools=` argument where the template uses it, else a tool
+        description in the system message).
+        """
+        return []
+
     @abc.abstractmethod
     def step(self, turn: Turn) -> StepResult:
         """Answers the model's turn.

@@ -54,6 +54,8 @@ KINDS: dict[str, Kind] = {
         Kind(key="environment", hook="peerflow_register_environments",
              label="agent environment", config_key="rollout.agent.environment",
              base="peerflow.agents.Environment"),
+        Kind(key="tool", hook="peerflow_register_tools", label="agent tool",
+             config_key="rollout.agent.options.tools", base="peerflow.agents.tools.Tool"),
     )
 }
 
