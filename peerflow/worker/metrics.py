@@ -155,6 +155,10 @@ def record_batch_metrics(batch: Batch, metrics: StepMetrics) -> None:
     if "finish_reason" in batch:
         clipped = sum(1 for r in batch["finish_reason"] if r in TRUNCATED)
         metrics.mean("response_length/clip_frac", clipped / n, n)
+    if "num_turns" in batch:
+        from peerflow.agents.rollout import record_episode_metrics
+
+        record_episode_metrics(batch, metrics)
     metrics.sum("samples", n)
 
 
