@@ -34,7 +34,7 @@ from typing import Any
 import attrs
 import torch
 
-from peerflow.agents.concurrent import run_with_limits
+from peerflow.agents.concurrent import Outcome, run_with_limits
 from peerflow.agents.environment import Environment, StepResult, Turn
 from peerflow.agents.render import TurnRenderer
 from peerflow.batch import Batch, RaggedField
@@ -176,12 +176,8 @@ class AgentRollout:
                 t.end("max_turns")
             return _pack(trajectories, self._final_rewards(trajectories), sampling.n,
                          engine.weight_version)
-        finally:
-            for t in trajectories:
-                try:
-                    t.env.close()
-                except Exception:  # noqa: BLE001 — a failing close must not lose the batch
-                    pass
+        finally:  # closes run like steps: at once, each under the time limit, errors dropped
+            self._call_each(trajectories, lambda t: t.env.close())
 
     def _start(self, tokenizer: Any, draws: Sequence[Draw], n: int) -> list[Trajectory]:
         trajectories = []
@@ -242,24 +238,15 @@ class AgentRollout:
 
     def _step(self, trajectories: list[Trajectory], renderer: TurnRenderer, turn: int) -> None:
         """Steps the environments at once and appends their observations."""
-        settings = self.settings
-        outcomes = run_with_limits(
-            [lambda t=t: t.env.step(t.last_turn) for t in trajectories],
-            timeout_s=settings.step_timeout_s, concurrency=settings.concurrency)
+        outcomes = self._call_each(trajectories, lambda t: t.env.step(t.last_turn))
         for t, outcome in zip(trajectories, outcomes):
-            if outcome.timed_out:
-                t.end("env_timeout", f"{self.env_cls.name}.step took longer than "
-                      f"rollout.agent.step_timeout_s={settings.step_timeout_s} s")
-                continue
-            if outcome.error is not None:
-                t.end("env_error", f"{self.env_cls.name}.step raised "
-                      f"{type(outcome.error).__name__}: {outcome.error}")
+            if self._failed(t, "step", outcome):
                 continue
             result: StepResult = outcome.value
             t.reward_turn(result.reward)
             if result.done:
                 t.end("stop")
-            elif turn + 1 >= settings.max_turns:
+            elif turn + 1 >= self.settings.max_turns:
                 t.end("max_turns")
             else:
                 self._observe(t, renderer, result)
@@ -278,15 +265,30 @@ class AgentRollout:
         last = t.versions[-1] if t.versions else 0
         t.append(ids, [0.0] * len(ids), [last] * len(ids), sampled=False)
 
+    def _call_each(self, trajectories: list[Trajectory],
+                   call: Callable[[Trajectory], Any]) -> list[Outcome]:
+        """Calls `call(t)` for every trajectory at once, each under `step_timeout_s`."""
+        return run_with_limits([lambda t=t: call(t) for t in trajectories],
+                               timeout_s=self.settings.step_timeout_s,
+                               concurrency=self.settings.concurrency)
+
+    def _failed(self, t: Trajectory, what: str, outcome: Outcome) -> bool:
+        """Marks `t` ended by an error or time-out of `what`; returns whether it failed."""
+        if outcome.timed_out:
+            t.finish, t.error = "env_timeout", (
+                f"{self.env_cls.name}.{what} took longer than "
+                f"rollout.agent.step_timeout_s={self.settings.step_timeout_s} s")
+        elif outcome.error is not None:
+            t.finish, t.error = "env_error", (
+                f"{self.env_cls.name}.{what} raised {type(outcome.error).__name__}: "
+                f"{outcome.error}")
+        return not outcome.ok
+
     def _final_rewards(self, trajectories: list[Trajectory]) -> list[float]:
         rewards = []
-        for t in trajectories:
-            try:
-                value = t.env.final_reward()
-            except Exception as exc:  # noqa: BLE001 — ends (marks) only this trajectory
-                t.finish, t.error = "env_error", (
-                    f"{self.env_cls.name}.final_reward raised {type(exc).__name__}: {exc}")
-                value = None
+        for t, outcome in zip(trajectories,
+                              self._call_each(trajectories, lambda t: t.env.final_reward())):
+            value = None if self._failed(t, "final_reward", outcome) else outcome.value
             rewards.append(float("nan") if value is None else float(value))
         return rewards
 

@@ -222,3 +222,49 @@ def test_group_prompts_must_agree(engine):
 
     with pytest.raises(RuntimeError, match="different first prompts"):
         _driver(Random)(engine, engine.tokenizer, _draws(), _sampling())
+
+
+def test_async_generate_with_partial_rollout_splits_turns_into_version_segments(engine):
+    """Through the async loop's `make_generate`: `between` runs between chunks of a turn
+    and between turns; every sampled token keeps the version that produced it."""
+    from peerflow.streaming.rollout_loop import make_generate
+
+    driver = _driver(max_turns=2)
+    generate = make_generate(
+        engine, lambda eng, draws, sampling, **kw: driver(eng, eng.tokenizer, draws, sampling,
+                                                          **kw),
+        partial_rollout=True, chunk_tokens=2, multi_turn=True)
+    versions_seen = []
+
+    def between():
+        engine.begin_weight_update(engine.weight_version + 1)
+        engine.finish_weight_update()
+        versions_seen.append(engine.weight_version)
+
+    try:
+        out = generate(_draws(PROMPTS[:2]), _sampling(max_tokens=6), between)
+    finally:
+        engine.begin_weight_update(0)
+        engine.finish_weight_update()
+    assert versions_seen  # chunks and turns let new weights in
+    spans_in_a_turn = 0
+    for versions, mask in zip(_rows(out, TOKEN_VERSIONS), _rows(out, LOSS_MASK)):
+        assert versions == sorted(versions) and versions[0] == 0
+        first_turn = versions[:mask.index(False)] if False in mask else versions
+        spans_in_a_turn += len(set(first_turn)) > 1
+    assert spans_in_a_turn > 0  # a 6-token turn in 2-token chunks spans versions
+    assert out.weight_version.tolist() == [0] * len(out)
+
+
+def test_failing_final_reward_and_close_are_marked_not_raised(engine):
+    class Broken(Echo):
+        def final_reward(self) -> float:
+            raise RuntimeError("scorer down")
+
+        def close(self) -> None:
+            raise OSError("already gone")
+
+    out = _driver(Broken, max_turns=3)(engine, engine.tokenizer, _draws(PROMPTS[:1]), _sampling())
+    assert out["finish_reason"] == ["env_error"] * 2
+    assert out["agent_error"] == ["echo-test.final_reward raised RuntimeError: scorer down"] * 2
+    assert torch.isnan(out["env_reward"]).all()  # the task's reward scores these
