@@ -69,6 +69,9 @@ def _run(cmd: list[str], log: Path) -> float:
 def run_peerflow(args: argparse.Namespace, overrides: list[str], work: Path) -> dict[str, Any]:
     """Runs `peerflow train` and returns tokens, wall and train-loop seconds.
 
+    The loop is the summed `time/iteration` (each step with the driver's work between
+    steps), the span `e2e_trl` times on TRL's side.
+
     `phases_s` sums the run's `time/<phase>` (max over ranks per step): where the time goes.
     """
     run_dir = work / f"peerflow-{time.time_ns()}"
