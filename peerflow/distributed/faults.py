@@ -52,7 +52,8 @@ from peerflow.distributed.stages import (
     main_thread_stack,
     mark_timed_out,
 )
-from peerflow.errors import WorkerFailedError
+from peerflow.distributed.stop import stop_now_requested, stop_reason
+from peerflow.errors import INTERRUPTED_EXIT, WorkerFailedError
 
 #: Exit status of a rank that stops because a *peer* failed.
 PEER_FAILED_EXIT = 3
@@ -87,6 +88,9 @@ class FaultMonitor:
     _thread: threading.Thread | None = None
     _seen: dict[int, tuple[int, float]] = attrs.field(factory=dict)
     _store_error_since: float | None = None
+    stop_grace: float = 10.0
+    """Seconds a graceful stop may take on this rank before it stops at once."""
+    _stop_seen: float | None = None
 
     @property
     def interval(self) -> float:
@@ -250,6 +254,8 @@ class FaultMonitor:
                 if now - self._store_error_since > self.stale_after and not self._stop.is_set():
                     self.exit_for(self.store_lost(exc))
                 continue
+            if self._graceful_stop_overdue(now):
+                return
             if record is None or self._stop.is_set():
                 continue
             if record.rank != self.rank:
@@ -258,6 +264,29 @@ class FaultMonitor:
             if self.current.overdue():  # our own stuck stage: the main thread cannot exit
                 self.exit_for(record, STUCK_EXIT)
                 return
+
+    def _graceful_stop_overdue(self, now: float) -> bool:
+        """Stops this process at once when a graceful stop outlives `stop_grace`."""
+        if self._stop_seen is None:
+            if stop_reason(self.store) is not None:
+                self._stop_seen = now
+            return False
+        if self._stop.is_set():
+            return False
+        if stop_now_requested(self.store):
+            why = "the launcher asked to stop at once"
+        elif now - self._stop_seen > self.stop_grace:
+            why = (f"no step boundary within runtime.stop_grace={self.stop_grace:g} s of the "
+                   "stop request")
+        else:
+            return False
+        text = (f"peerflow: rank {self.rank} (host {self.host}) stops at once in stage "
+                f"{self.stage_name!r}: {why}.")
+        print(text, file=sys.stderr, flush=True)
+        append_to_rank_log(text)
+        self.close()
+        self.exit_process(INTERRUPTED_EXIT)
+        return True
 
     def install_sigterm_handler(self) -> None:
         """On SIGTERM (a launcher stopping the job), name the failure if one is published."""
