@@ -53,6 +53,7 @@ from peerflow.distributed.stages import (
     mark_timed_out,
 )
 from peerflow.distributed.stop import stop_now_requested, stop_reason
+from peerflow.distributed.store_watch import StoreWatchdog, store_lost_record
 from peerflow.errors import INTERRUPTED_EXIT, WorkerFailedError
 
 #: Exit status of a rank that stops because a *peer* failed.
@@ -91,11 +92,20 @@ class FaultMonitor:
     stop_grace: float = 10.0
     """Seconds a graceful stop may take on this rank before it stops at once."""
     _stop_seen: float | None = None
+    last_answer: float = attrs.field(factory=time.monotonic)
+    """When the store last answered a whole tick (the store watchdog reads it)."""
+    peer_hosts: dict[int, str] = attrs.field(factory=dict)
+    """Hosts of the watched ranks, read once (named when the store is cut off)."""
 
     @property
     def interval(self) -> float:
         """Seconds between heartbeats and polls."""
         return min(1.0, max(0.05, self.fault_timeout / 20))
+
+    @property
+    def closed(self) -> bool:
+        """Whether the monitor was stopped (the rank finished or is exiting)."""
+        return self._stop.is_set()
 
     @property
     def stage_name(self) -> str:
@@ -115,6 +125,7 @@ class FaultMonitor:
         self._thread = threading.Thread(target=self._loop, name="peerflow-fault-monitor",
                                         daemon=True)
         self._thread.start()
+        StoreWatchdog(monitor=self).start()
         return self
 
     def close(self) -> None:
@@ -201,16 +212,8 @@ class FaultMonitor:
             f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})", rank=rank)
 
     def store_lost(self, exc: BaseException) -> FailureRecord:
-        """The failure to report when the store itself is unreachable: its host died."""
-        if self.store_owner is not None and self.store_owner != self.rank:
-            return FailureRecord(
-                rank=self.store_owner, host=os.environ.get("MASTER_ADDR", "?"), stage="?",
-                reporter=self.rank,
-                reason=f"it hosted the rendezvous store, which is unreachable ({exc}): the "
-                "process died")
-        return FailureRecord(
-            rank=-1, host="?", stage="store", reporter=self.rank,
-            reason=f"lost the rendezvous store ({exc}); the launcher or the rank hosting it died")
+        """The failure to report when the store is unreachable (see `store_lost_record`)."""
+        return store_lost_record(self, exc)
 
     def store_reachable(self) -> bool:
         """Whether the store still answers."""
@@ -236,6 +239,8 @@ class FaultMonitor:
                 continue
             beat = self.store.add(f"{PREFIX}hb/{peer}", 0)
             last = self._seen.get(peer)
+            if peer not in self.peer_hosts:
+                self.peer_hosts[peer] = rank_info(self.store, peer)[0]
             if last is None or beat != last[0]:
                 self._seen[peer] = (beat, now)
             elif now - last[1] > self.stale_after:
@@ -249,6 +254,7 @@ class FaultMonitor:
             try:
                 record = self._tick(now)
                 self._store_error_since = None
+                self.last_answer = time.monotonic()
             except Exception as exc:  # the store itself is gone: its host died
                 self._store_error_since = self._store_error_since or now
                 if now - self._store_error_since > self.stale_after and not self._stop.is_set():

@@ -101,6 +101,7 @@ def test_a_lost_host_stops_the_survivor_naming_it_then_resume_continues(
     run = tmp_path / "run"
     procs = _torchrun(hosts, run, "run.steps=400", "run.checkpoint_every=2")
     _wait_for_checkpoint(run, procs, 2)
+    cut_off = [pid for pid in hosts.pids(1) if _is_worker(pid)]
     lost_at = time.monotonic()
     if fault == "kill":
         hosts.kill_host(1)
@@ -116,10 +117,11 @@ def test_a_lost_host_stops_the_survivor_naming_it_then_resume_continues(
     # down (slack for the agent on a loaded machine)
     assert survivor_s < FAULT_TIMEOUT + 30, (survivor_s, output)
     print(f"{fault}: surviving host's torchrun exited {survivor_s:.1f} s after the fault")
-    hosts.kill_host(1)  # a cut-off host's processes are stopped by its operator
     resumed_from = newest_complete(run).step
-    if fault == "cut":
+    if fault == "cut":  # the cut-off host's worker exits too, naming the host it lost
+        _assert_cut_off_worker_exits(hosts, procs[1], cut_off, lost_at)
         return
+    hosts.kill_host(1)
     target = resumed_from + 2
     results = _finish(_torchrun(hosts, run, f"run.steps={target}", resume=True))
     assert [code for code, _ in results] == [0, 0], results
@@ -142,9 +144,36 @@ def test_torchrun_max_restarts_resumes_by_itself(hosts, tmp_path) -> None:
     assert len(workers) == 1, workers
     os.kill(workers[0], 9)
     results = _finish(procs)
+    for i, (code, out) in enumerate(results):
+        print(f"==== host h{i}: exit {code}\n{out}", file=open(f"/tmp/ops18_mr_h{i}.log", "w"))
     assert [code for code, _ in results] == [0, 0], results
     assert f"resuming {run} from step " in results[0][1] + results[1][1]
     assert _steps(run)[-1] == 6
+
+
+def _assert_cut_off_worker_exits(hosts: Hosts, agent: subprocess.Popen, workers: list[int],
+                                 lost_at: float) -> None:
+    """The worker on the cut-off host h1 exits within fault_timeout naming rank 0 on h0
+    (its store calls block over the dead link; the store watchdog does not wait for them)."""
+    assert len(workers) == 1, workers
+    deadline = time.monotonic() + 120
+    while Path(f"/proc/{workers[0]}").exists() and not _zombie(workers[0]):
+        assert time.monotonic() < deadline, "the cut-off worker did not exit within 120 s"
+        time.sleep(0.2)
+    cut_off_s = time.monotonic() - lost_at
+    hosts.kill_host(1)  # its torchrun agent waits on the rendezvous store: its operator stops it
+    output = agent.communicate(timeout=60)[0]
+    assert "peerflow: rank 0 (host h0) failed" in output, output
+    assert "unreachable from rank 1 (host h1)" in output, output
+    assert cut_off_s < FAULT_TIMEOUT + 30, (cut_off_s, output)
+    print(f"cut: the cut-off host's worker exited {cut_off_s:.1f} s after the cut")
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
 
 
 def _is_worker(pid: int) -> bool:
