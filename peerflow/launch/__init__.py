@@ -64,7 +64,8 @@ def launch(
             `runtime.fault_timeout`).
         entry: `module:function` every worker runs.
         torch_threads: torch threads per worker (default: `runtime.torch_threads`).
-        stop_grace: Seconds a graceful stop may take (default: `runtime.stop_grace`).
+        stop_grace: Seconds a graceful stop may take (default: `runtime.stop_grace` when
+            the config is loaded for the other defaults, else 10).
 
     Returns:
         0.
@@ -75,7 +76,7 @@ def launch(
     """
     if launcher not in LAUNCHERS:
         raise ConfigError(f"--launcher {launcher!r}: use one of {', '.join(LAUNCHERS)}.")
-    if None in (fault_timeout, nprocs, torch_threads, stop_grace):
+    if None in (fault_timeout, nprocs, torch_threads):
         from peerflow.config import load_config
 
         runtime = load_config(config_path, overrides).runtime
@@ -83,6 +84,12 @@ def launch(
         nprocs = runtime.nprocs if nprocs is None else nprocs
         torch_threads = runtime.torch_threads if torch_threads is None else torch_threads
         stop_grace = runtime.stop_grace if stop_grace is None else stop_grace
+    if stop_grace is None:
+        import attrs
+
+        from peerflow.config.schema import RuntimeConfig
+
+        stop_grace = attrs.fields(RuntimeConfig).stop_grace.default
     resolve_entry(entry)  # fail here, not in every worker
     command = WorkerCommand(entry=entry, config_path=config_path, overrides=overrides,
                             run_dir=run_dir, resume=resume, fault_timeout=fault_timeout,

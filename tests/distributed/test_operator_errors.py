@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from peerflow.checkpoint import list_checkpoints, newest_complete
+from tests.helpers.gloo import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = str(ROOT / "examples" / "quickstart.yaml")
@@ -226,3 +227,27 @@ def _gone(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
     except OSError:
         return True
+
+
+def test_ctrl_c_under_torchrun_checkpoints_the_stop_step(tmp_path) -> None:
+    """torchrun's agent forwards Ctrl-C to its workers: the same graceful stop."""
+    run = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node",
+         "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
+         "-m", "peerflow", "train", QUICKSTART,
+         "--run-dir", str(run), "--set", "run.steps=500", "--set", "run.prompts_per_step=4",
+         "--set", "run.trace=false", "--set", "runtime.stop_grace=25"],
+        env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True)
+    _wait_for_step(proc, run, 2)
+    os.kill(proc.pid, signal.SIGINT)  # the agent alone; it signals its workers
+    out = proc.communicate(timeout=180)[0]
+    assert proc.returncode != 0, out
+    stop = int(re.search(r"stopped gracefully after step (\d+) \(stop requested\); "
+                         r"checkpoint of step \1 written", (run / "logs" / "rank0.log")
+                         .read_text()).group(1))
+    assert f"continue with:\n  peerflow train --resume {run}" in out, out
+    found = newest_complete(run)
+    assert found is not None and found.step == stop, out
+    assert _steps(run) == list(range(1, stop + 1))
