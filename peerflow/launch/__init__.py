@@ -64,8 +64,7 @@ def launch(
             `runtime.fault_timeout`).
         entry: `module:function` every worker runs.
         torch_threads: torch threads per worker (default: `runtime.torch_threads`).
-        stop_grace: Seconds a graceful stop may take (default: `runtime.stop_grace` when
-            the config is loaded for the other defaults, else 10).
+        stop_grace: Seconds a graceful stop may take (default: `runtime.stop_grace`).
 
     Returns:
         0.
@@ -84,16 +83,11 @@ def launch(
         nprocs = runtime.nprocs if nprocs is None else nprocs
         torch_threads = runtime.torch_threads if torch_threads is None else torch_threads
         stop_grace = runtime.stop_grace if stop_grace is None else stop_grace
-    if stop_grace is None:
-        import attrs
-
-        from peerflow.config.schema import RuntimeConfig
-
-        stop_grace = attrs.fields(RuntimeConfig).stop_grace.default
     resolve_entry(entry)  # fail here, not in every worker
     command = WorkerCommand(entry=entry, config_path=config_path, overrides=overrides,
                             run_dir=run_dir, resume=resume, fault_timeout=fault_timeout,
-                            torch_threads=torch_threads, stop_grace=stop_grace)
+                            torch_threads=torch_threads,
+                            **({} if stop_grace is None else {"stop_grace": stop_grace}))
     if in_distributed_env():
         worker_entry(*command.args())
         return 0

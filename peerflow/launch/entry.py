@@ -19,8 +19,11 @@ from typing import Any
 
 import attrs
 
+from peerflow.config.schema import RuntimeConfig
 from peerflow.errors import INTERRUPTED_EXIT
 
+#: `runtime.stop_grace`'s default.
+STOP_GRACE = attrs.fields(RuntimeConfig).stop_grace.default
 #: The worker function `peerflow train` runs in every process.
 DEFAULT_ENTRY = "peerflow.worker.main:run_worker"
 
@@ -59,7 +62,7 @@ class WorkerCommand:
     """Seconds within which all ranks exit after a failure."""
     torch_threads: int = 1
     """torch threads per worker."""
-    stop_grace: float = 10.0
+    stop_grace: float = STOP_GRACE
     """Seconds a graceful stop may take (`runtime.stop_grace`)."""
 
     def args(self) -> tuple[Any, ...]:
@@ -81,7 +84,7 @@ def worker_entry(
     resume: str | None,
     fault_timeout: float,
     torch_threads: int = 1,
-    stop_grace: float = 10.0,
+    stop_grace: float = STOP_GRACE,
 ) -> None:
     """Runs one worker process (called by the launchers, on every rank).
 
