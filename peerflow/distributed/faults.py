@@ -19,7 +19,9 @@ launcher's own store named by `PEERFLOW_FAULT_STORE`):
   `PEER_FAILED_EXIT`, even while its main thread is blocked in a collective.
 
 The first record wins (`compare_set`), so every rank names the same failure. Detection
-takes at most `stale_after + 2 * interval` (half `fault_timeout` by default).
+takes at most `stale_after + 2 * interval` (half `fault_timeout` by default); so does
+noticing that the store itself stopped answering (`peerflow.distributed.store_watch`).
+A graceful stop (`peerflow.distributed.stop`) that outlives `stop_grace` is ended here.
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ import pytest
 
 from peerflow.checkpoint import list_checkpoints, newest_complete
 from tests.helpers.gloo import free_port
+from tests.helpers.procs import process_gone
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = str(ROOT / "examples" / "quickstart.yaml")
@@ -218,15 +219,8 @@ def test_a_second_ctrl_c_stops_every_rank_at_once(tmp_path) -> None:
     for log in logs:  # every worker recorded the stop and is gone
         found = re.search(r"\(pid (\d+)\): SIGINT, graceful stop requested", log.read_text())
         assert found, log.read_text()
-        assert _gone(int(found.group(1)))
+        assert process_gone(int(found.group(1)))
     assert "interrupted (SIGINT)" in (run / "logs" / "rank1.log").read_text()
-
-
-def _gone(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return True
 
 
 def test_ctrl_c_under_torchrun_checkpoints_the_stop_step(tmp_path) -> None:

@@ -22,6 +22,7 @@ import pytest
 from netns import Hosts, unavailable  # this folder's helper (pytest puts it on sys.path)
 
 from peerflow.checkpoint import CheckpointInfo, newest_complete
+from tests.helpers.procs import process_gone
 
 ROOT = Path(__file__).resolve().parents[2]
 _NONE = CheckpointInfo(step=-1, path=Path("."))
@@ -154,7 +155,7 @@ def _assert_cut_off_worker_exits(hosts: Hosts, agent: subprocess.Popen, workers:
     (its store calls block over the dead link; the store watchdog does not wait for them)."""
     assert len(workers) == 1, workers
     deadline = time.monotonic() + 120
-    while Path(f"/proc/{workers[0]}").exists() and not _zombie(workers[0]):
+    while not process_gone(workers[0]):
         assert time.monotonic() < deadline, "the cut-off worker did not exit within 120 s"
         time.sleep(0.2)
     cut_off_s = time.monotonic() - lost_at
@@ -164,13 +165,6 @@ def _assert_cut_off_worker_exits(hosts: Hosts, agent: subprocess.Popen, workers:
     assert "unreachable from rank 1 (host h1)" in output, output
     assert cut_off_s < FAULT_TIMEOUT + 30, (cut_off_s, output)
     print(f"cut: the cut-off host's worker exited {cut_off_s:.1f} s after the cut")
-
-
-def _zombie(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return True
 
 
 def _is_worker(pid: int) -> bool:
