@@ -11,6 +11,7 @@ from peerflow.agents.rollout import LOSS_MASK, AgentRollout  # noqa: E402
 from peerflow.config import AgentConfig  # noqa: E402
 from peerflow.engines import EngineContext, SamplingParams  # noqa: E402
 from peerflow.layout import ParallelLayout  # noqa: E402
+from tests.engines.vllm.conftest import start_engine  # noqa: E402
 from tests.unit.test_agents_rollout import TEMPERATURE, Echo, _draws  # noqa: E402
 
 pytestmark = pytest.mark.engine("vllm")
@@ -18,11 +19,7 @@ pytestmark = pytest.mark.engine("vllm")
 
 @pytest.fixture(scope="module")
 def engine(vllm_tiny_model):
-    from peerflow.adapters.vllm.engine import VLLMRolloutEngine
-    from peerflow.adapters.vllm.options import VLLMRolloutOptions
-
-    context = EngineContext(model_path=vllm_tiny_model, layout=ParallelLayout(), seed=0)
-    eng = VLLMRolloutEngine(context, VLLMRolloutOptions(max_model_len=128))
+    eng = start_engine(vllm_tiny_model)
     yield eng
     eng.shutdown()
 

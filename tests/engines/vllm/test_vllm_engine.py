@@ -9,18 +9,14 @@ pytest.importorskip("vllm", reason="vllm is not installed (pip install 'peerflow
 
 from peerflow.engines import EngineContext, GenerationRequest, SamplingParams  # noqa: E402
 from peerflow.layout import ParallelLayout  # noqa: E402
-from tests.engines.vllm.conftest import local_tensor, sha
+from tests.engines.vllm.conftest import local_tensor, sha, start_engine
 
 pytestmark = pytest.mark.engine("vllm")
 
 
 @pytest.fixture(scope="module")
 def engine(vllm_tiny_model):
-    from peerflow.adapters.vllm.engine import VLLMRolloutEngine
-    from peerflow.adapters.vllm.options import VLLMRolloutOptions
-
-    context = EngineContext(model_path=vllm_tiny_model, layout=ParallelLayout(), seed=0)
-    eng = VLLMRolloutEngine(context, VLLMRolloutOptions(max_model_len=128))
+    eng = start_engine(vllm_tiny_model)
     yield eng
     eng.shutdown()
 
