@@ -1,10 +1,8 @@
 """Base of rollout engines that drive their own tensor-parallel workers (vLLM, SGLang).
 
-Such an engine is hosted on one rank per replica (`Capabilities.multiprocess`); its
+Hosted on one rank per replica (`Capabilities.multiprocess`), such an engine's
 `weight_targets()` list every tp worker's shards, prefixed `tp{r}/` when tp > 1
-(`peerflow.models.vllm.tp_prefixed_layout`). This class holds what those adapters share:
-the declared targets and their checks, trimming stop strings from token ids, and the
-per-sync timers reported as `last_sync`.
+(`peerflow.models.vllm.tp_prefixed_layout`).
 """
 
 from __future__ import annotations
@@ -38,14 +36,8 @@ class TensorParallelRolloutEngine(RolloutEngine, abc.ABC):
     """
 
     capabilities: ClassVar[Capabilities] = Capabilities(
-        logprobs=True,
-        stop_strings=True,
-        tensor_parallel=True,
-        shard_load=True,
-        in_place_weight_update=True,
-        prefix_cache=True,
-        multiprocess=True,
-    )
+        logprobs=True, stop_strings=True, tensor_parallel=True, shard_load=True,
+        in_place_weight_update=True, prefix_cache=True, multiprocess=True)
     """What every such engine supports; an adapter adds its own with `attrs.evolve`."""
     options: Any
 

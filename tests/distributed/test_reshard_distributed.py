@@ -79,7 +79,6 @@ def _both_modes_worker(rank: int, world: int) -> dict:
     from tests.helpers.tensor_engines import TensorRollout as Rollout
     from tests.helpers.tensor_engines import TensorTrainer as Trainer
 
-
     class ZeroCopy(Rollout):
         def weight_buffers(self, specs):
             return [self.params[s.local_name] for s in specs]
