@@ -19,7 +19,7 @@ computes `w` once per step, before `train_step`, and the policy loss multiplies 
 `mismatch_metrics` reports how far apart the two log-prob sources are on the tokens
 actually sampled — the number to watch for inference/training drift.
 
-On the on-policy fast path (no `old_logprob` node, see `peerflow.workflow.on_policy`)
+On the proximal fast path (no `old_logprob` node, see `peerflow.workflow.on_policy`)
 `π_prox` is `π_θ` itself, detached: `CurrentProximal` wraps the policy loss and runs the
 same `importance_weights` and `mismatch_metrics` on every micro-batch against the
 current log-probs.
