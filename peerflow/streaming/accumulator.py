@@ -6,7 +6,7 @@ other nodes may add fields to a sample (a reward, reference log-probs) before it
 trained on, by `patch`ing it — even before the sample itself arrives. A sample is *ready*
 once every required field is present; the sampler forms micro-batches from ready samples
 and `pop_ready` hands out each one as soon as it is full, so per-micro-batch work
-(old/reference log-prob forwards) overlaps with the rest of the step still streaming in.
+(reference / old log-prob forwards) overlaps with the rest of the step still streaming in.
 
 `StepInbox` knows when a step is complete: every rollout rank sends, after its last group
 for a step, a *seal* carrying how many groups it sent this trainer for that step.
