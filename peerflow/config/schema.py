@@ -180,6 +180,12 @@ class AlgorithmConfig:
     """DAPO's overlong reward shaping and filtering (off by default)."""
     dynamic_sampling: bool = False
     """DAPO: drop groups whose rewards are all equal and refill the batch."""
+    turn_rewards: Literal["sum", "ignore"] = "sum"
+    """Multi-turn trajectories' per-turn rewards (the batch field `token_rewards`, each at
+    its turn's last model token) for estimators that read only the outcome `reward`
+    (grpo, rloo): `sum` adds each trajectory's summed per-turn rewards to its `reward`
+    before the estimator; `ignore` trains on the outcome alone. Token-level estimators
+    (gae, reinforce_pp) always read them per token."""
 
 
 @attrs.frozen(kw_only=True)

@@ -76,7 +76,7 @@ def _record(metrics: StepMetrics, prefix: str, batch: Any, scores: Any) -> None:
             metrics.mean(f"{prefix}/{name[len('reward/'):-len('/mean')]}", value, weight)
     for name, value in scores.counts.items():
         metrics.sum(f"{prefix}/{name[len('reward/'):]}", value)
-    lengths = batch.lengths("response_ids").float()
+    lengths = batch.trained_lengths().float()  # model tokens, as response_length/mean
     metrics.mean(f"{prefix}/response_length", float(lengths.mean()), count)
 
 

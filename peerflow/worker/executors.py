@@ -176,6 +176,9 @@ def run_advantage(rt: WorkerRuntime, node: Any, batch: Batch, metrics: StepMetri
     for name, column in rt.estimator.compute(batch).items():
         batch.set(name, column)
     adv = batch.ragged("advantages").values.float()
+    mask = batch.loss_mask()
+    if mask is not None:  # observation tokens carry no advantage
+        adv = adv[mask]
     if adv.numel():
         metrics.mean("advantages/mean", float(adv.mean()), adv.numel())
         metrics.mean("advantages/_sq", float((adv**2).mean()), adv.numel())
