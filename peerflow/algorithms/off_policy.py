@@ -39,6 +39,7 @@ import torch
 
 from peerflow.algorithms.ragged_ops import (
     LOG_RATIO_LIMIT,
+    on_trained_tokens,
     ragged_like,
     response_lengths,
     token_values,
@@ -153,9 +154,7 @@ def mismatch_metrics(batch: Batch) -> dict[str, tuple[str, float, float]]:
         return {}
     delta = (token_values(batch, "rollout_logprobs").to(torch.float64)
              - token_values(batch, "old_logprobs").to(torch.float64))
-    mask = batch.loss_mask()
-    if mask is not None:
-        delta = delta[mask.to(delta.device)]
+    delta = on_trained_tokens(delta, batch.loss_mask())
     n = delta.numel()
     if not n:
         return {}

@@ -157,7 +157,8 @@ class OverlongConfig:
     penalty: float = attrs.field(default=1.0, validator=attrs.validators.ge(0.0))
     """Largest reward lost to the soft punishment (at `max_tokens`)."""
     filter: bool = False
-    """Overlong filtering: truncated answers (`finish_reason == "length"`) get no loss."""
+    """Overlong filtering: truncated answers (`finish_reason` `length`; agent trajectories
+    cut off at `max_tokens` / `max_turns`) get no loss."""
 
 
 @attrs.frozen(kw_only=True)
