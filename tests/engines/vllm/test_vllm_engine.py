@@ -102,7 +102,7 @@ def test_logprobs_match_hf_forward(engine, hf_model):
 
 
 def test_stop_string_is_trimmed_from_tokens(engine):
-    tokenizer = engine._tokenizer
+    tokenizer = engine.llm.get_tokenizer()
     sampling = SamplingParams(n=4, max_tokens=24, stop=("a", "e"), seed=5)
     results = engine.generate(_requests(3), sampling)
     stopped = [r for r in results if r.finish_reason == "stop" and 1 not in r.token_ids]
