@@ -34,7 +34,7 @@ from typing import Any
 import attrs
 import torch
 
-from peerflow.agents.concurrent import run_with_limits
+from peerflow.agents.concurrent import Outcome, run_with_limits
 from peerflow.agents.environment import Environment, StepResult, Turn
 from peerflow.agents.render import TurnRenderer
 from peerflow.batch import Batch, RaggedField
@@ -66,6 +66,8 @@ class Trajectory:
     last_sampled: int = -1
     """Index (in `tokens`) of the last token the model sampled; -1 before any."""
     turns: int = 0
+    info: dict[str, float] = attrs.field(factory=dict)
+    """Sums of the numbers in the steps' `StepResult.info` (metrics `agent/<key>`)."""
     finish: str = ""
     """`finish_reason` once the episode is over, empty while it is open."""
     error: str = ""
@@ -157,7 +159,7 @@ class AgentRollout:
             A batch with the fields of `generate_batch` plus `loss_mask`,
             `token_versions`, `token_rewards` (each turn's reward on its last sampled
             token), `env_reward` (`final_reward()`, NaN for "let the task's reward score
-            it"), `num_turns` and `agent_error`.
+            it"), `num_turns`, `agent_error` and `agent_info` (summed step infos).
         """
         if not draws:
             return Batch.empty()
@@ -176,12 +178,8 @@ class AgentRollout:
                 t.end("max_turns")
             return _pack(trajectories, self._final_rewards(trajectories), sampling.n,
                          engine.weight_version)
-        finally:
-            for t in trajectories:
-                try:
-                    t.env.close()
-                except Exception:  # noqa: BLE001 — a failing close must not lose the batch
-                    pass
+        finally:  # closes run like steps: at once, each under the time limit, errors dropped
+            self._call_each(trajectories, lambda t: t.env.close())
 
     def _start(self, tokenizer: Any, draws: Sequence[Draw], n: int) -> list[Trajectory]:
         trajectories = []
@@ -242,24 +240,18 @@ class AgentRollout:
 
     def _step(self, trajectories: list[Trajectory], renderer: TurnRenderer, turn: int) -> None:
         """Steps the environments at once and appends their observations."""
-        settings = self.settings
-        outcomes = run_with_limits(
-            [lambda t=t: t.env.step(t.last_turn) for t in trajectories],
-            timeout_s=settings.step_timeout_s, concurrency=settings.concurrency)
+        outcomes = self._call_each(trajectories, lambda t: t.env.step(t.last_turn))
         for t, outcome in zip(trajectories, outcomes):
-            if outcome.timed_out:
-                t.end("env_timeout", f"{self.env_cls.name}.step took longer than "
-                      f"rollout.agent.step_timeout_s={settings.step_timeout_s} s")
-                continue
-            if outcome.error is not None:
-                t.end("env_error", f"{self.env_cls.name}.step raised "
-                      f"{type(outcome.error).__name__}: {outcome.error}")
+            if self._failed(t, "step", outcome):
                 continue
             result: StepResult = outcome.value
             t.reward_turn(result.reward)
+            for key, value in result.info.items():
+                if isinstance(value, int | float):
+                    t.info[key] = t.info.get(key, 0.0) + float(value)
             if result.done:
                 t.end("stop")
-            elif turn + 1 >= settings.max_turns:
+            elif turn + 1 >= self.settings.max_turns:
                 t.end("max_turns")
             else:
                 self._observe(t, renderer, result)
@@ -278,15 +270,30 @@ class AgentRollout:
         last = t.versions[-1] if t.versions else 0
         t.append(ids, [0.0] * len(ids), [last] * len(ids), sampled=False)
 
+    def _call_each(self, trajectories: list[Trajectory],
+                   call: Callable[[Trajectory], Any]) -> list[Outcome]:
+        """Calls `call(t)` for every trajectory at once, each under `step_timeout_s`."""
+        return run_with_limits([lambda t=t: call(t) for t in trajectories],
+                               timeout_s=self.settings.step_timeout_s,
+                               concurrency=self.settings.concurrency)
+
+    def _failed(self, t: Trajectory, what: str, outcome: Outcome) -> bool:
+        """Marks `t` ended by an error or time-out of `what`; returns whether it failed."""
+        if outcome.timed_out:
+            t.finish, t.error = "env_timeout", (
+                f"{self.env_cls.name}.{what} took longer than "
+                f"rollout.agent.step_timeout_s={self.settings.step_timeout_s} s")
+        elif outcome.error is not None:
+            t.finish, t.error = "env_error", (
+                f"{self.env_cls.name}.{what} raised {type(outcome.error).__name__}: "
+                f"{outcome.error}")
+        return not outcome.ok
+
     def _final_rewards(self, trajectories: list[Trajectory]) -> list[float]:
         rewards = []
-        for t in trajectories:
-            try:
-                value = t.env.final_reward()
-            except Exception as exc:  # noqa: BLE001 — ends (marks) only this trajectory
-                t.finish, t.error = "env_error", (
-                    f"{self.env_cls.name}.final_reward raised {type(exc).__name__}: {exc}")
-                value = None
+        for t, outcome in zip(trajectories,
+                              self._call_each(trajectories, lambda t: t.env.final_reward())):
+            value = None if self._failed(t, "final_reward", outcome) else outcome.value
             rewards.append(float("nan") if value is None else float(value))
         return rewards
 
@@ -313,6 +320,7 @@ def _pack(trajectories: list[Trajectory], final: list[float], n: int, version: i
     batch.set("num_turns", torch.tensor([t.turns for t in ts], dtype=torch.int64))
     batch.set_objects("finish_reason", [t.finish for t in ts])
     batch.set_objects("agent_error", [t.error for t in ts])
+    batch.set_objects("agent_info", [t.info for t in ts])
     batch.set_objects("example", [t.draw.example for t in ts])
     return batch
 
@@ -324,8 +332,9 @@ FINISH_REASONS = ("stop", "max_turns", "max_tokens", "env_error", "env_timeout")
 def record_episode_metrics(batch: Batch, metrics: Any) -> None:
     """Records `agent/*` metrics of a batch of episodes into a `StepMetrics`.
 
-    Turns, how episodes ended, observation tokens, and weight versions per trajectory
-    (`agent/versions_max`: most versions one trajectory's sampled tokens span).
+    Turns, how episodes ended, observation tokens, weight versions per trajectory
+    (`agent/versions_max`: most versions one trajectory's sampled tokens span), and the
+    per-trajectory mean of every number environments put in `StepResult.info`.
     """
     n = len(batch)
     turns = batch["num_turns"].float()
@@ -342,3 +351,6 @@ def record_episode_metrics(batch: Batch, metrics: Any) -> None:
         spans = [len(set(v[m].tolist())) for v, m in zip(batch.ragged(TOKEN_VERSIONS).rows(),
                                                          mask.rows())]
         metrics.max("agent/versions_max", float(max(spans, default=0)))
+    infos = batch["agent_info"] if "agent_info" in batch else []
+    for key in sorted({k for info in infos for k in info}):
+        metrics.mean(f"agent/{key}", sum(info.get(key, 0.0) for info in infos) / n, n)

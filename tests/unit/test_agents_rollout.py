@@ -32,7 +32,7 @@ class Echo(Environment):
     def step(self, turn: Turn) -> StepResult:
         done = turn.index + 1 >= self.turns
         return StepResult(observation="" if done else self.observation, reward=0.25,
-                          done=done)
+                          done=done, info={"calls": 2, "note": "text is not a metric"})
 
     def final_reward(self) -> float:
         return 1.0
@@ -83,6 +83,21 @@ def test_trajectories_are_groups_of_n_episodes(batch):
         assert [rewards[i] for i in ends] == [0.25] * 3
     assert batch["env_reward"].tolist() == [1.0] * 6
     assert batch["agent_error"] == [""] * 6
+    assert batch["agent_info"] == [{"calls": 6.0}] * 6
+
+
+def test_episode_metrics(batch):
+    from peerflow.agents.rollout import record_episode_metrics
+    from peerflow.worker.metrics import StepMetrics, reduce_metrics
+
+    metrics = StepMetrics()
+    record_episode_metrics(batch, metrics)
+    got = reduce_metrics([metrics.raw()])
+    assert got["agent/turns_mean"] == got["agent/turns_max"] == 3
+    assert got["agent/finish/stop"] == 1 and got["agent/finish/env_error"] == 0
+    assert got["agent/calls"] == 6 and got["agent/turn_reward_mean"] == 0.75
+    assert got["agent/versions_max"] == 1
+    assert got["agent/observation_tokens"] == 6 * 2 * len(Echo.observation)
 
 
 def test_loss_mask_is_false_exactly_on_observation_tokens(engine, batch):
@@ -222,3 +237,49 @@ def test_group_prompts_must_agree(engine):
 
     with pytest.raises(RuntimeError, match="different first prompts"):
         _driver(Random)(engine, engine.tokenizer, _draws(), _sampling())
+
+
+def test_async_generate_with_partial_rollout_splits_turns_into_version_segments(engine):
+    """Through the async loop's `make_generate`: `between` runs between chunks of a turn
+    and between turns; every sampled token keeps the version that produced it."""
+    from peerflow.streaming.rollout_loop import make_generate
+
+    driver = _driver(max_turns=2)
+    generate = make_generate(
+        engine, lambda eng, draws, sampling, **kw: driver(eng, eng.tokenizer, draws, sampling,
+                                                          **kw),
+        partial_rollout=True, chunk_tokens=2, multi_turn=True)
+    versions_seen = []
+
+    def between():
+        engine.begin_weight_update(engine.weight_version + 1)
+        engine.finish_weight_update()
+        versions_seen.append(engine.weight_version)
+
+    try:
+        out = generate(_draws(PROMPTS[:2]), _sampling(max_tokens=6), between)
+    finally:
+        engine.begin_weight_update(0)
+        engine.finish_weight_update()
+    assert versions_seen  # chunks and turns let new weights in
+    spans_in_a_turn = 0
+    for versions, mask in zip(_rows(out, TOKEN_VERSIONS), _rows(out, LOSS_MASK)):
+        assert versions == sorted(versions) and versions[0] == 0
+        first_turn = versions[:mask.index(False)] if False in mask else versions
+        spans_in_a_turn += len(set(first_turn)) > 1
+    assert spans_in_a_turn > 0  # a 6-token turn in 2-token chunks spans versions
+    assert out.weight_version.tolist() == [0] * len(out)
+
+
+def test_failing_final_reward_and_close_are_marked_not_raised(engine):
+    class Broken(Echo):
+        def final_reward(self) -> float:
+            raise RuntimeError("scorer down")
+
+        def close(self) -> None:
+            raise OSError("already gone")
+
+    out = _driver(Broken, max_turns=3)(engine, engine.tokenizer, _draws(PROMPTS[:1]), _sampling())
+    assert out["finish_reason"] == ["env_error"] * 2
+    assert out["agent_error"] == ["echo-test.final_reward raised RuntimeError: scorer down"] * 2
+    assert torch.isnan(out["env_reward"]).all()  # the task's reward scores these

@@ -29,6 +29,17 @@ def vllm_tiny_model(tmp_path_factory) -> str:
     return build_vllm_tiny_model(tmp_path_factory.mktemp("vllm-tiny-qwen2"), tied=False)
 
 
+def start_engine(model_path: str):
+    """The `vllm` rollout engine on `model_path`, in-process (max_model_len 128, seed 0)."""
+    from peerflow.adapters.vllm.engine import VLLMRolloutEngine
+    from peerflow.adapters.vllm.options import VLLMRolloutOptions
+    from peerflow.engines import EngineContext
+    from peerflow.layout import ParallelLayout
+
+    context = EngineContext(model_path=model_path, layout=ParallelLayout(), seed=0)
+    return VLLMRolloutEngine(context, VLLMRolloutOptions(max_model_len=128))
+
+
 def sha(tensor: torch.Tensor) -> str:
     """Returns the SHA-256 of a tensor's bytes (what `checksums()` compares)."""
     return hashlib.sha256(tensor.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
