@@ -15,17 +15,6 @@ pytestmark = pytest.mark.engine("vllm")
 
 
 @pytest.fixture(scope="module")
-def engine(vllm_tiny_model):
-    from peerflow.adapters.vllm.engine import VLLMRolloutEngine
-    from peerflow.adapters.vllm.options import VLLMRolloutOptions
-
-    context = EngineContext(model_path=vllm_tiny_model, layout=ParallelLayout(), seed=0)
-    eng = VLLMRolloutEngine(context, VLLMRolloutOptions(max_model_len=128))
-    yield eng
-    eng.shutdown()
-
-
-@pytest.fixture(scope="module")
 def hf_model(vllm_tiny_model):
     from transformers import AutoModelForCausalLM
 
