@@ -66,6 +66,8 @@ class Trajectory:
     last_sampled: int = -1
     """Index (in `tokens`) of the last token the model sampled; -1 before any."""
     turns: int = 0
+    info: dict[str, float] = attrs.field(factory=dict)
+    """Sums of the numbers in the steps' `StepResult.info` (metrics `agent/<key>`)."""
     finish: str = ""
     """`finish_reason` once the episode is over, empty while it is open."""
     error: str = ""
@@ -157,7 +159,7 @@ class AgentRollout:
             A batch with the fields of `generate_batch` plus `loss_mask`,
             `token_versions`, `token_rewards` (each turn's reward on its last sampled
             token), `env_reward` (`final_reward()`, NaN for "let the task's reward score
-            it"), `num_turns` and `agent_error`.
+            it"), `num_turns`, `agent_error` and `agent_info` (summed step infos).
         """
         if not draws:
             return Batch.empty()
@@ -244,6 +246,9 @@ class AgentRollout:
                 continue
             result: StepResult = outcome.value
             t.reward_turn(result.reward)
+            for key, value in result.info.items():
+                if isinstance(value, int | float):
+                    t.info[key] = t.info.get(key, 0.0) + float(value)
             if result.done:
                 t.end("stop")
             elif turn + 1 >= self.settings.max_turns:
@@ -315,6 +320,7 @@ def _pack(trajectories: list[Trajectory], final: list[float], n: int, version: i
     batch.set("num_turns", torch.tensor([t.turns for t in ts], dtype=torch.int64))
     batch.set_objects("finish_reason", [t.finish for t in ts])
     batch.set_objects("agent_error", [t.error for t in ts])
+    batch.set_objects("agent_info", [t.info for t in ts])
     batch.set_objects("example", [t.draw.example for t in ts])
     return batch
 
@@ -326,8 +332,9 @@ FINISH_REASONS = ("stop", "max_turns", "max_tokens", "env_error", "env_timeout")
 def record_episode_metrics(batch: Batch, metrics: Any) -> None:
     """Records `agent/*` metrics of a batch of episodes into a `StepMetrics`.
 
-    Turns, how episodes ended, observation tokens, and weight versions per trajectory
-    (`agent/versions_max`: most versions one trajectory's sampled tokens span).
+    Turns, how episodes ended, observation tokens, weight versions per trajectory
+    (`agent/versions_max`: most versions one trajectory's sampled tokens span), and the
+    per-trajectory mean of every number environments put in `StepResult.info`.
     """
     n = len(batch)
     turns = batch["num_turns"].float()
@@ -344,3 +351,6 @@ def record_episode_metrics(batch: Batch, metrics: Any) -> None:
         spans = [len(set(v[m].tolist())) for v, m in zip(batch.ragged(TOKEN_VERSIONS).rows(),
                                                          mask.rows())]
         metrics.max("agent/versions_max", float(max(spans, default=0)))
+    infos = batch["agent_info"] if "agent_info" in batch else []
+    for key in sorted({k for info in infos for k in info}):
+        metrics.mean(f"agent/{key}", sum(info.get(key, 0.0) for info in infos) / n, n)

@@ -32,6 +32,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import attrs
+
 from peerflow.bench.shapes import (
     BENCH_MODEL,
     GENERATION,
@@ -173,9 +175,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         trainer = train_cls(context, train_cls.options_class(), OptimSettings())
         try:
             service = WeightSyncService.build(trainer, vllm)
-            _timed_generate(hf, requests[:2], sampling)  # warm-up, untimed
-            _timed_generate(vllm, requests[:2], sampling)
-            _timed_raw(raw, requests[:2], sampling)
+            warm = attrs.evolve(sampling, max_tokens=min(8, sampling.max_tokens))
+            _timed_generate(hf, requests[:2], warm)  # warm-up, untimed
+            _timed_generate(vllm, requests[:2], warm)
+            _timed_raw(raw, requests[:2], warm)
             runs = [_timed_run(hf, vllm, raw, service, version, requests, sampling)
                     for version in range(1, args.runs + 1)]
         finally:

@@ -32,7 +32,7 @@ class Echo(Environment):
     def step(self, turn: Turn) -> StepResult:
         done = turn.index + 1 >= self.turns
         return StepResult(observation="" if done else self.observation, reward=0.25,
-                          done=done)
+                          done=done, info={"calls": 2, "note": "text is not a metric"})
 
     def final_reward(self) -> float:
         return 1.0
@@ -83,6 +83,21 @@ def test_trajectories_are_groups_of_n_episodes(batch):
         assert [rewards[i] for i in ends] == [0.25] * 3
     assert batch["env_reward"].tolist() == [1.0] * 6
     assert batch["agent_error"] == [""] * 6
+    assert batch["agent_info"] == [{"calls": 6.0}] * 6
+
+
+def test_episode_metrics(batch):
+    from peerflow.agents.rollout import record_episode_metrics
+    from peerflow.worker.metrics import StepMetrics, reduce_metrics
+
+    metrics = StepMetrics()
+    record_episode_metrics(batch, metrics)
+    got = reduce_metrics([metrics.raw()])
+    assert got["agent/turns_mean"] == got["agent/turns_max"] == 3
+    assert got["agent/finish/stop"] == 1 and got["agent/finish/env_error"] == 0
+    assert got["agent/calls"] == 6 and got["agent/turn_reward_mean"] == 0.75
+    assert got["agent/versions_max"] == 1
+    assert got["agent/observation_tokens"] == 6 * 2 * len(Echo.observation)
 
 
 def test_loss_mask_is_false_exactly_on_observation_tokens(engine, batch):

@@ -29,18 +29,15 @@ def vllm_tiny_model(tmp_path_factory) -> str:
     return build_vllm_tiny_model(tmp_path_factory.mktemp("vllm-tiny-qwen2"), tied=False)
 
 
-@pytest.fixture(scope="module")
-def engine(vllm_tiny_model):
-    """A `vllm` rollout engine on the tiny model (in-process executor), one per module."""
+def start_engine(model_path: str):
+    """The `vllm` rollout engine on `model_path`, in-process (max_model_len 128, seed 0)."""
     from peerflow.adapters.vllm.engine import VLLMRolloutEngine
     from peerflow.adapters.vllm.options import VLLMRolloutOptions
     from peerflow.engines import EngineContext
     from peerflow.layout import ParallelLayout
 
-    context = EngineContext(model_path=vllm_tiny_model, layout=ParallelLayout(), seed=0)
-    eng = VLLMRolloutEngine(context, VLLMRolloutOptions(max_model_len=128))
-    yield eng
-    eng.shutdown()
+    context = EngineContext(model_path=model_path, layout=ParallelLayout(), seed=0)
+    return VLLMRolloutEngine(context, VLLMRolloutOptions(max_model_len=128))
 
 
 def sha(tensor: torch.Tensor) -> str:
