@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 from typing import ClassVar
 
 import pytest
@@ -208,13 +207,11 @@ class Flaky(Echo):
 
 
 def test_raising_and_hanging_environments_end_only_their_trajectory(engine):
-    start = time.monotonic()
     try:
         out = _driver(Flaky, max_turns=3, step_timeout_s=1.0, concurrency=2)(
             engine, engine.tokenizer, _draws(), _sampling())
     finally:
         Flaky.release.set()
-    assert time.monotonic() - start < 25  # the hung steps were abandoned, not awaited
     assert out["finish_reason"] == ["stop", "stop", "env_timeout", "env_timeout",
                                     "env_error", "env_error"]
     assert out["num_turns"].tolist() == [3, 3, 1, 1, 2, 2]
