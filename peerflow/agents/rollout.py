@@ -164,8 +164,9 @@ class AgentRollout:
         if not draws:
             return Batch.empty()
         renderer = TurnRenderer(tokenizer)
-        trajectories = self._start(tokenizer, draws, sampling.n)
+        trajectories: list[Trajectory] = []
         try:
+            self._start(tokenizer, draws, sampling.n, trajectories)
             for turn in range(self.settings.max_turns):
                 active = [t for t in trajectories if not t.finish]
                 if not active:
@@ -181,21 +182,32 @@ class AgentRollout:
         finally:  # closes run like steps: at once, each under the time limit, errors dropped
             self._call_each(trajectories, lambda t: t.env.close())
 
-    def _start(self, tokenizer: Any, draws: Sequence[Draw], n: int) -> list[Trajectory]:
-        trajectories = []
+    def _start(self, tokenizer: Any, draws: Sequence[Draw], n: int,
+               into: list[Trajectory]) -> None:
+        """Creates `n` episodes per draw into `into` (so they are closed whatever happens)."""
         for draw in draws:
-            group = [self.env_cls(draw.example, self.env_options) for _ in range(n)]
-            prompts = [first_prompt(tokenizer, env) for env in group]
+            row = getattr(draw.example, "index", "?")
+            group: list[Trajectory] = []
+            try:
+                for k in range(n):
+                    env = self.env_cls(draw.example, self.env_options)
+                    group.append(Trajectory(draw=draw, index=k, env=env, prompt=[]))
+                    into.append(group[-1])
+                prompts = [first_prompt(tokenizer, t.env) for t in group]
+            except Exception as exc:
+                raise RuntimeError(
+                    f"environment {self.env_cls.name!r} could not start an episode for dataset "
+                    f"row {row} ({type(exc).__name__}: {exc}); its __init__, initial_prompt() "
+                    "and tool_schemas() must work for every example of the task.") from exc
             if any(p != prompts[0] for p in prompts):
                 raise RuntimeError(
                     f"environment {self.env_cls.name!r} gave the {n} trajectories of dataset "
-                    f"row {getattr(draw.example, 'index', '?')} different first prompts; a "
-                    "group's trajectories answer one prompt (GRPO compares them), so "
-                    "initial_prompt() must depend on the example only — randomise later turns."
+                    f"row {row} different first prompts; a group's trajectories answer one "
+                    "prompt (GRPO compares them), so initial_prompt() must depend on the "
+                    "example only — randomise later turns."
                 )
-            trajectories += [Trajectory(draw=draw, index=k, env=env, prompt=prompts[0])
-                             for k, env in enumerate(group)]
-        return trajectories
+            for t in group:
+                t.prompt = prompts[0]
 
     def _sample(self, engine: RolloutEngine, tokenizer: Any, active: list[Trajectory],
                 sampling: SamplingParams, turn: int, chunk_tokens: int,

@@ -29,15 +29,18 @@ def vllm_tiny_model(tmp_path_factory) -> str:
     return build_vllm_tiny_model(tmp_path_factory.mktemp("vllm-tiny-qwen2"), tied=False)
 
 
-def start_engine(model_path: str):
-    """The `vllm` rollout engine on `model_path`, in-process (max_model_len 128, seed 0)."""
+@pytest.fixture(scope="module")
+def engine(vllm_tiny_model):
+    """One `vllm` engine per test module: the tiny model, in-process, max_model_len 128."""
     from peerflow.adapters.vllm.engine import VLLMRolloutEngine
     from peerflow.adapters.vllm.options import VLLMRolloutOptions
     from peerflow.engines import EngineContext
     from peerflow.layout import ParallelLayout
 
-    context = EngineContext(model_path=model_path, layout=ParallelLayout(), seed=0)
-    return VLLMRolloutEngine(context, VLLMRolloutOptions(max_model_len=128))
+    context = EngineContext(model_path=vllm_tiny_model, layout=ParallelLayout(), seed=0)
+    eng = VLLMRolloutEngine(context, VLLMRolloutOptions(max_model_len=128))
+    yield eng
+    eng.shutdown()
 
 
 def sha(tensor: torch.Tensor) -> str:

@@ -11,17 +11,9 @@ from peerflow.agents.rollout import LOSS_MASK, AgentRollout  # noqa: E402
 from peerflow.config import AgentConfig  # noqa: E402
 from peerflow.engines import EngineContext, SamplingParams  # noqa: E402
 from peerflow.layout import ParallelLayout  # noqa: E402
-from tests.engines.vllm.conftest import start_engine  # noqa: E402
 from tests.unit.test_agents_rollout import TEMPERATURE, Echo, _draws  # noqa: E402
 
 pytestmark = pytest.mark.engine("vllm")
-
-
-@pytest.fixture(scope="module")
-def engine(vllm_tiny_model):
-    eng = start_engine(vllm_tiny_model)
-    yield eng
-    eng.shutdown()
 
 
 def test_vllm_episodes_are_token_exact(engine, vllm_tiny_model):

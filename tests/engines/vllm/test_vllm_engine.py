@@ -9,16 +9,9 @@ pytest.importorskip("vllm", reason="vllm is not installed (pip install 'peerflow
 
 from peerflow.engines import EngineContext, GenerationRequest, SamplingParams  # noqa: E402
 from peerflow.layout import ParallelLayout  # noqa: E402
-from tests.engines.vllm.conftest import local_tensor, sha, start_engine
+from tests.engines.vllm.conftest import local_tensor, sha
 
 pytestmark = pytest.mark.engine("vllm")
-
-
-@pytest.fixture(scope="module")
-def engine(vllm_tiny_model):
-    eng = start_engine(vllm_tiny_model)
-    yield eng
-    eng.shutdown()
 
 
 @pytest.fixture(scope="module")
