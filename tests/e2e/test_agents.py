@@ -30,10 +30,13 @@ def _check_episodes(row: dict) -> None:
 def test_sync_agent_run(tmp_path, quickstart, tiny, metrics_of, peerflow_train):
     run_dir = tmp_path / "run"
     peerflow_train([quickstart, "--nprocs", "2", "--run-dir", str(run_dir)],
-                   [*tiny, *AGENT, "run.steps=2"])
+                   [*tiny, *AGENT, "run.steps=2", "run.eval_every=2", "eval.n=2",
+                    "eval.max_prompts=4"])
     rows = metrics_of(run_dir)
-    assert [m["step"] for m in rows] == [1, 2]
-    for row in rows:
+    assert [m["step"] for m in rows] == [0, 1, 2]  # step 0: the evaluation before training
+    for row in (rows[0], rows[2]):  # evaluation runs episodes too (greedy and sampled)
+        assert row["eval/prompts"] == 4 and 0 <= row["eval/sampled/reward"] <= 1
+    for row in rows[1:]:
         _check_episodes(row)
         assert row["agent/versions_max"] == 1
         # token exactness: the trainer scores the sampled tokens as the rollout did
