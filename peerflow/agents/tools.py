@@ -96,29 +96,31 @@ def render_prompt(tokenizer: Any, messages: Sequence[dict[str, str]],
 
     The tool schemas go through the template's `tools=` argument when the template renders
     them (Qwen2.5, Llama 3.1, Hermes, Mistral templates); otherwise they are described in
-    the system message in the Hermes format, so any chat model sees the same contract.
+    a system message in the Hermes format, so any model sees the same contract (a
+    tokenizer without a chat template gets the messages as `encode_prompt` joins them).
 
     Args:
-        tokenizer: A Hugging Face tokenizer with a chat template.
+        tokenizer: A Hugging Face tokenizer (with or without a chat template).
         messages: The episode's first messages (`{role, content}`).
         tools: Function schemas (`Tool.schema()`); empty renders the messages alone.
 
     Returns:
         The prompt's token ids, ending with the generation prompt.
     """
+    from peerflow.worker.rollout import encode_prompt
+
     messages = [dict(m) for m in messages]
-    kwargs: dict[str, Any] = {}
     if tools and template_renders_tools(tokenizer):
-        kwargs["tools"] = list(tools)
-    elif tools:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                            tokenize=True, tools=list(tools))
+        if isinstance(ids, dict) or hasattr(ids, "keys"):  # transformers 5: an encoding
+            ids = ids["input_ids"]
+        return [int(i) for i in ids]
+    if tools:
         described = TOOLS_SYSTEM_PROMPT.format(
             tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
         if messages and messages[0].get("role") == "system":
             messages[0]["content"] = f"{messages[0]['content']}\n\n{described}"
         else:
             messages.insert(0, {"role": "system", "content": described})
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                        **kwargs)
-    if isinstance(ids, dict) or hasattr(ids, "keys"):  # transformers 5 returns an encoding
-        ids = ids["input_ids"]
-    return list(ids)
+    return encode_prompt(tokenizer, messages)

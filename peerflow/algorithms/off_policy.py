@@ -24,7 +24,7 @@ their `rollout_logprobs` are 0 by convention, as the rollout did not sample them
 weight 1 — the loss leaves them out anyway — and count in neither the weights'
 statistics nor the mismatch metrics.
 
-On the on-policy fast path (no `old_logprob` node, see `peerflow.workflow.on_policy`)
+On the proximal fast path (no `old_logprob` node, see `peerflow.workflow.on_policy`)
 `π_prox` is `π_θ` itself, detached: `CurrentProximal` wraps the policy loss and runs the
 same `importance_weights` and `mismatch_metrics` on every micro-batch against the
 current log-probs.
@@ -39,6 +39,7 @@ import torch
 
 from peerflow.algorithms.ragged_ops import (
     LOG_RATIO_LIMIT,
+    on_trained_tokens,
     ragged_like,
     response_lengths,
     token_values,
@@ -153,9 +154,7 @@ def mismatch_metrics(batch: Batch) -> dict[str, tuple[str, float, float]]:
         return {}
     delta = (token_values(batch, "rollout_logprobs").to(torch.float64)
              - token_values(batch, "old_logprobs").to(torch.float64))
-    mask = batch.loss_mask()
-    if mask is not None:
-        delta = delta[mask.to(delta.device)]
+    delta = on_trained_tokens(delta, batch.loss_mask())
     n = delta.numel()
     if not n:
         return {}

@@ -7,9 +7,10 @@
   added to its reward (verl's `overlong_buffer` in its DAPO reward manager). `|y|`
   counts the tokens the model generated (`Batch.trained_lengths`): a multi-turn
   trajectory's observation tokens are not the model's length.
-* **Overlong filtering**: answers cut off by the budget (`finish_reason == "length"`)
-  are left out of the loss — their `train_mask` is `False`, so they count neither in the
-  loss nor in its normalisers.
+* **Overlong filtering**: answers cut off by a limit (`finish_reason` in `TRUNCATED`:
+  `length` for a single answer; `max_tokens` or `max_turns` for a multi-turn trajectory
+  cut off by `rollout.agent` limits) are left out of the loss — their `train_mask` is
+  `False`, so they count neither in the loss nor in its normalisers.
 """
 
 from __future__ import annotations
@@ -17,6 +18,10 @@ from __future__ import annotations
 import torch
 
 from peerflow.batch import Batch
+
+#: `finish_reason`s of samples cut off by a limit rather than ended by the model or the
+#: environment (single answers: `length`; agent trajectories: `max_tokens`, `max_turns`).
+TRUNCATED = frozenset({"length", "max_tokens", "max_turns"})
 
 
 def overlong_penalty(lengths: torch.Tensor, max_tokens: int, buffer: int,
@@ -54,7 +59,7 @@ def shape_overlong(batch: Batch, *, max_tokens: int, buffer: int, penalty: float
         batch.set("reward", (reward.to(torch.float64) + shaped).to(reward.dtype))
         metrics["overlong/penalty_mean"] = float(-shaped.mean()) if n else 0.0
     if filter_truncated:
-        truncated = torch.tensor([r == "length" for r in batch["finish_reason"]],
+        truncated = torch.tensor([r in TRUNCATED for r in batch["finish_reason"]],
                                  dtype=torch.bool)
         keep = ~truncated
         if "train_mask" in batch:

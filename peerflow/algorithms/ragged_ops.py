@@ -48,7 +48,7 @@ def masked(values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
 def masked_mean(values: torch.Tensor, mask: torch.Tensor | None) -> float:
     """Mean of `values` over the trained tokens (`mask` true; all when `None`); 0 if none."""
     with torch.no_grad():
-        kept = values if mask is None else values[mask.to(values.device)]
+        kept = on_trained_tokens(values, mask)
         return float(kept.double().mean()) if kept.numel() else 0.0
 
 

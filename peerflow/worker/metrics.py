@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 import attrs
 
+from peerflow.algorithms.overlong import TRUNCATED
 from peerflow.batch import Batch
 
 Reduce = Literal["mean", "sum", "max", "min"]
@@ -152,8 +153,12 @@ def record_batch_metrics(batch: Batch, metrics: StepMetrics) -> None:
         metrics.sum("tokens/prompt", float(batch.lengths("prompt_ids").sum()))
         metrics.mean("prompt_length/mean", float(batch.lengths("prompt_ids").float().mean()), n)
     if "finish_reason" in batch:
-        clipped = sum(1 for r in batch["finish_reason"] if r == "length")
+        clipped = sum(1 for r in batch["finish_reason"] if r in TRUNCATED)
         metrics.mean("response_length/clip_frac", clipped / n, n)
+    if "num_turns" in batch:
+        from peerflow.agents.rollout import record_episode_metrics
+
+        record_episode_metrics(batch, metrics)
     metrics.sum("samples", n)
 
 

@@ -185,3 +185,6 @@ def test_first_prompt_carries_the_tool_schemas_with_and_without_template_support
     text = plain.decode(render_prompt(plain, messages, [schema]))
     assert "<tools>" in text and '"name": "calculator"' in text and "<tool_call>" in text
     assert text.endswith("What is 6 * 7?")
+    plain.chat_template = None
+    text = plain.decode(render_prompt(plain, messages, [schema]))
+    assert "<tools>" in text and text.endswith("\nWhat is 6 * 7?")

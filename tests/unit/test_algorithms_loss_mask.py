@@ -65,7 +65,8 @@ def _batch(mask=MASK, seed: int = 0) -> Batch:
     batch.set("returns", _ragged(torch.randn(total, generator=g, dtype=torch.float64)))
     batch.set("entropy", _ragged(torch.rand(total, generator=g, dtype=torch.float64)))
     batch.set("reward", torch.tensor([1.0, 0.0, 0.5, 1.0, 0.25, 0.0], dtype=torch.float64))
-    batch.set_objects("finish_reason", ["stop", "length", "stop", "stop", "length", "stop"])
+    batch.set_objects("finish_reason", ["stop", "length", "stop", "env_error", "max_tokens",
+                                        "max_turns"])
     batch.set("loss_mask", _ragged(flag))
     return batch
 
@@ -291,6 +292,7 @@ def test_overlong_shaping_counts_model_tokens_and_train_mask_keeps_loss_mask():
     # model tokens [3, 3, 4, 0, 3, 4] against the soft limit 2: penalties 0.5, 0.5, 1, 0, ...
     expected = torch.tensor([0.5, 0.5, 1.0, 0.0, 0.5, 1.0], dtype=torch.float64)
     torch.testing.assert_close(batch["score"] - batch["reward"], expected)
-    assert batch["train_mask"].tolist() == [True, False, True, True, False, True]
+    # cut off by a limit: length (one answer), max_tokens / max_turns (agent trajectories)
+    assert batch["train_mask"].tolist() == [True, False, True, True, False, False]
     kept = batch.select(batch["train_mask"].nonzero().flatten())
-    assert global_counts(kept, None) == (3 + 4 + 0 + 4, 3)
+    assert global_counts(kept, None) == (3 + 4 + 0, 2)

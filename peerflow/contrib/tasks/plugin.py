@@ -25,12 +25,13 @@ def peerflow_register_tasks(register: Any) -> None:
 
 @hookimpl
 def peerflow_register_environments(register: Any) -> None:
-    """Registers tools (any registered tools), guess-number and calculator-arithmetic."""
+    """Registers tools (any registered tools), guess-number, calculator-arithmetic, retry."""
     from peerflow.agents.tool_env import ToolEnvironment
     from peerflow.contrib.tasks.guess_number import GuessNumber
+    from peerflow.contrib.tasks.retry import RetryEnvironment
     from peerflow.contrib.tasks.tool_arithmetic import CalculatorArithmetic
 
-    for cls in (ToolEnvironment, GuessNumber, CalculatorArithmetic):
+    for cls in (ToolEnvironment, GuessNumber, CalculatorArithmetic, RetryEnvironment):
         register(cls)
 
 
