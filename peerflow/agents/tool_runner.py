@@ -23,7 +23,7 @@ import os
 import pickle
 import sys
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
 import attrs
@@ -126,13 +126,9 @@ def run_tool(tool: Tool, arguments: dict[str, Any], limits: SandboxLimits) -> To
     return _result(tool.name, run_sandboxed(RUNNER, request, limits), limits)
 
 
-def submit_tool(tool: Tool, arguments: dict[str, Any], limits: SandboxLimits) -> Future:
-    """Schedules `run_tool` on the shared pool; the future yields a `ToolResult`."""
-    return _executor().submit(run_tool, tool, arguments, limits)
-
-
 def run_tools(calls: Sequence[tuple[Tool, dict[str, Any]]],
               limits: SandboxLimits) -> list[ToolResult]:
-    """Runs several calls at once and returns their results in order."""
-    futures = [submit_tool(tool, arguments, limits) for tool, arguments in calls]
+    """Runs several calls at once on the shared pool and returns their results in order."""
+    futures = [_executor().submit(run_tool, tool, arguments, limits)
+               for tool, arguments in calls]
     return [future.result() for future in futures]

@@ -6,6 +6,8 @@ with a fixed call; everything else â€” the driver, the sandbox, the rendering â€
 
 from __future__ import annotations
 
+import re
+
 import attrs
 import pytest
 
@@ -21,6 +23,7 @@ from tests.helpers.agent_tools import Hold, Raises
 CALLS = {
     "raise": '<tool_call>{"name": "raises", "arguments": {}}</tool_call>',
     "slow": '<tool_call>{"name": "hold", "arguments": {"seconds": 60}}</tool_call>',
+    "hold": '<tool_call>{"name": "hold", "arguments": {"seconds": 4}}</tool_call>',
     "none": "no call",
 }
 
@@ -71,3 +74,14 @@ def test_a_timed_out_tool_is_an_error_the_model_sees_and_the_episode_goes_on(eng
                          batch.ragged("loss_mask").rows()):
         observation = engine.tokenizer.decode(row[~mask].tolist())
         assert "Error: the tool 'hold' timed out after 2 s" in observation
+
+
+def test_the_tool_calls_of_many_trajectories_run_at_the_same_time(engine):
+    batch = _run(engine, ["hold", "hold", "hold"], timeout_s=60.0)
+    spans = []
+    for row, mask in zip(batch.ragged("response_ids").rows(), batch.ragged("loss_mask").rows()):
+        observation = engine.tokenizer.decode(row[~mask].tolist())
+        numbers = re.search(r"<tool_response>\s*([\d.]+),([\d.]+)", observation)
+        spans.append((float(numbers.group(1)), float(numbers.group(2))))
+    most_at_once = max(sum(start <= t < end for start, end in spans) for t, _ in spans)
+    assert len(spans) == 6 and most_at_once == 6
