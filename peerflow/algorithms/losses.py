@@ -8,7 +8,7 @@ policy's per-token log-probs, they return this micro-batch's share of the mini-b
 loss (see `peerflow.algorithms.aggregation`) and micro-batch-local metrics.
 
 The ratio's denominator is `old_logprobs` (the trainer's log-probs before the update)
-when the batch has them, else the current log-probs detached (the on-policy fast path,
+when the batch has them, else the current log-probs detached (the proximal fast path,
 see `peerflow.workflow.on_policy`: the ratio is 1 in value and its gradient is the plain
 policy gradient; `peerflow.algorithms.off_policy.CurrentProximal` then weighs the
 tokens against `rollout_logprobs`).

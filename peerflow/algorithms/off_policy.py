@@ -24,7 +24,7 @@ their `rollout_logprobs` are 0 by convention, as the rollout did not sample them
 weight 1 — the loss leaves them out anyway — and count in neither the weights'
 statistics nor the mismatch metrics.
 
-On the on-policy fast path (no `old_logprob` node, see `peerflow.workflow.on_policy`)
+On the proximal fast path (no `old_logprob` node, see `peerflow.workflow.on_policy`)
 `π_prox` is `π_θ` itself, detached: `CurrentProximal` wraps the policy loss and runs the
 same `importance_weights` and `mismatch_metrics` on every micro-batch against the
 current log-probs.

@@ -41,7 +41,7 @@ class Algorithm:
     """Turns rewards (and values) into advantages (the `advantage` node)."""
     policy_loss: Any
     """The actor's `LossFunction`: the configured loss (in a `RegularizedLoss` with KL in
-    the loss or an entropy bonus) in a `CurrentProximal` (the on-policy fast path)."""
+    the loss or an entropy bonus) in a `CurrentProximal` (the proximal fast path)."""
     value_loss: Any | None
     """The critic's `LossFunction` when the estimator needs values, else `None`."""
     kl_coef: float

@@ -12,7 +12,11 @@ reference engine pays a full forward per token per call, so one call per step is
 
 Rates are prompt + response tokens trained per second of the training loop, skipping the
 first step (start-up and the first weight transfer); idle fractions average the rollout
-and trainer groups. Figures are medians over `--runs` repetitions, sides interleaved.
+and trainer groups. Both sides train the same number of samples per step and make one
+optimiser step per step, but their responses differ after the first step (the async
+side samples with weights up to K versions older), so token counts differ a little:
+`step_ratio` (sync / async seconds per step) compares equal work in samples and optimiser
+steps, `ratio` equal tokens. Figures are medians over `--runs` repetitions, sides interleaved.
 
 `--shape quickstart` (default): the config's model, 8 steps of 8 prompts × 8 answers up
 to 48 tokens. `--shape realistic`: the realistic shape of `peerflow.bench.shapes` (the
@@ -101,6 +105,10 @@ def _idle_async(rows: list[dict[str, Any]]) -> float:
     return statistics.fmean(fractions) if fractions else 0.0
 
 
+def _tokens_per_step(rows: list[dict[str, Any]]) -> float:
+    return statistics.fmean(r.get("tokens/total", 0.0) for r in rows[1:] or rows)
+
+
 def _phase_seconds(rows: list[dict[str, Any]], phases: tuple[str, ...]) -> float:
     timed = rows[1:] or rows
     return statistics.fmean(sum(r.get(f"time/{p}", 0.0) for p in phases) for r in timed)
@@ -130,7 +138,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                   f"runtime.async_prompts_per_call={args.prompts_per_call}"]
     results: dict[str, list[float]] = {k: [] for k in (
         "sync_rate", "async_rate", "ratio", "idle_sync", "idle_async", "reward_sync",
-        "reward_async", "generate_s", "train_s", "step_s")}
+        "reward_async", "generate_s", "train_s", "step_s", "async_step_s", "step_ratio",
+        "sync_tokens_per_step", "async_tokens_per_step")}
     seen = 0.0
     with tempfile.TemporaryDirectory(prefix="peerflow-bench-async-") as tmp:
         work = Path(tmp)
@@ -148,12 +157,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             results["generate_s"].append(_phase_seconds(sync_rows, ROLLOUT_PHASES))
             results["train_s"].append(_phase_seconds(sync_rows, TRAINER_PHASES))
             results["step_s"].append(_phase_seconds(sync_rows, ("step",)))
+            results["async_step_s"].append(_phase_seconds(async_rows, ("step",)))
+            results["step_ratio"].append(results["step_s"][-1] / results["async_step_s"][-1])
+            results["sync_tokens_per_step"].append(_tokens_per_step(sync_rows))
+            results["async_tokens_per_step"].append(_tokens_per_step(async_rows))
             seen = max([seen, *(r.get("staleness/max", 0.0) for r in async_rows)])
     med = {k: statistics.median(v) for k, v in results.items()}
     return {
         "sync_tokens_per_s": med["sync_rate"],
         "async_tokens_per_s": med["async_rate"],
         "ratio": med["ratio"],
+        "step_ratio": med["step_ratio"],
+        "sync_tokens_per_step": med["sync_tokens_per_step"],
+        "async_tokens_per_step": med["async_tokens_per_step"],
         "max_staleness": args.max_staleness,
         "max_staleness_seen": int(seen),
         "idle_fraction_sync": med["idle_sync"],
@@ -161,6 +177,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "reward_late_sync": med["reward_sync"],
         "reward_late_async": med["reward_async"],
         "sync_step_s": med["step_s"],
+        "async_step_s": med["async_step_s"],
         "sync_rollout_s_per_step": med["generate_s"],
         "sync_trainer_s_per_step": med["train_s"],
         "ideal_ratio": med["step_s"] / max(med["generate_s"], med["train_s"], 1e-9),

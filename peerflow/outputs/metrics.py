@@ -45,6 +45,7 @@ Async mode
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import math
@@ -68,7 +69,7 @@ def _scalar(value: Any) -> float | int | None:
     return value if math.isfinite(value) else None
 
 
-class MetricsWriter:
+class MetricsWriter(contextlib.AbstractContextManager["MetricsWriter"]):
     """Appends step metrics to `metrics.jsonl` and mirrors them to TensorBoard and W&B.
 
     Create it on one rank (rank 0) after the ranks have reduced their metrics. Lines are
@@ -155,9 +156,6 @@ class MetricsWriter:
         if self._wandb is not None:
             self._wandb.finish()
             self._wandb = None
-
-    def __enter__(self) -> MetricsWriter:
-        return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
