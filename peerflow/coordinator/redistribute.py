@@ -171,7 +171,7 @@ def _subset(batch: Batch, indices: Sequence[int]) -> Batch:
 
 def _concat(parts: Sequence[Batch]) -> Batch:
     """`Batch.concat`, without copying a single part."""
-    return _concat(parts)
+    return parts[0] if len(parts) == 1 else Batch.concat(parts)
 
 
 def _packed_sends(
