@@ -176,6 +176,39 @@ class Batch:
         """Per-sample lengths of a ragged field."""
         return self.ragged(name).lengths
 
+    def loss_mask(self) -> torch.Tensor | None:  # [response tokens] bool
+        """Which response tokens are trained: the `loss_mask` field's flat values.
+
+        `loss_mask` (ragged bool, aligned with `response_ids`) is false on tokens the model
+        did not sample (a multi-turn trajectory's observation tokens); absent, every
+        response token is trained and this returns `None`.
+
+        Raises:
+            ValueError: `loss_mask` is not aligned with `response_ids`.
+        """
+        if "loss_mask" not in self.fields:
+            return None
+        mask, expected = self.ragged("loss_mask"), self.lengths("response_ids")
+        if not torch.equal(mask.lengths, expected):
+            bad = int((mask.lengths != expected).nonzero()[0, 0])
+            raise ValueError(
+                f"batch field 'loss_mask' is not aligned with 'response_ids': sample {bad} has "
+                f"{int(mask.lengths[bad])} values for {int(expected[bad])} response tokens; "
+                "the rollout must emit one flag per response token (true: sampled by the "
+                "model, false: an observation)."
+            )
+        return mask.values.to(torch.bool)
+
+    def trained_lengths(self) -> torch.Tensor:  # [num_samples] int64
+        """Per-sample count of trained response tokens (all of them without `loss_mask`)."""
+        lengths = self.lengths("response_ids")
+        mask = self.loss_mask()
+        if mask is None:
+            return lengths
+        sample = torch.repeat_interleave(torch.arange(len(lengths), device=lengths.device), lengths)
+        counts = torch.zeros(len(lengths), dtype=torch.int64, device=lengths.device)
+        return counts.index_add(0, sample, mask.long().to(lengths.device))
+
     def to_padded(
         self, name: str, pad_value: float | int = 0, length: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -234,14 +234,15 @@ def check_realsize() -> None:
     """`peerflow train` on the Qwen2.5-1.5B shape; throughput, times and peak memory."""
     import torch
 
-    from peerflow.bench.rollout import build_random_model
+    from peerflow.bench.shapes import build_model
     from peerflow.worker.main import run_worker
 
     out = Path(os.environ.get("OUT") or "runs/gpu-validate") / "realsize"
     hidden, inter, layers, heads, kv, vocab = QWEN25_15B
-    model = build_random_model(out / "model", hidden_size=hidden, intermediate_size=inter,
-                               num_layers=layers, num_heads=heads, num_kv_heads=kv,
-                               vocab_size=vocab)
+    model = build_model(out / "model", {
+        "hidden_size": hidden, "intermediate_size": inter, "num_layers": layers,
+        "num_heads": heads, "num_kv_heads": kv, "vocab_size": vocab, "reserved_tokens": 0,
+        "initializer_range": 0.02, "max_position_embeddings": 2048})
     overrides = [f"model.path={model}", "model.builder=null", "model.dtype=bfloat16",
                  "task.options={digits: 500}", "rollout.sampling.max_tokens=1024",
                  "rollout.sampling.n=4", "run.prompts_per_step=2", "run.steps=2",

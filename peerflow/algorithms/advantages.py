@@ -3,6 +3,15 @@
 Each reads `reward` (`[num_samples]`) and `group_id` and writes `advantages` (ragged,
 one value per response token) and `returns` (ragged; equal to `advantages` for these
 critic-free estimators). The batch holds whole groups.
+
+Multi-turn trajectories (a `loss_mask`, false on observation tokens): a sample is a whole
+trajectory and a group the trajectories of one prompt, so GRPO and RLOO compare
+trajectories. Every estimator writes advantage 0 on observation tokens. The token-level
+ones (`reinforce_pp` here, `gae`) run on the model's tokens only, as if the observations
+were not there (verl's multi-turn GAE "skips values and TD-error on observation tokens"
+the same way): the outcome `reward` sits on the trajectory's last *model* token, a
+per-turn reward in `token_rewards` at its turn's last model token, discounting counts
+model tokens, and the whitening statistics are over model tokens.
 """
 
 from __future__ import annotations
@@ -15,10 +24,13 @@ import torch
 from peerflow.algorithms.base import AdvantageEstimator
 from peerflow.algorithms.ragged_ops import (
     group_stats,
+    masked,
+    on_trained_tokens,
     pad,
     per_token,
     ragged_like,
     response_lengths,
+    to_response_tokens,
     token_values,
     whiten,
 )
@@ -41,9 +53,11 @@ def output_dtype(batch: Batch) -> torch.dtype:
     return torch.float64 if batch["reward"].dtype == torch.float64 else torch.float32
 
 
-def _outputs(advantages: torch.Tensor, lengths: torch.Tensor,
-             dtype: torch.dtype) -> dict[str, RaggedField]:
-    field = ragged_like(advantages.to(dtype), lengths)
+def _outputs(per_sample: torch.Tensor, batch: Batch) -> dict[str, RaggedField]:
+    """Each sample's advantage on its trained tokens (0 on observation tokens)."""
+    lengths = response_lengths(batch)
+    values = masked(per_token(per_sample, lengths), batch.loss_mask())
+    field = ragged_like(values.to(output_dtype(batch)), lengths)
     return {"advantages": field, "returns": field}
 
 
@@ -93,8 +107,7 @@ class GRPO(AdvantageEstimator):
         if not self.options.unbiased and self.options.scale_by_std:
             advantage = advantage / (std + self.options.eps)
         advantage = torch.where(count > 1, advantage, torch.zeros_like(advantage))
-        lengths = response_lengths(batch)
-        return _outputs(per_token(advantage, lengths), lengths, output_dtype(batch))
+        return _outputs(advantage, batch)
 
 
 @attrs.frozen(kw_only=True)
@@ -117,8 +130,7 @@ class RLOO(AdvantageEstimator):
         count, mean, _ = group_stats(reward, batch.group_id)
         baseline = (mean * count - reward) / (count - 1).clamp(min=1)
         advantage = torch.where(count > 1, reward - baseline, torch.zeros_like(reward))
-        lengths = response_lengths(batch)
-        return _outputs(per_token(advantage, lengths), lengths, output_dtype(batch))
+        return _outputs(advantage, batch)
 
 
 @attrs.frozen(kw_only=True)
@@ -135,11 +147,11 @@ class ReinforcePP(AdvantageEstimator):
     """REINFORCE++: discounted token-level returns, whitened over the whole batch.
 
     The sample's reward sits on its last response token, plus `token_rewards` when the
-    batch carries them (a per-token KL penalty, say); the return of token t is
+    batch carries them (a per-token KL penalty, per-turn rewards); the return of token t is
     `sum_{k >= t} gamma^(k-t) r_k`. Advantages are the returns normalised to zero mean and
     unit std over every response token of the batch (over all ranks of
     `process_group` when it is set) — the global batch normalisation that replaces
-    GRPO's per-group std.
+    GRPO's per-group std. With a `loss_mask`, on model tokens only (see the module).
     """
 
     name: ClassVar[str] = "reinforce_pp"
@@ -152,23 +164,49 @@ class ReinforcePP(AdvantageEstimator):
         if self.options.group_baseline:
             _, mean, _ = group_stats(reward, batch.group_id)
             reward = reward - mean
-        lengths = response_lengths(batch)
-        token_rewards = _token_rewards(batch, reward, lengths)
-        returns = _discounted_returns(token_rewards, lengths, self.options.gamma)
+        mask = batch.loss_mask()
+        lengths = batch.trained_lengths()
+        returns = _discounted_returns(_token_rewards(batch, reward, lengths), lengths,
+                                      self.options.gamma)
         advantages = whiten(returns, self.process_group, replicas=self.group_replicas)
-        return {
-            "advantages": ragged_like(advantages.to(output_dtype(batch)), lengths),
-            "returns": ragged_like(returns.to(output_dtype(batch)), lengths),
-        }
+        return {"advantages": response_field(advantages, batch, mask),
+                "returns": response_field(returns, batch, mask)}
+
+
+def response_field(values: torch.Tensor, batch: Batch,
+                   mask: torch.Tensor | None) -> RaggedField:
+    """Per-trained-token `values` as a field aligned with `response_ids` (0 elsewhere)."""
+    return ragged_like(to_response_tokens(values, mask).to(output_dtype(batch)),
+                       response_lengths(batch))
 
 
 def _token_rewards(batch: Batch, reward: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """Per-token rewards: `token_rewards` if present, plus `reward` on each last token."""
-    total = int(lengths.sum())
+    """Rewards of the trained tokens: `token_rewards`, plus `reward` on each last one.
+
+    Args:
+        batch: Its `loss_mask` (if any) picks the trained tokens.
+        reward: `[num_samples]` outcome rewards.
+        lengths: `[num_samples]` trained tokens a sample (`Batch.trained_lengths`).
+
+    Returns:
+        `[trained tokens]` float64, samples back to back.
+
+    Raises:
+        ValueError: `token_rewards` puts a reward on an untrained (observation) token.
+    """
+    mask = batch.loss_mask()
     if "token_rewards" in batch:
-        rewards = token_values(batch, "token_rewards").to(torch.float64).clone()
+        rewards = token_values(batch, "token_rewards").to(torch.float64)
+        if mask is not None and bool((rewards[~mask] != 0).any()):
+            at = int((~mask & (rewards != 0)).nonzero()[0, 0])
+            raise ValueError(
+                f"batch field 'token_rewards' has reward {float(rewards[at])} at response "
+                f"token {at}, whose loss_mask is false (an observation); put a turn's reward "
+                "on that turn's last model token."
+            )
+        rewards = on_trained_tokens(rewards, mask).clone()
     else:
-        rewards = torch.zeros(total, dtype=torch.float64)
+        rewards = torch.zeros(int(lengths.sum()), dtype=torch.float64)
     ends = torch.cumsum(lengths, 0) - 1
     has_tokens = lengths > 0
     rewards[ends[has_tokens]] += reward[has_tokens]

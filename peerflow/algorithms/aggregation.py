@@ -15,6 +15,13 @@ Modes:
 * `seq-mean-token-sum` — each sample's token sum, summed / `global_samples`.
 * `seq-mean-token-sum-norm` — sum of every token's loss / (`global_samples` ×
   `norm_length`), a constant length (Dr.GRPO: no length normalisation).
+
+With a per-token `mask` (the batch's `loss_mask`: false on a multi-turn trajectory's
+observation tokens), only trained tokens count: a masked token adds nothing to any sum
+(and gets zero gradient), a sample's token mean is over its trained tokens, and the
+normalisers count trained tokens and samples with at least one trained token
+(`Batch.trained_lengths`, summed by `peerflow.training.global_counts`). An all-true
+mask gives exactly the loss of no mask.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ from typing import Literal
 
 import torch
 
-from peerflow.algorithms.ragged_ops import segment_mean, segment_sum
+from peerflow.algorithms.ragged_ops import masked, segment_mean, segment_sum
 
 Aggregation = Literal[
     "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
@@ -41,6 +48,7 @@ def aggregate(
     global_tokens: int,
     global_samples: int,
     norm_length: int = 0,
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reduces a flat per-token loss (`[total_tokens]`) to this micro-batch's share.
 
@@ -51,14 +59,17 @@ def aggregate(
         global_tokens: Response tokens in the whole mini-batch across dp-ranks.
         global_samples: Samples in the whole mini-batch across dp-ranks.
         norm_length: The constant length of `seq-mean-token-sum-norm`.
+        mask: `[total_tokens]` bool, false on untrained tokens; `None` trains all.
 
     Raises:
         ValueError: an unknown mode, a non-positive normaliser.
     """
+    per_token = masked(per_token, mask)
     if mode == "token-mean":
         return per_token.sum() / _positive(global_tokens, "global_tokens")
     if mode == "seq-mean-token-mean":
-        return segment_mean(per_token, lengths).sum() / _positive(global_samples, "global_samples")
+        means = segment_mean(per_token, lengths, mask)
+        return means.sum() / _positive(global_samples, "global_samples")
     if mode == "seq-mean-token-sum":
         return segment_sum(per_token, lengths).sum() / _positive(global_samples, "global_samples")
     if mode == "seq-mean-token-sum-norm":

@@ -15,12 +15,24 @@ Batch fields the algorithms read and write (ragged fields are aligned with
 * `values` — ragged, the critic's values at sampling time (`values` node).
 * `advantages`, `returns` — ragged, written by the advantage estimator.
 * `token_rewards` — optional ragged per-token rewards added on top of `reward`
-  (read by the token-level estimators `gae` and `reinforce_pp`).
+  (read by the token-level estimators `gae` and `reinforce_pp`): a per-token KL penalty,
+  a multi-turn trajectory's per-turn rewards (each at its turn's last model token).
+  Never non-zero on a token whose `loss_mask` is false.
+* `loss_mask` — optional ragged bool: which response tokens are trained. A multi-turn
+  trajectory's response interleaves the model's sampled tokens (true) and observation
+  tokens (false; their `rollout_logprobs` are 0 by convention). Absent, every response
+  token is trained. False tokens add nothing to any loss (policy, KL, entropy, value),
+  to its normalisers (`global_tokens`; `global_samples` counts samples with a trained
+  token), to the importance weights' and mismatch statistics, to advantage whitening or
+  to `response_length/*`; token-level estimators run over the true tokens only (see
+  `peerflow.algorithms.advantages`) and every estimator writes advantage 0 on false ones.
+  `Batch.loss_mask()` / `Batch.trained_lengths()` read it.
 * `is_weights` — ragged, decoupled-PPO importance weights `π_prox / π_behav` (truncated
   or masked, no grad), written before `train_step` (`peerflow.algorithms.off_policy`).
 * `train_mask` — optional `[num_samples]` bool: `False` samples (DAPO's overlong
   filtering, dynamic sampling's flat top-up groups) are left out of the actor's loss
-  and of its token and sample normalisers.
+  and of its token and sample normalisers. With `loss_mask` too, a token is trained
+  when its sample's `train_mask` and its own `loss_mask` are both true.
 * `entropy` — ragged, the current policy's per-token entropy *with grad*; the train
   engine sets it on a micro-batch when the loss's `needs_entropy` is true (entropy bonus).
 """

@@ -7,15 +7,9 @@ from typing import ClassVar
 import attrs
 import torch
 
-from peerflow.algorithms.advantages import _rewards, _token_rewards, _unit, output_dtype
+from peerflow.algorithms.advantages import _rewards, _token_rewards, _unit, response_field
 from peerflow.algorithms.base import AdvantageEstimator
-from peerflow.algorithms.ragged_ops import (
-    pad,
-    ragged_like,
-    response_lengths,
-    token_values,
-    whiten,
-)
+from peerflow.algorithms.ragged_ops import on_trained_tokens, pad, token_values, whiten
 from peerflow.algorithms.value_loss import ClippedValueLoss, ValueLossOptions
 from peerflow.batch import Batch, RaggedField
 
@@ -46,6 +40,15 @@ class GAE(AdvantageEstimator):
     Reads `values` (the critic's values at sampling time, one per response token) and
     `reward` (placed on the last token, plus `token_rewards` if present). `returns` are
     the critic's regression targets (before any whitening of the advantages).
+
+    Multi-turn trajectories (`loss_mask` false on observation tokens): the recursion runs
+    over the model's tokens only, as if the observations were not there — the next value
+    of a turn's last token is the value of the next turn's first model token, one `gamma`
+    apart; rewards sit on model tokens (the outcome on the last one); the whitening is
+    over model tokens; observation tokens get advantage and return 0 (the losses mask
+    them). This is verl's `compute_gae_advantage_return` with a `response_mask` ("skip
+    values and TD-error on observation tokens"), except that verl silently drops a
+    reward on an observation token where this raises.
     """
 
     name: ClassVar[str] = "gae"
@@ -55,27 +58,26 @@ class GAE(AdvantageEstimator):
 
     def compute(self, batch: Batch) -> dict[str, RaggedField | torch.Tensor]:
         """Returns `advantages` and `returns`."""
-        lengths = response_lengths(batch)
+        mask = batch.loss_mask()
+        lengths = batch.trained_lengths()
         rewards = _token_rewards(batch, _rewards(batch), lengths)
-        values = token_values(batch, "values").detach().to(torch.float64)
-        r, mask = pad(rewards, lengths)
+        values = on_trained_tokens(token_values(batch, "values").detach().to(torch.float64), mask)
+        r, valid = pad(rewards, lengths)
         v, _ = pad(values, lengths)
         gamma, lam = self.options.gamma, self.options.lam
         advantages = torch.zeros_like(r)
         running = torch.zeros(len(lengths), dtype=r.dtype)
         for t in range(r.shape[1] - 1, -1, -1):
-            next_value = v[:, t + 1] * mask[:, t + 1] if t + 1 < r.shape[1] else 0.0
+            next_value = v[:, t + 1] * valid[:, t + 1] if t + 1 < r.shape[1] else 0.0
             delta = r[:, t] + gamma * next_value - v[:, t]
-            running = (delta + gamma * lam * running) * mask[:, t]
+            running = (delta + gamma * lam * running) * valid[:, t]
             advantages[:, t] = running
-        returns = (advantages + v)[mask]
-        flat = advantages[mask]
+        returns = (advantages + v)[valid]
+        flat = advantages[valid]
         if self.options.whiten_advantages:
             flat = whiten(flat, self.process_group, replicas=self.group_replicas)
-        return {
-            "advantages": ragged_like(flat.to(output_dtype(batch)), lengths),
-            "returns": ragged_like(returns.to(output_dtype(batch)), lengths),
-        }
+        return {"advantages": response_field(flat, batch, mask),
+                "returns": response_field(returns, batch, mask)}
 
     def value_loss(self) -> ClippedValueLoss:
         """The critic loss configured by these options (for the `train_critic` node)."""

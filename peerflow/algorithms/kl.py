@@ -20,6 +20,10 @@ loss is differentiated through `logp` only, as every trainer does):
   Per token for the token-level estimators (`gae`, `reinforce_pp`): `-coef · k1_t` is
   added to `token_rewards`, so each token's return carries only the KL still ahead of it.
 
+Tokens the batch's `loss_mask` does not train (a multi-turn trajectory's observations,
+which the policy did not sample) have KL 0 in the penalty and are left out of the loss
+term and the metrics.
+
 `tests/unit/test_algorithms_kl.py` checks these four statements on an exact small
 categorical policy.
 """
@@ -29,7 +33,13 @@ from __future__ import annotations
 import torch
 
 from peerflow.algorithms.aggregation import aggregate
-from peerflow.algorithms.ragged_ops import LOG_RATIO_LIMIT, segment_sum, token_values
+from peerflow.algorithms.ragged_ops import (
+    LOG_RATIO_LIMIT,
+    masked,
+    masked_mean,
+    segment_sum,
+    token_values,
+)
 from peerflow.batch import Batch, RaggedField
 
 KL_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3")
@@ -87,7 +97,8 @@ def apply_kl_penalty(
         logprobs_field = "old_logprobs" if "old_logprobs" in batch else "rollout_logprobs"
     logprobs = token_values(batch, logprobs_field).detach().to(torch.float64)
     ref = token_values(batch, "ref_logprobs").detach().to(torch.float64)
-    kl = kl_estimate(logprobs, ref, estimator)
+    mask = batch.loss_mask()
+    kl = masked(kl_estimate(logprobs, ref, estimator), mask)
     penalty = coef * segment_sum(kl, batch.lengths("response_ids"))
     offsets = batch.ragged(logprobs_field).offsets
     if per_token:
@@ -102,7 +113,7 @@ def apply_kl_penalty(
         batch.set("reward", (reward.to(torch.float64) - penalty).to(reward.dtype))
     batch.set("kl", RaggedField(values=kl.to(torch.float32), offsets=offsets))
     return {
-        "kl/mean": float(kl.mean()) if kl.numel() else 0.0,
+        "kl/mean": masked_mean(kl, mask),
         "kl/penalty_mean": float(penalty.mean()) if len(penalty) else 0.0,
     }
 
@@ -123,15 +134,17 @@ def kl_loss_metrics(batch: Batch, coef: float, estimator: str,
     if not len(batch) or field not in batch or "ref_logprobs" not in batch:
         return {}
     lengths = batch.lengths("response_ids")
-    tokens = int(lengths.sum())
+    trained = batch.trained_lengths()
+    tokens, samples = int(trained.sum()), int((trained > 0).sum())
     if not tokens:
         return {}
+    mask = batch.loss_mask()
     kl = kl_estimate(token_values(batch, field).to(torch.float64),
                      token_values(batch, "ref_logprobs").to(torch.float64), estimator)
     mode = getattr(loss, "aggregation", "token-mean")
     norm_length = getattr(getattr(loss, "options", None), "norm_length", 0) or int(lengths.max())
-    value = float(aggregate(kl, lengths, mode, global_tokens=tokens, global_samples=len(batch),
-                            norm_length=norm_length))
-    weight = tokens if mode == "token-mean" else len(batch)
-    return {"kl/mean": ("mean", float(kl.mean()), tokens),
+    value = float(aggregate(kl, lengths, mode, global_tokens=tokens, global_samples=samples,
+                            norm_length=norm_length, mask=mask))
+    weight = tokens if mode == "token-mean" else samples
+    return {"kl/mean": ("mean", masked_mean(kl, mask), tokens),
             "kl/loss": ("mean", coef * value, weight)}

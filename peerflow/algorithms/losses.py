@@ -8,7 +8,7 @@ policy's per-token log-probs, they return this micro-batch's share of the mini-b
 loss (see `peerflow.algorithms.aggregation`) and micro-batch-local metrics.
 
 The ratio's denominator is `old_logprobs` (the trainer's log-probs before the update)
-when the batch has them, else the current log-probs detached (the on-policy fast path,
+when the batch has them, else the current log-probs detached (the proximal fast path,
 see `peerflow.workflow.on_policy`: the ratio is 1 in value and its gradient is the plain
 policy gradient; `peerflow.algorithms.off_policy.CurrentProximal` then weighs the
 tokens against `rollout_logprobs`).
@@ -23,7 +23,12 @@ import torch
 
 from peerflow.algorithms.aggregation import AGGREGATIONS, aggregate
 from peerflow.algorithms.base import PolicyLoss
-from peerflow.algorithms.ragged_ops import LOG_RATIO_LIMIT, segment_mean, token_values
+from peerflow.algorithms.ragged_ops import (
+    LOG_RATIO_LIMIT,
+    masked_mean,
+    segment_mean,
+    token_values,
+)
 from peerflow.batch import Batch, RaggedField
 
 
@@ -99,9 +104,10 @@ class PPOClip(PolicyLoss):
         return self.options.aggregation or self.default_aggregation
 
     def ratios(
-        self, logprobs: torch.Tensor, old: torch.Tensor, lengths: torch.Tensor
+        self, logprobs: torch.Tensor, old: torch.Tensor, lengths: torch.Tensor,
+        mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Per-token importance ratios (with grad through `logprobs`)."""
+        """Per-token importance ratios (with grad through `logprobs`); `mask`: `loss_mask`."""
         return (logprobs - old).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT).exp()
 
     def __call__(
@@ -112,7 +118,8 @@ class PPOClip(PolicyLoss):
         lengths = logprobs.lengths
         old = old_logprobs(batch, current)
         advantages = token_values(batch, "advantages").detach().to(current)
-        ratio = self.ratios(current, old, lengths)
+        mask = batch.loss_mask()
+        ratio = self.ratios(current, old, lengths, mask)
         opts = self.options
         unclipped = -advantages * ratio
         clipped = -advantages * ratio.clamp(1 - opts.clip_low, 1 + opts.clip_high)
@@ -127,18 +134,16 @@ class PPOClip(PolicyLoss):
             per_token = per_token * weights
         loss = aggregate(
             per_token, lengths, self.aggregation, global_tokens=global_tokens,
-            global_samples=global_samples, norm_length=opts.norm_length,
+            global_samples=global_samples, norm_length=opts.norm_length, mask=mask,
         )
-        with torch.no_grad():
-            n = max(per_token.numel(), 1)
-            metrics = {
-                "actor/pg_loss": float(per_token.sum()) / n,
-                "actor/clipfrac": float((clipped > unclipped).sum()) / n,
-                "actor/ppo_kl": float((old - current).sum()) / n,
-                "actor/ratio_mean": float(ratio.sum()) / n,
-            }
-            if opts.dual_clip > 0:
-                metrics["actor/dual_clipfrac"] = float(dual_clipped.sum()) / n
+        metrics = {
+            "actor/pg_loss": masked_mean(per_token, mask),
+            "actor/clipfrac": masked_mean(clipped > unclipped, mask),
+            "actor/ppo_kl": masked_mean(old - current, mask),
+            "actor/ratio_mean": masked_mean(ratio, mask),
+        }
+        if opts.dual_clip > 0:
+            metrics["actor/dual_clipfrac"] = masked_mean(dual_clipped, mask)
         return loss, metrics
 
 
@@ -155,7 +160,8 @@ class GSPOOptions(PPOClipOptions):
 class GSPO(PPOClip):
     """GSPO: PPO-clip on the sequence-level ratio, shared by every token of a sample.
 
-    The ratio of sample i is `s_i = exp(mean_t (logp_t - logp_old_t))`.
+    The ratio of sample i is `s_i = exp(mean_t (logp_t - logp_old_t))`, the mean over its
+    trained tokens (`loss_mask`).
 
     Per token the ratio is `sg(s_i) * exp(logp_t - sg(logp_t))` (GSPO-token): its value
     is `s_i` and its gradient is `s_i * grad logp_t`, so each token's own advantage can be
@@ -167,10 +173,11 @@ class GSPO(PPOClip):
     default_aggregation: ClassVar[str] = "seq-mean-token-mean"
 
     def ratios(
-        self, logprobs: torch.Tensor, old: torch.Tensor, lengths: torch.Tensor
+        self, logprobs: torch.Tensor, old: torch.Tensor, lengths: torch.Tensor,
+        mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Sequence-level ratios broadcast to tokens, with per-token gradients."""
-        seq_log_ratio = segment_mean(logprobs - old, lengths).detach()
+        """Sequence-level ratios (over trained tokens) broadcast to tokens, per-token grads."""
+        seq_log_ratio = segment_mean(logprobs - old, lengths, mask).detach()
         per_token_log = (
             torch.repeat_interleave(seq_log_ratio, lengths.to(logprobs.device))
             + logprobs - logprobs.detach()

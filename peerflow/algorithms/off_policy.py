@@ -19,7 +19,12 @@ computes `w` once per step, before `train_step`, and the policy loss multiplies 
 `mismatch_metrics` reports how far apart the two log-prob sources are on the tokens
 actually sampled — the number to watch for inference/training drift.
 
-On the on-policy fast path (no `old_logprob` node, see `peerflow.workflow.on_policy`)
+Tokens the batch's `loss_mask` does not train (a multi-turn trajectory's observations;
+their `rollout_logprobs` are 0 by convention, as the rollout did not sample them) get
+weight 1 — the loss leaves them out anyway — and count in neither the weights'
+statistics nor the mismatch metrics.
+
+On the proximal fast path (no `old_logprob` node, see `peerflow.workflow.on_policy`)
 `π_prox` is `π_θ` itself, detached: `CurrentProximal` wraps the policy loss and runs the
 same `importance_weights` and `mismatch_metrics` on every micro-batch against the
 current log-probs.
@@ -34,6 +39,7 @@ import torch
 
 from peerflow.algorithms.ragged_ops import (
     LOG_RATIO_LIMIT,
+    on_trained_tokens,
     ragged_like,
     response_lengths,
     token_values,
@@ -114,12 +120,18 @@ def importance_weights(batch: Batch, correction: str, cap: float,
     else:
         limited = (raw > cap) | (raw < lower)
         weights = torch.where(limited, torch.zeros_like(raw), raw)
+    mask = batch.loss_mask()
+    if mask is not None:  # observation tokens: not sampled, weight 1, out of the statistics
+        weights = torch.where(mask, weights, torch.ones_like(weights))
+        raw, limited, kept = raw[mask], limited[mask], weights[mask]
+    else:
+        kept = weights
     n = raw.numel()
     return ImportanceWeights(
         weights=weights.to(token_values(batch, "old_logprobs").dtype),
         raw_mean=float(raw.mean()) if n else 1.0,
         raw_max=float(raw.max()) if n else 1.0,
-        mean=float(weights.mean()) if n else 1.0,
+        mean=float(kept.mean()) if n else 1.0,
         limited_fraction=float(limited.double().mean()) if n else 0.0,
         tokens=n,
     )
@@ -142,6 +154,7 @@ def mismatch_metrics(batch: Batch) -> dict[str, tuple[str, float, float]]:
         return {}
     delta = (token_values(batch, "rollout_logprobs").to(torch.float64)
              - token_values(batch, "old_logprobs").to(torch.float64))
+    delta = on_trained_tokens(delta, batch.loss_mask())
     n = delta.numel()
     if not n:
         return {}

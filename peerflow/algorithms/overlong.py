@@ -4,18 +4,24 @@
   buffer `L_cache`, an answer of `|y|` tokens gets
   `R_length = 0` if `|y| <= L_max - L_cache`, else
   `-penalty · (|y| - (L_max - L_cache)) / L_cache` (reaching `-penalty` at `L_max`),
-  added to its reward (verl's `overlong_buffer` in its DAPO reward manager).
-* **Overlong filtering**: answers cut off by the budget (`finish_reason == "length"`)
-  are left out of the loss — their `train_mask` is `False`, so they count neither in the
-  loss nor in its normalisers.
+  added to its reward (verl's `overlong_buffer` in its DAPO reward manager). `|y|`
+  counts the tokens the model generated (`Batch.trained_lengths`): a multi-turn
+  trajectory's observation tokens are not the model's length.
+* **Overlong filtering**: answers cut off by a limit (`finish_reason` in `TRUNCATED`:
+  `length` for a single answer; `max_tokens` or `max_turns` for a multi-turn trajectory
+  cut off by `rollout.agent` limits) are left out of the loss — their `train_mask` is
+  `False`, so they count neither in the loss nor in its normalisers.
 """
 
 from __future__ import annotations
 
 import torch
 
-from peerflow.algorithms.ragged_ops import response_lengths
 from peerflow.batch import Batch
+
+#: `finish_reason`s of samples cut off by a limit rather than ended by the model or the
+#: environment (single answers: `length`; agent trajectories: `max_tokens`, `max_turns`).
+TRUNCATED = frozenset({"length", "max_tokens", "max_turns"})
 
 
 def overlong_penalty(lengths: torch.Tensor, max_tokens: int, buffer: int,
@@ -49,11 +55,11 @@ def shape_overlong(batch: Batch, *, max_tokens: int, buffer: int, penalty: float
         reward = batch["reward"]
         if "score" not in batch:
             batch.set("score", reward.clone())
-        shaped = overlong_penalty(response_lengths(batch), max_tokens, buffer, penalty)
+        shaped = overlong_penalty(batch.trained_lengths(), max_tokens, buffer, penalty)
         batch.set("reward", (reward.to(torch.float64) + shaped).to(reward.dtype))
         metrics["overlong/penalty_mean"] = float(-shaped.mean()) if n else 0.0
     if filter_truncated:
-        truncated = torch.tensor([r == "length" for r in batch["finish_reason"]],
+        truncated = torch.tensor([r in TRUNCATED for r in batch["finish_reason"]],
                                  dtype=torch.bool)
         keep = ~truncated
         if "train_mask" in batch:

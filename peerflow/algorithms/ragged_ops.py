@@ -27,9 +27,29 @@ def segment_sum(values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:  #
     return out.index_add(0, segment_ids(lengths).to(values.device), values)
 
 
-def segment_mean(values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:  # [num_samples]
-    """Averages each sample's tokens; empty samples give 0."""
-    return segment_sum(values, lengths) / lengths.clamp(min=1).to(values)
+def segment_mean(values: torch.Tensor, lengths: torch.Tensor,
+                 mask: torch.Tensor | None = None) -> torch.Tensor:  # [num_samples]
+    """Averages each sample's tokens (only those where `mask` is true); empty samples give 0."""
+    counts = lengths if mask is None else segment_sum(mask.to(values.device).long(), lengths)
+    return segment_sum(masked(values, mask), lengths) / counts.clamp(min=1).to(values)
+
+
+def masked(values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """`values` with untrained tokens (`mask` false) set to 0; unchanged when `mask` is `None`.
+
+    A `where`, not a product: a masked token's value and gradient are exactly 0 even when
+    its unmasked value is not finite.
+    """
+    if mask is None:
+        return values
+    return torch.where(mask.to(values.device), values, torch.zeros_like(values))
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor | None) -> float:
+    """Mean of `values` over the trained tokens (`mask` true; all when `None`); 0 if none."""
+    with torch.no_grad():
+        kept = on_trained_tokens(values, mask)
+        return float(kept.double().mean()) if kept.numel() else 0.0
 
 
 def per_token(per_sample: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:  # [total_tokens]
@@ -106,7 +126,7 @@ def whiten(values: torch.Tensor, process_group: object = None, eps: float = 1e-8
     With a `process_group`, the count, sum and sum of squares are all-reduced first, so
     every rank normalises by the statistics of all ranks' values together; `replicas`
     ranks of the group hold each shard (tensor/pipeline peers), so the sums are divided
-    by it.
+    by it. Estimators whiten the values of trained tokens only (`on_trained_tokens`).
     """
     stats = torch.stack([
         torch.tensor(float(values.numel()), dtype=torch.float64),
@@ -124,6 +144,20 @@ def whiten(values: torch.Tensor, process_group: object = None, eps: float = 1e-8
     mean = total / count
     var = (sq - count * mean * mean) / max(count - 1, 1)
     return ((values - mean) / (max(var, 0.0) ** 0.5 + eps)).to(values.dtype)
+
+
+def on_trained_tokens(values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """The values of the trained tokens only (`mask` true), samples still back to back."""
+    return values if mask is None else values[mask.to(values.device)]
+
+
+def to_response_tokens(values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Spreads per-trained-token `values` back over all response tokens, 0 on the others."""
+    if mask is None:
+        return values
+    full = values.new_zeros(len(mask))
+    full[mask.to(values.device)] = values
+    return full
 
 
 def pad(values: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -2,7 +2,8 @@
 
 `RegularizedLoss(loss, kl_coef=β, kl_estimator=k, entropy_coef=c)` returns
 `loss + β · aggregate(k_t) - c · aggregate(H_t)`, both terms aggregated like the wrapped
-loss, so they stay exact under micro-batching (see `peerflow.algorithms.aggregation`).
+loss, so they stay exact under micro-batching and leave out the tokens the batch's
+`loss_mask` does not train (see `peerflow.algorithms.aggregation`).
 The KL estimators' gradients are stated in `peerflow.algorithms.kl`; the step-level KL
 metrics are written by `Algorithm.prepare_actor_batch`, not here, so they do not depend
 on how many micro-batches a step has.
@@ -60,11 +61,12 @@ class RegularizedLoss:
         """Whether the train engine must set the micro-batch field `entropy` (with grad)."""
         return self.entropy_coef > 0
 
-    def _aggregate(self, values: torch.Tensor, logprobs: RaggedField, global_tokens: int,
-                   global_samples: int) -> torch.Tensor:
+    def _aggregate(self, values: torch.Tensor, logprobs: RaggedField, batch: Batch,
+                   global_tokens: int, global_samples: int) -> torch.Tensor:
         return aggregate(
             values, logprobs.lengths, self.aggregation, global_tokens=global_tokens,
             global_samples=global_samples, norm_length=getattr(self.options, "norm_length", 0),
+            mask=batch.loss_mask(),
         )
 
     def __call__(
@@ -81,7 +83,7 @@ class RegularizedLoss:
         if self.kl_coef > 0:
             ref = token_values(batch, "ref_logprobs").detach().to(logprobs.values)
             kl = kl_estimate(logprobs.values, ref, self.kl_estimator)
-            loss = loss + self.kl_coef * self._aggregate(kl, logprobs, global_tokens,
+            loss = loss + self.kl_coef * self._aggregate(kl, logprobs, batch, global_tokens,
                                                          global_samples)
         if self.entropy_coef > 0:
             if "entropy" not in batch:
@@ -92,6 +94,6 @@ class RegularizedLoss:
                     "algorithm.entropy_coef: 0."
                 )
             entropy = token_values(batch, "entropy").to(logprobs.values)
-            loss = loss - self.entropy_coef * self._aggregate(entropy, logprobs, global_tokens,
-                                                              global_samples)
+            loss = loss - self.entropy_coef * self._aggregate(entropy, logprobs, batch,
+                                                              global_tokens, global_samples)
         return loss, metrics

@@ -24,6 +24,7 @@ from peerflow.algorithms.off_policy import (
 )
 from peerflow.algorithms.overlong import shape_overlong
 from peerflow.algorithms.regularized import RegularizedLoss
+from peerflow.algorithms.turn_rewards import add_turn_rewards
 from peerflow.batch import Batch
 from peerflow.config.schema import OffPolicyConfig, OverlongConfig
 
@@ -40,7 +41,7 @@ class Algorithm:
     """Turns rewards (and values) into advantages (the `advantage` node)."""
     policy_loss: Any
     """The actor's `LossFunction`: the configured loss (in a `RegularizedLoss` with KL in
-    the loss or an entropy bonus) in a `CurrentProximal` (the on-policy fast path)."""
+    the loss or an entropy bonus) in a `CurrentProximal` (the proximal fast path)."""
     value_loss: Any | None
     """The critic's `LossFunction` when the estimator needs values, else `None`."""
     kl_coef: float
@@ -57,6 +58,14 @@ class Algorithm:
     """`algorithm.overlong`: DAPO's overlong shaping and filtering."""
     max_tokens: int = 0
     """`rollout.sampling.max_tokens` (the overlong punishment's budget)."""
+    turn_rewards: str = "sum"
+    """`algorithm.turn_rewards`: whether outcome-only estimators get multi-turn
+    trajectories' per-turn rewards summed into `reward`."""
+
+    @property
+    def sums_turn_rewards(self) -> bool:
+        """Whether `shape_rewards` adds summed `token_rewards` to `reward` (grpo, rloo)."""
+        return self.turn_rewards == "sum" and not type(self.estimator).uses_token_rewards
 
     @property
     def needs_reference(self) -> bool:
@@ -70,8 +79,9 @@ class Algorithm:
 
     @property
     def shapes_rewards(self) -> bool:
-        """Whether `shape_rewards` does anything (KL in the reward, overlong shaping)."""
-        return self.kl_in_reward or self.overlong.buffer > 0 or self.overlong.filter
+        """Whether `shape_rewards` does anything (turn-reward sums, KL, overlong)."""
+        return (self.sums_turn_rewards or self.kl_in_reward or self.overlong.buffer > 0
+                or self.overlong.filter)
 
     def kl_penalty(self, batch: Any) -> dict[str, float]:
         """Applies the configured KL reward penalty to `batch` in place; returns metrics.
@@ -86,13 +96,17 @@ class Algorithm:
                                 per_token=type(self.estimator).uses_token_rewards)
 
     def shape_rewards(self, batch: Any, metrics: Any) -> None:
-        """Overlong shaping and filtering, then the KL reward penalty, in place.
+        """Per-turn reward sums, overlong shaping and filtering, the KL penalty, in place.
+
+        For an outcome-only estimator with `turn_rewards: sum`, a multi-turn trajectory's
+        per-turn rewards (`token_rewards`) are added to its `reward` first (see
+        `peerflow.algorithms.turn_rewards`), so `score` then keeps that sum.
 
         Args:
             batch: The advantage node's batch (whole groups, with `reward`).
             metrics: A `StepMetrics`; the means are weighted by the sample count.
         """
-        values: dict[str, float] = {}
+        values = add_turn_rewards(batch) if self.sums_turn_rewards else {}
         overlong = self.overlong
         if overlong.buffer > 0 or overlong.filter:
             values.update(shape_overlong(
@@ -195,6 +209,7 @@ def build_algorithm(
         kl_coef=kl.coef, kl_estimator=estimator_name, kl_mode=kl.mode,
         dynamic_sampling=algorithm.dynamic_sampling, off_policy=algorithm.off_policy,
         overlong=algorithm.overlong, max_tokens=max_tokens,
+        turn_rewards=algorithm.turn_rewards,
     )
 
 

@@ -6,7 +6,7 @@ import attrs
 import torch
 
 from peerflow.algorithms.aggregation import AGGREGATIONS, aggregate
-from peerflow.algorithms.ragged_ops import token_values
+from peerflow.algorithms.ragged_ops import masked_mean, token_values
 from peerflow.batch import Batch, RaggedField
 
 
@@ -32,7 +32,8 @@ class ClippedValueLoss:
 
     Satisfies `peerflow.engines.LossFunction`; its first argument is the critic's current
     per-token values (what `forward_values` computes, with grad). Reads `values` (the
-    values at sampling time, `V_old`) and `returns` (targets from GAE).
+    values at sampling time, `V_old`) and `returns` (targets from GAE). Tokens the
+    batch's `loss_mask` does not train (observations) are left out, as in the policy loss.
     """
 
     name = "value_clip"
@@ -54,18 +55,17 @@ class ClippedValueLoss:
             clipped_values = old + (values - old).clamp(-clip, clip)
             clipped = (clipped_values - returns) ** 2
             per_token = 0.5 * torch.maximum(unclipped, clipped)
-            clipfrac = (clipped > unclipped).float().mean().item() if values.numel() else 0.0
         else:
+            clipped = unclipped
             per_token = 0.5 * unclipped
-            clipfrac = 0.0
+        mask = batch.loss_mask()
         loss = self.options.coef * aggregate(
             per_token, logprobs.lengths, self.options.aggregation,
-            global_tokens=global_tokens, global_samples=global_samples,
+            global_tokens=global_tokens, global_samples=global_samples, mask=mask,
         )
-        with torch.no_grad():
-            metrics = {
-                "critic/vf_loss": per_token.mean().item() if values.numel() else 0.0,
-                "critic/vf_clipfrac": clipfrac,
-                "critic/vpred_mean": values.mean().item() if values.numel() else 0.0,
-            }
+        metrics = {
+            "critic/vf_loss": masked_mean(per_token, mask),
+            "critic/vf_clipfrac": masked_mean(clipped > unclipped, mask),
+            "critic/vpred_mean": masked_mean(values, mask),
+        }
         return loss, metrics

@@ -12,7 +12,16 @@ reference engine pays a full forward per token per call, so one call per step is
 
 Rates are prompt + response tokens trained per second of the training loop, skipping the
 first step (start-up and the first weight transfer); idle fractions average the rollout
-and trainer groups. Figures are medians over `--runs` repetitions, sides interleaved.
+and trainer groups. Both sides train the same number of samples per step and make one
+optimiser step per step, but their responses differ after the first step (the async
+side samples with weights up to K versions older), so token counts differ a little:
+`step_ratio` (sync / async seconds per step) compares equal work in samples and optimiser
+steps, `ratio` equal tokens. Figures are medians over `--runs` repetitions, sides interleaved.
+
+`--shape quickstart` (default): the config's model, 8 steps of 8 prompts × 8 answers up
+to 48 tokens. `--shape realistic`: the realistic shape of `peerflow.bench.shapes` (the
+~50 M bench model, 128-token prompts, geometric answer lengths up to 512 tokens), 3 steps
+of 1 prompt × 4 answers (counts, not shape, cut to keep a run short).
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from peerflow.bench.e2e import worker_env
+from peerflow.bench.shapes import MAX_TOKENS, add_shape_argument, config_overrides, pick
 
 #: Phases the trainer group computes in a synchronous step (it waits for the rest, and
 #: both groups take part in the data route and the weight sync).
@@ -40,12 +50,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Adds the benchmark's options."""
     parser.add_argument("--config", default="examples/quickstart.yaml",
                         help="run config both sides use (default: the quickstart)")
-    parser.add_argument("--steps", type=int, default=8, help="training steps per side")
+    add_shape_argument(parser)
+    parser.add_argument("--steps", type=int, help="training steps per side (quickstart 8, "
+                        "realistic 3)")
     parser.add_argument("--max-staleness", type=int, default=1, help="K of the async side")
-    parser.add_argument("--prompts-per-step", type=int, default=8)
-    parser.add_argument("--n", type=int, default=8, help="answers per prompt")
-    parser.add_argument("--max-tokens", type=int, default=48,
-                        help="response cap (the length tail's end)")
+    parser.add_argument("--prompts-per-step", type=int, help="quickstart 8, realistic 1")
+    parser.add_argument("--n", type=int, help="answers per prompt (quickstart 8, realistic 4)")
+    parser.add_argument("--max-tokens", type=int, help="response cap, the length tail's end "
+                        f"(quickstart 48, realistic {MAX_TOKENS})")
     parser.add_argument("--prompts-per-call", type=int, default=0,
                         help="async side: prompts per generate call (0: the whole step's, "
                         "best for engines without continuous batching such as hf)")
@@ -93,6 +105,10 @@ def _idle_async(rows: list[dict[str, Any]]) -> float:
     return statistics.fmean(fractions) if fractions else 0.0
 
 
+def _tokens_per_step(rows: list[dict[str, Any]]) -> float:
+    return statistics.fmean(r.get("tokens/total", 0.0) for r in rows[1:] or rows)
+
+
 def _phase_seconds(rows: list[dict[str, Any]], phases: tuple[str, ...]) -> float:
     timed = rows[1:] or rows
     return statistics.fmean(sum(r.get(f"time/{p}", 0.0) for p in phases) for r in timed)
@@ -105,7 +121,12 @@ def _late_reward(rows: list[dict[str, Any]]) -> float:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Runs both sides `--runs` times and returns the JSON result."""
+    args.steps = pick(args.steps, args.shape, 8, 3)
+    args.prompts_per_step = pick(args.prompts_per_step, args.shape, 8, 1)
+    args.n = pick(args.n, args.shape, 8, 4)
+    args.max_tokens = pick(args.max_tokens, args.shape, 48, MAX_TOKENS)
     common = [
+        *config_overrides(args.shape),
         f"run.steps={args.steps}", f"run.prompts_per_step={args.prompts_per_step}",
         f"rollout.sampling.n={args.n}", f"rollout.sampling.max_tokens={args.max_tokens}",
         "runtime.placement=split", "rollout.layout.dp=1", "trainer.layout.dp=1",
@@ -117,7 +138,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                   f"runtime.async_prompts_per_call={args.prompts_per_call}"]
     results: dict[str, list[float]] = {k: [] for k in (
         "sync_rate", "async_rate", "ratio", "idle_sync", "idle_async", "reward_sync",
-        "reward_async", "generate_s", "train_s", "step_s")}
+        "reward_async", "generate_s", "train_s", "step_s", "async_step_s", "step_ratio",
+        "sync_tokens_per_step", "async_tokens_per_step")}
     seen = 0.0
     with tempfile.TemporaryDirectory(prefix="peerflow-bench-async-") as tmp:
         work = Path(tmp)
@@ -135,12 +157,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             results["generate_s"].append(_phase_seconds(sync_rows, ROLLOUT_PHASES))
             results["train_s"].append(_phase_seconds(sync_rows, TRAINER_PHASES))
             results["step_s"].append(_phase_seconds(sync_rows, ("step",)))
+            results["async_step_s"].append(_phase_seconds(async_rows, ("step",)))
+            results["step_ratio"].append(results["step_s"][-1] / results["async_step_s"][-1])
+            results["sync_tokens_per_step"].append(_tokens_per_step(sync_rows))
+            results["async_tokens_per_step"].append(_tokens_per_step(async_rows))
             seen = max([seen, *(r.get("staleness/max", 0.0) for r in async_rows)])
     med = {k: statistics.median(v) for k, v in results.items()}
     return {
         "sync_tokens_per_s": med["sync_rate"],
         "async_tokens_per_s": med["async_rate"],
         "ratio": med["ratio"],
+        "step_ratio": med["step_ratio"],
+        "sync_tokens_per_step": med["sync_tokens_per_step"],
+        "async_tokens_per_step": med["async_tokens_per_step"],
         "max_staleness": args.max_staleness,
         "max_staleness_seen": int(seen),
         "idle_fraction_sync": med["idle_sync"],
@@ -148,9 +177,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "reward_late_sync": med["reward_sync"],
         "reward_late_async": med["reward_async"],
         "sync_step_s": med["step_s"],
+        "async_step_s": med["async_step_s"],
         "sync_rollout_s_per_step": med["generate_s"],
         "sync_trainer_s_per_step": med["train_s"],
         "ideal_ratio": med["step_s"] / max(med["generate_s"], med["train_s"], 1e-9),
+        "shape": args.shape,
         "steps": args.steps,
         "prompts_per_step": args.prompts_per_step,
         "n": args.n,

@@ -5,6 +5,13 @@ tokens, steps, learning rate) with the same number of processes. Tokens are prom
 generated tokens processed; the rate divides them by the wall time of the whole command
 (start-up, model load, every step) — what a user waits for. Train-loop-only rates are
 reported alongside. Figures are medians over `--runs` repetitions, sides interleaved.
+
+`--shape quickstart` (default) runs the config as written (the quickstart: 32 prompts ×
+16 answers of up to 4 tokens, 20 steps). `--shape realistic` runs it on the realistic
+shape of `peerflow.bench.shapes` on both sides — the ~50 M-parameter bench model,
+128-token `reverse-digits` prompts, long-tailed answers up to 512 tokens — with 2 prompts
+× 4 answers a step for 3 steps (counts, not shape, are cut to keep a run short). Each side
+reports its mean answer length and the share that hit the cap.
 """
 
 from __future__ import annotations
@@ -20,14 +27,17 @@ import time
 from pathlib import Path
 from typing import Any
 
+from peerflow.bench.shapes import add_shape_argument, config_overrides, pick
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Adds the benchmark's options."""
     parser.add_argument("--config", default="examples/quickstart.yaml",
                         help="run config both sides use (default: the quickstart)")
+    add_shape_argument(parser)
     parser.add_argument("--nprocs", type=int, default=2, help="processes per side")
-    parser.add_argument("--steps", type=int, default=20,
-                        help="training steps per side (start-up is amortised over them)")
+    parser.add_argument("--steps", type=int,
+                        help="training steps per side (quickstart 20, realistic 3)")
     parser.add_argument("--runs", type=int, default=1, help="repetitions (medians reported)")
     parser.add_argument("--set", dest="overrides", action="append", default=[],
                         metavar="KEY=VALUE", help="config override applied to both sides")
@@ -77,6 +87,8 @@ def run_peerflow(args: argparse.Namespace, overrides: list[str], work: Path) -> 
                 phases[key[5:]] = phases.get(key[5:], 0.0) + value
     return {"tokens": tokens, "wall_s": wall, "train_s": train_s,
             "startup_s": max(wall - train_s, 0.0), "phases_s": phases,
+            "response_length_mean": _mean(m.get("response_length/mean", 0.0) for m in lines),
+            "response_clip_frac": _mean(m.get("response_length/clip_frac", 0.0) for m in lines),
             "reward_first": lines[0].get("reward/mean", 0.0) if lines else 0.0,
             "reward_last": lines[-1].get("reward/mean", 0.0) if lines else 0.0}
 
@@ -94,12 +106,24 @@ def run_trl(args: argparse.Namespace, overrides: list[str], work: Path) -> dict[
     rewards = result.get("reward") or [0.0]
     return {"tokens": result["tokens"], "wall_s": wall, "train_s": result["train_s"],
             "startup_s": max(wall - result["train_s"], 0.0),
+            "response_length_mean": _mean(result.get("mean_length") or [0.0]),
+            "response_clip_frac": _mean(result.get("clipped_ratio") or [0.0]),
             "reward_first": rewards[0], "reward_last": rewards[-1]}
+
+
+def _mean(values: Any) -> float:
+    values = list(values)
+    return statistics.fmean(values) if values else 0.0
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Runs both sides `--runs` times and returns the JSON result."""
-    overrides = [f"run.steps={args.steps}", f"runtime.nprocs={args.nprocs}", *args.overrides]
+    args.steps = pick(args.steps, args.shape, 20, 3)
+    shape = config_overrides(args.shape)
+    if shape:
+        shape += ["run.prompts_per_step=2", "rollout.sampling.n=4"]
+    overrides = [*shape, f"run.steps={args.steps}", f"runtime.nprocs={args.nprocs}",
+                 *args.overrides]
     peerflow: list[dict[str, Any]] = []
     trl: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="peerflow-bench-e2e-") as tmp:
@@ -122,7 +146,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "train_loop": {"peerflow_tokens_per_s": pf_loop, "trl_tokens_per_s": tr_loop,
                        "ratio": pf_loop / tr_loop if tr_loop else None},
         "median_of": args.runs,
-        "settings": {"config": args.config, "nprocs": args.nprocs, "steps": args.steps,
-                     "overrides": list(args.overrides)},
+        "response_length_mean": {"peerflow": _mean(r["response_length_mean"] for r in peerflow),
+                                 "trl": _mean(r["response_length_mean"] for r in trl)},
+        "settings": {"config": args.config, "shape": args.shape, "nprocs": args.nprocs,
+                     "steps": args.steps, "overrides": overrides},
         "runs": {"peerflow": peerflow, "trl": trl},
     }

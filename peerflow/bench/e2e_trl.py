@@ -82,6 +82,8 @@ def main(argv: list[str] | None = None) -> None:
             "train_s": train_s,
             "steps": trainer.state.global_step,
             "reward": rewards,
+            **{key.split("/")[1]: [h[key] for h in trainer.state.log_history if key in h]
+               for key in ("completions/mean_length", "completions/clipped_ratio")},
         }))
 
 
@@ -99,7 +101,7 @@ def _grpo_config(config: Any, output_dir: Path, world: int) -> Any:
         max_completion_length=sampling.max_tokens,
         temperature=sampling.temperature,
         top_p=sampling.top_p,
-        top_k=sampling.top_k or None,
+        top_k=sampling.top_k,  # 0: off (None would let transformers apply its top-k 50)
         learning_rate=config.trainer.lr,
         adam_beta1=config.trainer.betas[0],
         adam_beta2=config.trainer.betas[1],

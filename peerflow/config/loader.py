@@ -91,6 +91,19 @@ def _check_engine(pm: Any, kind: str, section: Any, key: str, problems: list[str
         problems.append(str(exc))
 
 
+def _check_agent(pm: Any, agent: Any, problems: list[str]) -> None:
+    """Checks `rollout.agent`: a registered environment and its options."""
+    if agent is None:
+        return
+    env_cls = _check_name(pm, "environment", agent.environment, problems)
+    if env_cls is None:
+        return
+    try:
+        structure_options(env_cls.options_class, agent.options, "rollout.agent.options")
+    except ConfigError as exc:
+        problems.append(str(exc))
+
+
 def validate_config(config: RunConfig, pm: Any) -> None:
     """Checks every name and option section against the installed plugins.
 
@@ -110,6 +123,7 @@ def validate_config(config: RunConfig, pm: Any) -> None:
             structure_options(task_cls.options_class, config.task.options, "task.options")
         except ConfigError as exc:
             problems.append(str(exc))
+    _check_agent(pm, config.rollout.agent, problems)
     estimator = _check_name(pm, "advantage_estimator", config.algorithm.advantage, problems)
     loss = _check_name(pm, "policy_loss", config.algorithm.loss, problems)
     known = {c.name: c for c in (estimator, loss) if c is not None}

@@ -157,7 +157,8 @@ class OverlongConfig:
     penalty: float = attrs.field(default=1.0, validator=attrs.validators.ge(0.0))
     """Largest reward lost to the soft punishment (at `max_tokens`)."""
     filter: bool = False
-    """Overlong filtering: truncated answers (`finish_reason == "length"`) get no loss."""
+    """Overlong filtering: truncated answers (`finish_reason` `length`; agent trajectories
+    cut off at `max_tokens` / `max_turns`) get no loss."""
 
 
 @attrs.frozen(kw_only=True)
@@ -180,6 +181,12 @@ class AlgorithmConfig:
     """DAPO's overlong reward shaping and filtering (off by default)."""
     dynamic_sampling: bool = False
     """DAPO: drop groups whose rewards are all equal and refill the batch."""
+    turn_rewards: Literal["sum", "ignore"] = "sum"
+    """Multi-turn trajectories' per-turn rewards (the batch field `token_rewards`, each at
+    its turn's last model token) for estimators that read only the outcome `reward`
+    (grpo, rloo): `sum` adds each trajectory's summed per-turn rewards to its `reward`
+    before the estimator; `ignore` trains on the outcome alone. Token-level estimators
+    (gae, reinforce_pp) always read them per token."""
 
 
 @attrs.frozen(kw_only=True)

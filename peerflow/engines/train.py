@@ -82,6 +82,10 @@ class LossFunction(Protocol):
     entropy of the tempered policy at every response token. It has gradient only when the
     loss object sets `needs_entropy = True` (an entropy bonus); otherwise it is
     detached, for metrics.
+
+    A micro-batch with a `loss_mask` field (ragged bool; false on a multi-turn
+    trajectory's observation tokens) must leave its false tokens out of the loss, its
+    normalisers and its metrics (`peerflow.algorithms.aggregation.aggregate(mask=...)`).
     """
 
     def __call__(
@@ -98,8 +102,10 @@ class LossFunction(Protocol):
             logprobs: Current-policy log-probs of every response token (with grad),
                 aligned with `batch["response_ids"]`.
             batch: The micro-batch, with the fields the loss reads (advantages, …).
-            global_tokens: Response tokens in the whole mini-batch across dp-ranks.
-            global_samples: Samples in the whole mini-batch across dp-ranks.
+            global_tokens: Trained response tokens (`loss_mask` true, all without one)
+                in the whole mini-batch across dp-ranks.
+            global_samples: Samples with at least one trained token in the whole
+                mini-batch across dp-ranks.
         """
 
 

@@ -43,6 +43,7 @@ Async mode
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import math
@@ -66,7 +67,7 @@ def _scalar(value: Any) -> float | int | None:
     return value if math.isfinite(value) else None
 
 
-class MetricsWriter:
+class MetricsWriter(contextlib.AbstractContextManager["MetricsWriter"]):
     """Appends step metrics to `metrics.jsonl` and mirrors them to TensorBoard and W&B.
 
     Create it on one rank (rank 0) after the ranks have reduced their metrics. Lines are
@@ -153,9 +154,6 @@ class MetricsWriter:
         if self._wandb is not None:
             self._wandb.finish()
             self._wandb = None
-
-    def __enter__(self) -> MetricsWriter:
-        return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()

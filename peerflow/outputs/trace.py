@@ -2,7 +2,9 @@
 
 Each rank owns one `Tracer`; `span(name, **args)` records a complete event ("ph": "X")
 with wall-clock microsecond timestamps, so the files of all ranks line up when loaded
-together. `flush()` rewrites the rank's file atomically with every event so far. A
+together, and the calling thread's CPU time in the span as `args.cpu_ms` (a span whose
+`cpu_ms` is well below its duration waited: for a peer, a lock, or a core other
+processes held). `flush()` rewrites the rank's file atomically with every event so far. A
 module-level tracer (`set_tracer`) lets code anywhere call `span(...)` without passing a
 tracer around; with none set, `span` does nothing.
 """
@@ -57,13 +59,14 @@ class Tracer:
         if not self.enabled:
             yield
             return
-        start = self.now_us()
+        start, cpu = self.now_us(), time.thread_time()
         try:
             yield
         finally:
             self._add({"name": name, "ph": "X", "ts": start, "dur": self.now_us() - start,
                        "pid": self.rank, "tid": threading.get_ident() % 1_000_000,
-                       "args": {k: _jsonable(v) for k, v in args.items()}})
+                       "args": {**{k: _jsonable(v) for k, v in args.items()},
+                                "cpu_ms": round((time.thread_time() - cpu) * 1e3, 3)}})
 
     def instant(self, name: str, **args: Any) -> None:
         """Records a point in time (e.g. "weights v3 live")."""

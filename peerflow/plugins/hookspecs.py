@@ -156,6 +156,36 @@ def peerflow_register_samplers(register: Any) -> None:
 
 
 @hookspec
+def peerflow_register_environments(register: Any) -> None:
+    """Register multi-turn agent environments (tools are environments too).
+
+    Args:
+        register: Call `register(cls)` for each `peerflow.agents.Environment` subclass;
+            its `name` is what `rollout.agent.environment` selects.
+
+    Returns:
+        Nothing; the return value is ignored.
+
+    Since: 0.3.
+    """
+
+
+@hookspec
+def peerflow_register_tools(register: Any) -> None:
+    """Register tools that a `ToolEnvironment` offers the model (`peerflow.agents.Tool`).
+
+    Args:
+        register: Call `register(cls)` for each `peerflow.agents.Tool` subclass; its
+            `name` is what `rollout.agent.options.tools` lists and what the model calls.
+
+    Returns:
+        Nothing; the return value is ignored.
+
+    Since: 0.3.
+    """
+
+
+@hookspec
 def peerflow_validate_config(config: Any, pm: Any) -> list[str] | None:
     """Check a run config before any worker process starts.
 

@@ -51,6 +51,11 @@ KINDS: dict[str, Kind] = {
              config_key="workflow.nodes[].kind", base="peerflow.workflow.NodeType"),
         Kind(key="sampler", hook="peerflow_register_samplers", label="sampler",
              config_key="runtime.sampler", base="peerflow.streaming.samplers.Sampler"),
+        Kind(key="environment", hook="peerflow_register_environments",
+             label="agent environment", config_key="rollout.agent.environment",
+             base="peerflow.agents.Environment"),
+        Kind(key="tool", hook="peerflow_register_tools", label="agent tool",
+             config_key="rollout.agent.options.tools", base="peerflow.agents.tools.Tool"),
     )
 }
 

@@ -6,7 +6,7 @@ other nodes may add fields to a sample (a reward, reference log-probs) before it
 trained on, by `patch`ing it — even before the sample itself arrives. A sample is *ready*
 once every required field is present; the sampler forms micro-batches from ready samples
 and `pop_ready` hands out each one as soon as it is full, so per-micro-batch work
-(old/reference log-prob forwards) overlaps with the rest of the step still streaming in.
+(reference / old log-prob forwards) overlaps with the rest of the step still streaming in.
 
 `StepInbox` knows when a step is complete: every rollout rank sends, after its last group
 for a step, a *seal* carrying how many groups it sent this trainer for that step.
@@ -32,6 +32,16 @@ def _as_column(value: Any, kind: str) -> RaggedField | torch.Tensor | list:
     return tensor.reshape(1, *tensor.shape)
 
 
+@attrs.frozen
+class _Buffered:
+    """Where a buffered sample lives: row `row` of the group batch it arrived in."""
+
+    batch: Batch
+    row: int
+    group_id: int
+    tokens: int
+
+
 @attrs.define(eq=False)
 class MicroBatchAccumulator:
     """One trainer dp-rank's samples of the current step.
@@ -39,7 +49,9 @@ class MicroBatchAccumulator:
     Call sequence: `add(group_batch)` and `patch(...)` as messages arrive; `pop_ready()`
     after each (returns zero or more full micro-batches); once the step is complete,
     `pop_ready(final=True)` returns the remainder. Every added sample is returned exactly
-    once.
+    once. Samples stay rows of the batch they arrived in until they are handed out, so a
+    micro-batch costs one row selection per arrived batch (per patched sample, with
+    patches), not one per sample.
     """
 
     sampler: Sampler
@@ -48,9 +60,10 @@ class MicroBatchAccumulator:
     """Fields a sample needs before it may be trained on (e.g. `reward`, `ref_logprobs`)."""
     token_fields: tuple[str, ...] = ("prompt_ids", "response_ids")
     """Ragged fields whose lengths count as a sample's tokens."""
-    _samples: dict[int, Batch] = attrs.field(factory=dict, init=False)
+    _samples: dict[int, _Buffered] = attrs.field(factory=dict, init=False)
     _arrival: list[int] = attrs.field(factory=list, init=False)
-    _patches: dict[int, dict[str, Any]] = attrs.field(factory=dict, init=False)
+    _patches: dict[int, dict[str, tuple[Any, str]]] = attrs.field(factory=dict, init=False)
+    """Sample id → fields patched in (applied when the sample is handed out)."""
     _emitted: set[int] = attrs.field(factory=set, init=False)
 
     def add(self, batch: Batch) -> None:
@@ -59,17 +72,16 @@ class MicroBatchAccumulator:
         Raises:
             ValueError: a sample id is already buffered or was already emitted.
         """
-        for i in range(len(batch)):
-            sample = batch.select([i])
-            sid = int(sample.sample_id[0])
+        tokens = batch.token_count(self.token_fields).tolist()
+        groups = batch.group_id.tolist()
+        for row, sid in enumerate(batch.sample_id.tolist()):
             if sid in self._samples or sid in self._emitted:
                 raise ValueError(
-                    f"sample {sid} (group {int(sample.group_id[0])}) reached this trainer "
+                    f"sample {sid} (group {groups[row]}) reached this trainer "
                     "twice; a rollout rank resent it, which would train on it twice."
                 )
-            for name, (value, kind) in self._patches.pop(sid, {}).items():
-                sample.fields[name] = _as_column(value, kind)
-            self._samples[sid] = sample
+            self._samples[sid] = _Buffered(batch=batch, row=row, group_id=groups[row],
+                                           tokens=tokens[row])
             self._arrival.append(sid)
 
     def patch(self, sample_id: int, name: str, value: Any, kind: str = "auto") -> None:
@@ -89,23 +101,39 @@ class MicroBatchAccumulator:
                 f"field {name!r} for sample {sample_id} arrived after the sample was "
                 f"trained on; add {name!r} to required_fields so training waits for it."
             )
-        sample = self._samples.get(sample_id)
-        if sample is None:
-            self._patches.setdefault(sample_id, {})[name] = (value, kind)
-        else:
-            sample.fields[name] = _as_column(value, kind)
+        self._patches.setdefault(sample_id, {})[name] = (value, kind)
 
     def _ready(self, sid: int) -> bool:
-        fields = self._samples[sid].fields
-        return all(name in fields for name in self.required_fields)
-
-    def _tokens(self, sample: Batch) -> int:
-        return int(sample.token_count(self.token_fields)[0])
+        fields, patched = self._samples[sid].batch.fields, self._patches.get(sid, {})
+        return all(name in fields or name in patched for name in self.required_fields)
 
     @property
     def pending(self) -> int:
         """Samples buffered and not yet handed out (the queue depth)."""
         return len(self._arrival)
+
+    def _take(self, ids: list[int]) -> Batch:
+        """Removes samples `ids` and returns them as one batch, in that order."""
+        parts: list[Batch] = []
+        run: list[int] = []
+        source: Batch | None = None
+        for sid in ids:
+            held = self._samples.pop(sid)
+            patched = self._patches.pop(sid, None)
+            if run and (held.batch is not source or patched):
+                parts.append(source.select(run))
+                run = []
+            if patched:
+                sample = held.batch.select([held.row])
+                for name, (value, kind) in patched.items():
+                    sample.fields[name] = _as_column(value, kind)
+                parts.append(sample)
+            else:
+                source = held.batch
+                run.append(held.row)
+        if run:
+            parts.append(source.select(run))
+        return parts[0] if len(parts) == 1 else Batch.concat(parts)
 
     def pop_ready(self, final: bool = False) -> list[Batch]:
         """Returns every micro-batch that is full now (all remaining ones if `final`).
@@ -116,7 +144,9 @@ class MicroBatchAccumulator:
         ready = [sid for sid in self._arrival if self._ready(sid)]
         if final and len(ready) < len(self._arrival):
             missing = {
-                sid: [n for n in self.required_fields if n not in self._samples[sid].fields]
+                sid: [n for n in self.required_fields
+                      if n not in self._samples[sid].batch.fields
+                      and n not in self._patches.get(sid, {})]
                 for sid in self._arrival
                 if sid not in ready
             }
@@ -127,18 +157,15 @@ class MicroBatchAccumulator:
         out: list[Batch] = []
         while ready:
             pool = [
-                PooledSample(
-                    sample_id=sid,
-                    group_id=int(self._samples[sid].group_id[0]),
-                    tokens=self._tokens(self._samples[sid]),
-                )
+                PooledSample(sample_id=sid, group_id=self._samples[sid].group_id,
+                             tokens=self._samples[sid].tokens)
                 for sid in ready
             ]
             chosen = self.sampler.select(pool, self.budget, final)
             if not chosen:
                 break
             ids = [ready[i] for i in chosen]
-            out.append(Batch.concat([self._samples.pop(sid) for sid in ids]))
+            out.append(self._take(ids))
             self._emitted.update(ids)
             taken = set(ids)
             ready = [sid for sid in ready if sid not in taken]

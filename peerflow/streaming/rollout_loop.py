@@ -208,18 +208,27 @@ class RolloutStreamer:
 
 
 def make_generate(
-    engine: Any, generate_batch: Callable[[Any, Sequence[Any], Any], Batch], *,
-    partial_rollout: bool, chunk_tokens: int,
+    engine: Any, generate_batch: Callable[..., Batch], *,
+    partial_rollout: bool, chunk_tokens: int, multi_turn: bool = False,
 ) -> Callable[[Sequence[Any], Any, Callable[[], None]], Batch]:
     """Returns the rollout's generate function, optionally generating in segments.
 
     Args:
         engine: This rank's rollout engine.
-        generate_batch: `f(engine, draws, sampling) -> batch`, the worker's batch builder
-            (`peerflow.worker.rollout.generate_batch` with the tokenizer bound).
+        generate_batch: `f(engine, draws, sampling, **agent_args) -> batch`, the worker's
+            batch builder (`WorkerRuntime.generate_batch`).
         partial_rollout: Generate in chunks, applying new weights between them.
         chunk_tokens: Tokens per chunk.
+        multi_turn: `generate_batch` runs agent episodes (`peerflow.agents.rollout`): it
+            calls `between` between turns (and chunks) itself and fills `token_versions`.
     """
+    if multi_turn:
+
+        def episodes(draws: Sequence[Any], sampling: Any, between: Callable[[], None]) -> Batch:
+            return generate_batch(engine, draws, sampling, between=between,
+                                  chunk_tokens=chunk_tokens if partial_rollout else 0)
+
+        return episodes
     if not partial_rollout:
 
         def plain(draws: Sequence[Any], sampling: Any, between: Callable[[], None]) -> Batch:

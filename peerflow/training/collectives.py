@@ -45,13 +45,15 @@ def all_reduce_sum(values: Sequence[float], group: object | None,
 
 def global_counts(batch: Batch, group: object | None,
                   device: torch.device | str = "cpu") -> tuple[int, int]:
-    """`(response tokens, samples)` of `batch` summed over the ranks of `group`.
+    """`(trained response tokens, trained samples)` of `batch` summed over the ranks of `group`.
 
     These are the normalisers a `LossFunction` receives (`global_tokens`,
-    `global_samples`), so its micro-batch losses add up to the mini-batch loss.
+    `global_samples`), so its micro-batch losses add up to the mini-batch loss. Only
+    tokens the batch's `loss_mask` trains count (every response token without one), and
+    only samples with at least one such token (see `peerflow.algorithms.aggregation`).
     """
-    tokens = int(batch.lengths("response_ids").sum()) if len(batch) else 0
-    summed = all_reduce_sum([tokens, len(batch)], group, device)
+    trained = batch.trained_lengths() if len(batch) else torch.zeros(0, dtype=torch.int64)
+    summed = all_reduce_sum([int(trained.sum()), int((trained > 0).sum())], group, device)
     return int(summed[0]), int(summed[1])
 
 

@@ -238,5 +238,8 @@ class CausalLMTrainEngine(TrainEngine, abc.ABC):
         if entropy is not None:
             part.set("entropy", entropy)
         value, metrics = loss(values, part, global_tokens=tokens, global_samples=samples)
-        tally.add_micro_batch(value, metrics, None if entropy is None else entropy.values)
+        mask = part.loss_mask()
+        trained_entropy = None if entropy is None else (
+            entropy.values if mask is None else entropy.values[mask])
+        tally.add_micro_batch(value, metrics, trained_entropy)
         return value

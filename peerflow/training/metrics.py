@@ -4,8 +4,8 @@
   micro-batches (the run's metrics writer weights ranks by their samples);
 * `loss`: the mini-batch loss (the sum of its micro-batch losses over every dp-rank),
   averaged over mini-batches;
-* `entropy`: mean entropy of the tempered policy over every response token of the step,
-  on every dp-rank (policy engines only);
+* `entropy`: mean entropy of the tempered policy over every trained response token of
+  the step (`loss_mask`), on every dp-rank (policy engines only);
 * `grad_norm`: global gradient norm before clipping, averaged over mini-batches;
 * `lr`: the learning rate of the last optimiser step.
 """
@@ -36,7 +36,7 @@ class StepTally:
                         entropy: torch.Tensor | None) -> None:
         """Records one micro-batch's loss, the loss's metrics and token entropies.
 
-        `entropy` holds one value per response token (`None` for a critic).
+        `entropy` holds one value per trained response token (`None` for a critic).
         """
         self._loss += float(loss.detach())
         for key, value in metrics.items():

@@ -113,7 +113,7 @@ class RolloutSchedule:
         from peerflow.streaming.staleness import StalenessScheduler
         from peerflow.streaming.transport import DATA_TAG, WEIGHT_TAG, StreamReceiver, StreamSender
         from peerflow.streaming.weight_push import WeightReceiver
-        from peerflow.worker.rollout import generate_batch, step_seed
+        from peerflow.worker.rollout import step_seed
         from peerflow.worker.sampler import split_evenly
 
         rt, cfg, link = self.rt, self.rt.config, self.link
@@ -128,10 +128,9 @@ class RolloutSchedule:
                                   what="weights")
         return RolloutStreamer(
             engine=engine,
-            generate=make_generate(
-                engine, lambda eng, draws, sampling: generate_batch(eng, rt.tokenizer, draws,
-                                                                    sampling),
-                partial_rollout=runtime.partial_rollout, chunk_tokens=chunk),
+            generate=make_generate(engine, rt.generate_batch,
+                                   partial_rollout=runtime.partial_rollout, chunk_tokens=chunk,
+                                   multi_turn=rt.agent is not None),
             draw=rt.sampler.draw,
             sampling_for=lambda open_step, call: cfg.rollout.sampling.to_params(
                 seed=step_seed(cfg.seed, open_step + 1, rt.dp_rank, call)),

@@ -28,7 +28,6 @@ import attrs
 
 from peerflow.engines import SamplingParams
 from peerflow.worker.metrics import StepMetrics, all_reduce_metrics
-from peerflow.worker.rollout import generate_batch
 from peerflow.worker.sampler import Draw
 
 if TYPE_CHECKING:
@@ -60,12 +59,10 @@ def _draws(rt: WorkerRuntime) -> list[Draw]:
 
 def _generate_and_score(rt: WorkerRuntime, draws: list[Draw], sampling: SamplingParams
                         ) -> tuple[Any, Any]:
-    from peerflow.worker.executors import response_texts
+    from peerflow.worker.executors import response_texts, score_texts
 
-    batch = generate_batch(rt.engine("rollout"), rt.tokenizer, draws, sampling)
-    scores = rt.reward_set().score(response_texts(rt, batch), batch["example"],
-                                   batch.sample_id.tolist())
-    return batch, scores
+    batch = rt.generate_batch(rt.engine("rollout"), draws, sampling)
+    return batch, score_texts(rt.reward_set(), batch, response_texts(rt, batch))
 
 
 def _record(metrics: StepMetrics, prefix: str, batch: Any, scores: Any) -> None:
@@ -76,7 +73,7 @@ def _record(metrics: StepMetrics, prefix: str, batch: Any, scores: Any) -> None:
             metrics.mean(f"{prefix}/{name[len('reward/'):-len('/mean')]}", value, weight)
     for name, value in scores.counts.items():
         metrics.sum(f"{prefix}/{name[len('reward/'):]}", value)
-    lengths = batch.lengths("response_ids").float()
+    lengths = batch.trained_lengths().float()  # model tokens, as response_length/mean
     metrics.mean(f"{prefix}/response_length", float(lengths.mean()), count)
 
 

@@ -8,16 +8,18 @@ travel untouched. `peerflow.worker.nodes` registers each as a node kind, like a 
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import attrs
 import torch
 
 from peerflow.batch import Batch
 from peerflow.distributed import describe_stage
 from peerflow.worker.metrics import StepMetrics
-from peerflow.worker.rollout import generate_batch, group_count, step_seed
+from peerflow.worker.rollout import group_count, step_seed
 from peerflow.worker.sampler import split_evenly
 
 if TYPE_CHECKING:
@@ -39,6 +41,20 @@ def response_texts(rt: WorkerRuntime, batch: Batch) -> list[str]:
     )
 
 
+def score_texts(rewards: Any, batch: Batch, texts: list[str]) -> Any:
+    """Scores decoded answers with a `RewardSet`; returns its `RewardScores`.
+
+    Agent episodes (`env_reward` in the batch) keep their environment's outcome reward
+    (`Environment.final_reward`) where it gave one; the task's rewards score the others.
+    """
+    scores = rewards.score(texts, batch["example"], batch.sample_id.tolist())
+    if "env_reward" not in batch:
+        return scores
+    total = [task if math.isnan(env) else env
+             for task, env in zip(scores.total, batch["env_reward"].tolist())]
+    return attrs.evolve(scores, total=total)
+
+
 def _score(rt: WorkerRuntime, batch: Batch, node: Any = None,
            metrics: StepMetrics | None = None) -> None:
     """Decodes the answers, adds `response_text` and the node's reward field.
@@ -47,14 +63,14 @@ def _score(rt: WorkerRuntime, batch: Batch, node: Any = None,
     (`task.reward` / `task.rewards`); the field is the node's first output (`reward` by
     default), so several reward nodes can feed one advantage node under different names
     (fan-in). Per-reward means and the `reward/errors` / `reward/timeouts` counts go
-    into `metrics`.
+    into `metrics`. Agent episodes keep their environment's outcome reward (`score_texts`).
     """
     texts = response_texts(rt, batch)
     options = getattr(node, "options", None) or {}
     rewards = rt.reward_set(options.get("reward"))
     describe_stage(f"reward {', '.join(c.name for c in rewards.components)!r} on "
                    f"{_samples(batch)}")
-    scores = rewards.score(texts, batch["example"], batch.sample_id.tolist())
+    scores = score_texts(rewards, batch, texts)
     if metrics is not None:
         for name, (value, count) in scores.metrics.items():
             metrics.mean(name, value, count)
@@ -85,7 +101,7 @@ def run_generate(rt: WorkerRuntime, node: Any, batch: Batch, metrics: StepMetric
     bar = rt.progress.generation(len(draws) * sampling.n) if rt.progress is not None else (
         contextlib.nullcontext(lambda n=1: None))
     with bar as advance, rt.generating():
-        out = generate_batch(engine, rt.tokenizer, draws, sampling)
+        out = rt.generate_batch(engine, draws, sampling)
         advance(len(out))
     metrics.sum("rollout/prompts", len(draws))
     return out if not len(batch) else Batch.concat([batch, out])
@@ -120,8 +136,7 @@ def _dynamic_sampling(
         rounds += 1
         draws = rt.sampler.draw(result.refill_groups)
         with rt.generating():
-            fresh = generate_batch(rt.engine("rollout"), rt.tokenizer, draws,
-                                   _sampling(rt, rounds))
+            fresh = rt.generate_batch(rt.engine("rollout"), draws, _sampling(rt, rounds))
         _score(rt, fresh, node, metrics)
         pool.append(fresh)
         result = filter_groups(Batch.concat(pool), target)
@@ -176,6 +191,9 @@ def run_advantage(rt: WorkerRuntime, node: Any, batch: Batch, metrics: StepMetri
     for name, column in rt.estimator.compute(batch).items():
         batch.set(name, column)
     adv = batch.ragged("advantages").values.float()
+    mask = batch.loss_mask()
+    if mask is not None:  # observation tokens carry no advantage
+        adv = adv[mask]
     if adv.numel():
         metrics.mean("advantages/mean", float(adv.mean()), adv.numel())
         metrics.mean("advantages/_sq", float((adv**2).mean()), adv.numel())

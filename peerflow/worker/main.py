@@ -156,7 +156,7 @@ def _start(
         estimator=components["estimator"], policy_loss=components["policy_loss"],
         value_loss=components["value_loss"], dp_rank=dp_rank, dp_size=dp_size,
         sampler=sampler, kl_reward=components["kl_reward"], algorithm=components["algorithm"],
-        layouts=dict(program.layouts),
+        layouts=dict(program.layouts), agent=_agent_rollout(config, pm),
     )
     for role in program.roles:
         if role in engine_roles():
@@ -171,6 +171,12 @@ def _start(
         rt.estimator.process_group = program.process_group(advantage.role)
         rt.estimator.group_replicas = layout.world_size // layout.dp
     return rt, program
+
+
+def _agent_rollout(config: RunConfig, pm: Any) -> Any:
+    from peerflow.agents.rollout import AgentRollout
+
+    return AgentRollout.from_config(config, pm)
 
 
 def _program(config: RunConfig, world_size: int, rank: int, pm: Any) -> RankProgram:

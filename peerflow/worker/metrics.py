@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 import attrs
 
+from peerflow.algorithms.overlong import TRUNCATED
 from peerflow.batch import Batch
 
 Reduce = Literal["mean", "sum", "max", "min"]
@@ -126,7 +127,12 @@ def all_reduce_metrics(metrics: StepMetrics, group: Any = None) -> dict[str, flo
 
 
 def record_batch_metrics(batch: Batch, metrics: StepMetrics) -> None:
-    """Records reward, length and token-count metrics of this rank's samples."""
+    """Records reward, length and token-count metrics of this rank's samples.
+
+    `response_length/*` counts the tokens the model generated (a multi-turn
+    trajectory's observation tokens, `loss_mask` false, left out); `tokens/response`
+    counts every response token (what the engines processed, for throughput).
+    """
     n = len(batch)
     if not n:
         return
@@ -138,17 +144,21 @@ def record_batch_metrics(batch: Batch, metrics: StepMetrics) -> None:
         metrics.min("reward/min", float(reward.min()))
     if "score" in batch:
         metrics.mean("score/mean", float(batch["score"].float().mean()), n)
-    if "response_ids" in batch:
-        lengths = batch.lengths("response_ids").float()
+    if "response_ids" in batch:  # lengths count model tokens; tokens/* every token
+        lengths = batch.trained_lengths().float()
         metrics.mean("response_length/mean", float(lengths.mean()), n)
         metrics.max("response_length/max", float(lengths.max()))
-        metrics.sum("tokens/response", float(lengths.sum()))
+        metrics.sum("tokens/response", float(batch.lengths("response_ids").sum()))
     if "prompt_ids" in batch:
         metrics.sum("tokens/prompt", float(batch.lengths("prompt_ids").sum()))
         metrics.mean("prompt_length/mean", float(batch.lengths("prompt_ids").float().mean()), n)
     if "finish_reason" in batch:
-        clipped = sum(1 for r in batch["finish_reason"] if r == "length")
+        clipped = sum(1 for r in batch["finish_reason"] if r in TRUNCATED)
         metrics.mean("response_length/clip_frac", clipped / n, n)
+    if "num_turns" in batch:
+        from peerflow.agents.rollout import record_episode_metrics
+
+        record_episode_metrics(batch, metrics)
     metrics.sum("samples", n)
 
 

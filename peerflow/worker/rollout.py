@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from peerflow.batch import Batch, RaggedField
-from peerflow.engines import GenerationRequest, RolloutEngine, SamplingParams
+from peerflow.engines import GenerationRequest, GenerationResult, RolloutEngine, SamplingParams
 from peerflow.worker.sampler import Draw
 
 
@@ -40,6 +40,33 @@ def step_seed(seed: int, step: int, dp_rank: int, attempt: int = 0) -> int:
     return (seed * 1_000_003 + step * 10_007 + dp_rank * 101 + attempt) % (2**31 - 1)
 
 
+def check_results(engine: Any, results: list[GenerationResult], num_requests: int,
+                  n: int) -> list[GenerationResult]:
+    """Returns `results` after checking them against the `RolloutEngine.generate` contract.
+
+    Raises:
+        RuntimeError: not `num_requests * n` results, or a result without one log-prob
+            per token.
+    """
+    if len(results) != num_requests * n:
+        raise RuntimeError(
+            f"{type(engine).__name__}.generate returned {len(results)} results for "
+            f"{num_requests} prompts × n={n}; the RolloutEngine contract requires "
+            "len(requests) * n, grouped by request."
+        )
+    for res in results:
+        if len(res.logprobs) != len(res.token_ids):
+            raise RuntimeError(
+                f"rollout engine {type(engine).__name__} returned {len(res.logprobs)} "
+                f"log-probs for {len(res.token_ids)} tokens (request {res.request_id}); "
+                "training needs the sampling policy's log-prob of every token (the behaviour "
+                "policy of the off-policy correction, the mismatch metrics). Keep "
+                "SamplingParams.logprobs true, and make the adapter fill "
+                "GenerationResult.logprobs."
+            )
+    return results
+
+
 def generate_batch(
     engine: RolloutEngine,
     tokenizer: Any,
@@ -56,14 +83,9 @@ def generate_batch(
     prompts = [encode_prompt(tokenizer, d.example.prompt) for d in draws]
     requests = [GenerationRequest(request_id=d.position, prompt_ids=p)
                 for d, p in zip(draws, prompts)]
-    results = engine.generate(requests, sampling)
+    results = check_results(engine, engine.generate(requests, sampling), len(requests),
+                            sampling.n)
     n = sampling.n
-    if len(results) != len(draws) * n:
-        raise RuntimeError(
-            f"{type(engine).__name__}.generate returned {len(results)} results for "
-            f"{len(draws)} prompts × n={n}; the RolloutEngine contract requires "
-            "len(requests) * n, grouped by request."
-        )
     by_request = {d.position: (d, p) for d, p in zip(draws, prompts)}
     prompt_rows, response_rows, logprob_rows = [], [], []
     group_ids, sample_ids, finish, examples = [], [], [], []
@@ -71,15 +93,6 @@ def generate_batch(
         draw, prompt = by_request[res.request_id]
         prompt_rows.append(torch.tensor(prompt, dtype=torch.int64))
         response_rows.append(torch.tensor(res.token_ids, dtype=torch.int64))
-        if len(res.logprobs) != len(res.token_ids):
-            raise RuntimeError(
-                f"rollout engine {type(engine).__name__} returned {len(res.logprobs)} "
-                f"log-probs for {len(res.token_ids)} tokens (request {res.request_id}); "
-                "training needs the sampling policy's log-prob of every token (the behaviour "
-                "policy of the off-policy correction, the mismatch metrics). Keep "
-                "SamplingParams.logprobs true, and make the adapter fill "
-                "GenerationResult.logprobs."
-            )
         logprob_rows.append(torch.tensor(res.logprobs, dtype=torch.float32))
         group_ids.append(draw.position)
         sample_ids.append(draw.position * n + res.index)

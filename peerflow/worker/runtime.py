@@ -22,6 +22,7 @@ from peerflow.engines import EngineContext
 from peerflow.errors import ConfigError
 from peerflow.layout import ParallelLayout
 from peerflow.rewards import RewardSet, build_reward_set
+from peerflow.worker.rollout import generate_batch
 from peerflow.worker.sampler import ShardedPromptSampler
 from peerflow.workflow.roles import ROLES
 
@@ -106,6 +107,23 @@ class WorkerRuntime:
     progress: Any = None
     """The step progress bar (`peerflow.outputs.StepProgress`); draws on rank 0 only."""
     step: int = 0
+    agent: Any = None
+    """The multi-turn driver (`peerflow.agents.rollout.AgentRollout`) when the config has
+    `rollout.agent`, else `None` (single-turn answers)."""
+
+    def generate_batch(self, engine: Any, draws: Any, sampling: Any, **agent_args: Any) -> Any:
+        """Samples a batch for `draws`: agent episodes with `rollout.agent`, else answers.
+
+        Args:
+            engine: The rollout engine (or the async loop's segmenting proxy).
+            draws: Prompts drawn from the task.
+            sampling: Sampling settings (`n` per prompt).
+            **agent_args: `between` and `chunk_tokens` of `AgentRollout.__call__`
+                (ignored by single-turn generation).
+        """
+        if self.agent is not None:
+            return self.agent(engine, self.tokenizer, draws, sampling, **agent_args)
+        return generate_batch(engine, self.tokenizer, draws, sampling)
 
     def engine(self, role: str) -> Any:
         """Returns this rank's engine for `role`.

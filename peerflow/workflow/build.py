@@ -8,7 +8,7 @@ from typing import Any
 from peerflow.errors import ConfigError
 from peerflow.workflow.builtin import BUILTIN_GRAPHS, BUILTIN_KINDS, KindSpec
 from peerflow.workflow.graph import Node, WorkflowGraph
-from peerflow.workflow.on_policy import FAST_PATH_GRAPHS, off_policy_reasons
+from peerflow.workflow.on_policy import FAST_PATH_GRAPHS, recompute_reasons
 from peerflow.workflow.roles import ROLES
 
 
@@ -38,7 +38,7 @@ def _builtin(name: str, config: Any) -> WorkflowGraph:
     if config is not None and config.algorithm.kl.coef > 0:
         options["kl"] = config.algorithm.kl.mode
     if config is not None and name in FAST_PATH_GRAPHS:
-        options["old_logprobs"] = bool(off_policy_reasons(config))
+        options["old_logprobs"] = bool(recompute_reasons(config))
     return factory(**options)
 
 
@@ -47,8 +47,8 @@ def build_graph(config: Any, pm: Any = None) -> WorkflowGraph:
 
     Args:
         config: The run config (`config.workflow` selects the graph; the KL settings
-            decide whether a built-in graph has a `ref_logprob` node, and an exactly
-            on-policy update drops GRPO's `old_logprob` node, see
+            decide whether a built-in graph has a `ref_logprob` node, and an update
+            of one optimiser step drops GRPO's `old_logprob` node, see
             `peerflow.workflow.on_policy`).
         pm: The plugin manager, to resolve plugin node types; `None` allows built-in
             kinds only.

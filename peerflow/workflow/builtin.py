@@ -120,7 +120,7 @@ def grpo_graph(*, kl: str | None = None, old_logprobs: bool = True) -> WorkflowG
         kl: Include the frozen reference model (`ref_logprob`) and feed its log-probs to
             the loss (`"loss"`) or to the advantage node's reward penalty (`"reward"`).
         old_logprobs: Recompute the trainer's log-probs before the update; without it
-            (an exactly on-policy update, see `peerflow.workflow.on_policy`) the loss
+            (one optimiser step per batch, see `peerflow.workflow.on_policy`) the loss
             takes the detached current log-probs as the proximal policy and still weighs
             them against `rollout_logprobs`.
     """

@@ -1,5 +1,6 @@
-"""The on-policy fast path: the planner drops `old_logprob`, the loss uses the detached
-current log-probs, and the off-policy correction still applies."""
+"""The proximal fast path: with one optimiser step per batch the planner drops
+`old_logprob` (sync or async), the loss uses the detached current log-probs as π_prox, and
+the off-policy correction against the behaviour policy still applies."""
 
 from __future__ import annotations
 
@@ -37,19 +38,25 @@ def _decision(overrides, yaml_text=None, tmp_path=None):
     return plan, old_logprob_decision(config, plan.graph)
 
 
-def test_on_policy_config_drops_old_logprob():
-    plan, decision = _decision([])
+@pytest.mark.parametrize("overrides", [
+    [],
+    # stale samples: the behaviour policy lags, but pi_prox is still the trained weights
+    ["runtime.mode=async", "runtime.placement=split", "runtime.max_staleness=2"],
+    ["weight_sync.every=2"],
+])
+def test_one_optimiser_step_drops_old_logprob(overrides):
+    plan, decision = _decision(overrides)
     assert "old_logprob" not in plan.graph.kinds()
     assert "rollout_logprobs" in plan.graph.node("train_actor").inputs
     assert not decision.kept
-    assert decision.describe() == ("old_logprob dropped: on-policy (1 mini-batch, 1 epoch, "
-                                   "sync every step)")
+    assert decision.describe() == ("old_logprob dropped: 1 optimiser step per batch, so the "
+                                   "training forward gives π_prox")
 
 
 @pytest.mark.parametrize("overrides,why", [
     (["trainer.mini_batches=2"], "trainer.mini_batches=2"),
-    (["runtime.mode=async", "runtime.placement=split"], "runtime.mode=async"),
-    (["weight_sync.every=2"], "weight_sync.every=2"),
+    (["runtime.mode=async", "runtime.placement=split", "trainer.mini_batches=2"],
+     "trainer.mini_batches=2"),
     (["workflow.graph=ppo", "algorithm.advantage=gae"], "workflow.graph=ppo"),
 ])
 def test_off_policy_configs_keep_old_logprob(overrides, why):
@@ -76,7 +83,7 @@ def test_plan_cli_shows_the_decision(tmp_path, capsys):
     assert main(["plan", str(config), "--nprocs", "2", "--format", "json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["old_logprob"] == {
-        "kept": False, "reason": "on-policy (1 mini-batch, 1 epoch, sync every step)"}
+        "kept": False, "reason": "1 optimiser step per batch, so the training forward gives π_prox"}
 
 
 def _sampled_batch(temperature=0.7, lengths=(3, 5, 2, 4), vocab=11, seed=0):

@@ -99,7 +99,9 @@ def test_trace_spans_write_chrome_json(tmp_path):
     spans = {e["name"]: e for e in data["traceEvents"] if e["ph"] == "X"}
     assert set(spans) == {"generate", "inner", "global"}
     outer, inner = spans["generate"], spans["inner"]
+    cpu_ms = outer["args"].pop("cpu_ms")  # the span's thread CPU time: wall minus waiting
     assert outer["pid"] == 1 and outer["args"] == {"step": 3, "prompts": 4}
+    assert 0 <= cpu_ms
     assert outer["ts"] <= inner["ts"] and inner["ts"] + inner["dur"] <= outer["ts"] + outer["dur"]
     assert any(e["ph"] == "M" and e["args"] == {"name": "rank 1"} for e in data["traceEvents"])
     off = Tracer(tmp_path, rank=2, enabled=False)

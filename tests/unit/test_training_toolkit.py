@@ -216,3 +216,50 @@ def test_forward_logprobs_keeps_batch_order_and_mini_batches_step_separately():
     torch.testing.assert_close(got.row(3), one.row(0))
     _, metrics = _train(micro_batch_tokens=6, mini_batches=3)
     assert metrics["lr"] == 0.5 and metrics["grad_norm"] > 0
+
+
+def test_train_step_trains_only_the_tokens_of_the_loss_mask():
+    from peerflow.algorithms.losses import PPOClip, PPOClipOptions
+    from peerflow.batch import RaggedField
+
+    batch = _batch()
+    g = torch.Generator().manual_seed(5)
+    lengths = batch.lengths("response_ids")
+    mask = torch.rand(int(lengths.sum()), generator=g) < 0.6
+    mask[0] = True
+    batch.set("loss_mask", RaggedField(values=mask, offsets=batch.ragged("response_ids").offsets))
+    advantages = torch.randn(len(mask), generator=g)
+    batch.set("advantages", RaggedField(values=advantages,
+                                        offsets=batch.ragged("response_ids").offsets))
+    loss = PPOClip(PPOClipOptions(aggregation="seq-mean-token-mean"))
+
+    def trained(b: Batch, micro_batch_tokens: int) -> torch.Tensor:
+        engine = TabularEngine(EngineContext(model_path="unused", layout=ParallelLayout(),
+                                             temperature=0.6),
+                               OptimSettings(lr=0.5, micro_batch_tokens=micro_batch_tokens))
+        engine.train_step(b, loss)
+        return engine.table.weight.detach()
+
+    got = trained(batch, 1000)
+    torch.testing.assert_close(trained(batch, 6), got)  # micro-batching stays exact
+    wild = Batch(sample_id=batch.sample_id, group_id=batch.group_id,
+                 weight_version=batch.weight_version, fields=dict(batch.fields))
+    wild.set("advantages", RaggedField(values=torch.where(mask, advantages, 1e3),
+                                       offsets=batch.ragged("response_ids").offsets))
+    assert torch.equal(trained(wild, 1000), got)  # observation tokens do not count
+
+    table = TabularEngine(EngineContext(model_path="unused", layout=ParallelLayout()),
+                          OptimSettings()).table.weight.detach().clone().requires_grad_(True)
+    total = 0.0
+    rows = zip(batch.ragged("prompt_ids").rows(), batch.ragged("response_ids").rows(),
+               batch.ragged("loss_mask").rows(), batch.ragged("advantages").rows(), strict=True)
+    samples = 0
+    for prompt, response, keep, adv in rows:
+        seq = torch.cat([prompt, response])
+        logits = table[seq[len(prompt) - 1:-1]] / 0.6
+        logp = torch.log_softmax(logits, -1).gather(-1, response[:, None])[:, 0]
+        if keep.any():  # ratio 1 on-policy: the loss is -A logp, mean over model tokens
+            total = total + (-(adv * logp)[keep]).sum() / keep.sum()
+            samples += 1
+    (total / samples).backward()
+    torch.testing.assert_close(got, table.detach() - 0.5 * table.grad)

@@ -32,6 +32,9 @@ class GeneratedTask(Task):
     """A task whose examples come from a seeded generator; subclasses define `make`."""
 
     default_reward: ClassVar[str] = "char_match"
+    alphabet: ClassVar[str] = ALPHABET
+    """Every character of its prompts and answers (the tiny tokenizer's vocabulary);
+    empty for a task meant for a real model (no `model.builder`)."""
 
     def size(self, split: str) -> int:
         """`train_size` or `eval_size` from the options."""
@@ -61,6 +64,8 @@ class GeneratedTask(Task):
     @classmethod
     def check_builder_options(cls, options: Mapping[str, Any]) -> list[str]:
         """Validates `model.builder_options` against `TinyModelOptions`."""
+        if not cls.alphabet:
+            return super().check_builder_options(options)
         from peerflow.contrib.tasks.tiny_model import options_from_mapping
         from peerflow.errors import ConfigError
 
@@ -72,10 +77,13 @@ class GeneratedTask(Task):
 
     @classmethod
     def build_model(cls, options: Mapping[str, Any], cache_dir: str | None = None) -> str:
-        """Builds the tiny Llama + character tokenizer covering `ALPHABET` (cached)."""
+        """Builds the tiny Llama + character tokenizer covering `alphabet` (cached)."""
+        if not cls.alphabet:
+            return super().build_model(options, cache_dir)
         from peerflow.contrib.tasks.tiny_model import build_tiny_model, options_from_mapping
 
-        path = build_tiny_model("digits", [ALPHABET], options_from_mapping(options), cache_dir)
+        path = build_tiny_model("digits", [cls.alphabet], options_from_mapping(options),
+                                cache_dir)
         return str(path)
 
 

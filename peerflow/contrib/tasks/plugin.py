@@ -1,4 +1,4 @@
-"""Registers the first-party tasks and rewards.
+"""Registers the first-party tasks, rewards, agent environments and tools.
 
 Entry point `tasks = peerflow.contrib.tasks.plugin`.
 """
@@ -12,12 +12,35 @@ from peerflow.plugins import hookimpl
 
 @hookimpl
 def peerflow_register_tasks(register: Any) -> None:
-    """Registers reverse-digits, arithmetic and dataset."""
+    """Registers reverse-digits, arithmetic, dataset, guess-number and tool-arithmetic."""
     from peerflow.contrib.tasks.dataset import DatasetTask
     from peerflow.contrib.tasks.generated import ArithmeticTask, ReverseDigitsTask
+    from peerflow.contrib.tasks.guess_number import GuessNumberTask
+    from peerflow.contrib.tasks.tool_arithmetic import ToolArithmeticTask
 
-    for cls in (ReverseDigitsTask, ArithmeticTask, DatasetTask):
+    for cls in (ReverseDigitsTask, ArithmeticTask, DatasetTask, GuessNumberTask,
+                ToolArithmeticTask):
         register(cls)
+
+
+@hookimpl
+def peerflow_register_environments(register: Any) -> None:
+    """Registers tools (any registered tools), guess-number, calculator-arithmetic, retry."""
+    from peerflow.agents.tool_env import ToolEnvironment
+    from peerflow.contrib.tasks.guess_number import GuessNumber
+    from peerflow.contrib.tasks.retry import RetryEnvironment
+    from peerflow.contrib.tasks.tool_arithmetic import CalculatorArithmetic
+
+    for cls in (ToolEnvironment, GuessNumber, CalculatorArithmetic, RetryEnvironment):
+        register(cls)
+
+
+@hookimpl
+def peerflow_register_tools(register: Any) -> None:
+    """Registers the built-in calculator."""
+    from peerflow.agents.calculator import Calculator
+
+    register(Calculator)
 
 
 @hookimpl

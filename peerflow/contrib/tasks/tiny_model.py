@@ -53,10 +53,26 @@ class TinyModelOptions:
     """Share the input embedding and the LM head."""
     extra_merges: int = 0
     """BPE merges beyond the task's characters (0: a character-level tokenizer)."""
+    reserved_tokens: int = 0
+    """Vocabulary entries beyond the task's (`<reserved_i>`, like a real tokenizer's
+    reserved tokens). An untrained model samples close to uniformly over its vocabulary,
+    so it ends an answer with EOS about once per vocabulary-size tokens: the benchmarks'
+    realistic shape sets this for long-tailed, roughly geometric answer lengths."""
     seed: int = 0
     """Seed of the random initialisation."""
+    vocab_size: int = 0
+    """Embedding rows (0: the tokenizer's size; more pads them, as large models pad theirs)."""
+    initializer_range: float = 0.02
+    """Standard deviation of the initial weights (Hugging Face's `initializer_range`).
+    Small values make the untrained model's next-token distribution nearly uniform, so
+    EOS comes with probability ≈ 1 / vocabulary size at every step: geometric lengths."""
 
     def __attrs_post_init__(self) -> None:
+        if min(self.reserved_tokens, self.vocab_size) < 0 or self.initializer_range <= 0:
+            raise ValueError(
+                f"model.builder_options: reserved_tokens={self.reserved_tokens} and "
+                f"vocab_size={self.vocab_size} must be >= 0, initializer_range="
+                f"{self.initializer_range} > 0.")
         if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"model.builder_options: hidden_size={self.hidden_size} must be divisible by "
@@ -64,11 +80,20 @@ class TinyModelOptions:
             )
 
 
+#: Options added after version 2, left out of the cache key at these defaults.
+_ADDED_DEFAULTS: dict[str, Any] = {"reserved_tokens": 0, "vocab_size": 0,
+                                    "initializer_range": 0.02}
+
+
 def cache_key(builder: str, corpus: Iterable[str], options: TinyModelOptions) -> str:
     """A stable 16-hex-digit key of everything that determines the built directory."""
+    fields = attrs.asdict(options)
+    for name, default in _ADDED_DEFAULTS.items():  # keep the keys of models built before
+        if fields[name] == default:
+            del fields[name]
     payload = json.dumps({
         "builder": builder, "version": BUILDER_VERSION, "corpus": sorted(set(corpus)),
-        "options": attrs.asdict(options),
+        "options": fields,
     }, sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
@@ -117,15 +142,17 @@ def _write_model(directory: Path, corpus: list[str], options: TinyModelOptions) 
     from peerflow.contrib.tasks.tokenizer import train_char_tokenizer
 
     tokenizer = train_char_tokenizer(corpus, options.extra_merges)
+    tokenizer.add_tokens([f"<reserved_{i}>" for i in range(options.reserved_tokens)])
     config = AutoConfig.for_model(
         options.model_type,
-        vocab_size=len(tokenizer),
+        vocab_size=max(options.vocab_size, len(tokenizer)),
         hidden_size=options.hidden_size,
         intermediate_size=options.intermediate_size,
         num_hidden_layers=options.num_layers,
         num_attention_heads=options.num_heads,
         num_key_value_heads=options.num_kv_heads,
         max_position_embeddings=options.max_position_embeddings,
+        initializer_range=options.initializer_range,
         tie_word_embeddings=options.tie_word_embeddings,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,

@@ -191,3 +191,37 @@ def test_checkpoint_of_another_model_is_refused(tiny_model, tmp_path):
         engine.load_checkpoint(str(tmp_path / "ckpt"))
     after = _params(engine)
     assert all(torch.equal(before[n], after[n]) for n in before)  # nothing was copied
+
+
+def test_loss_mask_trains_only_the_model_tokens(tiny_model, batch):
+    from peerflow.algorithms.losses import PPOClip
+    from peerflow.batch import Batch, RaggedField
+
+    offsets = batch.ragged("response_ids").offsets
+    g = torch.Generator().manual_seed(7)
+    total = int(offsets[-1])
+    mask = torch.rand(total, generator=g) < 0.5
+    advantages = torch.randn(total, generator=g)
+
+    def with_fields(adv, loss_mask=None):
+        out = Batch(sample_id=batch.sample_id, group_id=batch.group_id,
+                    weight_version=batch.weight_version, fields=dict(batch.fields))
+        out.set("advantages", RaggedField(values=adv, offsets=offsets))
+        if loss_mask is not None:
+            out.set("loss_mask", RaggedField(values=loss_mask, offsets=offsets))
+        return out
+
+    def step(b):
+        engine = _engine(tiny_model, OptimSettings(lr=1e-2, eps=1e-3))
+        engine.context = attrs.evolve(engine.context, temperature=0.7)
+        metrics = engine.train_step(b, PPOClip())
+        return _params(engine), metrics
+
+    masked, _ = step(with_fields(advantages, mask))
+    wild, _ = step(with_fields(torch.where(mask, advantages, 50.0), mask))
+    assert all(torch.equal(masked[n], wild[n]) for n in masked)  # observations untrained
+    plain, plain_metrics = step(with_fields(advantages))
+    assert any(not torch.equal(masked[n], plain[n]) for n in masked)
+    ones, ones_metrics = step(with_fields(advantages, torch.ones(total, dtype=torch.bool)))
+    assert all(torch.equal(ones[n], plain[n]) for n in plain)
+    assert ones_metrics == plain_metrics

@@ -67,11 +67,11 @@ def test_declared_layout_is_vllm_style_fused_and_padded():
 @pytest.mark.skipif(not (SGLANG_INSTALLED and torch.cuda.is_available()),
                     reason="needs SGLang and a CUDA GPU (SGLang has no CPU build)")
 def test_generate_and_sync_on_gpu(tmp_path):
-    from peerflow.bench.rollout import build_random_model
+    from peerflow.bench.shapes import build_model
     from peerflow.engines import GenerationRequest, SamplingParams
 
-    model = build_random_model(tmp_path / "m", hidden_size=128, intermediate_size=256,
-                               num_layers=2, num_heads=4, num_kv_heads=2)
+    model = build_model(tmp_path / "m", {"hidden_size": 128, "intermediate_size": 256,
+                                         "num_layers": 2, "num_heads": 4, "num_kv_heads": 2})
     engine = SGLangRolloutEngine(EngineContext(model_path=model, layout=ParallelLayout()))
     try:
         requests = [GenerationRequest(request_id=7, prompt_ids=(2, 3, 4))]

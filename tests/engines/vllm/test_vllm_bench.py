@@ -41,6 +41,9 @@ def test_bench_rollout_json(tmp_path):
     assert result["vllm_vs_hf"] == pytest.approx(adapter / hf)
     assert result["raw_vllm_vs_hf"] == pytest.approx(raw / hf)
     assert result["vllm_load_s"] > 0
+    assert result["settings"]["shape"] == "quickstart"
+    for name in ("hf", "vllm", "raw_vllm"):  # 2 runs x 2 prompts, every answer <= 4 tokens
+        assert result["lengths"][name]["count"] == 4 and result["lengths"][name]["max"] <= 4
     for run in result["runs"]:
         assert run["hf_tokens"] > 0 and run["vllm_tokens"] > 0 and run["raw_vllm_tokens"] > 0
         assert run["vllm_tokens_per_s"] == pytest.approx(run["vllm_tokens"] / run["vllm_s"])
@@ -59,3 +62,6 @@ def test_bench_weight_sync_json(tmp_path):
     # Every vLLM parameter crosses once per sync (float32; vocab padding rows included).
     assert size["bytes"] >= 4 * size["parameters"]
     assert size["engine_load_s"] > 0
+    # Generation on the loaded weights is timed apart from the load.
+    assert size["generate_tokens_per_s"] > 0 and size["generate_s"] > 0
+    assert all(run["generate_tokens"] > 0 for run in result["runs"]["quickstart"])

@@ -1,0 +1,131 @@
+"""The environment contract: what a multi-turn agent rollout talks to.
+
+An environment is created once per trajectory from the dataset `Example` the trajectory
+answers (a GRPO group of `n` trajectories gets `n` environments, one each). The rollout
+driver (`peerflow.agents.rollout`) runs the loop, token in and token out:
+
+1. `Environment(example, options)`; `initial_prompt()` gives the first prompt (default:
+   `example.prompt`), chat-templated once into the trajectory's first tokens.
+2. Repeatedly: the rollout engine samples the model's turn (`Turn`: its token ids, its
+   text, whether it was cut at a length limit); `step(turn)` returns a `StepResult`:
+   the observation (text, rendered as the next chat turn(s), or token ids, appended as
+   they are), a per-turn reward, and whether the episode is done.
+3. `close()` when the trajectory ends (done, a limit, or an error), always.
+
+The trajectory is one growing token sequence: the model's tokens keep the log-probs and
+weight versions they were sampled with; observation tokens are appended as tokens and
+excluded from the loss (`loss_mask` false); earlier turns are never re-tokenised.
+
+`step` may block (a tool runs) — the driver calls the environments of many trajectories
+at once, each under `rollout.agent` time limits, so a slow environment does not stall the
+batch. An exception or a time-out from `step` (or `final_reward`) ends that trajectory with
+its error marked in the sample (`finish_reason` `"env_error"` or `"env_timeout"`, the text
+in `agent_error`); the run goes on. `close` runs the same way; its errors are dropped.
+
+Tools are environments too: `peerflow.agents.tools.ToolEnvironment` parses tool calls out
+of the model's turn, runs them sandboxed, and returns their results as the observation.
+
+Register an environment class from a plugin:
+
+    @hookimpl
+    def peerflow_register_environments(register):
+        register(GuessNumber)
+
+and select it with `rollout.agent.environment: guess_number` (its options under
+`rollout.agent.options`).
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import attrs
+
+from peerflow.algorithms.base import Example
+from peerflow.engines.base import NoOptions
+
+Messages = list[dict[str, str]]
+
+
+@attrs.frozen(kw_only=True)
+class Turn:
+    """One model turn, as sampled."""
+
+    token_ids: tuple[int, ...] = attrs.field(converter=tuple)
+    """The sampled token ids of this turn (EOS kept when it ended the turn)."""
+    text: str
+    """`token_ids` decoded (special tokens skipped)."""
+    truncated: bool = False
+    """True when the turn hit its token limit instead of ending by itself."""
+    index: int = 0
+    """Which turn of the trajectory this is (0 for the first)."""
+
+
+@attrs.frozen(kw_only=True)
+class StepResult:
+    """What an environment answers to one model turn."""
+
+    observation: str | Messages | Sequence[int] = ""
+    """The next input to the model: text (sent as one message of `role`), chat messages
+    (`{role, content}`; rendered with the chat template as a continuation, without
+    re-rendering earlier turns), or token ids (appended exactly as given). Empty when
+    `done`."""
+    role: str = "user"
+    """Chat role of a text observation (`user`, or `tool` for tool results)."""
+    reward: float = 0.0
+    """Reward for this turn (added to the trajectory's per-turn rewards)."""
+    done: bool = False
+    """True when the episode is over; the driver then calls `close()`."""
+    info: dict[str, Any] = attrs.field(factory=dict)
+    """Anything worth logging (numbers become metrics `agent/<key>`)."""
+
+
+class Environment(abc.ABC):
+    """One episode of an interactive task; subclass it and register the class."""
+
+    name: ClassVar[str]
+    """What `rollout.agent.environment` selects this environment by."""
+    options_class: ClassVar[type] = NoOptions
+    """attrs class for `rollout.agent.options`, validated before any worker starts."""
+
+    def __init__(self, example: Example, options: Any) -> None:
+        self.example = example
+        self.options = options
+
+    def initial_prompt(self) -> str | Messages:
+        """Returns the first prompt of the episode (default: the example's prompt)."""
+        return self.example.prompt
+
+    def tool_schemas(self) -> list[dict[str, Any]]:
+        """Returns the JSON schemas of the tools the model may call (default: none).
+
+        The driver renders the first prompt with them (`peerflow.agents.tools.render_prompt`:
+        the chat template's `tools=` argument where the template uses it, else a tool
+        description in the system message).
+        """
+        return []
+
+    @abc.abstractmethod
+    def step(self, turn: Turn) -> StepResult:
+        """Answers the model's turn.
+
+        Args:
+            turn: The model's turn, as sampled.
+
+        Returns:
+            The observation, this turn's reward and whether the episode is done.
+        """
+
+    def final_reward(self) -> float | None:
+        """Returns the episode's outcome reward, or `None` to let the task's reward score it.
+
+        Called once after the last turn. The default sums nothing and defers to the task's
+        reward functions (which see the whole trajectory's text).
+        """
+        return None
+
+    def close(self) -> None:
+        """Releases what the episode holds (sandboxes, files); called exactly once."""
+        return None

@@ -1,0 +1,368 @@
+"""The multi-turn rollout driver: episodes of an environment, token in and token out.
+
+`AgentRollout` has the signature of `peerflow.worker.rollout.generate_batch`
+(`engine, tokenizer, draws, sampling -> Batch`), so the sync `generate` node and the async
+rollout loop run it unchanged when the config has a `rollout.agent` section. Per call:
+
+1. every draw gets `sampling.n` environments (a GRPO group is `n` trajectories of one
+   prompt); the first prompt is chat-templated once (with the environment's tool schemas);
+2. each turn, all open trajectories generate in **one** `engine.generate` call — the first
+   turn samples `n` answers per prompt, later turns continue every trajectory's own token
+   sequence with `n = 1`; the sampled tokens keep their log-probs and weight versions;
+3. the environments of the trajectories step at once on threads
+   (`rollout.agent.concurrency`), each under `step_timeout_s`; an error or time-out ends
+   only its trajectory (`finish_reason` `env_error` / `env_timeout`, the text in
+   `agent_error`);
+4. observations are appended as tokens (`loss_mask` false, `rollout_logprobs` 0),
+   rendered as chat-template continuations (`peerflow.agents.render`), never re-tokenising
+   earlier turns;
+5. between turns `between()` runs — in async mode the rollout loop applies newly pushed
+   weights there, so a trajectory can span versions (`token_versions`; the sample's
+   `weight_version` is its oldest token's).
+
+Limits: `max_turns` (`finish_reason` `max_turns`), `max_total_tokens` after the prompt
+(`max_tokens`), `max_turn_tokens` per turn (the turn is `truncated`, the episode goes on),
+`max_observation_tokens` (the observation's end is dropped). An episode the environment
+ends has `finish_reason` `stop`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+import torch
+
+from peerflow.agents.concurrent import Outcome, run_with_limits
+from peerflow.agents.environment import Environment, StepResult, Turn
+from peerflow.agents.render import TurnRenderer
+from peerflow.batch import Batch, RaggedField
+from peerflow.engines import GenerationRequest, RolloutEngine, SamplingParams
+from peerflow.streaming.versions import TOKEN_VERSIONS, token_versions
+from peerflow.worker.rollout import check_results, encode_prompt
+from peerflow.worker.sampler import Draw
+
+#: Ragged bool field aligned with `response_ids`: true on tokens the model sampled.
+LOSS_MASK = "loss_mask"
+
+
+@attrs.define(eq=False)
+class Trajectory:
+    """One episode in progress: the growing token sequence and what it has earned."""
+
+    draw: Draw
+    index: int
+    """Which of the group's `n` trajectories."""
+    env: Environment
+    prompt: list[int]
+    tokens: list[int] = attrs.field(factory=list)
+    """Everything after the prompt: model turns and observations."""
+    logprobs: list[float] = attrs.field(factory=list)
+    mask: list[bool] = attrs.field(factory=list)
+    versions: list[int] = attrs.field(factory=list)
+    token_rewards: list[float] = attrs.field(factory=list)
+    """Each turn's `StepResult.reward` at that turn's last sampled token, else 0."""
+    last_sampled: int = -1
+    """Index (in `tokens`) of the last token the model sampled; -1 before any."""
+    turns: int = 0
+    info: dict[str, float] = attrs.field(factory=dict)
+    """Sums of the numbers in the steps' `StepResult.info` (metrics `agent/<key>`)."""
+    finish: str = ""
+    """`finish_reason` once the episode is over, empty while it is open."""
+    error: str = ""
+    last_turn: Turn | None = None
+
+    def end(self, reason: str, error: str = "") -> None:
+        """Ends the episode (the first reason given wins)."""
+        if not self.finish:
+            self.finish, self.error = reason, error
+
+    def append(self, ids: Sequence[int], logprobs: Sequence[float], versions: Sequence[int],
+               sampled: bool) -> None:
+        """Appends model tokens (`sampled`) or observation tokens to the sequence."""
+        if sampled and len(ids):
+            self.last_sampled = len(self.tokens) + len(ids) - 1
+        self.tokens += [int(t) for t in ids]
+        self.logprobs += [float(lp) for lp in logprobs]
+        self.versions += [int(v) for v in versions]
+        self.mask += [sampled] * len(ids)
+        self.token_rewards += [0.0] * len(ids)
+
+    def reward_turn(self, reward: float) -> None:
+        """Puts a turn's reward on the last token the model sampled."""
+        if reward and self.last_sampled >= 0:
+            self.token_rewards[self.last_sampled] += float(reward)
+
+
+def first_prompt(tokenizer: Any, env: Environment) -> list[int]:
+    """The token ids of an episode's first prompt, with the environment's tool schemas."""
+    prompt = env.initial_prompt()
+    schemas = env.tool_schemas()
+    if not schemas:
+        return encode_prompt(tokenizer, prompt)
+    from peerflow.agents.tools import render_prompt
+
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    return render_prompt(tokenizer, messages, schemas)
+
+
+def _turn_seed(seed: int | None, turn: int) -> int | None:
+    if seed is None or turn == 0:
+        return seed
+    return (seed * 7919 + turn * 1_000_033) % (2**31 - 1)
+
+
+@attrs.define(eq=False)
+class AgentRollout:
+    """Runs `rollout.agent` episodes; called like `generate_batch`."""
+
+    env_cls: type[Environment]
+    env_options: Any
+    settings: Any
+    """The run's `AgentConfig` (limits, time-outs, concurrency)."""
+
+    @classmethod
+    def from_config(cls, config: Any, pm: Any) -> AgentRollout | None:
+        """Returns the driver of `config.rollout.agent`, or `None` without that section."""
+        from peerflow.config import structure_options
+
+        agent = config.rollout.agent
+        if agent is None:
+            return None
+        env_cls = pm.get("environment", agent.environment)
+        options = structure_options(env_cls.options_class, agent.options, "rollout.agent.options")
+        return cls(env_cls=env_cls, env_options=options, settings=agent)
+
+    def __call__(
+        self,
+        engine: RolloutEngine,
+        tokenizer: Any,
+        draws: Sequence[Draw],
+        sampling: SamplingParams,
+        *,
+        between: Callable[[], None] = lambda: None,
+        chunk_tokens: int = 0,
+    ) -> Batch:
+        """Runs one episode per draw and sample (`sampling.n` per draw).
+
+        Args:
+            engine: The rollout engine.
+            tokenizer: The model's tokenizer (chat template, decoding).
+            draws: Prompts drawn from the task.
+            sampling: Sampling settings; `n` is the group size.
+            between: Called between turns (async mode applies new weights there).
+            chunk_tokens: With partial rollout, most tokens per generate call within a
+                turn (weights may change between chunks); 0 generates each turn whole.
+
+        Returns:
+            A batch with the fields of `generate_batch` plus `loss_mask`,
+            `token_versions`, `token_rewards` (each turn's reward on its last sampled
+            token), `env_reward` (`final_reward()`, NaN for "let the task's reward score
+            it"), `num_turns`, `agent_error` and `agent_info` (summed step infos).
+        """
+        if not draws:
+            return Batch.empty()
+        renderer = TurnRenderer(tokenizer)
+        trajectories: list[Trajectory] = []
+        try:
+            self._start(tokenizer, draws, sampling.n, trajectories)
+            for turn in range(self.settings.max_turns):
+                active = [t for t in trajectories if not t.finish]
+                if not active:
+                    break
+                if turn:
+                    between()
+                self._sample(engine, tokenizer, active, sampling, turn, chunk_tokens, between)
+                self._step([t for t in active if not t.finish], renderer, turn)
+            for t in trajectories:
+                t.end("max_turns")
+            return _pack(trajectories, self._final_rewards(trajectories), sampling.n,
+                         engine.weight_version)
+        finally:  # closes run like steps: at once, each under the time limit, errors dropped
+            self._call_each(trajectories, lambda t: t.env.close())
+
+    def _start(self, tokenizer: Any, draws: Sequence[Draw], n: int,
+               into: list[Trajectory]) -> None:
+        """Creates `n` episodes per draw into `into` (so they are closed whatever happens)."""
+        for draw in draws:
+            row = getattr(draw.example, "index", "?")
+            group: list[Trajectory] = []
+            try:
+                for k in range(n):
+                    env = self.env_cls(draw.example, self.env_options)
+                    group.append(Trajectory(draw=draw, index=k, env=env, prompt=[]))
+                    into.append(group[-1])
+                prompts = [first_prompt(tokenizer, t.env) for t in group]
+            except Exception as exc:
+                raise RuntimeError(
+                    f"environment {self.env_cls.name!r} could not start an episode for dataset "
+                    f"row {row} ({type(exc).__name__}: {exc}); its __init__, initial_prompt() "
+                    "and tool_schemas() must work for every example of the task.") from exc
+            if any(p != prompts[0] for p in prompts):
+                raise RuntimeError(
+                    f"environment {self.env_cls.name!r} gave the {n} trajectories of dataset "
+                    f"row {row} different first prompts; a group's trajectories answer one "
+                    "prompt (GRPO compares them), so initial_prompt() must depend on the "
+                    "example only — randomise later turns."
+                )
+            for t in group:
+                t.prompt = prompts[0]
+
+    def _sample(self, engine: RolloutEngine, tokenizer: Any, active: list[Trajectory],
+                sampling: SamplingParams, turn: int, chunk_tokens: int,
+                between: Callable[[], None]) -> None:
+        """Generates the next turn of every active trajectory in one engine call."""
+        limit = self.settings.max_total_tokens
+        per_turn = self.settings.max_turn_tokens or sampling.max_tokens
+        if turn == 0:
+            n = sampling.n
+            heads = active[::n]
+            requests = [GenerationRequest(request_id=i, prompt_ids=t.prompt)
+                        for i, t in enumerate(heads)]
+        else:
+            n = 1
+            requests = [GenerationRequest(request_id=i, prompt_ids=t.prompt + t.tokens)
+                        for i, t in enumerate(active)]
+        budget = max(min(per_turn, limit - len(t.tokens)) for t in active)
+        params = attrs.evolve(sampling, n=n, max_tokens=budget, seed=_turn_seed(sampling.seed,
+                                                                                turn))
+        version = engine.weight_version
+        if chunk_tokens > 0:
+            from peerflow.streaming.partial import generate_in_segments
+
+            results = generate_in_segments(engine, requests, params, chunk_tokens=chunk_tokens,
+                                           between_chunks=between)
+        else:
+            results = engine.generate(requests, params)
+        check_results(engine, results, len(requests), n)
+        for res in results:
+            t = active[res.request_id * n + res.index]
+            room = min(per_turn, limit - len(t.tokens))
+            ids = list(res.token_ids)
+            versions = token_versions(res.version_segments, len(ids), version).tolist()
+            t.append(ids[:room], res.logprobs[:room], versions[:room], sampled=True)
+            t.turns += 1
+            cut = len(ids) > room or (res.finish_reason == "length" and room < per_turn)
+            t.last_turn = Turn(token_ids=ids[:room], index=turn,
+                               text=tokenizer.decode(ids[:room], skip_special_tokens=True),
+                               truncated=cut or res.finish_reason == "length")
+            if cut:
+                t.end("max_tokens")
+
+    def _step(self, trajectories: list[Trajectory], renderer: TurnRenderer, turn: int) -> None:
+        """Steps the environments at once and appends their observations."""
+        outcomes = self._call_each(trajectories, lambda t: t.env.step(t.last_turn))
+        for t, outcome in zip(trajectories, outcomes):
+            if self._failed(t, "step", outcome):
+                continue
+            result: StepResult = outcome.value
+            t.reward_turn(result.reward)
+            for key, value in result.info.items():
+                if isinstance(value, int | float):
+                    t.info[key] = t.info.get(key, 0.0) + float(value)
+            if result.done:
+                t.end("stop")
+            elif turn + 1 >= self.settings.max_turns:
+                t.end("max_turns")
+            else:
+                self._observe(t, renderer, result)
+
+    def _observe(self, t: Trajectory, renderer: TurnRenderer, result: StepResult) -> None:
+        try:
+            ids = renderer.observation(result, t.last_turn.token_ids if t.last_turn else ())
+        except Exception as exc:  # noqa: BLE001 — a bad observation ends its trajectory
+            t.end("env_error", f"observation of {self.env_cls.name} could not be "
+                  f"rendered: {type(exc).__name__}: {exc}")
+            return
+        ids = ids[: self.settings.max_observation_tokens]
+        if len(t.tokens) + len(ids) >= self.settings.max_total_tokens:
+            t.end("max_tokens")
+            return
+        last = t.versions[-1] if t.versions else 0
+        t.append(ids, [0.0] * len(ids), [last] * len(ids), sampled=False)
+
+    def _call_each(self, trajectories: list[Trajectory],
+                   call: Callable[[Trajectory], Any]) -> list[Outcome]:
+        """Calls `call(t)` for every trajectory at once, each under `step_timeout_s`."""
+        return run_with_limits([lambda t=t: call(t) for t in trajectories],
+                               timeout_s=self.settings.step_timeout_s,
+                               concurrency=self.settings.concurrency)
+
+    def _failed(self, t: Trajectory, what: str, outcome: Outcome) -> bool:
+        """Marks `t` ended by an error or time-out of `what`; returns whether it failed."""
+        if outcome.timed_out:
+            t.finish, t.error = "env_timeout", (
+                f"{self.env_cls.name}.{what} took longer than "
+                f"rollout.agent.step_timeout_s={self.settings.step_timeout_s} s")
+        elif outcome.error is not None:
+            t.finish, t.error = "env_error", (
+                f"{self.env_cls.name}.{what} raised {type(outcome.error).__name__}: "
+                f"{outcome.error}")
+        return not outcome.ok
+
+    def _final_rewards(self, trajectories: list[Trajectory]) -> list[float]:
+        rewards = []
+        for t, outcome in zip(trajectories,
+                              self._call_each(trajectories, lambda t: t.env.final_reward())):
+            value = None if self._failed(t, "final_reward", outcome) else outcome.value
+            rewards.append(float("nan") if value is None else float(value))
+        return rewards
+
+
+def _pack(trajectories: list[Trajectory], final: list[float], n: int, version: int) -> Batch:
+    """Packs finished trajectories into a batch (ids as `generate_batch`'s)."""
+    def ragged(rows: list[list[Any]], dtype: torch.dtype) -> RaggedField:
+        return RaggedField.from_tensors([torch.tensor(r, dtype=dtype) for r in rows], dtype=dtype)
+
+    ts = trajectories
+    versions = [t.versions or [version] for t in ts]
+    batch = Batch(
+        sample_id=torch.tensor([t.draw.position * n + t.index for t in ts]),
+        group_id=torch.tensor([t.draw.position for t in ts]),
+        weight_version=torch.tensor([min(v) for v in versions], dtype=torch.int64),
+    )
+    batch.set("prompt_ids", ragged([t.prompt for t in ts], torch.int64))
+    batch.set("response_ids", ragged([t.tokens for t in ts], torch.int64))
+    batch.set("rollout_logprobs", ragged([t.logprobs for t in ts], torch.float32))
+    batch.set(LOSS_MASK, ragged([t.mask for t in ts], torch.bool))
+    batch.set(TOKEN_VERSIONS, ragged([t.versions for t in ts], torch.int64))
+    batch.set("token_rewards", ragged([t.token_rewards for t in ts], torch.float32))
+    batch.set("env_reward", torch.tensor(final, dtype=torch.float32))
+    batch.set("num_turns", torch.tensor([t.turns for t in ts], dtype=torch.int64))
+    batch.set_objects("finish_reason", [t.finish for t in ts])
+    batch.set_objects("agent_error", [t.error for t in ts])
+    batch.set_objects("agent_info", [t.info for t in ts])
+    batch.set_objects("example", [t.draw.example for t in ts])
+    return batch
+
+
+#: Every `finish_reason` an episode can end with (metrics `agent/finish/<reason>`).
+FINISH_REASONS = ("stop", "max_turns", "max_tokens", "env_error", "env_timeout")
+
+
+def record_episode_metrics(batch: Batch, metrics: Any) -> None:
+    """Records `agent/*` metrics of a batch of episodes into a `StepMetrics`.
+
+    Turns, how episodes ended, observation tokens, weight versions per trajectory
+    (`agent/versions_max`: most versions one trajectory's sampled tokens span), and the
+    per-trajectory mean of every number environments put in `StepResult.info`.
+    """
+    n = len(batch)
+    turns = batch["num_turns"].float()
+    metrics.mean("agent/turns_mean", float(turns.mean()), n)
+    metrics.max("agent/turns_max", float(turns.max()))
+    reasons = batch["finish_reason"]
+    for reason in FINISH_REASONS:
+        metrics.mean(f"agent/finish/{reason}", sum(r == reason for r in reasons) / n, n)
+    mask = batch.ragged(LOSS_MASK)
+    metrics.sum("agent/observation_tokens", float((~mask.values).sum()))
+    turn_rewards = batch.ragged("token_rewards")
+    metrics.mean("agent/turn_reward_mean", float(turn_rewards.values.sum()) / n, n)
+    if TOKEN_VERSIONS in batch:
+        spans = [len(set(v[m].tolist())) for v, m in zip(batch.ragged(TOKEN_VERSIONS).rows(),
+                                                         mask.rows())]
+        metrics.max("agent/versions_max", float(max(spans, default=0)))
+    infos = batch["agent_info"] if "agent_info" in batch else []
+    for key in sorted({k for info in infos for k in info}):
+        metrics.mean(f"agent/{key}", sum(info.get(key, 0.0) for info in infos) / n, n)

@@ -1,0 +1,149 @@
+"""`ToolEnvironment`: an environment whose observations are the results of tool calls.
+
+Each model turn is parsed for `<tool_call>` JSON calls (`peerflow.agents.tool_calls`);
+the calls are checked against their tool's schema and run in the sandbox, all at once
+(`peerflow.agents.tool_runner`); their results come back as one `tool` message each,
+which the driver appends as the next observation. A turn without a call is the model's
+answer and ends the episode; `final_reward` scores it (subclasses override it; the base
+defers to the task's reward).
+
+A malformed call, an unknown tool, bad arguments, a tool that raises, runs out of memory
+or time: the model sees a message starting with `Error:` (the call is marked in
+`info["tool_errors"]`), and the episode goes on — or, with `end_on_error: true`, `step`
+raises `ToolError` and the driver ends the trajectory with `finish_reason` `env_error`.
+
+Select it with `rollout.agent.environment: tools` and list the registered tools in
+`rollout.agent.options.tools`; or subclass it with `default_tools` for a task of your own.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import attrs
+
+from peerflow.agents.environment import Environment, Messages, StepResult, Turn
+from peerflow.agents.tool_calls import ToolCall, parse_tool_calls
+from peerflow.agents.tool_runner import ToolResult, run_tools
+from peerflow.agents.tools import Tool
+from peerflow.rewards.sandbox import SandboxLimits
+
+
+def _registered_tools(names: tuple[str, ...]) -> list[type[Tool]]:
+    from peerflow.plugins.manager import get_plugin_manager
+
+    registry = get_plugin_manager().registry("tool")
+    return [registry.get(name) for name in names]
+
+
+def _check_tool_names(instance: Any, attribute: attrs.Attribute, names: tuple[str, ...]) -> None:
+    _registered_tools(names)  # raises UnknownNameError listing the registered tools
+
+
+def _positive(instance: Any, attribute: attrs.Attribute, value: float) -> None:
+    if value <= 0:
+        raise ValueError(f"rollout.agent.options.{attribute.name} must be > 0, got {value}.")
+
+
+@attrs.frozen(kw_only=True)
+class ToolOptions:
+    """`rollout.agent.options` of a tool environment."""
+
+    tools: tuple[str, ...] = attrs.field(default=(), converter=tuple,
+                                         validator=_check_tool_names)
+    """Registered tools offered to the model, added to the class's `default_tools`."""
+    system_prompt: str = ""
+    """A system message put before the example's prompt (empty: none)."""
+    timeout_s: float = attrs.field(default=10.0, validator=_positive)
+    """Wall-clock limit of one tool call (its process is killed past it)."""
+    memory_mb: int = attrs.field(default=512, validator=_positive)
+    """Address-space limit of one tool call's process."""
+    max_calls_per_turn: int = attrs.field(default=4, validator=_positive)
+    """Calls run per turn; further calls get an error result."""
+    max_result_chars: int = attrs.field(default=2000, validator=_positive)
+    """A result longer than this is cut (and says so)."""
+    end_on_error: bool = False
+    """End the trajectory (`finish_reason` `env_error`) when a call fails, instead of
+    showing the model the error."""
+
+
+class ToolError(RuntimeError):
+    """A tool call failed and `end_on_error` is set: the driver ends the trajectory."""
+
+
+class ToolEnvironment(Environment):
+    """Runs the model's tool calls in the sandbox and answers with their results."""
+
+    name: ClassVar[str] = "tools"
+    options_class: ClassVar[type] = ToolOptions
+    default_tools: ClassVar[tuple[type[Tool], ...]] = ()
+    """Tools every episode of this class offers (subclasses set it)."""
+
+    def __init__(self, example: Any, options: ToolOptions) -> None:
+        super().__init__(example, options)
+        classes = [*self.default_tools, *_registered_tools(options.tools)]
+        self.tools: dict[str, Tool] = {cls.name: cls() for cls in classes}
+        self.limits = SandboxLimits(timeout_s=options.timeout_s, memory_mb=options.memory_mb)
+        self.answer = ""
+        """The text of the turn that made no call (the model's answer), once it came."""
+        self.results: list[ToolResult] = []
+        """Every call's result so far, in order."""
+
+    def tool_schemas(self) -> list[dict[str, Any]]:
+        """The function schemas of this episode's tools."""
+        return [tool.schema() for tool in self.tools.values()]
+
+    def initial_prompt(self) -> str | Messages:
+        """The example's prompt as chat messages, after `system_prompt` when set."""
+        prompt = self.example.prompt
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [
+            dict(m) for m in prompt]
+        if self.options.system_prompt and messages[0].get("role") != "system":
+            messages.insert(0, {"role": "system", "content": self.options.system_prompt})
+        return messages
+
+    def step(self, turn: Turn) -> StepResult:
+        """Runs the turn's calls; a turn without a call is the answer and ends the episode.
+
+        Raises:
+            ToolError: a call failed and `end_on_error` is set.
+        """
+        calls = parse_tool_calls(turn.text)
+        if not calls:
+            self.answer = turn.text
+            return StepResult(done=True, info={"tool_calls": 0})
+        results = self._run(calls)
+        self.results.extend(results)
+        failed = [r for r in results if r.failed]
+        if failed and self.options.end_on_error:
+            raise ToolError("; ".join(f"{r.name}: {r.status}: {r.content}" for r in failed))
+        info: dict[str, Any] = {"tool_calls": len(calls), "tool_errors": len(failed),
+                                "tool_timeouts": sum(r.status == "timeout" for r in failed)}
+        if failed:
+            info["error"] = failed[0].content
+        return StepResult(observation=[self._message(r) for r in results], info=info)
+
+    def _run(self, calls: list[ToolCall]) -> list[ToolResult]:
+        problems = [self._problem(call, index) for index, call in enumerate(calls)]
+        runnable = [(self.tools[c.name], c.arguments) for c, p in zip(calls, problems) if not p]
+        results = iter(run_tools(runnable, self.limits))
+        return [ToolResult(name=call.name, status="error", content=problem) if problem
+                else next(results) for call, problem in zip(calls, problems)]
+
+    def _problem(self, call: ToolCall, index: int) -> str:
+        if call.error:
+            return call.error
+        if index >= self.options.max_calls_per_turn:
+            return f"at most {self.options.max_calls_per_turn} tool calls run per turn"
+        tool = self.tools.get(call.name)
+        if tool is None:
+            return f"there is no tool {call.name!r}; the tools are {sorted(self.tools)}"
+        errors = tool.argument_errors(call.arguments)
+        return f"bad arguments for {call.name!r}: " + "; ".join(errors) if errors else ""
+
+    def _message(self, result: ToolResult) -> dict[str, str]:
+        content = result.content if not result.failed else f"Error: {result.content}"
+        limit = self.options.max_result_chars
+        if len(content) > limit:
+            content = content[:limit] + f" … [cut at {limit} characters]"
+        return {"role": "tool", "content": content}
