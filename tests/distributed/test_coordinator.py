@@ -73,15 +73,17 @@ class Pool:
     def run(self, src, dst, shards, mode="p2p", use_group=False):
         for rank in range(self.world):
             self.tasks[rank].put((src, dst, mode, shards.get(rank), use_group))
-        out = {}
-        for _ in range(self.world):
+        out, failures = {}, []
+        for _ in range(self.world):  # every answer, so none is left for the next test
             try:
                 rank, packed, info = self.results.get(timeout=120)
             except queue.Empty:
                 raise AssertionError("a worker did not answer within 120 s") from None
             if packed is None and isinstance(info, str):
-                raise AssertionError(f"rank {rank} failed: {info}")
+                failures.append(f"rank {rank} failed: {info}")
             out[rank] = (unpack_batch(packed) if packed is not None else None, info)
+        if failures:
+            raise AssertionError("; ".join(failures))
         return out
 
     def close(self) -> None:
