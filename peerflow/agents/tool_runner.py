@@ -22,6 +22,7 @@ import json
 import os
 import pickle
 import sys
+import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
@@ -52,6 +53,7 @@ out.write(MARKER + json.dumps(reply) + "\n")
 '''.replace("MARKER", repr(MARKER))
 
 _EXECUTOR: ThreadPoolExecutor | None = None
+_EXECUTOR_LOCK = threading.Lock()
 
 
 @attrs.frozen(kw_only=True)
@@ -74,8 +76,10 @@ class ToolResult:
 
 def _executor() -> ThreadPoolExecutor:
     global _EXECUTOR
-    if _EXECUTOR is None:
-        _EXECUTOR = ThreadPoolExecutor(MAX_CONCURRENT_TOOLS, thread_name_prefix="peerflow-tool")
+    with _EXECUTOR_LOCK:  # environments of many trajectories step on threads at once
+        if _EXECUTOR is None:
+            _EXECUTOR = ThreadPoolExecutor(MAX_CONCURRENT_TOOLS,
+                                           thread_name_prefix="peerflow-tool")
     return _EXECUTOR
 
 
