@@ -25,6 +25,7 @@ def test_quickstart_two_processes(tmp_path, quickstart, tiny, metrics_of, peerfl
         for phase in ("generate", "reward", "advantage", "train_actor", "sync_weights",
                       "step"):
             assert m[f"time/{phase}"] >= 0
+        assert m["time/iteration"] >= m["time/step"]  # the loop's span holds the step
         assert "time/old_logprob" not in m  # on-policy: the fast path skips that forward
         assert m["mismatch/abs_max"] < 1e-4  # rollout and trainer agree at the same weights
         assert 0 < m["off_policy/is_weight_mean"] < 2

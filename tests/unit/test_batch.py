@@ -69,6 +69,17 @@ def test_concat_rejects_different_fields():
         Batch.concat([a, b])
 
 
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.lists(st.integers(-5, 50), max_size=6), max_size=8))
+def test_from_lists_packs_like_from_tensors(rows):
+    packed = RaggedField.from_lists(rows, torch.int64)
+    expected = RaggedField.from_tensors([torch.tensor(r, dtype=torch.int64) for r in rows],
+                                        dtype=torch.int64)
+    assert packed.values.dtype == torch.int64
+    assert torch.equal(packed.values, expected.values)
+    assert torch.equal(packed.offsets, expected.offsets)
+
+
 def test_ragged_lengths():
     field = RaggedField.from_tensors([torch.zeros(2), torch.zeros(0), torch.zeros(5)])
     assert field.lengths.tolist() == [2, 0, 5]

@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from peerflow import ParallelLayout
-from peerflow.batch import Batch
+from peerflow.batch import Batch, RaggedField
 from peerflow.engines import EngineContext, OptimSettings
 from peerflow.training import (
     CausalLMTrainEngine,
@@ -24,6 +24,7 @@ from peerflow.training import (
     token_entropy,
     token_logprobs,
 )
+from peerflow.training.inputs import pad_inputs
 
 VOCAB = 11
 
@@ -42,6 +43,23 @@ def test_plans_cover_every_sample_once_within_the_budget():
         split_mini_batches(4, 0)
     with pytest.raises(ValueError, match="micro_batch_tokens=0"):
         plan_micro_batches([3], 0)
+
+
+def test_pad_inputs_lays_out_prompt_then_response_right_padded():
+    prompts = [[5, 6, 7], [8], [9, 10]]
+    responses = [[1, 2], [], [3, 4, 2, 2]]  # ragged, one empty answer
+    batch = Batch(sample_id=torch.arange(3), group_id=torch.arange(3),
+                  weight_version=torch.zeros(3, dtype=torch.int64))
+    batch.set("prompt_ids", RaggedField.from_lists(prompts, torch.int64))
+    batch.set("response_ids", RaggedField.from_lists(responses, torch.int64))
+    inputs = pad_inputs(batch)
+    assert inputs.input_ids.tolist() == [[5, 6, 7, 1, 2, 0], [8, 0, 0, 0, 0, 0],
+                                         [9, 10, 3, 4, 2, 2]]
+    assert inputs.attention_mask.tolist() == [[1] * 5 + [0], [1] + [0] * 5, [1] * 6]
+    assert inputs.gather(inputs.target_ids).values.tolist() == [1, 2, 3, 4, 2, 2]
+    batch.set("prompt_ids", RaggedField.from_lists([[5], [], [9]], torch.int64))
+    with pytest.raises(ValueError, match="sample 1 has an empty prompt_ids"):
+        pad_inputs(batch)
 
 
 def test_logprobs_and_entropy_are_those_of_the_tempered_softmax():
