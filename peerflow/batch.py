@@ -15,6 +15,7 @@ schema that could silently drop a column.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -48,6 +49,12 @@ class RaggedField:
             offsets=_offsets_from_lengths([len(t) for t in tensors]),
         )
 
+    @classmethod
+    def from_lists(cls, rows: Sequence[Sequence[float]], dtype: torch.dtype) -> RaggedField:
+        """Packs per-sample lists of numbers (one tensor built, no per-sample tensors)."""
+        return cls(values=torch.tensor(list(itertools.chain.from_iterable(rows)), dtype=dtype),
+                   offsets=_offsets_from_lengths([len(row) for row in rows]))
+
     @property
     def lengths(self) -> torch.Tensor:  # [num_samples]
         """Per-sample lengths."""
@@ -66,14 +73,26 @@ class RaggedField:
 
     def select(self, indices: Sequence[int] | torch.Tensor) -> RaggedField:
         """Returns the samples at `indices`, in that order (one gather, no per-sample loop)."""
-        index = torch.as_tensor(indices, dtype=torch.int64)
-        lengths = self.lengths[index]
+        offsets, gather = self.gather_index(torch.as_tensor(indices, dtype=torch.int64))
+        return self.take(offsets, gather)
+
+    def gather_index(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The offsets of the samples at `index` and the positions of their values.
+
+        Fields with equal offsets share the result (`Batch.select` computes it once).
+        """
+        lengths = self.lengths.index_select(0, index)
         offsets = _offsets_from_lengths(lengths)
+        total = int(offsets[-1])
         # Element j of the result comes from values[starts[s] + (j - offsets[s])] for the
         # selected sample s that j falls in.
-        shift = torch.repeat_interleave(self.offsets[index] - offsets[:-1], lengths)
-        gather = torch.arange(int(offsets[-1]), dtype=torch.int64) + shift
-        return RaggedField(values=self.values[gather], offsets=offsets)
+        shift = torch.repeat_interleave(self.offsets.index_select(0, index) - offsets[:-1],
+                                        lengths, output_size=total)
+        return offsets, torch.arange(total, dtype=torch.int64).add_(shift)
+
+    def take(self, offsets: torch.Tensor, gather: torch.Tensor) -> RaggedField:
+        """The samples `gather_index` described (`index_select`: cheaper than `values[gather]`)."""
+        return RaggedField(values=self.values.index_select(0, gather), offsets=offsets)
 
 
 Column = RaggedField | torch.Tensor | list
@@ -222,17 +241,23 @@ class Batch:
         """Returns a new batch with the samples at `indices`, in that order."""
         index = torch.as_tensor(indices, dtype=torch.int64)
         fields: dict[str, Column] = {}
+        gathers: list[tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]] = []
         for name, column in self.fields.items():
             if isinstance(column, RaggedField):
-                fields[name] = column.select(index)
+                known = next((g for offsets, g in gathers if offsets is column.offsets
+                              or torch.equal(offsets, column.offsets)), None)
+                if known is None:
+                    known = column.gather_index(index)
+                    gathers.append((column.offsets, known))
+                fields[name] = column.take(*known)
             elif isinstance(column, torch.Tensor):
-                fields[name] = column[index]
+                fields[name] = column.index_select(0, index)
             else:
                 fields[name] = [column[i] for i in index.tolist()]
         return Batch(
-            sample_id=self.sample_id[index],
-            group_id=self.group_id[index],
-            weight_version=self.weight_version[index],
+            sample_id=self.sample_id.index_select(0, index),
+            group_id=self.group_id.index_select(0, index),
+            weight_version=self.weight_version.index_select(0, index),
             fields=fields,
         )
 

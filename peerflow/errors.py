@@ -38,5 +38,9 @@ class WorkerFailedError(PeerFlowError):
     """A peer process died or raised; carries the failed rank, host and stage."""
 
 
+#: Exit status of a run or worker stopped by Ctrl-C (128 + SIGINT, as shells report it).
+INTERRUPTED_EXIT = 130
+
+
 class RunInterruptedError(PeerFlowError):
     """The user stopped a run (Ctrl-C, SIGTERM to the launcher); every worker was stopped."""

@@ -18,8 +18,9 @@ excluded from the loss (`loss_mask` false); earlier turns are never re-tokenised
 
 `step` may block (a tool runs) — the driver calls the environments of many trajectories
 at once, each under `rollout.agent` time limits, so a slow environment does not stall the
-batch. An exception or a time-out from `step` ends that trajectory with its error marked
-in the sample (`finish_reason` `"env_error"`); the run goes on.
+batch. An exception or a time-out from `step` (or `final_reward`) ends that trajectory with
+its error marked in the sample (`finish_reason` `"env_error"` or `"env_timeout"`, the text
+in `agent_error`); the run goes on. `close` runs the same way; its errors are dropped.
 
 Tools are environments too: `peerflow.agents.tools.ToolEnvironment` parses tool calls out
 of the model's turn, runs them sandboxed, and returns their results as the observation.

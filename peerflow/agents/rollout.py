@@ -66,6 +66,8 @@ class Trajectory:
     last_sampled: int = -1
     """Index (in `tokens`) of the last token the model sampled; -1 before any."""
     turns: int = 0
+    info: dict[str, float] = attrs.field(factory=dict)
+    """Sums of the numbers in the steps' `StepResult.info` (metrics `agent/<key>`)."""
     finish: str = ""
     """`finish_reason` once the episode is over, empty while it is open."""
     error: str = ""
@@ -157,13 +159,14 @@ class AgentRollout:
             A batch with the fields of `generate_batch` plus `loss_mask`,
             `token_versions`, `token_rewards` (each turn's reward on its last sampled
             token), `env_reward` (`final_reward()`, NaN for "let the task's reward score
-            it"), `num_turns` and `agent_error`.
+            it"), `num_turns`, `agent_error` and `agent_info` (summed step infos).
         """
         if not draws:
             return Batch.empty()
         renderer = TurnRenderer(tokenizer)
-        trajectories = self._start(tokenizer, draws, sampling.n)
+        trajectories: list[Trajectory] = []
         try:
+            self._start(tokenizer, draws, sampling.n, trajectories)
             for turn in range(self.settings.max_turns):
                 active = [t for t in trajectories if not t.finish]
                 if not active:
@@ -179,21 +182,32 @@ class AgentRollout:
         finally:  # closes run like steps: at once, each under the time limit, errors dropped
             self._call_each(trajectories, lambda t: t.env.close())
 
-    def _start(self, tokenizer: Any, draws: Sequence[Draw], n: int) -> list[Trajectory]:
-        trajectories = []
+    def _start(self, tokenizer: Any, draws: Sequence[Draw], n: int,
+               into: list[Trajectory]) -> None:
+        """Creates `n` episodes per draw into `into` (so they are closed whatever happens)."""
         for draw in draws:
-            group = [self.env_cls(draw.example, self.env_options) for _ in range(n)]
-            prompts = [first_prompt(tokenizer, env) for env in group]
+            row = getattr(draw.example, "index", "?")
+            group: list[Trajectory] = []
+            try:
+                for k in range(n):
+                    env = self.env_cls(draw.example, self.env_options)
+                    group.append(Trajectory(draw=draw, index=k, env=env, prompt=[]))
+                    into.append(group[-1])
+                prompts = [first_prompt(tokenizer, t.env) for t in group]
+            except Exception as exc:
+                raise RuntimeError(
+                    f"environment {self.env_cls.name!r} could not start an episode for dataset "
+                    f"row {row} ({type(exc).__name__}: {exc}); its __init__, initial_prompt() "
+                    "and tool_schemas() must work for every example of the task.") from exc
             if any(p != prompts[0] for p in prompts):
                 raise RuntimeError(
                     f"environment {self.env_cls.name!r} gave the {n} trajectories of dataset "
-                    f"row {getattr(draw.example, 'index', '?')} different first prompts; a "
-                    "group's trajectories answer one prompt (GRPO compares them), so "
-                    "initial_prompt() must depend on the example only — randomise later turns."
+                    f"row {row} different first prompts; a group's trajectories answer one "
+                    "prompt (GRPO compares them), so initial_prompt() must depend on the "
+                    "example only — randomise later turns."
                 )
-            trajectories += [Trajectory(draw=draw, index=k, env=env, prompt=prompts[0])
-                             for k, env in enumerate(group)]
-        return trajectories
+            for t in group:
+                t.prompt = prompts[0]
 
     def _sample(self, engine: RolloutEngine, tokenizer: Any, active: list[Trajectory],
                 sampling: SamplingParams, turn: int, chunk_tokens: int,
@@ -244,6 +258,9 @@ class AgentRollout:
                 continue
             result: StepResult = outcome.value
             t.reward_turn(result.reward)
+            for key, value in result.info.items():
+                if isinstance(value, int | float):
+                    t.info[key] = t.info.get(key, 0.0) + float(value)
             if result.done:
                 t.end("stop")
             elif turn + 1 >= self.settings.max_turns:
@@ -315,6 +332,7 @@ def _pack(trajectories: list[Trajectory], final: list[float], n: int, version: i
     batch.set("num_turns", torch.tensor([t.turns for t in ts], dtype=torch.int64))
     batch.set_objects("finish_reason", [t.finish for t in ts])
     batch.set_objects("agent_error", [t.error for t in ts])
+    batch.set_objects("agent_info", [t.info for t in ts])
     batch.set_objects("example", [t.draw.example for t in ts])
     return batch
 
@@ -326,8 +344,9 @@ FINISH_REASONS = ("stop", "max_turns", "max_tokens", "env_error", "env_timeout")
 def record_episode_metrics(batch: Batch, metrics: Any) -> None:
     """Records `agent/*` metrics of a batch of episodes into a `StepMetrics`.
 
-    Turns, how episodes ended, observation tokens, and weight versions per trajectory
-    (`agent/versions_max`: most versions one trajectory's sampled tokens span).
+    Turns, how episodes ended, observation tokens, weight versions per trajectory
+    (`agent/versions_max`: most versions one trajectory's sampled tokens span), and the
+    per-trajectory mean of every number environments put in `StepResult.info`.
     """
     n = len(batch)
     turns = batch["num_turns"].float()
@@ -344,3 +363,6 @@ def record_episode_metrics(batch: Batch, metrics: Any) -> None:
         spans = [len(set(v[m].tolist())) for v, m in zip(batch.ragged(TOKEN_VERSIONS).rows(),
                                                          mask.rows())]
         metrics.max("agent/versions_max", float(max(spans, default=0)))
+    infos = batch["agent_info"] if "agent_info" in batch else []
+    for key in sorted({k for info in infos for k in info}):
+        metrics.mean(f"agent/{key}", sum(info.get(key, 0.0) for info in infos) / n, n)

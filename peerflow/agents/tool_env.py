@@ -24,7 +24,7 @@ import attrs
 
 from peerflow.agents.environment import Environment, Messages, StepResult, Turn
 from peerflow.agents.tool_calls import ToolCall, parse_tool_calls
-from peerflow.agents.tool_runner import ToolResult, submit_tool
+from peerflow.agents.tool_runner import ToolResult, run_tools
 from peerflow.agents.tools import Tool
 from peerflow.rewards.sandbox import SandboxLimits
 
@@ -121,18 +121,14 @@ class ToolEnvironment(Environment):
                                 "tool_timeouts": sum(r.status == "timeout" for r in failed)}
         if failed:
             info["error"] = failed[0].content
-        return StepResult(observation=[self._message(r) for r in results], role="tool",
-                          info=info)
+        return StepResult(observation=[self._message(r) for r in results], info=info)
 
     def _run(self, calls: list[ToolCall]) -> list[ToolResult]:
-        pending: list[Any] = []
-        for index, call in enumerate(calls):
-            problem = self._problem(call, index)
-            if problem:
-                pending.append(ToolResult(name=call.name, status="error", content=problem))
-            else:
-                pending.append(submit_tool(self.tools[call.name], call.arguments, self.limits))
-        return [p if isinstance(p, ToolResult) else p.result() for p in pending]
+        problems = [self._problem(call, index) for index, call in enumerate(calls)]
+        runnable = [(self.tools[c.name], c.arguments) for c, p in zip(calls, problems) if not p]
+        results = iter(run_tools(runnable, self.limits))
+        return [ToolResult(name=call.name, status="error", content=problem) if problem
+                else next(results) for call, problem in zip(calls, problems)]
 
     def _problem(self, call: ToolCall, index: int) -> str:
         if call.error:

@@ -22,8 +22,9 @@ import json
 import os
 import pickle
 import sys
+import threading
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
 import attrs
@@ -52,6 +53,7 @@ out.write(MARKER + json.dumps(reply) + "\n")
 '''.replace("MARKER", repr(MARKER))
 
 _EXECUTOR: ThreadPoolExecutor | None = None
+_EXECUTOR_LOCK = threading.Lock()
 
 
 @attrs.frozen(kw_only=True)
@@ -74,8 +76,10 @@ class ToolResult:
 
 def _executor() -> ThreadPoolExecutor:
     global _EXECUTOR
-    if _EXECUTOR is None:
-        _EXECUTOR = ThreadPoolExecutor(MAX_CONCURRENT_TOOLS, thread_name_prefix="peerflow-tool")
+    with _EXECUTOR_LOCK:  # environments of many trajectories step on threads at once
+        if _EXECUTOR is None:
+            _EXECUTOR = ThreadPoolExecutor(MAX_CONCURRENT_TOOLS,
+                                           thread_name_prefix="peerflow-tool")
     return _EXECUTOR
 
 
@@ -126,13 +130,9 @@ def run_tool(tool: Tool, arguments: dict[str, Any], limits: SandboxLimits) -> To
     return _result(tool.name, run_sandboxed(RUNNER, request, limits), limits)
 
 
-def submit_tool(tool: Tool, arguments: dict[str, Any], limits: SandboxLimits) -> Future:
-    """Schedules `run_tool` on the shared pool; the future yields a `ToolResult`."""
-    return _executor().submit(run_tool, tool, arguments, limits)
-
-
 def run_tools(calls: Sequence[tuple[Tool, dict[str, Any]]],
               limits: SandboxLimits) -> list[ToolResult]:
-    """Runs several calls at once and returns their results in order."""
-    futures = [submit_tool(tool, arguments, limits) for tool, arguments in calls]
+    """Runs several calls at once on the shared pool and returns their results in order."""
+    futures = [_executor().submit(run_tool, tool, arguments, limits)
+               for tool, arguments in calls]
     return [future.result() for future in futures]

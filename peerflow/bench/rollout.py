@@ -32,10 +32,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+import attrs
+
 from peerflow.bench.shapes import (
     BENCH_MODEL,
     GENERATION,
     MAX_TOKENS,
+    MODEL_OPTIONS,
     PROMPT_TOKENS,
     add_shape_argument,
     build_model,
@@ -51,11 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Adds the benchmark's options (counts and lengths default to the `--shape`'s)."""
     add_shape_argument(parser)
     parser.add_argument("--model", help="HF model directory (default: build the bench model)")
-    parser.add_argument("--hidden-size", type=int, help="bench model option (default 768)")
-    parser.add_argument("--intermediate-size", type=int, help="bench model option (2048)")
-    parser.add_argument("--num-layers", type=int, help="bench model option (8)")
-    parser.add_argument("--num-heads", type=int, help="bench model option (12)")
-    parser.add_argument("--num-kv-heads", type=int, help="bench model option (4)")
+    for name in MODEL_OPTIONS:
+        parser.add_argument(f"--{name.replace('_', '-')}", type=int,
+                            help=f"bench model option (default {BENCH_MODEL[name]})")
     parser.add_argument("--prompts", type=int,
                         help="prompts per generate call (quickstart 16, realistic 8)")
     parser.add_argument("--prompt-len", type=int,
@@ -79,8 +80,8 @@ def _resolve_shape(args: argparse.Namespace) -> None:
 
 
 def _model_overrides(args: argparse.Namespace) -> dict[str, int]:
-    names = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads")
-    overrides = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+    overrides = {name: getattr(args, name) for name in MODEL_OPTIONS
+                 if getattr(args, name) is not None}
     overrides["seed"] = args.seed
     overrides["max_position_embeddings"] = max(
         BENCH_MODEL["max_position_embeddings"], args.prompt_len + args.max_tokens + 8)
@@ -173,9 +174,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         trainer = train_cls(context, train_cls.options_class(), OptimSettings())
         try:
             service = WeightSyncService.build(trainer, vllm)
-            _timed_generate(hf, requests[:2], sampling)  # warm-up, untimed
-            _timed_generate(vllm, requests[:2], sampling)
-            _timed_raw(raw, requests[:2], sampling)
+            warm = attrs.evolve(sampling, max_tokens=min(8, sampling.max_tokens))
+            _timed_generate(hf, requests[:2], warm)  # warm-up, untimed
+            _timed_generate(vllm, requests[:2], warm)
+            _timed_raw(raw, requests[:2], warm)
             runs = [_timed_run(hf, vllm, raw, service, version, requests, sampling)
                     for version in range(1, args.runs + 1)]
         finally:

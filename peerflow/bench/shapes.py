@@ -38,6 +38,8 @@ BENCH_MODEL: dict[str, Any] = {
     "num_kv_heads": 4, "max_position_embeddings": 1024, "tie_word_embeddings": False,
     "reserved_tokens": 110, "initializer_range": 0.002,
 }
+#: The options that size a model (`--hidden-size` …, `weight-sync`'s `SIZES` columns).
+MODEL_OPTIONS = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads")
 #: Digits of a realistic `reverse-digits` prompt: 127 digits + ">" (+ BOS) ≈ 128 tokens.
 DIGITS = 127
 PROMPT_TOKENS = DIGITS + 1

@@ -36,12 +36,20 @@ import time
 from pathlib import Path
 from typing import Any
 
-from peerflow.bench.shapes import GENERATION, add_shape_argument, build_model, pick, prompt_ids
+from peerflow.bench.shapes import (
+    BENCH_MODEL,
+    GENERATION,
+    MODEL_OPTIONS,
+    add_shape_argument,
+    build_model,
+    pick,
+    prompt_ids,
+)
 
 #: Model shapes by size name: (hidden, intermediate, layers, heads, kv heads).
 SIZES: dict[str, tuple[int, int, int, int, int]] = {
     "quickstart": (128, 512, 2, 4, 2),
-    "realistic": (768, 2048, 8, 12, 4),
+    "realistic": tuple(BENCH_MODEL[key] for key in MODEL_OPTIONS),  # type: ignore[dict-item]
     "500m": (1536, 6144, 16, 12, 4),
 }
 
@@ -85,9 +93,7 @@ def _measure(size: str, args: argparse.Namespace, workdir: Path) -> dict[str, An
     from peerflow.reshard import WeightSyncService
 
     hidden, inter, layers, heads, kv = SIZES[size]
-    model = build_model(workdir / size, {
-        "hidden_size": hidden, "intermediate_size": inter, "num_layers": layers,
-        "num_heads": heads, "num_kv_heads": kv})
+    model = build_model(workdir / size, dict(zip(MODEL_OPTIONS, SIZES[size], strict=True)))
     requests, sampling = _generation(model, args.shape)
     pm = get_plugin_manager()
     train_cls = pm.registry("train_engine").get(args.trainer)

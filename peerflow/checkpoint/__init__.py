@@ -27,18 +27,20 @@ from peerflow.checkpoint.store import (
     prune,
     step_dir,
 )
-from peerflow.checkpoint.strict import check_shapes
+from peerflow.checkpoint.strict import check_same_layout, check_shapes, read_engine_meta
 
 __all__ = [
     "TRAINABLE_ROLES",
     "CheckpointInfo",
     "Resumed",
     "atomic_path",
+    "check_same_layout",
     "check_shapes",
     "list_checkpoints",
     "newest_complete",
     "newest_verified",
     "prune",
+    "read_engine_meta",
     "restore_latest",
     "save_step",
     "should_checkpoint",

@@ -3,11 +3,16 @@
 Every train adapter records the global shape of each tensor it saves and calls
 `check_shapes` before copying anything, so a checkpoint of another model (a smaller
 hidden size, fewer layers, another head split) is refused instead of loading slices.
+Adapters whose shards are their engine's own read their JSON metadata with
+`read_engine_meta` and refuse another layout with `check_same_layout`.
 """
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from peerflow.errors import ConfigError
 
@@ -50,3 +55,37 @@ def check_shapes(
             "Resume with the model config the run was started with (RUN_DIR/config.yaml), "
             "or start a fresh run."
         )
+
+
+def read_engine_meta(directory: str, filename: str, backend: str) -> dict[str, Any]:
+    """Reads the JSON metadata a train adapter wrote beside its checkpoint files.
+
+    Raises:
+        FileNotFoundError: `directory` holds no such file (not a checkpoint of `backend`).
+    """
+    path = os.path.join(directory, filename)
+    if not os.path.exists(path):
+        raise FileNotFoundError(
+            f"{directory} holds no {backend} checkpoint written by PeerFlow ({filename} is "
+            "missing); pass the directory save_checkpoint wrote."
+        )
+    with open(path) as handle:
+        return json.load(handle)
+
+
+def check_same_layout(saved: Mapping[str, int], current: Mapping[str, int], *,
+                      where: str) -> None:
+    """Raises unless a checkpoint's parallel degrees (e.g. `{"tp": 2, "pp": 1}`) are this run's.
+
+    Raises:
+        ConfigError: a degree differs; resuming needs the layout the shards were written with.
+    """
+    if dict(saved) != dict(current):
+        raise ConfigError(
+            f"checkpoint {where} was written with {_degrees(saved)} but this run has "
+            f"{_degrees(current)}; resume with the same trainer layout."
+        )
+
+
+def _degrees(degrees: Mapping[str, int]) -> str:
+    return " ".join(f"{name}={value}" for name, value in degrees.items())

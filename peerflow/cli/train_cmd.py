@@ -24,8 +24,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from peerflow.errors import ConfigError, RunInterruptedError, WorkerFailedError
-from peerflow.launch.entry import INTERRUPTED_EXIT
+from peerflow.errors import (
+    INTERRUPTED_EXIT,
+    ConfigError,
+    RunInterruptedError,
+    WorkerFailedError,
+)
 
 
 def add_parser(subparsers: Any) -> None:
@@ -145,8 +149,14 @@ def _torchrun_worker(args: argparse.Namespace, config_path: str, run_dir: str | 
         if lead:
             check_run_dir(Path(run_dir), config, resume=bool(resume),
                           allow_change=args.allow_change)
-        return int(launch(config_path=config_path, overrides=list(args.overrides),
-                          run_dir=run_dir, resume=resume, launcher=args.launcher) or 0)
+        try:
+            return int(launch(config_path=config_path, overrides=list(args.overrides),
+                              run_dir=run_dir, resume=resume, launcher=args.launcher) or 0)
+        except SystemExit as exc:  # a graceful stop (Ctrl-C): rank 0 says how to go on
+            if lead and exc.code == INTERRUPTED_EXIT:
+                print(f"peerflow train: stopped.\n{resume_hint(Path(run_dir))}",
+                      file=sys.stderr, flush=True)
+            raise
 
 
 def restart_resume(run_dir: str) -> str | None:
@@ -207,6 +217,7 @@ def run(args: argparse.Namespace) -> int:
                 config_path=config_path, overrides=overrides, run_dir=str(run_path),
                 resume=args.resume, nprocs=nprocs, launcher=args.launcher,
                 fault_timeout=config.runtime.fault_timeout,
+                stop_grace=config.runtime.stop_grace,
             ) or 0)
         except RunInterruptedError as exc:
             print(f"peerflow train: {exc}.\n{resume_hint(run_path)}", file=sys.stderr,

@@ -250,6 +250,13 @@ class RuntimeConfig:
     `run.prompts_per_step`); smaller calls stream finished groups sooner."""
     torch_threads: int = 1
     """torch intra-op threads per worker process."""
+    stop_grace: float = attrs.field(default=10.0, validator=attrs.validators.ge(0))
+    """Seconds a graceful stop (first Ctrl-C or SIGTERM) may take: every rank stops at the
+    next step boundary, checkpointing it when cheap; past this, or on a second Ctrl-C,
+    every rank stops at once."""
+    stop_checkpoint: bool = True
+    """Checkpoint the step a graceful stop ends at, when cheap: the run's slowest
+    checkpoint save so far (none yet counts as cheap) took at most half of `stop_grace`."""
 
     def stage_deadline(self, kind: str) -> float | None:
         """Seconds a stage running a node of `kind` may take (`None`: no deadline)."""

@@ -6,6 +6,7 @@ Unknown keys are errors with a did-you-mean; values are converted to the field's
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import types
 import typing
@@ -78,26 +79,8 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
         if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
             return value.lower() in ("true", "yes", "1")
         raise ConfigError(f"{path}: expected true or false, got {_describe(value)}")
-    if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        if isinstance(value, str):
-            try:
-                return int(value)
-            except ValueError:
-                pass
-        raise ConfigError(f"{path}: expected an integer, got {_describe(value)}")
-    if tp is float:
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        raise ConfigError(f"{path}: expected a number, got {_describe(value)}")
+    if tp is int or tp is float:
+        return _number(value, tp, path)
     if tp is str:
         if isinstance(value, str):
             return value
@@ -107,6 +90,21 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
     if isinstance(tp, type) and isinstance(value, tp):
         return value
     raise ConfigError(f"{path}: cannot read {_describe(value)} as {_type_name(tp)}")
+
+
+def _number(value: Any, tp: type[int] | type[float], path: str) -> int | float:
+    """Reads an `int` (a whole float too) or a `float`; strings are parsed."""
+    number = value
+    if isinstance(value, str):
+        with contextlib.suppress(ValueError):
+            number = tp(value)
+    if isinstance(number, int | float) and not isinstance(number, bool):
+        if tp is float:
+            return float(number)
+        if isinstance(number, int) or number.is_integer():
+            return int(number)
+    expected = "an integer" if tp is int else "a number"
+    raise ConfigError(f"{path}: expected {expected}, got {_describe(value)}")
 
 
 def structure(cls: type, data: Any, path: str = "") -> Any:

@@ -15,8 +15,9 @@ from typing import Any
 import attrs
 import torch
 
+from peerflow.engines import WeightSyncStats
 from peerflow.engines.train import yield_tensors
-from peerflow.reshard import ExecStats, MemoryMeter, ReshardPlan, make_buckets, run_plan
+from peerflow.reshard import MemoryMeter, ReshardPlan, make_buckets, run_plan
 from peerflow.reshard.transport import Route, WeightTransport
 from peerflow.shard import ShardSpec
 
@@ -62,7 +63,7 @@ def run_threaded(
     bucket_bytes: int = 1 << 20,
     device: str = "cpu",
     engines: Mapping[int, Any] | None = None,
-) -> tuple[dict[int, dict[str, torch.Tensor]], dict[int, ExecStats]]:
+) -> tuple[dict[int, dict[str, torch.Tensor]], dict[int, WeightSyncStats]]:
     """Executes `plan` with one thread per rank; returns destination tensors and stats.
 
     Args:
@@ -78,7 +79,7 @@ def run_threaded(
     buckets = make_buckets(plan, bucket_bytes)
     mailbox = Mailbox()
     results: dict[int, dict[str, torch.Tensor]] = {r: {} for r in plan.destinations}
-    stats: dict[int, ExecStats] = {}
+    stats: dict[int, WeightSyncStats] = {}
     errors: list[BaseException] = []
 
     def materializer(rank: int):

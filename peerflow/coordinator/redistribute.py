@@ -2,27 +2,28 @@
 
 Call sequence — every rank of `process_group` (by default the whole world; it must hold
 every rank of `route.src ∪ route.dst`, see `RouteGroups`) calls `redistribute` with the
-same route:
+same route; ranks outside `src ∪ dst` return an empty batch at once:
 
 1. equal layouts: return the batch as is (no communication at all);
-2. all-gather per-sample *metadata* only — prompt-group id and token load, 16 bytes a
-   sample — from the first rank of each producer dp group (`all_gather_ragged`); the load
-   is the summed length of the `load_fields` the batch has (none of them: an error);
+2. metadata: the first rank of each producer dp group sends one message to every other
+   rank of `src ∪ dst` — prompt-group id, token load and a packed-size bound of each
+   sample (24 bytes a sample, `wire.size_bound`); the load is the summed length of the
+   `load_fields` the batch has (none of them: an error);
 3. every rank computes the same `TransferPlan` (`plan_transfer`): prompt groups kept whole,
    token loads balanced over the consumer dp-ranks, tp/pp peers of a consumer dp-rank
-   receiving the same samples;
-4. producers pack each consumer's samples with `pack_batch` (unknown fields, dtypes and
-   Python objects travel untouched; one vectorised gather per field, one copy into the
-   send buffer) and post each `isend` as soon as that consumer's buffer is packed, so
-   packing overlaps the wire; a colocated consumer keeps its samples without packing;
-5. consumers concatenate what they received in producer-dp order (views into the
-   received buffers, no per-tensor copies).
+   receiving the same samples; a sample that stays on its rank moves nothing;
+4. consumers post one receive per sender, sized from the metadata; producers pack each
+   distinct sample set once with `pack_batch` (unknown fields, dtypes and Python objects
+   travel untouched) and post each `isend` as soon as it is packed, so packing overlaps
+   the wire: one message per pair that exchanges data (`coordinator.exchange`);
+5. consumers concatenate what they received in producer-dp order.
 
-Gloo's list `all_to_all` rejects tensors of different sizes (torch 2.13:
-`ProcessGroupGloo::alltoall: invalid tensor size`), and a route seldom connects every
-pair, so point-to-point sends are used: each pair that exchanges data costs two
-messages and no other pair exchanges anything. `mode="centralized"` is the single-controller
-baseline: producers send everything to one rank, which plans and scatters.
+So a call costs two rounds of messages — metadata, then payload — and no collective:
+gloo's all-gather is a ring (N − 1 sequential steps), and its list `all_to_all` rejects
+tensors of different sizes (torch 2.13: `ProcessGroupGloo::alltoall: invalid tensor
+size`). `mode="centralized"` is the single-controller baseline: producers send everything
+to one rank, which plans and scatters, over the same `exchange` (a receiver that cannot
+know the size posts `HEAD_BYTES` and takes the rest as a second message).
 
 Every wait has a timeout (`runtime.fault_timeout`); a dead peer raises
 `WorkerFailedError` naming it.
@@ -31,7 +32,7 @@ Every wait has a timeout (`runtime.fault_timeout`); a dead peer raises
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import attrs
@@ -39,16 +40,17 @@ import torch
 import torch.distributed as dist
 
 from peerflow.batch import Batch
+from peerflow.coordinator.exchange import HEAD_BYTES, exchange, frame
 from peerflow.coordinator.transfer import TransferPlan, dp_members, plan_transfer
-from peerflow.coordinator.wire import pack_batch, unpack_batch
-from peerflow.distributed.comm import all_gather_ragged, default_timeout, wait_all
+from peerflow.coordinator.wire import pack_batch, size_bound, unpack_batch
+from peerflow.distributed.comm import default_timeout
 from peerflow.layout import ParallelLayout
 
 #: Ragged fields whose lengths make up a sample's token load.
 LOAD_FIELDS: tuple[str, ...] = ("prompt_ids", "response_ids")
 
-_SIZE_TAG = 71
-_DATA_TAG = 72
+_METADATA_TAG = 71  # heads; `exchange` sends tails on the next tag
+_DATA_TAG = 73
 
 
 @attrs.define(eq=False)
@@ -60,7 +62,7 @@ class TransferStats:
     bytes_received: int = 0
     """Bytes this rank received from other processes."""
     metadata_bytes: int = 0
-    """Bytes of the metadata all-gather this rank received."""
+    """Metadata bytes this rank sent and received."""
     samples_in: int = 0
     """Samples this rank held as a producer."""
     samples_out: int = 0
@@ -82,37 +84,7 @@ def _layouts(route: Any) -> tuple[ParallelLayout, ParallelLayout]:
     return route.src, route.dst
 
 
-def _exchange(
-    outgoing: Iterable[tuple[int, torch.Tensor]], incoming: Sequence[int], what: str,
-    timeout: float, stats: TransferStats,
-) -> dict[int, torch.Tensor]:
-    """Sends each `(peer, buffer)` of `outgoing` and receives one buffer from each `incoming` peer.
-
-    `outgoing` may be a generator that packs lazily: each buffer's size and bytes are
-    posted as soon as it is produced, while the next one is packed. isend/irecv address
-    global ranks, so no process group is needed.
-    """
-    sizes_in = {peer: torch.zeros(1, dtype=torch.int64) for peer in incoming}
-    size_works = [dist.irecv(t, src=peer, tag=_SIZE_TAG) for peer, t in sizes_in.items()]
-    data_works, keep_alive = [], []
-    for peer, buf in outgoing:
-        size = torch.tensor([buf.numel()], dtype=torch.int64)
-        keep_alive += [size, buf]
-        data_works.append(dist.isend(size, dst=peer, tag=_SIZE_TAG))
-        if buf.numel():
-            data_works.append(dist.isend(buf, dst=peer, tag=_DATA_TAG))
-        stats.bytes_sent += buf.numel()
-    wait_all(size_works, f"{what}: receiving sizes", timeout)
-    data_in = {peer: torch.empty(int(t[0]), dtype=torch.uint8) for peer, t in sizes_in.items()}
-    data_works += [dist.irecv(t, src=peer, tag=_DATA_TAG)
-                   for peer, t in data_in.items() if t.numel()]
-    wait_all(data_works, f"{what}: moving samples", timeout)
-    stats.bytes_received += sum(t.numel() for t in data_in.values())
-    return data_in
-
-
-def _metadata(batch: Batch, load_fields: Sequence[str]) -> torch.Tensor:
-    """`[num_samples, 2]`: prompt-group id and token load of each sample."""
+def _check_load_fields(batch: Batch, load_fields: Sequence[str]) -> None:
     if len(batch) and not any(name in batch for name in load_fields):
         raise ValueError(
             f"redistribute: the batch has none of the load fields {list(load_fields)} that "
@@ -120,93 +92,160 @@ def _metadata(batch: Batch, load_fields: Sequence[str]) -> torch.Tensor:
             "`load_fields=` naming its ragged token fields (e.g. the field your generate "
             "node writes)."
         )
-    return torch.stack([batch.group_id, batch.token_count(load_fields)], dim=1)
 
 
-def _gather_metadata(
-    batch: Batch, src: ParallelLayout, rank: int, process_group: Any,
-    load_fields: Sequence[str], timeout: float, stats: TransferStats,
-) -> tuple[list[list[int]], list[list[int]]]:
-    """Per producer dp-rank: the prompt-group id and the token load of each sample."""
-    members = dp_members(src)
-    leaders = {m[0]: dp for dp, m in enumerate(members)}
-    rows = _metadata(batch, load_fields) if rank in leaders else torch.zeros(
-        (0, 2), dtype=torch.int64)
-    gathered = all_gather_ragged(rows, process_group,
-                                 what="redistribute: metadata all-gather", timeout=timeout)
-    group_ranks = (list(range(dist.get_world_size())) if process_group is None
-                   else dist.get_process_group_ranks(process_group))
-    prompt_groups: list[list[int]] = [[] for _ in members]
-    loads: list[list[int]] = [[] for _ in members]
-    for global_rank, block in zip(group_ranks, gathered):
-        if global_rank in leaders:
-            dp = leaders[global_rank]
-            prompt_groups[dp] = block[:, 0].tolist()
-            loads[dp] = block[:, 1].tolist()
-        stats.metadata_bytes += block.numel() * 8 if global_rank != rank else 0
-    missing = [m[0] for m in members if m[0] not in group_ranks]
+def _check_group(process_group: Any, participants: Sequence[int]) -> None:
+    if process_group is None:
+        return
+    group_ranks = dist.get_process_group_ranks(process_group)
+    missing = sorted(set(participants) - set(group_ranks))
     if missing:
         raise ValueError(
-            f"redistribute: producer ranks {missing} are not in the process group "
+            f"redistribute: ranks {missing} of the route are not in the process group "
             f"{group_ranks}; pass the process group of route.src ∪ route.dst "
             "(`RouteGroups.get(route)`)."
         )
-    return prompt_groups, loads
+
+
+@attrs.frozen(kw_only=True)
+class _ShardMetadata:
+    """What every rank learns about one producer dp-shard before any payload moves."""
+
+    group_ids: list[int]
+    """Prompt-group id of each sample."""
+    loads: list[int]
+    """Token load of each sample."""
+    sample_bytes: torch.Tensor  # [num_samples], int64
+    """Upper bound of each sample's packed bytes (`wire.size_bound`)."""
+    fixed_bytes: int
+    """Packed bytes that do not depend on the samples (header, padding)."""
+
+    def capacity(self, indices: Sequence[int]) -> int:
+        """Upper bound of the packed size of the samples at `indices`."""
+        index = torch.as_tensor(indices, dtype=torch.int64)
+        return self.fixed_bytes + int(self.sample_bytes[index].sum())
+
+
+def _encode_metadata(batch: Batch, load_fields: Sequence[str]) -> torch.Tensor:
+    """`[length, fixed bytes, n, group ids…, loads…, sample bytes…]` as one framed message."""
+    sample_bytes, fixed = size_bound(batch)
+    n = len(batch)
+    body = torch.cat([torch.tensor([fixed, n], dtype=torch.int64), batch.group_id,
+                      batch.token_count(load_fields), sample_bytes])
+    return frame(body)
+
+
+def _decode_metadata(message: torch.Tensor) -> _ShardMetadata:
+    values = message[8:].view(torch.int64)
+    fixed, n = int(values[0]), int(values[1])
+    return _ShardMetadata(group_ids=values[2 : 2 + n].tolist(),
+                          loads=values[2 + n : 2 + 2 * n].tolist(),
+                          sample_bytes=values[2 + 2 * n : 2 + 3 * n], fixed_bytes=fixed)
+
+
+def _exchange_metadata(
+    batch: Batch, src: ParallelLayout, participants: Sequence[int], rank: int,
+    load_fields: Sequence[str], timeout: float, stats: TransferStats,
+) -> list[_ShardMetadata]:
+    """Every producer dp-leader sends its shard's metadata to every other participant."""
+    leaders = [m[0] for m in dp_members(src)]
+    mine = _encode_metadata(batch, load_fields) if rank in leaders else None
+    outgoing = [] if mine is None else [(peer, mine, HEAD_BYTES) for peer in participants
+                                        if peer != rank]
+    incoming = {leader: HEAD_BYTES for leader in leaders if leader != rank}
+    received, sent = exchange(outgoing, incoming, tag=_METADATA_TAG,
+                              what="redistribute: metadata", timeout=timeout)
+    stats.metadata_bytes += sent + sum(m.numel() for m in received.values())
+    return [_decode_metadata(mine if leader == rank else received[leader])
+            for leader in leaders]
+
+
+def _subset(batch: Batch, indices: Sequence[int]) -> Batch:
+    """`batch.select(indices)`, or `batch` itself when a plan's indices cover all of it.
+
+    A plan lists each sender's indices distinct and in order, so covering every sample
+    means the identity: a shard that stays whole is not copied.
+    """
+    return batch if len(indices) == len(batch) else batch.select(indices)
+
+
+def _concat(parts: Sequence[Batch]) -> Batch:
+    """`Batch.concat`, without copying a single part."""
+    return parts[0] if len(parts) == 1 else Batch.concat(parts)
+
+
+def _packed_sends(
+    batch: Batch, sends: Sequence[tuple[int, tuple[int, ...]]], metadata: _ShardMetadata,
+) -> Iterator[tuple[int, torch.Tensor, int]]:
+    """Packs each distinct index list once (tp peers of a consumer get the same bytes)."""
+    packed: dict[tuple[int, ...], torch.Tensor] = {}
+    for receiver, indices in sends:
+        if indices not in packed:
+            packed[indices] = pack_batch(_subset(batch, indices))
+        yield receiver, packed[indices], metadata.capacity(indices)
 
 
 def _p2p(batch: Batch, src: ParallelLayout, dst: ParallelLayout, rank: int,
-         process_group: Any, load_fields: Sequence[str], timeout: float,
+         participants: Sequence[int], load_fields: Sequence[str], timeout: float,
          stats: TransferStats) -> Batch:
-    prompt_groups, loads = _gather_metadata(batch, src, rank, process_group, load_fields,
-                                            timeout, stats)
-    plan = plan_transfer(src, dst, prompt_groups, loads)
+    metadata = _exchange_metadata(batch, src, participants, rank, load_fields, timeout, stats)
+    plan = plan_transfer(src, dst, [m.group_ids for m in metadata], [m.loads for m in metadata])
     stats.plan = plan
+    owner = {r: dp for dp, m in enumerate(dp_members(src)) for r in m}
+    receives = plan.receives(rank)
+    incoming = {s: metadata[owner[s]].capacity(idx) for s, idx in receives if s != rank}
     mine = [(receiver, indices) for (sender, receiver), indices in plan.sends.items()
-            if sender == rank]
-    outgoing = ((receiver, pack_batch(batch.select(indices)))
-                for receiver, indices in mine if receiver != rank)
-    senders = [s for s, _ in plan.receives(rank) if s != rank]
-    received = _exchange(outgoing, senders, "redistribute", timeout, stats)
+            if sender == rank and receiver != rank]
+    outgoing = _packed_sends(batch, mine, metadata[owner[rank]]) if mine else ()
+    received, sent = exchange(outgoing, incoming, tag=_DATA_TAG,
+                              what="redistribute: moving samples", timeout=timeout)
+    stats.bytes_sent += sent
+    stats.bytes_received += sum(m.numel() for m in received.values())
     if rank not in set(dst.global_ranks):
         return Batch.empty()
-    parts = [batch.select(idx) if s == rank else unpack_batch(received[s])
-             for s, idx in plan.receives(rank)]
-    return Batch.concat(parts)
+    parts = [_subset(batch, idx) if s == rank else unpack_batch(received[s])
+             for s, idx in receives]
+    return _concat(parts)
 
 
 def _centralized(batch: Batch, src: ParallelLayout, dst: ParallelLayout, rank: int,
-                 process_group: Any, load_fields: Sequence[str], timeout: float,
-                 stats: TransferStats) -> Batch:
+                 load_fields: Sequence[str], timeout: float, stats: TransferStats) -> Batch:
     members = dp_members(src)
     leaders = [m[0] for m in members]
     controller = min(set(src.global_ranks) | set(dst.global_ranks))
+
+    def move(outgoing: Any, incoming: Sequence[int], what: str) -> dict[int, torch.Tensor]:
+        received, sent = exchange(outgoing, dict.fromkeys(incoming, HEAD_BYTES),
+                                  tag=_DATA_TAG, what=what, timeout=timeout)
+        stats.bytes_sent += sent
+        stats.bytes_received += sum(m.numel() for m in received.values())
+        return received
+
     gathered: dict[int, torch.Tensor] = {}
     if rank in leaders and rank != controller:
-        _exchange([(controller, pack_batch(batch))], [], "centralized gather", timeout, stats)
+        move([(controller, pack_batch(batch), HEAD_BYTES)], [], "centralized gather")
     elif rank == controller:
-        gathered = _exchange([], [r for r in leaders if r != controller],
-                             "centralized gather", timeout, stats)
+        gathered = move([], [r for r in leaders if r != controller], "centralized gather")
     if rank != controller:
         if rank not in set(dst.global_ranks):
             return Batch.empty()
-        received = _exchange([], [controller], "centralized scatter", timeout, stats)
-        return unpack_batch(received[controller])
+        return unpack_batch(move([], [controller], "centralized scatter")[controller])
     shards = [batch if r == controller else unpack_batch(gathered[r]) for r in leaders]
     plan = plan_transfer(src, dst, [s.group_id.tolist() for s in shards],
                          [s.token_count(load_fields).tolist() for s in shards])
     stats.plan = plan
-    outgoing: dict[int, torch.Tensor] = {}
+    outgoing: list[tuple[int, torch.Tensor, int]] = []
     result = Batch.empty()
     for receiver in dst.global_ranks:
-        parts = [shards[s_dp].select(idx) for s_dp in range(src.dp)
+        parts = [_subset(shards[s_dp], idx) for s_dp in range(src.dp)
                  for (s, r), idx in plan.sends.items()
                  if r == receiver and s in members[s_dp]]
-        out = Batch.concat(parts)
+        out = _concat(parts)
         if receiver == controller:
             result = out
         else:
-            outgoing[receiver] = pack_batch(out)
-    _exchange(outgoing.items(), [], "centralized scatter", timeout, stats)
+            outgoing.append((receiver, pack_batch(out), HEAD_BYTES))
+    move(outgoing, [], "centralized scatter")
     return result
 
 
@@ -242,25 +281,30 @@ def redistribute(
 
     Raises:
         WorkerFailedError: a peer failed or did not answer within `timeout`.
-        ValueError: `mode` is unknown, the process group misses producer ranks, or the
+        ValueError: `mode` is unknown, the process group misses ranks of the route, or the
             batch has none of `load_fields` (naming the fields it has).
     """
     src, dst = _layouts(route)
+    if mode not in ("p2p", "centralized"):
+        raise ValueError(f"redistribute: mode={mode!r}; use 'p2p' or 'centralized'.")
     stats = stats if stats is not None else TransferStats()
     start = time.perf_counter()
     rank = dist.get_rank()
     batch = batch if batch is not None and rank in set(src.global_ranks) else Batch.empty()
     stats.samples_in = len(batch)
     timeout = default_timeout() if timeout is None else timeout
+    participants = sorted(set(src.global_ranks) | set(dst.global_ranks))
     if src == dst:
         out = batch
-    elif mode == "p2p":
-        out = _p2p(batch, src, dst, rank, process_group, load_fields, timeout, stats)
-    elif mode == "centralized":
-        out = _centralized(batch, src, dst, rank, process_group, load_fields, timeout,
-                           stats)
+    elif rank not in participants:
+        out = Batch.empty()
     else:
-        raise ValueError(f"redistribute: mode={mode!r}; use 'p2p' or 'centralized'.")
+        _check_group(process_group, participants)
+        _check_load_fields(batch, load_fields)
+        if mode == "p2p":
+            out = _p2p(batch, src, dst, rank, participants, load_fields, timeout, stats)
+        else:
+            out = _centralized(batch, src, dst, rank, load_fields, timeout, stats)
     stats.samples_out = len(out)
     stats.wall_s = time.perf_counter() - start
     return out

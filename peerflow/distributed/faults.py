@@ -19,7 +19,9 @@ launcher's own store named by `PEERFLOW_FAULT_STORE`):
   `PEER_FAILED_EXIT`, even while its main thread is blocked in a collective.
 
 The first record wins (`compare_set`), so every rank names the same failure. Detection
-takes at most `stale_after + 2 * interval` (half `fault_timeout` by default).
+takes at most `stale_after + 2 * interval` (half `fault_timeout` by default); so does
+noticing that the store itself stopped answering (`peerflow.distributed.store_watch`).
+A graceful stop (`peerflow.distributed.stop`) that outlives `stop_grace` is ended here.
 """
 
 from __future__ import annotations
@@ -52,7 +54,9 @@ from peerflow.distributed.stages import (
     main_thread_stack,
     mark_timed_out,
 )
-from peerflow.errors import WorkerFailedError
+from peerflow.distributed.stop import stop_now_requested, stop_reason
+from peerflow.distributed.store_watch import StoreWatchdog, store_lost_record
+from peerflow.errors import INTERRUPTED_EXIT, WorkerFailedError
 
 #: Exit status of a rank that stops because a *peer* failed.
 PEER_FAILED_EXIT = 3
@@ -87,11 +91,23 @@ class FaultMonitor:
     _thread: threading.Thread | None = None
     _seen: dict[int, tuple[int, float]] = attrs.field(factory=dict)
     _store_error_since: float | None = None
+    stop_grace: float = 10.0
+    """Seconds a graceful stop may take on this rank before it stops at once."""
+    _stop_seen: float | None = None
+    last_answer: float = attrs.field(factory=time.monotonic)
+    """When the store last answered a whole tick (the store watchdog reads it)."""
+    peer_hosts: dict[int, str] = attrs.field(factory=dict)
+    """Hosts of the watched ranks, read once (named when the store is cut off)."""
 
     @property
     def interval(self) -> float:
         """Seconds between heartbeats and polls."""
         return min(1.0, max(0.05, self.fault_timeout / 20))
+
+    @property
+    def closed(self) -> bool:
+        """Whether the monitor was stopped (the rank finished or is exiting)."""
+        return self._stop.is_set()
 
     @property
     def stage_name(self) -> str:
@@ -111,6 +127,7 @@ class FaultMonitor:
         self._thread = threading.Thread(target=self._loop, name="peerflow-fault-monitor",
                                         daemon=True)
         self._thread.start()
+        StoreWatchdog(monitor=self).start()
         return self
 
     def close(self) -> None:
@@ -197,16 +214,8 @@ class FaultMonitor:
             f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})", rank=rank)
 
     def store_lost(self, exc: BaseException) -> FailureRecord:
-        """The failure to report when the store itself is unreachable: its host died."""
-        if self.store_owner is not None and self.store_owner != self.rank:
-            return FailureRecord(
-                rank=self.store_owner, host=os.environ.get("MASTER_ADDR", "?"), stage="?",
-                reporter=self.rank,
-                reason=f"it hosted the rendezvous store, which is unreachable ({exc}): the "
-                "process died")
-        return FailureRecord(
-            rank=-1, host="?", stage="store", reporter=self.rank,
-            reason=f"lost the rendezvous store ({exc}); the launcher or the rank hosting it died")
+        """The failure to report when the store is unreachable (see `store_lost_record`)."""
+        return store_lost_record(self, exc)
 
     def store_reachable(self) -> bool:
         """Whether the store still answers."""
@@ -232,6 +241,8 @@ class FaultMonitor:
                 continue
             beat = self.store.add(f"{PREFIX}hb/{peer}", 0)
             last = self._seen.get(peer)
+            if peer not in self.peer_hosts:
+                self.peer_hosts[peer] = rank_info(self.store, peer)[0]
             if last is None or beat != last[0]:
                 self._seen[peer] = (beat, now)
             elif now - last[1] > self.stale_after:
@@ -245,11 +256,14 @@ class FaultMonitor:
             try:
                 record = self._tick(now)
                 self._store_error_since = None
+                self.last_answer = time.monotonic()
             except Exception as exc:  # the store itself is gone: its host died
                 self._store_error_since = self._store_error_since or now
                 if now - self._store_error_since > self.stale_after and not self._stop.is_set():
                     self.exit_for(self.store_lost(exc))
                 continue
+            if self._graceful_stop_overdue(now):
+                return
             if record is None or self._stop.is_set():
                 continue
             if record.rank != self.rank:
@@ -258,6 +272,29 @@ class FaultMonitor:
             if self.current.overdue():  # our own stuck stage: the main thread cannot exit
                 self.exit_for(record, STUCK_EXIT)
                 return
+
+    def _graceful_stop_overdue(self, now: float) -> bool:
+        """Stops this process at once when a graceful stop outlives `stop_grace`."""
+        if self._stop_seen is None:
+            if stop_reason(self.store) is not None:
+                self._stop_seen = now
+            return False
+        if self._stop.is_set():
+            return False
+        if stop_now_requested(self.store):
+            why = "the launcher asked to stop at once"
+        elif now - self._stop_seen > self.stop_grace:
+            why = (f"no step boundary within runtime.stop_grace={self.stop_grace:g} s of the "
+                   "stop request")
+        else:
+            return False
+        text = (f"peerflow: rank {self.rank} (host {self.host}) stops at once in stage "
+                f"{self.stage_name!r}: {why}.")
+        print(text, file=sys.stderr, flush=True)
+        append_to_rank_log(text)
+        self.close()
+        self.exit_process(INTERRUPTED_EXIT)
+        return True
 
     def install_sigterm_handler(self) -> None:
         """On SIGTERM (a launcher stopping the job), name the failure if one is published."""

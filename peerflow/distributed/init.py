@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from peerflow.distributed.faults import FaultMonitor, current_monitor, set_monitor
+from peerflow.distributed.round_store import generation_stores
 from peerflow.errors import ConfigError
 
 #: Environment variable naming a launcher-hosted fault store (`host:port`).
@@ -129,21 +130,26 @@ def init_distributed(
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one machine: stay on loopback
     if backend == "nccl":
         torch.cuda.set_device(local_rank)
+    generation = None  # under torchrun: stores of this worker generation (round_store)
+    if init_method is None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        generation = generation_stores(rank, timeout)
     if not dist.is_initialized():
         try:
             dist.init_process_group(
-                backend=backend, init_method=init_method or "env://", rank=rank,
-                world_size=world_size, timeout=datetime.timedelta(seconds=timeout),
+                backend=backend, rank=rank, world_size=world_size,
+                timeout=datetime.timedelta(seconds=timeout),
+                **({"store": generation[0]} if generation
+                   else {"init_method": init_method or "env://"}),
             )
         except (RuntimeError, OSError) as exc:
             if "address already in use" not in str(exc).lower():
                 raise
             raise ConfigError(_port_in_use(init_method)) from None
-    store = _fault_store(dist.distributed_c10d._get_default_store(), timeout)
+    store = _fault_store(generation[1] if generation
+                         else dist.distributed_c10d._get_default_store(), timeout)
     fault_monitor = None
     if monitor:
-        agent_store = (os.environ.get(FAULT_STORE_ENV)
-                       or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True")
+        agent_store = os.environ.get(FAULT_STORE_ENV) or generation is not None
         fault_monitor = FaultMonitor(store=store, rank=rank, world_size=world_size,
                                      fault_timeout=timeout,
                                      store_owner=None if agent_store else 0).start()

@@ -49,6 +49,7 @@ def launch(
     *,
     entry: str = DEFAULT_ENTRY,
     torch_threads: int | None = None,
+    stop_grace: float | None = None,
 ) -> int:
     """Runs the workers of a run and returns 0 when every one finished cleanly.
 
@@ -63,6 +64,7 @@ def launch(
             `runtime.fault_timeout`).
         entry: `module:function` every worker runs.
         torch_threads: torch threads per worker (default: `runtime.torch_threads`).
+        stop_grace: Seconds a graceful stop may take (default: `runtime.stop_grace`).
 
     Returns:
         0.
@@ -73,17 +75,19 @@ def launch(
     """
     if launcher not in LAUNCHERS:
         raise ConfigError(f"--launcher {launcher!r}: use one of {', '.join(LAUNCHERS)}.")
-    if fault_timeout is None or nprocs is None or torch_threads is None:
+    if None in (fault_timeout, nprocs, torch_threads):
         from peerflow.config import load_config
 
-        config = load_config(config_path, overrides)
-        fault_timeout = config.runtime.fault_timeout if fault_timeout is None else fault_timeout
-        nprocs = config.runtime.nprocs if nprocs is None else nprocs
-        torch_threads = config.runtime.torch_threads if torch_threads is None else torch_threads
+        runtime = load_config(config_path, overrides).runtime
+        fault_timeout = runtime.fault_timeout if fault_timeout is None else fault_timeout
+        nprocs = runtime.nprocs if nprocs is None else nprocs
+        torch_threads = runtime.torch_threads if torch_threads is None else torch_threads
+        stop_grace = runtime.stop_grace if stop_grace is None else stop_grace
     resolve_entry(entry)  # fail here, not in every worker
     command = WorkerCommand(entry=entry, config_path=config_path, overrides=overrides,
                             run_dir=run_dir, resume=resume, fault_timeout=fault_timeout,
-                            torch_threads=torch_threads)
+                            torch_threads=torch_threads,
+                            **({} if stop_grace is None else {"stop_grace": stop_grace}))
     if in_distributed_env():
         worker_entry(*command.args())
         return 0

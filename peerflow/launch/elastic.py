@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import logging
+import signal
 import socket
 import uuid
 from pathlib import Path
 
 from peerflow.distributed.ranklog import rank_log_path
+from peerflow.distributed.stop import LauncherStopHandler, read_stop, stop_reason
 from peerflow.errors import RunInterruptedError, WorkerFailedError
 from peerflow.launch.entry import WorkerCommand, worker_entry
 from peerflow.launch.watch import FaultStore
@@ -45,7 +47,13 @@ def failure_message(store: FaultStore, failures: dict[int, object] | None = None
 def launch_elastic(command: WorkerCommand, *, nprocs: int) -> None:
     """Spawns `nprocs` workers with `elastic_launch`; returns when all finished cleanly.
 
+    The first SIGINT/SIGTERM asks every worker to stop at the next step boundary
+    (`LauncherStopHandler`); a second one, or `command.stop_grace` passing, stops them
+    at once through the elastic agent.
+
     Raises:
+        RunInterruptedError: the run was stopped (says where, and whether a checkpoint
+            was written at the stop).
         WorkerFailedError: a worker died or raised; the message names its rank, host and
             stage, and lists every worker's exit status.
     """
@@ -62,20 +70,35 @@ def launch_elastic(command: WorkerCommand, *, nprocs: int) -> None:
         rdzv_configs={"timeout": int(max(60, command.fault_timeout))}, max_restarts=0,
         # our own watcher names the failure first; the agent then stops the rest
         monitor_interval=0.5, start_method="spawn",
+        signals_to_handle="SIGHUP,SIGQUIT",  # SIGINT and SIGTERM: LauncherStopHandler
     )
     # The agent logs each failed child's traceback through torch's formatter, which
     # imports torch._dynamo (seconds on a busy machine); our own report names the failure.
     quiet = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
     level = quiet.level
     quiet.setLevel(logging.CRITICAL)
+    stopper = LauncherStopHandler(
+        store=store.store, grace=command.stop_grace,
+        interrupt=lambda signum: SignalException("stopped at once", signal.Signals(signum)),
+    ).install()
     try:
         elastic_launch(config, worker_entry)(*command.args())
-    except (KeyboardInterrupt, SignalException) as exc:
-        raise RunInterruptedError(f"interrupted ({exc or 'Ctrl-C'}); every worker was "
-                                  "stopped") from None
+    except (KeyboardInterrupt, SignalException):
+        raise RunInterruptedError(f"interrupted ({stopper.reason or 'Ctrl-C'}); every "
+                                  "worker was stopped at once") from None
     except ChildFailedError as exc:
+        reason = stopper.reason or stop_reason(store.store)
+        stopped = read_stop(store.store)
+        if stopped is not None:
+            raise RunInterruptedError(stopped.message(reason or "stop requested")) from None
+        if reason is not None and store.failure() is None:
+            raise RunInterruptedError(
+                f"interrupted ({reason}); the graceful stop did not reach a step boundary "
+                f"within runtime.stop_grace={command.stop_grace:g} s, so every worker was "
+                "stopped at once") from None
         raise WorkerFailedError(failure_message(store, exc.failures, command.logs_dir)
                                 ) from None
     finally:
+        stopper.uninstall()
         quiet.setLevel(level)
         store.stop()

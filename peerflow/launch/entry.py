@@ -19,8 +19,11 @@ from typing import Any
 
 import attrs
 
-#: Exit status of a worker stopped by Ctrl-C (128 + SIGINT, as shells report it).
-INTERRUPTED_EXIT = 130
+from peerflow.config.schema import RuntimeConfig
+from peerflow.errors import INTERRUPTED_EXIT
+
+#: `runtime.stop_grace`'s default.
+STOP_GRACE = attrs.fields(RuntimeConfig).stop_grace.default
 #: The worker function `peerflow train` runs in every process.
 DEFAULT_ENTRY = "peerflow.worker.main:run_worker"
 
@@ -59,11 +62,13 @@ class WorkerCommand:
     """Seconds within which all ranks exit after a failure."""
     torch_threads: int = 1
     """torch threads per worker."""
+    stop_grace: float = STOP_GRACE
+    """Seconds a graceful stop may take (`runtime.stop_grace`)."""
 
     def args(self) -> tuple[Any, ...]:
         """Returns `worker_entry`'s positional arguments (picklable for spawned workers)."""
         return (self.entry, self.config_path, list(self.overrides), self.run_dir, self.resume,
-                self.fault_timeout, self.torch_threads)
+                self.fault_timeout, self.torch_threads, self.stop_grace)
 
     @property
     def logs_dir(self) -> str:
@@ -79,6 +84,7 @@ def worker_entry(
     resume: str | None,
     fault_timeout: float,
     torch_threads: int = 1,
+    stop_grace: float = STOP_GRACE,
 ) -> None:
     """Runs one worker process (called by the launchers, on every rank).
 
@@ -90,19 +96,30 @@ def worker_entry(
         resume: Run directory to resume from, or `None`.
         fault_timeout: Seconds within which every rank exits after a peer fails.
         torch_threads: torch intra-op threads of this process.
+        stop_grace: Seconds a graceful stop may take before this rank stops at once.
+
+    A first SIGINT asks every rank to stop at the next step boundary
+    (`peerflow.distributed.stop`); a worker that stopped that way exits with
+    `INTERRUPTED_EXIT` after finishing cleanly. A later SIGINT stops it at once.
     """
     import torch
 
     from peerflow.distributed import handle_failure, init_distributed, shutdown_distributed
     from peerflow.distributed.ranklog import append_to_rank_log, open_rank_log
+    from peerflow.distributed.stop import WorkerStopHandler, read_stop
 
     torch.set_num_threads(max(1, torch_threads))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     ctx = init_distributed(timeout=fault_timeout)
     open_rank_log(resume or run_dir, ctx.rank)
     monitor = ctx.monitor
+    stopped = None
+    if monitor is not None:
+        monitor.stop_grace = stop_grace
+        WorkerStopHandler(store=monitor.store, rank=ctx.rank).install()
     try:
         resolve_entry(entry)(config_path, list(overrides), run_dir, resume)
+        stopped = read_stop(monitor.store) if monitor is not None else None
     except KeyboardInterrupt:  # Ctrl-C reaches every local worker; the launcher reports it
         append_to_rank_log(f"rank {ctx.rank} (pid {os.getpid()}) interrupted (SIGINT) at:\n"
                            + traceback.format_exc())
@@ -118,3 +135,6 @@ def worker_entry(
         raise
     finally:
         shutdown_distributed()
+    if stopped is not None:  # finished cleanly, but before run.steps
+        append_to_rank_log(f"rank {ctx.rank}: {stopped.message('stop requested')}")
+        sys.exit(INTERRUPTED_EXIT)

@@ -30,6 +30,8 @@ Algorithm
 Speed
     `throughput/tokens_per_s` — prompt + response tokens processed per wall second of the
     step; `throughput/samples_per_s`; `time/step` — wall seconds of the step;
+    `time/iteration` — wall seconds of the training loop per step (the step and the
+    previous step's metrics, hooks and checkpoint; sync mode);
     `time/<phase>` — seconds in each phase (`generate`, `reward`, `ref_logprob`,
     `old_logprob`, `values`, `advantage`, `train_actor`, `train_critic`, `sync_weights`,
     `checkpoint`, …), plotted as the step-time breakdown;
@@ -43,6 +45,7 @@ Async mode
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import math
@@ -66,7 +69,7 @@ def _scalar(value: Any) -> float | int | None:
     return value if math.isfinite(value) else None
 
 
-class MetricsWriter:
+class MetricsWriter(contextlib.AbstractContextManager["MetricsWriter"]):
     """Appends step metrics to `metrics.jsonl` and mirrors them to TensorBoard and W&B.
 
     Create it on one rank (rank 0) after the ranks have reduced their metrics. Lines are
@@ -153,9 +156,6 @@ class MetricsWriter:
         if self._wandb is not None:
             self._wandb.finish()
             self._wandb = None
-
-    def __enter__(self) -> MetricsWriter:
-        return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()

@@ -24,7 +24,7 @@ def _summary(metrics: Mapping[str, Any]) -> str:
     return " ".join(parts)
 
 
-class StepProgress:
+class StepProgress(contextlib.AbstractContextManager["StepProgress"]):
     """A progress bar over training steps with an optional generation sub-bar.
 
     Args:
@@ -89,9 +89,6 @@ class StepProgress:
         if self._progress is not None:
             self._progress.stop()
             self._progress = None
-
-    def __enter__(self) -> StepProgress:
-        return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()

@@ -96,8 +96,10 @@ class RunLock:
 
     Taken before anything is written to the directory and held for the whole run (by the
     `peerflow train` launcher, or rank 0 under torchrun). A lock left by a process that
-    no longer exists on this host is stale and taken over, saying so; a lock held by a
-    live process, or by another host, refuses the run.
+    no longer exists on this host is stale and taken over, saying so, and so is a lock of
+    the same torchrun job (`TORCHELASTIC_RUN_ID`: its agents stopped every worker before
+    restarting them, on whichever host rank 0 lands); a lock held by a live process, or
+    by another host, refuses the run.
     """
 
     run_dir: Path
@@ -118,7 +120,8 @@ class RunLock:
             ConfigError: another live run holds it (its host, pid and start time named).
         """
         mine = {"host": socket.gethostname(), "pid": os.getpid(),
-                "started": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
+                "started": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+                "job": os.environ.get("TORCHELASTIC_RUN_ID")}
         for _ in range(3):
             try:  # O_EXCL: exactly one process creates the file
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
@@ -130,10 +133,13 @@ class RunLock:
                 self._held = True
                 return self
             holder = self._holder()
-            if holder is None or not self._is_stale(holder):
+            restarted = holder is not None and mine["job"] and holder.get("job") == mine["job"]
+            if holder is None or not (restarted or self._is_stale(holder)):
                 raise self._refusal(holder)
+            why = (f"torchrun job {mine['job']} restarted its workers" if restarted
+                   else "that process no longer exists")
             self.log(f"{self.path}: removing a stale lock of pid {holder['pid']} on "
-                     f"{holder['host']} (that process no longer exists).")
+                     f"{holder['host']} ({why}).")
             self.path.unlink(missing_ok=True)
         raise ConfigError(f"{self.path}: could not take the lock; try again.")
 

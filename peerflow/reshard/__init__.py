@@ -15,7 +15,7 @@
 from __future__ import annotations
 
 from peerflow.reshard.buckets import Bucket, make_buckets
-from peerflow.reshard.executor import ExecStats, MemoryMeter, run_plan
+from peerflow.reshard.executor import MemoryMeter, run_plan
 from peerflow.reshard.plan import ReshardPlan, Transfer, plan_reshard
 from peerflow.reshard.service import (
     DEFAULT_BUCKET_BYTES,
@@ -31,7 +31,6 @@ from peerflow.reshard.transport import WeightTransport, make_transport
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
     "Bucket",
-    "ExecStats",
     "MemoryMeter",
     "PackedVersion",
     "ReceivedVersion",

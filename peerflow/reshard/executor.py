@@ -26,12 +26,14 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
 import torch
 
+from peerflow.engines.base import WeightSyncStats
 from peerflow.errors import ShardError
 from peerflow.reshard.buckets import Bucket, itemsize
 from peerflow.reshard.plan import ReshardPlan, Transfer
@@ -118,19 +120,6 @@ class Arena:
             self.buffer = None
 
 
-@attrs.define(eq=False)
-class ExecStats:
-    """Per-rank totals of one plan execution (seconds and bytes)."""
-
-    pack_s: float = 0.0
-    wire_s: float = 0.0
-    load_s: float = 0.0
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    buckets: int = 0
-    peak_extra_bytes: int = 0
-
-
 def _aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
@@ -160,7 +149,8 @@ def run_plan(
     device: str | torch.device = "cpu",
     meter: MemoryMeter | None = None,
     buffers: Buffers | None = None,
-) -> ExecStats:
+    version: int = 0,
+) -> WeightSyncStats:
     """Runs every bucket of `plan` on this rank (call on every rank of the plan).
 
     Args:
@@ -174,12 +164,17 @@ def run_plan(
         meter: Memory meter to record into (a fresh one by default).
         buffers: Optional zero-copy hook (`RolloutEngine.weight_buffers`): returns the
             destination's own tensors to write into, or `None` to stage copies.
+        version: The weight version the returned stats are labelled with.
+
+    Returns:
+        This rank's time split (pack / wire / load), bytes it sent (local copies included)
+        and received, bucket count and peak extra memory.
 
     Raises:
         ShardError: a materialised tensor's shape differs from its spec.
     """
     meter = meter or MemoryMeter()
-    stats = ExecStats()
+    stats: Counter[str] = Counter()
     my_sources = {s.local_name: s for s in plan.sources.get(rank, ())}
     my_targets = {s.local_name: s for s in plan.destinations.get(rank, ())}
     # One arena per sync: a bucket's send buffers, then (once sent) its staged tensors.
@@ -192,8 +187,7 @@ def run_plan(
                      stats, my_sources, my_targets, arena)
     finally:
         arena.release()
-    stats.peak_extra_bytes = meter.peak
-    return stats
+    return WeightSyncStats(version=version, peak_extra_bytes=meter.peak, **stats)
 
 
 def _arena_bytes(buckets: Sequence[Bucket], rank: int, targets: dict[str, ShardSpec],
@@ -215,7 +209,7 @@ def _arena_bytes(buckets: Sequence[Bucket], rank: int, targets: dict[str, ShardS
 def _run_buckets(plan: ReshardPlan, buckets: Sequence[Bucket], rank: int,
                  transport: WeightTransport, materialize: Materialize | None,
                  load: Load | None, buffers: Buffers | None, meter: MemoryMeter,
-                 stats: ExecStats, my_sources: dict[str, ShardSpec],
+                 stats: Counter[str], my_sources: dict[str, ShardSpec],
                  my_targets: dict[str, ShardSpec], arena: Arena) -> None:
     for bucket in buckets:
         specs = [my_sources[n] for n in bucket.source_tensors if n in my_sources]
@@ -234,7 +228,7 @@ def _run_buckets(plan: ReshardPlan, buckets: Sequence[Bucket], rank: int,
                     )
             _run_bucket(bucket, rank, sources, my_targets, transport, load, meter, stats,
                         buffers, arena)
-        stats.buckets += 1
+        stats["buckets"] += 1
 
 
 @attrs.frozen
@@ -333,7 +327,7 @@ def unpack_regions(per_peer: dict[int, list[Transfer]], received: dict[int, torc
 
 def _run_bucket(bucket: Bucket, rank: int, sources: dict[str, torch.Tensor],
                 targets: dict[str, ShardSpec], transport: WeightTransport, load: Load | None,
-                meter: MemoryMeter, stats: ExecStats, buffers: Buffers | None,
+                meter: MemoryMeter, stats: Counter[str], buffers: Buffers | None,
                 arena: Arena) -> None:
     routes = BucketRoutes.of(bucket, rank)
     start = time.perf_counter()
@@ -342,24 +336,24 @@ def _run_bucket(bucket: Bucket, rank: int, sources: dict[str, torch.Tensor],
         arena.reserve_total(sum(_aligned(packed_layout(ts)[1])
                                 for ts in routes.outgoing.values()))
     sends = pack_regions(routes.outgoing, sources, arena.take)
-    stats.bytes_sent += sum(buf.numel() for buf in sends.values())
-    stats.pack_s += time.perf_counter() - start
+    stats["bytes"] += sum(buf.numel() for buf in sends.values())
+    stats["pack_s"] += time.perf_counter() - start
 
     start = time.perf_counter()
     recv_sizes = {peer: packed_layout(ts)[1] for peer, ts in routes.incoming.items()}
     meter.reserve(sum(recv_sizes.values()))
     received = transport.exchange(sends, recv_sizes, routes.routes)
     sends.clear()
-    stats.wire_s += time.perf_counter() - start
+    stats["wire_s"] += time.perf_counter() - start
 
     start = time.perf_counter()
     mine = [n for r, n in bucket.targets if r == rank]
     out = destination_tensors(mine, targets, buffers, arena)
     for t in routes.local:
         out[t.dst_tensor][t.dst_box.slices()].copy_(sources[t.src_tensor][t.src_box.slices()])
-        stats.bytes_sent += t.numel * itemsize(t.src_dtype)
+        stats["bytes"] += t.numel * itemsize(t.src_dtype)
     got = unpack_regions(routes.incoming, received, out, rank=rank, bucket=bucket.index)
-    stats.bytes_received += got
+    stats["bytes"] += got
     meter.release(got)
     received.clear()
     if mine:
@@ -367,4 +361,4 @@ def _run_bucket(bucket: Bucket, rank: int, sources: dict[str, torch.Tensor],
             raise ShardError(f"rank {rank} holds destination tensors but was given no "
                              "rollout engine to load them into.")
         load([(targets[name], out[name]) for name in mine])
-    stats.load_s += time.perf_counter() - start
+    stats["load_s"] += time.perf_counter() - start

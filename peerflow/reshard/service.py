@@ -211,20 +211,15 @@ class WeightSyncService:
             materialize=self.trainer.materialize if self.trainer is not None else None,
             load=self.rollout.load_weights if self.rollout is not None else None,
             buffers=self.rollout.weight_buffers if self.rollout is not None else None,
-            device=self.device, meter=self.meter,
+            device=self.device, meter=self.meter, version=version,
         )
         if self.rollout is not None:
             finish = time.perf_counter()
             self.rollout.finish_weight_update()
-            stats.load_s += time.perf_counter() - finish
+            stats = attrs.evolve(stats, load_s=stats.load_s + time.perf_counter() - finish)
         self._wake((KV_CACHE,))
-        result = WeightSyncStats(
-            version=version, pack_s=stats.pack_s, wire_s=stats.wire_s, load_s=stats.load_s,
-            bytes=stats.bytes_sent + stats.bytes_received, buckets=stats.buckets,
-            peak_extra_bytes=stats.peak_extra_bytes,
-        )
-        self._fire_after(version, roles, result)
-        return result
+        self._fire_after(version, roles, stats)
+        return stats
 
     # -- streaming ----------------------------------------------------------------------
 

@@ -137,12 +137,15 @@ class RolloutStreamer:
         return draws
 
     def run(self) -> None:
-        """Runs until every step of the run is sealed, then stops the data channel."""
+        """Runs until every step is sealed or the trainers stop, then stops the data channel.
+
+        The trainers stop early in a graceful stop (Ctrl-C).
+        """
         beat = Heartbeat(
             sender=self.sender, targets=self._trainer_ranks(), interval=self.heartbeat_s
         ).start()
         try:
-            while self.scheduler.sealed_steps() < self.steps:
+            while self.scheduler.sealed_steps() < self.steps and not self.weights.stopped:
                 self.apply_weights()
                 draws = self._admit()
                 if not draws:

@@ -102,8 +102,11 @@ class RolloutSchedule:
     def inflight(self) -> None:
         """Nothing: the trainers save the in-flight state."""
 
+    def stop(self) -> None:
+        """Nothing: a rollout rank stops when the trainers stop its streams."""
+
     def steps(self, start_step: int, tracer: Any) -> Iterator[tuple[int, Batch, StepMetrics]]:
-        """Streams groups until the trainers have every step; yields nothing."""
+        """Streams groups until the trainers stop its streams; yields nothing."""
         self._streamer(start_step, tracer).run()
         yield from ()
 
@@ -172,6 +175,7 @@ class TrainerSchedule:
     trained: dict[int, list[int]] = attrs.field(factory=dict)
     """Rollout rank → prompt groups this rank has trained (checkpointed)."""
     _streamer: Any = attrs.field(default=None, init=False)
+    _stopping: bool = attrs.field(default=False, init=False)
 
     @property
     def group(self) -> Any:
@@ -213,6 +217,14 @@ class TrainerSchedule:
                 merged.setdefault(source, []).extend(gids)
         return trained_groups_state(merged)
 
+    def stop(self) -> None:
+        """Trains no step after the one yielded last (a graceful stop).
+
+        The streams end as at the run's end: the rollout ranks stop, and groups they
+        generated beyond that step are not trained.
+        """
+        self._stopping = True
+
     def steps(self, start_step: int, tracer: Any) -> Iterator[tuple[int, Batch, StepMetrics]]:
         """Trains steps `start_step + 1 … run.steps` as their samples stream in."""
         from peerflow.streaming.transport import (
@@ -243,6 +255,8 @@ class TrainerSchedule:
                 _add_stream_metrics(metrics, extra, len(batch))
                 metrics.max("time/step", time.time() - started)
                 yield step + 1, batch, metrics
+                if self._stopping:
+                    break
                 started = time.time()
         finally:
             beat.stop()

@@ -14,12 +14,20 @@ schedules of async mode (`RolloutSchedule`, `TrainerSchedule`;
    the driver hooks (`DriverHook.end_step`, e.g. evaluation), write the metrics, call the
    plugins' `peerflow_end_of_step`, and checkpoint every `run.checkpoint_every` steps and
    at the end (`peerflow.checkpoint.save_step` on the schedule's ranks together, with
-   `Schedule.state` and `Schedule.inflight` beside the engines).
+   `Schedule.state` and `Schedule.inflight` beside the engines);
+4. a graceful stop (first Ctrl-C or SIGTERM, `peerflow.distributed.stop`): each rank
+   adds whether it has seen the request to the step's metrics exchange, so the
+   schedule's ranks agree on the same stop step; they checkpoint it when cheap
+   (`runtime.stop_checkpoint`, and the run's slowest save so far took at most half of
+   `runtime.stop_grace`), publish where they stopped, and end the schedule
+   (`Schedule.stop`: async trainers stop their rollout ranks as at the end of a run).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
@@ -35,6 +43,7 @@ from peerflow.checkpoint import (
     truncate_metrics,
 )
 from peerflow.errors import ConfigError
+from peerflow.worker.graceful_stop import GracefulStop
 from peerflow.worker.metrics import (
     StepMetrics,
     all_reduce_metrics,
@@ -65,6 +74,9 @@ class Schedule(Protocol):
 
     def steps(self, start_step: int, tracer: Any) -> Iterator[tuple[int, Batch, StepMetrics]]:
         """Runs steps `start_step + 1 …`, yielding `(step, batch, metrics)` as each ends."""
+
+    def stop(self) -> None:
+        """Ends `steps` after the step it yielded last (a graceful stop)."""
 
 
 class DriverHook(Protocol):
@@ -157,30 +169,51 @@ def drive(rt: WorkerRuntime, schedule: Schedule, stage: Any, *, resuming: bool =
     rt.step = start_step
     outputs = RunOutputs.open(rt, start_step, reports=schedule.reports)
     run = rt.config.run
+    stopping = GracefulStop(enabled=rt.config.runtime.stop_checkpoint,
+                            grace=rt.config.runtime.stop_grace)
     try:
         initial = _call(hooks, "begin", rt, start_step)
         if initial:
             outputs.write(start_step, initial, run, force=True)
         with stage(schedule.name), contextlib.closing(
                 schedule.steps(start_step, outputs.tracer)) as steps:
+            since = time.perf_counter()
             for step, batch, metrics in steps:
+                # The loop's wall time, per step: this step and the previous step's driver
+                # work (metrics, hooks, checkpoint) — what a user waits for in the loop.
+                now = time.perf_counter()
+                metrics.max("time/iteration", now - since)
+                since = now
                 rt.step = step
                 record_batch_metrics(batch, metrics)
+                stopping.offer(metrics)
                 reduced = finish_metrics(all_reduce_metrics(metrics, schedule.group), step)
+                stop_now = stopping.agreed(reduced)
                 extra = _call(hooks, "end_step", rt, step, reduced)
                 reduced.update(extra)
                 outputs.write(step, reduced, run, force=bool(extra))
                 rt.pm.hook.peerflow_end_of_step(step=step, metrics=reduced, rank=rt.rank)
-                if should_checkpoint(step, run.checkpoint_every, run.steps):
-                    deadline = rt.config.runtime.stage_deadline("checkpoint")
-                    with stage(f"checkpoint step {step}", deadline), \
-                            outputs.tracer.span("checkpoint"):
-                        save_step(rt.run_dir, step, engines=rt.engines, rank=rt.rank,
-                                  driver_state=schedule.state(), inflight=schedule.inflight(),
-                                  group=schedule.group, keep_last=run.keep_last)
+                saved = should_checkpoint(step, run.checkpoint_every, run.steps)
+                if saved or (stop_now and stopping.cheap):
+                    stopping.timed(functools.partial(_save, rt, schedule, stage,
+                                                     outputs.tracer, step))
+                    saved = True
+                if stop_now and step < run.steps:
+                    stopping.publish(step, saved=saved)
+                    schedule.stop()
     finally:
         _call(hooks, "end", rt)
         outputs.close()
+
+
+def _save(rt: WorkerRuntime, schedule: Schedule, stage: Any, tracer: Any, step: int) -> None:
+    """Checkpoints `step` on the schedule's ranks together (the one checkpoint API)."""
+    run = rt.config.run
+    with stage(f"checkpoint step {step}", rt.config.runtime.stage_deadline("checkpoint")), \
+            tracer.span("checkpoint"):
+        save_step(rt.run_dir, step, engines=rt.engines, rank=rt.rank,
+                  driver_state=schedule.state(), inflight=schedule.inflight(),
+                  group=schedule.group, keep_last=run.keep_last)
 
 
 def _call(hooks: Sequence[DriverHook], method: str, *args: Any) -> dict[str, float]:

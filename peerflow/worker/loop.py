@@ -65,6 +65,7 @@ class LockstepSchedule:
     name: str = "lockstep"
     group: Any = None
     reports: bool = attrs.field(init=False)
+    _stopping: bool = attrs.field(default=False, init=False)
 
     def __attrs_post_init__(self) -> None:
         self.reports = self.rt.rank == 0
@@ -83,9 +84,15 @@ class LockstepSchedule:
     def inflight(self) -> None:
         """Nothing is in flight between lockstep steps."""
 
+    def stop(self) -> None:
+        """Runs no step after the one yielded last (every rank agreed on it)."""
+        self._stopping = True
+
     def steps(self, start_step: int, tracer: Any) -> Iterator[tuple[int, Batch, StepMetrics]]:
         """Runs steps `start_step + 1 … run.steps` in lockstep with every other rank."""
         for step in range(start_step + 1, self.rt.config.run.steps + 1):
+            if self._stopping:
+                return
             self.rt.step = step
             batch, metrics = run_step(self.rt, self.program, stage_factory=self.stage,
                                       tracer=tracer)

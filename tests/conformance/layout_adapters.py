@@ -7,6 +7,8 @@ FSDP-style adapter would; nothing instantiates them (layers 1–2 only call
 
 from __future__ import annotations
 
+import functools
+
 import attrs
 
 from peerflow.capabilities import Capabilities
@@ -21,19 +23,13 @@ PARALLEL = Capabilities(tensor_parallel=True, pipeline_parallel=True)
 class VllmStyleLayouts(RolloutEngine):
     name = "test-vllm-layouts"
     capabilities = PARALLEL
-
-    @classmethod
-    def shard_layout(cls, hf_config, layout, rank):
-        return rank_layout(vllm_layout, hf_config, layout, rank)
+    shard_layout = staticmethod(functools.partial(rank_layout, vllm_layout))
 
 
 class MegatronStyleLayouts(TrainEngine):
     name = "test-megatron-layouts"
     capabilities = PARALLEL
-
-    @classmethod
-    def shard_layout(cls, hf_config, layout, rank):
-        return rank_layout(megatron_layout, hf_config, layout, rank)
+    shard_layout = staticmethod(functools.partial(rank_layout, megatron_layout))
 
 
 class FsdpStyleLayouts(TrainEngine):

@@ -19,6 +19,8 @@ from hypothesis import strategies as st
 
 from peerflow.batch import Batch, RaggedField
 from peerflow.coordinator import dp_members, pack_batch, unpack_batch
+from peerflow.coordinator.exchange import HEAD_BYTES
+from peerflow.coordinator.wire import size_bound
 from peerflow.layout import ParallelLayout
 from tests.helpers.gloo import free_port, init_gloo
 
@@ -71,15 +73,17 @@ class Pool:
     def run(self, src, dst, shards, mode="p2p", use_group=False):
         for rank in range(self.world):
             self.tasks[rank].put((src, dst, mode, shards.get(rank), use_group))
-        out = {}
-        for _ in range(self.world):
+        out, failures = {}, []
+        for _ in range(self.world):  # every answer, so none is left for the next test
             try:
                 rank, packed, info = self.results.get(timeout=120)
             except queue.Empty:
                 raise AssertionError("a worker did not answer within 120 s") from None
             if packed is None and isinstance(info, str):
-                raise AssertionError(f"rank {rank} failed: {info}")
+                failures.append(f"rank {rank} failed: {info}")
             out[rank] = (unpack_batch(packed) if packed is not None else None, info)
+        if failures:
+            raise AssertionError("; ".join(failures))
         return out
 
     def close(self) -> None:
@@ -283,3 +287,27 @@ def test_missing_load_fields_is_an_error_naming_the_fields(pools) -> None:
     message = str(failure.value)
     assert "none of the load fields ['prompt_ids', 'response_ids']" in message
     assert "it has ['tokens']" in message and "load_fields=" in message
+
+
+@pytest.mark.parametrize("mode", ["p2p", "centralized"])
+def test_messages_larger_than_a_receive_arrive_in_two_parts(pools, mode) -> None:
+    # 720 samples a producer: the metadata (24 bytes a sample) and the centralized
+    # gather and scatter exceed `exchange.HEAD_BYTES`, so they travel as head + tail.
+    src, dst = ParallelLayout(dp=2), ParallelLayout(dp=1, tp=2)
+    groups = [[[3, 5, 1, 7, 2, 4, 6, 8]] * 90 for _ in range(2)]
+    shards_by_dp, shards = make_shards(src, groups, seed=4)
+    assert all(len(b) * 24 > HEAD_BYTES for b in shards_by_dp)
+    check(src, dst, shards_by_dp, pools(2).run(src, dst, shards, mode=mode))
+
+
+@settings(max_examples=20, deadline=None, derandomize=True)
+@given(groups=st.lists(groups_strategy, min_size=1, max_size=2), data=st.data())
+def test_size_bound_holds_for_every_subset(groups, data) -> None:
+    shards_by_dp, _ = make_shards(ParallelLayout(dp=len(groups)), groups, seed=5)
+    batch = Batch.concat(shards_by_dp)
+    per_sample, fixed = size_bound(batch)
+    indices = data.draw(st.lists(st.sampled_from(range(len(batch))), unique=True)
+                        if len(batch) else st.just([]), label="indices")
+    packed = pack_batch(batch.select(indices))
+    assert packed.numel() <= fixed + int(per_sample[torch.tensor(indices, dtype=torch.int64)].sum())
+    assert int(packed[:8].view(torch.int64)[0]) == packed.numel()  # self-sized message

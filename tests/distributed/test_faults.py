@@ -332,34 +332,25 @@ def _run_hanging_reward(tmp_path, config: str, hang_rank: int) -> subprocess.Com
         env=env, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.parametrize(("config", "hang_rank", "stage"), [
+    ("quickstart.yaml", 1, "step 1 reward"),
+    ("async.yaml", 0, "reward (async)"),
+])
 def test_a_reward_that_never_returns_fails_the_run_naming_rank_reward_and_sample(
-        tmp_path) -> None:
-    """The real step loop: rank 1's reward hangs; the run fails after
-    `runtime.reward_timeout`, naming rank 1, the reward stage, the reward, its samples and
-    the line it is stuck on (before, the job hung or blamed a healthy rank)."""
-    proc = _run_hanging_reward(tmp_path, "quickstart.yaml", hang_rank=1)
+        tmp_path, config: str, hang_rank: int, stage: str) -> None:
+    """Rank `hang_rank`'s reward hangs (sync: the real step loop; async: every node of the
+    streaming schedules runs as a stage with its deadline); the run fails after
+    `runtime.reward_timeout`, naming that rank (not a waiting healthy one), the reward
+    stage, the reward, its samples and the line it is stuck on."""
+    proc = _run_hanging_reward(tmp_path, config, hang_rank=hang_rank)
     err = proc.stderr
     assert proc.returncode == 1, err
     host = socket.gethostname()
     launcher = next(line for line in err.splitlines() if line.startswith("LAUNCHER:"))
-    assert (f"rank 1 (host {host}) failed in stage \"step 1 reward (reward 'hang_on_rank1' on "
-            "sample_id ") in launcher, err
-    assert "first: dataset row" in launcher
+    assert (f"rank {hang_rank} (host {host}) failed in stage \"{stage} (reward "
+            "'hang_on_rank1' on sample_id ") in launcher, err
     assert "past the stage's deadline of 4 s" in launcher
     assert "hangprog.py:" in launcher and "in score" in launcher
-    assert f"; rank 0 (host {host}" in err  # the healthy rank exits naming rank 1
-
-
-def test_an_async_reward_that_never_returns_fails_the_run_naming_rank_and_reward(
-        tmp_path) -> None:
-    """Async mode: every node of the streaming schedules runs as a stage with its deadline,
-    so the rollout rank's hanging reward fails the run naming it (not the waiting trainer)."""
-    proc = _run_hanging_reward(tmp_path, "async.yaml", hang_rank=0)
-    err = proc.stderr
-    assert proc.returncode == 1, err
-    host = socket.gethostname()
-    launcher = next(line for line in err.splitlines() if line.startswith("LAUNCHER:"))
-    assert (f"rank 0 (host {host}) failed in stage \"reward (async) (reward 'hang_on_rank1' "
-            "on sample_id ") in launcher, err
-    assert "past the stage's deadline of 4 s" in launcher
-    assert "hangprog.py:" in launcher and "in score" in launcher
+    if config == "quickstart.yaml":
+        assert "first: dataset row" in launcher
+        assert f"; rank 0 (host {host}" in err  # the healthy rank exits naming rank 1

@@ -1,6 +1,6 @@
 """Errors an operator can act on (issue 18, item 5): each names the file, key or setting
-and the fix, before any worker starts where possible; Ctrl-C stops every rank and prints
-the `--resume` command."""
+and the fix, before any worker starts where possible; Ctrl-C stops every rank at one step,
+checkpoints it and prints the `--resume` command; a second Ctrl-C stops them at once."""
 
 from __future__ import annotations
 
@@ -11,12 +11,15 @@ import signal
 import socket
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
 import pytest
 
-from peerflow.checkpoint import newest_complete
+from peerflow.checkpoint import list_checkpoints, newest_complete
+from tests.helpers.gloo import free_port
+from tests.helpers.procs import process_gone
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = str(ROOT / "examples" / "quickstart.yaml")
@@ -87,33 +90,158 @@ def test_master_port_in_use_is_one_line_naming_port_and_fix(tmp_path) -> None:
     assert "pick a free port" in lines[0]
 
 
-def test_ctrl_c_stops_every_rank_and_prints_the_resume_command(tmp_path) -> None:
-    run = tmp_path / "run"
-    proc = subprocess.Popen(
+def _start_train(run: Path, *overrides: str) -> subprocess.Popen:
+    return subprocess.Popen(
         [sys.executable, "-m", "peerflow", "train", QUICKSTART, "--run-dir", str(run),
-         "--set", "run.steps=500", "--set", "run.checkpoint_every=1",
-         "--set", "run.prompts_per_step=4", "--set", "run.trace=false"],
+         "--set", "run.prompts_per_step=4", "--set", "run.trace=false",
+         *[a for o in overrides for a in ("--set", o)]],
         env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         start_new_session=True)  # its own process group, as a terminal's foreground job
+
+
+def _steps(run: Path) -> list[int]:
+    path = run / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(line)["step"] for line in path.read_text().splitlines()
+            if line.strip()]
+
+
+def _wait_for_step(proc: subprocess.Popen, run: Path, step: int) -> None:
     deadline = time.monotonic() + 240
-    while newest_complete(run) is None and time.monotonic() < deadline:
+    while (not _steps(run) or _steps(run)[-1] < step) and time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()
         time.sleep(0.2)
-    assert proc.poll() is None, proc.communicate()
-    os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
-    out, err = proc.communicate(timeout=120)
+
+
+# sync: Ctrl-C in a terminal (the launcher and every worker get SIGINT); async: SIGINT to
+# the launcher alone (as `kill -INT`), which asks the workers through the fault store.
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_ctrl_c_checkpoints_the_stop_step_and_resume_continues(tmp_path, mode) -> None:
+    run = tmp_path / "run"
+    extra = (["runtime.mode=async", "runtime.placement=split", "rollout.layout.dp=1",
+              "trainer.layout.dp=1", "runtime.max_staleness=1"] if mode == "async" else [])
+    # no scheduled checkpoint before the end: the one at the stop is the graceful stop's
+    proc = _start_train(run, "run.steps=500", "runtime.stop_grace=60", *extra)
+    _wait_for_step(proc, run, 2)
+    sent = time.monotonic()
+    if mode == "sync":
+        os.killpg(proc.pid, signal.SIGINT)
+    else:
+        os.kill(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=180)
+    print(f"{mode}: exited {time.monotonic() - sent:.1f} s after SIGINT")
     assert proc.returncode == 130, err
     assert "Traceback" not in err, err
+    stop = int(re.search(r"stopped gracefully after step (\d+) \(Ctrl-C\); checkpoint of "
+                         r"step \1 written", err).group(1))
     assert f"continue with:\n  peerflow train --resume {run}" in err
+    found = newest_complete(run)
+    assert found is not None and found.step == stop, err  # verified, at the stop step
+    assert [(c.step, c.status) for c in list_checkpoints(run, check=True)] == [(stop, "verified")]
+    assert _steps(run) == list(range(1, stop + 1))  # no step past the agreed one
+    for log in run.glob("logs/rank*.log"):  # nobody was stopped at once
+        assert "interrupted (SIGINT)" not in log.read_text(), log.read_text()
+
+    resumed = peerflow("train", "--resume", str(run), "--set", f"run.steps={stop + 2}")
+    assert resumed.returncode == 0, resumed.stderr
+    assert _steps(run) == list(range(1, stop + 3))  # metrics continue from the stop
+
+
+STUCK_REWARD = textwrap.dedent('''
+    import os, sys, time
+    import torch.distributed as dist
+    from peerflow.algorithms.base import RewardFunction
+    from peerflow.errors import PeerFlowError
+    from peerflow.launch import launch
+    from peerflow.plugins import get_plugin_manager, hookimpl
+    from peerflow.worker.main import run_worker
+
+    class StuckReward(RewardFunction):
+        name = "stuck_on_rank1_step2"
+        calls = 0
+
+        def score(self, responses, examples):
+            StuckReward.calls += 1
+            if dist.get_rank() == 1 and StuckReward.calls == 2:  # step 2 never ends
+                open(os.environ["STUCK_FLAG"], "w").close()
+                while True:
+                    time.sleep(0.1)
+            return [0.0] * len(responses)
+
+    class Plugin:
+        @hookimpl
+        def peerflow_register_rewards(self, register):
+            register(StuckReward)
+
+    def run(config_path, overrides, run_dir, resume):
+        get_plugin_manager().register(Plugin(), "stuck-reward")
+        run_worker(config_path, overrides, run_dir, resume)
+
+    if __name__ == "__main__":
+        try:
+            launch(sys.argv[1], sys.argv[3:], sys.argv[2], None, nprocs=2,
+                   entry="stuckprog:run")
+        except PeerFlowError as exc:
+            print("LAUNCHER:", exc, file=sys.stderr)
+            sys.exit(130)
+''')
+
+
+def test_a_second_ctrl_c_stops_every_rank_at_once(tmp_path) -> None:
+    """Rank 1 is stuck in step 2's reward, so the graceful stop cannot reach a step
+    boundary: the second Ctrl-C stops every rank at once (today's immediate stop)."""
+    (tmp_path / "stuckprog.py").write_text(STUCK_REWARD)
+    run, flag = tmp_path / "run", tmp_path / "stuck"
+    env = _env(STUCK_FLAG=str(flag))
+    env["PYTHONPATH"] = f"{tmp_path}{os.pathsep}{env['PYTHONPATH']}"
+    proc = subprocess.Popen(
+        [sys.executable, str(tmp_path / "stuckprog.py"), QUICKSTART, str(run), "run.steps=50",
+         "run.prompts_per_step=4", "task.reward=stuck_on_rank1_step2", "run.trace=false",
+         "runtime.stop_grace=600", "runtime.reward_timeout=600"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True)
+    deadline = time.monotonic() + 240
+    while not flag.exists() and time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
+    time.sleep(1.5)  # later than the same Ctrl-C's echo through the agent
+    assert proc.poll() is None, proc.communicate()  # waiting for the step boundary
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert "LAUNCHER: interrupted (Ctrl-C); every worker was stopped at once" in err, err
+    assert "Traceback" not in err, err
+    assert newest_complete(run) is None  # nothing was saved at the stop
     logs = sorted(run.glob("logs/rank*.log"))
     assert [log.name for log in logs] == ["rank0.log", "rank1.log"]
-    for log in logs:  # every worker recorded the interrupt and is gone
-        found = re.search(r"\(pid (\d+)\) interrupted \(SIGINT\)", log.read_text())
+    for log in logs:  # every worker recorded the stop and is gone
+        found = re.search(r"\(pid (\d+)\): SIGINT, graceful stop requested", log.read_text())
         assert found, log.read_text()
-        assert _gone(int(found.group(1)))
+        assert process_gone(int(found.group(1)))
+    assert "interrupted (SIGINT)" in (run / "logs" / "rank1.log").read_text()
 
 
-def _gone(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return True
+def test_ctrl_c_under_torchrun_checkpoints_the_stop_step(tmp_path) -> None:
+    """torchrun's agent forwards Ctrl-C to its workers: the same graceful stop."""
+    run = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node",
+         "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
+         "-m", "peerflow", "train", QUICKSTART,
+         "--run-dir", str(run), "--set", "run.steps=500", "--set", "run.prompts_per_step=4",
+         "--set", "run.trace=false", "--set", "runtime.stop_grace=25"],
+        env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True)
+    _wait_for_step(proc, run, 2)
+    os.kill(proc.pid, signal.SIGINT)  # the agent alone; it signals its workers
+    out = proc.communicate(timeout=180)[0]
+    assert proc.returncode != 0, out
+    stop = int(re.search(r"stopped gracefully after step (\d+) \(stop requested\); "
+                         r"checkpoint of step \1 written", (run / "logs" / "rank0.log")
+                         .read_text()).group(1))
+    assert f"continue with:\n  peerflow train --resume {run}" in out, out
+    found = newest_complete(run)
+    assert found is not None and found.step == stop, out
+    assert _steps(run) == list(range(1, stop + 1))

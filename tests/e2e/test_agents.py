@@ -30,10 +30,13 @@ def _check_episodes(row: dict) -> None:
 def test_sync_agent_run(tmp_path, quickstart, tiny, metrics_of, peerflow_train):
     run_dir = tmp_path / "run"
     peerflow_train([quickstart, "--nprocs", "2", "--run-dir", str(run_dir)],
-                   [*tiny, *AGENT, "run.steps=2"])
+                   [*tiny, *AGENT, "run.steps=2", "run.eval_every=2", "eval.n=2",
+                    "eval.max_prompts=4"])
     rows = metrics_of(run_dir)
-    assert [m["step"] for m in rows] == [1, 2]
-    for row in rows:
+    assert [m["step"] for m in rows] == [0, 1, 2]  # step 0: the evaluation before training
+    for row in (rows[0], rows[2]):  # evaluation runs episodes too (greedy and sampled)
+        assert row["eval/prompts"] == 4 and 0 <= row["eval/sampled/reward"] <= 1
+    for row in rows[1:]:
         _check_episodes(row)
         assert row["agent/versions_max"] == 1
         # token exactness: the trainer scores the sampled tokens as the rollout did
@@ -56,3 +59,16 @@ def test_async_agent_run_under_the_staleness_bound(tmp_path, quickstart, tiny, m
         # a trajectory's turns may span the versions applied between them, never more
         # than the staleness bound allows
         assert 1 <= row["agent/versions_max"] <= 2
+
+
+def test_timing_out_environment_ends_its_trajectories_and_the_run_goes_on(
+        tmp_path, quickstart, tiny, metrics_of, peerflow_train):
+    run_dir = tmp_path / "run"
+    peerflow_train([quickstart, "--nprocs", "2", "--run-dir", str(run_dir)],
+                   [*tiny, *AGENT, "run.steps=2", "rollout.agent.options.step_delay_s=5",
+                    "rollout.agent.step_timeout_s=0.2"])
+    rows = metrics_of(run_dir)
+    assert [m["step"] for m in rows] == [1, 2]
+    for row in rows:
+        assert row["agent/finish/env_timeout"] == 1.0 and row["agent/turns_mean"] == 1
+        assert row["agent/observation_tokens"] == 0 and row["samples"] == 16

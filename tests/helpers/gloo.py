@@ -4,9 +4,15 @@ from __future__ import annotations
 
 import datetime
 import os
+import queue
 import socket
+import traceback
+from collections.abc import Callable
+from typing import Any
 
+import pytest
 import torch
+import torch.multiprocessing as mp
 
 
 def free_port() -> int:
@@ -25,3 +31,47 @@ def init_gloo(rank: int, world: int, port: int, timeout_s: float | None = None) 
     extra = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, **extra)
+
+
+def run_gloo(body: Callable[[int, int], Any], world: int, *, timeout_s: float = 240) -> dict:
+    """Runs `body(rank, world)` in `world` spawned processes joined in one gloo group.
+
+    `body` must be a module-level function and return plain data (a shared tensor's file
+    descriptor is gone once its process exits). Collectives time out after `timeout_s`.
+
+    Returns:
+        Rank → what `body` returned there; fails the test with every worker's traceback.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_run_rank, args=(body, rank, world, port, timeout_s, results))
+             for rank in range(world)]
+    for p in procs:
+        p.start()
+    wait_s = timeout_s + 160
+    try:
+        got = [results.get(timeout=wait_s) for _ in procs]
+    except queue.Empty:
+        pytest.fail(f"a worker neither finished nor reported an error within {wait_s} s")
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    errors = [err for _, _, err in got if err]
+    assert not errors, "\n".join(errors)
+    return {rank: out for rank, out, _ in got}
+
+
+def _run_rank(body: Callable[[int, int], Any], rank: int, world: int, port: int,
+              timeout_s: float, results: Any) -> None:
+    import torch.distributed as dist
+
+    init_gloo(rank, world, port, timeout_s=timeout_s)
+    try:
+        results.put((rank, body(rank, world), None))
+    except BaseException:
+        results.put((rank, None, traceback.format_exc()))
+    finally:
+        dist.destroy_process_group()

@@ -137,7 +137,7 @@ def test_tool_environment_answers_calls_with_tool_messages(plugin_manager):
     assert env.tool_schemas()[0]["function"]["name"] == "calculator"
     result = env.step(_turn(_call("calculator", expression="6*7") + _call(
         "calculator", expression="6/0")))
-    assert result.role == "tool" and not result.done
+    assert not result.done
     assert result.observation == [{"role": "tool", "content": "42"},
                                   {"role": "tool", "content": "Error: ValueError: division "
                                                               "by zero"}]

@@ -105,3 +105,17 @@ def test_a_stale_lock_is_taken_over_and_a_used_directory_refused(tmp_path, capsy
         {"host": "elsewhere", "pid": gone.pid, "started": "earlier"}))
     with pytest.raises(ConfigError, match=f"in use by pid {gone.pid} on host elsewhere"):
         RunLock(tmp_path).acquire()
+
+
+def test_a_lock_of_the_same_torchrun_job_is_taken_over(tmp_path, monkeypatch):
+    """torchrun --max-restarts restarts every worker; rank 0 may land on another host."""
+    (tmp_path / "run.lock").write_text(json.dumps(
+        {"host": "elsewhere", "pid": 1, "started": "earlier", "job": "job-a"}))
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-b")  # another job: refused
+    with pytest.raises(ConfigError, match="in use by pid 1 on host elsewhere"):
+        RunLock(tmp_path).acquire()
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-a")
+    lines = []
+    with RunLock(tmp_path, log=lines.append) as lock:
+        assert json.loads(lock.path.read_text())["job"] == "job-a"
+    assert "torchrun job job-a restarted its workers" in lines[0]

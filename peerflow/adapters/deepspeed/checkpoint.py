@@ -1,5 +1,7 @@
 """Checkpoints of the DeepSpeed engine: DeepSpeed's own files plus PeerFlow's metadata.
 
+`DeepSpeedCheckpoints` gives the engine `save_checkpoint` / `load_checkpoint`.
+
 Every rank writes its ZeRO partition files under `directory/<checkpoint_tag>/` with
 DeepSpeed's `save_checkpoint`; dp-rank 0 writes `peerflow_deepspeed.json` (atomically):
 the weight version, ZeRO stage, dp size, tag, and the full shape of every parameter.
@@ -10,53 +12,44 @@ be the one the checkpoint was written with.
 
 from __future__ import annotations
 
-import json
 import os
-from typing import Any
+from typing import TYPE_CHECKING
 
-from peerflow.checkpoint import check_shapes, write_json_atomic
-from peerflow.errors import ConfigError
+from peerflow.checkpoint import check_same_layout, check_shapes, read_engine_meta, write_json_atomic
+
+if TYPE_CHECKING:
+    from peerflow.adapters.deepspeed.engine import DeepSpeedTrainEngine
 
 META = "peerflow_deepspeed.json"
 
 
-def _shapes(engine: Any) -> dict[str, list[int]]:
-    return {n: list(engine._full_shape(p)) for n, p in engine._module.named_parameters()}
+class DeepSpeedCheckpoints:
+    """`save_checkpoint` / `load_checkpoint` of `DeepSpeedTrainEngine` (a mixin)."""
 
+    def _shapes(self: DeepSpeedTrainEngine) -> dict[str, list[int]]:
+        return {n: list(self._full_shape(p)) for n, p in self._module.named_parameters()}
 
-def save(engine: Any, directory: str) -> None:
-    """Writes `engine`'s model, optimiser and metadata into `directory` (every rank)."""
-    import torch.distributed as dist
+    def save_checkpoint(self: DeepSpeedTrainEngine, directory: str) -> None:
+        """Saves model, optimiser and engine state into `directory` (every rank)."""
+        import torch.distributed as dist
 
-    os.makedirs(directory, exist_ok=True)
-    tag = engine.options.checkpoint_tag
-    engine.engine.save_checkpoint(directory, tag=tag,
-                                  client_state={"peerflow_version": engine.version})
-    if engine.dp_rank == 0:
-        write_json_atomic(os.path.join(directory, META), {
-            "version": engine.version, "zero_stage": engine.zero_stage,
-            "dp_size": engine.dp_size, "tag": tag, "shapes": _shapes(engine),
-        })
-    dist.barrier(group=engine.dp_group)
+        os.makedirs(directory, exist_ok=True)
+        tag = self.options.checkpoint_tag
+        self.engine.save_checkpoint(directory, tag=tag,
+                                    client_state={"peerflow_version": self.version})
+        if self.dp_rank == 0:
+            write_json_atomic(os.path.join(directory, META), {
+                "version": self.version, "zero_stage": self.zero_stage,
+                "dp_size": self.dp_size, "tag": tag, "shapes": self._shapes(),
+            })
+        dist.barrier(group=self.dp_group)
 
-
-def load(engine: Any, directory: str) -> None:
-    """Restores what `save` wrote (same dp size; exactly the same parameter shapes)."""
-    meta_path = os.path.join(directory, META)
-    if not os.path.exists(meta_path):
-        raise FileNotFoundError(
-            f"{directory} holds no DeepSpeed checkpoint written by PeerFlow "
-            f"({meta_path} is missing); pass the directory save_checkpoint wrote."
-        )
-    with open(meta_path) as handle:
-        meta: dict[str, Any] = json.load(handle)
-    if meta["dp_size"] != engine.dp_size:
-        raise ConfigError(
-            f"checkpoint {directory} was written by {meta['dp_size']} DeepSpeed ranks but "
-            f"this run has {engine.dp_size}; resume with the same trainer layout."
-        )
-    check_shapes(meta.get("shapes", {}), _shapes(engine), where=directory)
-    path, client = engine.engine.load_checkpoint(directory, tag=meta["tag"])
-    if path is None:
-        raise RuntimeError(f"DeepSpeed could not load the checkpoint in {directory}.")
-    engine.version = int(client.get("peerflow_version", meta["version"]))
+    def load_checkpoint(self: DeepSpeedTrainEngine, directory: str) -> None:
+        """Restores what `save_checkpoint` wrote (same dp size, same parameter shapes)."""
+        meta = read_engine_meta(directory, META, "DeepSpeed")
+        check_same_layout({"dp": meta["dp_size"]}, {"dp": self.dp_size}, where=directory)
+        check_shapes(meta.get("shapes", {}), self._shapes(), where=directory)
+        path, client = self.engine.load_checkpoint(directory, tag=meta["tag"])
+        if path is None:
+            raise RuntimeError(f"DeepSpeed could not load the checkpoint in {directory}.")
+        self.version = int(client.get("peerflow_version", meta["version"]))

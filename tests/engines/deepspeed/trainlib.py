@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import torch
+
+from tests.helpers.gloo import free_port
 
 #: Adam with eps=1e-3 makes the post-step comparison about gradients, not about the
 #: float noise of near-zero gradients (see tests/engines/fsdp).
@@ -126,13 +127,6 @@ def reference(model_path: str) -> dict:
         del state["lm_head.weight"]
     return {"logprobs": logprobs.values.detach(), "grad_norm": float(norm), "state": state,
             "loss": float(loss.detach()), "entropy": float(entropy.detach())}
-
-
-def free_port() -> int:
-    """A free TCP port on loopback."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_workers(script: Path, *args: str, nprocs: int = 2, timeout: float = 420) -> None:

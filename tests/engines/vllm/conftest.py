@@ -29,6 +29,20 @@ def vllm_tiny_model(tmp_path_factory) -> str:
     return build_vllm_tiny_model(tmp_path_factory.mktemp("vllm-tiny-qwen2"), tied=False)
 
 
+@pytest.fixture(scope="module")
+def engine(vllm_tiny_model):
+    """One `vllm` engine per test module: the tiny model, in-process, max_model_len 128."""
+    from peerflow.adapters.vllm.engine import VLLMRolloutEngine
+    from peerflow.adapters.vllm.options import VLLMRolloutOptions
+    from peerflow.engines import EngineContext
+    from peerflow.layout import ParallelLayout
+
+    context = EngineContext(model_path=vllm_tiny_model, layout=ParallelLayout(), seed=0)
+    eng = VLLMRolloutEngine(context, VLLMRolloutOptions(max_model_len=128))
+    yield eng
+    eng.shutdown()
+
+
 def sha(tensor: torch.Tensor) -> str:
     """Returns the SHA-256 of a tensor's bytes (what `checksums()` compares)."""
     return hashlib.sha256(tensor.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()

@@ -16,17 +16,6 @@ from tests.unit.test_agents_rollout import TEMPERATURE, Echo, _draws  # noqa: E4
 pytestmark = pytest.mark.engine("vllm")
 
 
-@pytest.fixture(scope="module")
-def engine(vllm_tiny_model):
-    from peerflow.adapters.vllm.engine import VLLMRolloutEngine
-    from peerflow.adapters.vllm.options import VLLMRolloutOptions
-
-    context = EngineContext(model_path=vllm_tiny_model, layout=ParallelLayout(), seed=0)
-    eng = VLLMRolloutEngine(context, VLLMRolloutOptions(max_model_len=128))
-    yield eng
-    eng.shutdown()
-
-
 def test_vllm_episodes_are_token_exact(engine, vllm_tiny_model):
     from transformers import AutoTokenizer
 

@@ -15,17 +15,6 @@ pytestmark = pytest.mark.engine("vllm")
 
 
 @pytest.fixture(scope="module")
-def engine(vllm_tiny_model):
-    from peerflow.adapters.vllm.engine import VLLMRolloutEngine
-    from peerflow.adapters.vllm.options import VLLMRolloutOptions
-
-    context = EngineContext(model_path=vllm_tiny_model, layout=ParallelLayout(), seed=0)
-    eng = VLLMRolloutEngine(context, VLLMRolloutOptions(max_model_len=128))
-    yield eng
-    eng.shutdown()
-
-
-@pytest.fixture(scope="module")
 def hf_model(vllm_tiny_model):
     from transformers import AutoModelForCausalLM
 
@@ -106,7 +95,7 @@ def test_logprobs_match_hf_forward(engine, hf_model):
 
 
 def test_stop_string_is_trimmed_from_tokens(engine):
-    tokenizer = engine._tokenizer
+    tokenizer = engine.llm.get_tokenizer()
     sampling = SamplingParams(n=4, max_tokens=24, stop=("a", "e"), seed=5)
     results = engine.generate(_requests(3), sampling)
     stopped = [r for r in results if r.finish_reason == "stop" and 1 not in r.token_ids]

@@ -1,0 +1,82 @@
+"""Stores of one worker generation under torchrun, so a restart never reads stale keys.
+
+torchrun's agents share one `TCPStore` server across rendezvous rounds
+(`TORCHELASTIC_USE_AGENT_STORE=True`; the server lives in the first agent) and give every
+generation of workers the same `MASTER_ADDR:MASTER_PORT`, with no per-round prefix. After
+`--max-restarts` restarts the workers, the keys the previous generation wrote are still
+there: gloo's peer addresses (a new rank connects to a dead process's port and fails,
+`Connection refused`, using up a restart) and PeerFlow's fault keys (an old abort record
+would stop the new generation at once). `TORCHELASTIC_RESTART_COUNT` cannot tell
+generations apart: an agent restarting for a membership change does not count it, so
+the agents' counts differ.
+
+`generation_stores` gives each generation stores of its own: rank 0 starts a fresh
+`TCPStore` server (the process group's store) and publishes its address with a random
+nonce in the agent store; every other rank reads that, connects, and checks the nonce in
+the fresh store — a stale address (a previous generation's rank 0, now gone) fails the
+check or the connection, and the rank reads again until the deadline. The fault channel
+stays in the agent store (it outlives any worker) under a prefix made of the nonce.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import time
+import uuid
+from typing import Any
+
+import torch.distributed as dist
+
+#: Agent-store key where rank 0 publishes `host:port:nonce` of the generation's store.
+ADDRESS_KEY = "peerflow/generation/store"
+#: Key in the generation's own store holding its nonce.
+NONCE_KEY = "peerflow/generation/nonce"
+
+
+def _store(host: str, port: int, timeout: float, *, master: bool = False) -> Any:
+    return dist.TCPStore(host, port, is_master=master, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=timeout))
+
+
+def generation_stores(rank: int, timeout: float) -> tuple[Any, Any]:
+    """Returns `(process-group store, fault store)` of this worker generation.
+
+    Args:
+        rank: This worker's global rank.
+        timeout: Seconds to wait for rank 0's store (the run's `fault_timeout`).
+
+    Raises:
+        TimeoutError: rank 0 did not publish a reachable store within `timeout`.
+    """
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    agent = _store(host, port, timeout)
+    if rank == 0:
+        nonce = uuid.uuid4().hex[:16]
+        own = _store(host, 0, timeout, master=True)
+        own.set(NONCE_KEY, nonce)
+        agent.set(ADDRESS_KEY, f"{host}:{own.port}:{nonce}")
+    else:
+        own, nonce = _connect(agent, timeout)
+    return own, dist.PrefixStore(f"peerflow/generation/{nonce}/", agent)
+
+
+def _connect(agent: Any, timeout: float) -> tuple[Any, str]:
+    """Connects to the store rank 0 of this generation published (skipping stale ones)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        address = agent.get(ADDRESS_KEY).decode()
+        host, port, nonce = address.rsplit(":", 2)
+        try:
+            own = _store(host, int(port), min(2.0, timeout))
+            if own.get(NONCE_KEY).decode() == nonce:
+                own.set_timeout(datetime.timedelta(seconds=timeout))
+                return own, nonce
+        except (RuntimeError, OSError):
+            pass  # a previous generation's rank 0, gone (or not listening yet)
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"rank 0 of this torchrun generation published no reachable store in "
+                f"{ADDRESS_KEY!r} within {timeout:g} s (last seen: {address}); it did not "
+                "start, or runtime.fault_timeout is shorter than its start-up")
+        time.sleep(0.2)

@@ -1,0 +1,175 @@
+"""A graceful stop (Ctrl-C, SIGTERM): every rank stops at one agreed step boundary.
+
+The request travels through the fault store (`PREFIX + "stop/request"`): the launcher
+sets it on its first SIGINT/SIGTERM; a worker sets it on its own first SIGINT (a
+terminal's Ctrl-C reaches every local worker; torchrun's agent forwards it). The run
+driver reads it at each step boundary, and the ranks agree on the stop step through the
+step's metrics exchange (`peerflow.worker.driver`), so all of them stop after the same
+step, checkpoint it when that is cheap, and publish the outcome (`StopRecord`). A second
+SIGINT on a worker, more than `SAME_SIGNAL_S` after the first, stops it at once (the
+immediate stop); so does `runtime.stop_grace` passing (the fault monitor enforces it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+import attrs
+
+from peerflow.distributed.ranklog import append_to_rank_log
+from peerflow.distributed.stages import PREFIX
+
+#: Key a stop request is stored under (its value: the reason, e.g. "Ctrl-C").
+REQUEST_KEY = PREFIX + "stop/request"
+#: Key the launcher sets for the immediate stop (second Ctrl-C, or its grace passed).
+NOW_KEY = PREFIX + "stop/now"
+#: Key the ranks publish where they stopped.
+RECORD_KEY = PREFIX + "stop/record"
+#: A second SIGINT within this many seconds of the first is the same Ctrl-C (a terminal
+#: signals every process of the job, and torchrun's agent forwards it once more).
+SAME_SIGNAL_S = 1.0
+
+
+@attrs.frozen(kw_only=True)
+class StopRecord:
+    """Where a gracefully stopped run stopped."""
+
+    step: int
+    """The last step every rank finished."""
+    saved: bool
+    """A checkpoint of `step` exists (written at the stop or as a scheduled one)."""
+    note: str = ""
+    """Why no checkpoint was written at the stop, if none was."""
+
+    def message(self, reason: str) -> str:
+        """One line for the operator."""
+        what = (f"checkpoint of step {self.step} written" if self.saved
+                else f"no checkpoint written at the stop ({self.note})")
+        return f"stopped gracefully after step {self.step} ({reason}); {what}"
+
+
+def request_stop(store: Any, reason: str) -> bool:
+    """Asks every rank to stop at the next step boundary; False if already asked."""
+    current = store.compare_set(REQUEST_KEY, "", reason)
+    return (current.decode() if isinstance(current, bytes) else current) == reason
+
+
+def stop_now_requested(store: Any) -> bool:
+    """Whether the launcher asked for the immediate stop."""
+    with contextlib.suppress(Exception):
+        return bool(store.check([NOW_KEY]))
+    return False
+
+
+def stop_reason(store: Any) -> str | None:
+    """The reason a stop was requested, or `None` (also when the store is unreachable)."""
+    with contextlib.suppress(Exception):
+        if store.check([REQUEST_KEY]):
+            return store.get(REQUEST_KEY).decode()
+    return None
+
+
+def publish_stop(store: Any, record: StopRecord) -> None:
+    """Records where the run stopped (every driver rank writes the same record)."""
+    store.set(RECORD_KEY, json.dumps(attrs.asdict(record)))
+
+
+def read_stop(store: Any) -> StopRecord | None:
+    """Where the run stopped gracefully, or `None` if it did not."""
+    with contextlib.suppress(Exception):
+        if store.check([RECORD_KEY]):
+            return StopRecord(**json.loads(store.get(RECORD_KEY)))
+    return None
+
+
+@attrs.define(eq=False)
+class WorkerStopHandler:
+    """A worker's SIGINT handler: the first asks for a graceful stop, a later one stops now.
+
+    Install it in the worker's main thread (`install`).
+    """
+
+    store: Any
+    rank: int
+    first: float | None = None
+
+    def install(self) -> WorkerStopHandler:
+        """Replaces the SIGINT handler (a no-op outside the main thread)."""
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, self)
+        return self
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        """Handles one SIGINT."""
+        now = time.monotonic()
+        if self.first is None:
+            self.first = now
+            with contextlib.suppress(Exception):
+                request_stop(self.store, "Ctrl-C")
+            if self.rank == 0:
+                print("peerflow: stopping at the next step boundary (checkpoint if cheap); "
+                      "Ctrl-C again to stop at once", file=sys.stderr, flush=True)
+            append_to_rank_log(f"rank {self.rank} (pid {os.getpid()}): SIGINT, graceful stop "
+                               "requested")
+            return
+        if now - self.first > SAME_SIGNAL_S:
+            raise KeyboardInterrupt
+
+
+@attrs.define(eq=False)
+class LauncherStopHandler:
+    """The launcher's SIGINT/SIGTERM handler.
+
+    The elastic launcher's `signals_to_handle` leaves both to it. The first asks every
+    worker for a graceful stop and arms a backstop after `grace` seconds; a second, or the
+    backstop, raises `interrupt(signum)`, the elastic agent's immediate stop (it signals
+    every worker).
+    """
+
+    store: Any
+    grace: float
+    interrupt: Any
+    """`f(signum) -> BaseException` raised for the immediate stop."""
+    reason: str | None = None
+    _previous: dict[int, Any] = attrs.field(factory=dict)
+    _timer: threading.Timer | None = None
+
+    def install(self) -> LauncherStopHandler:
+        """Takes SIGINT and SIGTERM (main thread only; a no-op elsewhere)."""
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self)
+        return self
+
+    def uninstall(self) -> None:
+        """Gives the signals back and disarms the backstop."""
+        if self._timer is not None:
+            self._timer.cancel()
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        """Handles one SIGINT or SIGTERM."""
+        if self.reason is not None:
+            with contextlib.suppress(Exception):  # workers still in the first signal's echo
+                self.store.set(NOW_KEY, "1")
+            raise self.interrupt(signum)
+        name = signal.Signals(signum).name
+        self.reason = "Ctrl-C" if signum == signal.SIGINT else name
+        with contextlib.suppress(Exception):
+            request_stop(self.store, self.reason)
+        print(f"peerflow train: {name}: stopping every worker at the next step boundary "
+              f"(checkpoint if cheap, within runtime.stop_grace={self.grace:g} s); Ctrl-C "
+              "again to stop at once", file=sys.stderr, flush=True)
+        pid = os.getpid()
+        self._timer = threading.Timer(self.grace + 2.0, os.kill, (pid, signal.SIGINT))
+        self._timer.daemon = True
+        self._timer.start()

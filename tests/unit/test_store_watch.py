@@ -1,0 +1,50 @@
+"""A rank cut off from the fault store exits within the heartbeat bound, naming the lost
+rank and host, even though its store calls block (issue 18: a cut link)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch.distributed as dist
+
+from peerflow.distributed import PEER_FAILED_EXIT, FaultMonitor
+
+
+class CutLink:
+    """A store whose calls block forever once `cut` is set, as over a link that is down."""
+
+    def __init__(self, store) -> None:
+        self.store = store
+        self.cut = threading.Event()
+
+    def __getattr__(self, name):
+        method = getattr(self.store, name)
+
+        def call(*args, **kwargs):
+            if self.cut.is_set():
+                threading.Event().wait()  # no reset ever comes back
+            return method(*args, **kwargs)
+
+        return call
+
+
+def test_a_cut_off_rank_exits_naming_the_lost_host(capsys) -> None:
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    link = CutLink(store)
+    exits: list[int] = []
+    far = FaultMonitor(store=store, rank=0, world_size=2, fault_timeout=2.0, host="h0",
+                       exit_process=lambda code: None).start()
+    near = FaultMonitor(store=link, rank=1, world_size=2, fault_timeout=2.0, host="h1",
+                        exit_process=exits.append).start()
+    time.sleep(0.5)  # a few answered ticks: rank 1 knows its peer's host
+    link.cut.set()
+    deadline = time.monotonic() + 10
+    while not exits and time.monotonic() < deadline:
+        time.sleep(0.05)
+    far.close()
+    assert exits == [PEER_FAILED_EXIT]
+    err = capsys.readouterr().err
+    assert "rank 0 (host h0) failed" in err, err
+    assert "unreachable from rank 1 (host h1)" in err and "no answer for" in err, err
+    assert near.closed
