@@ -15,6 +15,7 @@ schema that could silently drop a column.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -47,6 +48,12 @@ class RaggedField:
             values=torch.cat([t.reshape(len(t), *t.shape[1:]) for t in tensors]),
             offsets=_offsets_from_lengths([len(t) for t in tensors]),
         )
+
+    @classmethod
+    def from_lists(cls, rows: Sequence[Sequence[float]], dtype: torch.dtype) -> RaggedField:
+        """Packs per-sample lists of numbers (one tensor built, no per-sample tensors)."""
+        return cls(values=torch.tensor(list(itertools.chain.from_iterable(rows)), dtype=dtype),
+                   offsets=_offsets_from_lengths([len(row) for row in rows]))
 
     @property
     def lengths(self) -> torch.Tensor:  # [num_samples]

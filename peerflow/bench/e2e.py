@@ -69,6 +69,9 @@ def _run(cmd: list[str], log: Path) -> float:
 def run_peerflow(args: argparse.Namespace, overrides: list[str], work: Path) -> dict[str, Any]:
     """Runs `peerflow train` and returns tokens, wall and train-loop seconds.
 
+    The loop is the summed `time/iteration` (each step with the driver's work between
+    steps), the span `e2e_trl` times on TRL's side.
+
     `phases_s` sums the run's `time/<phase>` (max over ranks per step): where the time goes.
     """
     run_dir = work / f"peerflow-{time.time_ns()}"
@@ -79,11 +82,12 @@ def run_peerflow(args: argparse.Namespace, overrides: list[str], work: Path) -> 
     wall = _run(cmd, work / "peerflow.log")
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x]
     tokens = sum(m.get("tokens/total", 0.0) for m in lines)
-    train_s = sum(m.get("time/step", 0.0) for m in lines)
+    train_s = sum(m.get("time/iteration", m.get("time/step", 0.0)) for m in lines)
     phases: dict[str, float] = {}
     for m in lines:
         for key, value in m.items():
-            if key.startswith("time/") and key != "time/step" and isinstance(value, float):
+            if (key.startswith("time/") and key not in ("time/step", "time/iteration")
+                    and isinstance(value, float)):
                 phases[key[5:]] = phases.get(key[5:], 0.0) + value
     return {"tokens": tokens, "wall_s": wall, "train_s": train_s,
             "startup_s": max(wall - train_s, 0.0), "phases_s": phases,

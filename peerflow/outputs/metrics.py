@@ -30,6 +30,8 @@ Algorithm
 Speed
     `throughput/tokens_per_s` — prompt + response tokens processed per wall second of the
     step; `throughput/samples_per_s`; `time/step` — wall seconds of the step;
+    `time/iteration` — wall seconds of the training loop per step (the step and the
+    previous step's metrics, hooks and checkpoint; sync mode);
     `time/<phase>` — seconds in each phase (`generate`, `reward`, `ref_logprob`,
     `old_logprob`, `values`, `advantage`, `train_actor`, `train_critic`, `sync_weights`,
     `checkpoint`, …), plotted as the step-time breakdown;

@@ -147,7 +147,7 @@ def render_report(
         axes[-1, 0].set_xlabel("step")
         save(fig, stem)
 
-    phases = [n for n in _names(records, ("time/",)) if n != "time/step"]
+    phases = [n for n in _names(records, ("time/",)) if n not in ("time/step", "time/iteration")]
     if phases or _series(records, "time/step")[1]:
         fig, ax = plt.subplots(figsize=(7, 4))
         _plot_step_time(ax, records, phases)

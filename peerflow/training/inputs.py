@@ -67,25 +67,36 @@ def pad_inputs(batch: Batch) -> PaddedInputs:
                             position_ids=torch.zeros_like(one),
                             prompt_lengths=torch.ones(1, dtype=torch.int64),
                             response_lengths=torch.zeros(1, dtype=torch.int64), samples=0)
-    prompts = batch.ragged("prompt_ids").rows()
-    responses = batch.ragged("response_ids").rows()
-    width = max(len(p) + len(r) for p, r in zip(prompts, responses, strict=True))
+    prompt, response = batch.ragged("prompt_ids"), batch.ragged("response_ids")
+    prompt_lengths, response_lengths = prompt.lengths, response.lengths
+    if bool((prompt_lengths == 0).any()):
+        row = int(torch.nonzero(prompt_lengths == 0)[0])
+        raise ValueError(
+            f"sample {int(batch.sample_id[row])} has an empty prompt_ids; a causal LM "
+            "needs at least one prompt token to predict the first response token."
+        )
+    lengths = prompt_lengths + response_lengths
+    width = int(lengths.max())
+    mask = torch.arange(width)[None, :] < lengths[:, None]
     input_ids = torch.zeros(len(batch), width, dtype=torch.int64)
-    mask = torch.zeros(len(batch), width, dtype=torch.int64)
-    for row, (prompt, response) in enumerate(zip(prompts, responses, strict=True)):
-        if len(prompt) == 0:
-            raise ValueError(
-                f"sample {int(batch.sample_id[row])} has an empty prompt_ids; a causal LM "
-                "needs at least one prompt token to predict the first response token."
-            )
-        input_ids[row, : len(prompt) + len(response)] = torch.cat([prompt, response])
-        mask[row, : len(prompt) + len(response)] = 1
+    input_ids[mask] = _concat_rows(prompt, response)
     return PaddedInputs(
-        input_ids=input_ids, attention_mask=mask,
+        input_ids=input_ids, attention_mask=mask.to(torch.int64),
         position_ids=torch.arange(width)[None, :].expand(len(batch), -1).contiguous(),
-        prompt_lengths=batch.lengths("prompt_ids"),
-        response_lengths=batch.lengths("response_ids"), samples=len(batch),
+        prompt_lengths=prompt_lengths, response_lengths=response_lengths,
+        samples=len(batch),
     )
+
+
+def _concat_rows(first: RaggedField, second: RaggedField) -> torch.Tensor:
+    """Row `i` of `first` then row `i` of `second`, for every row, packed (one gather)."""
+    lengths = first.lengths + second.lengths
+    row = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+    local = torch.arange(int(lengths.sum())) - _offsets(lengths)[:-1][row]
+    head = first.lengths[row]
+    source = torch.where(local < head, first.offsets[:-1][row] + local,
+                         len(first.values) + second.offsets[:-1][row] + local - head)
+    return torch.cat([first.values, second.values.to(first.values.dtype)])[source]
 
 
 def pad_to_shape(inputs: PaddedInputs, rows: int, width: int) -> PaddedInputs:

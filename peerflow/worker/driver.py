@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
@@ -176,7 +177,13 @@ def drive(rt: WorkerRuntime, schedule: Schedule, stage: Any, *, resuming: bool =
             outputs.write(start_step, initial, run, force=True)
         with stage(schedule.name), contextlib.closing(
                 schedule.steps(start_step, outputs.tracer)) as steps:
+            since = time.perf_counter()
             for step, batch, metrics in steps:
+                # The loop's wall time, per step: this step and the previous step's driver
+                # work (metrics, hooks, checkpoint) — what a user waits for in the loop.
+                now = time.perf_counter()
+                metrics.max("time/iteration", now - since)
+                since = now
                 rt.step = step
                 record_batch_metrics(batch, metrics)
                 stopping.offer(metrics)

@@ -87,27 +87,20 @@ def generate_batch(
                             sampling.n)
     n = sampling.n
     by_request = {d.position: (d, p) for d, p in zip(draws, prompts)}
-    prompt_rows, response_rows, logprob_rows = [], [], []
-    group_ids, sample_ids, finish, examples = [], [], [], []
-    for res in results:
-        draw, prompt = by_request[res.request_id]
-        prompt_rows.append(torch.tensor(prompt, dtype=torch.int64))
-        response_rows.append(torch.tensor(res.token_ids, dtype=torch.int64))
-        logprob_rows.append(torch.tensor(res.logprobs, dtype=torch.float32))
-        group_ids.append(draw.position)
-        sample_ids.append(draw.position * n + res.index)
-        finish.append(res.finish_reason)
-        examples.append(draw.example)
+    owners = [by_request[res.request_id] for res in results]
     batch = Batch(
-        sample_id=torch.tensor(sample_ids),
-        group_id=torch.tensor(group_ids),
+        sample_id=torch.tensor([d.position * n + res.index
+                                for (d, _), res in zip(owners, results)]),
+        group_id=torch.tensor([d.position for d, _ in owners]),
         weight_version=torch.full((len(results),), engine.weight_version, dtype=torch.int64),
     )
-    batch.set("prompt_ids", RaggedField.from_tensors(prompt_rows, dtype=torch.int64))
-    batch.set("response_ids", RaggedField.from_tensors(response_rows, dtype=torch.int64))
-    batch.set("rollout_logprobs", RaggedField.from_tensors(logprob_rows, dtype=torch.float32))
-    batch.set_objects("finish_reason", finish)
-    batch.set_objects("example", examples)
+    batch.set("prompt_ids", RaggedField.from_lists([p for _, p in owners], torch.int64))
+    batch.set("response_ids", RaggedField.from_lists([r.token_ids for r in results],
+                                                     torch.int64))
+    batch.set("rollout_logprobs", RaggedField.from_lists([r.logprobs for r in results],
+                                                         torch.float32))
+    batch.set_objects("finish_reason", [res.finish_reason for res in results])
+    batch.set_objects("example", [d.example for d, _ in owners])
     return batch
 
 

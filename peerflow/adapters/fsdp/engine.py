@@ -111,10 +111,13 @@ class FSDPTrainEngine(CausalLMTrainEngine):
         self.dp_group = None
         if self.distributed:
             self._shard(group)
-        # foreach (one multi-tensor update, torch's default only on GPU) groups tensors
-        # across DTensor meshes, which tensor parallelism's mixed meshes forbid.
+        # The fused update is one kernel call over every parameter where torch's default
+        # runs ~10 multi-tensor ops, each re-planned by DTensor's dispatcher every step.
+        # Both group tensors across DTensor meshes, which tensor parallelism's mixed
+        # meshes forbid: tp > 1 takes the per-parameter loop.
         self.optimizer = build_adamw(self.model.parameters(), self.optim,
-                                     foreach=layout.tp == 1)
+                                     fused=True if layout.tp == 1 else None,
+                                     foreach=None if layout.tp == 1 else False)
 
     def _bf16_supported(self) -> bool:
         if self.device.type == "cuda" and not torch.cuda.is_bf16_supported():
