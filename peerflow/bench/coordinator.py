@@ -4,7 +4,8 @@ For each process count N, N gloo processes on this machine each build the same
 synthetic step batch (prompt and response ids, log-probs, advantages, rewards, the
 per-sample examples) and hold their dp-shard of it as producers `dpN`; the batch is
 redistributed to consumers `dp(N/2)×tp2` (the colocated rollout → trainer route of a
-tp=2 trainer), once peer to peer and once centralized (gather to one rank, scatter).
+tp=2 trainer), peer to peer and centralized (gather to one rank, scatter) in alternation,
+one repetition of each after the other.
 Every run checks that each sample reached exactly one consumer dp-rank. Reported per
 (N, mode): the bytes through the busiest rank (sent + received + metadata) and the wall
 time of the slowest rank, medians over `--runs` repetitions after one warm-up; and the
@@ -90,10 +91,10 @@ def _worker(rank: int, world: int, port: int, args: dict[str, Any], out: Any) ->
     full = make_step_batch(args["groups"], args["group_size"], args["mean_tokens"], args["seed"])
     mine = [i for i, g in enumerate(full.group_id.tolist()) if g % world == rank]
     shard = full.select(mine)
-    results: dict[str, Any] = {}
-    for mode in ("p2p", "centralized"):
-        walls, busiest = [], []
-        for run in range(args["runs"] + 1):
+    walls: dict[str, list[float]] = {"p2p": [], "centralized": []}
+    busiest: dict[str, list[int]] = {"p2p": [], "centralized": []}
+    for run in range(args["runs"] + 1):
+        for mode in walls:  # modes alternate, so a change of machine load hits both
             stats = TransferStats()
             dist.barrier()
             got = redistribute(shard, (src, dst), None, mode=mode, stats=stats, timeout=300)
@@ -108,10 +109,12 @@ def _worker(rank: int, world: int, port: int, args: dict[str, Any], out: Any) ->
             if int(ids) != len(full):
                 raise RuntimeError(f"{mode}: {int(ids)} samples arrived, expected {len(full)}")
             if run:  # the first run warms up connections
-                walls.append(max(float(g[0]) for g in gathered))
-                busiest.append(max(int(g[1]) for g in gathered))
-        results[mode] = {"wall_s": statistics.median(walls),
-                         "busiest_rank_bytes": int(statistics.median(busiest))}
+                walls[mode].append(max(float(g[0]) for g in gathered))
+                busiest[mode].append(max(int(g[1]) for g in gathered))
+    results: dict[str, Any] = {
+        mode: {"wall_s": statistics.median(walls[mode]),
+               "busiest_rank_bytes": int(statistics.median(busiest[mode]))}
+        for mode in walls}
     results["gloo_send"] = _plain_send(results["p2p"]["busiest_rank_bytes"], args["runs"])
     if rank == 0:
         members = dp_members(dst)

@@ -234,19 +234,22 @@ def _centralized(batch: Batch, src: ParallelLayout, dst: ParallelLayout, rank: i
     plan = plan_transfer(src, dst, [s.group_id.tolist() for s in shards],
                          [s.token_count(load_fields).tolist() for s in shards])
     stats.plan = plan
-    outgoing: list[tuple[int, torch.Tensor, int]] = []
-    result = Batch.empty()
-    for receiver in dst.global_ranks:
-        parts = [_subset(shards[s_dp], idx) for s_dp in range(src.dp)
-                 for (s, r), idx in plan.sends.items()
-                 if r == receiver and s in members[s_dp]]
-        out = _concat(parts)
-        if receiver == controller:
-            result = out
-        else:
-            outgoing.append((receiver, pack_batch(out), HEAD_BYTES))
-    move(outgoing, [], "centralized scatter")
-    return result
+    consumers = [(group, _concat([_subset(shards[s_dp], idx) for s_dp in range(src.dp)
+                                  for (s, r), idx in plan.sends.items()
+                                  if r == group[0] and s in members[s_dp]]))
+                 for group in dp_members(dst)]
+
+    def scatter() -> Iterator[tuple[int, torch.Tensor, int]]:
+        # like p2p: one buffer per consumer dp group, posted as soon as it is packed
+        for group, out in consumers:
+            packed = None
+            for receiver in group:
+                if receiver != controller:
+                    packed = pack_batch(out) if packed is None else packed
+                    yield receiver, packed, HEAD_BYTES
+
+    move(scatter(), [], "centralized scatter")
+    return next((out for group, out in consumers if controller in group), Batch.empty())
 
 
 def redistribute(

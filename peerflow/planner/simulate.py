@@ -15,8 +15,10 @@ import attrs
 from peerflow.coordinator.transfer import dp_members, plan_transfer
 from peerflow.layout import ParallelLayout
 
-#: Bytes per sample of metadata in the all-gather (group id and load, int64 each).
-METADATA_BYTES = 16
+#: Bytes per sample of metadata (group id, load and packed-size bound, int64 each).
+METADATA_BYTES = 24
+#: Bytes of a metadata message besides its samples (length, fixed bytes, sample count).
+METADATA_HEADER_BYTES = 24
 
 
 @attrs.frozen(kw_only=True)
@@ -97,11 +99,13 @@ def simulate_route(
     received = dict.fromkeys(ranks, 0)
     owner = {r: dp for dp, m in enumerate(members) for r in m}
     if mode == "p2p":
-        for rank in ranks:  # metadata all-gather (ring: each rank receives the rest)
-            leader = rank in owner and members[owner[rank]][0] == rank
-            mine = len(loads[owner[rank]]) if leader else 0
-            received[rank] += (samples - mine) * METADATA_BYTES
-            sent[rank] += samples * METADATA_BYTES * (len(ranks) - 1) // len(ranks)
+        # each producer leader sends its metadata message to every other rank of the route
+        message = {m[0]: METADATA_HEADER_BYTES + len(row) * METADATA_BYTES
+                   for m, row in zip(members, loads)}
+        all_metadata = sum(message.values())
+        for rank in ranks:
+            sent[rank] += message.get(rank, 0) * (len(ranks) - 1)
+            received[rank] += all_metadata - message.get(rank, 0)
         for (sender, receiver), indices in plan.sends.items():
             if sender != receiver:
                 nbytes = sum(sample_bytes[owner[sender]][i] for i in indices)
