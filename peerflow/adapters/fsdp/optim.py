@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 
 def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float) -> float:
@@ -35,6 +36,9 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float) -> float:
         by_spec.setdefault(key, []).append(g)
     squares = 0.0
     for group in by_spec.values():
+        if _sharded_on_one_dim(group[0]):
+            squares += _sum_of_squares_of_shards(group)
+            continue
         norm = torch.nn.utils.get_total_norm(group, norm_type=2.0)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
@@ -46,3 +50,25 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float) -> float:
             for g in grads:
                 g.mul_(scale)
     return total
+
+
+def _sharded_on_one_dim(grad: torch.Tensor) -> bool:
+    """A DTensor sharded over a 1-D mesh (plain FSDP): each element lives on one rank."""
+    from torch.distributed.tensor import DTensor
+
+    return (isinstance(grad, DTensor) and grad.device_mesh.ndim == 1
+            and all(p.is_shard() for p in grad.placements))
+
+
+def _sum_of_squares_of_shards(group: list[torch.Tensor]) -> float:
+    """The global sum of squares of 1-D-mesh-sharded gradients: one all-reduce.
+
+    The same value DTensor's norm computes, without its per-op sharding dispatch: the
+    local shards' norms on plain tensors, then one sum over the mesh.
+    """
+    local = torch.nn.utils.get_total_norm([g.to_local() for g in group], norm_type=2.0)
+    squares = local.double().square().reshape(1)
+    mesh = group[0].device_mesh
+    if mesh.size() > 1:
+        dist.all_reduce(squares, group=mesh.get_group())
+    return float(squares)
