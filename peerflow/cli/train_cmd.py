@@ -31,6 +31,9 @@ from peerflow.errors import (
     WorkerFailedError,
 )
 
+#: Where rank 0 under torchrun records its job id (`--rdzv-id`).
+TORCHRUN_JOB_FILE = "torchrun_job"
+
 
 def add_parser(subparsers: Any) -> None:
     """Adds the `train` subcommand."""
@@ -98,7 +101,8 @@ def check_config(config_path: str, overrides: list[str]) -> Any:
 
 
 def check_run_dir(
-    run_dir: Path, config: Any, *, resume: bool, allow_change: list[str]
+    run_dir: Path, config: Any, *, resume: bool, allow_change: list[str],
+    restarted: bool = False,
 ) -> None:
     """Refuses a fresh run into a used directory, or a resume that changes the fingerprint.
 
@@ -107,6 +111,9 @@ def check_run_dir(
         config: The validated `RunConfig` about to run.
         resume: Whether the run continues `run_dir` (`--resume`, or a torchrun restart).
         allow_change: `--allow-change` keys.
+        restarted: torchrun restarted the job that started this directory
+            (`same_torchrun_job`); with no checkpoint yet, the run starts again from step 0
+            (same fingerprint required) instead of being refused as a used directory.
 
     Raises:
         ConfigError: naming the directory, or each differing key with both values.
@@ -124,6 +131,10 @@ def check_run_dir(
             )
     elif allow_change:
         raise ConfigError("--allow-change only applies to --resume RUN_DIR; drop it.")
+    elif restarted and (run_dir / "config.yaml").is_file():
+        check_resume(run_dir, config, [])
+        print(f"peerflow train: torchrun restarted the job before its first checkpoint: "
+              f"starting {run_dir} again from step 0", file=sys.stderr, flush=True)
     elif (run_dir / "config.yaml").is_file():
         raise ConfigError(
             f"run directory {str(run_dir)!r} already holds a run (config.yaml); continue it "
@@ -148,7 +159,9 @@ def _torchrun_worker(args: argparse.Namespace, config_path: str, run_dir: str | 
     with RunLock(Path(run_dir)) if lead else contextlib.nullcontext():
         if lead:
             check_run_dir(Path(run_dir), config, resume=bool(resume),
-                          allow_change=args.allow_change)
+                          allow_change=args.allow_change,
+                          restarted=same_torchrun_job(Path(run_dir)))
+            record_torchrun_job(Path(run_dir))
         try:
             return int(launch(config_path=config_path, overrides=list(args.overrides),
                               run_dir=run_dir, resume=resume, launcher=args.launcher) or 0)
@@ -157,6 +170,31 @@ def _torchrun_worker(args: argparse.Namespace, config_path: str, run_dir: str | 
                 print(f"peerflow train: stopped.\n{resume_hint(Path(run_dir))}",
                       file=sys.stderr, flush=True)
             raise
+
+
+def same_torchrun_job(run_dir: Path) -> bool:
+    """Whether this torchrun job started `run_dir` (so this is a restart of its workers).
+
+    Rank 0 records `TORCHELASTIC_RUN_ID` (`--rdzv-id`) in `RUN_DIR/torchrun_job` once the
+    directory is accepted (`record_torchrun_job`); torchrun's default id `none`
+    identifies no job.
+    """
+    job = _torchrun_job()
+    path = run_dir / TORCHRUN_JOB_FILE
+    return bool(job) and path.is_file() and path.read_text().strip() == job
+
+
+def record_torchrun_job(run_dir: Path) -> None:
+    """Records this torchrun job's id in `run_dir` (see `same_torchrun_job`)."""
+    from peerflow.checkpoint.atomic import write_text_atomic
+
+    if job := _torchrun_job():
+        write_text_atomic(run_dir / TORCHRUN_JOB_FILE, job)
+
+
+def _torchrun_job() -> str:
+    job = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    return "" if job == "none" else job
 
 
 def restart_resume(run_dir: str) -> str | None:

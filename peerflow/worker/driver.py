@@ -115,8 +115,8 @@ class RunOutputs:
         set_tracer(tracer)
         writer = None
         if reports:
-            if start_step:
-                truncate_metrics(rt.run_dir / "metrics.jsonl", start_step)
+            # a resume, or a torchrun restart before the first checkpoint (start_step 0)
+            truncate_metrics(rt.run_dir / "metrics.jsonl", start_step)
             writer = MetricsWriter(rt.run_dir, rt.config, tensorboard=run.tensorboard,
                                    wandb=run.wandb)
         progress = StepProgress(run.steps, start=start_step, enabled=reports)

@@ -130,23 +130,41 @@ def test_a_lost_host_stops_the_survivor_naming_it_then_resume_continues(
 
 
 def test_torchrun_max_restarts_resumes_by_itself(hosts, tmp_path) -> None:
-    """h1's worker is killed; both agents restart their workers, which resume by
-    themselves. The restarted generation must not read the killed one's keys in torchrun's
-    shared store (gloo addresses, abort record): it was flaky (2 of 4) until each
-    generation got stores of its own (`peerflow.distributed.round_store`)."""
+    """h1's worker is killed twice: before the first checkpoint (the restarted job starts
+    again from step 0 in its own run directory, its earlier metrics dropped) and after
+    one (the restarted workers resume by themselves). The restarted generation must not
+    read the killed one's keys in torchrun's shared store (gloo addresses, abort record):
+    it was flaky (2 of 4) until each generation got stores of its own
+    (`peerflow.distributed.round_store`)."""
     run = tmp_path / "run"
     # restarted workers start at different times on the two hosts (seconds apart on a busy
     # machine); a restarted rank waits for rank 0 of its generation up to fault_timeout
-    procs = _torchrun(hosts, run, "run.steps=6", "run.checkpoint_every=2", max_restarts=3,
+    procs = _torchrun(hosts, run, "run.steps=6", "run.checkpoint_every=3", max_restarts=3,
                       fault_timeout=45)
-    _wait_for_checkpoint(run, procs, 2)
-    workers = [pid for pid in hosts.pids(1) if _is_worker(pid)]
-    assert len(workers) == 1, workers
-    os.kill(workers[0], 9)
+    deadline = time.monotonic() + 240
+    while not _steps(run):
+        assert time.monotonic() < deadline, "no step within 240 s"
+        assert all(p.poll() is None for p in procs), _finish(procs)
+        time.sleep(0.2)
+    assert newest_complete(run) is None
+    _kill_worker(hosts, 1)
+    _wait_for_checkpoint(run, procs, 3)
+    _kill_worker(hosts, 1)
     results = _finish(procs)
     assert [code for code, _ in results] == [0, 0], results
-    assert f"resuming {run} from step " in results[0][1] + results[1][1]
+    output = results[0][1] + results[1][1]
+    assert f"starting {run} again from step 0" in output
+    assert f"resuming {run} from step 3" in output
     assert _steps(run) == [1, 2, 3, 4, 5, 6]
+
+
+def _kill_worker(hosts: Hosts, host: int) -> None:
+    deadline = time.monotonic() + 120
+    while not (workers := [pid for pid in hosts.pids(host) if _is_worker(pid)]):
+        assert time.monotonic() < deadline, "no worker on the host within 120 s"
+        time.sleep(0.2)
+    assert len(workers) == 1, workers
+    os.kill(workers[0], 9)
 
 
 def _assert_cut_off_worker_exits(hosts: Hosts, agent: subprocess.Popen, workers: list[int],

@@ -119,3 +119,26 @@ def test_a_lock_of_the_same_torchrun_job_is_taken_over(tmp_path, monkeypatch):
     with RunLock(tmp_path, log=lines.append) as lock:
         assert json.loads(lock.path.read_text())["job"] == "job-a"
     assert "torchrun job job-a restarted its workers" in lines[0]
+
+
+def test_a_torchrun_restart_before_the_first_checkpoint_starts_again(run_dir, monkeypatch,
+                                                                    capsys):
+    """The job that started the directory may start it again (no checkpoint to resume
+    from); another job, torchrun's default id `none`, or a changed config is refused."""
+    from peerflow.cli.train_cmd import check_run_dir, record_torchrun_job, same_torchrun_job
+
+    config = load_config(QUICKSTART)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-a")
+    assert not same_torchrun_job(run_dir)  # nothing recorded yet
+    record_torchrun_job(run_dir)
+    assert same_torchrun_job(run_dir)
+    check_run_dir(run_dir, config, resume=False, allow_change=[], restarted=True)
+    assert f"starting {run_dir} again from step 0" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="hidden_size: run has 128, resume has 64"):
+        check_run_dir(run_dir, load_config(QUICKSTART, ["model.builder_options.hidden_size=64"]),
+                      resume=False, allow_change=[], restarted=True)
+    for other in ("job-b", "none"):
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", other)
+        assert not same_torchrun_job(run_dir)
+    with pytest.raises(ConfigError, match="already holds a run"):
+        check_run_dir(run_dir, config, resume=False, allow_change=[], restarted=False)
