@@ -6,6 +6,8 @@ Layout (what the other `peerflow.outputs` modules write)::
         run.lock             held while a run uses the directory (host, pid); see `RunLock`
         config.yaml          the resolved config (defaults filled in, overrides applied)
         fingerprint.json     what a resume must not change (`peerflow.checkpoint.fingerprint`)
+        torchrun_job         under torchrun: the job's `--rdzv-id` (a restart of the same job
+                             may start again before the first checkpoint)
         metrics.jsonl        one JSON object per logged step (`step` + metrics)
         tb/                  TensorBoard events
         trace_rank{r}.json   Chrome-trace timeline of rank r (chrome://tracing, Perfetto)
