@@ -22,6 +22,10 @@ from typing import Any
 import attrs
 import torch
 
+#: Ragged bool field aligned with `response_ids`: true on tokens the model sampled
+#: (absent: every response token is trained). See `Batch.loss_mask`.
+LOSS_MASK = "loss_mask"
+
 
 def _offsets_from_lengths(lengths: Sequence[int] | torch.Tensor) -> torch.Tensor:
     lengths = torch.as_tensor(lengths, dtype=torch.int64)
@@ -193,9 +197,9 @@ class Batch:
         Raises:
             ValueError: `loss_mask` is not aligned with `response_ids`.
         """
-        if "loss_mask" not in self.fields:
+        if LOSS_MASK not in self.fields:
             return None
-        mask, expected = self.ragged("loss_mask"), self.lengths("response_ids")
+        mask, expected = self.ragged(LOSS_MASK), self.lengths("response_ids")
         if not torch.equal(mask.lengths, expected):
             bad = int((mask.lengths != expected).nonzero()[0, 0])
             raise ValueError(

@@ -37,14 +37,11 @@ import torch
 from peerflow.agents.concurrent import Outcome, run_with_limits
 from peerflow.agents.environment import Environment, StepResult, Turn
 from peerflow.agents.render import TurnRenderer
-from peerflow.batch import Batch, RaggedField
+from peerflow.batch import LOSS_MASK, Batch, RaggedField
 from peerflow.engines import GenerationRequest, RolloutEngine, SamplingParams
 from peerflow.streaming.versions import TOKEN_VERSIONS, token_versions
 from peerflow.worker.rollout import check_results, encode_prompt
 from peerflow.worker.sampler import Draw
-
-#: Ragged bool field aligned with `response_ids`: true on tokens the model sampled.
-LOSS_MASK = "loss_mask"
 
 
 @attrs.define(eq=False)
