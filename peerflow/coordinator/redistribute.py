@@ -40,8 +40,9 @@ import torch
 import torch.distributed as dist
 
 from peerflow.batch import Batch
-from peerflow.coordinator.exchange import HEAD_BYTES, exchange, frame
+from peerflow.coordinator.exchange import HEAD_BYTES, frame
 from peerflow.coordinator.transfer import TransferPlan, dp_members, plan_transfer
+from peerflow.coordinator.transport import check_transport, open_channel
 from peerflow.coordinator.wire import pack_batch, size_bound, unpack_batch
 from peerflow.distributed.comm import default_timeout
 from peerflow.layout import ParallelLayout
@@ -71,6 +72,8 @@ class TransferStats:
     """Seconds spent in the call."""
     plan: TransferPlan | None = None
     """The plan it executed (p2p mode)."""
+    transport: str = ""
+    """The transport its exchanges used (`gloo` or `shm`)."""
 
     @property
     def bytes_total(self) -> int:
@@ -145,7 +148,7 @@ def _decode_metadata(message: torch.Tensor) -> _ShardMetadata:
 
 def _exchange_metadata(
     batch: Batch, src: ParallelLayout, participants: Sequence[int], rank: int,
-    load_fields: Sequence[str], timeout: float, stats: TransferStats,
+    load_fields: Sequence[str], channel: Any, timeout: float, stats: TransferStats,
 ) -> list[_ShardMetadata]:
     """Every producer dp-leader sends its shard's metadata to every other participant."""
     leaders = [m[0] for m in dp_members(src)]
@@ -153,8 +156,8 @@ def _exchange_metadata(
     outgoing = [] if mine is None else [(peer, mine, HEAD_BYTES) for peer in participants
                                         if peer != rank]
     incoming = {leader: HEAD_BYTES for leader in leaders if leader != rank}
-    received, sent = exchange(outgoing, incoming, tag=_METADATA_TAG,
-                              what="redistribute: metadata", timeout=timeout)
+    received, sent = channel.exchange(outgoing, incoming, tag=_METADATA_TAG,
+                                      what="redistribute: metadata", timeout=timeout)
     stats.metadata_bytes += sent + sum(m.numel() for m in received.values())
     return [_decode_metadata(mine if leader == rank else received[leader])
             for leader in leaders]
@@ -186,9 +189,10 @@ def _packed_sends(
 
 
 def _p2p(batch: Batch, src: ParallelLayout, dst: ParallelLayout, rank: int,
-         participants: Sequence[int], load_fields: Sequence[str], timeout: float,
-         stats: TransferStats) -> Batch:
-    metadata = _exchange_metadata(batch, src, participants, rank, load_fields, timeout, stats)
+         participants: Sequence[int], load_fields: Sequence[str], channel: Any,
+         timeout: float, stats: TransferStats) -> Batch:
+    metadata = _exchange_metadata(batch, src, participants, rank, load_fields, channel,
+                                  timeout, stats)
     plan = plan_transfer(src, dst, [m.group_ids for m in metadata], [m.loads for m in metadata])
     stats.plan = plan
     owner = {r: dp for dp, m in enumerate(dp_members(src)) for r in m}
@@ -197,8 +201,8 @@ def _p2p(batch: Batch, src: ParallelLayout, dst: ParallelLayout, rank: int,
     mine = [(receiver, indices) for (sender, receiver), indices in plan.sends.items()
             if sender == rank and receiver != rank]
     outgoing = _packed_sends(batch, mine, metadata[owner[rank]]) if mine else ()
-    received, sent = exchange(outgoing, incoming, tag=_DATA_TAG,
-                              what="redistribute: moving samples", timeout=timeout)
+    received, sent = channel.exchange(outgoing, incoming, tag=_DATA_TAG,
+                                      what="redistribute: moving samples", timeout=timeout)
     stats.bytes_sent += sent
     stats.bytes_received += sum(m.numel() for m in received.values())
     if rank not in set(dst.global_ranks):
@@ -209,14 +213,15 @@ def _p2p(batch: Batch, src: ParallelLayout, dst: ParallelLayout, rank: int,
 
 
 def _centralized(batch: Batch, src: ParallelLayout, dst: ParallelLayout, rank: int,
-                 load_fields: Sequence[str], timeout: float, stats: TransferStats) -> Batch:
+                 load_fields: Sequence[str], channel: Any, timeout: float,
+                 stats: TransferStats) -> Batch:
     members = dp_members(src)
     leaders = [m[0] for m in members]
     controller = min(set(src.global_ranks) | set(dst.global_ranks))
 
     def move(outgoing: Any, incoming: Sequence[int], what: str) -> dict[int, torch.Tensor]:
-        received, sent = exchange(outgoing, dict.fromkeys(incoming, HEAD_BYTES),
-                                  tag=_DATA_TAG, what=what, timeout=timeout)
+        received, sent = channel.exchange(outgoing, dict.fromkeys(incoming, HEAD_BYTES),
+                                          tag=_DATA_TAG, what=what, timeout=timeout)
         stats.bytes_sent += sent
         stats.bytes_received += sum(m.numel() for m in received.values())
         return received
@@ -258,6 +263,7 @@ def redistribute(
     process_group: Any = None,
     *,
     mode: str = "p2p",
+    transport: str = "auto",
     load_fields: Sequence[str] = LOAD_FIELDS,
     timeout: float | None = None,
     stats: TransferStats | None = None,
@@ -274,6 +280,8 @@ def redistribute(
             default group — then every rank of the world calls, including ranks outside
             the route (they return an empty batch).
         mode: `p2p` (peer to peer) or `centralized` (gather to one rank, then scatter).
+        transport: `auto` (shared memory when every rank of the route is on this host,
+            else gloo), `gloo` or `shm` (`coordinator.transport`); both modes use it.
         load_fields: Ragged fields whose summed lengths form a sample's token load; the
             batch must have at least one of them.
         timeout: Seconds per wait; defaults to the process group's (`fault_timeout`).
@@ -284,12 +292,14 @@ def redistribute(
 
     Raises:
         WorkerFailedError: a peer failed or did not answer within `timeout`.
-        ValueError: `mode` is unknown, the process group misses ranks of the route, or the
-            batch has none of `load_fields` (naming the fields it has).
+        ValueError: `mode` or `transport` is unknown (or `shm` where the route's ranks
+            share no memory), the process group misses ranks of the route, or the batch
+            has none of `load_fields` (naming the fields it has).
     """
     src, dst = _layouts(route)
     if mode not in ("p2p", "centralized"):
         raise ValueError(f"redistribute: mode={mode!r}; use 'p2p' or 'centralized'.")
+    check_transport(transport)
     stats = stats if stats is not None else TransferStats()
     start = time.perf_counter()
     rank = dist.get_rank()
@@ -304,10 +314,13 @@ def redistribute(
     else:
         _check_group(process_group, participants)
         _check_load_fields(batch, load_fields)
+        channel = open_channel(participants, transport, timeout)
+        stats.transport = channel.name
         if mode == "p2p":
-            out = _p2p(batch, src, dst, rank, participants, load_fields, timeout, stats)
+            out = _p2p(batch, src, dst, rank, participants, load_fields, channel, timeout,
+                       stats)
         else:
-            out = _centralized(batch, src, dst, rank, load_fields, timeout, stats)
+            out = _centralized(batch, src, dst, rank, load_fields, channel, timeout, stats)
     stats.samples_out = len(out)
     stats.wall_s = time.perf_counter() - start
     return out
