@@ -106,6 +106,8 @@ class GlooChannel:
     """The gloo transport of a route's exchanges (`exchange`, one message per pair)."""
 
     name = "gloo"
+    #: Whether a message addressed to many peers costs one write (no: one send each).
+    shared = False
 
     def begin_call(self) -> GlooChannel:
         """Nothing to count: gloo tags do not depend on the call."""

@@ -22,8 +22,17 @@ So a call costs two rounds of messages — metadata, then payload — and no col
 gloo's all-gather is a ring (N − 1 sequential steps), and its list `all_to_all` rejects
 tensors of different sizes (torch 2.13: `ProcessGroupGloo::alltoall: invalid tensor
 size`). `mode="centralized"` is the single-controller baseline: producers send everything
-to one rank, which plans and scatters, over the same `exchange` (a receiver that cannot
+to one rank, which plans and scatters, over the same exchange (a receiver that cannot
 know the size posts `HEAD_BYTES` and takes the rest as a second message).
+
+Transport (`transport=`, `coordinator.transport`): both modes run their rounds over the
+call's channel — gloo messages, or, when every rank of the route shares this host's
+`/dev/shm` (`auto`, the default, or `shm`), shared-memory segments signalled through the
+c10d store (`coordinator.shm`). A shared channel writes a message addressed to many
+ranks once, so p2p over it takes one round instead of two (`_p2p_shared`): each producer
+dp-leader writes its shard's group ids and token loads followed by the whole packed
+shard, and every rank plans from all leaders' metadata and copies only its samples out
+of the mapped shards. The centralized baseline keeps its gather and scatter.
 
 Every wait has a timeout (`runtime.fault_timeout`); a dead peer raises
 `WorkerFailedError` naming it.
@@ -40,10 +49,10 @@ import torch
 import torch.distributed as dist
 
 from peerflow.batch import Batch
-from peerflow.coordinator.exchange import HEAD_BYTES, frame
+from peerflow.coordinator.exchange import HEAD_BYTES, frame, message_length
 from peerflow.coordinator.transfer import TransferPlan, dp_members, plan_transfer
 from peerflow.coordinator.transport import check_transport, open_channel
-from peerflow.coordinator.wire import pack_batch, size_bound, unpack_batch
+from peerflow.coordinator.wire import ALIGN, pack_batch, size_bound, unpack_batch
 from peerflow.distributed.comm import default_timeout
 from peerflow.layout import ParallelLayout
 
@@ -212,6 +221,62 @@ def _p2p(batch: Batch, src: ParallelLayout, dst: ParallelLayout, rank: int,
     return _concat(parts)
 
 
+def _p2p_shared(batch: Batch, src: ParallelLayout, dst: ParallelLayout, rank: int,
+                participants: Sequence[int], load_fields: Sequence[str], channel: Any,
+                timeout: float, stats: TransferStats) -> Batch:
+    """p2p in one round over a `shared` channel (same host: `coordinator.shm`).
+
+    Each producer dp-leader writes one message once — its shard's group ids and token
+    loads, then the whole packed shard — for every other rank of the route; every rank
+    reads all leaders' group ids and loads, plans, and copies only its own samples out
+    of the shards that hold them (zero-copy views until `select`/`concat`).
+    """
+    members = dp_members(src)
+    leaders = [m[0] for m in members]
+    outgoing: list[tuple[int, torch.Tensor, int]] = []
+    if rank in leaders:
+        meta = frame(torch.cat([batch.group_id, batch.token_count(load_fields)]))
+        head = -(-meta.numel() // ALIGN) * ALIGN
+        message = pack_batch(batch, reserve=head)
+        message[: meta.numel()] = meta
+        outgoing = [(peer, message, 0) for peer in participants if peer != rank]
+        stats.bytes_sent += message.numel()  # written once, whatever the readers
+    received, _ = channel.exchange(outgoing, {r: 0 for r in leaders if r != rank},
+                                   tag=_DATA_TAG, what="redistribute: shards", timeout=timeout)
+    group_ids, loads = [], []
+    for leader in leaders:
+        if leader == rank:
+            group_ids.append(batch.group_id.tolist())
+            loads.append(batch.token_count(load_fields).tolist())
+            continue
+        length = message_length(received[leader])
+        values = received[leader][8:length].view(torch.int64)
+        n = len(values) // 2
+        group_ids.append(values[:n].tolist())
+        loads.append(values[n:].tolist())
+        stats.metadata_bytes += length
+    plan = plan_transfer(src, dst, group_ids, loads)
+    stats.plan = plan
+    if rank not in set(dst.global_ranks):
+        return Batch.empty()
+    owner = {r: dp for dp, m in enumerate(members) for r in m}
+    shards: dict[int, Batch] = {}
+    parts = []
+    for sender, indices in plan.receives(rank):
+        s_dp = owner[sender]
+        if rank in members[s_dp]:
+            parts.append(_subset(batch, indices))
+            continue
+        if s_dp not in shards:
+            message = received[leaders[s_dp]]
+            head = -(-message_length(message) // ALIGN) * ALIGN
+            shards[s_dp] = unpack_batch(message[head:])
+        part = _subset(shards[s_dp], indices)
+        stats.bytes_received += sum(t.numel() * t.element_size() for t in part.to_wire()[1])
+        parts.append(part)
+    return _concat(parts)
+
+
 def _centralized(batch: Batch, src: ParallelLayout, dst: ParallelLayout, rank: int,
                  load_fields: Sequence[str], channel: Any, timeout: float,
                  stats: TransferStats) -> Batch:
@@ -317,8 +382,8 @@ def redistribute(
         channel = open_channel(participants, transport, timeout)
         stats.transport = channel.name
         if mode == "p2p":
-            out = _p2p(batch, src, dst, rank, participants, load_fields, channel, timeout,
-                       stats)
+            p2p = _p2p_shared if channel.shared else _p2p
+            out = p2p(batch, src, dst, rank, participants, load_fields, channel, timeout, stats)
         else:
             out = _centralized(batch, src, dst, rank, load_fields, channel, timeout, stats)
     stats.samples_out = len(out)

@@ -146,6 +146,8 @@ class ShmRoute:
         _ROUTES.append(self)
 
     name = "shm"
+    #: A message addressed to many peers is written once (`redistribute`'s one-round p2p).
+    shared = True
 
     def begin_call(self) -> ShmRoute:
         """Starts the next call on this route (every rank of the set calls it)."""
@@ -181,6 +183,8 @@ class ShmRoute:
             received = {peer: self._read(peer, tag, what) for peer in incoming}
         except WorkerFailedError:
             self._abandon()
+            with contextlib.suppress(Exception):  # the store may be gone with its rank
+                self._collect()
             raise
         self._collect()
         return received, sent
