@@ -221,6 +221,11 @@ def _p2p(batch: Batch, src: ParallelLayout, dst: ParallelLayout, rank: int,
     return _concat(parts)
 
 
+def _padded(nbytes: int) -> int:
+    """`nbytes` rounded up to `wire.ALIGN` (where a packed batch may start)."""
+    return -(-nbytes // ALIGN) * ALIGN
+
+
 def _p2p_shared(batch: Batch, src: ParallelLayout, dst: ParallelLayout, rank: int,
                 participants: Sequence[int], load_fields: Sequence[str], channel: Any,
                 timeout: float, stats: TransferStats) -> Batch:
@@ -236,8 +241,7 @@ def _p2p_shared(batch: Batch, src: ParallelLayout, dst: ParallelLayout, rank: in
     outgoing: list[tuple[int, torch.Tensor, int]] = []
     if rank in leaders:
         meta = frame(torch.cat([batch.group_id, batch.token_count(load_fields)]))
-        head = -(-meta.numel() // ALIGN) * ALIGN
-        message = pack_batch(batch, reserve=head)
+        message = pack_batch(batch, reserve=_padded(meta.numel()))
         message[: meta.numel()] = meta
         outgoing = [(peer, message, 0) for peer in participants if peer != rank]
         stats.bytes_sent += message.numel()  # written once, whatever the readers
@@ -269,8 +273,7 @@ def _p2p_shared(batch: Batch, src: ParallelLayout, dst: ParallelLayout, rank: in
             continue
         if s_dp not in shards:
             message = received[leaders[s_dp]]
-            head = -(-message_length(message) // ALIGN) * ALIGN
-            shards[s_dp] = unpack_batch(message[head:])
+            shards[s_dp] = unpack_batch(message[_padded(message_length(message)):])
         part = _subset(shards[s_dp], indices)
         stats.bytes_received += sum(t.numel() * t.element_size() for t in part.to_wire()[1])
         parts.append(part)

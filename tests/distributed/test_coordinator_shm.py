@@ -18,24 +18,13 @@ from hypothesis import strategies as st
 from peerflow.coordinator import pack_batch
 from peerflow.coordinator.shm import PREFIX, SHM_DIR
 from peerflow.layout import ParallelLayout
+from tests.distributed import test_coordinator
 from tests.distributed.test_coordinator import ROUTES, Pool, check, groups_strategy, make_shards
 from tests.helpers.gloo import free_port, init_gloo, run_gloo
 
 pytestmark = pytest.mark.distributed
 
-
-@pytest.fixture(scope="module")
-def pools():
-    made: dict[int, Pool] = {}
-
-    def get(world: int) -> Pool:
-        if world not in made:
-            made[world] = Pool(world)
-        return made[world]
-
-    yield get
-    for pool in made.values():
-        pool.close()
+pools = test_coordinator.pools  # the module-scoped pool fixture, one pool per world size
 
 
 def _files_of(pids) -> list[str]:
