@@ -39,6 +39,7 @@ from peerflow.reshard.executor import (
     Arena,
     BucketRoutes,
     MemoryMeter,
+    bucket_routes,
     destination_tensors,
     pack_regions,
     packed_layout,
@@ -137,6 +138,12 @@ class WeightSyncService:
     """Bytes the service holds now and at most (pack pool, received buffers, arenas)."""
     _pool: list[Arena] = attrs.field(factory=list, init=False)
     _packs: int = attrs.field(default=0, init=False)
+    _routes: tuple[BucketRoutes, ...] = attrs.field(init=False)
+
+    @_routes.default
+    def _route_buckets(self) -> tuple[BucketRoutes, ...]:
+        """Every bucket's routes on this rank (fixed by the plan: worked out once)."""
+        return bucket_routes(self.buckets, self.rank)
 
     @classmethod
     def build(cls, trainer: TrainEngine | None, rollout: RolloutEngine | None, *,
@@ -200,7 +207,7 @@ class WeightSyncService:
             materialize=self.trainer.materialize if self.trainer is not None else None,
             load=self.rollout.load_weights if self.rollout is not None else None,
             buffers=self.rollout.weight_buffers if self.rollout is not None else None,
-            device=self.device, meter=self.meter, version=version,
+            device=self.device, meter=self.meter, version=version, routes=self._routes,
         )
         if self.rollout is not None:
             finish = time.perf_counter()
@@ -223,7 +230,7 @@ class WeightSyncService:
         self._fire_before(version, roles)
         start = time.perf_counter()
         mine = {s.local_name: s for s in self.plan.sources.get(self.rank, ())}
-        layouts = [self._outgoing(bucket) for bucket in self.buckets]
+        layouts = [self._outgoing(routes) for routes in self._routes]
         slot = self._slot(sum(packed_layout(ts)[1] for per in layouts for ts in per.values()))
         sends = []
         for bucket, per_peer in zip(self.buckets, layouts):
@@ -252,8 +259,7 @@ class WeightSyncService:
         """
         start = time.perf_counter()
         received, nbytes = [], 0
-        for index, bucket in enumerate(self.buckets):
-            routes = BucketRoutes.of(bucket, self.rank)
+        for index, routes in enumerate(self._routes):
             sends = dict(packed.regions[index]) if packed is not None else {}
             own = sends.pop(self.rank, None)
             sizes = {peer: packed_layout(ts)[1] for peer, ts in routes.incoming.items()}
@@ -278,11 +284,10 @@ class WeightSyncService:
         arena = Arena(meter=self.meter, device=self.device)
         self.rollout.begin_weight_update(version)
         try:
-            for bucket, buffers in zip(self.buckets, received.regions):
+            for bucket, routes, buffers in zip(self.buckets, self._routes, received.regions):
                 names = [n for r, n in bucket.targets if r == self.rank]
                 if not names:
                     continue
-                routes = BucketRoutes.of(bucket, self.rank)
                 per_peer = dict(routes.incoming)
                 if routes.local:
                     per_peer[self.rank] = routes.local
@@ -314,8 +319,7 @@ class WeightSyncService:
 
     # -- helpers ------------------------------------------------------------------------
 
-    def _outgoing(self, bucket: Bucket) -> dict[int, list]:
-        routes = BucketRoutes.of(bucket, self.rank)
+    def _outgoing(self, routes: BucketRoutes) -> dict[int, list]:
         per_peer = dict(routes.outgoing)
         if routes.local:
             per_peer[self.rank] = routes.local
