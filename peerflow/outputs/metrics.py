@@ -56,6 +56,8 @@ from typing import Any
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tb"
+#: Seconds between TensorBoard's writes to disk (and at close).
+TENSORBOARD_FLUSH_S = 5
 
 
 def _scalar(value: Any) -> float | int | None:
@@ -120,7 +122,9 @@ class MetricsWriter(contextlib.AbstractContextManager["MetricsWriter"]):
             print(f"peerflow: TensorBoard disabled ({exc}); pip install tensorboard",
                   file=sys.stderr)
             return None
-        return FileWriter(str(self.run_dir / TENSORBOARD_DIR))
+        # The writer's own thread writes events to disk every few seconds; flushing at
+        # every step instead made the reporting rank wait for that thread each step.
+        return FileWriter(str(self.run_dir / TENSORBOARD_DIR), flush_secs=TENSORBOARD_FLUSH_S)
 
     def _open_wandb(self, config: Any) -> Any:
         if importlib.util.find_spec("wandb") is None:
@@ -151,7 +155,6 @@ class MetricsWriter(contextlib.AbstractContextManager["MetricsWriter"]):
         self._file.flush()
         if self._tb is not None:
             self._tb.add_summary(_tensorboard_summary(record), global_step=step)
-            self._tb.flush()
         if self._wandb is not None:
             self._wandb.log({k: v for k, v in record.items() if k != "step"}, step=step)
         return record
