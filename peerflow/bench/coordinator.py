@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 from typing import Any
+
+from peerflow.distributed.init import free_port
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -44,12 +45,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--transport", default="auto,gloo",
                         help="comma-separated coordinator transports (auto|gloo|shm; the "
                              "first one's ratios are the headline; default auto,gloo)")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make_step_batch(groups: int, group_size: int, mean_tokens: int, seed: int) -> Any:
@@ -175,7 +170,7 @@ def _measure(world: int, args: dict[str, Any]) -> dict[str, Any]:
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, world, port, args, out)) for r in range(world)]
     for p in procs:
         p.start()
