@@ -9,7 +9,10 @@ transport of `--transport` (`auto`: shared memory on this host; `gloo`), in alte
 one repetition of every (transport, mode) after the other.
 Every run checks that each sample reached exactly one consumer dp-rank. Reported per
 (N, transport, mode): the bytes through the busiest rank (sent + received + metadata) and
-the wall time of the slowest rank, medians over `--runs` repetitions after one warm-up;
+the wall time of the slowest rank, and the busiest rank's thread CPU time in the call
+(`TransferStats.cpu_s`: what the wall would be with a core per process; `cpu_ratio` is
+p2p / centralized of it, beside the headline wall ratio), medians over `--runs`
+repetitions after one warm-up;
 and the payload bandwidth of the busiest rank next to a plain send of the same number of
 bytes between two of the same processes, measured in the same run (the wire's speed):
 gloo `send`, and the shared-memory channel (write, map, one copy out).
@@ -94,6 +97,7 @@ def _worker(rank: int, world: int, port: int, args: dict[str, Any], out: Any) ->
     combos = [(t, m) for t in args["transports"] for m in ("p2p", "centralized")]
     walls: dict[tuple[str, str], list[float]] = {c: [] for c in combos}
     busiest: dict[tuple[str, str], list[int]] = {c: [] for c in combos}
+    cpus: dict[tuple[str, str], list[float]] = {c: [] for c in combos}
     used: dict[str, str] = {}
     for run in range(args["runs"] + 1):
         for transport, mode in combos:  # alternating, so a change of load hits all alike
@@ -102,9 +106,9 @@ def _worker(rank: int, world: int, port: int, args: dict[str, Any], out: Any) ->
             got = redistribute(shard, (src, dst), None, mode=mode, transport=transport,
                                stats=stats, timeout=300)
             used[transport] = stats.transport
-            mine_stats = torch.tensor([stats.wall_s, float(stats.bytes_total)],
+            mine_stats = torch.tensor([stats.wall_s, float(stats.bytes_total), stats.cpu_s],
                                       dtype=torch.float64)
-            gathered = [torch.zeros(2, dtype=torch.float64) for _ in range(world)]
+            gathered = [torch.zeros(3, dtype=torch.float64) for _ in range(world)]
             dist.all_gather(gathered, mine_stats)
             ids = torch.zeros(1, dtype=torch.int64)
             if dst.coord(rank).tp == 0:
@@ -116,7 +120,9 @@ def _worker(rank: int, world: int, port: int, args: dict[str, Any], out: Any) ->
             if run:  # the first run warms up connections
                 walls[transport, mode].append(max(float(g[0]) for g in gathered))
                 busiest[transport, mode].append(max(int(g[1]) for g in gathered))
+                cpus[transport, mode].append(max(float(g[2]) for g in gathered))
     results = {f"{used[t]}/{m}": {"wall_s": statistics.median(walls[t, m]),
+                                  "busiest_rank_cpu_s": statistics.median(cpus[t, m]),
                                   "busiest_rank_bytes": int(statistics.median(busiest[t, m]))}
                for t, m in combos}
     nbytes = results[f"{used[combos[0][0]]}/p2p"]["busiest_rank_bytes"]
@@ -212,6 +218,8 @@ def _ratios(modes: dict[str, Any], transport: str, plain: dict[str, Any]) -> dic
         "busiest_bytes_centralized_over_p2p": round(
             central["busiest_rank_bytes"] / max(1, p2p["busiest_rank_bytes"]), 3),
         "wall_p2p_over_centralized": round(p2p["wall_s"] / max(1e-9, central["wall_s"]), 3),
+        "cpu_ratio": round(p2p["busiest_rank_cpu_s"]
+                           / max(1e-9, central["busiest_rank_cpu_s"]), 3),
         **{f"p2p_gbps_over_{name}": round(_gbps(p2p) / max(1e-9, _gbps(row)), 3)
            for name, row in plain.items()},
     }
@@ -240,6 +248,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                             "route": measured["route"],
                             "busiest_rank_bytes": row["busiest_rank_bytes"],
                             "wall_s": round(row["wall_s"], 6), "samples": measured["samples"],
+                            "busiest_rank_cpu_s": round(row["busiest_rank_cpu_s"], 6),
                             "busiest_rank_gbps": round(_gbps(row), 3)})
         plain = {name: {"busiest_rank_bytes": p["bytes"], "wall_s": p["wall_s"]}
                  for name, p in measured["plain"].items()}

@@ -79,6 +79,9 @@ class TransferStats:
     """Samples this rank holds as a consumer afterwards."""
     wall_s: float = 0.0
     """Seconds spent in the call."""
+    cpu_s: float = 0.0
+    """CPU seconds of the calling thread in the call (`time.thread_time`; gloo's own
+    threads not counted): the call's wall on a machine with a core per process."""
     plan: TransferPlan | None = None
     """The plan it executed (p2p mode)."""
     transport: str = ""
@@ -369,7 +372,7 @@ def redistribute(
         raise ValueError(f"redistribute: mode={mode!r}; use 'p2p' or 'centralized'.")
     check_transport(transport)
     stats = stats if stats is not None else TransferStats()
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.thread_time()
     rank = dist.get_rank()
     batch = batch if batch is not None and rank in set(src.global_ranks) else Batch.empty()
     stats.samples_in = len(batch)
@@ -391,4 +394,5 @@ def redistribute(
             out = _centralized(batch, src, dst, rank, load_fields, channel, timeout, stats)
     stats.samples_out = len(out)
     stats.wall_s = time.perf_counter() - start
+    stats.cpu_s = time.thread_time() - cpu_start
     return out
