@@ -102,6 +102,45 @@ class RaggedField:
 Column = RaggedField | torch.Tensor | list
 
 
+def _gather_rows(columns: Sequence[tuple[torch.Tensor, torch.Tensor | None]]) -> torch.Tensor:
+    """The rows at each index (`None`: all rows) of each tensor, in one output tensor."""
+    first = columns[0][0]
+    sizes = [len(c) if i is None else len(i) for c, i in columns]
+    out = first.new_empty((sum(sizes), *first.shape[1:]))
+    start = 0
+    for (column, index), size in zip(columns, sizes):
+        if index is None:
+            out[start : start + size].copy_(column)
+        else:
+            torch.index_select(column, 0, index, out=out[start : start + size])
+        start += size
+    return out
+
+
+class _RaggedGather:
+    """Gathers ragged fields of `Batch.gather`'s parts; equal offsets share the work."""
+
+    def __init__(self) -> None:
+        self._known: list[tuple[list[torch.Tensor], Any]] = []  # (offsets per part, plan)
+
+    def _plan(self, columns: Sequence[tuple[RaggedField, torch.Tensor | None]]) -> Any:
+        offsets = [c.offsets for c, _ in columns]
+        for known, plan in self._known:
+            if all(a is b or torch.equal(a, b) for a, b in zip(known, offsets)):
+                return plan
+        gathers = [None if i is None else c.gather_index(i)[1] for c, i in columns]
+        lengths = [c.lengths if i is None else c.lengths.index_select(0, i) for c, i in columns]
+        plan = (_offsets_from_lengths(torch.cat(lengths)), gathers)
+        self._known.append((offsets, plan))
+        return plan
+
+    def gather(self, columns: Sequence[tuple[RaggedField, torch.Tensor | None]]) -> RaggedField:
+        """The samples at each part's index (`None`: all), as one ragged field."""
+        offsets, gathers = self._plan(columns)
+        values = _gather_rows([(c.values, g) for (c, _), g in zip(columns, gathers)])
+        return RaggedField(values=values, offsets=offsets)
+
+
 @attrs.define(eq=False)
 class Batch:
     """A ragged batch of samples with global identities and named fields."""
@@ -243,27 +282,7 @@ class Batch:
 
     def select(self, indices: Sequence[int] | torch.Tensor) -> Batch:
         """Returns a new batch with the samples at `indices`, in that order."""
-        index = torch.as_tensor(indices, dtype=torch.int64)
-        fields: dict[str, Column] = {}
-        gathers: list[tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]] = []
-        for name, column in self.fields.items():
-            if isinstance(column, RaggedField):
-                known = next((g for offsets, g in gathers if offsets is column.offsets
-                              or torch.equal(offsets, column.offsets)), None)
-                if known is None:
-                    known = column.gather_index(index)
-                    gathers.append((column.offsets, known))
-                fields[name] = column.take(*known)
-            elif isinstance(column, torch.Tensor):
-                fields[name] = column.index_select(0, index)
-            else:
-                fields[name] = [column[i] for i in index.tolist()]
-        return Batch(
-            sample_id=self.sample_id.index_select(0, index),
-            group_id=self.group_id.index_select(0, index),
-            weight_version=self.weight_version.index_select(0, index),
-            fields=fields,
-        )
+        return Batch.gather([(self, indices)])
 
     @classmethod
     def concat(cls, batches: Sequence[Batch]) -> Batch:
@@ -272,34 +291,45 @@ class Batch:
         Raises:
             ValueError: The batches have different fields (naming the difference).
         """
-        batches = [b for b in batches if len(b)] or list(batches[:1])
-        if not batches:
+        return cls.gather([(b, None) for b in batches])
+
+    @classmethod
+    def gather(cls, parts: Sequence[tuple[Batch, Sequence[int] | torch.Tensor | None]]) -> Batch:
+        """`concat` of each `batch.select(indices)` (`None`: all of it), one copy per field.
+
+        Every field's rows are gathered straight into one output tensor: no per-part
+        intermediate batch. Ragged fields with equal offsets share one gather index per part.
+
+        Raises:
+            ValueError: The batches have different fields (naming the difference).
+        """
+        rows = [(b, None if i is None else torch.as_tensor(i, dtype=torch.int64))
+                for b, i in parts]
+        rows = [(b, i) for b, i in rows if (len(b) if i is None else len(i))] or rows[:1]
+        if not rows:
             return cls.empty()
-        names = list(batches[0].fields)
-        for b in batches[1:]:
+        names = list(rows[0][0].fields)
+        for b, _ in rows[1:]:
             if set(b.fields) != set(names):
                 raise ValueError(
                     f"cannot concatenate batches with fields {sorted(names)} and "
                     f"{sorted(b.fields)}; every producer must emit the same fields."
                 )
+        ragged = _RaggedGather()
         fields: dict[str, Column] = {}
         for name in names:
-            columns = [b.fields[name] for b in batches]
-            if isinstance(columns[0], RaggedField):
-                fields[name] = RaggedField(
-                    values=torch.cat([c.values for c in columns]),
-                    offsets=_offsets_from_lengths(torch.cat([c.lengths for c in columns])),
-                )
-            elif isinstance(columns[0], torch.Tensor):
-                fields[name] = torch.cat(columns)
+            columns = [(b.fields[name], i) for b, i in rows]
+            if isinstance(columns[0][0], RaggedField):
+                fields[name] = ragged.gather(columns)
+            elif isinstance(columns[0][0], torch.Tensor):
+                fields[name] = _gather_rows(columns)
             else:
-                fields[name] = [obj for c in columns for obj in c]
-        return cls(
-            sample_id=torch.cat([b.sample_id for b in batches]),
-            group_id=torch.cat([b.group_id for b in batches]),
-            weight_version=torch.cat([b.weight_version for b in batches]),
-            fields=fields,
-        )
+                fields[name] = [obj for c, i in columns
+                                for obj in (c if i is None else [c[j] for j in i.tolist()])]
+        return cls(sample_id=_gather_rows([(b.sample_id, i) for b, i in rows]),
+                   group_id=_gather_rows([(b.group_id, i) for b, i in rows]),
+                   weight_version=_gather_rows([(b.weight_version, i) for b, i in rows]),
+                   fields=fields)
 
     def token_count(self, names: Sequence[str] = ("prompt_ids", "response_ids")) -> torch.Tensor:
         """Per-sample token load: the summed lengths of the named ragged fields present."""

@@ -52,7 +52,7 @@ from peerflow.batch import Batch
 from peerflow.coordinator.exchange import HEAD_BYTES, frame, message_length
 from peerflow.coordinator.transfer import TransferPlan, dp_members, plan_transfer
 from peerflow.coordinator.transport import check_transport, open_channel
-from peerflow.coordinator.wire import ALIGN, pack_batch, size_bound, unpack_batch
+from peerflow.coordinator.wire import ALIGN, pack_batch, sample_bytes, size_bound, unpack_batch
 from peerflow.distributed.comm import default_timeout
 from peerflow.layout import ParallelLayout
 
@@ -175,18 +175,16 @@ def _exchange_metadata(
             for leader in leaders]
 
 
-def _subset(batch: Batch, indices: Sequence[int]) -> Batch:
-    """`batch.select(indices)`, or `batch` itself when a plan's indices cover all of it.
+def _assemble(parts: Sequence[tuple[Batch, Sequence[int] | None]]) -> Batch:
+    """`Batch.gather` of `(batch, indices)` parts (`None`: all of it), in one copy per field.
 
-    A plan lists each sender's indices distinct and in order, so covering every sample
-    means the identity: a shard that stays whole is not copied.
+    A plan lists each sender's indices distinct and in order, so indices covering every
+    sample mean the whole batch; a single whole part is returned as is (no copy).
     """
-    return batch if len(indices) == len(batch) else batch.select(indices)
-
-
-def _concat(parts: Sequence[Batch]) -> Batch:
-    """`Batch.concat`, without copying a single part."""
-    return parts[0] if len(parts) == 1 else Batch.concat(parts)
+    parts = [(b, None if i is None or len(i) == len(b) else i) for b, i in parts]
+    if len(parts) == 1 and parts[0][1] is None:
+        return parts[0][0]
+    return Batch.gather(parts)
 
 
 def _packed_sends(
@@ -196,7 +194,7 @@ def _packed_sends(
     packed: dict[tuple[int, ...], torch.Tensor] = {}
     for receiver, indices in sends:
         if indices not in packed:
-            packed[indices] = pack_batch(_subset(batch, indices))
+            packed[indices] = pack_batch(_assemble([(batch, indices)]))
         yield receiver, packed[indices], metadata.capacity(indices)
 
 
@@ -219,9 +217,8 @@ def _p2p(batch: Batch, src: ParallelLayout, dst: ParallelLayout, rank: int,
     stats.bytes_received += sum(m.numel() for m in received.values())
     if rank not in set(dst.global_ranks):
         return Batch.empty()
-    parts = [_subset(batch, idx) if s == rank else unpack_batch(received[s])
-             for s, idx in receives]
-    return _concat(parts)
+    return _assemble([(batch, idx) if s == rank else (unpack_batch(received[s]), None)
+                      for s, idx in receives])
 
 
 def _padded(nbytes: int) -> int:
@@ -267,20 +264,17 @@ def _p2p_shared(batch: Batch, src: ParallelLayout, dst: ParallelLayout, rank: in
     if rank not in set(dst.global_ranks):
         return Batch.empty()
     owner = {r: dp for dp, m in enumerate(members) for r in m}
-    shards: dict[int, Batch] = {}
     parts = []
     for sender, indices in plan.receives(rank):
         s_dp = owner[sender]
         if rank in members[s_dp]:
-            parts.append(_subset(batch, indices))
+            parts.append((batch, indices))
             continue
-        if s_dp not in shards:
-            message = received[leaders[s_dp]]
-            shards[s_dp] = unpack_batch(message[_padded(message_length(message)):])
-        part = _subset(shards[s_dp], indices)
-        stats.bytes_received += sum(t.numel() * t.element_size() for t in part.to_wire()[1])
-        parts.append(part)
-    return _concat(parts)
+        message = received[leaders[s_dp]]
+        shard = unpack_batch(message[_padded(message_length(message)):])
+        stats.bytes_received += int(sample_bytes(shard)[list(indices)].sum())
+        parts.append((shard, indices))
+    return _assemble(parts)
 
 
 def _centralized(batch: Batch, src: ParallelLayout, dst: ParallelLayout, rank: int,
@@ -310,9 +304,9 @@ def _centralized(batch: Batch, src: ParallelLayout, dst: ParallelLayout, rank: i
     plan = plan_transfer(src, dst, [s.group_id.tolist() for s in shards],
                          [s.token_count(load_fields).tolist() for s in shards])
     stats.plan = plan
-    consumers = [(group, _concat([_subset(shards[s_dp], idx) for s_dp in range(src.dp)
-                                  for (s, r), idx in plan.sends.items()
-                                  if r == group[0] and s in members[s_dp]]))
+    consumers = [(group, _assemble([(shards[s_dp], idx) for s_dp in range(src.dp)
+                                    for (s, r), idx in plan.sends.items()
+                                    if r == group[0] and s in members[s_dp]]))
                  for group in dp_members(dst)]
 
     def scatter() -> Iterator[tuple[int, torch.Tensor, int]]:

@@ -87,6 +87,17 @@ def _row_bytes(tensor: torch.Tensor) -> int:
     return tensor.element_size() * math.prod(tensor.shape[1:])
 
 
+def sample_bytes(batch: Batch) -> torch.Tensor:  # [num_samples], int64
+    """Each sample's bytes in a packed batch (ids, rows, one offsets entry per ragged field)."""
+    per_sample = torch.full((len(batch),), 3 * 8, dtype=torch.int64)  # sample, group, version
+    for column in batch.fields.values():
+        if isinstance(column, RaggedField):
+            per_sample += column.lengths * _row_bytes(column.values) + 8
+        elif isinstance(column, torch.Tensor):
+            per_sample += _row_bytes(column)
+    return per_sample
+
+
 def size_bound(batch: Batch) -> tuple[torch.Tensor, int]:
     """Bounds the packed size of any subset of `batch`, sample by sample.
 
@@ -97,13 +108,6 @@ def size_bound(batch: Batch) -> tuple[torch.Tensor, int]:
         message if a subset ever exceeds it).
     """
     header, tensors = _header(batch)
-    per_sample = torch.full((len(batch),), 3 * 8, dtype=torch.int64)  # sample, group, version
-    extra = 0  # the extra offsets entry of each ragged field
-    for column in batch.fields.values():
-        if isinstance(column, RaggedField):
-            per_sample += column.lengths * _row_bytes(column.values) + 8
-            extra += 8
-        elif isinstance(column, torch.Tensor):
-            per_sample += _row_bytes(column)
+    extra = 8 * sum(isinstance(c, RaggedField) for c in batch.fields.values())
     fixed = _PREFIX + len(header) + _HEADER_SLACK + extra + ALIGN * (len(tensors) + 1)
-    return per_sample, fixed
+    return sample_bytes(batch), fixed
