@@ -52,7 +52,7 @@ from peerflow.batch import Batch
 from peerflow.coordinator.exchange import HEAD_BYTES, frame, message_length
 from peerflow.coordinator.transfer import TransferPlan, dp_members, plan_transfer
 from peerflow.coordinator.transport import check_transport, open_channel
-from peerflow.coordinator.wire import ALIGN, pack_batch, sample_bytes, size_bound, unpack_batch
+from peerflow.coordinator.wire import ALIGN, pack_batch, size_bound, span_bytes, unpack_batch
 from peerflow.distributed.comm import default_timeout
 from peerflow.layout import ParallelLayout
 
@@ -264,17 +264,19 @@ def _p2p_shared(batch: Batch, src: ParallelLayout, dst: ParallelLayout, rank: in
     if rank not in set(dst.global_ranks):
         return Batch.empty()
     owner = {r: dp for dp, m in enumerate(members) for r in m}
-    parts = []
+    parts, remote, start = [], [], 0
     for sender, indices in plan.receives(rank):
         s_dp = owner[sender]
         if rank in members[s_dp]:
             parts.append((batch, indices))
-            continue
-        message = received[leaders[s_dp]]
-        shard = unpack_batch(message[_padded(message_length(message)):])
-        stats.bytes_received += int(sample_bytes(shard)[list(indices)].sum())
-        parts.append((shard, indices))
-    return _assemble(parts)
+        else:
+            message = received[leaders[s_dp]]
+            parts.append((unpack_batch(message[_padded(message_length(message)):]), indices))
+            remote.append((start, start + len(indices)))
+        start += len(indices)
+    out = _assemble(parts)
+    stats.bytes_received += sum(span_bytes(out, a, b) for a, b in remote)
+    return out
 
 
 def _centralized(batch: Batch, src: ParallelLayout, dst: ParallelLayout, rank: int,

@@ -11,6 +11,7 @@ per-sample byte counts, so a receiver can size its buffer before the bytes arriv
 
 from __future__ import annotations
 
+import functools
 import math
 import pickle
 
@@ -30,6 +31,7 @@ def _padded(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
 
 
+@functools.cache
 def _dtype(name: str) -> torch.dtype:
     return getattr(torch, name.removeprefix("torch."))
 
@@ -73,11 +75,9 @@ def unpack_batch(buffer: torch.Tensor) -> Batch:
     tensors = []
     for dtype_name, shape in specs:
         dtype = _dtype(dtype_name)
-        count = 1
-        for dim in shape:
-            count *= dim
-        nbytes = count * torch.empty(0, dtype=dtype).element_size()
-        tensors.append(buffer[offset : offset + nbytes].view(dtype).reshape(shape))
+        nbytes = math.prod(shape) * dtype.itemsize
+        tensor = buffer[offset : offset + nbytes].view(dtype)
+        tensors.append(tensor if len(shape) == 1 else tensor.reshape(shape))
         offset += _padded(nbytes)
     return Batch.from_wire(meta, tensors)
 
@@ -85,17 +85,6 @@ def unpack_batch(buffer: torch.Tensor) -> Batch:
 def _row_bytes(tensor: torch.Tensor) -> int:
     """Bytes of one row (`tensor[i]`) of a `[rows, *trailing]` tensor."""
     return tensor.element_size() * math.prod(tensor.shape[1:])
-
-
-def sample_bytes(batch: Batch) -> torch.Tensor:  # [num_samples], int64
-    """Each sample's bytes in a packed batch (ids, rows, one offsets entry per ragged field)."""
-    per_sample = torch.full((len(batch),), 3 * 8, dtype=torch.int64)  # sample, group, version
-    for column in batch.fields.values():
-        if isinstance(column, RaggedField):
-            per_sample += column.lengths * _row_bytes(column.values) + 8
-        elif isinstance(column, torch.Tensor):
-            per_sample += _row_bytes(column)
-    return per_sample
 
 
 def size_bound(batch: Batch) -> tuple[torch.Tensor, int]:
@@ -108,6 +97,25 @@ def size_bound(batch: Batch) -> tuple[torch.Tensor, int]:
         message if a subset ever exceeds it).
     """
     header, tensors = _header(batch)
-    extra = 8 * sum(isinstance(c, RaggedField) for c in batch.fields.values())
+    per_sample = torch.full((len(batch),), 3 * 8, dtype=torch.int64)  # sample, group, version
+    extra = 0  # the extra offsets entry of each ragged field
+    for column in batch.fields.values():
+        if isinstance(column, RaggedField):
+            per_sample += column.lengths * _row_bytes(column.values) + 8
+            extra += 8
+        elif isinstance(column, torch.Tensor):
+            per_sample += _row_bytes(column)
     fixed = _PREFIX + len(header) + _HEADER_SLACK + extra + ALIGN * (len(tensors) + 1)
-    return sample_bytes(batch), fixed
+    return per_sample, fixed
+
+
+def span_bytes(batch: Batch, start: int, stop: int) -> int:
+    """Tensor bytes of samples `start:stop` of `batch` (ids, rows, one offset per ragged)."""
+    total = 3 * 8 * (stop - start)  # sample, group, version
+    for column in batch.fields.values():
+        if isinstance(column, RaggedField):
+            span = column.offsets[[start, stop]].tolist()
+            total += (span[1] - span[0]) * _row_bytes(column.values) + 8 * (stop - start)
+        elif isinstance(column, torch.Tensor):
+            total += _row_bytes(column) * (stop - start)
+    return total
