@@ -55,7 +55,8 @@ class FSDPTrainOptions:
     """Recompute block activations in backward (less memory, ~30% more compute)."""
     reshard_after_forward: bool = True
     """FSDP2: free gathered parameters after forward (ZeRO-3 style); `False` keeps them
-    until backward (ZeRO-2 style, more memory, one all-gather less per micro-batch)."""
+    until backward (ZeRO-2 style, more memory, one all-gather less per micro-batch); a
+    forward without backward (log-probs, values) reshards after it."""
     attn_implementation: str | None = None
     """transformers attention backend (`sdpa`, `eager`); `None` lets transformers pick."""
 
