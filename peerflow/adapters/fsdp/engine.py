@@ -161,7 +161,10 @@ class FSDPTrainEngine(CausalLMTrainEngine):
         return contextlib.nullcontext()
 
     def forward_micro(self, micro: MicroBatch) -> torch.Tensor:
-        """Logits `[B, L, V]` (values `[B, L]` for a critic) of one padded micro-batch.
+        """Logits `[B, K, V]` (values `[B, L]` for a critic) of one padded micro-batch.
+
+        Only the last `K = logits_to_keep` positions, those that predict response tokens,
+        go through the vocabulary projection.
 
         Gradient sync is switched on for the last micro-batch of a mini-batch only, so
         FSDP reduce-scatters once per optimiser step.
@@ -173,7 +176,8 @@ class FSDPTrainEngine(CausalLMTrainEngine):
         with self._autocast():
             if self.options.value_head:
                 return self.model(input_ids=ids, attention_mask=mask)
-            return self.model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+            return self.model(input_ids=ids, attention_mask=mask, use_cache=False,
+                              logits_to_keep=micro.inputs.logits_to_keep).logits
 
     def backward_micro(self, loss: torch.Tensor, micro: MicroBatch) -> None:
         """Backward of `loss` times the dp size.
