@@ -243,5 +243,5 @@ class CausalLMTrainEngine(TrainEngine, abc.ABC):
         mask = part.loss_mask()
         trained_entropy = None if entropy is None else (
             entropy.values if mask is None else entropy.values[mask])
-        tally.add_micro_batch(value, metrics, trained_entropy)
+        tally.add_micro_batch(value, metrics, trained_entropy, micro.inputs.input_ids.numel())
         return value
