@@ -30,7 +30,8 @@ from typing import Any
 
 import torch
 
-from peerflow.models import megatron_layout, vllm_layout
+from peerflow.models import megatron_layout
+from peerflow.models.vllm import tp_prefixed_layout
 from peerflow.reshard import WeightSyncService, plan_reshard
 from peerflow.shard import ShardSpec
 
@@ -58,12 +59,6 @@ def model_config(target_gb: float, hidden: int, vocab: int) -> dict[str, Any]:
     return dict(model_type="llama", vocab_size=vocab, hidden_size=hidden,
                 intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
                 num_key_value_heads=kv, head_dim=64, tie_word_embeddings=False)
-
-
-def _prefixed(specs: list[ShardSpec], prefix: str) -> list[ShardSpec]:
-    import attrs
-
-    return [attrs.evolve(s, local_name=f"{prefix}{s.local_name}") for s in specs]
 
 
 class _Sources:
@@ -126,8 +121,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     """Runs the benchmark and returns the JSON report."""
     torch.set_num_threads(args.threads)
     config = model_config(args.target_gb, args.hidden, args.vocab)
-    src_specs = [s for r in range(2) for s in _prefixed(megatron_layout(config, r, 2), f"tp{r}/")]
-    dst_specs = [s for r in range(4) for s in _prefixed(vllm_layout(config, r, 4), f"tp{r}/")]
+    src_specs = tp_prefixed_layout(config, 2, builder=megatron_layout)
+    dst_specs = tp_prefixed_layout(config, 4)
     start = time.perf_counter()
     plan = plan_reshard({0: src_specs}, {0: dst_specs})
     plan_s = time.perf_counter() - start

@@ -31,9 +31,6 @@ from peerflow.errors import (
     WorkerFailedError,
 )
 
-#: Where rank 0 under torchrun records its job id (`--rdzv-id`).
-TORCHRUN_JOB_FILE = "torchrun_job"
-
 
 def add_parser(subparsers: Any) -> None:
     """Adds the `train` subcommand."""
@@ -144,7 +141,7 @@ def check_run_dir(
 
 def _torchrun_worker(args: argparse.Namespace, config_path: str, run_dir: str | None) -> int:
     from peerflow.launch import launch
-    from peerflow.outputs import RunLock
+    from peerflow.outputs.rundir import RunLock, record_torchrun_job, same_torchrun_job
 
     if run_dir is None:
         raise ConfigError(
@@ -170,31 +167,6 @@ def _torchrun_worker(args: argparse.Namespace, config_path: str, run_dir: str | 
                 print(f"peerflow train: stopped.\n{resume_hint(Path(run_dir))}",
                       file=sys.stderr, flush=True)
             raise
-
-
-def same_torchrun_job(run_dir: Path) -> bool:
-    """Whether this torchrun job started `run_dir` (so this is a restart of its workers).
-
-    Rank 0 records `TORCHELASTIC_RUN_ID` (`--rdzv-id`) in `RUN_DIR/torchrun_job` once the
-    directory is accepted (`record_torchrun_job`); torchrun's default id `none`
-    identifies no job.
-    """
-    job = _torchrun_job()
-    path = run_dir / TORCHRUN_JOB_FILE
-    return bool(job) and path.is_file() and path.read_text().strip() == job
-
-
-def record_torchrun_job(run_dir: Path) -> None:
-    """Records this torchrun job's id in `run_dir` (see `same_torchrun_job`)."""
-    from peerflow.checkpoint.atomic import write_text_atomic
-
-    if job := _torchrun_job():
-        write_text_atomic(run_dir / TORCHRUN_JOB_FILE, job)
-
-
-def _torchrun_job() -> str:
-    job = os.environ.get("TORCHELASTIC_RUN_ID", "")
-    return "" if job == "none" else job
 
 
 def restart_resume(run_dir: str) -> str | None:

@@ -1,15 +1,16 @@
 """Per-family HF name/layout converters: `ShardSpec` lists for every engine layout.
 
 Adapters describe their local tensors with these builders (all return `list[ShardSpec]`
-in the engine's parameter order; every argument after the tp coordinates is keyword-only):
+in the engine's parameter order; a rank's place in the tp/pp/ep/dp mesh is one
+`RankCoords` value, `RankCoords.of(parallel_layout, rank)`, default one rank):
 
 * `hf_parameters(config)` — canonical HF tensors (name → shape), experts one by one.
-* `hf_layout(config, shard_rank=, shard_size=, pp_rank=, pp_size=, packed_experts=)` —
+* `hf_layout(config, coords, shard_rank=, shard_size=, packed_experts=)` —
   HF module names, whole or FSDP2 dim-0 shards.
-* `tp_layout(config, tp_rank, tp_size, …)` — HF names under DTensor tensor parallelism.
-* `vllm_layout(config, tp_rank, tp_size, …)` / `sglang_layout` — stacked `qkv_proj` and
+* `tp_layout(config, coords)` — HF names under DTensor tensor parallelism.
+* `vllm_layout(config, coords)` / `sglang_layout` — stacked `qkv_proj` and
   `gate_up_proj`, padded vocab-parallel embedding and LM head, FusedMoE `w13`/`w2`.
-* `megatron_layout(config, tp_rank, tp_size, …)` — interleaved `linear_qkv`, fused
+* `megatron_layout(config, coords, …)` — interleaved `linear_qkv`, fused
   `linear_fc1`, padded vocab, SequentialMLP or TEGroupedMLP experts.
 
 Name converters: `hf_to_vllm` / `vllm_to_hf`, `hf_to_megatron` / `megatron_to_hf`.
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 from peerflow.models import llama, qwen2, qwen3, qwen3_moe  # noqa: F401  (register families)
 from peerflow.models.common import (
+    RankCoords,
     pad_to_multiple,
     restrict_rows,
     split_chunk,
@@ -34,6 +36,7 @@ from peerflow.models.vllm import hf_to_vllm, sglang_layout, vllm_layout, vllm_to
 
 __all__ = [
     "ModelShape",
+    "RankCoords",
     "hf_layout",
     "hf_parameters",
     "hf_to_megatron",

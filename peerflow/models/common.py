@@ -15,7 +15,7 @@ Conventions every builder follows:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
@@ -202,19 +202,80 @@ def replica_index(copy: int, copies: int, dp_rank: int) -> int:
     return dp_rank * copies + copy
 
 
-def rank_layout(builder: Callable[..., list[ShardSpec]], hf_config: Any, layout: Any, rank: int,
-                **options: Any) -> list[ShardSpec]:
-    """Returns a tp/pp layout builder's specs for `rank` of a `ParallelLayout`.
+@attrs.frozen(kw_only=True)
+class RankCoords:
+    """Where one rank sits in a `tp × pp × ep × dp` mesh: what every layout builder reads.
 
-    Args:
-        builder: `vllm_layout`, `megatron_layout` or any builder taking
-            `(config, tp_rank, tp_size, *, pp_rank, pp_size, dp_rank, ...)`.
-        hf_config: HF config (object or dict) or `ModelShape`.
-        layout: The `ParallelLayout` whose coordinates `rank` has.
-        rank: Rank inside the layout.
-        **options: Further builder keywords (`dtype`, `vocab_multiple`, ...).
+    `RankCoords.of(layout, rank)` takes them from a `ParallelLayout`; tests and benches
+    build one directly (`RankCoords(tp_rank=1, tp_size=2)`).
     """
-    coord = layout.coord(rank)
-    return builder(hf_config, coord.tp, layout.tp, pp_rank=coord.pp, pp_size=layout.pp,
-                   dp_rank=coord.dp, **options)
 
+    tp_rank: int = 0
+    """Tensor-parallel rank."""
+    tp_size: int = 1
+    """Tensor-parallel size (must divide heads, kv heads and MLP width)."""
+    pp_rank: int = 0
+    """Pipeline stage."""
+    pp_size: int = 1
+    """Pipeline stages."""
+    layers: range | None = None
+    """Global layers of this stage (e.g. vLLM's `get_pp_indices` range when pp does not
+    divide the layers); default `stage_layers(…)`."""
+    ep_rank: int = 0
+    """Expert-parallel rank (MoE)."""
+    ep_size: int = 1
+    """Expert-parallel size; experts split in contiguous blocks."""
+    expert_tp_size: int | None = None
+    """How many ranks split each expert's width (the expert tp rank is
+    `tp_rank % expert_tp_size`); default: the builder's."""
+    expert_replica: int | None = None
+    """Replica index of this rank's expert tensors. Default: with `ep_size == 1` derived
+    from the tp copies and `dp_rank`; with `ep_size > 1` 0 (every ep rank holds distinct
+    experts; pass the expert-data-parallel index when experts are replicated too)."""
+    dp_rank: int = 0
+    """Data-parallel replica (only for replica indices)."""
+
+    @classmethod
+    def of(cls, layout: Any, rank: int) -> RankCoords:
+        """Returns the tp/pp/dp coordinates of global rank `rank` of a `ParallelLayout`."""
+        coord = layout.coord(rank)
+        return cls(tp_rank=coord.tp, tp_size=layout.tp, pp_rank=coord.pp, pp_size=layout.pp,
+                   dp_rank=coord.dp)
+
+    @property
+    def tp_replica(self) -> int:
+        """Replica index of a tensor every tp rank holds whole (norms, routers)."""
+        return replica_index(self.tp_rank, self.tp_size, self.dp_rank)
+
+    @property
+    def own_replica(self) -> int:
+        """Replica index of this rank's own shard of a tp-split tensor."""
+        return replica_index(0, 1, self.dp_rank)
+
+    def stage(self, shape: Any) -> range:
+        """Returns the global layers of this rank's pipeline stage."""
+        if self.layers is not None:
+            return self.layers
+        return stage_layers(shape.num_layers, self.pp_rank, self.pp_size)
+
+    def expert_split(self, shape: Any, default_tp: int) -> tuple[range, range, int]:
+        """Returns (experts held, expert MLP channels held, replica index of expert tensors).
+
+        Args:
+            shape: The MoE model's `ModelShape`.
+            default_tp: Expert tp size when `expert_tp_size` is not set.
+        """
+        etp = self.expert_tp_size or default_tp
+        rep = self.expert_replica
+        if rep is None:
+            rep = replica_index(self.tp_rank // etp, self.tp_size // etp, self.dp_rank) \
+                if self.ep_size == 1 else 0
+        experts = split_even(shape.num_experts, self.ep_size, self.ep_rank, what="experts",
+                             dim="ep")
+        width = split_even(shape.moe_intermediate_size, etp, self.tp_rank % etp,
+                           what="expert MLP channels", dim="expert tp")
+        return experts, width, rep
+
+
+#: One rank holding everything: the builders' default.
+ONE_RANK = RankCoords()

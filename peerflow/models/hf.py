@@ -14,6 +14,8 @@ from __future__ import annotations
 from typing import Any
 
 from peerflow.models.common import (
+    ONE_RANK,
+    RankCoords,
     Segment,
     replica_index,
     restrict_rows,
@@ -21,7 +23,6 @@ from peerflow.models.common import (
     split_chunk,
     split_even,
     stack,
-    stage_layers,
     whole,
 )
 from peerflow.models.config import ModelShape
@@ -115,31 +116,20 @@ def _packed_experts(shape: ModelShape, layer: int, dtype: str) -> list[tuple[Sha
     ]
 
 
-def hf_layout(
-    config: Any,
-    *,
-    shard_rank: int = 0,
-    shard_size: int = 1,
-    pp_rank: int = 0,
-    pp_size: int = 1,
-    layers: range | None = None,
-    packed_experts: bool = False,
-    replica: int = 0,
-    dtype: str = "float32",
-) -> list[ShardSpec]:
+def hf_layout(config: Any, coords: RankCoords = ONE_RANK, *, shard_rank: int = 0,
+              shard_size: int = 1, packed_experts: bool = False, replica: int = 0,
+              dtype: str = "float32") -> list[ShardSpec]:
     """Returns the specs of an HF-named model held whole or as FSDP dim-0 shards.
 
     Args:
         config: HF config (object or dict) or `ModelShape`.
+        coords: This rank's pipeline stage (the first holds the embedding, the last the
+            final norm and LM head; with tied embeddings and `pp_size > 1` the last
+            stage's `lm_head.weight` is a replica of the embedding); tp/ep are not used.
         shard_rank: This rank's index in the FSDP shard group.
         shard_size: FSDP shard group size (1: every tensor whole). Shards follow
             `torch.chunk` along dim 0 (packed experts: along the expert dimension), so
             trailing ranks may hold empty shards; those specs have no pieces.
-        pp_rank: Pipeline stage of this rank.
-        pp_size: Pipeline stages (the first holds the embedding, the last the final norm
-            and LM head; with tied embeddings and `pp_size > 1` the last stage's
-            `lm_head.weight` is a replica of the embedding).
-        layers: Global layers of this stage; default `stage_layers(…)`.
         packed_experts: Describe MoE experts as `transformers` ≥ 5 holds them
             (`mlp.experts.gate_up_proj` `[E, 2I, H]`, `mlp.experts.down_proj` `[E, H, I]`,
             as 2-D views `[E*2I, H]` and `[E*H, I]`) instead of one module per expert.
@@ -150,12 +140,11 @@ def hf_layout(
         One spec per local tensor, named as the module's `named_parameters()` names.
     """
     shape = ModelShape.from_hf_config(config)
-    layers = layers if layers is not None else stage_layers(shape.num_layers, pp_rank, pp_size)
     full: list[tuple[ShardSpec, int]] = []
     v_h = (shape.vocab_size, shape.hidden_size)
-    if pp_rank == 0:
+    if coords.pp_rank == 0:
         full.append((whole(EMBED, v_h, dtype=dtype), 1))
-    for layer in layers:
+    for layer in coords.stage(shape):
         params = layer_parameters(shape, layer)
         if packed_experts and shape.is_sparse(layer):
             experts = f"model.layers.{layer}.mlp.experts."
@@ -163,11 +152,11 @@ def hf_layout(
         full.extend((whole(n, s, dtype=dtype), 1) for n, s in params.items())
         if packed_experts and shape.is_sparse(layer):
             full.extend(_packed_experts(shape, layer, dtype))
-    if pp_rank == pp_size - 1:
+    if coords.pp_rank == coords.pp_size - 1:
         full.append((whole(FINAL_NORM, (shape.hidden_size,), dtype=dtype), 1))
         if not shape.tie_word_embeddings:
             full.append((whole(LM_HEAD, v_h, dtype=dtype), 1))
-        elif pp_size > 1:
+        elif coords.pp_size > 1:
             full.append((whole(EMBED, v_h, dtype=dtype, local_name=LM_HEAD, replica=1), 1))
     specs = []
     for spec, unit in full:
@@ -202,33 +191,21 @@ def row_split(name: str, shape: tuple[int, ...], rows: range, *, dtype: str,
     return stack(local_name or name, [seg], dtype=dtype)
 
 
-def tp_layout(
-    config: Any,
-    tp_rank: int,
-    tp_size: int,
-    *,
-    pp_rank: int = 0,
-    pp_size: int = 1,
-    layers: range | None = None,
-    dp_rank: int = 0,
-    dtype: str = "float32",
-) -> list[ShardSpec]:
+def tp_layout(config: Any, coords: RankCoords, *, dtype: str = "float32") -> list[ShardSpec]:
     """Returns the specs of an HF-named model under DTensor tensor parallelism.
 
     Column-parallel (rows split, heads kept whole): q/k/v, gate/up (and their biases),
     each expert's gate/up, and `lm_head` (`torch.chunk` of the vocabulary). Row-parallel
     (columns split): o_proj, down_proj, each expert's down_proj; the embedding is split
     by vocabulary rows (`torch.chunk`). Norms, routers and row-parallel biases are
-    replicated over tp (replica = `dp_rank * tp_size + tp_rank`).
+    replicated over tp (replica = `dp_rank * tp_size + tp_rank`). `coords`' ep is not used.
 
     Raises:
         ConfigError: `tp_size` does not divide the heads, kv heads or MLP width.
     """
     shape = ModelShape.from_hf_config(config)
-    layers = layers if layers is not None else stage_layers(shape.num_layers, pp_rank, pp_size)
-    rep = replica_index(tp_rank, tp_size, dp_rank)
-    own = replica_index(0, 1, dp_rank)
-    hd = shape.head_dim
+    rep, own, hd = coords.tp_replica, coords.own_replica, shape.head_dim
+    tp_rank, tp_size = coords.tp_rank, coords.tp_size
     heads = split_even(shape.num_heads, tp_size, tp_rank, what="attention heads")
     kv = split_even(shape.num_kv_heads, tp_size, tp_rank, what="key/value heads")
     q_rows = range(heads.start * hd, heads.stop * hd)
@@ -240,9 +217,9 @@ def tp_layout(
 
     v_h = (shape.vocab_size, shape.hidden_size)
     vocab = split_chunk(shape.vocab_size, tp_size, tp_rank)
-    if pp_rank == 0:
+    if coords.pp_rank == 0:
         add(row_split(EMBED, v_h, vocab, dtype=dtype), own)
-    for layer in layers:
+    for layer in coords.stage(shape):
         for name, dims in layer_parameters(shape, layer).items():
             leaf = name.rsplit(".", 2)[-2]
             kind = name.rsplit(".", 1)[-1]
@@ -263,11 +240,11 @@ def tp_layout(
                 add(col_split(name, dims, cols, dtype=dtype), own)
             else:
                 add(whole(name, dims, dtype=dtype), rep)
-    if pp_rank == pp_size - 1:
+    if coords.pp_rank == coords.pp_size - 1:
         add(whole(FINAL_NORM, (shape.hidden_size,), dtype=dtype), rep)
         if not shape.tie_word_embeddings:
             add(row_split(LM_HEAD, v_h, vocab, dtype=dtype), own)
-        elif pp_size > 1:
+        elif coords.pp_size > 1:
             add(row_split(EMBED, v_h, vocab, dtype=dtype, local_name=LM_HEAD),
-                replica_index(1, 2, dp_rank))
+                replica_index(1, 2, coords.dp_rank))
     return specs

@@ -26,13 +26,13 @@ from __future__ import annotations
 from typing import Any
 
 from peerflow.models.common import (
+    ONE_RANK,
+    RankCoords,
     Segment,
     pad_to_multiple,
-    replica_index,
     rows_of,
     split_even,
     stack,
-    stage_layers,
     whole,
 )
 from peerflow.models.config import ModelShape
@@ -53,59 +53,28 @@ def padded_vocab(vocab: int, tp_size: int, multiple: int = VOCAB_MULTIPLE) -> in
     return pad_to_multiple(vocab, multiple * tp_size)
 
 
-def megatron_layout(
-    config: Any,
-    tp_rank: int = 0,
-    tp_size: int = 1,
-    *,
-    pp_rank: int = 0,
-    pp_size: int = 1,
-    layers: range | None = None,
-    ep_rank: int = 0,
-    ep_size: int = 1,
-    expert_tp_size: int | None = None,
-    expert_replica: int | None = None,
-    grouped_experts: bool = False,
-    te_names: bool = False,
-    dp_rank: int = 0,
-    vocab_multiple: int = VOCAB_MULTIPLE,
-    dtype: str = "float32",
-) -> list[ShardSpec]:
+def megatron_layout(config: Any, coords: RankCoords = ONE_RANK, *, grouped_experts: bool = False,
+                    te_names: bool = False, vocab_multiple: int = VOCAB_MULTIPLE,
+                    dtype: str = "float32") -> list[ShardSpec]:
     """Returns the specs of one Megatron-core `GPTModel` rank's parameters.
 
     Args:
         config: HF config (object or dict) or `ModelShape`.
-        tp_rank: Tensor-parallel rank.
-        tp_size: Tensor-parallel size (must divide heads, kv heads and MLP width).
-        pp_rank: Pipeline stage.
-        pp_size: Pipeline stages.
-        layers: Global layers of this stage; default `stage_layers(…)`.
-        ep_rank: Expert-parallel rank.
-        ep_size: Expert-parallel size.
-        expert_tp_size: Ranks splitting each expert's width (default `tp_size`); the
-            expert tp rank is `tp_rank % expert_tp_size`.
-        expert_replica: Replica index of this rank's expert tensors. Default: with
-            `ep_size == 1` derived from the tp copies and `dp_rank`; with `ep_size > 1`
-            0 (experts carved out of dp ranks are distinct; pass the expert-data-parallel
-            index when experts are replicated too).
+        coords: The rank's coordinates; the expert tp size defaults to `tp_size`.
         grouped_experts: TEGroupedMLP names instead of SequentialMLP names.
         te_names: Transformer-Engine fused-norm names (see module docstring).
-        dp_rank: Data-parallel replica (only for replica indices).
         vocab_multiple: `make_vocab_size_divisible_by` (the padding multiple per tp rank).
         dtype: torch dtype name of the local tensors.
     """
     shape = ModelShape.from_hf_config(config)
-    layers = layers if layers is not None else stage_layers(shape.num_layers, pp_rank, pp_size)
-    rep = replica_index(tp_rank, tp_size, dp_rank)
-    own = replica_index(0, 1, dp_rank)
-    h = shape.hidden_size
+    rep, own, h = coords.tp_replica, coords.own_replica, shape.hidden_size
+    tp_rank, tp_size = coords.tp_rank, coords.tp_size
     groups = split_even(shape.num_kv_heads, tp_size, tp_rank, what="query groups (kv heads)")
     mlp = split_even(shape.intermediate_size, tp_size, tp_rank, what="MLP channels")
-    first, last = stage_ends(shape, tp_rank, tp_size, vocab_multiple * tp_size, pp_rank=pp_rank,
-                             pp_size=pp_size, names=(M_EMBED, M_FINAL_NORM, M_OUTPUT),
-                             dtype=dtype, dp_rank=dp_rank)
+    first, last = stage_ends(shape, coords, vocab_multiple * tp_size,
+                             names=(M_EMBED, M_FINAL_NORM, M_OUTPUT), dtype=dtype)
     specs = first
-    for local, layer in enumerate(layers):
+    for local, layer in enumerate(coords.stage(shape)):
         p, m = f"model.layers.{layer}.", f"decoder.layers.{local}."
         ln1 = ("self_attention.linear_qkv.layer_norm_weight" if te_names
                else "input_layernorm.weight")
@@ -116,8 +85,7 @@ def megatron_layout(
         specs.append(whole(f"{p}post_attention_layernorm.weight", (h,), dtype=dtype,
                            replica=rep, local_name=m + ln2))
         if shape.is_sparse(layer):
-            specs.extend(_moe(shape, layer, m, tp_rank, tp_size, ep_rank, ep_size,
-                              expert_tp_size, grouped_experts, expert_replica, dp_rank, dtype))
+            specs.extend(_moe(shape, layer, m, coords, grouped_experts, dtype))
             continue
         specs.extend(dense_mlp(shape, layer, mlp, fc1=f"{m}mlp.linear_fc1",
                                fc2=f"{m}mlp.linear_fc2", dtype=dtype, rep=rep, own=own))
@@ -154,18 +122,12 @@ def _attention(shape: ModelShape, layer: int, m: str, groups: range, *, dtype: s
                            local_name=f"{m}self_attention.linear_proj.bias"))
     return specs
 
-def _moe(shape: ModelShape, layer: int, m: str, tp_rank: int, tp_size: int, ep_rank: int,
-         ep_size: int, expert_tp_size: int | None, grouped: bool,
-         expert_replica: int | None, dp_rank: int, dtype: str) -> list[ShardSpec]:
+def _moe(shape: ModelShape, layer: int, m: str, coords: RankCoords, grouped: bool,
+         dtype: str) -> list[ShardSpec]:
     h, i = shape.hidden_size, shape.moe_intermediate_size
-    etp = expert_tp_size or tp_size
-    copies = tp_size // etp
-    expert_rep = expert_replica if expert_replica is not None else (
-        replica_index(tp_rank // etp, copies, dp_rank) if ep_size == 1 else 0)
-    experts = split_even(shape.num_experts, ep_size, ep_rank, what="experts", dim="ep")
-    width = split_even(i, etp, tp_rank % etp, what="expert MLP channels", dim="expert tp")
+    experts, width, expert_rep = coords.expert_split(shape, coords.tp_size)
     specs = [whole(f"model.layers.{layer}.mlp.gate.weight", (shape.num_experts, h), dtype=dtype,
-                   replica=replica_index(tp_rank, tp_size, dp_rank),
+                   replica=coords.tp_replica,
                    local_name=f"{m}mlp.router.weight")]
     for local, e in enumerate(experts):
         x = expert_prefix(layer, e)
@@ -189,8 +151,8 @@ def megatron_to_hf(name: str, config: Any, **layout: Any) -> tuple[str, ...]:
     Args:
         name: Megatron parameter name (local layer numbering).
         config: HF config or `ModelShape`.
-        **layout: `megatron_layout` keyword arguments (`pp_rank`, `pp_size`,
-            `grouped_experts`, `te_names`, …) saying which stage and naming.
+        **layout: `megatron_layout` keyword arguments (`coords`, `grouped_experts`,
+            `te_names`, …) saying which rank and naming.
 
     Raises:
         KeyError: no such parameter in that layout.
@@ -198,7 +160,7 @@ def megatron_to_hf(name: str, config: Any, **layout: Any) -> tuple[str, ...]:
     for spec in megatron_layout(config, **layout):
         if spec.local_name == name:
             return spec.names
-    raise KeyError(f"{name!r} is not a Megatron parameter of this layout ({layout or 'pp=1'})")
+    raise KeyError(f"{name!r} is not a Megatron parameter of this layout ({layout or 'one rank'})")
 
 
 def hf_to_megatron(name: str, config: Any, **layout: Any) -> tuple[str, ...]:

@@ -24,18 +24,20 @@ With tied embeddings and one stage there is no `lm_head.weight` tensor.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any
 
 import attrs
 
 from peerflow.models.common import (
+    ONE_RANK,
+    RankCoords,
     Segment,
     pad_to_multiple,
     replica_index,
     rows_of,
     split_even,
     stack,
-    stage_layers,
     whole,
 )
 from peerflow.models.config import ModelShape
@@ -67,10 +69,10 @@ def vocab_shard(vocab: int, tp_rank: int, tp_size: int, multiple: int) -> tuple[
     return real, len(rows) - len(real)
 
 
-def vocab_spec(name: str, local_name: str, shape: ModelShape, tp_rank: int, tp_size: int,
+def vocab_spec(name: str, local_name: str, shape: ModelShape, coords: RankCoords,
                multiple: int, *, dtype: str, replica: int) -> ShardSpec:
     """Returns the spec of a padded vocab-parallel embedding or LM-head shard."""
-    real, pad = vocab_shard(shape.vocab_size, tp_rank, tp_size, multiple)
+    real, pad = vocab_shard(shape.vocab_size, coords.tp_rank, coords.tp_size, multiple)
     seg = rows_of(name, (shape.vocab_size, shape.hidden_size), real)
     return stack(local_name, [seg], dtype=dtype, replica=replica, pad_rows=pad)
 
@@ -103,38 +105,32 @@ def dense_mlp(shape: ModelShape, layer: int, mlp: range, *, fc1: str, fc2: str, 
     return specs
 
 
-def stage_ends(shape: ModelShape, tp_rank: int, tp_size: int, multiple: int, *, pp_rank: int,
-               pp_size: int, names: tuple[str, str, str], dtype: str,
-               dp_rank: int) -> tuple[list[ShardSpec], list[ShardSpec]]:
+def stage_ends(shape: ModelShape, coords: RankCoords, multiple: int, *,
+               names: tuple[str, str, str], dtype: str) -> tuple[list[ShardSpec], list[ShardSpec]]:
     """Returns (first-stage specs, last-stage specs): embedding; final norm and LM head.
 
     Args:
         shape: Model shape.
-        tp_rank: Tensor-parallel rank.
-        tp_size: Tensor-parallel size.
+        coords: This rank's coordinates.
         multiple: Padding multiple of the whole vocabulary.
-        pp_rank: Pipeline stage.
-        pp_size: Pipeline stages.
         names: Local names of (embedding, final norm, LM head).
         dtype: torch dtype name of the local tensors.
-        dp_rank: Data-parallel replica (only for replica indices).
     """
     embed, norm, head = names
-    own = replica_index(0, 1, dp_rank)
+    own = coords.own_replica
     first: list[ShardSpec] = []
     last: list[ShardSpec] = []
-    if pp_rank == 0:
-        first.append(vocab_spec(EMBED, embed, shape, tp_rank, tp_size, multiple, dtype=dtype,
-                                replica=own))
-    if pp_rank == pp_size - 1:
+    if coords.pp_rank == 0:
+        first.append(vocab_spec(EMBED, embed, shape, coords, multiple, dtype=dtype, replica=own))
+    if coords.pp_rank == coords.pp_size - 1:
         last.append(whole(FINAL_NORM, (shape.hidden_size,), dtype=dtype, local_name=norm,
-                          replica=replica_index(tp_rank, tp_size, dp_rank)))
+                          replica=coords.tp_replica))
         if not shape.tie_word_embeddings:
-            last.append(vocab_spec(LM_HEAD, head, shape, tp_rank, tp_size, multiple,
-                                   dtype=dtype, replica=own))
-        elif pp_size > 1:
-            last.append(vocab_spec(EMBED, head, shape, tp_rank, tp_size, multiple,
-                                   dtype=dtype, replica=replica_index(1, 2, dp_rank)))
+            last.append(vocab_spec(LM_HEAD, head, shape, coords, multiple, dtype=dtype,
+                                   replica=own))
+        elif coords.pp_size > 1:
+            last.append(vocab_spec(EMBED, head, shape, coords, multiple, dtype=dtype,
+                                   replica=replica_index(1, 2, coords.dp_rank)))
     return first, last
 
 
@@ -149,41 +145,14 @@ def kv_heads_of_rank(shape: ModelShape, tp_rank: int, tp_size: int) -> range:
     return split_even(shape.num_kv_heads, tp_size, tp_rank, what="key/value heads")
 
 
-def vllm_layout(
-    config: Any,
-    tp_rank: int = 0,
-    tp_size: int = 1,
-    *,
-    pp_rank: int = 0,
-    pp_size: int = 1,
-    layers: range | None = None,
-    ep_rank: int = 0,
-    ep_size: int = 1,
-    expert_tp_size: int | None = None,
-    expert_replica: int | None = None,
-    dp_rank: int = 0,
-    vocab_multiple: int = VOCAB_MULTIPLE,
-    dtype: str = "float32",
-) -> list[ShardSpec]:
+def vllm_layout(config: Any, coords: RankCoords = ONE_RANK, *,
+                vocab_multiple: int = VOCAB_MULTIPLE, dtype: str = "float32") -> list[ShardSpec]:
     """Returns the specs of one vLLM (or SGLang) rank's parameters, in module order.
 
     Args:
         config: HF config (object or dict) or `ModelShape`.
-        tp_rank: Tensor-parallel rank.
-        tp_size: Tensor-parallel size.
-        pp_rank: Pipeline stage.
-        pp_size: Pipeline stages.
-        layers: Global layers of this stage (pass vLLM's `get_pp_indices` range when pp
-            does not divide the layers); default `stage_layers(…)`.
-        ep_rank: Expert-parallel rank (MoE).
-        ep_size: Expert-parallel size; experts split in contiguous blocks.
-        expert_tp_size: How many ranks split each expert's width; default `tp_size` when
-            `ep_size == 1`, else 1. The expert tp rank is `tp_rank % expert_tp_size`.
-        expert_replica: Replica index of this rank's expert tensors. Default: with
-            `ep_size == 1` derived from the tp copies and `dp_rank`; with `ep_size > 1`
-            0 (every ep rank holds distinct experts; pass the expert-data-parallel index
-            when experts are replicated too).
-        dp_rank: Data-parallel replica (only for replica indices).
+        coords: The rank's coordinates; the expert tp size defaults to `tp_size` when
+            `ep_size == 1`, else 1.
         vocab_multiple: Vocabulary padding multiple (vLLM: 64).
         dtype: torch dtype name of the local tensors.
 
@@ -191,27 +160,23 @@ def vllm_layout(
         ConfigError: a degree does not divide heads, MLP width, experts or padded vocab.
     """
     shape = ModelShape.from_hf_config(config)
-    layers = layers if layers is not None else stage_layers(shape.num_layers, pp_rank, pp_size)
-    rep = replica_index(tp_rank, tp_size, dp_rank)
-    own = replica_index(0, 1, dp_rank)
-    h = shape.hidden_size
+    rep, own, h = coords.tp_replica, coords.own_replica, shape.hidden_size
+    tp_rank, tp_size = coords.tp_rank, coords.tp_size
     heads = split_even(shape.num_heads, tp_size, tp_rank, what="attention heads")
     kv = kv_heads_of_rank(shape, tp_rank, tp_size)
     kv_copy = 0 if tp_size <= shape.num_kv_heads else tp_rank % (tp_size // shape.num_kv_heads)
     mlp = split_even(shape.intermediate_size, tp_size, tp_rank, what="MLP channels")
-    first, last = stage_ends(shape, tp_rank, tp_size, vocab_multiple, pp_rank=pp_rank,
-                             pp_size=pp_size, names=(EMBED, FINAL_NORM, LM_HEAD), dtype=dtype,
-                             dp_rank=dp_rank)
+    first, last = stage_ends(shape, coords, vocab_multiple, names=(EMBED, FINAL_NORM, LM_HEAD),
+                             dtype=dtype)
     specs = first
-    for layer in layers:
+    for layer in coords.stage(shape):
         p = f"model.layers.{layer}."
         specs.append(whole(f"{p}input_layernorm.weight", (h,), dtype=dtype, replica=rep))
         specs.extend(_attention(shape, layer, heads, kv, kv_copy, dtype=dtype, rep=rep, own=own))
         specs.append(whole(f"{p}post_attention_layernorm.weight", (h,), dtype=dtype,
                            replica=rep))
         if shape.is_sparse(layer):
-            specs.extend(_moe(shape, layer, tp_rank, tp_size, ep_rank, ep_size,
-                              expert_tp_size, expert_replica, dp_rank, dtype))
+            specs.extend(_moe(shape, layer, coords, dtype))
             continue
         specs.extend(dense_mlp(shape, layer, mlp, fc1=f"{p}mlp.gate_up_proj",
                                fc2=f"{p}mlp.down_proj", dtype=dtype, rep=rep, own=own))
@@ -247,18 +212,10 @@ def _attention(shape: ModelShape, layer: int, heads: range, kv: range, kv_copy: 
     return specs
 
 
-def _moe(shape: ModelShape, layer: int, tp_rank: int, tp_size: int, ep_rank: int,
-         ep_size: int, expert_tp_size: int | None, expert_replica: int | None,
-         dp_rank: int, dtype: str) -> list[ShardSpec]:
+def _moe(shape: ModelShape, layer: int, coords: RankCoords, dtype: str) -> list[ShardSpec]:
     h, i = shape.hidden_size, shape.moe_intermediate_size
-    etp = expert_tp_size or (tp_size if ep_size == 1 else 1)
-    etp_rank = tp_rank % etp
-    copies = tp_size // etp
-    rep = replica_index(tp_rank, tp_size, dp_rank)
-    expert_rep = expert_replica if expert_replica is not None else (
-        replica_index(tp_rank // etp, copies, dp_rank) if ep_size == 1 else 0)
-    experts = split_even(shape.num_experts, ep_size, ep_rank, what="experts", dim="ep")
-    width = split_even(i, etp, etp_rank, what="expert MLP channels", dim="expert tp")
+    experts, width, expert_rep = coords.expert_split(
+        shape, coords.tp_size if coords.ep_size == 1 else 1)
     p = f"model.layers.{layer}.mlp."
     w13: list[Segment] = []
     w2: list[Segment] = []
@@ -268,7 +225,7 @@ def _moe(shape: ModelShape, layer: int, tp_rank: int, tp_size: int, ep_rank: int
         w13.append(rows_of(f"{x}up_proj.weight", (i, h), width))
         w2.append(rows_of(f"{x}down_proj.weight", (h, i), range(h), cols=width))
     return [
-        whole(f"{p}gate.weight", (shape.num_experts, h), dtype=dtype, replica=rep),
+        whole(f"{p}gate.weight", (shape.num_experts, h), dtype=dtype, replica=coords.tp_replica),
         stack(f"{p}experts.w13_weight", w13, dtype=dtype, replica=expert_rep),
         stack(f"{p}experts.w2_weight", w2, dtype=dtype, replica=expert_rep),
     ]
@@ -277,15 +234,17 @@ def _moe(shape: ModelShape, layer: int, tp_rank: int, tp_size: int, ep_rank: int
 #: SGLang uses vLLM's parameter names, stacking and vocabulary padding.
 sglang_layout = vllm_layout
 
-def tp_prefixed_layout(config: Any, tp_size: int, *, dtype: str) -> list[ShardSpec]:
+def tp_prefixed_layout(config: Any, tp_size: int, *,
+                       builder: Callable[..., list[ShardSpec]] = vllm_layout,
+                       **options: Any) -> list[ShardSpec]:
     """Returns every tp rank's specs for an engine that loads all ranks from one process.
 
     With `tp_size > 1` each local name gets a `tp{rank}/` prefix (`split_tp_prefix`
-    reverses it); with one rank the names are vLLM's own.
+    reverses it); with one rank the names are the `builder`'s own (`options`: its keywords).
     """
     targets = []
     for tp_rank in range(tp_size):
-        for spec in vllm_layout(config, tp_rank, tp_size, dtype=dtype):
+        for spec in builder(config, RankCoords(tp_rank=tp_rank, tp_size=tp_size), **options):
             if tp_size > 1:
                 spec = attrs.evolve(spec, local_name=f"tp{tp_rank}/{spec.local_name}")
             targets.append(spec)

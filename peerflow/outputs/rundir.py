@@ -32,6 +32,8 @@ from peerflow.errors import ConfigError
 
 CONFIG_FILE = "config.yaml"
 LOCK_FILE = "run.lock"
+TORCHRUN_JOB_FILE = "torchrun_job"
+"""Where rank 0 under torchrun records its job id (`same_torchrun_job`)."""
 DEFAULT_ROOT = "runs"
 
 
@@ -92,6 +94,33 @@ def write_resolved_config(run_dir: str | Path, config: Any) -> Path:
     return write_text_atomic(Path(run_dir) / CONFIG_FILE, text)
 
 
+def torchrun_job() -> str:
+    """Returns the torchrun job id (`TORCHELASTIC_RUN_ID`, the `--rdzv-id`) of this process.
+
+    Empty when not under torchrun, and for torchrun's default id `none` (which every job
+    without `--rdzv-id` shares, so it identifies none).
+    """
+    job = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    return "" if job == "none" else job
+
+
+def same_torchrun_job(run_dir: Path) -> bool:
+    """Whether this torchrun job started `run_dir` (so this is a restart of its workers).
+
+    Rank 0 records `torchrun_job()` in `RUN_DIR/torchrun_job` once the directory is
+    accepted (`record_torchrun_job`).
+    """
+    job = torchrun_job()
+    path = run_dir / TORCHRUN_JOB_FILE
+    return bool(job) and path.is_file() and path.read_text().strip() == job
+
+
+def record_torchrun_job(run_dir: Path) -> None:
+    """Records this torchrun job's id in `run_dir` (see `same_torchrun_job`)."""
+    if job := torchrun_job():
+        write_text_atomic(run_dir / TORCHRUN_JOB_FILE, job)
+
+
 @attrs.define(eq=False)
 class RunLock:
     """The exclusive lock of a run directory: `RUN_DIR/run.lock`, naming host and pid.
@@ -99,7 +128,7 @@ class RunLock:
     Taken before anything is written to the directory and held for the whole run (by the
     `peerflow train` launcher, or rank 0 under torchrun). A lock left by a process that
     no longer exists on this host is stale and taken over, saying so, and so is a lock of
-    the same torchrun job (`TORCHELASTIC_RUN_ID`: its agents stopped every worker before
+    the same torchrun job (`torchrun_job()`: its agents stopped every worker before
     restarting them, on whichever host rank 0 lands); a lock held by a live process, or
     by another host, refuses the run.
     """
@@ -123,7 +152,7 @@ class RunLock:
         """
         mine = {"host": socket.gethostname(), "pid": os.getpid(),
                 "started": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-                "job": os.environ.get("TORCHELASTIC_RUN_ID")}
+                "job": torchrun_job() or None}
         for _ in range(3):
             try:  # O_EXCL: exactly one process creates the file
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)

@@ -9,9 +9,12 @@ implementation may accept fewer), never by renaming.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pluggy
+
+from peerflow.plugins.registry import KINDS, Kind
 
 PROJECT = "peerflow"
 
@@ -19,170 +22,31 @@ hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
 
 
-@hookspec
-def peerflow_register_rollout_engines(register: Any) -> None:
-    """Register rollout (inference) engine adapters.
+def _registration_hookspec(kind: Kind) -> Callable[[Any], None]:
+    """Returns the hookspec `kind.hook(register)` that fills the registry of `kind`."""
+
+    def hook(register: Any) -> None:
+        del register
+
+    base = f"\n            Each class subclasses `{kind.base}`." if kind.base else ""
+    hook.__name__ = hook.__qualname__ = kind.hook
+    hook.__doc__ = f"""Register {kind.label}s.
 
     Args:
-        register: Call `register(cls)` for each `peerflow.RolloutEngine` subclass; the
-            class's `name` is what `rollout.backend` selects.
+        register: Call `register(cls)` for each class the plugin provides; the class's
+            `name` is what `{kind.config_key}` selects.{base}
 
     Returns:
         Nothing; the return value is ignored.
 
-    Since: 0.1.
+    Since: {kind.since}.
     """
+    return hookspec(hook)
 
 
-@hookspec
-def peerflow_register_train_engines(register: Any) -> None:
-    """Register train engine adapters.
-
-    Args:
-        register: Call `register(cls)` for each `peerflow.TrainEngine` subclass; the
-            class's `name` is what `trainer.backend` selects.
-
-    Returns:
-        Nothing; the return value is ignored.
-
-    Since: 0.1.
-    """
-
-
-@hookspec
-def peerflow_register_weight_transports(register: Any) -> None:
-    """Register transports that move weight buckets from trainer to rollout ranks.
-
-    Args:
-        register: Call `register(cls)` for each transport class; its `name` is what
-            `weight_sync.transport` selects (built-ins: in-process copy,
-            torch.distributed, CUDA IPC).
-
-    Returns:
-        Nothing; the return value is ignored.
-
-    Since: 0.1.
-    """
-
-
-@hookspec
-def peerflow_register_rewards(register: Any) -> None:
-    """Register reward functions.
-
-    Args:
-        register: Call `register(cls)` for each `peerflow.algorithms.RewardFunction`
-            subclass; its `name` is what `reward.name` (or a `reward` node) selects.
-
-    Returns:
-        Nothing; the return value is ignored.
-
-    Since: 0.1.
-    """
-
-
-@hookspec
-def peerflow_register_advantage_estimators(register: Any) -> None:
-    """Register advantage estimators (GRPO, GAE, RLOO, …).
-
-    Args:
-        register: Call `register(cls)` for each `peerflow.algorithms.AdvantageEstimator`
-            subclass; its `name` is what `algorithm.advantage` selects.
-
-    Returns:
-        Nothing; the return value is ignored.
-
-    Since: 0.1.
-    """
-
-
-@hookspec
-def peerflow_register_policy_losses(register: Any) -> None:
-    """Register policy losses (PPO-clip, GSPO, …).
-
-    Args:
-        register: Call `register(cls)` for each `peerflow.algorithms.PolicyLoss`
-            subclass; its `name` is what `algorithm.loss` selects.
-
-    Returns:
-        Nothing; the return value is ignored.
-
-    Since: 0.1.
-    """
-
-
-@hookspec
-def peerflow_register_tasks(register: Any) -> None:
-    """Register tasks: prompt datasets paired with a default reward.
-
-    Args:
-        register: Call `register(cls)` for each `peerflow.algorithms.Task` subclass; its
-            `name` is what `task.name` selects.
-
-    Returns:
-        Nothing; the return value is ignored.
-
-    Since: 0.1.
-    """
-
-
-@hookspec
-def peerflow_register_nodes(register: Any) -> None:
-    """Register user workflow-graph node types.
-
-    Args:
-        register: Call `register(cls)` for each node class; its `name` is what a node's
-            `kind` in `workflow.nodes` selects.
-
-    Returns:
-        Nothing; the return value is ignored.
-
-    Since: 0.1.
-    """
-
-
-@hookspec
-def peerflow_register_samplers(register: Any) -> None:
-    """Register async-mode micro-batch samplers.
-
-    Args:
-        register: Call `register(cls)` for each `peerflow.streaming.samplers.Sampler`
-            subclass; its `name` is what `runtime.sampler` selects.
-
-    Returns:
-        Nothing; the return value is ignored.
-
-    Since: 0.2.
-    """
-
-
-@hookspec
-def peerflow_register_environments(register: Any) -> None:
-    """Register multi-turn agent environments (tools are environments too).
-
-    Args:
-        register: Call `register(cls)` for each `peerflow.agents.Environment` subclass;
-            its `name` is what `rollout.agent.environment` selects.
-
-    Returns:
-        Nothing; the return value is ignored.
-
-    Since: 0.3.
-    """
-
-
-@hookspec
-def peerflow_register_tools(register: Any) -> None:
-    """Register tools that a `ToolEnvironment` offers the model (`peerflow.agents.Tool`).
-
-    Args:
-        register: Call `register(cls)` for each `peerflow.agents.Tool` subclass; its
-            `name` is what `rollout.agent.options.tools` lists and what the model calls.
-
-    Returns:
-        Nothing; the return value is ignored.
-
-    Since: 0.3.
-    """
+#: The registration hookspecs, one per `KINDS` entry (`peerflow_register_rollout_engines`,
+#: `peerflow_register_train_engines`, …): a new kind of registered class gets its hook here.
+globals().update({kind.hook: _registration_hookspec(kind) for kind in KINDS.values()})
 
 
 @hookspec

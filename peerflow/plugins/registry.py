@@ -12,7 +12,7 @@ from peerflow.errors import DuplicateNameError, UnknownNameError
 
 @attrs.frozen(kw_only=True)
 class Kind:
-    """One kind of registered class."""
+    """One kind of registered class; `peerflow.plugins.hookspecs` makes its hook from it."""
 
     key: str
     """Registry key, e.g. `rollout_engine`."""
@@ -24,6 +24,8 @@ class Kind:
     """Where a config selects one, e.g. `rollout.backend`."""
     base: str
     """Dotted path of the base class every entry must subclass."""
+    since: str = "0.1"
+    """The PeerFlow version that added the hook."""
 
 
 KINDS: dict[str, Kind] = {
@@ -49,12 +51,12 @@ KINDS: dict[str, Kind] = {
              config_key="task.name", base="peerflow.algorithms.Task"),
         Kind(key="node", hook="peerflow_register_nodes", label="workflow node type",
              config_key="workflow.nodes[].kind", base="peerflow.workflow.NodeType"),
-        Kind(key="sampler", hook="peerflow_register_samplers", label="sampler",
+        Kind(key="sampler", hook="peerflow_register_samplers", label="sampler", since="0.2",
              config_key="runtime.sampler", base="peerflow.streaming.samplers.Sampler"),
-        Kind(key="environment", hook="peerflow_register_environments",
+        Kind(key="environment", hook="peerflow_register_environments", since="0.3",
              label="agent environment", config_key="rollout.agent.environment",
              base="peerflow.agents.Environment"),
-        Kind(key="tool", hook="peerflow_register_tools", label="agent tool",
+        Kind(key="tool", hook="peerflow_register_tools", label="agent tool", since="0.3",
              config_key="rollout.agent.options.tools", base="peerflow.agents.tools.Tool"),
     )
 }

@@ -7,14 +7,11 @@ FSDP-style adapter would; nothing instantiates them (layers 1–2 only call
 
 from __future__ import annotations
 
-import functools
-
 import attrs
 
 from peerflow.capabilities import Capabilities
 from peerflow.engines import RolloutEngine, TrainEngine
-from peerflow.models import hf_layout, megatron_layout, tp_layout, vllm_layout
-from peerflow.models.common import rank_layout
+from peerflow.models import RankCoords, hf_layout, megatron_layout, tp_layout, vllm_layout
 from peerflow.shard import Box, ShardPiece, ShardSpec
 
 PARALLEL = Capabilities(tensor_parallel=True, pipeline_parallel=True)
@@ -23,13 +20,19 @@ PARALLEL = Capabilities(tensor_parallel=True, pipeline_parallel=True)
 class VllmStyleLayouts(RolloutEngine):
     name = "test-vllm-layouts"
     capabilities = PARALLEL
-    shard_layout = staticmethod(functools.partial(rank_layout, vllm_layout))
+
+    @classmethod
+    def shard_layout(cls, hf_config, layout, rank):
+        return vllm_layout(hf_config, RankCoords.of(layout, rank))
 
 
 class MegatronStyleLayouts(TrainEngine):
     name = "test-megatron-layouts"
     capabilities = PARALLEL
-    shard_layout = staticmethod(functools.partial(rank_layout, megatron_layout))
+
+    @classmethod
+    def shard_layout(cls, hf_config, layout, rank):
+        return megatron_layout(hf_config, RankCoords.of(layout, rank))
 
 
 class FsdpStyleLayouts(TrainEngine):
@@ -38,10 +41,9 @@ class FsdpStyleLayouts(TrainEngine):
 
     @classmethod
     def shard_layout(cls, hf_config, layout, rank):
-        c = layout.coord(rank)
         if layout.tp > 1:
-            return tp_layout(hf_config, c.tp, layout.tp, dp_rank=c.dp)
-        return hf_layout(hf_config, shard_rank=c.dp, shard_size=layout.dp)
+            return tp_layout(hf_config, RankCoords.of(layout, rank))
+        return hf_layout(hf_config, shard_rank=layout.coord(rank).dp, shard_size=layout.dp)
 
 
 def _evolve(spec: ShardSpec, **changes) -> ShardSpec:

@@ -40,7 +40,7 @@ class HFFused(HFWithLayout):
     @classmethod
     def storage_layout(cls, hf_config, dtype="float32"):
         """What the engine really stores (its modules are views into these tensors)."""
-        return vllm_layout(hf_config, 0, 1, dtype=dtype)
+        return vllm_layout(hf_config, dtype=dtype)
 
     @classmethod
     def shard_layout(cls, hf_config, layout, rank, dtype="float32"):

@@ -24,7 +24,7 @@ def _check(rollout, full, version):
 
 def _worker(rank: int, world: int) -> dict:
     from peerflow.conformance.oracle import arange_globals, cut
-    from peerflow.models import hf_layout, hf_parameters, megatron_layout, vllm_layout
+    from peerflow.models import RankCoords, hf_layout, hf_parameters, megatron_layout, vllm_layout
     from peerflow.reshard import plan_weight_sync, sync_weights
     from tests.helpers.tensor_engines import TensorRollout as Rollout
     from tests.helpers.tensor_engines import TensorTrainer as Trainer
@@ -46,7 +46,7 @@ def _worker(rank: int, world: int) -> dict:
     specs = hf_layout(CONFIG, shard_rank=rank, shard_size=world)
     trainer = Trainer(specs, {s.local_name: cut(s, full) for s in specs})
     for transport in ("torch", "torch_broadcast"):
-        rollout = Rollout(vllm_layout(CONFIG, rank, world))
+        rollout = Rollout(vllm_layout(CONFIG, RankCoords(tp_rank=rank, tp_size=world)))
         plan = plan_weight_sync(trainer, rollout)
         stats = sync_weights(trainer, rollout, plan=plan, version=4, bucket_bytes=2048,
                              transport=transport)

@@ -10,6 +10,7 @@ import torch
 from peerflow.errors import ConfigError
 from peerflow.models import (
     ModelShape,
+    RankCoords,
     hf_layout,
     hf_parameters,
     hf_to_megatron,
@@ -21,6 +22,10 @@ from peerflow.models import (
     vllm_layout,
     vllm_to_hf,
 )
+
+
+def at(tp_rank=0, tp_size=1, **coords):
+    return RankCoords(tp_rank=tp_rank, tp_size=tp_size, **coords)
 
 
 def cfg(model_type="qwen3", *, tie=False, heads=4, kv=2, layers=2, experts=0, vocab=100):
@@ -76,19 +81,18 @@ def check_covers(config, rank_specs):
 def test_layouts_cover_every_element_once(family, tie, tp, pp):
     config = cfg(family, tie=tie, experts=4 if family == "qwen3_moe" else 0, kv=4)
     grid = [(t, p) for p in range(pp) for t in range(tp)]
-    check_covers(config, [vllm_layout(config, t, tp, pp_rank=p, pp_size=pp) for t, p in grid])
-    check_covers(config, [megatron_layout(config, t, tp, pp_rank=p, pp_size=pp) for t, p in grid])
-    check_covers(config, [tp_layout(config, t, tp, pp_rank=p, pp_size=pp) for t, p in grid])
-    check_covers(config, [hf_layout(config, shard_rank=t, shard_size=tp, pp_rank=p, pp_size=pp)
-                          for t, p in grid])
+    for build in (vllm_layout, megatron_layout, tp_layout):
+        check_covers(config, [build(config, at(t, tp, pp_rank=p, pp_size=pp)) for t, p in grid])
+    check_covers(config, [hf_layout(config, at(pp_rank=p, pp_size=pp), shard_rank=t,
+                                    shard_size=tp) for t, p in grid])
 
 
 @pytest.mark.parametrize("ep", [1, 2, 4])
 def test_moe_expert_parallel_layouts_cover(ep):
     config = cfg("qwen3_moe", experts=4)
-    check_covers(config, [vllm_layout(config, 0, 1, ep_rank=e, ep_size=ep, dp_rank=e)
+    check_covers(config, [vllm_layout(config, at(ep_rank=e, ep_size=ep, dp_rank=e))
                           for e in range(ep)])
-    check_covers(config, [megatron_layout(config, 0, 1, ep_rank=e, ep_size=ep, dp_rank=e,
+    check_covers(config, [megatron_layout(config, at(ep_rank=e, ep_size=ep, dp_rank=e),
                                           grouped_experts=True) for e in range(ep)])
     check_covers(config, [hf_layout(config, packed_experts=True, shard_rank=r, shard_size=ep)
                           for r in range(ep)])
@@ -101,7 +105,7 @@ def test_vllm_qkv_is_q_k_v_per_rank_and_replicates_kv_heads():
     q, k, v = (full[f"{a}{x}_proj.weight"] for x in "qkv")
     for tp in (1, 2, 4):
         for r in range(tp):
-            spec = find(vllm_layout(config, r, tp), a + "qkv_proj.weight")
+            spec = find(vllm_layout(config, at(r, tp)), a + "qkv_proj.weight")
             if tp > 2:  # each kv head lives on tp/2 consecutive ranks
                 head = r // (tp // 2)
                 k_r, v_r = k[head * 4:(head + 1) * 4], v[head * 4:(head + 1) * 4]
@@ -109,7 +113,7 @@ def test_vllm_qkv_is_q_k_v_per_rank_and_replicates_kv_heads():
                 k_r, v_r = k.chunk(tp)[r], v.chunk(tp)[r]
             expected = torch.cat([q.chunk(tp)[r], k_r, v_r])
             assert torch.equal(local_tensor(spec, full), expected)
-    reps = [find(vllm_layout(config, r, 4), a + "qkv_proj.weight").replica for r in range(4)]
+    reps = [find(vllm_layout(config, at(r, 4)), a + "qkv_proj.weight").replica for r in range(4)]
     assert reps[0] == 0 and reps[2] == 0 and reps[1] > 0 and reps[3] > 0
 
 
@@ -125,7 +129,7 @@ def test_megatron_qkv_interleaves_per_query_group():
                               v.reshape(2, 4, *trailing)], dim=1).reshape(-1, *trailing)
         for tp in (1, 2):
             name = f"decoder.layers.0.self_attention.linear_qkv.{kind}"
-            parts = [local_tensor(find(megatron_layout(config, r, tp), name), full)
+            parts = [local_tensor(find(megatron_layout(config, at(r, tp)), name), full)
                      for r in range(tp)]
             assert torch.equal(torch.cat(parts), expected)
 
@@ -135,8 +139,8 @@ def test_fused_gate_up_is_gate_then_up_per_rank():
     full = globals_of(config)
     g, u = full["model.layers.1.mlp.gate_proj.weight"], full["model.layers.1.mlp.up_proj.weight"]
     for r in range(2):
-        v = find(vllm_layout(config, r, 2), "model.layers.1.mlp.gate_up_proj.weight")
-        m = find(megatron_layout(config, r, 2), "decoder.layers.1.mlp.linear_fc1.weight")
+        v = find(vllm_layout(config, at(r, 2)), "model.layers.1.mlp.gate_up_proj.weight")
+        m = find(megatron_layout(config, at(r, 2)), "decoder.layers.1.mlp.linear_fc1.weight")
         expected = torch.cat([g.chunk(2)[r], u.chunk(2)[r]])
         assert torch.equal(local_tensor(v, full), expected)
         assert torch.equal(local_tensor(m, full), expected)
@@ -144,11 +148,12 @@ def test_fused_gate_up_is_gate_then_up_per_rank():
 
 def test_vocab_padding_vllm_and_megatron():
     config = cfg("llama", vocab=100)
-    heads = [find(vllm_layout(config, r, 2), "lm_head.weight") for r in range(2)]
+    heads = [find(vllm_layout(config, at(r, 2)), "lm_head.weight") for r in range(2)]
     assert [s.local_shape[0] for s in heads] == [64, 64]  # 100 padded to 128, split in two
     assert [box.sizes[0] for s in heads for box in s.padding] == [28]
     assert padded_vocab(100, 2) == 256
-    first, second = (find(megatron_layout(config, r, 2), "output_layer.weight") for r in range(2))
+    first, second = (find(megatron_layout(config, at(r, 2)), "output_layer.weight")
+                     for r in range(2))
     assert first.local_shape == second.local_shape == (128, 16)
     assert first.pieces[0].global_box.sizes[0] == 100 and first.padding[0].sizes[0] == 28
     assert second.pieces == () and second.padding[0].sizes[0] == 128
@@ -158,7 +163,7 @@ def test_tied_embeddings_have_no_head_unless_last_stage_is_separate():
     config = cfg("qwen3", tie=True)
     assert "lm_head.weight" not in hf_parameters(config)
     assert not any(s.local_name == "lm_head.weight" for s in vllm_layout(config))
-    head = find(vllm_layout(config, 0, 1, pp_rank=1, pp_size=2), "lm_head.weight")
+    head = find(vllm_layout(config, at(pp_rank=1, pp_size=2)), "lm_head.weight")
     assert head.names == ("model.embed_tokens.weight",) and head.replica > 0
 
 
@@ -201,10 +206,11 @@ def test_name_converters():
     assert vllm_to_hf("model.layers.1.self_attn.qkv_proj.weight", config) == tuple(
         f"model.layers.1.self_attn.{x}_proj.weight" for x in "qkv")
     assert megatron_to_hf("decoder.layers.0.self_attention.linear_qkv.weight", config,
-                          pp_rank=1, pp_size=2) == tuple(
+                          coords=at(pp_rank=1, pp_size=2)) == tuple(
         f"model.layers.1.self_attn.{x}_proj.weight" for x in "qkv")
     assert hf_to_megatron("model.layers.1.post_attention_layernorm.weight", config,
-                          pp_rank=1, pp_size=2) == ("decoder.layers.0.pre_mlp_layernorm.weight",)
+                          coords=at(pp_rank=1, pp_size=2)) == (
+        "decoder.layers.0.pre_mlp_layernorm.weight",)
     assert hf_to_megatron("model.layers.1.mlp.experts.3.down_proj.weight", config,
                           grouped_experts=True) == (
         "decoder.layers.1.mlp.experts.linear_fc2.weight3",)
@@ -212,6 +218,6 @@ def test_name_converters():
 
 def test_bad_degrees_name_the_fix():
     with pytest.raises(ConfigError, match=r"tp=3 does not divide the model's 4 attention heads"):
-        vllm_layout(cfg("llama"), 0, 3)
+        vllm_layout(cfg("llama"), at(0, 3))
     with pytest.raises(ConfigError, match="model_type 'gpt2'"):
         ModelShape.from_hf_config({"model_type": "gpt2"})

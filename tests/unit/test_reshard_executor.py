@@ -9,7 +9,7 @@ from peerflow.capabilities import Capabilities
 from peerflow.conformance.harness import run_threaded
 from peerflow.conformance.oracle import arange_globals, cut, shard_all
 from peerflow.errors import ConfigError, ShardError
-from peerflow.models import hf_layout, hf_parameters, megatron_layout, vllm_layout
+from peerflow.models import RankCoords, hf_layout, hf_parameters, megatron_layout, vllm_layout
 from peerflow.plugins import get_plugin_manager, hookimpl
 from peerflow.reshard import (
     WeightSyncService,
@@ -62,8 +62,8 @@ def test_colocated_sync_megatron_to_vllm_publishes_version_and_reports_phases():
 def test_peak_extra_memory_stays_within_two_buckets_plus_largest_tensor():
     config = dict(CONFIG, vocab_size=1000)
     full = arange_globals(hf_parameters(config))
-    src = {r: megatron_layout(config, r, 2) for r in range(2)}
-    dst = {2 + r: vllm_layout(config, r, 4) for r in range(4)}
+    src = {r: megatron_layout(config, RankCoords(tp_rank=r, tp_size=2)) for r in range(2)}
+    dst = {2 + r: vllm_layout(config, RankCoords(tp_rank=r, tp_size=4)) for r in range(4)}
     plan = plan_reshard(src, dst)
     largest = max(s.numel * 4 for specs in dst.values() for s in specs)
     for bucket_bytes in (2048, 16384, 1 << 20):
@@ -77,7 +77,7 @@ def test_peak_extra_memory_stays_within_two_buckets_plus_largest_tensor():
 
 
 def test_buckets_respect_size_and_keep_tp_shards_together():
-    dst = {r: vllm_layout(CONFIG, r, 2) for r in range(2)}
+    dst = {r: vllm_layout(CONFIG, RankCoords(tp_rank=r, tp_size=2)) for r in range(2)}
     src = {0: hf_layout(CONFIG)}
     plan = plan_reshard(src, dst)
     buckets = make_buckets(plan, 4096)

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from peerflow.conformance.harness import run_threaded
 from peerflow.conformance.oracle import arange_globals, oracle_reshard, shard_all
 from peerflow.errors import ShardError
-from peerflow.models import megatron_layout, vllm_layout
+from peerflow.models import RankCoords, megatron_layout, vllm_layout
 from peerflow.reshard import plan_reshard
 from peerflow.shard import Box, ShardPiece, ShardSpec
 
@@ -134,8 +134,8 @@ def test_megatron_tp2_to_vllm_tp4_matches_oracle():
     config = dict(model_type="qwen2", vocab_size=70, hidden_size=16, intermediate_size=32,
                   num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
                   head_dim=4)
-    src = {r: megatron_layout(config, r, 2) for r in range(2)}
-    dst = {2 + r: vllm_layout(config, r, 4) for r in range(4)}
+    src = {r: megatron_layout(config, RankCoords(tp_rank=r, tp_size=2)) for r in range(2)}
+    dst = {2 + r: vllm_layout(config, RankCoords(tp_rank=r, tp_size=4)) for r in range(4)}
     from peerflow.models import hf_parameters
     full = arange_globals(hf_parameters(config))
     tensors = shard_all(src, full)

@@ -121,11 +121,29 @@ def test_a_lock_of_the_same_torchrun_job_is_taken_over(tmp_path, monkeypatch):
     assert "torchrun job job-a restarted its workers" in lines[0]
 
 
+@pytest.mark.parametrize("job", ["none", ""])
+def test_torchruns_default_id_identifies_no_job(tmp_path, monkeypatch, job):
+    """`none` (torchrun without --rdzv-id) or no id: the lock of another such run is kept
+    and the run refused, and this run's lock records no job."""
+    from peerflow.outputs.rundir import torchrun_job
+
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", job)
+    assert torchrun_job() == ""
+    (tmp_path / "run.lock").write_text(json.dumps(
+        {"host": "elsewhere", "pid": 1, "started": "earlier", "job": job}))
+    with pytest.raises(ConfigError, match="in use by pid 1 on host elsewhere"):
+        RunLock(tmp_path).acquire()
+    (tmp_path / "run.lock").unlink()
+    with RunLock(tmp_path) as lock:
+        assert json.loads(lock.path.read_text())["job"] is None
+
+
 def test_a_torchrun_restart_before_the_first_checkpoint_starts_again(run_dir, monkeypatch,
                                                                     capsys):
     """The job that started the directory may start it again (no checkpoint to resume
     from); another job, torchrun's default id `none`, or a changed config is refused."""
-    from peerflow.cli.train_cmd import check_run_dir, record_torchrun_job, same_torchrun_job
+    from peerflow.cli.train_cmd import check_run_dir
+    from peerflow.outputs.rundir import record_torchrun_job, same_torchrun_job
 
     config = load_config(QUICKSTART)
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-a")

@@ -15,13 +15,12 @@ def megatron_shard_layout(hf_config: Any, layout: Any, rank: int, *,
 
     Megatron's default rank order (tp fastest, then dp, then pp) is `ParallelLayout`'s.
     """
-    from peerflow.models import megatron_layout
-    from peerflow.models.common import rank_layout
+    from peerflow.models import RankCoords, megatron_layout
 
     if layout.ep * layout.cp != 1:
         raise ConfigError(f"trainer.backend=megatron: layout {layout.describe()} uses ep/cp, "
                           "which the adapter does not wire up.")
     shape = check_supported(hf_config)
     layout.check_divides("layers", shape.num_layers, dim="pp")
-    return rank_layout(megatron_layout, hf_config, layout, rank,
-                       vocab_multiple=vocab_multiple, dtype=dtype)
+    return megatron_layout(hf_config, RankCoords.of(layout, rank),
+                           vocab_multiple=vocab_multiple, dtype=dtype)

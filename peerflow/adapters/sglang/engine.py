@@ -39,7 +39,7 @@ from peerflow.engines import (
     SamplingParams,
 )
 from peerflow.engines.tp_rollout import TensorParallelRolloutEngine
-from peerflow.models.common import rank_layout
+from peerflow.models.common import RankCoords
 from peerflow.models.vllm import sglang_layout
 from peerflow.shard import ShardSpec
 
@@ -260,7 +260,7 @@ class SGLangRolloutEngine(TensorParallelRolloutEngine):
         `weight_targets()` lists every rank's shards prefixed `tp{r}/`; tp rank r's part
         is exactly this function's result for rank r.
         """
-        return rank_layout(sglang_layout, hf_config, layout, rank)
+        return sglang_layout(hf_config, RankCoords.of(layout, rank))
 
     @classmethod
     def conformance_read_weights(cls, engine: SGLangRolloutEngine) -> dict[str, torch.Tensor]:

@@ -24,10 +24,9 @@ class VLLMConformanceHooks:
         `weight_targets()` lists every worker's shards prefixed `tp{r}/`; tp rank r's
         part is exactly this function's result for rank r.
         """
-        from peerflow.models.common import rank_layout
-        from peerflow.models.vllm import vllm_layout
+        from peerflow.models import RankCoords, vllm_layout
 
-        return rank_layout(vllm_layout, hf_config, layout, rank)
+        return vllm_layout(hf_config, RankCoords.of(layout, rank))
 
     @classmethod
     def conformance_read_weights(cls, engine: Any) -> dict[str, torch.Tensor]:
