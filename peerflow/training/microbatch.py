@@ -24,7 +24,7 @@ from peerflow.training.collectives import all_reduce_max
 
 #: A micro-batch's fixed cost, in padded tokens, is `budget // OVERHEAD_DIVISOR`: a split
 #: must save more padding than that to be worth another forward and backward.
-OVERHEAD_DIVISOR = 16
+OVERHEAD_DIVISOR = 64
 
 
 def pack_by_tokens(lengths: Sequence[int], budget: int) -> list[list[int]]:
