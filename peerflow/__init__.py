@@ -9,7 +9,8 @@ What an engine author needs is exported here: the contracts (`RolloutEngine`,
 `TrainEngine`, `EngineContext`, `Capabilities`, the sampling types), the shard
 description (`ShardSpec`, `ShardPiece`, `Box`) and the layout builders that produce
 `ShardSpec` lists for the supported model families (`hf_layout`, `tp_layout`,
-`vllm_layout`, `sglang_layout`, `megatron_layout`, `hf_parameters`, `ModelShape`).
+`vllm_layout`, `sglang_layout`, `megatron_layout`, `hf_parameters`, `ModelShape`) at a
+rank's `RankCoords`.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ _EXPORTS = {
     "ModelShape": "peerflow.models",
     "OptimSettings": "peerflow.engines",
     "ParallelLayout": "peerflow.layout",
+    "RankCoords": "peerflow.models",
     "RolloutEngine": "peerflow.engines",
     "SamplingParams": "peerflow.engines",
     "ShardPiece": "peerflow.shard",
@@ -61,6 +63,7 @@ if TYPE_CHECKING:
     from peerflow.layout import ParallelLayout
     from peerflow.models import (
         ModelShape,
+        RankCoords,
         hf_layout,
         hf_parameters,
         megatron_layout,
@@ -90,6 +93,7 @@ __all__ = [
     "ModelShape",
     "OptimSettings",
     "ParallelLayout",
+    "RankCoords",
     "RolloutEngine",
     "SamplingParams",
     "ShardPiece",

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 import time
 from pathlib import Path
@@ -36,12 +35,6 @@ def emit(figures: dict[str, Any], status: int = 0) -> None:
     """Prints the figures line and exits with `status`."""
     print(FIGURES_PREFIX + json.dumps(figures), flush=True)
     sys.exit(status)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def check_env() -> None:
@@ -104,9 +97,11 @@ def check_nccl_pair() -> None:
     """Two ranks on one GPU over NCCL (NCCL normally refuses: reported as unsupported)."""
     import torch.multiprocessing as mp
 
+    from peerflow.distributed.init import free_port
+
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_nccl_rank, args=(r, port, queue)) for r in range(2)]
     for p in procs:
         p.start()
@@ -207,11 +202,13 @@ def check_ipc_pair() -> None:
     import torch
     import torch.multiprocessing as mp
 
+    from peerflow.distributed.init import free_port
+
     if not torch.cuda.is_available():
         emit({"reason": "no CUDA device"}, UNSUPPORTED_EXIT)
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_ipc_rank, args=(r, port, queue, 256 * 2**20))
              for r in range(2)]
     for p in procs:

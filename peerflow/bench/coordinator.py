@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 from typing import Any
+
+from peerflow.distributed.init import free_port
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,12 +40,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sim-samples-per-rank", type=int, default=64,
                         help="samples per producer rank in the simulation")
     parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic batch")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make_step_batch(groups: int, group_size: int, mean_tokens: int, seed: int) -> Any:
@@ -152,7 +147,7 @@ def _measure(world: int, args: dict[str, Any]) -> dict[str, Any]:
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, world, port, args, out)) for r in range(world)]
     for p in procs:
         p.start()

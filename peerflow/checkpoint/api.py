@@ -48,8 +48,6 @@ class Resumed:
 
     step: int
     """Steps trained before the checkpoint; the run continues with `step + 1`."""
-    directory: Path
-    """The checkpoint's directory."""
     driver_state: dict[str, Any] | None
     """This rank's saved driver state (`None` for a rank that saved none, e.g. rollout)."""
     inflight: dict[str, Any] | None
@@ -186,4 +184,4 @@ def restore_latest(
         set_rng_state(driver_state["rng"])
     inflight_path = directory / INFLIGHT
     inflight = json.loads(inflight_path.read_text()) if inflight_path.is_file() else None
-    return Resumed(step=step, directory=directory, driver_state=driver_state, inflight=inflight)
+    return Resumed(step=step, driver_state=driver_state, inflight=inflight)

@@ -8,9 +8,33 @@ import random
 from pathlib import Path
 from typing import Any
 
+import cattrs
 import torch
 
 from peerflow.checkpoint.atomic import write_text_atomic
+
+#: Lets a validator's own error (e.g. `ConfigError`) through, not wrapped in a group.
+_CONVERTER = cattrs.Converter(detailed_validation=False)
+
+
+class JsonState:
+    """Mixin of an attrs class whose fields are its whole checkpointed state.
+
+    `state_dict()` is JSON-ready (int dict keys become strings in JSON);
+    `from_state_dict()` rebuilds the instance, keys and values converted to the field
+    types and the class's validators run (`cattrs`).
+    """
+
+    __slots__ = ()
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-serialisable state, for checkpoints of the in-flight work."""
+        return _CONVERTER.unstructure(self)
+
+    @classmethod
+    def from_state_dict(cls, state: dict[str, Any]) -> Any:
+        """Rebuilds an instance from `state_dict()`'s output (also after a JSON round trip)."""
+        return _CONVERTER.structure(state, cls)
 
 
 def rng_state() -> dict[str, Any]:

@@ -30,6 +30,13 @@ from peerflow.errors import ConfigError
 FAULT_STORE_ENV = "PEERFLOW_FAULT_STORE"
 
 
+def free_port(host: str = "127.0.0.1") -> int:
+    """Returns a TCP port free on `host` now (for a rendezvous endpoint or `init_method`)."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
 @attrs.frozen(kw_only=True)
 class DistContext:
     """What `init_distributed` set up for this process."""

@@ -16,7 +16,12 @@ import torch
 
 from peerflow.capabilities import Capabilities
 from peerflow.engines.base import EngineContext, WeightSyncStats
-from peerflow.engines.rollout import RolloutEngine, tokens_before_stop
+from peerflow.engines.rollout import (
+    GenerationRequest,
+    GenerationResult,
+    RolloutEngine,
+    tokens_before_stop,
+)
 from peerflow.models.vllm import split_tp_prefix, tp_prefixed_layout
 from peerflow.shard import ShardSpec
 
@@ -65,11 +70,27 @@ class TensorParallelRolloutEngine(RolloutEngine, abc.ABC):
         self._by_name = {spec.local_name: spec for spec in self._targets}
         self._decode = decode
 
-    def _cut_stop_string(self, tokens: list[int], text: str) -> int:
-        """Returns how many tokens to keep so the answer ends before its stop string."""
-        if self.options.include_stop_str_in_output or self._decode is None:
-            return len(tokens)
-        return tokens_before_stop(self._decode, tokens, text)
+    def _answer(self, request: GenerationRequest, index: int, tokens: list[int],
+                logprobs: list[float], *, reason: str, stop_text: str | None) -> GenerationResult:
+        """Returns one sampled answer as a `GenerationResult` of the live weight version.
+
+        Args:
+            request: The request answered.
+            index: The answer's index among the request's `n`.
+            tokens: The engine's output tokens.
+            logprobs: Their log-probs (empty when not asked for).
+            reason: The engine's finish reason (anything but `length`/`abort` is `stop`).
+            stop_text: The decoded text when a stop string ended the answer: unless the
+                options keep it, the answer is cut before the stop string.
+        """
+        if stop_text is not None and not self.options.include_stop_str_in_output \
+                and self._decode is not None:
+            keep = tokens_before_stop(self._decode, tokens, stop_text)
+            tokens, logprobs = tokens[:keep], logprobs[:keep]
+        return GenerationResult(
+            request_id=request.request_id, index=index, token_ids=tokens, logprobs=logprobs,
+            finish_reason=reason if reason in ("length", "abort") else "stop",
+            version_segments=((0, self.weight_version),))
 
     def weight_targets(self) -> list[ShardSpec]:
         """Returns the engine's parameters as specs (`tp{r}/` prefixes when tp > 1)."""

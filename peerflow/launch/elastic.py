@@ -4,21 +4,15 @@ from __future__ import annotations
 
 import logging
 import signal
-import socket
 import uuid
 from pathlib import Path
 
+from peerflow.distributed.init import free_port
 from peerflow.distributed.ranklog import rank_log_path
 from peerflow.distributed.stop import LauncherStopHandler, read_stop, stop_reason
 from peerflow.errors import RunInterruptedError, WorkerFailedError
 from peerflow.launch.entry import WorkerCommand, worker_entry
 from peerflow.launch.watch import FaultStore
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def failure_message(store: FaultStore, failures: dict[int, object] | None = None,
@@ -66,7 +60,7 @@ def launch_elastic(command: WorkerCommand, *, nprocs: int) -> None:
     store.start_watching()
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nprocs, run_id=f"peerflow-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}",
+        rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}",
         rdzv_configs={"timeout": int(max(60, command.fault_timeout))}, max_restarts=0,
         # our own watcher names the failure first; the agent then stops the rest
         monitor_interval=0.5, start_method="spawn",

@@ -11,10 +11,10 @@ that fails or an actor that dies is reported to every rank; the launcher then wa
 from __future__ import annotations
 
 import os
-import socket
 import time
 from typing import Any
 
+from peerflow.distributed.init import free_port
 from peerflow.errors import EngineNotInstalledError, WorkerFailedError
 from peerflow.launch.elastic import failure_message
 from peerflow.launch.entry import WorkerCommand, worker_entry
@@ -31,9 +31,7 @@ class RayWorker:
         """`(node id, node ip, a free port on it)`."""
         import ray
 
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
+        port = free_port("")
         ctx = ray.get_runtime_context()
         return ctx.get_node_id(), ray.util.get_node_ip_address(), port
 

@@ -19,8 +19,6 @@ from peerflow.reshard.executor import MemoryMeter, run_plan
 from peerflow.reshard.plan import ReshardPlan, Transfer, plan_reshard
 from peerflow.reshard.service import (
     DEFAULT_BUCKET_BYTES,
-    PackedVersion,
-    ReceivedVersion,
     WeightSyncService,
     gather_specs,
     plan_weight_sync,
@@ -32,8 +30,6 @@ __all__ = [
     "DEFAULT_BUCKET_BYTES",
     "Bucket",
     "MemoryMeter",
-    "PackedVersion",
-    "ReceivedVersion",
     "ReshardPlan",
     "Transfer",
     "WeightSyncService",

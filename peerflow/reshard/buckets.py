@@ -10,6 +10,7 @@ the source tensor feeding them is materialised once. A single tensor larger than
 
 from __future__ import annotations
 
+import functools
 import math
 
 import attrs
@@ -36,9 +37,10 @@ class Bucket:
     """Destination bytes of the bucket, all ranks together."""
 
 
+@functools.cache
 def itemsize(dtype: str) -> int:
     """Returns the bytes per element of a torch dtype name."""
-    return torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    return getattr(torch, dtype).itemsize
 
 
 def make_buckets(plan: ReshardPlan, bucket_bytes: int) -> list[Bucket]:

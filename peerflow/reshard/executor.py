@@ -150,6 +150,7 @@ def run_plan(
     meter: MemoryMeter | None = None,
     buffers: Buffers | None = None,
     version: int = 0,
+    routes: Sequence[BucketRoutes] | None = None,
 ) -> WeightSyncStats:
     """Runs every bucket of `plan` on this rank (call on every rank of the plan).
 
@@ -165,6 +166,8 @@ def run_plan(
         buffers: Optional zero-copy hook (`RolloutEngine.weight_buffers`): returns the
             destination's own tensors to write into, or `None` to stage copies.
         version: The weight version the returned stats are labelled with.
+        routes: `bucket_routes(buckets, rank)`, when the caller keeps them between syncs
+            (they depend on the plan only); computed here otherwise.
 
     Returns:
         This rank's time split (pack / wire / load), bytes it sent (local copies included)
@@ -177,41 +180,39 @@ def run_plan(
     stats: Counter[str] = Counter()
     my_sources = {s.local_name: s for s in plan.sources.get(rank, ())}
     my_targets = {s.local_name: s for s in plan.destinations.get(rank, ())}
+    routes = routes if routes is not None else bucket_routes(buckets, rank)
     # One arena per sync: a bucket's send buffers, then (once sent) its staged tensors.
     # Sized once for the largest bucket so no bucket reallocates (and re-faults) memory.
     arena = Arena(meter=meter, device=device)
-    arena.reserve_total(_arena_bytes(buckets, rank, my_targets, stage=False))
-    arena.stage_bytes = _arena_bytes(buckets, rank, my_targets, stage=True)
+    arena.reserve_total(_arena_bytes(buckets, routes, rank, my_targets, stage=False))
+    arena.stage_bytes = _arena_bytes(buckets, routes, rank, my_targets, stage=True)
     try:
-        _run_buckets(plan, buckets, rank, transport, materialize, load, buffers, meter,
-                     stats, my_sources, my_targets, arena)
+        _run_buckets(plan, buckets, routes, rank, transport, materialize, load, buffers,
+                     meter, stats, my_sources, my_targets, arena)
     finally:
         arena.release()
     return WeightSyncStats(version=version, peak_extra_bytes=meter.peak, **stats)
 
 
-def _arena_bytes(buckets: Sequence[Bucket], rank: int, targets: dict[str, ShardSpec],
-                 *, stage: bool) -> int:
+def _arena_bytes(buckets: Sequence[Bucket], routes: Sequence[BucketRoutes], rank: int,
+                 targets: dict[str, ShardSpec], *, stage: bool) -> int:
     """Largest arena any bucket of this rank needs (send buffers; staged tensors too)."""
     need = 0
-    for bucket in buckets:
-        per_peer: dict[int, list[Transfer]] = {}
-        for t in bucket.transfers:
-            if t.src_rank == rank and t.dst_rank != rank:
-                per_peer.setdefault(t.dst_rank, []).append(t)
-        send = sum(_aligned(packed_layout(ts)[1]) for ts in per_peer.values())
+    for bucket, route in zip(buckets, routes, strict=True):
+        send = sum(_aligned(packed_layout(ts)[1]) for ts in route.outgoing.values())
         staged = sum(_aligned(math.prod(targets[n].local_shape) * itemsize(targets[n].dtype))
                      for r, n in bucket.targets if r == rank) if stage else 0
         need = max(need, send, staged)
     return need
 
 
-def _run_buckets(plan: ReshardPlan, buckets: Sequence[Bucket], rank: int,
-                 transport: WeightTransport, materialize: Materialize | None,
-                 load: Load | None, buffers: Buffers | None, meter: MemoryMeter,
+def _run_buckets(plan: ReshardPlan, buckets: Sequence[Bucket],
+                 routes: Sequence[BucketRoutes], rank: int, transport: WeightTransport,
+                 materialize: Materialize | None, load: Load | None,
+                 buffers: Buffers | None, meter: MemoryMeter,
                  stats: Counter[str], my_sources: dict[str, ShardSpec],
                  my_targets: dict[str, ShardSpec], arena: Arena) -> None:
-    for bucket in buckets:
+    for bucket, route in zip(buckets, routes, strict=True):
         specs = [my_sources[n] for n in bucket.source_tensors if n in my_sources]
         if specs and materialize is None:
             raise ShardError(f"rank {rank} holds source tensors {[s.local_name for s in specs]} "
@@ -226,8 +227,8 @@ def _run_buckets(plan: ReshardPlan, buckets: Sequence[Bucket], rank: int,
                         f"{tuple(sources[spec.local_name].shape)} but its spec says "
                         f"{spec.local_shape}; the engine's weight_sources() is wrong."
                     )
-            _run_bucket(bucket, rank, sources, my_targets, transport, load, meter, stats,
-                        buffers, arena)
+            _run_bucket(bucket, route, rank, sources, my_targets, transport, load, meter,
+                        stats, buffers, arena)
         stats["buckets"] += 1
 
 
@@ -263,6 +264,11 @@ class BucketRoutes:
                 incoming.setdefault(t.src_rank, []).append(t)
         routes = [(s, d, packed_layout(ts)[1]) for (s, d), ts in sorted(pairs.items())]
         return cls(outgoing, incoming, local, routes)
+
+
+def bucket_routes(buckets: Sequence[Bucket], rank: int) -> tuple[BucketRoutes, ...]:
+    """`BucketRoutes.of` every bucket on `rank`: fixed by the plan, so kept between syncs."""
+    return tuple(BucketRoutes.of(bucket, rank) for bucket in buckets)
 
 
 def pack_regions(per_peer: dict[int, list[Transfer]], sources: dict[str, torch.Tensor],
@@ -325,11 +331,10 @@ def unpack_regions(per_peer: dict[int, list[Transfer]], received: dict[int, torc
     return nbytes
 
 
-def _run_bucket(bucket: Bucket, rank: int, sources: dict[str, torch.Tensor],
+def _run_bucket(bucket: Bucket, routes: BucketRoutes, rank: int, sources: dict[str, torch.Tensor],
                 targets: dict[str, ShardSpec], transport: WeightTransport, load: Load | None,
                 meter: MemoryMeter, stats: Counter[str], buffers: Buffers | None,
                 arena: Arena) -> None:
-    routes = BucketRoutes.of(bucket, rank)
     start = time.perf_counter()
     arena.reset()
     if routes.outgoing:

@@ -39,6 +39,7 @@ from peerflow.reshard.executor import (
     Arena,
     BucketRoutes,
     MemoryMeter,
+    bucket_routes,
     destination_tensors,
     pack_regions,
     packed_layout,
@@ -101,25 +102,14 @@ def _hooks() -> Any:
 
 
 @attrs.frozen(kw_only=True)
-class PackedVersion:
-    """One version's outgoing bytes on a trainer rank, packed and waiting to travel."""
+class VersionBytes:
+    """One version's packed bytes in flight (from `pack`, or received by `transfer`)."""
 
-    version: int
-    sends: tuple[dict[int, torch.Tensor], ...]
-    """Per bucket: destination rank → packed `uint8` regions (this rank too, colocated)."""
-    nbytes: int
-    pack_s: float
-
-
-@attrs.frozen(kw_only=True)
-class ReceivedVersion:
-    """One version's incoming bytes on a rollout rank, waiting to be applied."""
-
-    version: int
-    buffers: tuple[dict[int, torch.Tensor], ...]
-    """Per bucket: source rank → packed `uint8` regions."""
-    nbytes: int
-    wire_s: float
+    regions: tuple[dict[int, torch.Tensor], ...]
+    """Per bucket: peer rank → packed `uint8` regions (packed: the destinations, this rank
+    too when colocated; received: the sources)."""
+    stats: WeightSyncStats
+    """The version, its bytes on this rank and the time so far (`pack_s` or `wire_s`)."""
 
 
 @attrs.define(eq=False)
@@ -148,6 +138,12 @@ class WeightSyncService:
     """Bytes the service holds now and at most (pack pool, received buffers, arenas)."""
     _pool: list[Arena] = attrs.field(factory=list, init=False)
     _packs: int = attrs.field(default=0, init=False)
+    _routes: tuple[BucketRoutes, ...] = attrs.field(init=False)
+
+    @_routes.default
+    def _route_buckets(self) -> tuple[BucketRoutes, ...]:
+        """Every bucket's routes on this rank (fixed by the plan: worked out once)."""
+        return bucket_routes(self.buckets, self.rank)
 
     @classmethod
     def build(cls, trainer: TrainEngine | None, rollout: RolloutEngine | None, *,
@@ -211,7 +207,7 @@ class WeightSyncService:
             materialize=self.trainer.materialize if self.trainer is not None else None,
             load=self.rollout.load_weights if self.rollout is not None else None,
             buffers=self.rollout.weight_buffers if self.rollout is not None else None,
-            device=self.device, meter=self.meter, version=version,
+            device=self.device, meter=self.meter, version=version, routes=self._routes,
         )
         if self.rollout is not None:
             finish = time.perf_counter()
@@ -223,7 +219,7 @@ class WeightSyncService:
 
     # -- streaming ----------------------------------------------------------------------
 
-    def pack(self, version: int) -> PackedVersion:
+    def pack(self, version: int) -> VersionBytes:
         """Packs this trainer rank's regions of every bucket (trainer ranks, same order).
 
         `materialize` may be a collective over the trainer group. The bytes go into slot
@@ -234,7 +230,7 @@ class WeightSyncService:
         self._fire_before(version, roles)
         start = time.perf_counter()
         mine = {s.local_name: s for s in self.plan.sources.get(self.rank, ())}
-        layouts = [self._outgoing(bucket) for bucket in self.buckets]
+        layouts = [self._outgoing(routes) for routes in self._routes]
         slot = self._slot(sum(packed_layout(ts)[1] for per in layouts for ts in per.values()))
         sends = []
         for bucket, per_peer in zip(self.buckets, layouts):
@@ -246,14 +242,13 @@ class WeightSyncService:
             with self.trainer.materialize(specs) as tensors:
                 sources = dict(zip((s.local_name for s in specs), tensors))
                 sends.append(pack_regions(per_peer, sources, slot.take))
-        packed = PackedVersion(version=version, sends=tuple(sends), nbytes=slot.cursor,
-                               pack_s=time.perf_counter() - start)
-        self._fire_after(version, roles, WeightSyncStats(
-            version=version, pack_s=packed.pack_s, bytes=packed.nbytes,
-            buckets=len(self.buckets), peak_extra_bytes=self.meter.peak))
-        return packed
+        stats = WeightSyncStats(version=version, pack_s=time.perf_counter() - start,
+                                bytes=slot.cursor, buckets=len(self.buckets),
+                                peak_extra_bytes=self.meter.peak)
+        self._fire_after(version, roles, stats)
+        return VersionBytes(regions=tuple(sends), stats=stats)
 
-    def transfer(self, packed: PackedVersion | None, version: int) -> ReceivedVersion | None:
+    def transfer(self, packed: VersionBytes | None, version: int) -> VersionBytes | None:
         """Runs every bucket's `transport.exchange` for one version (every rank, in order).
 
         Safe on a background thread when the transport's group serves nothing else.
@@ -264,9 +259,8 @@ class WeightSyncService:
         """
         start = time.perf_counter()
         received, nbytes = [], 0
-        for index, bucket in enumerate(self.buckets):
-            routes = BucketRoutes.of(bucket, self.rank)
-            sends = dict(packed.sends[index]) if packed is not None else {}
+        for index, routes in enumerate(self._routes):
+            sends = dict(packed.regions[index]) if packed is not None else {}
             own = sends.pop(self.rank, None)
             sizes = {peer: packed_layout(ts)[1] for peer, ts in routes.incoming.items()}
             got = self.transport.exchange(sends, sizes, routes.routes)
@@ -277,24 +271,23 @@ class WeightSyncService:
         if self.rollout is None:
             return None
         self.meter.reserve(nbytes)
-        return ReceivedVersion(version=version, buffers=tuple(received), nbytes=nbytes,
-                               wire_s=time.perf_counter() - start)
+        return VersionBytes(regions=tuple(received), stats=WeightSyncStats(
+            version=version, wire_s=time.perf_counter() - start, bytes=nbytes))
 
-    def apply(self, received: ReceivedVersion) -> WeightSyncStats:
+    def apply(self, received: VersionBytes) -> WeightSyncStats:
         """Loads a received version into the rollout engine (between requests)."""
         assert self.rollout is not None, "apply runs on ranks with a rollout engine"
-        version, roles = received.version, self._roles(trainer=False, rollout=True)
+        version, roles = received.stats.version, self._roles(trainer=False, rollout=True)
         self._fire_before(version, roles)
         start = time.perf_counter()
         targets = {s.local_name: s for s in self.plan.destinations.get(self.rank, ())}
         arena = Arena(meter=self.meter, device=self.device)
         self.rollout.begin_weight_update(version)
         try:
-            for bucket, buffers in zip(self.buckets, received.buffers):
+            for bucket, routes, buffers in zip(self.buckets, self._routes, received.regions):
                 names = [n for r, n in bucket.targets if r == self.rank]
                 if not names:
                     continue
-                routes = BucketRoutes.of(bucket, self.rank)
                 per_peer = dict(routes.incoming)
                 if routes.local:
                     per_peer[self.rank] = routes.local
@@ -305,15 +298,14 @@ class WeightSyncService:
             arena.release()
             self.discard(received)
         self.rollout.finish_weight_update()
-        stats = WeightSyncStats(version=version, wire_s=received.wire_s,
-                                load_s=time.perf_counter() - start, bytes=received.nbytes,
-                                buckets=len(self.buckets), peak_extra_bytes=self.meter.peak)
+        stats = attrs.evolve(received.stats, load_s=time.perf_counter() - start,
+                             buckets=len(self.buckets), peak_extra_bytes=self.meter.peak)
         self._fire_after(version, roles, stats)
         return stats
 
-    def discard(self, received: ReceivedVersion) -> None:
+    def discard(self, received: VersionBytes) -> None:
         """Forgets a received version (applied, or overtaken by a newer one)."""
-        self.meter.release(received.nbytes)
+        self.meter.release(received.stats.bytes)
 
     # -- time sharing -------------------------------------------------------------------
 
@@ -327,8 +319,7 @@ class WeightSyncService:
 
     # -- helpers ------------------------------------------------------------------------
 
-    def _outgoing(self, bucket: Bucket) -> dict[int, list]:
-        routes = BucketRoutes.of(bucket, self.rank)
+    def _outgoing(self, routes: BucketRoutes) -> dict[int, list]:
         per_peer = dict(routes.outgoing)
         if routes.local:
             per_peer[self.rank] = routes.local

@@ -10,15 +10,14 @@ spread is at most `R` groups' tokens.
 
 from __future__ import annotations
 
-from typing import Any
-
 import attrs
 
+from peerflow.checkpoint.state import JsonState
 from peerflow.errors import ConfigError
 
 
 @attrs.define(eq=False)
-class TokenBalancer:
+class TokenBalancer(JsonState):
     """Chooses the trainer dp-rank of each finished group (run on one rollout rank)."""
 
     num_consumers: int
@@ -56,22 +55,3 @@ class TokenBalancer:
         for old in [s for s in self.tokens if s < step]:
             del self.tokens[old]
             self.groups.pop(old, None)
-
-    def state_dict(self) -> dict[str, Any]:
-        """JSON-serialisable state."""
-        return {
-            "num_consumers": self.num_consumers,
-            "source_index": self.source_index,
-            "tokens": {str(k): v for k, v in self.tokens.items()},
-            "groups": {str(k): v for k, v in self.groups.items()},
-        }
-
-    @classmethod
-    def from_state_dict(cls, state: dict[str, Any]) -> TokenBalancer:
-        """Rebuilds a balancer from `state_dict()`'s output."""
-        return cls(
-            num_consumers=int(state["num_consumers"]),
-            source_index=int(state["source_index"]),
-            tokens={int(k): list(v) for k, v in state["tokens"].items()},
-            groups={int(k): list(v) for k, v in state["groups"].items()},
-        )

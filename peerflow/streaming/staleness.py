@@ -26,10 +26,10 @@ All methods are local and O(groups in flight); the scheduler never talks to peer
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any
 
 import attrs
 
+from peerflow.checkpoint.state import JsonState
 from peerflow.errors import ConfigError
 
 
@@ -71,7 +71,7 @@ class StepAssignment:
 
 
 @attrs.define(eq=False)
-class StalenessScheduler:
+class StalenessScheduler(JsonState):
     """Admission control and earliest-deadline step assignment for one rollout dp-rank.
 
     Call sequence, on the rollout rank only:
@@ -191,26 +191,3 @@ class StalenessScheduler:
     def sealed_steps(self) -> int:
         """Number of steps this rank has completely filled (steps `0 … n-1`)."""
         return self.next_step
-
-    def state_dict(self) -> dict[str, Any]:
-        """JSON-serialisable state, for checkpoints of the in-flight work."""
-        return {
-            "max_staleness": self.max_staleness,
-            "quota": self.quota,
-            "next_step": self.next_step,
-            "filled": self.filled,
-            "in_flight": {str(k): v for k, v in self.in_flight.items()},
-            "finished": {str(k): v for k, v in self.finished.items()},
-        }
-
-    @classmethod
-    def from_state_dict(cls, state: dict[str, Any]) -> StalenessScheduler:
-        """Rebuilds a scheduler from `state_dict()`'s output."""
-        return cls(
-            max_staleness=int(state["max_staleness"]),
-            quota=int(state["quota"]),
-            next_step=int(state["next_step"]),
-            filled=int(state["filled"]),
-            in_flight={int(k): int(v) for k, v in state["in_flight"].items()},
-            finished={int(k): int(v) for k, v in state["finished"].items()},
-        )

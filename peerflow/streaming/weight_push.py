@@ -31,7 +31,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import attrs
 
 from peerflow.engines import RolloutEngine, TrainEngine, WeightSyncStats
-from peerflow.reshard.service import ReceivedVersion, WeightSyncService
+from peerflow.reshard.service import VersionBytes, WeightSyncService
 from peerflow.streaming.transport import Kind, StreamReceiver, StreamSender
 
 
@@ -68,9 +68,7 @@ class WeightPusher:
         for dst in self.destinations:
             self.sender.send(dst, Kind.WEIGHTS, a=version, b=len(self.service.buckets))
         self._in_flight.append(self._wire.submit(self.service.transfer, packed, version))
-        return WeightSyncStats(version=version, pack_s=packed.pack_s, bytes=packed.nbytes,
-                               buckets=len(self.service.buckets),
-                               peak_extra_bytes=self.service.meter.peak)
+        return packed.stats
 
     def drain(self) -> None:
         """Waits until every pushed version has been delivered."""
@@ -93,7 +91,7 @@ class WeightReceiver:
     """Every trainer rank has said it sends no more weights."""
     skipped: int = attrs.field(default=0, init=False)
     """Versions overtaken by newer ones before they were applied."""
-    _ready: ReceivedVersion | None = attrs.field(default=None, init=False)
+    _ready: VersionBytes | None = attrs.field(default=None, init=False)
     _cond: threading.Condition = attrs.field(factory=threading.Condition, init=False)
     _error: BaseException | None = attrs.field(default=None, init=False)
     _thread: threading.Thread | None = attrs.field(default=None, init=False)
@@ -149,14 +147,14 @@ class WeightReceiver:
                 self._cond.wait(timeout)
             if self._error is not None:
                 raise self._error
-            return None if self._ready is None else self._ready.version
+            return None if self._ready is None else self._ready.stats.version
 
     def apply(self, rollout: RolloutEngine, version: int) -> WeightSyncStats:
         """Loads received `version` into `rollout` (the service's engine)."""
         assert rollout is self.service.rollout, "apply to the engine the service was built for"
         with self._cond:
             received, self._ready = self._ready, None
-        if received is None or received.version != version:
+        if received is None or received.stats.version != version:
             raise RuntimeError(f"weight version {version} is not the one received; call "
                                "poll() and apply the version it returns.")
         return self.service.apply(received)

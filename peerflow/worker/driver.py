@@ -45,8 +45,8 @@ from peerflow.checkpoint import (
 from peerflow.errors import ConfigError
 from peerflow.worker.graceful_stop import GracefulStop
 from peerflow.worker.metrics import (
+    MetricsExchange,
     StepMetrics,
-    all_reduce_metrics,
     finish_metrics,
     record_batch_metrics,
 )
@@ -171,6 +171,7 @@ def drive(rt: WorkerRuntime, schedule: Schedule, stage: Any, *, resuming: bool =
     run = rt.config.run
     stopping = GracefulStop(enabled=rt.config.runtime.stop_checkpoint,
                             grace=rt.config.runtime.stop_grace)
+    exchange = MetricsExchange(group=schedule.group)
     try:
         initial = _call(hooks, "begin", rt, start_step)
         if initial:
@@ -187,7 +188,7 @@ def drive(rt: WorkerRuntime, schedule: Schedule, stage: Any, *, resuming: bool =
                 rt.step = step
                 record_batch_metrics(batch, metrics)
                 stopping.offer(metrics)
-                reduced = finish_metrics(all_reduce_metrics(metrics, schedule.group), step)
+                reduced = finish_metrics(exchange.reduce(metrics), step)
                 stop_now = stopping.agreed(reduced)
                 extra = _call(hooks, "end_step", rt, step, reduced)
                 reduced.update(extra)

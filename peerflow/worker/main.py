@@ -53,14 +53,6 @@ def _barrier(what: str = "barrier") -> None:
         barrier(what=what)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _seed_everything(seed: int, rank: int) -> None:
     import random
 
@@ -87,6 +79,7 @@ def run_worker(
         WorkerFailedError: a peer died or raised (naming its rank, host and stage).
     """
     from peerflow.distributed import init_distributed, shutdown_distributed, stage
+    from peerflow.distributed.init import free_port
 
     config = load_config(config_path, overrides)
     _environment(config)
@@ -97,7 +90,7 @@ def run_worker(
         init_distributed(timeout=config.runtime.fault_timeout)
     else:  # one process started by hand (tests, notebooks)
         init_distributed(timeout=config.runtime.fault_timeout, rank=0, world_size=1,
-                         init_method=f"tcp://127.0.0.1:{_free_port()}")
+                         init_method=f"tcp://127.0.0.1:{free_port()}")
     runtime = None
     try:
         with stage("start-up"):

@@ -109,21 +109,90 @@ def reduce_metrics(per_rank: list[Mapping[str, tuple[str, float, float]]]) -> di
 
 
 def all_reduce_metrics(metrics: StepMetrics, group: Any = None) -> dict[str, float]:
-    """Exchanges every rank's metrics and returns the same reduced dict on every rank.
+    """Exchanges every rank's metrics once and returns the same reduced dict on every rank.
 
     Args:
         metrics: This rank's step metrics.
         group: torch.distributed group (default world); with no process group initialised,
             the local metrics are reduced alone.
     """
+    return MetricsExchange(group=group).reduce(metrics)
+
+
+Layout = tuple[tuple[str, str], ...]
+"""A rank's recorded metrics: `(name, reduction)` pairs, sorted by name."""
+
+
+@attrs.define(eq=False)
+class MetricsExchange:
+    """Reduces step metrics across ranks, step after step (`reduce`, collective).
+
+    The first step gathers every rank's `StepMetrics.raw()` as objects (pickled, two
+    collectives) and keeps each rank's layout. Later steps, while every rank records the
+    names it recorded then, gather only the numbers: one fixed-size float64 tensor per
+    rank, whose first entry says whether that rank's layout is still the kept one. If any
+    rank's layout changed, the step falls back to the object gather and keeps the new
+    layouts. Both paths hand `reduce_metrics` the same per-rank values (float64 holds a
+    Python float exactly), so the reduced metrics are identical.
+    """
+
+    group: Any = None
+    """torch.distributed group (None: world)."""
+    _layouts: list[Layout] | None = attrs.field(default=None, init=False)
+
+    def reduce(self, metrics: StepMetrics) -> dict[str, float]:
+        """Every rank's metrics of this step, reduced; the same dict on every rank."""
+        import torch.distributed as dist
+
+        raw = metrics.raw()
+        if not (dist.is_available() and dist.is_initialized()):
+            return reduce_metrics([raw])
+        if self._layouts is not None:
+            per_rank = self._gather_values(raw)
+            if per_rank is not None:
+                return reduce_metrics(per_rank)
+        gathered: list[Any] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(gathered, raw, group=self.group)
+        self._layouts = [_layout(r) for r in gathered]
+        return reduce_metrics(gathered)
+
+    def _gather_values(self, raw: dict[str, tuple[str, float, float]]
+                       ) -> list[dict[str, tuple[str, float, float]]] | None:
+        """The per-rank raw metrics from one tensor gather; None if a layout changed."""
+        import torch
+        import torch.distributed as dist
+
+        assert self._layouts is not None
+        layout = _layout(raw)
+        width = max(len(kept) for kept in self._layouts)
+        row = torch.zeros(1 + 2 * width, dtype=torch.float64, device=_device(self.group))
+        if layout == self._layouts[dist.get_rank(self.group)]:
+            row[0] = 1.0
+            row[1:1 + len(layout)] = torch.tensor([raw[n][1] for n, _ in layout],
+                                                  dtype=torch.float64)
+            row[1 + width:1 + width + len(layout)] = torch.tensor(
+                [raw[n][2] for n, _ in layout], dtype=torch.float64)
+        rows = [torch.empty_like(row) for _ in self._layouts]
+        dist.all_gather(rows, row, group=self.group)
+        values = [r.tolist() for r in rows]
+        if not all(v[0] == 1.0 for v in values):
+            return None
+        return [{name: (how, v[1 + i], v[1 + width + i]) for i, (name, how) in enumerate(kept)}
+                for kept, v in zip(self._layouts, values, strict=True)]
+
+
+def _layout(raw: dict[str, tuple[str, float, float]]) -> Layout:
+    return tuple(sorted((name, how) for name, (how, _, _) in raw.items()))
+
+
+def _device(group: Any) -> Any:
+    """Where the group's backend gathers tensors: the current GPU for NCCL, else the CPU."""
+    import torch
     import torch.distributed as dist
 
-    raw = metrics.raw()
-    if not (dist.is_available() and dist.is_initialized()):
-        return reduce_metrics([raw])
-    gathered: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, raw, group=group)
-    return reduce_metrics(gathered)
+    if "gloo" not in str(dist.get_backend(group)) and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def record_batch_metrics(batch: Batch, metrics: StepMetrics) -> None:

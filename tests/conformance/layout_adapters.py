@@ -17,22 +17,22 @@ from peerflow.shard import Box, ShardPiece, ShardSpec
 PARALLEL = Capabilities(tensor_parallel=True, pipeline_parallel=True)
 
 
+def _rank_layout(builder):
+    """`shard_layout` of an adapter whose rank holds `builder`'s layout at its coordinates."""
+    return staticmethod(lambda hf_config, layout, rank: builder(hf_config,
+                                                                RankCoords.of(layout, rank)))
+
+
 class VllmStyleLayouts(RolloutEngine):
     name = "test-vllm-layouts"
     capabilities = PARALLEL
-
-    @classmethod
-    def shard_layout(cls, hf_config, layout, rank):
-        return vllm_layout(hf_config, RankCoords.of(layout, rank))
+    shard_layout = _rank_layout(vllm_layout)
 
 
 class MegatronStyleLayouts(TrainEngine):
     name = "test-megatron-layouts"
     capabilities = PARALLEL
-
-    @classmethod
-    def shard_layout(cls, hf_config, layout, rank):
-        return megatron_layout(hf_config, RankCoords.of(layout, rank))
+    shard_layout = _rank_layout(megatron_layout)
 
 
 class FsdpStyleLayouts(TrainEngine):

@@ -21,8 +21,9 @@ from peerflow.batch import Batch, RaggedField
 from peerflow.coordinator import dp_members, pack_batch, unpack_batch
 from peerflow.coordinator.exchange import HEAD_BYTES
 from peerflow.coordinator.wire import size_bound
+from peerflow.distributed.init import free_port
 from peerflow.layout import ParallelLayout
-from tests.helpers.gloo import free_port, init_gloo
+from tests.helpers.gloo import init_gloo
 
 pytestmark = pytest.mark.distributed
 

@@ -277,58 +277,19 @@ def test_a_rank_that_timed_out_waiting_names_the_stuck_peer() -> None:
     assert "rank 0 timed out waiting for it in stage 'step 2 advantage'" in record.reason
 
 
-HANGING_REWARD = textwrap.dedent('''
-    import os, time
-    import torch.distributed as dist
-    from peerflow.algorithms.base import RewardFunction
-    from peerflow.plugins import get_plugin_manager, hookimpl
-    from peerflow.worker.main import run_worker
-
-    class HangingReward(RewardFunction):
-        name = "hang_on_rank1"
-
-        def score(self, responses, examples):
-            if dist.get_rank() == int(os.environ.get("HANG_RANK", "1")):
-                while True:  # a reward that never returns
-                    time.sleep(0.1)
-            return [0.0] * len(responses)
-
-    class Plugin:
-        @hookimpl
-        def peerflow_register_rewards(self, register):
-            register(HangingReward)
-
-    def run(config_path, overrides, run_dir, resume):
-        get_plugin_manager().register(Plugin(), "hanging-reward")
-        run_worker(config_path, overrides, run_dir, resume)
-''')
-
-
 def _run_hanging_reward(tmp_path, config: str, hang_rank: int) -> subprocess.CompletedProcess:
     """Launches `config` on 2 processes with a reward that never returns on `hang_rank`."""
-    (tmp_path / "hangprog.py").write_text(HANGING_REWARD)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    script = textwrap.dedent('''
-        import sys
-        from peerflow.errors import PeerFlowError
-        from peerflow.launch import launch
-        try:
-            launch(sys.argv[1], sys.argv[3:], sys.argv[2], None, nprocs=2,
-                   entry="hangprog:run")
-        except PeerFlowError as exc:
-            print("LAUNCHER:", exc, file=sys.stderr)
-            sys.exit(1)
-    ''')
-    env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-               GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", HANG_RANK=str(hang_rank))
+    env = dict(os.environ, PYTHONPATH=f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+               GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", STUCK_RANK=str(hang_rank))
     for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "PEERFLOW_FAULT_STORE"):
         env.pop(key, None)
     overrides = ["run.steps=3", "run.prompts_per_step=4", "rollout.sampling.n=4",
-                 "task.reward=hang_on_rank1", "runtime.reward_timeout=4",
+                 "task.reward=stuck", "runtime.reward_timeout=4",
                  "runtime.fault_timeout=60", "run.trace=false", "run.tensorboard=false"]
     return subprocess.run(
-        [sys.executable, "-c", script, os.path.join(root, "examples", config),
-         str(tmp_path / "run"), *overrides],
+        [sys.executable, "-m", "tests.helpers.stuck_reward",
+         os.path.join(root, "examples", config), str(tmp_path / "run"), *overrides],
         env=env, capture_output=True, text=True, timeout=300)
 
 
@@ -348,9 +309,9 @@ def test_a_reward_that_never_returns_fails_the_run_naming_rank_reward_and_sample
     host = socket.gethostname()
     launcher = next(line for line in err.splitlines() if line.startswith("LAUNCHER:"))
     assert (f"rank {hang_rank} (host {host}) failed in stage \"{stage} (reward "
-            "'hang_on_rank1' on sample_id ") in launcher, err
+            "'stuck' on sample_id ") in launcher, err
     assert "past the stage's deadline of 4 s" in launcher
-    assert "hangprog.py:" in launcher and "in score" in launcher
+    assert "stuck_reward.py:" in launcher and "in score" in launcher
     if config == "quickstart.yaml":
         assert "first: dataset row" in launcher
         assert f"; rank 0 (host {host}" in err  # the healthy rank exits naming rank 1

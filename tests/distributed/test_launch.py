@@ -10,9 +10,9 @@ import textwrap
 
 import pytest
 
+from peerflow.distributed.init import free_port
 from peerflow.errors import ConfigError
 from peerflow.launch import launch
-from tests.helpers.gloo import free_port
 
 pytestmark = pytest.mark.distributed
 

@@ -11,14 +11,13 @@ import signal
 import socket
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
 import pytest
 
 from peerflow.checkpoint import list_checkpoints, newest_complete
-from tests.helpers.gloo import free_port
+from peerflow.distributed.init import free_port
 from tests.helpers.procs import process_gone
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -148,56 +147,14 @@ def test_ctrl_c_checkpoints_the_stop_step_and_resume_continues(tmp_path, mode) -
     assert _steps(run) == list(range(1, stop + 3))  # metrics continue from the stop
 
 
-STUCK_REWARD = textwrap.dedent('''
-    import os, sys, time
-    import torch.distributed as dist
-    from peerflow.algorithms.base import RewardFunction
-    from peerflow.errors import PeerFlowError
-    from peerflow.launch import launch
-    from peerflow.plugins import get_plugin_manager, hookimpl
-    from peerflow.worker.main import run_worker
-
-    class StuckReward(RewardFunction):
-        name = "stuck_on_rank1_step2"
-        calls = 0
-
-        def score(self, responses, examples):
-            StuckReward.calls += 1
-            if dist.get_rank() == 1 and StuckReward.calls == 2:  # step 2 never ends
-                open(os.environ["STUCK_FLAG"], "w").close()
-                while True:
-                    time.sleep(0.1)
-            return [0.0] * len(responses)
-
-    class Plugin:
-        @hookimpl
-        def peerflow_register_rewards(self, register):
-            register(StuckReward)
-
-    def run(config_path, overrides, run_dir, resume):
-        get_plugin_manager().register(Plugin(), "stuck-reward")
-        run_worker(config_path, overrides, run_dir, resume)
-
-    if __name__ == "__main__":
-        try:
-            launch(sys.argv[1], sys.argv[3:], sys.argv[2], None, nprocs=2,
-                   entry="stuckprog:run")
-        except PeerFlowError as exc:
-            print("LAUNCHER:", exc, file=sys.stderr)
-            sys.exit(130)
-''')
-
-
 def test_a_second_ctrl_c_stops_every_rank_at_once(tmp_path) -> None:
     """Rank 1 is stuck in step 2's reward, so the graceful stop cannot reach a step
     boundary: the second Ctrl-C stops every rank at once (today's immediate stop)."""
-    (tmp_path / "stuckprog.py").write_text(STUCK_REWARD)
     run, flag = tmp_path / "run", tmp_path / "stuck"
-    env = _env(STUCK_FLAG=str(flag))
-    env["PYTHONPATH"] = f"{tmp_path}{os.pathsep}{env['PYTHONPATH']}"
+    env = _env(STUCK_RANK="1", STUCK_CALL="2", STUCK_FLAG=str(flag))  # step 2 never ends
     proc = subprocess.Popen(
-        [sys.executable, str(tmp_path / "stuckprog.py"), QUICKSTART, str(run), "run.steps=50",
-         "run.prompts_per_step=4", "task.reward=stuck_on_rank1_step2", "run.trace=false",
+        [sys.executable, "-m", "tests.helpers.stuck_reward", QUICKSTART, str(run),
+         "run.steps=50", "run.prompts_per_step=4", "task.reward=stuck", "run.trace=false",
          "runtime.stop_grace=600", "runtime.reward_timeout=600"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         start_new_session=True)

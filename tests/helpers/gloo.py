@@ -5,7 +5,6 @@ from __future__ import annotations
 import datetime
 import os
 import queue
-import socket
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -14,12 +13,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    """Returns a TCP port on 127.0.0.1 that is free right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from peerflow.distributed.init import free_port
 
 
 def init_gloo(rank: int, world: int, port: int, timeout_s: float | None = None) -> None:

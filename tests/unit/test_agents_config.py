@@ -6,6 +6,7 @@ import pytest
 
 from peerflow.config import load_config, validate_config
 from peerflow.errors import ConfigError
+from tests.helpers.configs import validation_error
 
 
 def test_agent_section_defaults_and_validation(plugin_manager):
@@ -20,10 +21,7 @@ def test_agent_section_defaults_and_validation(plugin_manager):
 
 
 def test_unknown_environment_lists_the_registered_ones(plugin_manager):
-    config = load_config(None, ["rollout.agent.environment=retyr"])
-    with pytest.raises(ConfigError) as info:
-        validate_config(config, plugin_manager)
-    message = str(info.value)
+    message = validation_error(plugin_manager, "rollout.agent.environment=retyr")
     assert "unknown agent environment 'retyr' (rollout.agent.environment)" in message
     assert "Did you mean 'retry'?" in message and "Registered agent environments:" in message
 

@@ -7,6 +7,7 @@ from peerflow.engines import RolloutEngine
 from peerflow.errors import DuplicateNameError, UnknownNameError
 from peerflow.plugins import KINDS, hookimpl, hookspecs
 from tests.helpers.fake_dist import make_distribution, run_peerflow
+from tests.helpers.plugins import registering
 
 BUILTIN_ENGINES = {"rollout_engine": {"hf", "vllm", "sglang"},
                    "train_engine": {"fsdp", "deepspeed", "megatron"}}
@@ -72,12 +73,8 @@ def test_duplicate_names_are_an_error_naming_both(plugin_manager):
         def load_weights(self, items):
             pass
 
-    class Plugin:
-        @hookimpl
-        def peerflow_register_rollout_engines(self, register):
-            register(ShadowHF)
-
-    plugin_manager.register(Plugin(), "shadow", distribution="shadow-dist")
+    plugin = registering("peerflow_register_rollout_engines", ShadowHF)
+    plugin_manager.register(plugin, "shadow", distribution="shadow-dist")
     with pytest.raises(DuplicateNameError) as info:
         plugin_manager.registry("rollout_engine")
     message = str(info.value)
@@ -101,12 +98,7 @@ def test_registering_a_class_without_name_is_reported(plugin_manager):
     class Nameless:
         pass
 
-    class Plugin:
-        @hookimpl
-        def peerflow_register_rewards(self, register):
-            register(Nameless)
-
-    plugin_manager.register(Plugin(), "nameless")
+    plugin_manager.register(registering("peerflow_register_rewards", Nameless), "nameless")
     with pytest.raises(PluginError, match="without a string class attribute `name`"):
         plugin_manager.registry("reward")
 

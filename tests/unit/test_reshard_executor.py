@@ -170,10 +170,10 @@ def test_streaming_pack_transfer_apply_snapshots_each_version_in_one_process():
     second = service.pack(2)
     got_first = service.transfer(first, 1)
     got_second = service.transfer(second, 2)
-    pool = service.meter.current - got_first.nbytes - got_second.nbytes
-    assert pool == 2 * first.nbytes  # two pool slots: double buffering
+    pool = service.meter.current - got_first.stats.bytes - got_second.stats.bytes
+    assert pool == 2 * first.stats.bytes  # two pool slots: double buffering
     stats = service.apply(got_first)
-    assert rollout.weight_version == 1 and stats.bytes == got_first.nbytes
+    assert rollout.weight_version == 1 and stats.bytes == got_first.stats.bytes
     for s in rollout.specs:
         got = rollout.params[s.local_name].clone()
         for box in s.padding:

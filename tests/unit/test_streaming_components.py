@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from peerflow.batch import Batch, RaggedField
 from peerflow.errors import DuplicateNameError, UnknownNameError
-from peerflow.plugins import get_plugin_manager, hookimpl
+from peerflow.plugins import get_plugin_manager
 from peerflow.streaming.accumulator import MicroBatchAccumulator, StepInbox
 from peerflow.streaming.assignment import TokenBalancer
 from peerflow.streaming.samplers import MicroBatchBudget, PooledSample, Sampler
@@ -20,6 +20,7 @@ from peerflow.streaming.versions import (
     segments_from_token_versions,
     token_versions,
 )
+from tests.helpers.plugins import registering
 
 
 def get_sampler(name):
@@ -148,20 +149,10 @@ def test_sampler_registry_errors(plugin_manager):
         def select(self, pool, budget, final):
             return list(range(len(pool)))[::-1] if final else []
 
-    class Samplers:
-        @hookimpl
-        def peerflow_register_samplers(self, register):
-            register(Reverse)
-
-    plugin_manager.register(Samplers(), "test-samplers")
+    plugin_manager.register(registering("peerflow_register_samplers", Reverse), "test-samplers")
     assert isinstance(plugin_manager.get("sampler", "test_reverse")(), Reverse)
 
-    class Clash:
-        @hookimpl
-        def peerflow_register_samplers(self, register):
-            register(Another)
-
-    plugin_manager.register(Clash(), "test-clash")
+    plugin_manager.register(registering("peerflow_register_samplers", Another), "test-clash")
     with pytest.raises(DuplicateNameError, match="sequential"):
         plugin_manager.registry("sampler")
 

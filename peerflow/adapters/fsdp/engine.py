@@ -30,7 +30,12 @@ from peerflow.adapters.fsdp import checkpoint as ckpt
 from peerflow.adapters.fsdp.layout import FAMILIES, fsdp_shard_layout
 from peerflow.adapters.fsdp.model import apply_fsdp, apply_tensor_parallel, load_module
 from peerflow.adapters.fsdp.optim import clip_grad_norm
-from peerflow.adapters.fsdp.shards import local_box, named_shard_specs, replica_index
+from peerflow.adapters.fsdp.shards import (
+    local_box,
+    local_tensor,
+    named_shard_specs,
+    replica_index,
+)
 from peerflow.capabilities import Capabilities
 from peerflow.engines import EngineContext, OptimSettings
 from peerflow.engines.train import tensors_of
@@ -218,9 +223,12 @@ class FSDPTrainEngine(CausalLMTrainEngine):
 
     @contextlib.contextmanager
     def materialize(self, specs: Sequence[ShardSpec]) -> Iterator[list[torch.Tensor]]:
-        """Yields the live local shards of `specs` (no copy, no collective)."""
+        """Yields the live local shards of `specs` (no copy, no collective).
+
+        Their boxes are the specs' own (`weight_sources`); `run_plan` checks the shapes.
+        """
         params = tensors_of(specs, dict(self._named_params()), self.name)
-        yield [local_box(param)[1].detach() for param in params]
+        yield [local_tensor(param).detach() for param in params]
 
     def _group_rank(self) -> tuple[int, int]:
         layout = self.context.layout

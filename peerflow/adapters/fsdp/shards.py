@@ -21,6 +21,13 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's plain local part of a DTensor (a plain tensor is its own)."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
 def local_box(tensor: torch.Tensor) -> tuple[Box, torch.Tensor]:
     """Returns the box of the global tensor that this rank's local part covers.
 

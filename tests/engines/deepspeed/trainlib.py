@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from tests.helpers.gloo import free_port
+from peerflow.distributed.init import free_port
 
 #: Adam with eps=1e-3 makes the post-step comparison about gradients, not about the
 #: float noise of near-zero gradients (see tests/engines/fsdp).

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from peerflow import GenerationRequest, ParallelLayout, SamplingParams
+from peerflow.distributed.init import free_port
 from peerflow.engines import EngineContext, OptimSettings
 from tests.engines.fsdp.fsdp_testlib import (
     PROMPTS,
@@ -21,7 +22,6 @@ from tests.engines.fsdp.fsdp_testlib import (
     nll_loss,
     to_batch,
 )
-from tests.helpers.gloo import free_port
 
 pytestmark = pytest.mark.distributed
 

@@ -16,15 +16,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from tests.engines.deepspeed.trainlib import (
-    TEMPERATURE,
-    dp_slice,
-    full_batch,
-    nll_loss,
-    one_layer_copy,
-    optim_settings,
-    refused_load,
-)
+from tests.engines.deepspeed import trainlib
 
 
 def exported(engine) -> list:
@@ -42,8 +34,8 @@ def fsdp_logprobs(model_path: str, batch, rank: int, world: int) -> torch.Tensor
     from peerflow.layout import ParallelLayout
 
     context = EngineContext(model_path=model_path, layout=ParallelLayout(dp=world), rank=rank,
-                            process_group=dist.group.WORLD, temperature=TEMPERATURE)
-    engine = FSDPTrainEngine(context, FSDPTrainEngine.options_class(), optim_settings())
+                            process_group=dist.group.WORLD, temperature=trainlib.TEMPERATURE)
+    engine = FSDPTrainEngine(context, FSDPTrainEngine.options_class(), trainlib.optim_settings())
     values = engine.forward_logprobs(batch).values
     engine.shutdown()
     return values
@@ -62,33 +54,33 @@ def main() -> None:
     checkpointed: set[str] = set()
     for name, _family, model_path, tp, pp in cases:
         layout = ParallelLayout(dp=world // (tp * pp), tp=tp, pp=pp)
-        batch = dp_slice(full_batch(), layout.dp_rank(rank), layout.dp)
+        batch = trainlib.dp_slice(trainlib.full_batch(), layout.dp_rank(rank), layout.dp)
         context = EngineContext(model_path=model_path, layout=layout, rank=rank,
-                                temperature=TEMPERATURE)
-        engine = MegatronTrainEngine(context, None, optim_settings())
+                                temperature=trainlib.TEMPERATURE)
+        engine = MegatronTrainEngine(context, None, trainlib.optim_settings())
         result = {"logprobs": engine.forward_logprobs(batch).values, "dp": layout.dp}
-        result["metrics"] = engine.train_step(batch, nll_loss)
+        result["metrics"] = engine.train_step(batch, trainlib.nll_loss)
         result["exported"] = exported(engine)
         kind = "tp" if tp > 1 else "pp" if pp > 1 else "dp"
         if kind not in checkpointed:
             checkpointed.add(kind)
             ckpt = os.path.join(out_dir, f"ckpt-{name}")
             engine.save_checkpoint(ckpt)
-            engine.train_step(batch, nll_loss)
+            engine.train_step(batch, trainlib.nll_loss)
             two = exported(engine)
             engine.load_checkpoint(ckpt)
             result["version_loaded"] = engine.version
-            engine.train_step(batch, nll_loss)
+            engine.train_step(batch, trainlib.nll_loss)
             result["resume"] = (two, exported(engine))
         engine.shutdown()
         if "fsdp" in name:
             result["fsdp_logprobs"] = fsdp_logprobs(model_path, batch, rank, world)
         results[name] = result
         if kind == "dp" and "version_loaded" in result:
-            smaller = EngineContext(model_path=one_layer_copy(model_path, out_dir),
+            smaller = EngineContext(model_path=trainlib.one_layer_copy(model_path, out_dir),
                                     layout=layout, rank=rank)
-            engine = MegatronTrainEngine(smaller, None, optim_settings())
-            results["smaller_refused"] = refused_load(engine, ckpt)
+            engine = MegatronTrainEngine(smaller, None, trainlib.optim_settings())
+            results["smaller_refused"] = trainlib.refused_load(engine, ckpt)
             engine.shutdown()
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
