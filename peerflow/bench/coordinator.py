@@ -4,13 +4,15 @@ For each process count N, N gloo processes on this machine each build the same
 synthetic step batch (prompt and response ids, log-probs, advantages, rewards, the
 per-sample examples) and hold their dp-shard of it as producers `dpN`; the batch is
 redistributed to consumers `dp(N/2)×tp2` (the colocated rollout → trainer route of a
-tp=2 trainer), peer to peer and centralized (gather to one rank, scatter) in alternation,
-one repetition of each after the other.
+tp=2 trainer), peer to peer and centralized (gather to one rank, scatter), over each
+transport of `--transport` (`auto`: shared memory on this host; `gloo`), in alternation:
+one repetition of every (transport, mode) after the other.
 Every run checks that each sample reached exactly one consumer dp-rank. Reported per
-(N, mode): the bytes through the busiest rank (sent + received + metadata) and the wall
-time of the slowest rank, medians over `--runs` repetitions after one warm-up; and the
-payload bandwidth of the busiest rank next to a plain gloo `send` of the same number of
-bytes between two of the same processes, measured in the same run (the wire's speed).
+(N, transport, mode): the bytes through the busiest rank (sent + received + metadata) and
+the wall time of the slowest rank, medians over `--runs` repetitions after one warm-up;
+and the payload bandwidth of the busiest rank next to a plain send of the same number of
+bytes between two of the same processes, measured in the same run (the wire's speed):
+gloo `send`, and the shared-memory channel (write, map, one copy out).
 
 `simulation` models the same route up to N = 1024 with the planner's
 `simulate_route` (the runtime's planning code, no processes).
@@ -40,6 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sim-samples-per-rank", type=int, default=64,
                         help="samples per producer rank in the simulation")
     parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic batch")
+    parser.add_argument("--transport", default="auto,gloo",
+                        help="comma-separated coordinator transports (auto|gloo|shm; the "
+                             "first one's ratios are the headline; default auto,gloo)")
 
 
 def make_step_batch(groups: int, group_size: int, mean_tokens: int, seed: int) -> Any:
@@ -86,13 +91,17 @@ def _worker(rank: int, world: int, port: int, args: dict[str, Any], out: Any) ->
     full = make_step_batch(args["groups"], args["group_size"], args["mean_tokens"], args["seed"])
     mine = [i for i, g in enumerate(full.group_id.tolist()) if g % world == rank]
     shard = full.select(mine)
-    walls: dict[str, list[float]] = {"p2p": [], "centralized": []}
-    busiest: dict[str, list[int]] = {"p2p": [], "centralized": []}
+    combos = [(t, m) for t in args["transports"] for m in ("p2p", "centralized")]
+    walls: dict[tuple[str, str], list[float]] = {c: [] for c in combos}
+    busiest: dict[tuple[str, str], list[int]] = {c: [] for c in combos}
+    used: dict[str, str] = {}
     for run in range(args["runs"] + 1):
-        for mode in walls:  # modes alternate, so a change of machine load hits both
+        for transport, mode in combos:  # alternating, so a change of load hits all alike
             stats = TransferStats()
             dist.barrier()
-            got = redistribute(shard, (src, dst), None, mode=mode, stats=stats, timeout=300)
+            got = redistribute(shard, (src, dst), None, mode=mode, transport=transport,
+                               stats=stats, timeout=300)
+            used[transport] = stats.transport
             mine_stats = torch.tensor([stats.wall_s, float(stats.bytes_total)],
                                       dtype=torch.float64)
             gathered = [torch.zeros(2, dtype=torch.float64) for _ in range(world)]
@@ -102,28 +111,37 @@ def _worker(rank: int, world: int, port: int, args: dict[str, Any], out: Any) ->
                 ids += len(got)
             dist.all_reduce(ids)
             if int(ids) != len(full):
-                raise RuntimeError(f"{mode}: {int(ids)} samples arrived, expected {len(full)}")
+                raise RuntimeError(f"{mode}/{transport}: {int(ids)} samples arrived, "
+                                   f"expected {len(full)}")
             if run:  # the first run warms up connections
-                walls[mode].append(max(float(g[0]) for g in gathered))
-                busiest[mode].append(max(int(g[1]) for g in gathered))
-    results: dict[str, Any] = {
-        mode: {"wall_s": statistics.median(walls[mode]),
-               "busiest_rank_bytes": int(statistics.median(busiest[mode]))}
-        for mode in walls}
-    results["gloo_send"] = _plain_send(results["p2p"]["busiest_rank_bytes"], args["runs"])
+                walls[transport, mode].append(max(float(g[0]) for g in gathered))
+                busiest[transport, mode].append(max(int(g[1]) for g in gathered))
+    results = {f"{used[t]}/{m}": {"wall_s": statistics.median(walls[t, m]),
+                                  "busiest_rank_bytes": int(statistics.median(busiest[t, m]))}
+               for t, m in combos}
+    nbytes = results[f"{used[combos[0][0]]}/p2p"]["busiest_rank_bytes"]
+    plain = {"gloo_send": _plain_send(nbytes, args["runs"], "gloo"),
+             "shm_send": _plain_send(nbytes, args["runs"], "shm")}
     if rank == 0:
         members = dp_members(dst)
         out.put({"samples": len(full), "route": f"{src.describe()} -> {dst.describe()}",
-                 "consumer_dp_groups": [list(m) for m in members], "modes": results})
+                 "consumer_dp_groups": [list(m) for m in members], "modes": results,
+                 "transports": used, "plain": plain})
     dist.destroy_process_group()
 
 
-def _plain_send(nbytes: int, runs: int) -> dict[str, Any]:
-    """Times a plain gloo send of `nbytes` from rank 0 to rank 1 (median of `runs`)."""
+def _plain_send(nbytes: int, runs: int, transport: str) -> dict[str, Any]:
+    """Times a plain send of `nbytes` from rank 0 to rank 1 (median of `runs`).
+
+    `gloo`: one `dist.send`; `shm`: the coordinator's shared-memory channel (write,
+    signal, map) plus one copy out of the mapping, as a receiver's unpack makes.
+    """
     import time
 
     import torch
     import torch.distributed as dist
+
+    from peerflow.coordinator.transport import open_channel
 
     rank = dist.get_rank()
     buf = torch.ones(max(1, nbytes), dtype=torch.uint8)
@@ -131,10 +149,15 @@ def _plain_send(nbytes: int, runs: int) -> dict[str, Any]:
     for run in range(runs + 1):
         dist.barrier()
         start = time.perf_counter()
-        if rank == 0:
-            dist.send(buf, dst=1)
-        elif rank == 1:
-            dist.recv(buf, src=0)
+        if transport == "gloo" and rank in (0, 1):
+            (dist.send(buf, dst=1) if rank == 0 else dist.recv(buf, src=0))
+        elif rank in (0, 1):
+            channel = open_channel((0, 1), "shm", timeout=300)
+            outgoing = [(1, buf, buf.numel())] if rank == 0 else []
+            got, _ = channel.exchange(outgoing, {0: buf.numel()} if rank == 1 else {},
+                                      tag=9, what="shm send", timeout=300)
+            if rank == 1:
+                got[0].clone()
         wall = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
         dist.all_reduce(wall, op=dist.ReduceOp.MAX)
         if run:
@@ -183,34 +206,50 @@ def _gbps(row: dict[str, Any]) -> float:
     return row["busiest_rank_bytes"] / max(1e-9, row["wall_s"]) / 1e9
 
 
+def _ratios(modes: dict[str, Any], transport: str, plain: dict[str, Any]) -> dict[str, Any]:
+    p2p, central = modes[f"{transport}/p2p"], modes[f"{transport}/centralized"]
+    return {
+        "busiest_bytes_centralized_over_p2p": round(
+            central["busiest_rank_bytes"] / max(1, p2p["busiest_rank_bytes"]), 3),
+        "wall_p2p_over_centralized": round(p2p["wall_s"] / max(1e-9, central["wall_s"]), 3),
+        **{f"p2p_gbps_over_{name}": round(_gbps(p2p) / max(1e-9, _gbps(row)), 3)
+           for name, row in plain.items()},
+    }
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Runs the benchmark; returns the JSON document."""
+    from peerflow.coordinator.transport import check_transport
+
     counts = [int(x) for x in str(args.nprocs).split(",") if x.strip()]
     bad = [n for n in counts if n < 2 or n % 2]
     if bad:
         raise SystemExit(f"--nprocs {args.nprocs}: use even counts of at least 2 (got {bad}); "
                          "the consumer layout is dp(N/2)×tp2.")
-    params = {"groups": args.groups, "group_size": args.group_size,
+    transports = [t.strip() for t in str(args.transport).split(",") if t.strip()]
+    for transport in transports:
+        check_transport(transport)
+    params = {"groups": args.groups, "group_size": args.group_size, "transports": transports,
               "mean_tokens": args.mean_tokens, "runs": max(1, args.runs), "seed": args.seed}
     results, ratios = [], {}
     for n in counts:
         measured = _measure(n, params)
-        plain = measured["modes"].pop("gloo_send")
-        for mode, row in measured["modes"].items():
-            results.append({"nprocs": n, "mode": mode, "route": measured["route"],
+        for key, row in measured["modes"].items():
+            transport, mode = key.split("/")
+            results.append({"nprocs": n, "mode": mode, "transport": transport,
+                            "route": measured["route"],
                             "busiest_rank_bytes": row["busiest_rank_bytes"],
                             "wall_s": round(row["wall_s"], 6), "samples": measured["samples"],
                             "busiest_rank_gbps": round(_gbps(row), 3)})
-        plain_row = {"busiest_rank_bytes": plain["bytes"], "wall_s": plain["wall_s"]}
-        results.append({"nprocs": n, "mode": "gloo_send", "bytes": plain["bytes"],
-                        "wall_s": round(plain["wall_s"], 6), "gbps": round(_gbps(plain_row), 3)})
-        p2p, central = measured["modes"]["p2p"], measured["modes"]["centralized"]
-        ratios[str(n)] = {
-            "busiest_bytes_centralized_over_p2p": round(
-                central["busiest_rank_bytes"] / max(1, p2p["busiest_rank_bytes"]), 3),
-            "wall_p2p_over_centralized": round(p2p["wall_s"] / max(1e-9, central["wall_s"]), 3),
-            "p2p_gbps_over_gloo_send": round(_gbps(p2p) / max(1e-9, _gbps(plain_row)), 3),
-        }
+        plain = {name: {"busiest_rank_bytes": p["bytes"], "wall_s": p["wall_s"]}
+                 for name, p in measured["plain"].items()}
+        for name, row in plain.items():
+            results.append({"nprocs": n, "mode": name, "bytes": row["busiest_rank_bytes"],
+                            "wall_s": round(row["wall_s"], 6), "gbps": round(_gbps(row), 3)})
+        used = list(dict.fromkeys(measured["transports"][t] for t in transports))
+        by_transport = {t: _ratios(measured["modes"], t, plain) for t in used}
+        ratios[str(n)] = {**by_transport[used[0]], "transport": used[0],
+                          "by_transport": by_transport}
     sim_counts = [int(x) for x in str(args.simulate).split(",") if x.strip()]
     return {
         "benchmark": "coordinator",

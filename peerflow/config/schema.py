@@ -226,6 +226,9 @@ class RuntimeConfig:
     """`colocated`: every role on every rank; `split`: disjoint rank sets per role."""
     coordinator: Literal["p2p", "centralized"] = "p2p"
     """Data routing; `centralized` is the single-controller baseline for benchmarks."""
+    coordinator_transport: Literal["auto", "gloo", "shm"] = "auto"
+    """How routes move bytes: `shm` (shared memory, every rank of a route on this host),
+    `gloo`, or `auto` (`shm` where a route's ranks share a host, else `gloo`)."""
     fault_timeout: float = 60.0
     """Seconds before a rank gives up on a dead peer and exits naming it."""
     stage_timeout: float = 1800.0

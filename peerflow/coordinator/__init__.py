@@ -4,10 +4,12 @@ Interface for the worker (`peerflow.worker`): for each `RouteOp` in its program,
 rank of the route (`route.src ∪ route.dst`) calls
 
     batch = redistribute(batch, op.route, route_groups.get(op.route),
-                         mode=config.runtime.coordinator)
+                         mode=config.runtime.coordinator,
+                         transport=config.runtime.coordinator_transport)
 
 with `route_groups = RouteGroups.build(plan)` (one process group per route's rank set)
-created once at start-up on every rank. Pure
+created once at start-up on every rank. Bytes move over gloo or, between processes of one
+host, shared memory (`coordinator.transport`). Pure
 planning pieces (`balance_groups`, `plan_transfer`) are shared with the planner's scaled
 simulation.
 """

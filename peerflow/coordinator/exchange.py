@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
+import attrs
 import torch
 import torch.distributed as dist
 
@@ -98,3 +99,28 @@ def exchange(
         received[peer] = full
     wait_all(tail_works + send_works, f"{what}: moving data", timeout)
     return received, sent
+
+
+@attrs.frozen
+class GlooChannel:
+    """The gloo transport of a route's exchanges (`exchange`, one message per pair)."""
+
+    name = "gloo"
+    #: Whether a message addressed to many peers costs one write (no: one send each).
+    shared = False
+
+    def begin_call(self) -> GlooChannel:
+        """Nothing to count: gloo tags do not depend on the call."""
+        return self
+
+    def exchange(
+        self,
+        outgoing: Iterable[tuple[int, torch.Tensor, int]],
+        incoming: Mapping[int, int],
+        *,
+        tag: int,
+        what: str,
+        timeout: float,
+    ) -> tuple[dict[int, torch.Tensor], int]:
+        """See `exchange`."""
+        return exchange(outgoing, incoming, tag=tag, what=what, timeout=timeout)

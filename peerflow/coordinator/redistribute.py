@@ -22,8 +22,17 @@ So a call costs two rounds of messages — metadata, then payload — and no col
 gloo's all-gather is a ring (N − 1 sequential steps), and its list `all_to_all` rejects
 tensors of different sizes (torch 2.13: `ProcessGroupGloo::alltoall: invalid tensor
 size`). `mode="centralized"` is the single-controller baseline: producers send everything
-to one rank, which plans and scatters, over the same `exchange` (a receiver that cannot
+to one rank, which plans and scatters, over the same exchange (a receiver that cannot
 know the size posts `HEAD_BYTES` and takes the rest as a second message).
+
+Transport (`transport=`, `coordinator.transport`): both modes run their rounds over the
+call's channel — gloo messages, or, when every rank of the route shares this host's
+`/dev/shm` (`auto`, the default, or `shm`), shared-memory segments signalled through the
+c10d store (`coordinator.shm`). A shared channel writes a message addressed to many
+ranks once, so p2p over it takes one round instead of two (`_p2p_shared`): each producer
+dp-leader writes its shard's group ids and token loads followed by the whole packed
+shard, and every rank plans from all leaders' metadata and copies only its samples out
+of the mapped shards. The centralized baseline keeps its gather and scatter.
 
 Every wait has a timeout (`runtime.fault_timeout`); a dead peer raises
 `WorkerFailedError` naming it.
@@ -40,9 +49,10 @@ import torch
 import torch.distributed as dist
 
 from peerflow.batch import Batch
-from peerflow.coordinator.exchange import HEAD_BYTES, exchange, frame
+from peerflow.coordinator.exchange import HEAD_BYTES, frame, message_length
 from peerflow.coordinator.transfer import TransferPlan, dp_members, plan_transfer
-from peerflow.coordinator.wire import pack_batch, size_bound, unpack_batch
+from peerflow.coordinator.transport import check_transport, open_channel
+from peerflow.coordinator.wire import ALIGN, pack_batch, size_bound, unpack_batch
 from peerflow.distributed.comm import default_timeout
 from peerflow.layout import ParallelLayout
 
@@ -71,6 +81,8 @@ class TransferStats:
     """Seconds spent in the call."""
     plan: TransferPlan | None = None
     """The plan it executed (p2p mode)."""
+    transport: str = ""
+    """The transport its exchanges used (`gloo` or `shm`)."""
 
     @property
     def bytes_total(self) -> int:
@@ -145,7 +157,7 @@ def _decode_metadata(message: torch.Tensor) -> _ShardMetadata:
 
 def _exchange_metadata(
     batch: Batch, src: ParallelLayout, participants: Sequence[int], rank: int,
-    load_fields: Sequence[str], timeout: float, stats: TransferStats,
+    load_fields: Sequence[str], channel: Any, timeout: float, stats: TransferStats,
 ) -> list[_ShardMetadata]:
     """Every producer dp-leader sends its shard's metadata to every other participant."""
     leaders = [m[0] for m in dp_members(src)]
@@ -153,8 +165,8 @@ def _exchange_metadata(
     outgoing = [] if mine is None else [(peer, mine, HEAD_BYTES) for peer in participants
                                         if peer != rank]
     incoming = {leader: HEAD_BYTES for leader in leaders if leader != rank}
-    received, sent = exchange(outgoing, incoming, tag=_METADATA_TAG,
-                              what="redistribute: metadata", timeout=timeout)
+    received, sent = channel.exchange(outgoing, incoming, tag=_METADATA_TAG,
+                                      what="redistribute: metadata", timeout=timeout)
     stats.metadata_bytes += sent + sum(m.numel() for m in received.values())
     return [_decode_metadata(mine if leader == rank else received[leader])
             for leader in leaders]
@@ -186,9 +198,10 @@ def _packed_sends(
 
 
 def _p2p(batch: Batch, src: ParallelLayout, dst: ParallelLayout, rank: int,
-         participants: Sequence[int], load_fields: Sequence[str], timeout: float,
-         stats: TransferStats) -> Batch:
-    metadata = _exchange_metadata(batch, src, participants, rank, load_fields, timeout, stats)
+         participants: Sequence[int], load_fields: Sequence[str], channel: Any,
+         timeout: float, stats: TransferStats) -> Batch:
+    metadata = _exchange_metadata(batch, src, participants, rank, load_fields, channel,
+                                  timeout, stats)
     plan = plan_transfer(src, dst, [m.group_ids for m in metadata], [m.loads for m in metadata])
     stats.plan = plan
     owner = {r: dp for dp, m in enumerate(dp_members(src)) for r in m}
@@ -197,8 +210,8 @@ def _p2p(batch: Batch, src: ParallelLayout, dst: ParallelLayout, rank: int,
     mine = [(receiver, indices) for (sender, receiver), indices in plan.sends.items()
             if sender == rank and receiver != rank]
     outgoing = _packed_sends(batch, mine, metadata[owner[rank]]) if mine else ()
-    received, sent = exchange(outgoing, incoming, tag=_DATA_TAG,
-                              what="redistribute: moving samples", timeout=timeout)
+    received, sent = channel.exchange(outgoing, incoming, tag=_DATA_TAG,
+                                      what="redistribute: moving samples", timeout=timeout)
     stats.bytes_sent += sent
     stats.bytes_received += sum(m.numel() for m in received.values())
     if rank not in set(dst.global_ranks):
@@ -208,15 +221,75 @@ def _p2p(batch: Batch, src: ParallelLayout, dst: ParallelLayout, rank: int,
     return _concat(parts)
 
 
+def _padded(nbytes: int) -> int:
+    """`nbytes` rounded up to `wire.ALIGN` (where a packed batch may start)."""
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+def _p2p_shared(batch: Batch, src: ParallelLayout, dst: ParallelLayout, rank: int,
+                participants: Sequence[int], load_fields: Sequence[str], channel: Any,
+                timeout: float, stats: TransferStats) -> Batch:
+    """p2p in one round over a `shared` channel (same host: `coordinator.shm`).
+
+    Each producer dp-leader writes one message once — its shard's group ids and token
+    loads, then the whole packed shard — for every other rank of the route; every rank
+    reads all leaders' group ids and loads, plans, and copies only its own samples out
+    of the shards that hold them (zero-copy views until `select`/`concat`).
+    """
+    members = dp_members(src)
+    leaders = [m[0] for m in members]
+    outgoing: list[tuple[int, torch.Tensor, int]] = []
+    if rank in leaders:
+        meta = frame(torch.cat([batch.group_id, batch.token_count(load_fields)]))
+        message = pack_batch(batch, reserve=_padded(meta.numel()))
+        message[: meta.numel()] = meta
+        outgoing = [(peer, message, 0) for peer in participants if peer != rank]
+        stats.bytes_sent += message.numel()  # written once, whatever the readers
+    received, _ = channel.exchange(outgoing, {r: 0 for r in leaders if r != rank},
+                                   tag=_DATA_TAG, what="redistribute: shards", timeout=timeout)
+    group_ids, loads = [], []
+    for leader in leaders:
+        if leader == rank:
+            group_ids.append(batch.group_id.tolist())
+            loads.append(batch.token_count(load_fields).tolist())
+            continue
+        length = message_length(received[leader])
+        values = received[leader][8:length].view(torch.int64)
+        n = len(values) // 2
+        group_ids.append(values[:n].tolist())
+        loads.append(values[n:].tolist())
+        stats.metadata_bytes += length
+    plan = plan_transfer(src, dst, group_ids, loads)
+    stats.plan = plan
+    if rank not in set(dst.global_ranks):
+        return Batch.empty()
+    owner = {r: dp for dp, m in enumerate(members) for r in m}
+    shards: dict[int, Batch] = {}
+    parts = []
+    for sender, indices in plan.receives(rank):
+        s_dp = owner[sender]
+        if rank in members[s_dp]:
+            parts.append(_subset(batch, indices))
+            continue
+        if s_dp not in shards:
+            message = received[leaders[s_dp]]
+            shards[s_dp] = unpack_batch(message[_padded(message_length(message)):])
+        part = _subset(shards[s_dp], indices)
+        stats.bytes_received += sum(t.numel() * t.element_size() for t in part.to_wire()[1])
+        parts.append(part)
+    return _concat(parts)
+
+
 def _centralized(batch: Batch, src: ParallelLayout, dst: ParallelLayout, rank: int,
-                 load_fields: Sequence[str], timeout: float, stats: TransferStats) -> Batch:
+                 load_fields: Sequence[str], channel: Any, timeout: float,
+                 stats: TransferStats) -> Batch:
     members = dp_members(src)
     leaders = [m[0] for m in members]
     controller = min(set(src.global_ranks) | set(dst.global_ranks))
 
     def move(outgoing: Any, incoming: Sequence[int], what: str) -> dict[int, torch.Tensor]:
-        received, sent = exchange(outgoing, dict.fromkeys(incoming, HEAD_BYTES),
-                                  tag=_DATA_TAG, what=what, timeout=timeout)
+        received, sent = channel.exchange(outgoing, dict.fromkeys(incoming, HEAD_BYTES),
+                                          tag=_DATA_TAG, what=what, timeout=timeout)
         stats.bytes_sent += sent
         stats.bytes_received += sum(m.numel() for m in received.values())
         return received
@@ -258,6 +331,7 @@ def redistribute(
     process_group: Any = None,
     *,
     mode: str = "p2p",
+    transport: str = "auto",
     load_fields: Sequence[str] = LOAD_FIELDS,
     timeout: float | None = None,
     stats: TransferStats | None = None,
@@ -274,6 +348,8 @@ def redistribute(
             default group — then every rank of the world calls, including ranks outside
             the route (they return an empty batch).
         mode: `p2p` (peer to peer) or `centralized` (gather to one rank, then scatter).
+        transport: `auto` (shared memory when every rank of the route is on this host,
+            else gloo), `gloo` or `shm` (`coordinator.transport`); both modes use it.
         load_fields: Ragged fields whose summed lengths form a sample's token load; the
             batch must have at least one of them.
         timeout: Seconds per wait; defaults to the process group's (`fault_timeout`).
@@ -284,12 +360,14 @@ def redistribute(
 
     Raises:
         WorkerFailedError: a peer failed or did not answer within `timeout`.
-        ValueError: `mode` is unknown, the process group misses ranks of the route, or the
-            batch has none of `load_fields` (naming the fields it has).
+        ValueError: `mode` or `transport` is unknown (or `shm` where the route's ranks
+            share no memory), the process group misses ranks of the route, or the batch
+            has none of `load_fields` (naming the fields it has).
     """
     src, dst = _layouts(route)
     if mode not in ("p2p", "centralized"):
         raise ValueError(f"redistribute: mode={mode!r}; use 'p2p' or 'centralized'.")
+    check_transport(transport)
     stats = stats if stats is not None else TransferStats()
     start = time.perf_counter()
     rank = dist.get_rank()
@@ -304,10 +382,13 @@ def redistribute(
     else:
         _check_group(process_group, participants)
         _check_load_fields(batch, load_fields)
+        channel = open_channel(participants, transport, timeout)
+        stats.transport = channel.name
         if mode == "p2p":
-            out = _p2p(batch, src, dst, rank, participants, load_fields, timeout, stats)
+            p2p = _p2p_shared if channel.shared else _p2p
+            out = p2p(batch, src, dst, rank, participants, load_fields, channel, timeout, stats)
         else:
-            out = _centralized(batch, src, dst, rank, load_fields, timeout, stats)
+            out = _centralized(batch, src, dst, rank, load_fields, channel, timeout, stats)
     stats.samples_out = len(out)
     stats.wall_s = time.perf_counter() - start
     return out

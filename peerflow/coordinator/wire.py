@@ -40,17 +40,26 @@ def _header(batch: Batch) -> tuple[bytes, list[torch.Tensor]]:
     return pickle.dumps((meta, specs), protocol=pickle.HIGHEST_PROTOCOL), tensors
 
 
-def pack_batch(batch: Batch) -> torch.Tensor:
-    """Returns the batch as one contiguous `uint8` tensor (`[num_bytes]`), one copy."""
+def pack_batch(batch: Batch, reserve: int = 0) -> torch.Tensor:
+    """Returns the batch as one contiguous `uint8` tensor (`[num_bytes]`), one copy.
+
+    Args:
+        batch: The batch.
+        reserve: Leading bytes left free for the caller (a multiple of `ALIGN`); the
+            packed batch is `out[reserve:]`.
+    """
+    if reserve % ALIGN:
+        raise ValueError(f"pack_batch: reserve={reserve} is not a multiple of {ALIGN}.")
     header, tensors = _header(batch)
     sizes = [t.numel() * t.element_size() for t in tensors]
     start = _padded(_PREFIX + len(header))
-    out = torch.zeros(start + sum(_padded(n) for n in sizes), dtype=torch.uint8)
-    out[:_PREFIX] = torch.tensor([out.numel(), len(header)], dtype=torch.int64).view(torch.uint8)
-    out[_PREFIX : _PREFIX + len(header)] = torch.frombuffer(bytearray(header), dtype=torch.uint8)
+    out = torch.zeros(reserve + start + sum(_padded(n) for n in sizes), dtype=torch.uint8)
+    body = out[reserve:]
+    body[:_PREFIX] = torch.tensor([body.numel(), len(header)], dtype=torch.int64).view(torch.uint8)
+    body[_PREFIX : _PREFIX + len(header)] = torch.frombuffer(bytearray(header), dtype=torch.uint8)
     for tensor, nbytes in zip(tensors, sizes):
         if nbytes:
-            out[start : start + nbytes] = tensor.detach().cpu().reshape(-1).view(torch.uint8)
+            body[start : start + nbytes] = tensor.detach().cpu().reshape(-1).view(torch.uint8)
         start += _padded(nbytes)
     return out
 

@@ -85,3 +85,34 @@ def barrier(group: Any = None, *, what: str = "barrier", timeout: float | None =
     """A barrier with a timeout (an all-reduce of one element; works on every backend)."""
     one = torch.ones(1)
     wait_all([dist.all_reduce(one, group=group, async_op=True)], what, timeout)
+
+
+def store_wait(store: Any, keys: dict[str, int], what: str, timeout: float | None = None) -> None:
+    """Waits until every key of a c10d store exists (one round trip when they do).
+
+    Args:
+        store: A `torch.distributed.Store`.
+        keys: Key → the rank that sets it (named when it is missing).
+        what: Names the wait in the error.
+        timeout: Seconds to wait.
+
+    Raises:
+        WorkerFailedError: a key was not set within `timeout` (naming the ranks whose keys
+            are missing and, when one is published, the peer that failed).
+    """
+    timeout = default_timeout() if timeout is None else timeout
+    if not keys:
+        return
+    try:
+        store.wait(list(keys), datetime.timedelta(seconds=timeout))
+    except Exception as exc:
+        try:
+            missing = sorted({rank for key, rank in keys.items() if not store.check([key])})
+        except Exception:  # the store itself is gone (its host rank died)
+            missing = []
+        whom = f"rank(s) {missing}" if missing else "a peer (the store is unreachable)"
+        peer = _peer_failure()
+        cause = f"; {peer}" if peer else ""
+        raise WorkerFailedError(
+            f"{what}: {whom} did not answer within {timeout:g} s ({exc}){cause}"
+        ) from exc

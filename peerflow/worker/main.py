@@ -177,6 +177,7 @@ def _program(config: RunConfig, world_size: int, rank: int, pm: Any) -> RankProg
 
     plan = plan_run(config, world_size, pm)
     return program_from_plan(plan, rank, mode=config.runtime.coordinator,
+                             transport=config.runtime.coordinator_transport,
                              timeout=config.runtime.fault_timeout)
 
 

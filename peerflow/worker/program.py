@@ -28,6 +28,8 @@ class RouteStep:
     """Process group of the route's participants (`None`: the default group)."""
     mode: str = "p2p"
     """`p2p` or `centralized` (`runtime.coordinator`)."""
+    transport: str = "auto"
+    """`auto`, `gloo` or `shm` (`runtime.coordinator_transport`)."""
 
     @property
     def name(self) -> str:
@@ -38,7 +40,8 @@ class RouteStep:
         """Returns this rank's consumer shard of the redistributed batch."""
         from peerflow.coordinator import redistribute
 
-        return redistribute(batch, self.route, self.group, mode=self.mode)
+        return redistribute(batch, self.route, self.group, mode=self.mode,
+                            transport=self.transport)
 
 
 @attrs.frozen(kw_only=True)
@@ -100,7 +103,7 @@ def _new_groups(layouts: dict[str, ParallelLayout], world_size: int, timeout: fl
     return {role: made.get(tuple(lay.global_ranks)) for role, lay in layouts.items()}
 
 
-def program_from_plan(plan: Any, rank: int, *, mode: str = "p2p",
+def program_from_plan(plan: Any, rank: int, *, mode: str = "p2p", transport: str = "auto",
                       timeout: float = 60.0) -> RankProgram:
     """Builds this rank's `RankProgram` from the planner's `RunPlan`.
 
@@ -117,7 +120,7 @@ def program_from_plan(plan: Any, rank: int, *, mode: str = "p2p",
     data_role = None
     for op in plan.program(rank):
         if isinstance(op, RouteOp):
-            steps.append(RouteStep(route=op.route, mode=mode,
+            steps.append(RouteStep(route=op.route, mode=mode, transport=transport,
                                    group=route_groups.get(op.route) if route_groups else None))
             continue
         node = plan.graph.node(op.node)

@@ -1,0 +1,106 @@
+"""Which transport a route's exchanges use: shared memory on one host, gloo otherwise.
+
+`open_channel(participants, transport)` returns the channel of one `redistribute` call;
+both modes (p2p and the centralized baseline) run their rounds over it, so comparing
+them compares designs, not transports:
+
+* `gloo`: `exchange.GlooChannel`, one gloo message per pair (any set of hosts);
+* `shm`: `shm.ShmRoute`, segments under `/dev/shm` and one store key per sender and
+  round; every rank of the route must share this host's `/dev/shm`;
+* `auto` (the default): `shm` when they do, else `gloo`.
+
+Whether they do is decided once per rank set: every rank publishes its host identity
+(boot id, host name and the device and inode of `/dev/shm`, so containers with separate
+`/dev/shm` mounts differ) and its process id in the default c10d store at its first call,
+and the ranks of a route read each other's — the same values, so the same decision on
+every rank.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+from collections.abc import Sequence
+from typing import Any
+
+import torch.distributed as dist
+
+from peerflow.coordinator.exchange import GlooChannel
+from peerflow.coordinator.shm import SHM_DIR, ShmRoute
+from peerflow.distributed.comm import store_wait
+
+#: Accepted values of `redistribute(transport=…)` and `runtime.coordinator_transport`.
+TRANSPORTS = ("auto", "gloo", "shm")
+
+_GLOO = GlooChannel()
+_ROUTES: dict[tuple[Any, tuple[int, ...]], ShmRoute | str] = {}
+_PUBLISHED: set[Any] = set()
+
+
+def host_identity() -> str:
+    """This process's shared-memory domain ('' when `/dev/shm` is not a writable dir)."""
+    if not (os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK)):
+        return ""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "?"
+    shm = os.stat(SHM_DIR)
+    return f"{socket.gethostname()}/{boot}/{shm.st_dev}:{shm.st_ino}"
+
+
+def _shm_route(participants: tuple[int, ...], timeout: float) -> ShmRoute | str:
+    """The rank set's `ShmRoute`, or why its ranks cannot share memory."""
+    store = dist.distributed_c10d._get_default_store()
+    rank = dist.get_rank()
+    world = dist.group.WORLD
+    if world not in _PUBLISHED:
+        store.set(f"peerflow/host/{rank}", f"{host_identity()}|{os.getpid()}")
+        _PUBLISHED.add(world)
+    keys = {f"peerflow/host/{r}": r for r in participants}
+    store_wait(store, keys, "redistribute: host detection", timeout)
+    hosts: dict[str, list[int]] = {}
+    pids = {}
+    for r, value in zip(participants, store.multi_get(list(keys))):
+        identity, pid = value.decode().rsplit("|", 1)
+        hosts.setdefault(identity, []).append(r)
+        pids[r] = int(pid)
+    if "" in hosts:
+        return f"ranks {hosts['']} have no writable {SHM_DIR}"
+    if len(hosts) > 1:
+        return f"the route's ranks are on {len(hosts)} hosts ({sorted(hosts.values())})"
+    route_key = hashlib.blake2s(",".join(map(str, participants)).encode(),
+                                digest_size=6).hexdigest()
+    return ShmRoute(store=store, rank=rank, route_key=route_key, pids=pids)
+
+
+def check_transport(transport: str) -> None:
+    """Raises `ValueError` naming the choices when `transport` is not one of them."""
+    if transport not in TRANSPORTS:
+        raise ValueError(f"redistribute: transport={transport!r}; use one of {TRANSPORTS}.")
+
+
+def open_channel(participants: Sequence[int], transport: str, timeout: float) -> Any:
+    """Returns the channel of one `redistribute` call on `participants`.
+
+    Call on every rank of `participants`, once per call, in the same order.
+
+    Raises:
+        ValueError: `transport` is unknown, or `shm` where the ranks share no memory.
+        WorkerFailedError: a rank did not publish its host within `timeout`.
+    """
+    check_transport(transport)
+    if transport == "gloo":
+        return _GLOO
+    key = (dist.group.WORLD, tuple(participants))
+    if key not in _ROUTES:
+        _ROUTES[key] = _shm_route(tuple(participants), timeout)
+    route = _ROUTES[key]
+    if isinstance(route, str):
+        if transport == "shm":
+            raise ValueError(f"redistribute: transport='shm' but {route}; use "
+                             "transport='auto' (gloo between hosts) or 'gloo'.")
+        return _GLOO
+    return route.begin_call()

@@ -1,0 +1,154 @@
+"""The coordinator's shared-memory transport: same results as gloo, cleanup, faults, fallback.
+
+Uses the worker pools of `test_coordinator` (one per world size, spawned once for this
+module) and, for a peer that dies and for the host fallback, processes of their own.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from peerflow.coordinator import pack_batch
+from peerflow.coordinator.shm import PREFIX, SHM_DIR
+from peerflow.layout import ParallelLayout
+from tests.distributed import test_coordinator
+from tests.distributed.test_coordinator import ROUTES, Pool, check, groups_strategy, make_shards
+from tests.helpers.gloo import free_port, init_gloo, run_gloo
+
+pytestmark = pytest.mark.distributed
+
+pools = test_coordinator.pools  # the module-scoped pool fixture, one pool per world size
+
+
+def _files_of(pids) -> list[str]:
+    return sorted(name for name in os.listdir(SHM_DIR) for pid in pids
+                  if name.startswith(f"{PREFIX}{pid}-"))
+
+
+@pytest.mark.parametrize("name", ["dp4->dp2xtp2", "dp2@01->dp4", "colocated->split",
+                                  "split->colocated", "dp3->dp2@12", "dp2->dp1xtp2"])
+@pytest.mark.parametrize("mode", ["p2p", "centralized"])
+@settings(max_examples=3, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_shm_gives_the_same_batches_as_gloo(pools, name, mode, data) -> None:
+    world, src, dst = ROUTES[name]
+    groups = [data.draw(groups_strategy, label=f"dp{d}") for d in range(src.dp)]
+    use_group = len(set(src.global_ranks) | set(dst.global_ranks)) < world and data.draw(
+        st.booleans(), label="subgroup")
+    shards_by_dp, shards = make_shards(src, groups, seed=data.draw(st.integers(0, 999)))
+    pool = pools(world)
+    by_transport = {}
+    for transport in ("shm", "gloo"):
+        by_transport[transport] = pool.run(src, dst, shards, mode=mode, use_group=use_group,
+                                           transport=transport)
+        route = set(src.global_ranks) | set(dst.global_ranks)
+        assert {pool.transports[r] for r in route} == {transport}
+        check(src, dst, shards_by_dp, by_transport[transport])
+    for rank, (batch, _) in by_transport["shm"].items():
+        other = by_transport["gloo"][rank][0]
+        if batch is None or other is None:
+            assert batch is other
+        else:
+            assert torch.equal(pack_batch(batch), pack_batch(other))
+
+
+def test_segments_are_freed_once_read_and_at_exit() -> None:
+    src, dst = ParallelLayout(dp=4), ParallelLayout(dp=2, tp=2)
+    pool = Pool(4)
+    pids = [p.pid for p in pool.procs]
+    try:
+        for seed, mode in enumerate(["p2p", "centralized", "p2p", "centralized", "p2p"]):
+            shards_by_dp, shards = make_shards(src, [[[5, 9], [3]]] * 4, seed=seed)
+            check(src, dst, shards_by_dp, pool.run(src, dst, shards, mode=mode,
+                                                   transport="shm"))
+        # a sender frees a segment after the exchange in which all its readers read it:
+        # what is left belongs to the last call (5 calls: indices 0-4)
+        calls = {int(name.split("-")[3]) for name in _files_of(pids)}
+        assert calls <= {4}, _files_of(pids)
+    finally:
+        pool.close()
+    assert _files_of(pids) == []
+
+
+def _dies_after_one_call(rank: int, world: int, port: int, mode: str, results) -> None:
+    from peerflow.coordinator import redistribute
+    from peerflow.errors import WorkerFailedError
+
+    init_gloo(rank, world, port)
+    src, dst = ParallelLayout(dp=2), ParallelLayout(dp=1, tp=2)
+    shards_by_dp, _ = make_shards(src, [[[4, 2]], [[3], [1]]], seed=7)
+    redistribute(shards_by_dp[rank], (src, dst), mode=mode, transport="shm", timeout=60)
+    if rank == 1:
+        os._exit(0)  # dies between two calls: never publishes its second shard
+    try:
+        redistribute(shards_by_dp[rank], (src, dst), mode=mode, transport="shm", timeout=3)
+        results.put("no error")
+    except WorkerFailedError as exc:
+        results.put((str(exc), _files_of([os.getpid()])))
+
+
+@pytest.mark.parametrize("mode", ["p2p", "centralized"])
+def test_a_dead_peer_is_a_clear_error_and_leaves_no_segments(mode) -> None:
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_dies_after_one_call, args=(r, 2, port, mode, results))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        got = results.get(timeout=120)
+    except queue.Empty:
+        pytest.fail("rank 0 neither failed nor finished within 120 s")
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    assert got != "no error"
+    message, files = got
+    assert "rank(s) [1] did not answer within 3 s" in message and "shared memory" in message
+    assert files == []
+
+
+def _two_hosts(rank: int, world: int) -> dict:
+    import peerflow.coordinator.transport as transport
+    from peerflow.coordinator import TransferStats, redistribute
+
+    if rank == 1:  # this rank claims another host: the route cannot share memory
+        transport.host_identity = lambda: "elsewhere/boot/1:1"
+    src, dst = ParallelLayout(dp=2), ParallelLayout(dp=1, tp=2)
+    shards_by_dp, _ = make_shards(src, [[[4, 2]], [[3], [1]]], seed=8)
+    stats = TransferStats()
+    out = redistribute(shards_by_dp[rank], (src, dst), transport="auto", stats=stats,
+                       timeout=60)
+    try:
+        redistribute(shards_by_dp[rank], (src, dst), transport="shm", timeout=60)
+        refused = ""
+    except ValueError as exc:
+        refused = str(exc)
+    return {"transport": stats.transport, "ids": sorted(out.sample_id.tolist()),
+            "refused": refused}
+
+
+def test_ranks_on_two_hosts_fall_back_to_gloo_and_refuse_shm() -> None:
+    got = run_gloo(_two_hosts, 2)
+    for rank in (0, 1):
+        assert got[rank]["transport"] == "gloo"
+        assert got[rank]["ids"] == [0, 1, 2, 3]
+        assert "transport='shm' but the route's ranks are on 2 hosts" in got[rank]["refused"]
+
+
+def test_unknown_transport_is_refused_naming_the_choices() -> None:
+    from peerflow.coordinator import redistribute
+
+    with pytest.raises(ValueError, match=r"transport='tcp'; use one of \('auto', 'gloo', 'shm'\)"):
+        redistribute(None, (ParallelLayout(dp=1), ParallelLayout(dp=1)), transport="tcp")
