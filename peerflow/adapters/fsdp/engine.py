@@ -167,7 +167,10 @@ class FSDPTrainEngine(CausalLMTrainEngine):
         return contextlib.nullcontext()
 
     def forward_micro(self, micro: MicroBatch) -> torch.Tensor:
-        """Logits `[B, L, V]` (values `[B, L]` for a critic) of one padded micro-batch.
+        """Logits `[B, K, V]` (values `[B, L]` for a critic) of one padded micro-batch.
+
+        Only the last `K = logits_to_keep` positions, those that predict response tokens,
+        go through the vocabulary projection.
 
         Gradient sync is switched on for the last micro-batch of a mini-batch only, so
         FSDP reduce-scatters once per optimiser step.
@@ -179,7 +182,8 @@ class FSDPTrainEngine(CausalLMTrainEngine):
         with self._autocast():
             if self.options.value_head:
                 return self.model(input_ids=ids, attention_mask=mask)
-            return self.model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+            return self.model(input_ids=ids, attention_mask=mask, use_cache=False,
+                              logits_to_keep=micro.inputs.logits_to_keep).logits
 
     def forward_logprobs(self, batch: Any) -> Any:
         """See `CausalLMTrainEngine.forward_logprobs`; leaves the parameters sharded."""
