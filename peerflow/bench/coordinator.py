@@ -11,7 +11,8 @@ Every run checks that each sample reached exactly one consumer dp-rank. Reported
 (N, transport, mode): the bytes through the busiest rank (sent + received + metadata) and
 the wall time of the slowest rank, and the busiest rank's thread CPU time in the call
 (`TransferStats.cpu_s`: what the wall would be with a core per process; `cpu_ratio` is
-p2p / centralized of it, beside the headline wall ratio), medians over `--runs`
+p2p / centralized of it, beside the headline wall ratio; `total_cpu_s`: summed over
+ranks, what sets the wall when processes outnumber cores), medians over `--runs`
 repetitions after one warm-up;
 and the payload bandwidth of the busiest rank next to a plain send of the same number of
 bytes between two of the same processes, measured in the same run (the wire's speed):
@@ -98,6 +99,7 @@ def _worker(rank: int, world: int, port: int, args: dict[str, Any], out: Any) ->
     walls: dict[tuple[str, str], list[float]] = {c: [] for c in combos}
     busiest: dict[tuple[str, str], list[int]] = {c: [] for c in combos}
     cpus: dict[tuple[str, str], list[float]] = {c: [] for c in combos}
+    totals: dict[tuple[str, str], list[float]] = {c: [] for c in combos}
     used: dict[str, str] = {}
     for run in range(args["runs"] + 1):
         for transport, mode in combos:  # alternating, so a change of load hits all alike
@@ -121,8 +123,10 @@ def _worker(rank: int, world: int, port: int, args: dict[str, Any], out: Any) ->
                 walls[transport, mode].append(max(float(g[0]) for g in gathered))
                 busiest[transport, mode].append(max(int(g[1]) for g in gathered))
                 cpus[transport, mode].append(max(float(g[2]) for g in gathered))
+                totals[transport, mode].append(sum(float(g[2]) for g in gathered))
     results = {f"{used[t]}/{m}": {"wall_s": statistics.median(walls[t, m]),
                                   "busiest_rank_cpu_s": statistics.median(cpus[t, m]),
+                                  "total_cpu_s": statistics.median(totals[t, m]),
                                   "busiest_rank_bytes": int(statistics.median(busiest[t, m]))}
                for t, m in combos}
     nbytes = results[f"{used[combos[0][0]]}/p2p"]["busiest_rank_bytes"]
@@ -249,6 +253,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                             "busiest_rank_bytes": row["busiest_rank_bytes"],
                             "wall_s": round(row["wall_s"], 6), "samples": measured["samples"],
                             "busiest_rank_cpu_s": round(row["busiest_rank_cpu_s"], 6),
+                            "total_cpu_s": round(row["total_cpu_s"], 6),
                             "busiest_rank_gbps": round(_gbps(row), 3)})
         plain = {name: {"busiest_rank_bytes": p["bytes"], "wall_s": p["wall_s"]}
                  for name, p in measured["plain"].items()}

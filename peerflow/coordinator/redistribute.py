@@ -52,7 +52,7 @@ from peerflow.batch import Batch
 from peerflow.coordinator.exchange import HEAD_BYTES, frame, message_length
 from peerflow.coordinator.transfer import TransferPlan, dp_members, plan_transfer
 from peerflow.coordinator.transport import check_transport, open_channel
-from peerflow.coordinator.wire import ALIGN, pack_batch, size_bound, span_bytes, unpack_batch
+from peerflow.coordinator.wire import ALIGN, pack_batch, size_bound, spans_bytes, unpack_batch
 from peerflow.distributed.comm import default_timeout
 from peerflow.layout import ParallelLayout
 
@@ -239,8 +239,9 @@ def _p2p_shared(batch: Batch, src: ParallelLayout, dst: ParallelLayout, rank: in
     members = dp_members(src)
     leaders = [m[0] for m in members]
     outgoing: list[tuple[int, torch.Tensor, int]] = []
+    own_loads = batch.token_count(load_fields)
     if rank in leaders:
-        meta = frame(torch.cat([batch.group_id, batch.token_count(load_fields)]))
+        meta = frame(torch.cat([batch.group_id, own_loads]))
         message = pack_batch(batch, reserve=_padded(meta.numel()))
         message[: meta.numel()] = meta
         outgoing = [(peer, message, 0) for peer in participants if peer != rank]
@@ -251,7 +252,7 @@ def _p2p_shared(batch: Batch, src: ParallelLayout, dst: ParallelLayout, rank: in
     for leader in leaders:
         if leader == rank:
             group_ids.append(batch.group_id.tolist())
-            loads.append(batch.token_count(load_fields).tolist())
+            loads.append(own_loads.tolist())
             continue
         length = message_length(received[leader])
         values = received[leader][8:length].view(torch.int64)
@@ -275,7 +276,7 @@ def _p2p_shared(batch: Batch, src: ParallelLayout, dst: ParallelLayout, rank: in
             remote.append((start, start + len(indices)))
         start += len(indices)
     out = _assemble(parts)
-    stats.bytes_received += sum(span_bytes(out, a, b) for a, b in remote)
+    stats.bytes_received += spans_bytes(out, remote)
     return out
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import math
 import pickle
+from collections.abc import Sequence
 
 import torch
 
@@ -109,13 +110,16 @@ def size_bound(batch: Batch) -> tuple[torch.Tensor, int]:
     return per_sample, fixed
 
 
-def span_bytes(batch: Batch, start: int, stop: int) -> int:
-    """Tensor bytes of samples `start:stop` of `batch` (ids, rows, one offset per ragged)."""
-    total = 3 * 8 * (stop - start)  # sample, group, version
+def spans_bytes(batch: Batch, spans: Sequence[tuple[int, int]]) -> int:
+    """Tensor bytes of the samples `start:stop` of each span (ids, rows, offsets entries)."""
+    rows = sum(stop - start for start, stop in spans)
+    total = 3 * 8 * rows  # sample, group, version
+    offsets: dict[int, list[int]] = {}  # fields sharing an offsets tensor read it once
     for column in batch.fields.values():
         if isinstance(column, RaggedField):
-            span = column.offsets[[start, stop]].tolist()
-            total += (span[1] - span[0]) * _row_bytes(column.values) + 8 * (stop - start)
+            known = offsets.setdefault(id(column.offsets), column.offsets.tolist())
+            tokens = sum(known[stop] - known[start] for start, stop in spans)
+            total += tokens * _row_bytes(column.values) + 8 * rows
         elif isinstance(column, torch.Tensor):
-            total += _row_bytes(column) * (stop - start)
+            total += _row_bytes(column) * rows
     return total
