@@ -106,12 +106,19 @@ class _Destinations:
 
 
 def _checksums(specs: list[ShardSpec], tensors: dict[str, torch.Tensor]) -> dict[str, float]:
-    """Per HF tensor, the float64 sum of its elements over the replica-0 pieces."""
+    """Per HF tensor, the float64 sum of its elements, each region counted once.
+
+    A region is counted once even where several ranks hold it (replicated norms, or a
+    vLLM `qkv_proj` whose KV heads are replicated while its query heads are not — such a
+    spec is a replica as a whole, yet its query pieces exist nowhere else).
+    """
     sums: dict[str, float] = {}
+    seen: set[tuple[str, str]] = set()
     for spec in specs:
-        if spec.replica:
-            continue
         for p in spec.pieces:
+            if (p.name, str(p.global_box)) in seen:
+                continue
+            seen.add((p.name, str(p.global_box)))
             value = float(tensors[spec.local_name][p.local_box.slices()].double().sum())
             sums[p.name] = sums.get(p.name, 0.0) + value
     return sums

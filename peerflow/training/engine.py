@@ -3,8 +3,10 @@
 A train adapter subclasses it and supplies only what its framework does differently:
 
 * `forward_micro(micro)` — the model's output for one padded micro-batch: logits
-  `[B, L, V]` (or the local vocabulary slice `[B, L, V / tp]`, see `vocab_shard`), or
-  values `[B, L]` for a critic (`produces_values`);
+  `[B, K, V]` of the last `K` positions, `K` at least `micro.inputs.logits_to_keep` (the
+  positions that predict response tokens) and at most the width `L` (or the local
+  vocabulary slice `[B, K, V / tp]`, see `vocab_shard`), or values `[B, L]` for a
+  critic (`produces_values`);
 * `backward_micro(loss, micro)` — backward of one micro-batch's loss (scaled to the
   framework's gradient reduction; `micro.last` marks the gradient-sync boundary);
 * `optimizer_step()` — clip, step, and return the global gradient norm before clipping;
@@ -77,7 +79,7 @@ class CausalLMTrainEngine(TrainEngine, abc.ABC):
 
     @abc.abstractmethod
     def forward_micro(self, micro: MicroBatch) -> torch.Tensor:
-        """The model's output for `micro.inputs` (logits `[B, L, V]` or values `[B, L]`)."""
+        """The model's output for `micro.inputs` (logits `[B, K, V]` or values `[B, L]`)."""
 
     def backward_micro(self, loss: torch.Tensor, micro: MicroBatch) -> None:
         """Backward of one micro-batch's loss; plain autograd by default.
@@ -241,5 +243,5 @@ class CausalLMTrainEngine(TrainEngine, abc.ABC):
         mask = part.loss_mask()
         trained_entropy = None if entropy is None else (
             entropy.values if mask is None else entropy.values[mask])
-        tally.add_micro_batch(value, metrics, trained_entropy)
+        tally.add_micro_batch(value, metrics, trained_entropy, micro.inputs.input_ids.numel())
         return value

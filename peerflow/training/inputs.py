@@ -41,15 +41,40 @@ class PaddedInputs:
         start = (self.prompt_lengths - 1)[:, None]
         return (pos >= start) & (pos < start + self.response_lengths[:, None])
 
-    def gather(self, per_position: torch.Tensor) -> RaggedField:
-        """Packs `[B, L, ...]` per-position values at response positions, ragged.
+    @property
+    def logits_to_keep(self) -> int:
+        """How many trailing positions hold every position that predicts a response token.
 
-        One row per real sample, aligned with its `response_ids` (filler rows dropped).
+        A causal LM may compute its output (the vocabulary projection) for these last
+        positions only — transformers' `logits_to_keep` — since prompt positions'
+        predictions are never scored; at least 1 (a filler pass).
         """
+        scored = self.response_lengths > 0
+        if not bool(scored.any()):
+            return 1
+        return self.input_ids.shape[1] - int(self.prompt_lengths[scored].min()) + 1
+
+    def gather(self, per_position: torch.Tensor) -> RaggedField:
+        """Packs `[B, K, ...]` per-position values at response positions, ragged.
+
+        `K` is the sequence width `L`, or fewer when the model computed only the last
+        `K >= logits_to_keep` positions (those are aligned to the right). One row per
+        real sample, aligned with its `response_ids` (filler rows dropped).
+
+        Raises:
+            ValueError: `per_position` lacks positions that predict response tokens.
+        """
+        kept = per_position.shape[1]
+        if kept < self.logits_to_keep:
+            raise ValueError(
+                f"the model returned {kept} positions but response tokens are predicted "
+                f"from the last {self.logits_to_keep}; pass logits_to_keep="
+                "inputs.logits_to_keep (or 0 for every position)."
+            )
         device = per_position.device
         offsets = _offsets(self.response_lengths[: self.samples])
-        return RaggedField(values=per_position[self.response_mask().to(device)],
-                           offsets=offsets.to(device))
+        mask = self.response_mask()[:, self.input_ids.shape[1] - kept:]
+        return RaggedField(values=per_position[mask.to(device)], offsets=offsets.to(device))
 
 
 def pad_inputs(batch: Batch) -> PaddedInputs:

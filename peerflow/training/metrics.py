@@ -6,6 +6,9 @@
   averaged over mini-batches;
 * `entropy`: mean entropy of the tempered policy over every trained response token of
   the step (`loss_mask`), on every dp-rank (policy engines only);
+* `padded_tokens`: positions the model's forward and backward ran over, padding
+  included, summed over micro-batches, mini-batches and dp-ranks (the step's compute
+  in tokens; compare with the batch's real tokens to see the padding);
 * `grad_norm`: global gradient norm before clipping, averaged over mini-batches;
 * `lr`: the learning rate of the last optimiser step.
 """
@@ -30,15 +33,18 @@ class StepTally:
     _loss: float = 0.0
     _entropy_sum: float = 0.0
     _entropy_tokens: int = 0
+    _padded_tokens: int = 0
     _grad_norms: list[float] = attrs.field(factory=list)
 
     def add_micro_batch(self, loss: torch.Tensor, metrics: Mapping[str, Any],
-                        entropy: torch.Tensor | None) -> None:
+                        entropy: torch.Tensor | None, padded_tokens: int) -> None:
         """Records one micro-batch's loss, the loss's metrics and token entropies.
 
-        `entropy` holds one value per trained response token (`None` for a critic).
+        `entropy` holds one value per trained response token (`None` for a critic);
+        `padded_tokens` is the size of the micro-batch's padded inputs.
         """
         self._loss += float(loss.detach())
+        self._padded_tokens += padded_tokens
         for key, value in metrics.items():
             self._sums[key] = self._sums.get(key, 0.0) + float(value)
             self._counts[key] = self._counts.get(key, 0) + 1
@@ -61,11 +67,13 @@ class StepTally:
             share: Hands the metrics computed where the loss runs (a pipeline's last
                 stage) to every rank; identity without pipelining.
         """
-        loss, entropy_sum, tokens = all_reduce_sum(
-            [self._loss, self._entropy_sum, self._entropy_tokens], group, device)
+        loss, entropy_sum, tokens, padded = all_reduce_sum(
+            [self._loss, self._entropy_sum, self._entropy_tokens, self._padded_tokens],
+            group, device)
         steps = max(len(self._grad_norms), 1)
         metrics = {key: self._sums[key] / self._counts[key] for key in self._sums}
         metrics["loss"] = loss / steps
+        metrics["padded_tokens"] = padded
         if tokens:
             metrics["entropy"] = entropy_sum / tokens
         metrics = dict(share(metrics))

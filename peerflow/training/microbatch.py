@@ -1,8 +1,9 @@
 """Mini-batch splits and token-balanced micro-batches every dp-rank agrees on.
 
 A micro-batch is right-padded, so it costs `num_samples * longest_sample` tokens.
-`plan_micro_batches` sorts samples by length and fills micro-batches up to the token
-budget, keeping similar lengths together (little padding) and balancing tokens. Engines
+`plan_micro_batches` sorts samples by length and cuts them into micro-batches within the
+token budget where that saves more padding than another pass costs, so a long-tailed
+batch (a few long answers among many short ones) is not padded to its longest answer. Engines
 that run collectives inside every forward and backward (FSDP, ZeRO) need every dp-rank to
 run the same number of micro-batches: the ranks agree on the largest count, and a rank
 that needs fewer splits its costliest micro-batches (or runs empty filler passes).
@@ -13,15 +14,28 @@ Pipeline schedules exchange activations of one shape per call instead;
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from collections.abc import Sequence
 
 import torch
 
 from peerflow.training.collectives import all_reduce_max
 
+#: A micro-batch's fixed cost, in padded tokens, is `budget // OVERHEAD_DIVISOR`: a split
+#: must save more padding than that to be worth another forward and backward.
+OVERHEAD_DIVISOR = 64
+
 
 def pack_by_tokens(lengths: Sequence[int], budget: int) -> list[list[int]]:
     """Packs sample indices into micro-batches of at most `budget` padded tokens.
+
+    A micro-batch costs its padded tokens (`count * longest`) plus a fixed overhead
+    (`budget // OVERHEAD_DIVISOR` tokens: parameter gathers, kernel launches, Python). The
+    samples are sorted by length, longest first, and cut into consecutive runs that
+    minimise the total cost (dynamic programming over the cut points), so similar
+    lengths share a micro-batch and a long-tailed batch pays little padding, while a
+    batch of near-equal lengths stays in as few micro-batches as the budget allows.
 
     Args:
         lengths: Tokens of each sample (prompt + response).
@@ -39,13 +53,44 @@ def pack_by_tokens(lengths: Sequence[int], budget: int) -> list[list[int]]:
             f"micro_batch_tokens={budget}: must be at least 1; set trainer.micro_batch_tokens."
         )
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    bins: list[list[int]] = []
-    for index in order:
-        if bins and (len(bins[-1]) + 1) * lengths[bins[-1][0]] <= budget:
-            bins[-1].append(index)
-        else:
-            bins.append([index])
-    return bins
+    cuts = _cheapest_cuts([lengths[i] for i in order], budget, budget // OVERHEAD_DIVISOR)
+    return [order[start:end] for start, end in itertools.pairwise(cuts)]
+
+
+def _cheapest_cuts(longest_first: list[int], budget: int, overhead: int) -> list[int]:
+    """Cut points `0 = c0 < c1 < … = n` of the cheapest split of a descending length list.
+
+    The run `[i, j)` costs `(j - i) * lengths[i] + overhead` and holds at most
+    `max(1, budget // lengths[i])` samples. Cuts are tried only at the ends of runs of
+    equal lengths and at the budget's limit — a few dozen candidates even for hundreds
+    of samples; a cut inside a run pays only in corner cases the budget shapes, and the
+    result stays within 2 % of the exact optimum (tests/unit/test_training_toolkit.py).
+    """
+    n = len(longest_first)
+    if n == 0:
+        return []
+    run_ends = [j for j in range(1, n + 1) if j == n or longest_first[j] != longest_first[j - 1]]
+
+    def ends(start: int) -> list[int]:
+        limit = min(n, start + max(1, budget // max(longest_first[start], 1)))
+        found = run_ends[bisect.bisect_right(run_ends, start):bisect.bisect_right(run_ends, limit)]
+        return found if found and found[-1] == limit else [*found, limit]
+
+    starts, frontier = {0}, [0]
+    while frontier:
+        for end in ends(frontier.pop()):
+            if end < n and end not in starts:
+                starts.add(end)
+                frontier.append(end)
+    cost, best_end = {n: 0}, {}
+    for start in sorted(starts, reverse=True):
+        cost[start], best_end[start] = min(
+            ((end - start) * longest_first[start] + overhead + cost[end], end)
+            for end in ends(start))
+    cuts = [0]
+    while cuts[-1] < n:
+        cuts.append(best_end[cuts[-1]])
+    return cuts
 
 
 def split_to_count(bins: list[list[int]], lengths: Sequence[int], count: int) -> list[list[int]]:

@@ -19,6 +19,7 @@ from peerflow.training import (
     MicroBatch,
     VocabShard,
     fixed_shape_micro_batches,
+    pack_by_tokens,
     plan_micro_batches,
     split_mini_batches,
     token_entropy,
@@ -43,6 +44,43 @@ def test_plans_cover_every_sample_once_within_the_budget():
         split_mini_batches(4, 0)
     with pytest.raises(ValueError, match="micro_batch_tokens=0"):
         plan_micro_batches([3], 0)
+
+
+def _padded(plan: list[list[int]], lengths: list[int]) -> int:
+    return sum(len(b) * max(lengths[i] for i in b) for b in plan if b)
+
+
+def test_long_tails_are_cut_off_and_near_equal_lengths_stay_together():
+    from peerflow.training.microbatch import OVERHEAD_DIVISOR, _cheapest_cuts
+
+    answers = [600, 250, 180, 140]  # the realistic shape: geometric answers after 128 tokens
+    lengths = [128 + a for a in answers]
+    plan = pack_by_tokens(lengths, 8192)
+    assert plan == [[0], [1], [2, 3]]  # 728 + 378 + 2 * 308 padded tokens, not 4 * 728
+    assert _padded(plan, lengths) == 1722 < 4 * 728
+    near = [9] * 200 + [8] * 40 + [7] * 16  # quickstart-like: one pass is cheapest
+    assert [len(b) for b in pack_by_tokens(near, 8192)] == [256]
+
+    def exact(longest_first: list[int], budget: int, overhead: int) -> int:
+        cost = [0] * (len(longest_first) + 1)
+        for i in range(len(longest_first) - 1, -1, -1):
+            cap = min(len(longest_first), i + max(1, budget // longest_first[i]))
+            cost[i] = min((j - i) * longest_first[i] + overhead + cost[j]
+                          for j in range(i + 1, cap + 1))
+        return cost[0]
+
+    g = torch.Generator().manual_seed(3)
+    for _ in range(200):
+        lengths = sorted(torch.randint(1, 40, (int(torch.randint(1, 30, ())),),
+                                       generator=g).tolist(), reverse=True)
+        budget = int(torch.randint(20, 300, ()))
+        overhead = budget // OVERHEAD_DIVISOR
+        cuts = _cheapest_cuts(lengths, budget, overhead)
+        runs = list(zip(cuts, cuts[1:]))
+        assert cuts[0] == 0 and cuts[-1] == len(lengths)
+        assert all(j - i == 1 or (j - i) * lengths[i] <= budget for i, j in runs)
+        cost = sum((j - i) * lengths[i] + overhead for i, j in runs)
+        assert cost <= 1.02 * exact(lengths, budget, overhead)  # near the exact optimum
 
 
 def test_pad_inputs_lays_out_prompt_then_response_right_padded():
@@ -201,7 +239,8 @@ def test_train_step_is_the_full_batch_gradient_whatever_the_micro_batches():
     whole, metrics = _train(micro_batch_tokens=1000)
     split, split_metrics = _train(micro_batch_tokens=6)
     torch.testing.assert_close(split.table.weight, whole.table.weight)
-    assert set(metrics) == {"tokens", "loss", "entropy", "grad_norm", "lr"}
+    assert set(metrics) == {"tokens", "loss", "entropy", "grad_norm", "lr", "padded_tokens"}
+    assert split_metrics["padded_tokens"] < metrics["padded_tokens"]  # one pass pads more
     for key in ("loss", "entropy", "grad_norm"):
         assert split_metrics[key] == pytest.approx(metrics[key], rel=1e-5)
 

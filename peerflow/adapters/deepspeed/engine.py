@@ -166,7 +166,7 @@ class DeepSpeedTrainEngine(DeepSpeedCheckpoints, CausalLMTrainEngine):
 
     # ------------------------------------------------- what the toolkit needs
     def forward_micro(self, micro: MicroBatch) -> torch.Tensor:
-        """Logits `[B, L, V]` of one padded micro-batch.
+        """Logits `[B, K, V]` of one padded micro-batch's last `K = logits_to_keep` positions.
 
         DeepSpeed reduces gradients and steps at the accumulation boundary, which is the
         last micro-batch of a mini-batch.
@@ -178,6 +178,7 @@ class DeepSpeedTrainEngine(DeepSpeedCheckpoints, CausalLMTrainEngine):
             attention_mask=inputs.attention_mask.to(self.device),
             position_ids=inputs.position_ids.to(self.device),
             use_cache=False,
+            logits_to_keep=inputs.logits_to_keep,
         ).logits
 
     def backward_micro(self, loss: torch.Tensor, micro: MicroBatch) -> None:

@@ -55,7 +55,8 @@ class FSDPTrainOptions:
     """Recompute block activations in backward (less memory, ~30% more compute)."""
     reshard_after_forward: bool = True
     """FSDP2: free gathered parameters after forward (ZeRO-3 style); `False` keeps them
-    until backward (ZeRO-2 style, more memory, one all-gather less per micro-batch)."""
+    until backward (ZeRO-2 style, more memory, one all-gather less per micro-batch); a
+    forward without backward (log-probs, values) reshards after it."""
     attn_implementation: str | None = None
     """transformers attention backend (`sdpa`, `eager`); `None` lets transformers pick."""
 
@@ -166,7 +167,10 @@ class FSDPTrainEngine(CausalLMTrainEngine):
         return contextlib.nullcontext()
 
     def forward_micro(self, micro: MicroBatch) -> torch.Tensor:
-        """Logits `[B, L, V]` (values `[B, L]` for a critic) of one padded micro-batch.
+        """Logits `[B, K, V]` (values `[B, L]` for a critic) of one padded micro-batch.
+
+        Only the last `K = logits_to_keep` positions, those that predict response tokens,
+        go through the vocabulary projection.
 
         Gradient sync is switched on for the last micro-batch of a mini-batch only, so
         FSDP reduce-scatters once per optimiser step.
@@ -178,7 +182,36 @@ class FSDPTrainEngine(CausalLMTrainEngine):
         with self._autocast():
             if self.options.value_head:
                 return self.model(input_ids=ids, attention_mask=mask)
-            return self.model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+            return self.model(input_ids=ids, attention_mask=mask, use_cache=False,
+                              logits_to_keep=micro.inputs.logits_to_keep).logits
+
+    def forward_logprobs(self, batch: Any) -> Any:
+        """See `CausalLMTrainEngine.forward_logprobs`; leaves the parameters sharded."""
+        with self._resharded():
+            return super().forward_logprobs(batch)
+
+    def forward_values(self, batch: Any) -> Any:
+        """See `CausalLMTrainEngine.forward_values`; leaves the parameters sharded."""
+        with self._resharded():
+            return super().forward_values(batch)
+
+    @contextlib.contextmanager
+    def _resharded(self) -> Iterator[None]:
+        """Reshards after a forward without backward when `reshard_after_forward` is off.
+
+        FSDP2 then keeps the gathered parameters for the backward, and only a backward
+        frees them; a no-grad pass would leave them gathered (the memory, and a weight
+        sync or checkpoint reading whole tensors where shards are expected).
+        """
+        try:
+            yield
+        finally:
+            if self.distributed and not self.options.reshard_after_forward:
+                from torch.distributed.fsdp import FSDPModule
+
+                for module in self.model.modules():
+                    if isinstance(module, FSDPModule):
+                        module.reshard()
 
     def backward_micro(self, loss: torch.Tensor, micro: MicroBatch) -> None:
         """Backward of `loss` times the dp size.

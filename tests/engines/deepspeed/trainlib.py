@@ -72,8 +72,9 @@ def refused_load(engine, directory: str) -> str | None:
 
 
 def full_batch():
-    """Eight samples of ragged prompt/response lengths (the same on every call)."""
-    from peerflow.batch import Batch
+    """Eight samples of ragged prompt/response lengths (the same on every call), with a
+    `loss_mask` that leaves some response tokens untrained."""
+    from peerflow.batch import Batch, RaggedField
 
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(1, 61, (2 + i % 3,), generator=g) for i in range(SAMPLES)]
@@ -82,6 +83,10 @@ def full_batch():
                   weight_version=torch.zeros(SAMPLES))
     batch.set("prompt_ids", prompts)
     batch.set("response_ids", responses)
+    # agents' loss mask: every third response token (an observation) is not trained
+    offsets = batch.ragged("response_ids").offsets
+    batch.set("loss_mask", RaggedField(values=torch.arange(int(offsets[-1])) % 3 != 2,
+                                       offsets=offsets))
     return batch
 
 
@@ -94,8 +99,10 @@ def dp_slice(batch, dp_rank: int, dp_size: int):
 
 
 def nll_loss(logprobs, batch, *, global_tokens, global_samples):
-    """Token-mean negative log-likelihood, normalised by the global token count."""
-    value = -logprobs.values.sum() / global_tokens
+    """Token-mean negative log-likelihood of the trained tokens (`loss_mask`), normalised
+    by the global trained-token count."""
+    mask = batch.loss_mask()
+    value = -logprobs.values[mask].sum() / global_tokens
     return value, {"nll": float(value.detach()) * global_tokens}
 
 
@@ -115,8 +122,9 @@ def reference(model_path: str) -> dict:
     # log_softmax(logits / T)[target], written out here rather than through the toolkit
     log_pi = torch.log_softmax(out.logits / TEMPERATURE, -1)
     logprobs = inputs.gather(log_pi.gather(-1, inputs.target_ids[..., None])[..., 0])
-    entropy = inputs.gather(-(log_pi.exp() * log_pi).sum(-1)).values.mean()
-    loss = -logprobs.values.sum() / len(logprobs.values)
+    mask = batch.loss_mask()
+    entropy = inputs.gather(-(log_pi.exp() * log_pi).sum(-1)).values[mask].mean()
+    loss = -logprobs.values[mask].sum() / mask.sum()
     loss.backward()
     norm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in model.parameters()))
     optim = torch.optim.AdamW(model.parameters(), lr=OPTIM["lr"], eps=OPTIM["eps"],
