@@ -70,3 +70,22 @@ def run_train(args: list[str], overrides: list[str] = ()) -> subprocess.Complete
 def peerflow_train():
     """`peerflow_train(args, overrides)` runs `peerflow train` in a subprocess."""
     return run_train
+
+
+#: The shared 2-process run: 4 steps, checkpoints at steps 2 and 4, traced.
+SHARED_RUN = [*TINY, "run.steps=4", "run.checkpoint_every=2", "run.trace=true"]
+
+
+@pytest.fixture(scope="session")
+def quickstart_run(tmp_path_factory) -> Path:
+    """One `peerflow train` of the tiny quickstart on 2 processes (`SHARED_RUN`), run once.
+
+    test_quickstart checks its outputs and test_resume takes it as the uninterrupted run:
+    a session-scoped run does not see the function-scoped model cache, so it sets it.
+    """
+    run_dir = tmp_path_factory.mktemp("quickstart-run") / "run"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PEERFLOW_MODEL_CACHE",
+                     str(tmp_path_factory.getbasetemp() / "model-cache"))
+        run_train([QUICKSTART, "--nprocs", "2", "--run-dir", str(run_dir)], SHARED_RUN)
+    return run_dir

@@ -11,12 +11,10 @@ import pytest
 pytestmark = pytest.mark.distributed
 
 
-def test_quickstart_two_processes(tmp_path, quickstart, tiny, metrics_of, peerflow_train):
-    run_dir = tmp_path / "run"
-    peerflow_train([quickstart, "--nprocs", "2", "--run-dir", str(run_dir)],
-                   [*tiny, "run.steps=3", "run.trace=true"])
+def test_quickstart_two_processes(quickstart_run, metrics_of):
+    run_dir = quickstart_run  # 4 steps, checkpoints every 2, traced (shared with test_resume)
     lines = metrics_of(run_dir)
-    assert [m["step"] for m in lines] == [1, 2, 3]
+    assert [m["step"] for m in lines] == [1, 2, 3, 4]
     for m in lines:
         assert 0.0 <= m["reward/mean"] <= 1.0
         assert m["samples"] == 16  # 4 prompts × 4 answers, split over 2 ranks
@@ -31,7 +29,8 @@ def test_quickstart_two_processes(tmp_path, quickstart, tiny, metrics_of, peerfl
         assert 0 < m["off_policy/is_weight_mean"] < 2
     assert (run_dir / "config.yaml").is_file()
     assert (run_dir / "trace_rank0.json").is_file() and (run_dir / "trace_rank1.json").is_file()
-    assert (run_dir / "checkpoints" / "step_000003" / "MANIFEST.json").is_file()
+    for step in (2, 4):
+        assert (run_dir / "checkpoints" / f"step_00000{step}" / "MANIFEST.json").is_file()
     assert (run_dir / "fingerprint.json").is_file()
     assert not (run_dir / "run.lock").exists()  # released when the run ends
 

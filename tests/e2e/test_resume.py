@@ -18,11 +18,11 @@ def _comparable(line: dict) -> dict:
     return {k: v for k, v in line.items() if not k.startswith(TIMING_PREFIXES)}
 
 
-def test_resume_equals_uninterrupted(tmp_path, quickstart, tiny, metrics_of, peerflow_train):
-    common = [*tiny, "run.checkpoint_every=2"]
-    full = tmp_path / "full"
-    peerflow_train([quickstart, "--nprocs", "2", "--run-dir", str(full)],
-                   [*common, "run.steps=4"])
+def test_resume_equals_uninterrupted(tmp_path, quickstart, tiny, metrics_of, peerflow_train,
+                                    quickstart_run):
+    # the uninterrupted run: the shared 4-step run, with the settings of `common`
+    common = [*tiny, "run.checkpoint_every=2", "run.trace=true"]
+    full = quickstart_run
     part = tmp_path / "part"
     peerflow_train([quickstart, "--nprocs", "2", "--run-dir", str(part)],
                    [*common, "run.steps=2"])

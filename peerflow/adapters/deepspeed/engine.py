@@ -42,6 +42,8 @@ def _ensure_distributed(context: EngineContext) -> None:
     import torch.distributed as dist
 
     backend = "nccl" if context.device.startswith("cuda") else "gloo"
+    if backend == "gloo":
+        _skip_shared_memory_all_reduce()
     # zero.Init reads LOCAL_RANK even when the caller started torch.distributed itself.
     os.environ.setdefault("LOCAL_RANK", context.device.partition(":")[2] or "0")
     if not dist.is_initialized():
@@ -51,6 +53,21 @@ def _ensure_distributed(context: EngineContext) -> None:
         os.environ.setdefault("LOCAL_RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
+
+
+def _skip_shared_memory_all_reduce() -> None:
+    """Keeps DeepSpeed's CPU comm layer from JIT-compiling its shared-memory all-reduce.
+
+    `deepspeed.comm` builds the `deepspeed_shm_comm` C++ op when it starts on CPU (about
+    47 s with a C++ compiler, under a lock in ~/.cache/torch_extensions); only DeepSpeed
+    inference's `inference_all_reduce` uses it, and training reduces through gloo.
+    """
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+
+    builder = get_accelerator().get_op_builder("ShareMemCommBuilder")
+    if builder is not None:
+        deepspeed.ops.__compatible_ops__[builder.NAME] = False
 
 
 def _no_init_weights() -> contextlib.AbstractContextManager:
