@@ -15,6 +15,7 @@ schema that could silently drop a column.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -103,16 +104,23 @@ Column = RaggedField | torch.Tensor | list
 
 
 def _gather_rows(columns: Sequence[tuple[torch.Tensor, torch.Tensor | None]]) -> torch.Tensor:
-    """The rows at each index (`None`: all rows) of each tensor, in one output tensor."""
+    """The rows at each index (`None`: all rows) of each tensor, in one output tensor.
+
+    Mixed dtypes promote as `torch.cat` would (an int64 field next to a float32 one
+    becomes float32, never the reverse).
+    """
     first = columns[0][0]
+    dtype = functools.reduce(torch.promote_types, (c.dtype for c, _ in columns))
     sizes = [len(c) if i is None else len(i) for c, i in columns]
-    out = first.new_empty((sum(sizes), *first.shape[1:]))
+    out = first.new_empty((sum(sizes), *first.shape[1:]), dtype=dtype)
     start = 0
     for (column, index), size in zip(columns, sizes):
         if index is None:
             out[start : start + size].copy_(column)
-        else:
+        elif column.dtype == dtype:
             torch.index_select(column, 0, index, out=out[start : start + size])
+        else:
+            out[start : start + size].copy_(column.index_select(0, index))
         start += size
     return out
 

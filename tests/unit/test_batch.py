@@ -84,3 +84,14 @@ def test_ragged_lengths():
     field = RaggedField.from_tensors([torch.zeros(2), torch.zeros(0), torch.zeros(5)])
     assert field.lengths.tolist() == [2, 0, 5]
     assert len(field) == 3
+
+
+def test_concat_and_gather_promote_mixed_dtypes_like_torch_cat():
+    ints = Batch(sample_id=[0, 1], group_id=[0, 0], weight_version=[0, 0],
+                 fields={"reward": torch.tensor([1, 2])})
+    floats = Batch(sample_id=[2], group_id=[1], weight_version=[0],
+                   fields={"reward": torch.tensor([0.5])})
+    joined = Batch.concat([ints, floats]).fields["reward"]
+    assert joined.dtype == torch.float32 and joined.tolist() == [1.0, 2.0, 0.5]
+    picked = Batch.gather([(ints, [1]), (floats, [0])]).fields["reward"]
+    assert picked.dtype == torch.float32 and picked.tolist() == [2.0, 0.5]
