@@ -113,14 +113,4 @@ class GlooChannel:
         """Nothing to count: gloo tags do not depend on the call."""
         return self
 
-    def exchange(
-        self,
-        outgoing: Iterable[tuple[int, torch.Tensor, int]],
-        incoming: Mapping[int, int],
-        *,
-        tag: int,
-        what: str,
-        timeout: float,
-    ) -> tuple[dict[int, torch.Tensor], int]:
-        """See `exchange`."""
-        return exchange(outgoing, incoming, tag=tag, what=what, timeout=timeout)
+    exchange = staticmethod(exchange)

@@ -37,6 +37,7 @@ import attrs
 import torch
 
 from peerflow.distributed.comm import store_wait
+from peerflow.distributed.procs import process_gone
 from peerflow.errors import WorkerFailedError
 
 #: Where segments live (a tmpfs on Linux).
@@ -53,16 +54,6 @@ def _aligned(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def sweep_stale(directory: str = SHM_DIR) -> int:
     """Removes segments whose writing process no longer exists; returns how many."""
     removed = 0
@@ -70,7 +61,7 @@ def sweep_stale(directory: str = SHM_DIR) -> int:
         if not name.startswith(PREFIX):
             continue
         pid = name[len(PREFIX):].split("-", 1)[0]
-        if pid.isdigit() and not _pid_alive(int(pid)):
+        if pid.isdigit() and process_gone(int(pid)):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(directory, name))
                 removed += 1
@@ -288,7 +279,7 @@ class ShmRoute:
         it yet (this process may finish its last call first), and removes it when it does.
         """
         def reader_alive(link: str) -> bool:
-            return _pid_alive(self.pids[int(link.rsplit("-to", 1)[1])])
+            return not process_gone(self.pids[int(link.rsplit("-to", 1)[1])])
 
         self._remove(self.pending, keep_link=reader_alive)
         self.pending = []

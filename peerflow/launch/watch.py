@@ -24,22 +24,8 @@ from peerflow.distributed.failure import (
     read_failure,
 )
 from peerflow.distributed.init import FAULT_STORE_ENV
+from peerflow.distributed.procs import process_gone
 from peerflow.distributed.stages import PREFIX
-
-
-def _gone(pid: int) -> bool:
-    """Whether a local process has exited (a zombie awaiting its parent counts as gone)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except (OSError, IndexError):
-        return False
 
 
 @attrs.define(eq=False)
@@ -101,7 +87,7 @@ class FaultStore:
                 if not self.store.check([key]) or self.store.check([f"{PREFIX}done/{rank}"]):
                     continue
                 host, _, pid = self.store.get(key).decode().rpartition(":")
-                if host == me and _gone(int(pid)):
+                if host == me and process_gone(int(pid)):
                     self.report(rank, f"worker process {pid} exited without finishing "
                                 "(killed, crashed or out of memory)")
                     break

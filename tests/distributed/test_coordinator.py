@@ -238,18 +238,30 @@ ROUTES = {
 }
 
 
-@pytest.mark.parametrize("name", list(ROUTES))
-@pytest.mark.parametrize("mode", ["p2p", "centralized"])
-@settings(max_examples=4, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(data=st.data())
-def test_redistribute(pools, name, mode, data) -> None:
+def draw_route_case(data, name: str):
+    """`(world, src, dst, shards_by_dp, shards, use_group)` of route `name`, drawn."""
     world, src, dst = ROUTES[name]
     groups = [data.draw(groups_strategy, label=f"dp{d}") for d in range(src.dp)]
     seed = data.draw(st.integers(0, 2**16), label="seed")
     use_group = len(set(src.global_ranks) | set(dst.global_ranks)) < world and data.draw(
         st.booleans(), label="subgroup")
-    shards_by_dp, shards = make_shards(src, groups, seed)
+    return world, src, dst, *make_shards(src, groups, seed), use_group
+
+
+def route_property(names, max_examples: int):
+    """A hypothesis test over routes `names` × both modes (`name`, `mode`, `data` args)."""
+    def wrap(test):
+        test = given(data=st.data())(test)
+        test = settings(max_examples=max_examples, deadline=None, derandomize=True,
+                        suppress_health_check=[HealthCheck.function_scoped_fixture])(test)
+        test = pytest.mark.parametrize("mode", ["p2p", "centralized"])(test)
+        return pytest.mark.parametrize("name", names)(test)
+    return wrap
+
+
+@route_property(list(ROUTES), max_examples=4)
+def test_redistribute(pools, name, mode, data) -> None:
+    world, src, dst, shards_by_dp, shards, use_group = draw_route_case(data, name)
     out = pools(world).run(src, dst, shards, mode=mode, use_group=use_group)
     check(src, dst, shards_by_dp, out)
 

@@ -12,14 +12,18 @@ import queue
 import pytest
 import torch
 import torch.multiprocessing as mp
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from peerflow.coordinator import pack_batch
 from peerflow.coordinator.shm import PREFIX, SHM_DIR
 from peerflow.layout import ParallelLayout
 from tests.distributed import test_coordinator
-from tests.distributed.test_coordinator import ROUTES, Pool, check, groups_strategy, make_shards
+from tests.distributed.test_coordinator import (
+    Pool,
+    check,
+    draw_route_case,
+    make_shards,
+    route_property,
+)
 from tests.helpers.gloo import free_port, init_gloo, run_gloo
 
 pytestmark = pytest.mark.distributed
@@ -32,18 +36,10 @@ def _files_of(pids) -> list[str]:
                   if name.startswith(f"{PREFIX}{pid}-"))
 
 
-@pytest.mark.parametrize("name", ["dp4->dp2xtp2", "dp2@01->dp4", "colocated->split",
-                                  "split->colocated", "dp3->dp2@12", "dp2->dp1xtp2"])
-@pytest.mark.parametrize("mode", ["p2p", "centralized"])
-@settings(max_examples=3, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(data=st.data())
+@route_property(["dp4->dp2xtp2", "dp2@01->dp4", "colocated->split", "split->colocated",
+                 "dp3->dp2@12", "dp2->dp1xtp2"], max_examples=3)
 def test_shm_gives_the_same_batches_as_gloo(pools, name, mode, data) -> None:
-    world, src, dst = ROUTES[name]
-    groups = [data.draw(groups_strategy, label=f"dp{d}") for d in range(src.dp)]
-    use_group = len(set(src.global_ranks) | set(dst.global_ranks)) < world and data.draw(
-        st.booleans(), label="subgroup")
-    shards_by_dp, shards = make_shards(src, groups, seed=data.draw(st.integers(0, 999)))
+    world, src, dst, shards_by_dp, shards, use_group = draw_route_case(data, name)
     pool = pools(world)
     by_transport = {}
     for transport in ("shm", "gloo"):
