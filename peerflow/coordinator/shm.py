@@ -74,9 +74,17 @@ def _release_all() -> None:
 
 
 def _write_all(fd: int, data: memoryview, offset: int) -> None:
-    while len(data):
-        written = os.pwrite(fd, data, offset)
-        data, offset = data[written:], offset + written
+    try:
+        while len(data):
+            written = os.pwrite(fd, data, offset)
+            data, offset = data[written:], offset + written
+    except OSError as exc:
+        if exc.errno != errno.ENOSPC:
+            raise
+        raise OSError(errno.ENOSPC, f"{SHM_DIR} is full: the coordinator could not write "
+                      f"{len(data)} more bytes of a batch. Enlarge it (containers: "
+                      "`docker run --shm-size=…`), or move batches over gloo with "
+                      "`runtime.coordinator_transport: gloo`.") from exc
 
 
 def _create(path: str) -> int:

@@ -148,3 +148,20 @@ def test_unknown_transport_is_refused_naming_the_choices() -> None:
 
     with pytest.raises(ValueError, match=r"transport='tcp'; use one of \('auto', 'gloo', 'shm'\)"):
         redistribute(None, (ParallelLayout(dp=1), ParallelLayout(dp=1)), transport="tcp")
+
+
+def test_a_full_dev_shm_names_the_fix(monkeypatch, tmp_path) -> None:
+    import errno
+
+    from peerflow.coordinator import shm
+
+    def full(fd, data, offset):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(shm.os, "pwrite", full)
+    fd = os.open(tmp_path / "segment", os.O_RDWR | os.O_CREAT)
+    try:
+        with pytest.raises(OSError, match="shm-size.*coordinator_transport: gloo"):
+            shm._write_all(fd, memoryview(b"payload"), 0)
+    finally:
+        os.close(fd)
