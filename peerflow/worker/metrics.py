@@ -162,6 +162,8 @@ class MetricsExchange:
         import torch
         import torch.distributed as dist
 
+        from peerflow.distributed.comm import all_gather_tensor
+
         assert self._layouts is not None
         layout = _layout(raw)
         width = max(len(kept) for kept in self._layouts)
@@ -172,9 +174,7 @@ class MetricsExchange:
                                                   dtype=torch.float64)
             row[1 + width:1 + width + len(layout)] = torch.tensor(
                 [raw[n][2] for n, _ in layout], dtype=torch.float64)
-        rows = [torch.empty_like(row) for _ in self._layouts]
-        dist.all_gather(rows, row, group=self.group)
-        values = [r.tolist() for r in rows]
+        values = [r.tolist() for r in all_gather_tensor(row, self.group, what="step metrics")]
         if not all(v[0] == 1.0 for v in values):
             return None
         return [{name: (how, v[1 + i], v[1 + width + i]) for i, (name, how) in enumerate(kept)}
