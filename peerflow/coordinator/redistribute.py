@@ -52,7 +52,7 @@ from peerflow.batch import Batch
 from peerflow.coordinator.exchange import HEAD_BYTES, frame, message_length
 from peerflow.coordinator.transfer import TransferPlan, dp_members, plan_transfer
 from peerflow.coordinator.transport import check_transport, open_channel
-from peerflow.coordinator.wire import ALIGN, pack_batch, size_bound, spans_bytes, unpack_batch
+from peerflow.coordinator.wire import pack_batch, padded, size_bound, spans_bytes, unpack_batch
 from peerflow.distributed.comm import default_timeout
 from peerflow.layout import ParallelLayout
 
@@ -221,11 +221,6 @@ def _p2p(batch: Batch, src: ParallelLayout, dst: ParallelLayout, rank: int,
                       for s, idx in receives])
 
 
-def _padded(nbytes: int) -> int:
-    """`nbytes` rounded up to `wire.ALIGN` (where a packed batch may start)."""
-    return -(-nbytes // ALIGN) * ALIGN
-
-
 def _p2p_shared(batch: Batch, src: ParallelLayout, dst: ParallelLayout, rank: int,
                 participants: Sequence[int], load_fields: Sequence[str], channel: Any,
                 timeout: float, stats: TransferStats) -> Batch:
@@ -242,7 +237,7 @@ def _p2p_shared(batch: Batch, src: ParallelLayout, dst: ParallelLayout, rank: in
     own_loads = batch.token_count(load_fields)
     if rank in leaders:
         meta = frame(torch.cat([batch.group_id, own_loads]))
-        message = pack_batch(batch, reserve=_padded(meta.numel()))
+        message = pack_batch(batch, reserve=padded(meta.numel()))
         message[: meta.numel()] = meta
         outgoing = [(peer, message, 0) for peer in participants if peer != rank]
         stats.bytes_sent += message.numel()  # written once, whatever the readers
@@ -272,7 +267,7 @@ def _p2p_shared(batch: Batch, src: ParallelLayout, dst: ParallelLayout, rank: in
             parts.append((batch, indices))
         else:
             message = received[leaders[s_dp]]
-            parts.append((unpack_batch(message[_padded(message_length(message)):]), indices))
+            parts.append((unpack_batch(message[padded(message_length(message)):]), indices))
             remote.append((start, start + len(indices)))
         start += len(indices)
     out = _assemble(parts)

@@ -28,7 +28,8 @@ _PREFIX = 16
 _HEADER_SLACK = 256
 
 
-def _padded(nbytes: int) -> int:
+def padded(nbytes: int) -> int:
+    """`nbytes` rounded up to `ALIGN` (where a packed batch or one of its tensors starts)."""
     return -(-nbytes // ALIGN) * ALIGN
 
 
@@ -55,15 +56,15 @@ def pack_batch(batch: Batch, reserve: int = 0) -> torch.Tensor:
         raise ValueError(f"pack_batch: reserve={reserve} is not a multiple of {ALIGN}.")
     header, tensors = _header(batch)
     sizes = [t.numel() * t.element_size() for t in tensors]
-    start = _padded(_PREFIX + len(header))
-    out = torch.zeros(reserve + start + sum(_padded(n) for n in sizes), dtype=torch.uint8)
+    start = padded(_PREFIX + len(header))
+    out = torch.zeros(reserve + start + sum(padded(n) for n in sizes), dtype=torch.uint8)
     body = out[reserve:]
     body[:_PREFIX] = torch.tensor([body.numel(), len(header)], dtype=torch.int64).view(torch.uint8)
     body[_PREFIX : _PREFIX + len(header)] = torch.frombuffer(bytearray(header), dtype=torch.uint8)
     for tensor, nbytes in zip(tensors, sizes):
         if nbytes:
             body[start : start + nbytes] = tensor.detach().cpu().reshape(-1).view(torch.uint8)
-        start += _padded(nbytes)
+        start += padded(nbytes)
     return out
 
 
@@ -72,14 +73,14 @@ def unpack_batch(buffer: torch.Tensor) -> Batch:
     buffer = buffer.cpu()
     size = int(buffer[8:_PREFIX].clone().view(torch.int64)[0])
     meta, specs = pickle.loads(buffer[_PREFIX : _PREFIX + size].numpy().tobytes())
-    offset = _padded(_PREFIX + size)
+    offset = padded(_PREFIX + size)
     tensors = []
     for dtype_name, shape in specs:
         dtype = _dtype(dtype_name)
         nbytes = math.prod(shape) * dtype.itemsize
         tensor = buffer[offset : offset + nbytes].view(dtype)
         tensors.append(tensor if len(shape) == 1 else tensor.reshape(shape))
-        offset += _padded(nbytes)
+        offset += padded(nbytes)
     return Batch.from_wire(meta, tensors)
 
 
