@@ -79,12 +79,13 @@ class RaggedField:
     def select(self, indices: Sequence[int] | torch.Tensor) -> RaggedField:
         """Returns the samples at `indices`, in that order (one gather, no per-sample loop)."""
         offsets, gather = self.gather_index(torch.as_tensor(indices, dtype=torch.int64))
-        return self.take(offsets, gather)
+        # index_select: cheaper than values[gather]
+        return RaggedField(values=self.values.index_select(0, gather), offsets=offsets)
 
     def gather_index(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The offsets of the samples at `index` and the positions of their values.
 
-        Fields with equal offsets share the result (`Batch.select` computes it once).
+        Fields with equal offsets share the result (`Batch.gather` computes it once).
         """
         lengths = self.lengths.index_select(0, index)
         offsets = _offsets_from_lengths(lengths)
@@ -94,10 +95,6 @@ class RaggedField:
         shift = torch.repeat_interleave(self.offsets.index_select(0, index) - offsets[:-1],
                                         lengths, output_size=total)
         return offsets, torch.arange(total, dtype=torch.int64).add_(shift)
-
-    def take(self, offsets: torch.Tensor, gather: torch.Tensor) -> RaggedField:
-        """The samples `gather_index` described (`index_select`: cheaper than `values[gather]`)."""
-        return RaggedField(values=self.values.index_select(0, gather), offsets=offsets)
 
 
 Column = RaggedField | torch.Tensor | list
@@ -136,8 +133,9 @@ class _RaggedGather:
         for known, plan in self._known:
             if all(a is b or torch.equal(a, b) for a, b in zip(known, offsets)):
                 return plan
-        gathers = [None if i is None else c.gather_index(i)[1] for c, i in columns]
-        lengths = [c.lengths if i is None else c.lengths.index_select(0, i) for c, i in columns]
+        indexed = [None if i is None else c.gather_index(i) for c, i in columns]
+        lengths = [c.lengths if g is None else g[0].diff() for (c, _), g in zip(columns, indexed)]
+        gathers = [None if g is None else g[1] for g in indexed]
         plan = (_offsets_from_lengths(torch.cat(lengths)), gathers)
         self._known.append((offsets, plan))
         return plan
