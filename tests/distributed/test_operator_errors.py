@@ -148,10 +148,14 @@ def test_ctrl_c_checkpoints_the_stop_step_and_resume_continues(tmp_path, mode) -
 
 
 def test_a_second_ctrl_c_stops_every_rank_at_once(tmp_path) -> None:
-    """Rank 1 is stuck in step 2's reward, so the graceful stop cannot reach a step
-    boundary: the second Ctrl-C stops every rank at once (today's immediate stop)."""
+    """Every rank is stuck in step 2's reward, so the graceful stop cannot reach a step
+    boundary: the second Ctrl-C stops every rank at once (today's immediate stop).
+
+    Every rank, not one: a rank blocked inside a gloo collective (waiting for the stuck
+    rank) runs Python's signal handler only when the collective returns, so whether it
+    logged the first Ctrl-C depended on where it was when the signal came."""
     run, flag = tmp_path / "run", tmp_path / "stuck"
-    env = _env(STUCK_RANK="1", STUCK_CALL="2", STUCK_FLAG=str(flag))  # step 2 never ends
+    env = _env(STUCK_RANK="all", STUCK_CALL="2", STUCK_FLAG=str(flag))  # step 2 never ends
     proc = subprocess.Popen(
         [sys.executable, "-m", "tests.helpers.stuck_reward", QUICKSTART, str(run),
          "run.steps=50", "run.prompts_per_step=4", "task.reward=stuck", "run.trace=false",

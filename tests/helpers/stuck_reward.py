@@ -3,8 +3,9 @@
 `python -m tests.helpers.stuck_reward CONFIG RUN_DIR OVERRIDE...` launches the config on 2
 processes with this module's `run` as the worker entry (select the reward with
 `task.reward=stuck`), printing `LAUNCHER: <error>` and exiting 130 (interrupted) or 1 when
-the run fails. Environment: `STUCK_RANK` (default 1) hangs in its `STUCK_CALL`-th reward
-call (default 1); `STUCK_FLAG`, when set, is a file created just before it hangs.
+the run fails. Environment: `STUCK_RANK` (default 1; `all`: every rank) hangs in its
+`STUCK_CALL`-th reward call (default 1); `STUCK_FLAG`, when set, is a file created just
+before it hangs.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ class StuckReward(RewardFunction):
 
     def score(self, responses, examples):
         StuckReward.calls += 1
-        if (dist.get_rank() == int(os.environ.get("STUCK_RANK", "1"))
+        if (os.environ.get("STUCK_RANK", "1") in ("all", str(dist.get_rank()))
                 and StuckReward.calls == int(os.environ.get("STUCK_CALL", "1"))):
             if os.environ.get("STUCK_FLAG"):
                 open(os.environ["STUCK_FLAG"], "w").close()
