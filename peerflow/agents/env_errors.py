@@ -60,8 +60,8 @@ def env_faults(batch: Batch) -> torch.Tensor:  # [num_samples] bool
     return torch.tensor([r in ENV_FAULTS for r in reasons], dtype=torch.bool)
 
 
-def excluded_samples(batch: Batch, policy: str) -> torch.Tensor:  # [num_samples] bool
-    """Which samples `policy` leaves out of training.
+def excluded_samples(batch: Batch, faults: torch.Tensor, policy: str) -> torch.Tensor:
+    """Which samples `policy` leaves out of training, given the failed ones (`faults`).
 
     Raises:
         ValueError: `policy` is not one of `POLICIES`.
@@ -69,7 +69,6 @@ def excluded_samples(batch: Batch, policy: str) -> torch.Tensor:  # [num_samples
     if policy not in POLICIES:
         raise ValueError(f"rollout.agent.on_env_error={policy!r} is not a policy; use one of "
                          f"{', '.join(POLICIES)}.")
-    faults = env_faults(batch)
     if policy == "train" or not bool(faults.any()):
         return torch.zeros(len(batch), dtype=torch.bool)
     if policy == "mask":
@@ -113,8 +112,9 @@ def apply_env_error_policy(batch: Batch, policy: str) -> torch.Tensor:  # [num_s
     Sets `env_excluded` and clears the left-out samples' `train_mask` (kept samples keep
     theirs). Logs the first error of each kind.
     """
-    excluded = excluded_samples(batch, policy)
-    _log_new_kinds(batch, env_faults(batch), policy)
+    faults = env_faults(batch)
+    excluded = excluded_samples(batch, faults, policy)
+    _log_new_kinds(batch, faults, policy)
     batch.set(ENV_EXCLUDED, excluded)
     if bool(excluded.any()):
         keep = batch["train_mask"].to(torch.bool) if "train_mask" in batch else (

@@ -27,7 +27,7 @@ class RetryOptions:
     """Outcome reward factor per extra turn (1 disables)."""
     step_delay_s: float = 0.0
     """Seconds each step sleeps (stands in for a slow tool; tests of time limits)."""
-    broken_every: int = 0
+    broken_every: int = attrs.field(default=0, validator=attrs.validators.ge(0))
     """Episodes of every `broken_every`-th dataset row raise in `step` (0: none; stands in
     for a sandbox that is down; tests of `rollout.agent.on_env_error`)."""
 
