@@ -12,9 +12,11 @@ immediate stop); so does `runtime.stop_grace` passing (the fault monitor enforce
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import json
 import os
+import select
 import signal
 import sys
 import threading
@@ -93,34 +95,100 @@ def read_stop(store: Any) -> StopRecord | None:
 class WorkerStopHandler:
     """A worker's SIGINT handler: the first asks for a graceful stop, a later one stops now.
 
-    Install it in the worker's main thread (`install`).
+    Python runs a signal handler only between bytecodes of the main thread, so a rank
+    blocked in a collective (waiting for a slower peer) would hear Ctrl-C only when the
+    collective returns. `install` therefore also routes the signal through
+    `signal.set_wakeup_fd` to a watcher thread, which counts each SIGINT when it arrives:
+    the first is acknowledged at once (logged, the stop requested in the store) and the
+    graceful stop proceeds when the main thread reaches the step boundary; a later one
+    makes the main thread's handler raise `KeyboardInterrupt` as soon as it runs.
+    Collectives are untouched (no polling, no added latency).
     """
 
     store: Any
     rank: int
     first: float | None = None
+    """When the first SIGINT arrived (`time.monotonic`)."""
+    immediate: bool = False
+    """A SIGINT came more than `SAME_SIGNAL_S` after the first: stop at once."""
+    _raised: bool = False
+    """`KeyboardInterrupt` was raised (once: the watcher's nudge may call again)."""
+    _lock: threading.RLock = attrs.field(factory=threading.RLock)
+    _wakeup: tuple[int, int] | None = None
+    """The wakeup pipe's (read, write) ends (`None`: no watcher)."""
+    _forward: int = -1
+    """A wakeup fd installed before ours (e.g. an asyncio loop's); gets every byte too."""
 
     def install(self) -> WorkerStopHandler:
-        """Replaces the SIGINT handler (a no-op outside the main thread)."""
-        if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGINT, self)
+        """Replaces the SIGINT handler and starts the watcher (main thread only)."""
+        if threading.current_thread() is not threading.main_thread():
+            return self
+        signal.signal(signal.SIGINT, self)
+        read, write = os.pipe()
+        os.set_blocking(read, False)
+        os.set_blocking(write, False)
+        self._forward = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+        self._wakeup = (read, write)
+        threading.Thread(target=self._watch, name="peerflow-stop-watch", daemon=True).start()
         return self
 
     def __call__(self, signum: int, frame: Any) -> None:
-        """Handles one SIGINT."""
-        now = time.monotonic()
-        if self.first is None:
+        """The main thread's handler: counts what the watcher has not yet, then obeys."""
+        if self._watched():
+            self._drain()
+        else:
+            self._count(time.monotonic())
+        if self.immediate and not self._raised:
+            self._raised = True
+            raise KeyboardInterrupt
+
+    def _watched(self) -> bool:
+        """Whether signals still reach the watcher (code run later may set its own fd)."""
+        if self._wakeup is None:
+            return False
+        current = signal.set_wakeup_fd(self._wakeup[1], warn_on_full_buffer=False)
+        if current != self._wakeup[1]:
+            signal.set_wakeup_fd(current)
+            return False
+        return True
+
+    def _watch(self) -> None:
+        while True:
+            with contextlib.suppress(InterruptedError):
+                select.select([self._wakeup[0]], [], [])
+            if self._drain():  # the main thread may have returned from its handler
+                _thread.interrupt_main(signal.SIGINT)
+
+    def _drain(self) -> bool:
+        """Counts the signals waiting in the pipe; True if one made the stop immediate."""
+        with self._lock:
+            was = self.immediate
+            try:
+                data = os.read(self._wakeup[0], 512)
+            except (BlockingIOError, InterruptedError):
+                return False
+            if self._forward != -1:
+                with contextlib.suppress(OSError):
+                    os.write(self._forward, data)
+            for signum in data:
+                if signum == signal.SIGINT:
+                    self._count(time.monotonic())
+            return self.immediate and not was
+
+    def _count(self, now: float) -> None:
+        """One SIGINT: the first asks for the graceful stop, a later distinct one for now."""
+        with self._lock:  # the main thread's handler returns once the request is stored
+            if self.first is not None:
+                self.immediate = self.immediate or now - self.first > SAME_SIGNAL_S
+                return
             self.first = now
             with contextlib.suppress(Exception):
                 request_stop(self.store, "Ctrl-C")
             if self.rank == 0:
                 print("peerflow: stopping at the next step boundary (checkpoint if cheap); "
                       "Ctrl-C again to stop at once", file=sys.stderr, flush=True)
-            append_to_rank_log(f"rank {self.rank} (pid {os.getpid()}): SIGINT, graceful stop "
-                               "requested")
-            return
-        if now - self.first > SAME_SIGNAL_S:
-            raise KeyboardInterrupt
+            append_to_rank_log(f"rank {self.rank} (pid {os.getpid()}): SIGINT, graceful "
+                               "stop requested")
 
 
 @attrs.define(eq=False)
