@@ -89,10 +89,10 @@ def test_master_port_in_use_is_one_line_naming_port_and_fix(tmp_path) -> None:
     assert "pick a free port" in lines[0]
 
 
-def _start_train(run: Path, *overrides: str) -> subprocess.Popen:
+def _start_train(run: Path, *overrides: str, launcher: str = "elastic") -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "peerflow", "train", QUICKSTART, "--run-dir", str(run),
-         "--set", "run.prompts_per_step=4", "--set", "run.trace=false",
+         "--launcher", launcher, "--set", "run.prompts_per_step=4", "--set", "run.trace=false",
          *[a for o in overrides for a in ("--set", o)]],
         env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         start_new_session=True)  # its own process group, as a terminal's foreground job
@@ -195,8 +195,10 @@ def test_a_second_ctrl_c_stops_every_rank_at_once(tmp_path) -> None:
     assert "interrupted (SIGINT)" in logs[1].read_text()
 
 
-def test_ctrl_c_under_torchrun_checkpoints_the_stop_step(tmp_path) -> None:
-    """torchrun's agent forwards Ctrl-C to its workers: the same graceful stop."""
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_ctrl_c_under_torchrun_checkpoints_the_stop_step(tmp_path, sig) -> None:
+    """torchrun's agent forwards Ctrl-C, and SIGTERM (e.g. from Slurm or Kubernetes), to
+    its workers: the same graceful stop, within the agent's --shutdown-timeout."""
     run = tmp_path / "run"
     proc = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node",
@@ -207,7 +209,7 @@ def test_ctrl_c_under_torchrun_checkpoints_the_stop_step(tmp_path) -> None:
         env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True)
     _wait_for_step(proc, run, 2)
-    os.kill(proc.pid, signal.SIGINT)  # the agent alone; it signals its workers
+    os.kill(proc.pid, sig)  # the agent alone; it signals its workers
     out = proc.communicate(timeout=180)[0]
     assert proc.returncode != 0, out
     stop = int(re.search(r"stopped gracefully after step (\d+) \(stop requested\); "
@@ -217,3 +219,7 @@ def test_ctrl_c_under_torchrun_checkpoints_the_stop_step(tmp_path) -> None:
     found = newest_complete(run)
     assert found is not None and found.step == stop, out
     assert _steps(run) == list(range(1, stop + 1))
+    for rank in (0, 1):
+        log = (run / "logs" / f"rank{rank}.log").read_text()
+        assert f"): {sig.name}, graceful stop requested" in log, log
+
