@@ -223,3 +223,20 @@ def test_ctrl_c_under_torchrun_checkpoints_the_stop_step(tmp_path, sig) -> None:
         log = (run / "logs" / f"rank{rank}.log").read_text()
         assert f"): {sig.name}, graceful stop requested" in log, log
 
+
+def test_ctrl_c_under_the_ray_launcher_checkpoints_the_stop_step(tmp_path) -> None:
+    """`--launcher ray`: Ctrl-C in a terminal (the driver's process group) is the same
+    graceful stop; the driver waits for its actors to finish the step and save it."""
+    pytest.importorskip("ray")
+    run = tmp_path / "run"
+    proc = _start_train(run, "run.steps=500", "runtime.stop_grace=60", launcher="ray")
+    _wait_for_step(proc, run, 2)
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=180)
+    assert proc.returncode == 130, err
+    stop = int(re.search(r"stopped gracefully after step (\d+) \(Ctrl-C\); checkpoint of "
+                         r"step \1 written", err).group(1))
+    assert f"continue with:\n  peerflow train --resume {run}" in err
+    found = newest_complete(run)
+    assert found is not None and found.step == stop, err
+    assert _steps(run) == list(range(1, stop + 1))
