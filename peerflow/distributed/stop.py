@@ -116,7 +116,7 @@ class WorkerStopHandler:
     first: float | None = None
     """When the first stop signal arrived (`time.monotonic`)."""
     immediate: bool = False
-    """A SIGINT came more than `SAME_SIGNAL_S` after the first: stop at once."""
+    """A SIGINT came more than `SAME_SIGNAL_S` after the first signal: stop at once."""
     _raised: bool = False
     """`KeyboardInterrupt` was raised (once: the watcher's nudge may call again)."""
     _lock: threading.RLock = attrs.field(factory=threading.RLock)
@@ -204,12 +204,12 @@ class WorkerStopHandler:
     def _acknowledge(self, signum: int) -> None:
         """Asks every rank for the graceful stop and says so (rank 0 on stderr too)."""
         name = signal.Signals(signum).name
-        again = "Ctrl-C" if signum == signal.SIGINT else name
+        reason = "Ctrl-C" if signum == signal.SIGINT else name
         with contextlib.suppress(Exception):
-            request_stop(self.monitor.store, "Ctrl-C" if signum == signal.SIGINT else name)
+            request_stop(self.monitor.store, reason)
         if self.monitor.rank == 0:
             print(f"peerflow: {name}: stopping at the next step boundary (checkpoint if "
-                  f"cheap); {again} again to stop at once", file=sys.stderr, flush=True)
+                  f"cheap); {reason} again to stop at once", file=sys.stderr, flush=True)
         append_to_rank_log(f"rank {self.monitor.rank} (pid {os.getpid()}): {name}, graceful "
                            "stop requested")
 
