@@ -13,8 +13,9 @@ also shifts the advantages of the other trajectories of its group. The policies:
 * `mask`: the failed trajectory alone is left out; its group's mean and std are computed
   over the others (a group left with one trajectory gets advantage 0, as any group of one);
 * `train`: nothing is left out (the failed trajectory is trained with whatever reward it
-  got; choose it when `env_error` means the model's own failure, e.g. `ToolEnvironment`
-  with `end_on_error: true`, whose failed calls may be the model's bad arguments).
+  got; for environments that raise for the model's own failures — an environment should
+  end such an episode with `StepResult(done=True)` instead, as `ToolEnvironment` does
+  with `end_on_error` for a call that could not run).
 
 A left-out sample stays in the batch — metrics, checkpoints' in-flight accounting and the
 async streams see every trajectory — but it is marked `env_excluded`, its `train_mask` is

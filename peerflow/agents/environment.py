@@ -118,6 +118,10 @@ class Environment(abc.ABC):
 
         Returns:
             The observation, this turn's reward and whether the episode is done.
+
+        Raise only for the environment's own failures (they end the trajectory as
+        `env_error`, which training leaves out by default); end an episode the model
+        ruined with `done=True`, so it is scored and trained on.
         """
 
     def final_reward(self) -> float | None:

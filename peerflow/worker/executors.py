@@ -197,7 +197,7 @@ def run_advantage(rt: WorkerRuntime, node: Any, batch: Batch, metrics: StepMetri
             else torch.ones(len(batch), dtype=torch.bool))
     for name, column in estimate_advantages(rt.estimator, batch, keep).items():
         batch.set(name, column)
-    kept = batch.select(keep.nonzero().flatten())
+    kept = batch if bool(keep.all()) else batch.select(keep.nonzero().flatten())
     adv = kept.ragged("advantages").values.float()
     mask = kept.loss_mask()
     if mask is not None:  # observation tokens carry no advantage
