@@ -148,6 +148,15 @@ class _ShardMetadata:
         return self.fixed_bytes + int(self.sample_bytes[index].sum())
 
 
+def _slack(keep_groups: bool) -> float:
+    """The plan's locality slack (`plan_transfer`): 0 for single samples.
+
+    A re-balance of samples exists to even the load, and a moved sample costs a few
+    kilobytes, so it keeps samples home only where that costs no balance.
+    """
+    return 0.05 if keep_groups else 0.0
+
+
 def _units(batch: Batch, keep_groups: bool) -> torch.Tensor:
     """The id of each sample's unit of assignment: its prompt group, or itself."""
     return batch.group_id if keep_groups else batch.sample_id
@@ -225,7 +234,8 @@ def _p2p(batch: Batch, src: ParallelLayout, dst: ParallelLayout, rank: int,
          channel: Any, timeout: float, stats: TransferStats) -> Batch:
     metadata = _exchange_metadata(batch, src, participants, rank, load_fields, keep_groups,
                                   channel, timeout, stats)
-    plan = plan_transfer(src, dst, [m.group_ids for m in metadata], [m.loads for m in metadata])
+    plan = plan_transfer(src, dst, [m.group_ids for m in metadata], [m.loads for m in metadata],
+                         _slack(keep_groups))
     stats.plan = plan
     owner = {r: dp for dp, m in enumerate(dp_members(src)) for r in m}
     receives = plan.receives(rank)
@@ -277,7 +287,7 @@ def _p2p_shared(batch: Batch, src: ParallelLayout, dst: ParallelLayout, rank: in
         group_ids.append(values[:n].tolist())
         loads.append(values[n:].tolist())
         stats.metadata_bytes += length
-    plan = plan_transfer(src, dst, group_ids, loads)
+    plan = plan_transfer(src, dst, group_ids, loads, _slack(keep_groups))
     stats.plan = plan
     if rank not in set(dst.global_ranks):
         return Batch.empty()
@@ -322,7 +332,8 @@ def _centralized(batch: Batch, src: ParallelLayout, dst: ParallelLayout, rank: i
         return unpack_batch(move([], [controller], "centralized scatter")[controller])
     shards = [batch if r == controller else unpack_batch(gathered[r]) for r in leaders]
     plan = plan_transfer(src, dst, [_units(s, keep_groups).tolist() for s in shards],
-                         [_loads(s, load_fields, keep_groups).tolist() for s in shards])
+                         [_loads(s, load_fields, keep_groups).tolist() for s in shards],
+                         _slack(keep_groups))
     stats.plan = plan
     consumers = [(group, _assemble([(shards[s_dp], idx) for s_dp in range(src.dp)
                                     for (s, r), idx in plan.sends.items()
