@@ -1,5 +1,6 @@
 """A rank cut off from the fault store exits within the heartbeat bound, naming the lost
-rank and host, even though its store calls block (issue 18: a cut link)."""
+rank and host, even though its store calls block (issue 18: a cut link); a finished rank
+leaves no store call running into interpreter shutdown, even when calls are slow."""
 
 from __future__ import annotations
 
@@ -12,22 +13,28 @@ from peerflow.distributed import PEER_FAILED_EXIT, FaultMonitor
 from peerflow.distributed.stages import PREFIX
 
 
-class CutLink:
-    """A store whose calls block forever once `cut` is set, as over a link that is down."""
+class Interposed:
+    """A real store that runs `before(method_name)` ahead of every call."""
 
-    def __init__(self, store) -> None:
-        self.store = store
-        self.cut = threading.Event()
+    def __init__(self, store, before) -> None:
+        self.store, self.before = store, before
 
     def __getattr__(self, name):
         method = getattr(self.store, name)
 
         def call(*args, **kwargs):
-            if self.cut.is_set():
-                threading.Event().wait()  # no reset ever comes back
+            self.before(name)
             return method(*args, **kwargs)
 
         return call
+
+
+class CutLink(Interposed):
+    """A store whose calls block forever once `cut` is set, as over a link that is down."""
+
+    def __init__(self, store) -> None:
+        self.cut = threading.Event()
+        super().__init__(store, lambda name: self.cut.is_set() and threading.Event().wait())
 
 
 def test_a_cut_off_rank_exits_naming_the_lost_host(capsys) -> None:
@@ -51,24 +58,19 @@ def test_a_cut_off_rank_exits_naming_the_lost_host(capsys) -> None:
     assert near.closed
 
 
-class SlowStore:
+class SlowStore(Interposed):
     """A store whose `add` takes `delay` seconds once `slow` is set, as on a loaded rank
     (a tick of 3 s was measured with load average 28 on 2 cores)."""
 
     def __init__(self, store, delay: float) -> None:
-        self.store, self.delay = store, delay
         self.slow, self.entered = threading.Event(), threading.Event()
+        super().__init__(store, self._maybe_slow)
+        self.delay = delay
 
-    def __getattr__(self, name):
-        method = getattr(self.store, name)
-
-        def call(*args, **kwargs):
-            if name == "add" and self.slow.is_set():
-                self.entered.set()
-                time.sleep(self.delay)
-            return method(*args, **kwargs)
-
-        return call
+    def _maybe_slow(self, name: str) -> None:
+        if name == "add" and self.slow.is_set():
+            self.entered.set()
+            time.sleep(self.delay)
 
 
 def test_close_waits_for_a_slow_tick_so_no_store_call_outlives_the_interpreter() -> None:
