@@ -20,7 +20,9 @@ excluded from the loss (`loss_mask` false); earlier turns are never re-tokenised
 at once, each under `rollout.agent` time limits, so a slow environment does not stall the
 batch. An exception or a time-out from `step` (or `final_reward`) ends that trajectory with
 its error marked in the sample (`finish_reason` `"env_error"` or `"env_timeout"`, the text
-in `agent_error`); the run goes on. `close` runs the same way; its errors are dropped.
+in `agent_error`); the run goes on, and training leaves the trajectory (by default its
+whole group) out as `rollout.agent.on_env_error` says (`peerflow.agents.env_errors`).
+`close` runs the same way; its errors are dropped.
 
 Tools are environments too: `peerflow.agents.tools.ToolEnvironment` parses tool calls out
 of the model's turn, runs them sandboxed, and returns their results as the observation.
@@ -116,6 +118,10 @@ class Environment(abc.ABC):
 
         Returns:
             The observation, this turn's reward and whether the episode is done.
+
+        Raise only for the environment's own failures (they end the trajectory as
+        `env_error`, which training leaves out by default); end an episode the model
+        ruined with `done=True`, so it is scored and trained on.
         """
 
     def final_reward(self) -> float | None:

@@ -341,10 +341,14 @@ FINISH_REASONS = ("stop", "max_turns", "max_tokens", "env_error", "env_timeout")
 def record_episode_metrics(batch: Batch, metrics: Any) -> None:
     """Records `agent/*` metrics of a batch of episodes into a `StepMetrics`.
 
-    Turns, how episodes ended, observation tokens, weight versions per trajectory
+    Turns, how episodes ended, environment failures (`agent/env_errors`: how many;
+    `agent/env_dropped_fraction`: the fraction of samples `rollout.agent.on_env_error`
+    left out of training), observation tokens, weight versions per trajectory
     (`agent/versions_max`: most versions one trajectory's sampled tokens span), and the
     per-trajectory mean of every number environments put in `StepResult.info`.
     """
+    from peerflow.agents.env_errors import ENV_EXCLUDED, env_faults
+
     n = len(batch)
     turns = batch["num_turns"].float()
     metrics.mean("agent/turns_mean", float(turns.mean()), n)
@@ -352,6 +356,10 @@ def record_episode_metrics(batch: Batch, metrics: Any) -> None:
     reasons = batch["finish_reason"]
     for reason in FINISH_REASONS:
         metrics.mean(f"agent/finish/{reason}", sum(r == reason for r in reasons) / n, n)
+    metrics.sum("agent/env_errors", float(env_faults(batch).sum()))
+    if ENV_EXCLUDED in batch:
+        metrics.mean("agent/env_dropped_fraction",
+                     float(batch[ENV_EXCLUDED].double().mean()), n)
     mask = batch.ragged(LOSS_MASK)
     metrics.sum("agent/observation_tokens", float((~mask.values).sum()))
     turn_rewards = batch.ragged("token_rewards")

@@ -9,8 +9,13 @@ defers to the task's reward).
 
 A malformed call, an unknown tool, bad arguments, a tool that raises, runs out of memory
 or time: the model sees a message starting with `Error:` (the call is marked in
-`info["tool_errors"]`), and the episode goes on — or, with `end_on_error: true`, `step`
-raises `ToolError` and the driver ends the trajectory with `finish_reason` `env_error`.
+`info["tool_errors"]`), and the episode goes on. With `end_on_error: true` a failed call
+ends the episode instead, and who failed decides how: a call that never ran — malformed,
+an unknown tool, bad arguments, over `max_calls_per_turn` — is the model's doing, so the
+episode is simply over (`done`, `finish_reason` `stop`) and scored as it stands; a call
+that ran and failed (raised, died, timed out) may be the tool's or the sandbox's fault,
+so `step` raises `ToolError` and the driver ends the trajectory with `finish_reason`
+`env_error`, which training leaves out by default (`rollout.agent.on_env_error`).
 
 Select it with `rollout.agent.environment: tools` and list the registered tools in
 `rollout.agent.options.tools`; or subclass it with `default_tools` for a task of your own.
@@ -63,12 +68,13 @@ class ToolOptions:
     max_result_chars: int = attrs.field(default=2000, validator=_positive)
     """A result longer than this is cut (and says so)."""
     end_on_error: bool = False
-    """End the trajectory (`finish_reason` `env_error`) when a call fails, instead of
-    showing the model the error."""
+    """End the trajectory when a call fails, instead of showing the model the error: as
+    the model's doing (`stop`) when the call could not run, as an environment failure
+    (`env_error`) when it ran and failed."""
 
 
 class ToolError(RuntimeError):
-    """A tool call failed and `end_on_error` is set: the driver ends the trajectory."""
+    """A call ran and failed under `end_on_error`: the trajectory ends with `env_error`."""
 
 
 class ToolEnvironment(Environment):
@@ -105,26 +111,32 @@ class ToolEnvironment(Environment):
     def step(self, turn: Turn) -> StepResult:
         """Runs the turn's calls; a turn without a call is the answer and ends the episode.
 
+        With `end_on_error`, a call that could not run (the model's doing) ends the episode
+        (`done`); one that ran and failed raises.
+
         Raises:
-            ToolError: a call failed and `end_on_error` is set.
+            ToolError: a call ran and failed and `end_on_error` is set.
         """
         calls = parse_tool_calls(turn.text)
         if not calls:
             self.answer = turn.text
             return StepResult(done=True, info={"tool_calls": 0})
-        results = self._run(calls)
+        problems = [self._problem(call, index) for index, call in enumerate(calls)]
+        results = self._run(calls, problems)
         self.results.extend(results)
         failed = [r for r in results if r.failed]
-        if failed and self.options.end_on_error:
-            raise ToolError("; ".join(f"{r.name}: {r.status}: {r.content}" for r in failed))
         info: dict[str, Any] = {"tool_calls": len(calls), "tool_errors": len(failed),
                                 "tool_timeouts": sum(r.status == "timeout" for r in failed)}
         if failed:
             info["error"] = failed[0].content
+        if failed and self.options.end_on_error:
+            if any(problems):
+                return StepResult(done=True, info=info)
+            raise ToolError("; ".join(f"{r.name}: {r.status}: {r.content}" for r in failed))
         return StepResult(observation=[self._message(r) for r in results], info=info)
 
-    def _run(self, calls: list[ToolCall]) -> list[ToolResult]:
-        problems = [self._problem(call, index) for index, call in enumerate(calls)]
+    def _run(self, calls: list[ToolCall], problems: list[str]) -> list[ToolResult]:
+        """Runs the calls without a problem; the others get their problem as an error."""
         runnable = [(self.tools[c.name], c.arguments) for c, p in zip(calls, problems) if not p]
         results = iter(run_tools(runnable, self.limits))
         return [ToolResult(name=call.name, status="error", content=problem) if problem

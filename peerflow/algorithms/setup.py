@@ -119,17 +119,17 @@ class Algorithm:
     def prepare_actor_batch(self, batch: Batch, metrics: Any) -> Batch:
         """The batch the actor's `train_step` gets, and this step's off-policy metrics.
 
-        Drops samples whose `train_mask` is false (overlong filtering, dynamic
-        sampling's flat top-up groups), so they count in no normaliser; attaches the
-        decoupled-PPO weights `is_weights`; records `off_policy/*` (importance weights),
-        `mismatch/*` (rollout vs trainer log-probs) and, with KL in the loss, `kl/mean`
-        and `kl/loss` of the policy before the update, over the whole step.
+        Drops samples whose `train_mask` is false (`trained_samples`), so they count in
+        no normaliser; attaches the decoupled-PPO weights `is_weights`; records
+        `off_policy/*` (importance weights), `mismatch/*` (rollout vs trainer log-probs)
+        and, with KL in the loss, `kl/mean` and `kl/loss` of the policy before the
+        update, over the whole step.
         """
         if "train_mask" in batch:
             keep = batch["train_mask"].to(torch.bool)
             metrics.mean("actor/masked_fraction", float((~keep).double().mean()) if len(batch)
                          else 0.0, len(batch))
-            batch = batch.select(keep.nonzero().flatten())
+            batch = trained_samples(batch)
         record_metrics(metrics, mismatch_metrics(batch))
         correction = self.off_policy.correction
         weights = importance_weights(batch, correction, self.off_policy.cap,
@@ -141,6 +141,17 @@ class Algorithm:
             record_metrics(metrics, kl_loss_metrics(batch, self.kl_coef, self.kl_estimator,
                                                     self.policy_loss))
         return batch
+
+
+def trained_samples(batch: Batch) -> Batch:
+    """The samples a train step uses: those whose `train_mask` is true (all without one).
+
+    Overlong filtering, dynamic sampling's flat top-up groups and trajectories the
+    environment failed (`peerflow.agents.env_errors`) clear it.
+    """
+    if "train_mask" not in batch:
+        return batch
+    return batch.select(batch["train_mask"].to(torch.bool).nonzero().flatten())
 
 
 def build_algorithm(

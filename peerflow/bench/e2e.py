@@ -73,6 +73,8 @@ def run_peerflow(args: argparse.Namespace, overrides: list[str], work: Path) -> 
     steps), the span `e2e_trl` times on TRL's side.
 
     `phases_s` sums the run's `time/<phase>` (max over ranks per step): where the time goes.
+    `balance` averages the `balance/*` metrics over the steps: the trainer dp-ranks' busiest
+    token load over their mean before and after samples are balanced (1 is even).
     """
     run_dir = work / f"peerflow-{time.time_ns()}"
     cmd = [sys.executable, "-m", "peerflow", "train", args.config, "--nprocs", str(args.nprocs),
@@ -93,6 +95,9 @@ def run_peerflow(args: argparse.Namespace, overrides: list[str], work: Path) -> 
             "startup_s": max(wall - train_s, 0.0), "phases_s": phases,
             "response_length_mean": _mean(m.get("response_length/mean", 0.0) for m in lines),
             "response_clip_frac": _mean(m.get("response_length/clip_frac", 0.0) for m in lines),
+            "balance": {key[8:]: _mean(m[key] for m in lines if key in m)
+                        for key in sorted({k for m in lines for k in m
+                                           if k.startswith("balance/")})},
             "reward_first": lines[0].get("reward/mean", 0.0) if lines else 0.0,
             "reward_last": lines[-1].get("reward/mean", 0.0) if lines else 0.0}
 

@@ -102,6 +102,12 @@ class AgentConfig:
     `finish_reason` `env_timeout` (the others go on)."""
     concurrency: int = attrs.field(default=16, validator=_positive)
     """Most `Environment.step` calls running at once (threads)."""
+    on_env_error: Literal["drop_group", "mask", "train"] = "drop_group"
+    """What training does with a trajectory the environment failed (`finish_reason`
+    `env_error` or `env_timeout`: not the model's doing). `drop_group`: leave its whole
+    GRPO group out (their baseline is corrupted); `mask`: leave the trajectory alone out,
+    its group's baseline computed over the others; `train`: train on it like any other
+    (see `peerflow.agents.env_errors`)."""
 
 
 @attrs.frozen(kw_only=True)

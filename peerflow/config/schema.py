@@ -229,6 +229,10 @@ class RuntimeConfig:
     coordinator_transport: Literal["auto", "gloo", "shm"] = "auto"
     """How routes move bytes: `shm` (shared memory, every rank of a route on this host),
     `gloo`, or `auto` (`shm` where a route's ranks share a host, else `gloo`)."""
+    balance_samples: bool = True
+    """Sync mode: after the `advantage` node, balance samples (not whole prompt groups) by
+    token count over the trainer's dp-ranks, so no rank waits for a busier one in the
+    training step's collectives. Loss normalisers are global, so the step is the same."""
     fault_timeout: float = 60.0
     """Seconds before a rank gives up on a dead peer and exits naming it."""
     stage_timeout: float = 1800.0

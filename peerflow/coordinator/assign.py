@@ -15,6 +15,7 @@ Ties always break on the lower index, so the result depends only on the inputs.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 from collections.abc import Sequence
 
@@ -41,6 +42,43 @@ def _bin_loads(loads: Sequence[int], assign: Sequence[int], bins: int) -> list[i
     return totals
 
 
+def _first_by_load(members: Sequence[int], loads: Sequence[int]) -> dict[int, int]:
+    """Lowest unit index of each distinct load among `members`."""
+    first: dict[int, int] = {}
+    for g in members:
+        if loads[g] not in first or g < first[loads[g]]:
+            first[loads[g]] = g
+    return first
+
+
+def _best_move(loads: Sequence[int], hi_members: Sequence[int], lo_members: Sequence[int],
+               hi_total: int, lo_total: int) -> tuple[int, int, int] | None:
+    """The move or swap from the busiest to the least-loaded bin that lowers the pair's peak.
+
+    Returns `(new peak of the pair, g, h)` (`h = -1`: move `g` alone), the smallest such
+    triple over all candidates, or `None`. Units of equal load are interchangeable, so
+    only the lowest index of each distinct load is tried, and for each load in the busy
+    bin only the two loads of the other bin nearest the ideal swap (`d = gap / 2`; the
+    pair's peak grows with `|d - gap / 2|`): O(D log D) for D distinct loads, not
+    O(n²) pairs.
+    """
+    gap = hi_total - lo_total
+    hi_first = _first_by_load(hi_members, loads)
+    lo_first = _first_by_load(lo_members, loads)
+    lo_loads = sorted(lo_first)
+    best: tuple[int, int, int] | None = None
+    for load_g, g in hi_first.items():
+        options = [(load_g, -1)] if 0 < load_g < gap else []
+        at = bisect.bisect_left(lo_loads, load_g - gap / 2)
+        options += [(load_g - lo_loads[k], lo_first[lo_loads[k]])
+                    for k in (at - 1, at) if 0 <= k < len(lo_loads)]
+        for d, h in options:
+            if 0 < d < gap:
+                cand = (max(hi_total - d, lo_total + d), g, h)
+                best = cand if best is None or cand < best else best
+    return best
+
+
 def _refine(loads: Sequence[int], assign: list[int], bins: int, rounds: int) -> list[int]:
     totals = _bin_loads(loads, assign, bins)
     members: list[list[int]] = [[] for _ in range(bins)]
@@ -49,19 +87,9 @@ def _refine(loads: Sequence[int], assign: list[int], bins: int, rounds: int) -> 
     for _ in range(rounds):
         hi = max(range(bins), key=lambda b: (totals[b], -b))
         lo = min(range(bins), key=lambda b: (totals[b], b))
-        gap = totals[hi] - totals[lo]
-        if gap <= 0:
+        if totals[hi] <= totals[lo]:
             break
-        best: tuple[int, int, int] | None = None  # (new max of the pair, g, h or -1)
-        for g in members[hi]:
-            if 0 < loads[g] < gap:
-                cand = (max(totals[hi] - loads[g], totals[lo] + loads[g]), g, -1)
-                best = cand if best is None or cand < best else best
-            for h in members[lo]:
-                d = loads[g] - loads[h]
-                if 0 < d < gap:
-                    cand = (max(totals[hi] - d, totals[lo] + d), g, h)
-                    best = cand if best is None or cand < best else best
+        best = _best_move(loads, members[hi], members[lo], totals[hi], totals[lo])
         if best is None or best[0] >= totals[hi]:
             break
         _, g, h = best

@@ -4,14 +4,19 @@ Call sequence — every rank of `process_group` (by default the whole world; it 
 every rank of `route.src ∪ route.dst`, see `RouteGroups`) calls `redistribute` with the
 same route; ranks outside `src ∪ dst` return an empty batch at once:
 
-1. equal layouts: return the batch as is (no communication at all);
+1. equal layouts: return the batch as is (no communication at all), unless
+   `keep_groups=False` asks to re-balance single samples over the same layout's dp-ranks
+   (after the advantage step: `Route.keep_groups`);
 2. metadata: the first rank of each producer dp group sends one message to every other
-   rank of `src ∪ dst` — prompt-group id, token load and a packed-size bound of each
-   sample (24 bytes a sample, `wire.size_bound`); the load is the summed length of the
-   `load_fields` the batch has (none of them: an error);
-3. every rank computes the same `TransferPlan` (`plan_transfer`): prompt groups kept whole,
-   token loads balanced over the consumer dp-ranks, tp/pp peers of a consumer dp-rank
-   receiving the same samples; a sample that stays on its rank moves nothing;
+   rank of `src ∪ dst` — the unit id (prompt-group id, or the sample id with
+   `keep_groups=False`), token load and a packed-size bound of each sample (24 bytes a
+   sample, `wire.size_bound`); the load is the summed length of the `load_fields` the
+   batch has (none of them: an error), 0 for a sample whose `train_mask` is false when
+   samples are balanced (it is dropped before training);
+3. every rank computes the same `TransferPlan` (`plan_transfer`): units (prompt groups or
+   samples) kept whole, token loads balanced over the consumer dp-ranks, tp/pp peers of a
+   consumer dp-rank receiving the same samples; a sample that stays on its rank moves
+   nothing;
 4. consumers post one receive per sender, sized from the metadata; producers pack each
    distinct sample set once with `pack_batch` (unknown fields, dtypes and Python objects
    travel untouched) and post each `isend` as soon as it is packed, so packing overlaps
@@ -31,8 +36,12 @@ call's channel — gloo messages, or, when every rank of the route shares this h
 c10d store (`coordinator.shm`). A shared channel writes a message addressed to many
 ranks once, so p2p over it takes one round instead of two (`_p2p_shared`): each producer
 dp-leader writes its shard's group ids and token loads followed by the whole packed
-shard, and every rank plans from all leaders' metadata and copies only its samples out
-of the mapped shards. The centralized baseline keeps its gather and scatter.
+shard, and every consumer rank plans from all leaders' metadata and copies only its
+samples out of the mapped shards — or, on a host whose cores the route's ranks
+outnumber, only the first rank of each consumer dp group does, and its tp/pp peers map
+the batch it assembled (`_shares_assembly`). A re-balance within one layout keeps the two rounds on any channel:
+most samples stay home, so packing only the few that move beats writing every shard.
+The centralized baseline keeps its gather and scatter.
 
 Every wait has a timeout (`runtime.fault_timeout`); a dead peer raises
 `WorkerFailedError` naming it.
@@ -142,12 +151,26 @@ class _ShardMetadata:
         return self.fixed_bytes + int(self.sample_bytes[index].sum())
 
 
-def _encode_metadata(batch: Batch, load_fields: Sequence[str]) -> torch.Tensor:
-    """`[length, fixed bytes, n, group ids…, loads…, sample bytes…]` as one framed message."""
+def _units(batch: Batch, keep_groups: bool) -> torch.Tensor:
+    """The id of each sample's unit of assignment: its prompt group, or itself."""
+    return batch.group_id if keep_groups else batch.sample_id
+
+
+def _loads(batch: Batch, load_fields: Sequence[str], keep_groups: bool) -> torch.Tensor:
+    """Each sample's token load; balancing samples, 0 where `train_mask` drops it."""
+    loads = batch.token_count(load_fields)
+    if not keep_groups and "train_mask" in batch:
+        loads = loads * batch["train_mask"].to(torch.bool)
+    return loads
+
+
+def _encode_metadata(batch: Batch, load_fields: Sequence[str],
+                     keep_groups: bool) -> torch.Tensor:
+    """`[length, fixed bytes, n, unit ids…, loads…, sample bytes…]` as one framed message."""
     sample_bytes, fixed = size_bound(batch)
     n = len(batch)
-    body = torch.cat([torch.tensor([fixed, n], dtype=torch.int64), batch.group_id,
-                      batch.token_count(load_fields), sample_bytes])
+    body = torch.cat([torch.tensor([fixed, n], dtype=torch.int64), _units(batch, keep_groups),
+                      _loads(batch, load_fields, keep_groups), sample_bytes])
     return frame(body)
 
 
@@ -161,11 +184,12 @@ def _decode_metadata(message: torch.Tensor) -> _ShardMetadata:
 
 def _exchange_metadata(
     batch: Batch, src: ParallelLayout, participants: Sequence[int], rank: int,
-    load_fields: Sequence[str], channel: Any, timeout: float, stats: TransferStats,
+    load_fields: Sequence[str], keep_groups: bool, channel: Any, timeout: float,
+    stats: TransferStats,
 ) -> list[_ShardMetadata]:
     """Every producer dp-leader sends its shard's metadata to every other participant."""
     leaders = [m[0] for m in dp_members(src)]
-    mine = _encode_metadata(batch, load_fields) if rank in leaders else None
+    mine = _encode_metadata(batch, load_fields, keep_groups) if rank in leaders else None
     outgoing = [] if mine is None else [(peer, mine, HEAD_BYTES) for peer in participants
                                         if peer != rank]
     incoming = {leader: HEAD_BYTES for leader in leaders if leader != rank}
@@ -200,10 +224,10 @@ def _packed_sends(
 
 
 def _p2p(batch: Batch, src: ParallelLayout, dst: ParallelLayout, rank: int,
-         participants: Sequence[int], load_fields: Sequence[str], channel: Any,
-         timeout: float, stats: TransferStats) -> Batch:
-    metadata = _exchange_metadata(batch, src, participants, rank, load_fields, channel,
-                                  timeout, stats)
+         participants: Sequence[int], load_fields: Sequence[str], keep_groups: bool,
+         channel: Any, timeout: float, stats: TransferStats) -> Batch:
+    metadata = _exchange_metadata(batch, src, participants, rank, load_fields, keep_groups,
+                                  channel, timeout, stats)
     plan = plan_transfer(src, dst, [m.group_ids for m in metadata], [m.loads for m in metadata])
     stats.plan = plan
     owner = {r: dp for dp, m in enumerate(dp_members(src)) for r in m}
@@ -234,16 +258,16 @@ def _shares_assembly(channel: Any, participants: Sequence[int]) -> bool:
 
 
 def _read_shards(batch: Batch, src: ParallelLayout, dst: ParallelLayout, rank: int,
-                 load_fields: Sequence[str], received: dict[int, torch.Tensor],
-                 stats: TransferStats) -> Batch:
+                 load_fields: Sequence[str], keep_groups: bool,
+                 received: dict[int, torch.Tensor], stats: TransferStats) -> Batch:
     """Plans from every producer leader's metadata and copies this rank's samples out."""
     members = dp_members(src)
     leaders = [m[0] for m in members]
     group_ids, loads, shards = [], [], []
     for leader in leaders:
         if leader == rank:
-            group_ids.append(batch.group_id.tolist())
-            loads.append(batch.token_count(load_fields).tolist())
+            group_ids.append(_units(batch, keep_groups).tolist())
+            loads.append(_loads(batch, load_fields, keep_groups).tolist())
             shards.append(None)
             continue
         message = received[leader]
@@ -294,8 +318,8 @@ def _share_assembly(out: Batch, group: tuple[int, ...], rank: int, channel: Any,
 
 
 def _p2p_shared(batch: Batch, src: ParallelLayout, dst: ParallelLayout, rank: int,
-                participants: Sequence[int], load_fields: Sequence[str], channel: Any,
-                timeout: float, stats: TransferStats) -> Batch:
+                participants: Sequence[int], load_fields: Sequence[str], keep_groups: bool,
+                channel: Any, timeout: float, stats: TransferStats) -> Batch:
     """p2p in one round over a `shared` channel (same host: `coordinator.shm`).
 
     Each producer dp-leader writes one message once — its shard's group ids and token
@@ -312,7 +336,8 @@ def _p2p_shared(batch: Batch, src: ParallelLayout, dst: ParallelLayout, rank: in
     readers = [g[0] for g in groups] if share else list(dst.global_ranks)
     outgoing: list[tuple[int, torch.Tensor, int]] = []
     if rank in leaders:
-        meta = frame(torch.cat([batch.group_id, batch.token_count(load_fields)]))
+        meta = frame(torch.cat([_units(batch, keep_groups),
+                                _loads(batch, load_fields, keep_groups)]))
         message = pack_batch(batch, reserve=padded(meta.numel()))
         message[: meta.numel()] = meta
         outgoing = [(peer, message, 0) for peer in readers if peer != rank]
@@ -324,14 +349,15 @@ def _p2p_shared(batch: Batch, src: ParallelLayout, dst: ParallelLayout, rank: in
     group = next((g for g in groups if rank in g), None)
     if group is None:
         return Batch.empty()
-    out = _read_shards(batch, src, dst, rank, load_fields, received, stats) if reads else None
+    out = (_read_shards(batch, src, dst, rank, load_fields, keep_groups, received, stats)
+           if reads else None)
     if not share or len(group) == 1:
         return out
     return _share_assembly(out, group, rank, channel, timeout, stats)
 
 
 def _centralized(batch: Batch, src: ParallelLayout, dst: ParallelLayout, rank: int,
-                 load_fields: Sequence[str], channel: Any, timeout: float,
+                 load_fields: Sequence[str], keep_groups: bool, channel: Any, timeout: float,
                  stats: TransferStats) -> Batch:
     members = dp_members(src)
     leaders = [m[0] for m in members]
@@ -354,8 +380,8 @@ def _centralized(batch: Batch, src: ParallelLayout, dst: ParallelLayout, rank: i
             return Batch.empty()
         return unpack_batch(move([], [controller], "centralized scatter")[controller])
     shards = [batch if r == controller else unpack_batch(gathered[r]) for r in leaders]
-    plan = plan_transfer(src, dst, [s.group_id.tolist() for s in shards],
-                         [s.token_count(load_fields).tolist() for s in shards])
+    plan = plan_transfer(src, dst, [_units(s, keep_groups).tolist() for s in shards],
+                         [_loads(s, load_fields, keep_groups).tolist() for s in shards])
     stats.plan = plan
     consumers = [(group, _assemble([(shards[s_dp], idx) for s_dp in range(src.dp)
                                     for (s, r), idx in plan.sends.items()
@@ -383,6 +409,7 @@ def redistribute(
     mode: str = "p2p",
     transport: str = "auto",
     load_fields: Sequence[str] = LOAD_FIELDS,
+    keep_groups: bool = True,
     timeout: float | None = None,
     stats: TransferStats | None = None,
 ) -> Batch:
@@ -402,6 +429,9 @@ def redistribute(
             else gloo), `gloo` or `shm` (`coordinator.transport`); both modes use it.
         load_fields: Ragged fields whose summed lengths form a sample's token load; the
             batch must have at least one of them.
+        keep_groups: Keep each prompt group whole on one consumer dp-rank (what group
+            statistics such as GRPO's advantages need); `False` balances single samples,
+            and also runs when `route.src == route.dst` (a re-balance over one layout).
         timeout: Seconds per wait; defaults to the process group's (`fault_timeout`).
         stats: Filled with this rank's bytes and time when given.
 
@@ -425,7 +455,7 @@ def redistribute(
     stats.samples_in = len(batch)
     timeout = default_timeout() if timeout is None else timeout
     participants = sorted(set(src.global_ranks) | set(dst.global_ranks))
-    if src == dst:
+    if src == dst and keep_groups:
         out = batch
     elif rank not in participants:
         out = Batch.empty()
@@ -434,11 +464,12 @@ def redistribute(
         _check_load_fields(batch, load_fields)
         channel = open_channel(participants, transport, timeout)
         stats.transport = channel.name
+        args = (load_fields, keep_groups, channel, timeout, stats)
         if mode == "p2p":
-            p2p = _p2p_shared if channel.shared else _p2p
-            out = p2p(batch, src, dst, rank, participants, load_fields, channel, timeout, stats)
+            p2p = _p2p_shared if channel.shared and src != dst else _p2p
+            out = p2p(batch, src, dst, rank, participants, *args)
         else:
-            out = _centralized(batch, src, dst, rank, load_fields, channel, timeout, stats)
+            out = _centralized(batch, src, dst, rank, *args)
     stats.samples_out = len(out)
     stats.wall_s = time.perf_counter() - start
     stats.cpu_s = time.thread_time() - cpu_start

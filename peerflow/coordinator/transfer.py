@@ -3,9 +3,10 @@
 Built identically on every rank of the route from the all-gathered metadata (group id
 and token load of every sample, per producer dp-rank):
 
-* each group goes whole to one consumer dp-rank, token loads balanced; a group whose
-  producer is also a rank of a consumer dp group stays there when that keeps the
-  busiest load within 5% of the balanced one (`balance_groups_local`);
+* each unit (a prompt group, or a single sample when the caller passes sample ids: a
+  re-balance after the advantage step) goes whole to one consumer dp-rank, token loads
+  balanced; a unit whose producer is also a rank of a consumer dp group stays there when
+  that keeps the busiest load within 5% of the balanced one (`balance_groups_local`);
 * the k-th rank of a consumer dp group (its tp/pp peers all receive the same samples)
   receives from itself when it holds the producer's data (colocated ranks move nothing),
   otherwise from the producer dp group's rank `k mod size`, spreading send load over
@@ -51,6 +52,8 @@ class TransferPlan:
     A pair with `sender == receiver` is a local copy."""
     dst_loads: tuple[int, ...]
     """Token load each consumer dp-rank receives."""
+    src_loads: tuple[int, ...] = ()
+    """Token load each producer dp-rank held before the move."""
 
     @property
     def moves(self) -> bool:
@@ -73,8 +76,9 @@ def plan_transfer(
     Args:
         src: Producer layout.
         dst: Consumer layout.
-        prompt_groups: For each producer dp-rank, the prompt-group id (`Batch.group_id`) of
-            each of its samples; a prompt group always goes whole to one consumer.
+        prompt_groups: For each producer dp-rank, the unit id of each of its samples: the
+            prompt-group id (`Batch.group_id`), so a prompt group goes whole to one
+            consumer, or the sample id to balance samples one by one.
         loads: For each producer dp-rank, the token load of each sample.
 
     Returns:
@@ -129,4 +133,5 @@ def plan_transfer(
                 sender = receiver if receiver in senders else senders[k % len(senders)]
                 sends[(sender, receiver)] = ()
     return TransferPlan(src=src, dst=dst, dst_of_sample=dst_of_sample, sends=sends,
-                        dst_loads=tuple(dst_loads))
+                        dst_loads=tuple(dst_loads),
+                        src_loads=tuple(sum(int(x) for x in lens) for lens in loads))

@@ -14,7 +14,9 @@ Algorithm
     `actor/pg_loss`, `actor/clipfrac`, `actor/ppo_kl`, `actor/ratio_mean`,
     `actor/dual_clipfrac`, `actor/grad_norm`, `actor/lr` (from the losses in
     `peerflow.algorithms.losses` and the train engine); `actor/masked_fraction` — samples
-    left out of the loss (overlong filtering, flat top-up groups);
+    left out of the loss (overlong filtering, flat top-up groups, failed agent
+    trajectories); `agent/env_errors` — agent trajectories the environment failed,
+    `agent/env_dropped_fraction` — samples `rollout.agent.on_env_error` left out;
     `off_policy/is_weight_mean`, `off_policy/is_weight_max` — decoupled-PPO weights
     `exp(old_logprobs - rollout_logprobs)` before truncation,
     `off_policy/applied_weight_mean`, `off_policy/truncated_fraction` (`tis`) or

@@ -5,6 +5,10 @@
 3. walk the nodes in topological order, tracking on which layout the step's batch lives;
    before a node whose role lives on another layout, emit a `RouteOp` that moves the
    batch there (one `Route` per layout change; equal layouts move nothing);
+   prompt groups stay whole up to the `advantage` node (group statistics need them);
+   after it, with `runtime.balance_samples`, samples are balanced one by one by token
+   count over the trainer's dp-ranks — by the next route, or by a `Route` from the
+   layout to itself (`keep_groups=False`) when the batch stays there;
 4. `RunPlan.program(rank)` keeps the ops a rank takes part in: `RunNode` where the rank
    hosts the node's role, `RouteOp` where it is in `route.src ∪ route.dst`.
 
@@ -45,6 +49,9 @@ class Route:
     """Graph edges (`producer->consumer`) whose fields this move carries."""
     fields: tuple[str, ...] = ()
     """Fields present in the batch at that point (every field travels; unknown ones too)."""
+    keep_groups: bool = True
+    """Keep prompt groups whole (`False`: balance single samples; it then also runs when
+    `src == dst`, a re-balance over one layout's dp-ranks)."""
 
     @property
     def participants(self) -> tuple[int, ...]:
@@ -53,14 +60,15 @@ class Route:
 
     @property
     def moves(self) -> bool:
-        """Whether the layouts differ (equal layouts move nothing)."""
-        return self.src != self.dst
+        """Whether samples may move (the layouts differ, or samples are re-balanced)."""
+        return self.src != self.dst or not self.keep_groups
 
     def describe(self) -> str:
         """One line: layouts, senders and receivers."""
+        unit = "groups kept whole" if self.keep_groups else "samples (groups may split)"
         return (f"{self.name}: {self.src.describe()} -> {self.dst.describe()}; "
                 f"{self.src.dp} producer dp-shards to {self.dst.dp} consumer dp-ranks, "
-                f"groups kept whole, token-balanced; fields {', '.join(self.fields)}")
+                f"{unit}, token-balanced; fields {', '.join(self.fields)}")
 
 
 @attrs.frozen(kw_only=True)
@@ -170,6 +178,7 @@ class RunPlan:
                       for role, lay in self.roles.items()},
             "routes": [{"name": r.name, "src": r.src.describe(), "dst": r.dst.describe(),
                         "src_role": r.src_role, "dst_role": r.dst_role,
+                        "keep_groups": r.keep_groups,
                         "edges": list(r.edges), "fields": list(r.fields),
                         "participants": _ranges(r.participants)} for r in self.routes],
             "edges": self.edge_routes(),
@@ -257,7 +266,7 @@ def plan_run(config: Any, world_size: int, pm: Any = None,
     if config.runtime.mode == "async":
         ops = _streaming_ops(config, graph, roles, pm)
     else:
-        ops = _lockstep_ops(graph, roles)
+        ops = _lockstep_ops(graph, roles, balance=config.runtime.balance_samples)
     samples = config.run.prompts_per_step * config.rollout.sampling.n
     return RunPlan(world_size=world_size, placement=config.runtime.placement,
                    mode=config.runtime.mode,
@@ -291,39 +300,54 @@ def _streaming_ops(config: Any, graph: WorkflowGraph, roles: dict[str, ParallelL
                  for name in graph.order())
 
 
-def _lockstep_ops(graph: WorkflowGraph, roles: dict[str, ParallelLayout]) -> tuple[Op, ...]:
-    """The sync program: nodes in order, a `RouteOp` wherever the batch changes layout."""
-    steps: list[Any] = []  # RunNode, or [src, dst, src_role, dst_role, edges, fields]
+def _lockstep_ops(graph: WorkflowGraph, roles: dict[str, ParallelLayout], *,
+                  balance: bool = False) -> tuple[Op, ...]:
+    """The sync program: nodes in order, a `RouteOp` wherever the batch changes layout.
+
+    With `balance`, routes after the `advantage` node balance samples, not groups, and
+    the first node reading data after it gets a re-balance route from its own layout to
+    itself when no route precedes it (and the layout has dp > 1).
+    """
+    # RunNode, or [src, dst, src_role, dst_role, edges, fields, at, keep_groups]
+    steps: list[Any] = []
     location: ParallelLayout | None = None
     location_role = ""
     last_route: list[Any] | None = None
     fields: list[str] = list(graph.sources)
     written_on: dict[str, ParallelLayout] = {}
+    grouped = True  # prompt groups must stay whole (no advantage node has run yet)
+    rebalance = False  # the next data node needs a re-balance route if none precedes it
     for name in graph.order():
         node = graph.node(name)
         layout = roles[node.role]
         if node.inputs:
+            in_place = rebalance and location == layout and layout.dp > 1
             if location is None:
                 location, location_role = layout, node.role
-            elif location != layout:
-                last_route = [location, layout, location_role, node.role, [], tuple(fields),
-                              name]
+            elif location != layout or in_place:
+                last_route = [location, layout, node.role if in_place else location_role,
+                              node.role, [], tuple(fields), name, grouped]
                 steps.append(last_route)
                 location, location_role = layout, node.role
+            rebalance = False
             for edge in graph.producers(name):
-                if edge.fields and written_on.get(edge.producer) != layout and last_route:
+                moved = written_on.get(edge.producer) != layout or in_place
+                if edge.fields and moved and last_route:
                     last_route[4].append(edge.name)
         steps.append(RunNode(node=name, kind=node.kind, role=node.role,
                              ranks=_ranks(node, roles)))
         written_on[name] = location if location is not None else layout
         fields += [f for f in node.outputs if f not in fields]
+        if balance and grouped and node.kind == "advantage":
+            grouped, rebalance = False, True
     ops: list[Op] = []
     for step in steps:
         if isinstance(step, RunNode):
             ops.append(step)
             continue
-        src, dst, src_role, dst_role, edges, carried, at = step
+        src, dst, src_role, dst_role, edges, carried, at, keep_groups = step
         ops.append(RouteOp(route=Route(name=f"{src_role}->{dst_role}@{at}", src=src, dst=dst,
                                        src_role=src_role, dst_role=dst_role,
-                                       edges=tuple(edges), fields=carried)))
+                                       edges=tuple(edges), fields=carried,
+                                       keep_groups=keep_groups)))
     return tuple(ops)

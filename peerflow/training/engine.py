@@ -27,6 +27,7 @@ the toolkit's.
 from __future__ import annotations
 
 import abc
+import logging
 from collections.abc import Callable, Sequence
 from functools import partial
 
@@ -40,6 +41,8 @@ from peerflow.training.inputs import PaddedInputs, assemble_rows, pad_inputs
 from peerflow.training.logprobs import VocabShard, token_entropy, token_logprobs
 from peerflow.training.metrics import StepTally
 from peerflow.training.microbatch import plan_micro_batches, split_mini_batches
+
+log = logging.getLogger("peerflow.training")
 
 
 @attrs.frozen(kw_only=True)
@@ -215,13 +218,22 @@ class CausalLMTrainEngine(TrainEngine, abc.ABC):
         Collective over the engine group. Each mini-batch is a contiguous slice of the
         batch; its micro-batches' gradients are summed (the loss normalises by the global
         counts it is given) over micro-batches and dp-ranks, then clipped by the global
-        norm. Returns the metrics of `peerflow.training.metrics`.
+        norm. A mini-batch with no trained token on any rank (every sample left out) is
+        skipped with a warning: no forward, no optimizer step. Returns the metrics of
+        `peerflow.training.metrics`.
         """
         self.set_training(True)
         tally = StepTally()
         for indices in split_mini_batches(len(batch), self.optim.mini_batches):
             mini = batch.select(indices)
             tokens, samples = global_counts(mini, self.dp_group, self.reduce_device)
+            if tokens == 0:  # every rank agrees (a global count): none steps
+                log.warning(
+                    "%s.train_step: no trained token in the mini-batch on any dp-rank (every "
+                    "sample was left out: train_mask false — failed agent trajectories, "
+                    "overlong filtering — or loss_mask false everywhere); its optimizer "
+                    "step is skipped, the weights stay as they are.", type(self).__name__)
+                continue
             self.zero_grad()
             objective = partial(self._objective, loss, tally, max(tokens, 1), max(samples, 1))
             self.run_micro_batches(self.plan_micro_batches(mini), objective)

@@ -175,7 +175,9 @@ def run_advantage(rt: WorkerRuntime, node: Any, batch: Batch, metrics: StepMetri
     """Runs the advantage estimator (after fan-in reward sums and any KL penalty).
 
     Several reward fields (fan-in) are summed into `reward`; with `kl.mode: reward` the
-    KL penalty is subtracted first.
+    KL penalty is subtracted first. Agent trajectories the environment failed are left
+    out as `rollout.agent.on_env_error` says (`peerflow.agents.env_errors`): the
+    estimator runs over the kept samples only.
     """
     if "reward" not in batch:
         parts = [f for f in getattr(node, "inputs", ()) if f.endswith("reward")
@@ -188,10 +190,16 @@ def run_advantage(rt: WorkerRuntime, node: Any, batch: Batch, metrics: StepMetri
         batch.set("reward", torch.stack([batch[f] for f in parts]).sum(0))
     if rt.kl_reward is not None:
         rt.kl_reward(batch, metrics)
-    for name, column in rt.estimator.compute(batch).items():
+    from peerflow.agents.env_errors import apply_env_error_policy, estimate_advantages
+
+    agent = rt.config.rollout.agent
+    keep = (apply_env_error_policy(batch, agent.on_env_error) if agent is not None
+            else torch.ones(len(batch), dtype=torch.bool))
+    for name, column in estimate_advantages(rt.estimator, batch, keep).items():
         batch.set(name, column)
-    adv = batch.ragged("advantages").values.float()
-    mask = batch.loss_mask()
+    kept = batch if bool(keep.all()) else batch.select(keep.nonzero().flatten())
+    adv = kept.ragged("advantages").values.float()
+    mask = kept.loss_mask()
     if mask is not None:  # observation tokens carry no advantage
         adv = adv[mask]
     if adv.numel():
@@ -211,9 +219,12 @@ def run_train_actor(rt: WorkerRuntime, node: Any, batch: Batch, metrics: StepMet
 
 
 def run_train_critic(rt: WorkerRuntime, node: Any, batch: Batch, metrics: StepMetrics) -> Batch:
-    """One `train_step` of the critic with the value loss."""
-    out = rt.engine("critic").train_step(batch, rt.value_loss)
-    metrics.add_engine_metrics("critic", out, max(len(batch), 1))
+    """One `train_step` of the critic with the value loss (`train_mask` false: left out)."""
+    from peerflow.algorithms.setup import trained_samples
+
+    trained = trained_samples(batch)
+    out = rt.engine("critic").train_step(trained, rt.value_loss)
+    metrics.add_engine_metrics("critic", out, max(len(trained), 1))
     return batch
 
 

@@ -36,12 +36,31 @@ class RouteStep:
         """Route name, used for timings and fault stages (`route <name>`)."""
         return f"route {self.route.name}"
 
-    def run(self, batch: Batch) -> Batch:
-        """Returns this rank's consumer shard of the redistributed batch."""
-        from peerflow.coordinator import redistribute
+    def run(self, batch: Batch, metrics: Any = None) -> Batch:
+        """Returns this rank's consumer shard of the redistributed batch.
 
-        return redistribute(batch, self.route, self.group, mode=self.mode,
-                            transport=self.transport)
+        A route that balances samples (`route.keep_groups` false) records into `metrics`
+        (a `StepMetrics`, when given) the consumer dp-ranks' token loads before and after
+        it: `balance/tokens_max_before`, `balance/tokens_max_after`, `balance/tokens_mean`
+        and `balance/imbalance_before` / `_after` (busiest load over the mean; 1 is even).
+        """
+        from peerflow.coordinator import TransferStats, redistribute
+
+        stats = TransferStats()
+        out = redistribute(batch, self.route, self.group, mode=self.mode,
+                           transport=self.transport, keep_groups=self.route.keep_groups,
+                           stats=stats)
+        plan = stats.plan
+        if metrics is not None and not self.route.keep_groups and plan is not None:
+            mean = sum(plan.dst_loads) / max(len(plan.dst_loads), 1)
+            peaks = {"after": max(plan.dst_loads, default=0)}
+            if plan.src == plan.dst:  # the producer shards are the consumers' loads before
+                peaks["before"] = max(plan.src_loads, default=0)
+            metrics.max("balance/tokens_mean", mean)
+            for when, peak in peaks.items():
+                metrics.max(f"balance/tokens_max_{when}", peak)
+                metrics.max(f"balance/imbalance_{when}", peak / mean if mean else 1.0)
+        return out
 
 
 @attrs.frozen(kw_only=True)

@@ -72,3 +72,27 @@ def test_timing_out_environment_ends_its_trajectories_and_the_run_goes_on(
     for row in rows:
         assert row["agent/finish/env_timeout"] == 1.0 and row["agent/turns_mean"] == 1
         assert row["agent/observation_tokens"] == 0 and row["samples"] == 16
+        # every trajectory failed: the default on_env_error=drop_group leaves all out and
+        # the step trains nothing (skipped, no division by zero)
+        assert row["agent/env_errors"] == 16 and row["agent/env_dropped_fraction"] == 1.0
+        assert row["actor/masked_fraction"] == 1.0 and row["actor/loss"] == 0.0
+
+
+def test_async_run_leaves_the_groups_of_a_broken_environment_out(
+        tmp_path, quickstart, tiny, metrics_of, peerflow_train):
+    run_dir = tmp_path / "run"
+    peerflow_train([quickstart, "--nprocs", "2", "--run-dir", str(run_dir)],
+                   [*tiny, *AGENT, "run.steps=3", "runtime.mode=async",
+                    "runtime.max_staleness=1", "runtime.placement=split",
+                    "rollout.layout.dp=1", "trainer.layout.dp=1",
+                    "rollout.agent.options.broken_every=2"])
+    rows = metrics_of(run_dir)
+    assert [m["step"] for m in rows] == [1, 2, 3]
+    for row in rows:
+        assert row["samples"] == 16  # no trajectory lost, failed or not
+        failed = row["agent/finish/env_error"]
+        assert row["agent/env_errors"] == pytest.approx(16 * failed)
+        # a broken row fails all its trajectories: exactly their groups are left out
+        assert row["agent/env_dropped_fraction"] == pytest.approx(failed)
+        assert row["actor/masked_fraction"] == pytest.approx(failed)
+    assert sum(row["agent/env_errors"] for row in rows) > 0

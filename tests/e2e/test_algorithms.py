@@ -28,6 +28,15 @@ CASES = {
                       ["overlong/penalty_mean", "overlong/filtered_fraction", "score/mean"]),
     "stale_mis": (["weight_sync.every=2", "algorithm.off_policy.correction=mis"],
                   ["off_policy/masked_fraction", "off_policy/is_weight_max", "mismatch/kl"]),
+    # agent episodes, every other dataset row's environment broken: on_env_error=mask
+    # leaves those trajectories out of the actor's and the critic's step
+    "gae_agent_env_errors": (["workflow.graph=ppo", "algorithm.advantage=gae",
+                              "rollout.agent.environment=retry", "rollout.agent.max_turns=2",
+                              "rollout.agent.max_total_tokens=24",
+                              "rollout.agent.options.broken_every=2",
+                              "rollout.agent.on_env_error=mask"],
+                             ["time/train_critic", "agent/env_errors",
+                              "agent/env_dropped_fraction", "actor/masked_fraction"]),
     # trainer, old-policy and reference forwards all score at the sampling temperature
     "temperature_top_p_kl": (["rollout.sampling.temperature=0.7", "rollout.sampling.top_p=0.9",
                               "algorithm.kl.coef=0.05", "algorithm.kl.mode=loss"],
@@ -55,5 +64,10 @@ def test_algorithm_smoke(case, tmp_path, monkeypatch, quickstart, tiny, metrics_
     assert all(m["actor/entropy"] > 0 and "actor/loss" in m for m in lines)
     # step 1 samples with the trainer's own weights: rollout and trainer agree
     assert lines[0]["mismatch/abs_max"] < 1e-4
+    if case == "gae_agent_env_errors":  # exactly the failed trajectories were left out
+        assert sum(m["agent/env_errors"] for m in lines) > 0
+        for m in lines:
+            assert m["agent/env_dropped_fraction"] == pytest.approx(m["agent/env_errors"] / 16)
+            assert m["actor/masked_fraction"] == pytest.approx(m["agent/env_dropped_fraction"])
     if case == "stale_mis":  # step 2's samples come from the weights before step 1's update
         assert lines[1]["mismatch/abs_max"] > 1e-4

@@ -164,6 +164,17 @@ def test_tool_environment_can_end_the_trajectory_on_a_failed_call(plugin_manager
         env.step(_turn(_call("calculator", expression="1/0")))
 
 
+def test_a_call_that_cannot_run_ends_the_episode_as_the_models_doing(plugin_manager):
+    """With end_on_error, a bad call is the model's failure (scored), not the environment's."""
+    env = _environment(end_on_error=True, timeout_s=30.0)
+    result = env.step(_turn(_call("calculator", formula="1") + _call("calculator",
+                                                                     expression="2+2")))
+    assert result.done and result.observation == ""
+    assert result.info["tool_calls"] == 2 and result.info["tool_errors"] == 1
+    assert "bad arguments" in result.info["error"]
+    assert env.answer == "" and [r.status for r in env.results] == ["error", "ok"]
+
+
 def test_unknown_tool_names_are_refused_with_the_registered_ones(plugin_manager):
     from peerflow.errors import UnknownNameError
 

@@ -14,21 +14,42 @@ from peerflow.planner import RouteOp, RunNode, place_roles, plan_run, simulate_r
 
 
 def test_colocated_equal_layouts_have_no_routes() -> None:
-    plan = plan_run(load_config(None), 4)
+    plan = plan_run(load_config(None, ["runtime.balance_samples=false"]), 4)
     assert plan.routes == ()
     assert all(isinstance(op, RunNode) for op in plan.program(0))
     assert plan.roles["actor"] == ParallelLayout(dp=4, ranks=range(4))
 
 
+def test_samples_are_rebalanced_in_place_after_the_advantage_node() -> None:
+    plan = plan_run(load_config(None), 4)
+    (route,) = plan.routes
+    assert route.src == route.dst == ParallelLayout(dp=4, ranks=range(4))
+    assert not route.keep_groups and route.moves
+    assert route.name == "actor->actor@train_actor"
+    assert {"advantage->train_actor", "generate->train_actor"} <= set(route.edges)
+    ops = [op.describe() for op in plan.program(0)]
+    assert ops.index("route actor->actor@train_actor") == ops.index(
+        "run advantage (advantage on actor)") + 1
+    assert "samples (groups may split)" in route.describe()
+    assert plan.to_dict()["routes"][0]["keep_groups"] is False
+    # one trainer dp-rank: nothing to balance
+    assert plan_run(load_config(None, ["trainer.layout.tp=2", "rollout.layout.tp=2"]),
+                    2).routes == ()
+
+
 def test_colocated_different_meshes_route_between_them() -> None:
     plan = plan_run(load_config(None, ["rollout.layout.tp=2"]), 4)
-    (route,) = plan.routes
+    route, rebalance = plan.routes
     assert route.src == ParallelLayout(dp=2, tp=2, ranks=range(4))
     assert route.dst == ParallelLayout(dp=4, ranks=range(4))
     assert route.name == "rollout->actor@advantage"  # on-policy: no old_logprob node
-    assert "generate->train_actor" in route.edges and "reward->advantage" in route.edges
+    assert route.keep_groups  # the advantage node needs whole groups
+    assert "reward->advantage" in route.edges
+    assert rebalance.name == "actor->actor@train_actor" and not rebalance.keep_groups
+    assert "generate->train_actor" in rebalance.edges  # its fields move on again there
     kinds = [type(op).__name__ for op in plan.program(3)]
-    assert kinds == ["RunNode", "RunNode", "RouteOp", "RunNode", "RunNode", "RunNode"]
+    assert kinds == ["RunNode", "RunNode", "RouteOp", "RunNode", "RouteOp", "RunNode",
+                     "RunNode"]
 
 
 def test_split_programs_are_disjoint_and_sync_spans_both() -> None:

@@ -27,6 +27,9 @@ class RetryOptions:
     """Outcome reward factor per extra turn (1 disables)."""
     step_delay_s: float = 0.0
     """Seconds each step sleeps (stands in for a slow tool; tests of time limits)."""
+    broken_every: int = attrs.field(default=0, validator=attrs.validators.ge(0))
+    """Episodes of every `broken_every`-th dataset row raise in `step` (0: none; stands in
+    for a sandbox that is down; tests of `rollout.agent.on_env_error`)."""
 
 
 class RetryEnvironment(Environment):
@@ -43,6 +46,9 @@ class RetryEnvironment(Environment):
         """Checks the answer; wrong ones get the feedback and the prompt again."""
         if self.options.step_delay_s:
             time.sleep(self.options.step_delay_s)
+        every = self.options.broken_every
+        if every and self.example.index % every == 0:
+            raise ConnectionError(f"sandbox for dataset row {self.example.index} is down")
         if turn.text.strip() == str(self.example.answer):
             self.solved_at = turn.index
             return StepResult(reward=1.0, done=True)
