@@ -39,9 +39,9 @@ dp-leader writes its shard's group ids and token loads followed by the whole pac
 shard, and every consumer rank plans from all leaders' metadata and copies only its
 samples out of the mapped shards — or, on a host whose cores the route's ranks
 outnumber, only the first rank of each consumer dp group does, and its tp/pp peers map
-the batch it assembled (`_shares_assembly`). A re-balance within one layout keeps the two rounds on any channel:
-most samples stay home, so packing only the few that move beats writing every shard.
-The centralized baseline keeps its gather and scatter.
+the batch it assembled (`_shares_assembly`). A re-balance within one layout keeps the
+two rounds on any channel: most samples stay home, so packing only the few that move
+beats writing every shard. The centralized baseline keeps its gather and scatter.
 
 Every wait has a timeout (`runtime.fault_timeout`); a dead peer raises
 `WorkerFailedError` naming it.
@@ -151,6 +151,15 @@ class _ShardMetadata:
         return self.fixed_bytes + int(self.sample_bytes[index].sum())
 
 
+def _slack(keep_groups: bool) -> float:
+    """The plan's locality slack (`plan_transfer`): 0 for single samples.
+
+    A re-balance of samples exists to even the load, and a moved sample costs a few
+    kilobytes, so it keeps samples home only where that costs no balance.
+    """
+    return 0.05 if keep_groups else 0.0
+
+
 def _units(batch: Batch, keep_groups: bool) -> torch.Tensor:
     """The id of each sample's unit of assignment: its prompt group, or itself."""
     return batch.group_id if keep_groups else batch.sample_id
@@ -228,7 +237,8 @@ def _p2p(batch: Batch, src: ParallelLayout, dst: ParallelLayout, rank: int,
          channel: Any, timeout: float, stats: TransferStats) -> Batch:
     metadata = _exchange_metadata(batch, src, participants, rank, load_fields, keep_groups,
                                   channel, timeout, stats)
-    plan = plan_transfer(src, dst, [m.group_ids for m in metadata], [m.loads for m in metadata])
+    plan = plan_transfer(src, dst, [m.group_ids for m in metadata], [m.loads for m in metadata],
+                         _slack(keep_groups))
     stats.plan = plan
     owner = {r: dp for dp, m in enumerate(dp_members(src)) for r in m}
     receives = plan.receives(rank)
@@ -278,7 +288,7 @@ def _read_shards(batch: Batch, src: ParallelLayout, dst: ParallelLayout, rank: i
         loads.append(values[n:].tolist())
         shards.append(message[padded(length):])
         stats.metadata_bytes += length
-    plan = plan_transfer(src, dst, group_ids, loads)
+    plan = plan_transfer(src, dst, group_ids, loads, _slack(keep_groups))
     stats.plan = plan
     owner = {r: dp for dp, m in enumerate(members) for r in m}
     parts, remote, start = [], [], 0
@@ -381,7 +391,8 @@ def _centralized(batch: Batch, src: ParallelLayout, dst: ParallelLayout, rank: i
         return unpack_batch(move([], [controller], "centralized scatter")[controller])
     shards = [batch if r == controller else unpack_batch(gathered[r]) for r in leaders]
     plan = plan_transfer(src, dst, [_units(s, keep_groups).tolist() for s in shards],
-                         [_loads(s, load_fields, keep_groups).tolist() for s in shards])
+                         [_loads(s, load_fields, keep_groups).tolist() for s in shards],
+                         _slack(keep_groups))
     stats.plan = plan
     consumers = [(group, _assemble([(shards[s_dp], idx) for s_dp in range(src.dp)
                                     for (s, r), idx in plan.sends.items()

@@ -6,7 +6,8 @@ and token load of every sample, per producer dp-rank):
 * each unit (a prompt group, or a single sample when the caller passes sample ids: a
   re-balance after the advantage step) goes whole to one consumer dp-rank, token loads
   balanced; a unit whose producer is also a rank of a consumer dp group stays there when
-  that keeps the busiest load within 5% of the balanced one (`balance_groups_local`);
+  that keeps the busiest load within `slack` (5% for groups) of the balanced one
+  (`balance_groups_local`);
 * the k-th rank of a consumer dp group (its tp/pp peers all receive the same samples)
   receives from itself when it holds the producer's data (colocated ranks move nothing),
   otherwise from the producer dp group's rank `k mod size`, spreading send load over
@@ -70,6 +71,7 @@ def plan_transfer(
     dst: ParallelLayout,
     prompt_groups: Sequence[Sequence[int]],
     loads: Sequence[Sequence[int]],
+    slack: float = 0.05,
 ) -> TransferPlan:
     """Plans a route's movements from per-producer-dp metadata.
 
@@ -80,6 +82,8 @@ def plan_transfer(
             prompt-group id (`Batch.group_id`), so a prompt group goes whole to one
             consumer, or the sample id to balance samples one by one.
         loads: For each producer dp-rank, the token load of each sample.
+        slack: Tolerated increase of the busiest consumer's load for keeping units where
+            they are (0: only when that costs nothing).
 
     Returns:
         The plan every rank of the route computes identically.
@@ -111,7 +115,7 @@ def plan_transfer(
     for row, lens in zip(sample_group, loads):
         for g, load in zip(row, lens):
             group_load[g] += load
-    group_dst = balance_groups_local(group_load, dst.dp, group_home)
+    group_dst = balance_groups_local(group_load, dst.dp, group_home, slack)
     dst_loads = [0] * dst.dp
     for g, d in enumerate(group_dst):
         dst_loads[d] += group_load[g]
