@@ -59,8 +59,14 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def _shm_route(participants: tuple[int, ...], timeout: float) -> ShmRoute | str:
-    """The rank set's `ShmRoute`, or why its ranks cannot share memory."""
+def shm_route(participants: tuple[int, ...], timeout: float, *, namespace: str = ""
+              ) -> ShmRoute | str:
+    """A new `ShmRoute` of the rank set, or why its ranks cannot share memory.
+
+    Every rank of `participants` calls it (it waits for their host identities).
+    `namespace` separates routes of the same rank set that run independently (the
+    weight sync's from the coordinator's): each route keeps its own call counter.
+    """
     store = dist.distributed_c10d._get_default_store()
     rank = dist.get_rank()
     world = dist.group.WORLD
@@ -81,7 +87,7 @@ def _shm_route(participants: tuple[int, ...], timeout: float) -> ShmRoute | str:
         return f"ranks {hosts['']} have no writable {SHM_DIR}"
     if len(hosts) > 1:
         return f"the route's ranks are on {len(hosts)} hosts ({sorted(hosts.values())})"
-    route_key = hashlib.blake2s(",".join(map(str, participants)).encode(),
+    route_key = hashlib.blake2s((namespace + ",".join(map(str, participants))).encode(),
                                 digest_size=6).hexdigest()
     return ShmRoute(store=store, rank=rank, route_key=route_key, pids=pids,
                     cores=min(cores))
@@ -107,7 +113,7 @@ def open_channel(participants: Sequence[int], transport: str, timeout: float) ->
         return _GLOO
     key = (dist.group.WORLD, tuple(participants))
     if key not in _ROUTES:
-        _ROUTES[key] = _shm_route(tuple(participants), timeout)
+        _ROUTES[key] = shm_route(tuple(participants), timeout)
     route = _ROUTES[key]
     if isinstance(route, str):
         if transport == "shm":
