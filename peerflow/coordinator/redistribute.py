@@ -36,10 +36,12 @@ call's channel — gloo messages, or, when every rank of the route shares this h
 c10d store (`coordinator.shm`). A shared channel writes a message addressed to many
 ranks once, so p2p over it takes one round instead of two (`_p2p_shared`): each producer
 dp-leader writes its shard's group ids and token loads followed by the whole packed
-shard, and every rank plans from all leaders' metadata and copies only its samples out
-of the mapped shards. A re-balance within one layout keeps the two rounds on any channel:
-most samples stay home, so packing only the few that move beats writing every shard.
-The centralized baseline keeps its gather and scatter.
+shard, and every consumer rank plans from all leaders' metadata and copies only its
+samples out of the mapped shards — or, on a host whose cores the route's ranks
+outnumber, only the first rank of each consumer dp group does, and its tp/pp peers map
+the batch it assembled (`_shares_assembly`). A re-balance within one layout keeps the
+two rounds on any channel: most samples stay home, so packing only the few that move
+beats writing every shard. The centralized baseline keeps its gather and scatter.
 
 Every wait has a timeout (`runtime.fault_timeout`); a dead peer raises
 `WorkerFailedError` naming it.
@@ -68,6 +70,7 @@ LOAD_FIELDS: tuple[str, ...] = ("prompt_ids", "response_ids")
 
 _METADATA_TAG = 71  # heads; `exchange` sends tails on the next tag
 _DATA_TAG = 73
+_SHARE_TAG = 75
 
 
 @attrs.define(eq=False)
@@ -148,6 +151,15 @@ class _ShardMetadata:
         return self.fixed_bytes + int(self.sample_bytes[index].sum())
 
 
+def _slack(keep_groups: bool) -> float:
+    """The plan's locality slack (`plan_transfer`): 0 for single samples.
+
+    A re-balance of samples exists to even the load, and a moved sample costs a few
+    kilobytes, so it keeps samples home only where that costs no balance.
+    """
+    return 0.05 if keep_groups else 0.0
+
+
 def _units(batch: Batch, keep_groups: bool) -> torch.Tensor:
     """The id of each sample's unit of assignment: its prompt group, or itself."""
     return batch.group_id if keep_groups else batch.sample_id
@@ -225,7 +237,8 @@ def _p2p(batch: Batch, src: ParallelLayout, dst: ParallelLayout, rank: int,
          channel: Any, timeout: float, stats: TransferStats) -> Batch:
     metadata = _exchange_metadata(batch, src, participants, rank, load_fields, keep_groups,
                                   channel, timeout, stats)
-    plan = plan_transfer(src, dst, [m.group_ids for m in metadata], [m.loads for m in metadata])
+    plan = plan_transfer(src, dst, [m.group_ids for m in metadata], [m.loads for m in metadata],
+                         _slack(keep_groups))
     stats.plan = plan
     owner = {r: dp for dp, m in enumerate(dp_members(src)) for r in m}
     receives = plan.receives(rank)
@@ -243,44 +256,40 @@ def _p2p(batch: Batch, src: ParallelLayout, dst: ParallelLayout, rank: int,
                       for s, idx in receives])
 
 
-def _p2p_shared(batch: Batch, src: ParallelLayout, dst: ParallelLayout, rank: int,
-                participants: Sequence[int], load_fields: Sequence[str], keep_groups: bool,
-                channel: Any, timeout: float, stats: TransferStats) -> Batch:
-    """p2p in one round over a `shared` channel (same host: `coordinator.shm`).
+def _shares_assembly(channel: Any, participants: Sequence[int]) -> bool:
+    """Whether the tp/pp peers of a consumer dp group share one assembled batch.
 
-    Each producer dp-leader writes one message once — its shard's group ids and token
-    loads, then the whole packed shard — for every other rank of the route; every rank
-    reads all leaders' group ids and loads, plans, and copies only its own samples out
-    of the shards that hold them (zero-copy views until `select`/`concat`).
+    Only when the route's ranks outnumber the host's cores (`ShmRoute.cores`): then a
+    batch assembled by every peer costs wall time, since the peers take turns on the
+    cores. With a core per rank the peers assemble in parallel, and sharing would only
+    add a hop.
     """
+    return len(participants) > channel.cores
+
+
+def _read_shards(batch: Batch, src: ParallelLayout, dst: ParallelLayout, rank: int,
+                 load_fields: Sequence[str], keep_groups: bool,
+                 received: dict[int, torch.Tensor], stats: TransferStats) -> Batch:
+    """Plans from every producer leader's metadata and copies this rank's samples out."""
     members = dp_members(src)
     leaders = [m[0] for m in members]
-    outgoing: list[tuple[int, torch.Tensor, int]] = []
-    own_units, own_loads = _units(batch, keep_groups), _loads(batch, load_fields, keep_groups)
-    if rank in leaders:
-        meta = frame(torch.cat([own_units, own_loads]))
-        message = pack_batch(batch, reserve=padded(meta.numel()))
-        message[: meta.numel()] = meta
-        outgoing = [(peer, message, 0) for peer in participants if peer != rank]
-        stats.bytes_sent += message.numel()  # written once, whatever the readers
-    received, _ = channel.exchange(outgoing, {r: 0 for r in leaders if r != rank},
-                                   tag=_DATA_TAG, what="redistribute: shards", timeout=timeout)
-    group_ids, loads = [], []
+    group_ids, loads, shards = [], [], []
     for leader in leaders:
         if leader == rank:
-            group_ids.append(own_units.tolist())
-            loads.append(own_loads.tolist())
+            group_ids.append(_units(batch, keep_groups).tolist())
+            loads.append(_loads(batch, load_fields, keep_groups).tolist())
+            shards.append(None)
             continue
-        length = message_length(received[leader])
-        values = received[leader][8:length].view(torch.int64)
+        message = received[leader]
+        length = message_length(message)
+        values = message[8:length].view(torch.int64)
         n = len(values) // 2
         group_ids.append(values[:n].tolist())
         loads.append(values[n:].tolist())
+        shards.append(message[padded(length):])
         stats.metadata_bytes += length
-    plan = plan_transfer(src, dst, group_ids, loads)
+    plan = plan_transfer(src, dst, group_ids, loads, _slack(keep_groups))
     stats.plan = plan
-    if rank not in set(dst.global_ranks):
-        return Batch.empty()
     owner = {r: dp for dp, m in enumerate(members) for r in m}
     parts, remote, start = [], [], 0
     for sender, indices in plan.receives(rank):
@@ -288,13 +297,73 @@ def _p2p_shared(batch: Batch, src: ParallelLayout, dst: ParallelLayout, rank: in
         if rank in members[s_dp]:
             parts.append((batch, indices))
         else:
-            message = received[leaders[s_dp]]
-            parts.append((unpack_batch(message[padded(message_length(message)):]), indices))
+            parts.append((unpack_batch(shards[s_dp]), indices))
             remote.append((start, start + len(indices)))
         start += len(indices)
     out = _assemble(parts)
     stats.bytes_received += spans_bytes(out, remote)
     return out
+
+
+def _share_assembly(out: Batch, group: tuple[int, ...], rank: int, channel: Any,
+                    timeout: float, stats: TransferStats) -> Batch:
+    """Gives a consumer dp group's assembled batch to its tp/pp peers.
+
+    The group's first rank writes it once; each peer maps it copy on write (its batch is
+    its own: changing it changes no other rank's) instead of assembling it again.
+    """
+    first = group[0]
+    outgoing = []
+    if rank == first:
+        message = pack_batch(out)
+        outgoing = [(peer, message, 0) for peer in group[1:]]
+        stats.bytes_sent += message.numel()
+    received, _ = channel.exchange(outgoing, {} if rank == first else {first: 0},
+                                   tag=_SHARE_TAG, what="redistribute: sharing a tp group's batch",
+                                   timeout=timeout)
+    if rank == first:
+        return out
+    stats.bytes_received += received[first].numel()
+    return unpack_batch(received[first])
+
+
+def _p2p_shared(batch: Batch, src: ParallelLayout, dst: ParallelLayout, rank: int,
+                participants: Sequence[int], load_fields: Sequence[str], keep_groups: bool,
+                channel: Any, timeout: float, stats: TransferStats) -> Batch:
+    """p2p in one round over a `shared` channel (same host: `coordinator.shm`).
+
+    Each producer dp-leader writes one message once — its shard's group ids and token
+    loads, then the whole packed shard — for the consumers that read it; each of them
+    reads all leaders' group ids and loads, plans, and copies only its own samples out
+    of the shards that hold them (zero-copy views until `select`/`concat`). The readers
+    are every consumer rank, or, when the tp/pp peers of a consumer dp group share one
+    assembly (`_shares_assembly`), only its first rank, which then writes the assembled
+    batch once for its peers (a second round, within the group).
+    """
+    leaders = [m[0] for m in dp_members(src)]
+    groups = dp_members(dst)
+    share = _shares_assembly(channel, participants)
+    readers = [g[0] for g in groups] if share else list(dst.global_ranks)
+    outgoing: list[tuple[int, torch.Tensor, int]] = []
+    if rank in leaders:
+        meta = frame(torch.cat([_units(batch, keep_groups),
+                                _loads(batch, load_fields, keep_groups)]))
+        message = pack_batch(batch, reserve=padded(meta.numel()))
+        message[: meta.numel()] = meta
+        outgoing = [(peer, message, 0) for peer in readers if peer != rank]
+        stats.bytes_sent += message.numel() if outgoing else 0  # written once
+    reads = rank in readers
+    incoming = {r: 0 for r in leaders if r != rank} if reads else {}
+    received, _ = channel.exchange(outgoing, incoming, tag=_DATA_TAG,
+                                   what="redistribute: shards", timeout=timeout)
+    group = next((g for g in groups if rank in g), None)
+    if group is None:
+        return Batch.empty()
+    out = (_read_shards(batch, src, dst, rank, load_fields, keep_groups, received, stats)
+           if reads else None)
+    if not share or len(group) == 1:
+        return out
+    return _share_assembly(out, group, rank, channel, timeout, stats)
 
 
 def _centralized(batch: Batch, src: ParallelLayout, dst: ParallelLayout, rank: int,
@@ -322,7 +391,8 @@ def _centralized(batch: Batch, src: ParallelLayout, dst: ParallelLayout, rank: i
         return unpack_batch(move([], [controller], "centralized scatter")[controller])
     shards = [batch if r == controller else unpack_batch(gathered[r]) for r in leaders]
     plan = plan_transfer(src, dst, [_units(s, keep_groups).tolist() for s in shards],
-                         [_loads(s, load_fields, keep_groups).tolist() for s in shards])
+                         [_loads(s, load_fields, keep_groups).tolist() for s in shards],
+                         _slack(keep_groups))
     stats.plan = plan
     consumers = [(group, _assemble([(shards[s_dp], idx) for s_dp in range(src.dp)
                                     for (s, r), idx in plan.sends.items()

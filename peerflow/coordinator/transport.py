@@ -11,9 +11,9 @@ them compares designs, not transports:
 
 Whether they do is decided once per rank set: every rank publishes its host identity
 (boot id, host name and the device and inode of `/dev/shm`, so containers with separate
-`/dev/shm` mounts differ) and its process id in the default c10d store at its first call,
-and the ranks of a route read each other's — the same values, so the same decision on
-every rank.
+`/dev/shm` mounts differ), its process id and its usable cores in the default c10d store
+at its first call, and the ranks of a route read each other's — the same values, so the
+same decision on every rank (and the same `ShmRoute.cores`).
 """
 
 from __future__ import annotations
@@ -51,29 +51,46 @@ def host_identity() -> str:
     return f"{socket.gethostname()}/{boot}/{shm.st_dev}:{shm.st_ino}"
 
 
-def _shm_route(participants: tuple[int, ...], timeout: float) -> ShmRoute | str:
-    """The rank set's `ShmRoute`, or why its ranks cannot share memory."""
+def usable_cores() -> int:
+    """Cores this process may run on (its CPU affinity; `os.cpu_count()` without one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity API on this platform
+        return os.cpu_count() or 1
+
+
+def shm_route(participants: tuple[int, ...], timeout: float, *, namespace: str = ""
+              ) -> ShmRoute | str:
+    """A new `ShmRoute` of the rank set, or why its ranks cannot share memory.
+
+    Every rank of `participants` calls it (it waits for their host identities).
+    `namespace` separates routes of the same rank set that run independently (the
+    weight sync's from the coordinator's): each route keeps its own call counter.
+    """
     store = dist.distributed_c10d._get_default_store()
     rank = dist.get_rank()
     world = dist.group.WORLD
     if world not in _PUBLISHED:
-        store.set(f"peerflow/host/{rank}", f"{host_identity()}|{os.getpid()}")
+        store.set(f"peerflow/host/{rank}",
+                  f"{host_identity()}|{os.getpid()}|{usable_cores()}")
         _PUBLISHED.add(world)
     keys = {f"peerflow/host/{r}": r for r in participants}
     store_wait(store, keys, "redistribute: host detection", timeout)
     hosts: dict[str, list[int]] = {}
-    pids = {}
+    pids, cores = {}, []
     for r, value in zip(participants, store.multi_get(list(keys))):
-        identity, pid = value.decode().rsplit("|", 1)
+        identity, pid, usable = value.decode().rsplit("|", 2)
         hosts.setdefault(identity, []).append(r)
         pids[r] = int(pid)
+        cores.append(int(usable))
     if "" in hosts:
         return f"ranks {hosts['']} have no writable {SHM_DIR}"
     if len(hosts) > 1:
         return f"the route's ranks are on {len(hosts)} hosts ({sorted(hosts.values())})"
-    route_key = hashlib.blake2s(",".join(map(str, participants)).encode(),
+    route_key = hashlib.blake2s((namespace + ",".join(map(str, participants))).encode(),
                                 digest_size=6).hexdigest()
-    return ShmRoute(store=store, rank=rank, route_key=route_key, pids=pids)
+    return ShmRoute(store=store, rank=rank, route_key=route_key, pids=pids,
+                    cores=min(cores))
 
 
 def check_transport(transport: str) -> None:
@@ -96,7 +113,7 @@ def open_channel(participants: Sequence[int], transport: str, timeout: float) ->
         return _GLOO
     key = (dist.group.WORLD, tuple(participants))
     if key not in _ROUTES:
-        _ROUTES[key] = _shm_route(tuple(participants), timeout)
+        _ROUTES[key] = shm_route(tuple(participants), timeout)
     route = _ROUTES[key]
     if isinstance(route, str):
         if transport == "shm":

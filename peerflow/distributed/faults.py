@@ -304,17 +304,22 @@ class FaultMonitor:
         self.exit_process(INTERRUPTED_EXIT)
         return True
 
+    def exit_for_sigterm(self, record: FailureRecord | None = None) -> None:
+        """Leaves the process after SIGTERM, naming `record` or else the launcher."""
+        self.exit_for(record or FailureRecord(
+            rank=-1, host="?", stage="?", reporter=self.rank,
+            reason="the launcher stopped the job (SIGTERM)"))
+
     def install_sigterm_handler(self) -> None:
-        """On SIGTERM (a launcher stopping the job), name the failure if one is published."""
+        """On SIGTERM (a launcher stopping the job), name the failure if one is published.
+
+        `peerflow.launch.entry` replaces it with `WorkerStopHandler` (a graceful stop).
+        """
         if threading.current_thread() is not threading.main_thread():
             return
 
         def handler(signum: int, frame: Any) -> None:
-            record = self.wait_for_failure(min(2.0, self.stale_after))
-            if record is None:
-                record = FailureRecord(rank=-1, host="?", stage="?", reporter=self.rank,
-                                       reason="the launcher stopped the job (SIGTERM)")
-            self.exit_for(record)
+            self.exit_for_sigterm(self.wait_for_failure(min(2.0, self.stale_after)))
 
         signal.signal(signal.SIGTERM, handler)
 

@@ -38,6 +38,25 @@ def failure_message(store: FaultStore, failures: dict[int, object] | None = None
     return "\n".join(lines)
 
 
+def stop_outcome(store: FaultStore, stopper: LauncherStopHandler,
+                 stop_grace: float) -> RunInterruptedError | None:
+    """How a run that was asked to stop ended, or `None` if nobody asked (a failure).
+
+    Says where the ranks stopped gracefully, or that the graceful stop did not reach a
+    step boundary within `stop_grace` and every worker was stopped at once.
+    """
+    reason = stopper.reason or stop_reason(store.store)
+    stopped = read_stop(store.store)
+    if stopped is not None:
+        return RunInterruptedError(stopped.message(reason or "stop requested"))
+    if reason is not None and store.failure() is None:
+        return RunInterruptedError(
+            f"interrupted ({reason}); the graceful stop did not reach a step boundary "
+            f"within runtime.stop_grace={stop_grace:g} s, so every worker was stopped at "
+            "once")
+    return None
+
+
 def launch_elastic(command: WorkerCommand, *, nprocs: int) -> None:
     """Spawns `nprocs` workers with `elastic_launch`; returns when all finished cleanly.
 
@@ -81,15 +100,9 @@ def launch_elastic(command: WorkerCommand, *, nprocs: int) -> None:
         raise RunInterruptedError(f"interrupted ({stopper.reason or 'Ctrl-C'}); every "
                                   "worker was stopped at once") from None
     except ChildFailedError as exc:
-        reason = stopper.reason or stop_reason(store.store)
-        stopped = read_stop(store.store)
+        stopped = stop_outcome(store, stopper, command.stop_grace)
         if stopped is not None:
-            raise RunInterruptedError(stopped.message(reason or "stop requested")) from None
-        if reason is not None and store.failure() is None:
-            raise RunInterruptedError(
-                f"interrupted ({reason}); the graceful stop did not reach a step boundary "
-                f"within runtime.stop_grace={command.stop_grace:g} s, so every worker was "
-                "stopped at once") from None
+            raise stopped from None
         raise WorkerFailedError(failure_message(store, exc.failures, command.logs_dir)
                                 ) from None
     finally:

@@ -98,9 +98,9 @@ def worker_entry(
         torch_threads: torch intra-op threads of this process.
         stop_grace: Seconds a graceful stop may take before this rank stops at once.
 
-    A first SIGINT asks every rank to stop at the next step boundary
+    A first SIGINT or SIGTERM asks every rank to stop at the next step boundary
     (`peerflow.distributed.stop`); a worker that stopped that way exits with
-    `INTERRUPTED_EXIT` after finishing cleanly. A later SIGINT stops it at once.
+    `INTERRUPTED_EXIT` after finishing cleanly. A later one stops it at once.
     """
     import torch
 
@@ -116,7 +116,7 @@ def worker_entry(
     stopped = None
     if monitor is not None:
         monitor.stop_grace = stop_grace
-        WorkerStopHandler(store=monitor.store, rank=ctx.rank).install()
+        WorkerStopHandler(monitor=monitor).install()
     try:
         resolve_entry(entry)(config_path, list(overrides), run_dir, resume)
         stopped = read_stop(monitor.store) if monitor is not None else None

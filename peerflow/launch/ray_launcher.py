@@ -6,6 +6,11 @@ node address and a free port, which become `MASTER_ADDR`/`MASTER_PORT` of every 
 the fault channel is the launcher's own store (`PEERFLOW_FAULT_STORE`). A worker task
 that fails or an actor that dies is reported to every rank; the launcher then waits up to
 `fault_timeout` for the others to exit, kills what is left and raises.
+
+Ctrl-C (or SIGTERM) is the local launcher's graceful stop (`LauncherStopHandler`): the
+first asks every rank, through the fault store, to stop at the next step boundary and the
+launcher waits for the actors to finish (within `stop_grace`, then it stops them at
+once); a second stops them at once.
 """
 
 from __future__ import annotations
@@ -15,8 +20,9 @@ import time
 from typing import Any
 
 from peerflow.distributed.init import free_port
-from peerflow.errors import EngineNotInstalledError, WorkerFailedError
-from peerflow.launch.elastic import failure_message
+from peerflow.distributed.stop import LauncherStopHandler
+from peerflow.errors import EngineNotInstalledError, RunInterruptedError, WorkerFailedError
+from peerflow.launch.elastic import failure_message, stop_outcome
 from peerflow.launch.entry import WorkerCommand, worker_entry
 from peerflow.launch.watch import FaultStore
 
@@ -35,10 +41,14 @@ class RayWorker:
         ctx = ray.get_runtime_context()
         return ctx.get_node_id(), ray.util.get_node_ip_address(), port
 
-    def run(self, env: dict[str, str], args: tuple[Any, ...]) -> None:
-        """Sets the torch.distributed environment and runs the worker."""
+    def run(self, env: dict[str, str], args: tuple[Any, ...]) -> int:
+        """Sets the torch.distributed environment, runs the worker; its exit status."""
         os.environ.update(env)
-        worker_entry(*args)
+        try:
+            worker_entry(*args)
+        except SystemExit as exc:  # a graceful stop: the launcher reads the stop record
+            return int(exc.code or 0)
+        return 0
 
 
 def _import_ray() -> Any:
@@ -56,6 +66,8 @@ def launch_ray(command: WorkerCommand, *, nprocs: int, num_cpus: int | None = No
 
     Raises:
         EngineNotInstalledError: Ray is not installed.
+        RunInterruptedError: the run was stopped (Ctrl-C, SIGTERM; says where, and whether
+            a checkpoint was written at the stop).
         WorkerFailedError: a worker failed (naming its rank, host and stage).
     """
     ray = _import_ray()
@@ -77,6 +89,7 @@ def launch_ray(command: WorkerCommand, *, nprocs: int, num_cpus: int | None = No
                             strategy="SPREAD" if cluster else "PACK")
     actors: list[Any] = []
     store: FaultStore | None = None
+    stopper: LauncherStopHandler | None = None
     try:
         ray.get(group.ready(), timeout=max(60.0, command.fault_timeout))
         actor_cls = ray.remote(RayWorker)
@@ -89,6 +102,11 @@ def launch_ray(command: WorkerCommand, *, nprocs: int, num_cpus: int | None = No
         store = FaultStore(world_size=nprocs,
                            host="127.0.0.1" if not cluster else ray.util.get_node_ip_address())
         store.start_watching()
+        stopper = LauncherStopHandler(
+            store=store.store, grace=command.stop_grace,
+            interrupt=lambda signum: RunInterruptedError(
+                f"interrupted ({stopper.reason}); every worker was stopped at once"),
+        ).install()
         passed = {k: os.environ[k] for k in _PASS_ENV if k in os.environ}
         args = command.args()
         seen: dict[str, int] = {}
@@ -99,8 +117,19 @@ def launch_ray(command: WorkerCommand, *, nprocs: int, num_cpus: int | None = No
                        MASTER_ADDR=master, MASTER_PORT=str(nodes[0][2]),
                        PEERFLOW_FAULT_STORE=store.address)
             refs[actors[rank].run.remote(env, args)] = rank
-        _wait(ray, refs, store, command.fault_timeout, command.logs_dir)
+        try:
+            _wait(ray, refs, store, command.fault_timeout, command.logs_dir)
+        except WorkerFailedError:
+            stopped = stop_outcome(store, stopper, command.stop_grace)
+            if stopped is None:
+                raise
+            raise stopped from None
+        stopped = stop_outcome(store, stopper, command.stop_grace)
+        if stopped is not None:
+            raise stopped
     finally:
+        if stopper is not None:
+            stopper.uninstall()
         for actor in actors:
             try:
                 ray.kill(actor)
@@ -119,9 +148,10 @@ def _wait(ray: Any, refs: dict[Any, int], store: FaultStore, fault_timeout: floa
     failed: dict[int, str] = {}
     deadline = None
     while pending:
-        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-        ready, pending = ray.wait(pending, num_returns=1, timeout=timeout)
-        if not ready:  # the survivors did not exit in time after a failure
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        # in slices: the main thread runs the stop handler (Ctrl-C) between them
+        ready, pending = ray.wait(pending, num_returns=1, timeout=min(left or 1.0, 1.0))
+        if not ready and left is not None and left <= 1.0:  # survivors did not exit in time
             break
         for ref in ready:
             try:

@@ -95,6 +95,21 @@ def plan_weight_sync(trainer: TrainEngine | None, rollout: RolloutEngine | None,
     return plan_reshard(sources, destinations, ignore=ignore)
 
 
+def _auto_transport(plan: ReshardPlan, *, rank: int, group: Any, device: str
+                    ) -> WeightTransport:
+    """The transport `auto` stands for (every rank of the group decides alike).
+
+    `inprocess` when no transfer crosses ranks; else `shm` when every rank of the group
+    shares this host's memory (CPU buffers); else `torch`.
+    """
+    if not any(t.src_rank != t.dst_rank for t in plan.transfers):
+        return make_transport("inprocess", rank=rank, group=group, device=device)
+    shared = make_transport("shm", rank=rank, group=group, device=device)
+    if not isinstance(shared.route(), str):
+        return shared
+    return make_transport("torch", rank=rank, group=group, device=device)
+
+
 def _hooks() -> Any:
     from peerflow.plugins import get_plugin_manager
 
@@ -157,7 +172,8 @@ class WeightSyncService:
             trainer: This rank's train engine (`None` on rollout-only ranks).
             rollout: This rank's rollout engine (`None` on trainer-only ranks).
             transport: Registered transport name or instance; `auto` picks `inprocess`
-                when no transfer crosses ranks, else `torch`.
+                when no transfer crosses ranks, else `shm` when every rank of `group`
+                shares this host (CPU buffers), else `torch`.
             bucket_bytes: Most destination bytes moved per bucket (all ranks together).
             group: Process group of every rank in the sync (`None`: world).
             device: Where buffers live; default the engines' `context.device`.
@@ -178,9 +194,9 @@ class WeightSyncService:
             device = getattr(getattr(engine, "context", None), "device", "cpu") or "cpu"
         if not isinstance(transport, WeightTransport):
             if transport in (None, "auto"):
-                cross = any(t.src_rank != t.dst_rank for t in plan.transfers)
-                transport = "torch" if cross else "inprocess"
-            transport = make_transport(transport, rank=rank, group=group, device=device)
+                transport = _auto_transport(plan, rank=rank, group=group, device=device)
+            else:
+                transport = make_transport(transport, rank=rank, group=group, device=device)
         time_share = (TimeSharing(rollout) if colocated and rollout is not None
                       and rollout.capabilities.sleep else None)
         return cls(plan=plan, buckets=tuple(make_buckets(plan, bucket_bytes)),

@@ -4,6 +4,12 @@
   executor copies regions directly and nothing crosses a process boundary.
 * `torch` — torch.distributed point-to-point (`isend`/`irecv`) on the plan's group: gloo
   on CPU, NCCL on GPU. Only ranks owning a replica-0 source piece send.
+* `shm` — same-host CPU ranks: each bucket through one `/dev/shm` segment per sender and
+  one store key (the coordinator's `ShmRoute`, on a route of its own). The sender writes
+  and returns; the receiver maps the segment. Over gloo, a push that the receiver drains
+  while it generates costs the sender's gloo thread ~15 ms of CPU per 2 MB on a 2-core
+  machine — CPU the trainer's step then lacks (docs/benchmarks.md, "Async overhead,
+  second pass"); `auto` picks `shm` whenever every rank of the group shares the host.
 * `torch_broadcast` — one `broadcast` per sending rank and bucket (what trainer → many
   rollout ranks weight pushes use with NCCL); every rank of the group takes part.
 * `cuda_ipc` — same-host GPU: the sender exports a CUDA handle of the packed bucket over
@@ -14,10 +20,14 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from peerflow.coordinator.shm import ShmRoute
+from peerflow.coordinator.transport import shm_route
+from peerflow.distributed.comm import default_timeout
 from peerflow.errors import ConfigError
 from peerflow.plugins import hookimpl
 from peerflow.reshard.transport import Route, WeightTransport
@@ -61,6 +71,42 @@ class TorchP2PTransport(WeightTransport):
         for work in works:
             work.wait()
         return out
+
+
+class SharedMemoryTransport(WeightTransport):
+    """Same-host CPU ranks: every bucket through `/dev/shm` (`peerflow.coordinator.shm`)."""
+
+    name = "shm"
+
+    def __init__(self, *, rank: int = 0, group: Any = None, device: str = "cpu") -> None:
+        super().__init__(rank=rank, group=group, device=device)
+        self._route: ShmRoute | str | None = None
+
+    def route(self) -> ShmRoute | str:
+        """The group's shared-memory route, or why its ranks cannot share memory.
+
+        The first call waits for every rank of the group to publish its host (every
+        rank calls `exchange` for every bucket, so every rank gets here).
+        """
+        if self._route is None:
+            if self.device != "cpu":
+                self._route = f"its buffers live on {self.device!r}, not in host memory"
+            else:
+                ranks = tuple(dist.get_process_group_ranks(self.group or dist.group.WORLD))
+                self._route = shm_route(ranks, default_timeout(), namespace="weights:")
+        return self._route
+
+    def exchange(self, sends: Mapping[int, torch.Tensor], recvs: Mapping[int, int],
+                 routes: Sequence[Route]) -> dict[int, torch.Tensor]:
+        """Writes this rank's sends as one segment, then maps each sender's segment."""
+        route = self.route()
+        if isinstance(route, str):
+            raise ConfigError(f"weight_sync.transport='shm' on rank {self.rank}: {route}; "
+                              "use weight_sync.transport='torch' (or 'auto').")
+        received, _ = route.begin_call().exchange(
+            ((peer, buf, buf.numel()) for peer, buf in sends.items()), dict(recvs), tag=0,
+            what=f"weight bucket on rank {self.rank}", timeout=default_timeout())
+        return received
 
 
 class TorchBroadcastTransport(WeightTransport):
@@ -120,8 +166,8 @@ class CudaIpcTransport(WeightTransport):
         return out
 
 
-BUILTIN_TRANSPORTS = (InProcessTransport, TorchP2PTransport, TorchBroadcastTransport,
-                      CudaIpcTransport)
+BUILTIN_TRANSPORTS = (InProcessTransport, TorchP2PTransport, SharedMemoryTransport,
+                      TorchBroadcastTransport, CudaIpcTransport)
 
 
 @hookimpl

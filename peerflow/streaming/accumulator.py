@@ -188,9 +188,9 @@ class StepInbox:
     sealed: dict[tuple[int, int], int] = attrs.field(factory=dict)
     """(step, source) → groups the source says it sent."""
 
-    def on_group(self, step: int, source: int) -> None:
-        """Counts one group received from `source` for `step`."""
-        self.received[(step, source)] = self.received.get((step, source), 0) + 1
+    def on_group(self, step: int, source: int, count: int = 1) -> None:
+        """Counts `count` groups received from `source` for `step` (one message)."""
+        self.received[(step, source)] = self.received.get((step, source), 0) + count
 
     def on_seal(self, step: int, source: int, count: int) -> None:
         """Records `source`'s seal of `step` (it sent `count` groups here)."""

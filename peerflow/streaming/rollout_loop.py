@@ -9,9 +9,10 @@ Loop on every rollout rank (each is its own dp replica; no rollout peer is consu
 3. generate (in chunks with `runtime.partial_rollout`, applying new weights between
    chunks), run the per-group nodes (reward, and the advantage when it needs no trainer
    output), mark the groups finished;
-4. place finished groups into steps (earliest deadline first), send each to the trainer
-   dp-rank with the fewest tokens from this rank in that step, and seal completed steps
-   with a message that also carries this rank's activity for the step.
+4. place finished groups into steps (earliest deadline first), assign each to the trainer
+   dp-rank with the fewest tokens from this rank in that step, send the groups placed
+   together as one message per (step, trainer), and seal completed steps with a message
+   that also carries this rank's activity for the step.
 
 It ends when it has sealed `run.steps` steps, then sends `STOP` and waits for the
 trainers' `STOP` on the weight channel.
@@ -178,14 +179,23 @@ class RolloutStreamer:
                 self.scheduler.finish(gid)
 
     def _stream(self) -> None:
+        """Sends the groups placed now: one message per (step, trainer dp-rank), then seals.
+
+        Groups that finished together travel together (one pack, one message: with one
+        generate call per step, a step's groups reach a trainer as one batch); a group
+        finishing on its own still leaves at once.
+        """
         before = self.scheduler.sealed_steps()
+        outgoing: dict[tuple[int, int], list[Batch]] = {}
         for placed in self.scheduler.assign_finished():
             group = self._groups.pop(placed.group_id)
             dp = self.balancer.assign(placed.step, int(group.token_count().sum()))
-            payload = pack_batch(group)
-            for dst in self.trainer_layout.ranks_of_dp(dp):
-                self.sender.send(dst, Kind.GROUP, a=placed.step, payload=payload)
+            outgoing.setdefault((placed.step, dp), []).append(group)
             self.sent_groups.append((placed.group_id, placed.step, dp))
+        for (step, dp), groups in outgoing.items():
+            payload = pack_batch(groups[0] if len(groups) == 1 else Batch.concat(groups))
+            for dst in self.trainer_layout.ranks_of_dp(dp):
+                self.sender.send(dst, Kind.GROUP, a=step, payload=payload)
         for step in range(before, self.scheduler.sealed_steps()):
             self._seal(step)
 

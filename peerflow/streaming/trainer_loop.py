@@ -80,9 +80,10 @@ class TrainerStreamer:
 
     def _take(self, message: Any, step: int, done: list[Batch], metrics: Any) -> None:
         if message.kind == Kind.GROUP:
-            batch = unpack_batch(message.payload)
-            self.inbox.on_group(message.a, message.source)
-            for gid in batch.group_id.tolist():
+            batch = unpack_batch(message.payload)  # one or more whole groups
+            groups = dict.fromkeys(batch.group_id.tolist())
+            self.inbox.on_group(message.a, message.source, len(groups))
+            for gid in groups:
                 self._source_of[gid] = message.source
             if message.a == step:
                 self.accumulator.add(batch)

@@ -39,7 +39,7 @@ class Kind(enum.IntEnum):
     """Message kinds."""
 
     GROUP = 1
-    """A packed `Batch` (one prompt group); `a` = training step."""
+    """A packed `Batch` of one or more whole prompt groups; `a` = training step."""
     SEAL = 2
     """`a` = step, `b` = groups this sender sent this receiver for the step."""
     PATCH = 3

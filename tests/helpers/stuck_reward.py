@@ -3,9 +3,10 @@
 `python -m tests.helpers.stuck_reward CONFIG RUN_DIR OVERRIDE...` launches the config on 2
 processes with this module's `run` as the worker entry (select the reward with
 `task.reward=stuck`), printing `LAUNCHER: <error>` and exiting 130 (interrupted) or 1 when
-the run fails. Environment: `STUCK_RANK` (default 1; `all`: every rank) hangs in its
+the run fails. Environment: `STUCK_RANK` (default 1) hangs in its
 `STUCK_CALL`-th reward call (default 1); `STUCK_FLAG`, when set, is a file created just
-before it hangs.
+before it hangs, and `STUCK_FLAG.rank{N}` one created when rank N, not stuck, returns from
+that call (it then goes on to wait for the stuck rank in a collective).
 """
 
 from __future__ import annotations
@@ -29,12 +30,16 @@ class StuckReward(RewardFunction):
 
     def score(self, responses, examples):
         StuckReward.calls += 1
-        if (os.environ.get("STUCK_RANK", "1") in ("all", str(dist.get_rank()))
-                and StuckReward.calls == int(os.environ.get("STUCK_CALL", "1"))):
-            if os.environ.get("STUCK_FLAG"):
-                open(os.environ["STUCK_FLAG"], "w").close()
+        flag = os.environ.get("STUCK_FLAG")
+        if StuckReward.calls != int(os.environ.get("STUCK_CALL", "1")):
+            return [0.0] * len(responses)
+        if dist.get_rank() == int(os.environ.get("STUCK_RANK", "1")):
+            if flag:
+                open(flag, "w").close()
             while True:  # a reward that never returns
                 time.sleep(0.1)
+        if flag:
+            open(f"{flag}.rank{dist.get_rank()}", "w").close()
         return [0.0] * len(responses)
 
 
