@@ -128,7 +128,7 @@ class FaultMonitor:
         self._thread = threading.Thread(target=self._loop, name="peerflow-fault-monitor",
                                         daemon=True)
         self._thread.start()
-        self._watchdog = StoreWatchdog(monitor=self).start()
+        self._watchdog = StoreWatchdog(monitor=self, closed=self._stop).start()
         return self
 
     def close(self) -> None:
@@ -141,10 +141,6 @@ class FaultMonitor:
             self.store.set(f"{PREFIX}done/{self.rank}", "1")
         for thread in {self._thread, self._watchdog} - {None, threading.current_thread()}:
             thread.join(timeout=self.stale_after + 2 * self.interval)
-
-    def wait_closed(self, timeout: float) -> bool:
-        """Waits up to `timeout` seconds for `close`; returns whether it was called."""
-        return self._stop.wait(timeout)
 
     def set_stage(self, name: str | StageRecord, deadline: float | None = None,
                   detail: str = "") -> StageRecord:

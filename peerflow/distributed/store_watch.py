@@ -55,6 +55,8 @@ class StoreWatchdog:
 
     monitor: Any
     """The `FaultMonitor` whose `last_answer` it watches."""
+    closed: threading.Event
+    """Set when the monitor closes (the thread then ends at once)."""
 
     def start(self) -> threading.Thread:
         """Starts the daemon thread (it ends when the monitor closes); returns it."""
@@ -69,7 +71,7 @@ class StoreWatchdog:
 
     def _run(self) -> None:
         monitor = self.monitor
-        while not monitor.wait_closed(monitor.interval):
+        while not self.closed.wait(monitor.interval):
             silent = time.monotonic() - monitor.last_answer
             if silent > self.limit and not monitor.closed:
                 monitor.exit_for(store_lost_record(
