@@ -74,9 +74,9 @@ class SlowStore(Interposed):
 
 
 def test_close_waits_for_a_slow_tick_so_no_store_call_outlives_the_interpreter() -> None:
-    """A tick left in a store call aborted rank 0 at exit ("terminate called without an
-    active exception", SIGABRT): the call returned while the interpreter finalized, and
-    its thread could not take the GIL back. close() used to give up after 2 intervals +1 s."""
+    """A tick left in a store call at exit can abort the process ("terminate called
+    without an active exception", SIGABRT): if the call returns while the interpreter
+    finalizes, its thread cannot take the GIL back. close() gave up after 2 polls + 1 s."""
     store = SlowStore(dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False),
                       delay=2.2)  # longer than the old limit (1.6 s here), within the new
     exits: list[int] = []
