@@ -3,7 +3,7 @@
 Uses the worker pools of `test_coordinator` (one per world size and core count, spawned
 once for this module) and, for a peer that dies, the host fallback and the isolation of
 tp peers' batches, processes of their own. A pool told it has one core shares each
-consumer group's assembly among its tp peers (`redistribute._shares_assembly`); one told
+consumer group's assembly among its tp peers (`coordinator.shared_p2p.shares_assembly`); one told
 it has 64 lets every peer assemble its own.
 """
 
