@@ -31,6 +31,10 @@ from typing import Any
 
 from peerflow.distributed.init import free_port
 
+#: What each timed call records (the slowest rank's wall, the busiest rank's bytes and
+#: CPU, the ranks' summed CPU); reported as medians over the runs.
+_MEASURED = ("wall_s", "busiest_rank_bytes", "busiest_rank_cpu_s", "total_cpu_s")
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Adds the benchmark's options."""
@@ -96,10 +100,7 @@ def _worker(rank: int, world: int, port: int, args: dict[str, Any], out: Any) ->
     mine = [i for i, g in enumerate(full.group_id.tolist()) if g % world == rank]
     shard = full.select(mine)
     combos = [(t, m) for t in args["transports"] for m in ("p2p", "centralized")]
-    walls: dict[tuple[str, str], list[float]] = {c: [] for c in combos}
-    busiest: dict[tuple[str, str], list[int]] = {c: [] for c in combos}
-    cpus: dict[tuple[str, str], list[float]] = {c: [] for c in combos}
-    totals: dict[tuple[str, str], list[float]] = {c: [] for c in combos}
+    records: list[dict[str, Any]] = []  # one per timed (run, transport, mode)
     used: dict[str, str] = {}
     for run in range(args["runs"] + 1):
         for transport, mode in combos:  # alternating, so a change of load hits all alike
@@ -120,15 +121,16 @@ def _worker(rank: int, world: int, port: int, args: dict[str, Any], out: Any) ->
                 raise RuntimeError(f"{mode}/{transport}: {int(ids)} samples arrived, "
                                    f"expected {len(full)}")
             if run:  # the first run warms up connections
-                walls[transport, mode].append(max(float(g[0]) for g in gathered))
-                busiest[transport, mode].append(max(int(g[1]) for g in gathered))
-                cpus[transport, mode].append(max(float(g[2]) for g in gathered))
-                totals[transport, mode].append(sum(float(g[2]) for g in gathered))
-    results = {f"{used[t]}/{m}": {"wall_s": statistics.median(walls[t, m]),
-                                  "busiest_rank_cpu_s": statistics.median(cpus[t, m]),
-                                  "total_cpu_s": statistics.median(totals[t, m]),
-                                  "busiest_rank_bytes": int(statistics.median(busiest[t, m]))}
-               for t, m in combos}
+                walls, sizes, cpus = torch.stack(gathered).T.tolist()
+                records.append({"transport": transport, "mode": mode, "wall_s": max(walls),
+                                "busiest_rank_bytes": max(sizes),
+                                "busiest_rank_cpu_s": max(cpus), "total_cpu_s": sum(cpus)})
+    results = {}
+    for transport, mode in combos:
+        timed = [r for r in records if (r["transport"], r["mode"]) == (transport, mode)]
+        row = {key: statistics.median(r[key] for r in timed) for key in _MEASURED}
+        row["busiest_rank_bytes"] = int(row["busiest_rank_bytes"])
+        results[f"{used[transport]}/{mode}"] = row
     nbytes = results[f"{used[combos[0][0]]}/p2p"]["busiest_rank_bytes"]
     plain = {"gloo_send": _plain_send(nbytes, args["runs"], "gloo"),
              "shm_send": _plain_send(nbytes, args["runs"], "shm")}

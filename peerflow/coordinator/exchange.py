@@ -15,6 +15,7 @@ isend/irecv address global ranks, so no process group is needed.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable, Mapping
 
 import attrs
@@ -41,7 +42,7 @@ def frame(payload: torch.Tensor) -> torch.Tensor:
 
 def message_length(message: torch.Tensor) -> int:
     """The length in bytes a message's prefix declares."""
-    return int(message[:8].clone().view(torch.int64)[0])
+    return int.from_bytes(message[:8].numpy().tobytes(), sys.byteorder)
 
 
 def exchange(

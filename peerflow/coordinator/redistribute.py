@@ -34,12 +34,14 @@ Transport (`transport=`, `coordinator.transport`): both modes run their rounds o
 call's channel — gloo messages, or, when every rank of the route shares this host's
 `/dev/shm` (`auto`, the default, or `shm`), shared-memory segments signalled through the
 c10d store (`coordinator.shm`). A shared channel writes a message addressed to many
-ranks once, so p2p over it takes one round instead of two (`_p2p_shared`): each producer
+ranks once, so p2p over it takes one round instead of two (`coordinator.shared_p2p`): each producer
 dp-leader writes its shard's group ids and token loads followed by the whole packed
-shard, and every rank plans from all leaders' metadata and copies only its samples out
-of the mapped shards. A re-balance within one layout keeps the two rounds on any channel:
-most samples stay home, so packing only the few that move beats writing every shard.
-The centralized baseline keeps its gather and scatter.
+shard, and every consumer rank plans from all leaders' metadata and copies only its
+samples out of the mapped shards — or, on a host whose cores the route's ranks
+outnumber, only the first rank of each consumer dp group does, and its tp/pp peers map
+the batch it assembled (`shares_assembly`). A re-balance within one layout keeps the
+two rounds on any channel: most samples stay home, so packing only the few that move
+beats writing every shard. The centralized baseline keeps its gather and scatter.
 
 Every wait has a timeout (`runtime.fault_timeout`); a dead peer raises
 `WorkerFailedError` naming it.
@@ -56,48 +58,24 @@ import torch
 import torch.distributed as dist
 
 from peerflow.batch import Batch
-from peerflow.coordinator.exchange import HEAD_BYTES, frame, message_length
-from peerflow.coordinator.transfer import TransferPlan, dp_members, plan_transfer
+from peerflow.coordinator.exchange import HEAD_BYTES, frame
+from peerflow.coordinator.shared_p2p import p2p_shared
+from peerflow.coordinator.transfer import dp_members, plan_transfer
 from peerflow.coordinator.transport import check_transport, open_channel
-from peerflow.coordinator.wire import pack_batch, padded, size_bound, spans_bytes, unpack_batch
+from peerflow.coordinator.units import (
+    DATA_TAG,
+    LOAD_FIELDS,
+    TransferStats,
+    assemble,
+    plan_slack,
+    sample_loads,
+    sample_units,
+)
+from peerflow.coordinator.wire import pack_batch, size_bound, unpack_batch
 from peerflow.distributed.comm import default_timeout
 from peerflow.layout import ParallelLayout
 
-#: Ragged fields whose lengths make up a sample's token load.
-LOAD_FIELDS: tuple[str, ...] = ("prompt_ids", "response_ids")
-
 _METADATA_TAG = 71  # heads; `exchange` sends tails on the next tag
-_DATA_TAG = 73
-
-
-@attrs.define(eq=False)
-class TransferStats:
-    """What one rank sent and received in one `redistribute` call."""
-
-    bytes_sent: int = 0
-    """Bytes this rank sent to other processes (local copies excluded)."""
-    bytes_received: int = 0
-    """Bytes this rank received from other processes."""
-    metadata_bytes: int = 0
-    """Metadata bytes this rank sent and received."""
-    samples_in: int = 0
-    """Samples this rank held as a producer."""
-    samples_out: int = 0
-    """Samples this rank holds as a consumer afterwards."""
-    wall_s: float = 0.0
-    """Seconds spent in the call."""
-    cpu_s: float = 0.0
-    """CPU seconds of the calling thread in the call (`time.thread_time`; gloo's own
-    threads not counted): the call's wall on a machine with a core per process."""
-    plan: TransferPlan | None = None
-    """The plan it executed (p2p mode)."""
-    transport: str = ""
-    """The transport its exchanges used (`gloo` or `shm`)."""
-
-    @property
-    def bytes_total(self) -> int:
-        """Bytes through this rank's network interface (sent + received + metadata)."""
-        return self.bytes_sent + self.bytes_received + self.metadata_bytes
 
 
 def _layouts(route: Any) -> tuple[ParallelLayout, ParallelLayout]:
@@ -148,35 +126,13 @@ class _ShardMetadata:
         return self.fixed_bytes + int(self.sample_bytes[index].sum())
 
 
-def _slack(keep_groups: bool) -> float:
-    """The plan's locality slack (`plan_transfer`): 0 for single samples.
-
-    A re-balance of samples exists to even the load, and a moved sample costs a few
-    kilobytes, so it keeps samples home only where that costs no balance.
-    """
-    return 0.05 if keep_groups else 0.0
-
-
-def _units(batch: Batch, keep_groups: bool) -> torch.Tensor:
-    """The id of each sample's unit of assignment: its prompt group, or itself."""
-    return batch.group_id if keep_groups else batch.sample_id
-
-
-def _loads(batch: Batch, load_fields: Sequence[str], keep_groups: bool) -> torch.Tensor:
-    """Each sample's token load; balancing samples, 0 where `train_mask` drops it."""
-    loads = batch.token_count(load_fields)
-    if not keep_groups and "train_mask" in batch:
-        loads = loads * batch["train_mask"].to(torch.bool)
-    return loads
-
-
 def _encode_metadata(batch: Batch, load_fields: Sequence[str],
                      keep_groups: bool) -> torch.Tensor:
     """`[length, fixed bytes, n, unit ids…, loads…, sample bytes…]` as one framed message."""
     sample_bytes, fixed = size_bound(batch)
     n = len(batch)
-    body = torch.cat([torch.tensor([fixed, n], dtype=torch.int64), _units(batch, keep_groups),
-                      _loads(batch, load_fields, keep_groups), sample_bytes])
+    body = torch.cat([torch.tensor([fixed, n], dtype=torch.int64), sample_units(batch, keep_groups),
+                      sample_loads(batch, load_fields, keep_groups), sample_bytes])
     return frame(body)
 
 
@@ -206,18 +162,6 @@ def _exchange_metadata(
             for leader in leaders]
 
 
-def _assemble(parts: Sequence[tuple[Batch, Sequence[int] | None]]) -> Batch:
-    """`Batch.gather` of `(batch, indices)` parts (`None`: all of it), in one copy per field.
-
-    A plan lists each sender's indices distinct and in order, so indices covering every
-    sample mean the whole batch; a single whole part is returned as is (no copy).
-    """
-    parts = [(b, None if i is None or len(i) == len(b) else i) for b, i in parts]
-    if len(parts) == 1 and parts[0][1] is None:
-        return parts[0][0]
-    return Batch.gather(parts)
-
-
 def _packed_sends(
     batch: Batch, sends: Sequence[tuple[int, tuple[int, ...]]], metadata: _ShardMetadata,
 ) -> Iterator[tuple[int, torch.Tensor, int]]:
@@ -225,7 +169,7 @@ def _packed_sends(
     packed: dict[tuple[int, ...], torch.Tensor] = {}
     for receiver, indices in sends:
         if indices not in packed:
-            packed[indices] = pack_batch(_assemble([(batch, indices)]))
+            packed[indices] = pack_batch(assemble([(batch, indices)]))
         yield receiver, packed[indices], metadata.capacity(indices)
 
 
@@ -235,7 +179,7 @@ def _p2p(batch: Batch, src: ParallelLayout, dst: ParallelLayout, rank: int,
     metadata = _exchange_metadata(batch, src, participants, rank, load_fields, keep_groups,
                                   channel, timeout, stats)
     plan = plan_transfer(src, dst, [m.group_ids for m in metadata], [m.loads for m in metadata],
-                         _slack(keep_groups))
+                         plan_slack(keep_groups))
     stats.plan = plan
     owner = {r: dp for dp, m in enumerate(dp_members(src)) for r in m}
     receives = plan.receives(rank)
@@ -243,68 +187,14 @@ def _p2p(batch: Batch, src: ParallelLayout, dst: ParallelLayout, rank: int,
     mine = [(receiver, indices) for (sender, receiver), indices in plan.sends.items()
             if sender == rank and receiver != rank]
     outgoing = _packed_sends(batch, mine, metadata[owner[rank]]) if mine else ()
-    received, sent = channel.exchange(outgoing, incoming, tag=_DATA_TAG,
+    received, sent = channel.exchange(outgoing, incoming, tag=DATA_TAG,
                                       what="redistribute: moving samples", timeout=timeout)
     stats.bytes_sent += sent
     stats.bytes_received += sum(m.numel() for m in received.values())
     if rank not in set(dst.global_ranks):
         return Batch.empty()
-    return _assemble([(batch, idx) if s == rank else (unpack_batch(received[s]), None)
+    return assemble([(batch, idx) if s == rank else (unpack_batch(received[s]), None)
                       for s, idx in receives])
-
-
-def _p2p_shared(batch: Batch, src: ParallelLayout, dst: ParallelLayout, rank: int,
-                participants: Sequence[int], load_fields: Sequence[str], keep_groups: bool,
-                channel: Any, timeout: float, stats: TransferStats) -> Batch:
-    """p2p in one round over a `shared` channel (same host: `coordinator.shm`).
-
-    Each producer dp-leader writes one message once — its shard's group ids and token
-    loads, then the whole packed shard — for every other rank of the route; every rank
-    reads all leaders' group ids and loads, plans, and copies only its own samples out
-    of the shards that hold them (zero-copy views until `select`/`concat`).
-    """
-    members = dp_members(src)
-    leaders = [m[0] for m in members]
-    outgoing: list[tuple[int, torch.Tensor, int]] = []
-    own_units, own_loads = _units(batch, keep_groups), _loads(batch, load_fields, keep_groups)
-    if rank in leaders:
-        meta = frame(torch.cat([own_units, own_loads]))
-        message = pack_batch(batch, reserve=padded(meta.numel()))
-        message[: meta.numel()] = meta
-        outgoing = [(peer, message, 0) for peer in participants if peer != rank]
-        stats.bytes_sent += message.numel()  # written once, whatever the readers
-    received, _ = channel.exchange(outgoing, {r: 0 for r in leaders if r != rank},
-                                   tag=_DATA_TAG, what="redistribute: shards", timeout=timeout)
-    group_ids, loads = [], []
-    for leader in leaders:
-        if leader == rank:
-            group_ids.append(own_units.tolist())
-            loads.append(own_loads.tolist())
-            continue
-        length = message_length(received[leader])
-        values = received[leader][8:length].view(torch.int64)
-        n = len(values) // 2
-        group_ids.append(values[:n].tolist())
-        loads.append(values[n:].tolist())
-        stats.metadata_bytes += length
-    plan = plan_transfer(src, dst, group_ids, loads, _slack(keep_groups))
-    stats.plan = plan
-    if rank not in set(dst.global_ranks):
-        return Batch.empty()
-    owner = {r: dp for dp, m in enumerate(members) for r in m}
-    parts, remote, start = [], [], 0
-    for sender, indices in plan.receives(rank):
-        s_dp = owner[sender]
-        if rank in members[s_dp]:
-            parts.append((batch, indices))
-        else:
-            message = received[leaders[s_dp]]
-            parts.append((unpack_batch(message[padded(message_length(message)):]), indices))
-            remote.append((start, start + len(indices)))
-        start += len(indices)
-    out = _assemble(parts)
-    stats.bytes_received += spans_bytes(out, remote)
-    return out
 
 
 def _centralized(batch: Batch, src: ParallelLayout, dst: ParallelLayout, rank: int,
@@ -316,7 +206,7 @@ def _centralized(batch: Batch, src: ParallelLayout, dst: ParallelLayout, rank: i
 
     def move(outgoing: Any, incoming: Sequence[int], what: str) -> dict[int, torch.Tensor]:
         received, sent = channel.exchange(outgoing, dict.fromkeys(incoming, HEAD_BYTES),
-                                          tag=_DATA_TAG, what=what, timeout=timeout)
+                                          tag=DATA_TAG, what=what, timeout=timeout)
         stats.bytes_sent += sent
         stats.bytes_received += sum(m.numel() for m in received.values())
         return received
@@ -331,11 +221,11 @@ def _centralized(batch: Batch, src: ParallelLayout, dst: ParallelLayout, rank: i
             return Batch.empty()
         return unpack_batch(move([], [controller], "centralized scatter")[controller])
     shards = [batch if r == controller else unpack_batch(gathered[r]) for r in leaders]
-    plan = plan_transfer(src, dst, [_units(s, keep_groups).tolist() for s in shards],
-                         [_loads(s, load_fields, keep_groups).tolist() for s in shards],
-                         _slack(keep_groups))
+    plan = plan_transfer(src, dst, [sample_units(s, keep_groups).tolist() for s in shards],
+                         [sample_loads(s, load_fields, keep_groups).tolist() for s in shards],
+                         plan_slack(keep_groups))
     stats.plan = plan
-    consumers = [(group, _assemble([(shards[s_dp], idx) for s_dp in range(src.dp)
+    consumers = [(group, assemble([(shards[s_dp], idx) for s_dp in range(src.dp)
                                     for (s, r), idx in plan.sends.items()
                                     if r == group[0] and s in members[s_dp]]))
                  for group in dp_members(dst)]
@@ -418,7 +308,7 @@ def redistribute(
         stats.transport = channel.name
         args = (load_fields, keep_groups, channel, timeout, stats)
         if mode == "p2p":
-            p2p = _p2p_shared if channel.shared and src != dst else _p2p
+            p2p = p2p_shared if channel.shared and src != dst else _p2p
             out = p2p(batch, src, dst, rank, participants, *args)
         else:
             out = _centralized(batch, src, dst, rank, *args)

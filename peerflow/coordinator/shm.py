@@ -131,6 +131,8 @@ class ShmRoute:
     """Short id of the rank set (names keys and files)."""
     pids: Mapping[int, int]
     """Global rank → process id, for every rank of the set (names its files)."""
+    cores: int = 1
+    """The fewest cores any rank of the set may run on (`transport.usable_cores`)."""
     directory: str = SHM_DIR
     """Where segments live."""
     call: int = -1

@@ -97,40 +97,34 @@ def plan_transfer(
             f"producer layout {src.describe()} has dp={src.dp}."
         )
     group_index: dict[int, int] = {}
-    group_load: list[int] = []
+    group_home: list[int] = []
     sample_group: list[list[int]] = []
-    for gids, lens in zip(prompt_groups, loads):
-        if len(gids) != len(lens):
-            raise ValueError("plan_transfer: prompt_groups and loads differ in length.")
-        row = []
-        for gid, load in zip(gids, lens):
-            g = group_index.setdefault(int(gid), len(group_load))
-            if g == len(group_load):
-                group_load.append(0)
-            group_load[g] += int(load)
-            row.append(g)
-        sample_group.append(row)
     src_members = dp_members(src)
     dst_members = dp_members(dst)
     dst_dp_of_rank = {r: d for d, m in enumerate(dst_members) for r in m}
-    home_of_src = [next((dst_dp_of_rank[r] for r in m if r in dst_dp_of_rank), -1)
-                   for m in src_members]
-    group_home = [-1] * len(group_load)
-    for s, row in enumerate(sample_group):
-        for g in row:
-            if group_home[g] == -1:
-                group_home[g] = home_of_src[s]
+    for gids, lens, senders in zip(prompt_groups, loads, src_members):
+        if len(gids) != len(lens):
+            raise ValueError("plan_transfer: prompt_groups and loads differ in length.")
+        # groups numbered in order of first appearance; a group's home is the consumer
+        # dp-rank colocated with the producer of its first sample (-1: none)
+        row = [group_index.setdefault(g, len(group_index)) for g in gids]
+        home = next((dst_dp_of_rank[r] for r in senders if r in dst_dp_of_rank), -1)
+        group_home += [home] * (len(group_index) - len(group_home))
+        sample_group.append(row)
+    group_load = [0] * len(group_index)
+    for row, lens in zip(sample_group, loads):
+        for g, load in zip(row, lens):
+            group_load[g] += load
     group_dst = balance_groups_local(group_load, dst.dp, group_home, slack)
     dst_loads = [0] * dst.dp
     for g, d in enumerate(group_dst):
         dst_loads[d] += group_load[g]
-    dst_of_sample = tuple(tuple(group_dst[g] for g in row) for row in sample_group)
+    dst_of_sample = tuple(tuple(map(group_dst.__getitem__, row)) for row in sample_group)
     sends: dict[tuple[int, int], tuple[int, ...]] = {}
-    for s, targets in enumerate(dst_of_sample):
-        by_dst: dict[int, list[int]] = {}
+    for targets, senders in zip(dst_of_sample, src_members):
+        by_dst: dict[int, list[int]] = {d: [] for d in targets}
         for i, d in enumerate(targets):
-            by_dst.setdefault(d, []).append(i)
-        senders = src_members[s]
+            by_dst[d].append(i)
         for d, indices in by_dst.items():
             for k, receiver in enumerate(dst_members[d]):
                 sender = receiver if receiver in senders else senders[k % len(senders)]

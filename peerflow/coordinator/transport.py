@@ -11,9 +11,9 @@ them compares designs, not transports:
 
 Whether they do is decided once per rank set: every rank publishes its host identity
 (boot id, host name and the device and inode of `/dev/shm`, so containers with separate
-`/dev/shm` mounts differ) and its process id in the default c10d store at its first call,
-and the ranks of a route read each other's — the same values, so the same decision on
-every rank.
+`/dev/shm` mounts differ), its process id and its usable cores in the default c10d store
+at its first call, and the ranks of a route read each other's — the same values, so the
+same decision on every rank (and the same `ShmRoute.cores`).
 """
 
 from __future__ import annotations
@@ -51,6 +51,14 @@ def host_identity() -> str:
     return f"{socket.gethostname()}/{boot}/{shm.st_dev}:{shm.st_ino}"
 
 
+def usable_cores() -> int:
+    """Cores this process may run on (its CPU affinity; `os.cpu_count()` without one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity API on this platform
+        return os.cpu_count() or 1
+
+
 def shm_route(participants: tuple[int, ...], timeout: float, *, namespace: str = ""
               ) -> ShmRoute | str:
     """A new `ShmRoute` of the rank set, or why its ranks cannot share memory.
@@ -63,23 +71,26 @@ def shm_route(participants: tuple[int, ...], timeout: float, *, namespace: str =
     rank = dist.get_rank()
     world = dist.group.WORLD
     if world not in _PUBLISHED:
-        store.set(f"peerflow/host/{rank}", f"{host_identity()}|{os.getpid()}")
+        store.set(f"peerflow/host/{rank}",
+                  f"{host_identity()}|{os.getpid()}|{usable_cores()}")
         _PUBLISHED.add(world)
     keys = {f"peerflow/host/{r}": r for r in participants}
     store_wait(store, keys, "redistribute: host detection", timeout)
     hosts: dict[str, list[int]] = {}
-    pids = {}
+    pids, cores = {}, []
     for r, value in zip(participants, store.multi_get(list(keys))):
-        identity, pid = value.decode().rsplit("|", 1)
+        identity, pid, usable = value.decode().rsplit("|", 2)
         hosts.setdefault(identity, []).append(r)
         pids[r] = int(pid)
+        cores.append(int(usable))
     if "" in hosts:
         return f"ranks {hosts['']} have no writable {SHM_DIR}"
     if len(hosts) > 1:
         return f"the route's ranks are on {len(hosts)} hosts ({sorted(hosts.values())})"
     route_key = hashlib.blake2s((namespace + ",".join(map(str, participants))).encode(),
                                 digest_size=6).hexdigest()
-    return ShmRoute(store=store, rank=rank, route_key=route_key, pids=pids)
+    return ShmRoute(store=store, rank=rank, route_key=route_key, pids=pids,
+                    cores=min(cores))
 
 
 def check_transport(transport: str) -> None:

@@ -89,6 +89,7 @@ class FaultMonitor:
     host: str = attrs.field(factory=hostname)
     _stop: threading.Event = attrs.field(factory=threading.Event)
     _thread: threading.Thread | None = None
+    _watchdog: threading.Thread | None = None
     _seen: dict[int, tuple[int, float]] = attrs.field(factory=dict)
     _store_error_since: float | None = None
     stop_grace: float = 10.0
@@ -127,16 +128,19 @@ class FaultMonitor:
         self._thread = threading.Thread(target=self._loop, name="peerflow-fault-monitor",
                                         daemon=True)
         self._thread.start()
-        StoreWatchdog(monitor=self).start()
+        self._watchdog = StoreWatchdog(monitor=self, closed=self._stop).start()
         return self
 
     def close(self) -> None:
-        """Marks this rank as finished cleanly and stops the thread."""
+        """Marks this rank as finished cleanly and waits for its threads to end.
+
+        A tick still in a store call as the interpreter finalizes aborts the process.
+        """
         self._stop.set()
         with contextlib.suppress(Exception):
             self.store.set(f"{PREFIX}done/{self.rank}", "1")
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=2 * self.interval + 1)
+        for thread in {self._thread, self._watchdog} - {None, threading.current_thread()}:
+            thread.join(timeout=self.stale_after + 2 * self.interval)
 
     def set_stage(self, name: str | StageRecord, deadline: float | None = None,
                   detail: str = "") -> StageRecord:

@@ -55,11 +55,14 @@ class StoreWatchdog:
 
     monitor: Any
     """The `FaultMonitor` whose `last_answer` it watches."""
+    closed: threading.Event
+    """Set when the monitor closes (the thread then ends at once)."""
 
-    def start(self) -> StoreWatchdog:
-        """Starts the daemon thread."""
-        threading.Thread(target=self._run, name="peerflow-store-watchdog", daemon=True).start()
-        return self
+    def start(self) -> threading.Thread:
+        """Starts the daemon thread (it ends when the monitor closes); returns it."""
+        thread = threading.Thread(target=self._run, name="peerflow-store-watchdog", daemon=True)
+        thread.start()
+        return thread
 
     @property
     def limit(self) -> float:
@@ -68,8 +71,7 @@ class StoreWatchdog:
 
     def _run(self) -> None:
         monitor = self.monitor
-        while not monitor.closed:
-            time.sleep(monitor.interval)
+        while not self.closed.wait(monitor.interval):
             silent = time.monotonic() - monitor.last_answer
             if silent > self.limit and not monitor.closed:
                 monitor.exit_for(store_lost_record(

@@ -28,11 +28,14 @@ from tests.helpers.gloo import init_gloo
 pytestmark = pytest.mark.distributed
 
 
-def _worker(rank: int, world: int, port: int, tasks, results) -> None:
+def _worker(rank: int, world: int, port: int, tasks, results, cores: int | None) -> None:
     import torch.distributed as dist
 
+    import peerflow.coordinator.transport
     from peerflow.coordinator import TransferStats, redistribute
 
+    if cores is not None:  # the cores a shared-memory route sees (tp peers share from 1)
+        peerflow.coordinator.transport.usable_cores = lambda: cores
     init_gloo(rank, world, port)
     subgroups = {}
     for ranks in itertools.chain.from_iterable(
@@ -61,7 +64,7 @@ def _worker(rank: int, world: int, port: int, tasks, results) -> None:
 
 
 class Pool:
-    def __init__(self, world: int) -> None:
+    def __init__(self, world: int, cores: int | None = None) -> None:
         ctx = mp.get_context("spawn")
         self.world = world
         self.tasks = [ctx.Queue() for _ in range(world)]
@@ -69,7 +72,7 @@ class Pool:
         port = free_port()
         self.transports: dict[int, str | None] = {}
         self.procs = [ctx.Process(target=_worker, args=(r, world, port, self.tasks[r],
-                                                        self.results), daemon=True)
+                                                        self.results, cores), daemon=True)
                       for r in range(world)]
         for p in self.procs:
             p.start()
@@ -101,12 +104,12 @@ class Pool:
 
 @pytest.fixture(scope="module")
 def pools():
-    made: dict[int, Pool] = {}
+    made: dict[tuple[int, int | None], Pool] = {}
 
-    def get(world: int) -> Pool:
-        if world not in made:
-            made[world] = Pool(world)
-        return made[world]
+    def get(world: int, cores: int | None = None) -> Pool:
+        if (world, cores) not in made:
+            made[world, cores] = Pool(world, cores)
+        return made[world, cores]
 
     yield get
     for pool in made.values():
@@ -234,6 +237,8 @@ ROUTES = {
     "dp3->dp2": (3, ParallelLayout(dp=3), ParallelLayout(dp=2)),
     "dp3->dp2@12": (3, ParallelLayout(dp=3), ParallelLayout(dp=2, ranks=(1, 2))),
     "dp2->dp1xtp2": (2, ParallelLayout(dp=2), ParallelLayout(dp=1, tp=2)),
+    "dp2@01->tp2@23": (4, ParallelLayout(dp=2, ranks=(0, 1)),
+                       ParallelLayout(dp=1, tp=2, ranks=(2, 3))),
     "split1->1": (2, ParallelLayout(dp=1, ranks=(0,)), ParallelLayout(dp=1, ranks=(1,))),
 }
 

@@ -1,7 +1,10 @@
 """The coordinator's shared-memory transport: same results as gloo, cleanup, faults, fallback.
 
-Uses the worker pools of `test_coordinator` (one per world size, spawned once for this
-module) and, for a peer that dies and for the host fallback, processes of their own.
+Uses the worker pools of `test_coordinator` (one per world size and core count, spawned
+once for this module) and, for a peer that dies, the host fallback and the isolation of
+tp peers' batches, processes of their own. A pool told it has one core shares each
+consumer group's assembly among its tp peers (`coordinator.shared_p2p.shares_assembly`); one told
+it has 64 lets every peer assemble its own.
 """
 
 from __future__ import annotations
@@ -36,11 +39,12 @@ def _files_of(pids) -> list[str]:
                   if name.startswith(f"{PREFIX}{pid}-"))
 
 
+@pytest.mark.parametrize("cores", [64, 1])
 @route_property(["dp4->dp2xtp2", "dp2@01->dp4", "colocated->split", "split->colocated",
-                 "dp3->dp2@12", "dp2->dp1xtp2"], max_examples=3)
-def test_shm_gives_the_same_batches_as_gloo(pools, name, mode, data) -> None:
+                 "dp3->dp2@12", "dp2->dp1xtp2", "dp2@01->tp2@23"], max_examples=3)
+def test_shm_gives_the_same_batches_as_gloo(pools, cores, name, mode, data) -> None:
     world, src, dst, shards_by_dp, shards, use_group = draw_route_case(data, name)
-    pool = pools(world)
+    pool = pools(world, cores)
     by_transport = {}
     for transport in ("shm", "gloo"):
         by_transport[transport] = pool.run(src, dst, shards, mode=mode, use_group=use_group,
@@ -56,9 +60,10 @@ def test_shm_gives_the_same_batches_as_gloo(pools, name, mode, data) -> None:
             assert torch.equal(pack_batch(batch), pack_batch(other))
 
 
-def test_segments_are_freed_once_read_and_at_exit() -> None:
+@pytest.mark.parametrize("cores", [64, 1])
+def test_segments_are_freed_once_read_and_at_exit(cores) -> None:
     src, dst = ParallelLayout(dp=4), ParallelLayout(dp=2, tp=2)
-    pool = Pool(4)
+    pool = Pool(4, cores)
     pids = [p.pid for p in pool.procs]
     try:
         for seed, mode in enumerate(["p2p", "centralized", "p2p", "centralized", "p2p"]):
@@ -72,6 +77,50 @@ def test_segments_are_freed_once_read_and_at_exit() -> None:
     finally:
         pool.close()
     assert _files_of(pids) == []
+
+
+def _tp_peers_change_their_batches(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    import peerflow.coordinator.transport as transport
+    from peerflow.coordinator import TransferStats, redistribute, unpack_batch
+
+    transport.usable_cores = lambda: 1  # oversubscribed: rank 0 assembles for rank 1
+    src, dst = ParallelLayout(dp=2), ParallelLayout(dp=1, tp=2)
+    shards_by_dp, _ = make_shards(src, [[[4, 2], [5]], [[3], [1, 6]]], seed=9)
+    shard = shards_by_dp[rank]
+    before = pack_batch(shard)
+    got = {}
+    for call in range(2):
+        stats = TransferStats()
+        out = redistribute(shard, (src, dst), transport="shm", stats=stats, timeout=60)
+        expected = pack_batch(redistribute(shard, (src, dst), transport="gloo", timeout=60))
+        dist.barrier()  # both hold their batch before either changes it
+        out["response_ids"].values.fill_(-1 - rank)
+        out["reward"].add_(100.0 * (rank + 1))
+        out["example"][0] = {"text": f"changed by {rank}"}  # (gather shares the objects)
+        dist.barrier()  # both changed theirs before either looks
+        mine = unpack_batch(expected)
+        got[call] = {
+            "planned": stats.plan is not None,
+            "ids": bool(torch.all(out["response_ids"].values == -1 - rank)),
+            "reward": torch.equal(out["reward"], mine["reward"] + 100.0 * (rank + 1)),
+            "text": out["example"][0]["text"],
+            "rest": torch.equal(out["logprobs"].values, mine["logprobs"].values),
+        }
+    got["shard"] = torch.equal(pack_batch(shard), before)
+    return got
+
+
+def test_tp_peers_sharing_an_assembly_get_independent_batches() -> None:
+    got = run_gloo(_tp_peers_change_their_batches, 2)
+    for rank in (0, 1):
+        for call in (0, 1):
+            row = got[rank][call]
+            assert row["planned"] == (rank == 0)  # only the group's first rank planned
+            assert row["ids"] and row["reward"] and row["rest"], (rank, call, row)
+            assert row["text"] == f"changed by {rank}"
+        assert got[rank]["shard"]  # the producer's own shard is untouched
 
 
 def _dies_after_one_call(rank: int, world: int, port: int, mode: str, results) -> None:

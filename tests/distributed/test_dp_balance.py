@@ -120,7 +120,7 @@ def test_balancing_samples_gives_the_same_step_with_even_tokens(tiny_model):
 
 def test_sample_balance_on_one_layout_loads_ignore_dropped_samples():
     """A sample whose `train_mask` is false weighs nothing (training drops it)."""
-    from peerflow.coordinator.redistribute import _loads
+    from peerflow.coordinator.units import sample_loads as _loads
 
     batch = _group(0, 50)
     batch.set("train_mask", torch.tensor([True, False, True, True]))
