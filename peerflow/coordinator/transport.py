@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import os
 import socket
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -34,8 +35,12 @@ from peerflow.distributed.comm import store_wait
 TRANSPORTS = ("auto", "gloo", "shm")
 
 _GLOO = GlooChannel()
-_ROUTES: dict[tuple[Any, tuple[int, ...]], ShmRoute | str] = {}
-_PUBLISHED: set[Any] = set()
+# Keyed weakly by the world process group, so that neither holds a destroyed group (and
+# its gloo threads) alive until interpreter exit: C++ threads torn down during
+# finalization abort the process ("terminate called without an active exception").
+_ROUTES: weakref.WeakKeyDictionary[Any, dict[tuple[int, ...], ShmRoute | str]] = (
+    weakref.WeakKeyDictionary())
+_PUBLISHED: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 def host_identity() -> str:
@@ -111,10 +116,11 @@ def open_channel(participants: Sequence[int], transport: str, timeout: float) ->
     check_transport(transport)
     if transport == "gloo":
         return _GLOO
-    key = (dist.group.WORLD, tuple(participants))
-    if key not in _ROUTES:
-        _ROUTES[key] = shm_route(tuple(participants), timeout)
-    route = _ROUTES[key]
+    routes = _ROUTES.setdefault(dist.group.WORLD, {})
+    key = tuple(participants)
+    if key not in routes:
+        routes[key] = shm_route(key, timeout)
+    route = routes[key]
     if isinstance(route, str):
         if transport == "shm":
             raise ValueError(f"redistribute: transport='shm' but {route}; use "

@@ -214,3 +214,38 @@ def test_a_full_dev_shm_names_the_fix(monkeypatch, tmp_path) -> None:
             shm._write_all(fd, memoryview(b"payload"), 0)
     finally:
         os.close(fd)
+
+
+def _world_after_destroy(rank: int, port: int, out) -> None:
+    import gc
+    import weakref
+
+    import torch.distributed as dist
+
+    from peerflow.coordinator.transport import open_channel
+
+    init_gloo(rank, 2, port)
+    open_channel((0, 1), "shm", timeout=60)
+    world = weakref.ref(dist.group.WORLD)
+    dist.destroy_process_group()
+    gc.collect()
+    out.put((rank, world() is None))
+
+
+def test_a_destroyed_process_group_is_not_kept_alive_by_the_routes() -> None:
+    """The route cache must not hold the world group (its gloo threads) past its
+    destruction: C++ threads torn down at interpreter exit abort the process
+    ("terminate called without an active exception", seen at the end of bench runs)."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_world_after_destroy, args=(r, port, out)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    try:
+        freed = dict(out.get(timeout=120) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(60)
+    assert freed == {0: True, 1: True}
+    assert [p.exitcode for p in procs] == [0, 0]
