@@ -19,6 +19,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+#: TRL's own timing of its generation call (`profiling_context`), logged every step.
+GENERATE_KEY = "profiling/Time taken: GRPOTrainer.transformers.generate"
+
 
 def main(argv: list[str] | None = None) -> None:
     """Runs TRL GRPO for the config's steps and writes the token count and wall time."""
@@ -86,7 +89,10 @@ def main(argv: list[str] | None = None) -> None:
             "steps": trainer.state.global_step,
             "reward": rewards,
             **{key.split("/")[1]: [h[key] for h in trainer.state.log_history if key in h]
-               for key in ("completions/mean_length", "completions/clipped_ratio")},
+               for key in ("completions/mean_length", "completions/max_length",
+                           "completions/clipped_ratio")},
+            "generate_s": [h[GENERATE_KEY] for h in trainer.state.log_history
+                           if GENERATE_KEY in h],
         }))
 
 

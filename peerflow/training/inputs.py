@@ -54,6 +54,14 @@ class PaddedInputs:
             return 1
         return self.input_ids.shape[1] - int(self.prompt_lengths[scored].min()) + 1
 
+    def attention_mask_as(self, dtype: torch.dtype) -> torch.Tensor:
+        """The `[B, L]` padding mask (the model builds its causal mask from it; any dtype)."""
+        return self.attention_mask
+
+    def response_targets(self) -> torch.Tensor:
+        """The response tokens, sample after sample, aligned with `gather`'s values."""
+        return self.gather(self.target_ids).values
+
     def gather(self, per_position: torch.Tensor) -> RaggedField:
         """Packs `[B, K, ...]` per-position values at response positions, ragged.
 
