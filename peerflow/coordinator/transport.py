@@ -5,8 +5,9 @@ both modes (p2p and the centralized baseline) run their rounds over it, so compa
 them compares designs, not transports:
 
 * `gloo`: `exchange.GlooChannel`, one gloo message per pair (any set of hosts);
-* `shm`: `shm.ShmRoute`, segments under `/dev/shm` and one store key per sender and
-  round; every rank of the route must share this host's `/dev/shm`;
+* `shm`: `shm.ShmRoute`, segments under `/dev/shm` and one wake-up per sender,
+  receiver and round (`coordinator.inbox`); every rank of the route must share this
+  host's `/dev/shm`;
 * `auto` (the default): `shm` when they do, else `gloo`.
 
 Whether they do is decided once per rank set: every rank publishes its host identity
@@ -28,7 +29,7 @@ from typing import Any
 import torch.distributed as dist
 
 from peerflow.coordinator.exchange import GlooChannel
-from peerflow.coordinator.shm import SHM_DIR, ShmRoute
+from peerflow.coordinator.shm import SHM_DIR, ShmRoute, this_process_inbox
 from peerflow.distributed.comm import store_wait
 
 #: Accepted values of `redistribute(transport=…)` and `runtime.coordinator_transport`.
@@ -75,6 +76,7 @@ def shm_route(participants: tuple[int, ...], timeout: float, *, namespace: str =
     store = dist.distributed_c10d._get_default_store()
     rank = dist.get_rank()
     world = dist.group.WORLD
+    inbox = this_process_inbox() if host_identity() else None  # before peers learn our pid
     if world not in _PUBLISHED:
         store.set(f"peerflow/host/{rank}",
                   f"{host_identity()}|{os.getpid()}|{usable_cores()}")
@@ -94,7 +96,7 @@ def shm_route(participants: tuple[int, ...], timeout: float, *, namespace: str =
         return f"the route's ranks are on {len(hosts)} hosts ({sorted(hosts.values())})"
     route_key = hashlib.blake2s((namespace + ",".join(map(str, participants))).encode(),
                                 digest_size=6).hexdigest()
-    return ShmRoute(store=store, rank=rank, route_key=route_key, pids=pids,
+    return ShmRoute(inbox=inbox, rank=rank, route_key=route_key, pids=pids,
                     cores=min(cores))
 
 
