@@ -47,7 +47,7 @@ PREFIX = "peerflow-"
 #: Byte alignment of every message in a segment (wire.ALIGN divides it).
 _ALIGN = 64
 
-_ROUTES: list[ShmRoute] = []  # every route of this process, released at exit
+_ROUTES: list[ShmRoute] = []  # every unreleased route of this process, released at exit
 
 
 def _aligned(n: int) -> int:
@@ -69,7 +69,7 @@ def sweep_stale(directory: str = SHM_DIR) -> int:
 
 
 def _release_all() -> None:
-    for route in _ROUTES:
+    for route in list(_ROUTES):
         route.release()
 
 
@@ -283,7 +283,7 @@ class ShmRoute:
                         os.unlink(path)
 
     def release(self) -> None:
-        """Removes this route's files at process exit.
+        """Removes this route's files (at process exit, or when its world group goes).
 
         A link of a receiver that is still alive stays: that receiver may not have read
         it yet (this process may finish its last call first), and removes it when it does.
@@ -293,3 +293,5 @@ class ShmRoute:
 
         self._remove(self.pending, keep_link=reader_alive)
         self.pending = []
+        if self in _ROUTES:  # nothing holds the route (nor its store) any longer
+            _ROUTES.remove(self)
