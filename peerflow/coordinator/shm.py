@@ -39,6 +39,7 @@ import torch
 from peerflow.distributed.comm import store_wait
 from peerflow.distributed.procs import process_gone
 from peerflow.errors import WorkerFailedError
+from peerflow.rounding import pad_to_multiple
 
 #: Where segments live (a tmpfs on Linux).
 SHM_DIR = "/dev/shm"
@@ -48,10 +49,6 @@ PREFIX = "peerflow-"
 _ALIGN = 64
 
 _ROUTES: list[ShmRoute] = []  # every unreleased route of this process, released at exit
-
-
-def _aligned(n: int) -> int:
-    return -(-n // _ALIGN) * _ALIGN
 
 
 def sweep_stale(directory: str = SHM_DIR) -> int:
@@ -204,10 +201,10 @@ class ShmRoute:
             sent += message.numel()
         if not table:
             return 0
-        offsets, position = [], _aligned(8 + 24 * len(table))
+        offsets, position = [], pad_to_multiple(8 + 24 * len(table), _ALIGN)
         for message in messages:
             offsets.append(position)
-            position += _aligned(message.numel())
+            position += pad_to_multiple(message.numel(), _ALIGN)
         header = [len(table)]
         for peer, index in table:
             header += [peer, offsets[index], messages[index].numel()]
