@@ -41,6 +41,7 @@ import torch
 from peerflow.coordinator.inbox import Inbox
 from peerflow.distributed.procs import process_gone
 from peerflow.errors import WorkerFailedError
+from peerflow.rounding import pad_to_multiple
 
 #: Where segments live (a tmpfs on Linux).
 SHM_DIR = "/dev/shm"
@@ -49,11 +50,7 @@ PREFIX = "peerflow-"
 #: Byte alignment of every message in a segment (wire.ALIGN divides it).
 _ALIGN = 64
 
-_ROUTES: list[ShmRoute] = []  # every route of this process, released at exit
-
-
-def _aligned(n: int) -> int:
-    return -(-n // _ALIGN) * _ALIGN
+_ROUTES: list[ShmRoute] = []  # every unreleased route of this process, released at exit
 
 
 def sweep_stale(directory: str = SHM_DIR) -> int:
@@ -79,7 +76,7 @@ def this_process_inbox(directory: str = SHM_DIR) -> Inbox:
 
 
 def _release_all() -> None:
-    for route in _ROUTES:
+    for route in list(_ROUTES):
         route.release()
 
 
@@ -212,10 +209,10 @@ class ShmRoute:
             sent += message.numel()
         if not table:
             return 0
-        offsets, position = [], _aligned(8 + 24 * len(table))
+        offsets, position = [], pad_to_multiple(8 + 24 * len(table), _ALIGN)
         for message in messages:
             offsets.append(position)
-            position += _aligned(message.numel())
+            position += pad_to_multiple(message.numel(), _ALIGN)
         header = [len(table)]
         for peer, index in table:
             header += [peer, offsets[index], messages[index].numel()]
@@ -293,7 +290,7 @@ class ShmRoute:
                         os.unlink(path)
 
     def release(self) -> None:
-        """Removes this route's files at process exit.
+        """Removes this route's files (at process exit, or when its world group goes).
 
         A link of a receiver that is still alive stays: that receiver may not have read
         it yet (this process may finish its last call first), and removes it when it does.
@@ -303,3 +300,5 @@ class ShmRoute:
 
         self._remove(self.pending, keep_link=reader_alive)
         self.pending = []
+        if self in _ROUTES:  # nothing holds the route (nor its store) any longer
+            _ROUTES.remove(self)

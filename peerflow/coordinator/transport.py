@@ -36,10 +36,13 @@ from peerflow.distributed.comm import store_wait
 TRANSPORTS = ("auto", "gloo", "shm")
 
 _GLOO = GlooChannel()
-# Keyed weakly by the world process group, so that neither holds a destroyed group (and
-# its gloo threads) alive until interpreter exit: C++ threads torn down during
-# finalization abort the process ("terminate called without an active exception").
-_ROUTES: weakref.WeakKeyDictionary[Any, dict[tuple[int, ...], ShmRoute | str]] = (
+# Every shared-memory route of this process (the coordinator's and the weight sync's):
+# world process group → (namespace, rank set) → route, or why its ranks share no memory.
+# Keyed weakly, so that neither holds a destroyed group (and its gloo threads) alive until
+# interpreter exit: C++ threads torn down during finalization abort the process
+# ("terminate called without an active exception"). A destroyed group's routes are
+# released with it, which drops their hold on the c10d store.
+_ROUTES: weakref.WeakKeyDictionary[Any, dict[tuple[str, tuple[int, ...]], ShmRoute | str]] = (
     weakref.WeakKeyDictionary())
 _PUBLISHED: weakref.WeakSet[Any] = weakref.WeakSet()
 
@@ -100,6 +103,30 @@ def shm_route(participants: tuple[int, ...], timeout: float, *, namespace: str =
                     cores=min(cores))
 
 
+def cached_shm_route(participants: Sequence[int], timeout: float, *, namespace: str = ""
+                     ) -> ShmRoute | str:
+    """`shm_route` of the rank set, made at the first call and kept for the world group.
+
+    Every rank of `participants` calls it in the same order per `namespace`.
+    """
+    world = dist.group.WORLD
+    routes = _ROUTES.get(world)
+    if routes is None:
+        routes = _ROUTES[world] = {}
+        weakref.finalize(world, _release, routes)
+    key = (namespace, tuple(participants))
+    if key not in routes:
+        routes[key] = shm_route(key[1], timeout, namespace=namespace)
+    return routes[key]
+
+
+def _release(routes: dict[Any, ShmRoute | str]) -> None:
+    for route in routes.values():
+        if isinstance(route, ShmRoute):
+            route.release()
+    routes.clear()
+
+
 def check_transport(transport: str) -> None:
     """Raises `ValueError` naming the choices when `transport` is not one of them."""
     if transport not in TRANSPORTS:
@@ -118,11 +145,7 @@ def open_channel(participants: Sequence[int], transport: str, timeout: float) ->
     check_transport(transport)
     if transport == "gloo":
         return _GLOO
-    routes = _ROUTES.setdefault(dist.group.WORLD, {})
-    key = tuple(participants)
-    if key not in routes:
-        routes[key] = shm_route(key, timeout)
-    route = routes[key]
+    route = cached_shm_route(participants, timeout)
     if isinstance(route, str):
         if transport == "shm":
             raise ValueError(f"redistribute: transport='shm' but {route}; use "

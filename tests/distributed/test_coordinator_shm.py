@@ -229,19 +229,25 @@ def _world_after_destroy(rank: int, port: int, out) -> None:
     import torch.distributed as dist
 
     from peerflow.coordinator.transport import open_channel
+    from peerflow.reshard.transports import SharedMemoryTransport
 
     init_gloo(rank, 2, port)
-    open_channel((0, 1), "shm", timeout=60)
+    coordinator = open_channel((0, 1), "shm", timeout=60)
+    weights = SharedMemoryTransport(rank=rank).route()
+    assert weights is not coordinator  # one cache, a route (call counter) per namespace
+    routes = [weakref.ref(coordinator), weakref.ref(weights)]
+    del coordinator, weights
     world = weakref.ref(dist.group.WORLD)
     dist.destroy_process_group()
     gc.collect()
-    out.put((rank, world() is None))
+    out.put((rank, world() is None and all(route() is None for route in routes)))
 
 
 def test_a_destroyed_process_group_is_not_kept_alive_by_the_routes() -> None:
     """The route cache must not hold the world group (its gloo threads) past its
     destruction: C++ threads torn down at interpreter exit abort the process
-    ("terminate called without an active exception", seen at the end of bench runs)."""
+    ("terminate called without an active exception", seen at the end of bench runs).
+    Its routes — the coordinator's and the weight sync's — go with the group."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
