@@ -300,5 +300,5 @@ class ShmRoute:
 
         self._remove(self.pending, keep_link=reader_alive)
         self.pending = []
-        if self in _ROUTES:  # nothing holds the route (nor its store) any longer
+        if self in _ROUTES:  # nothing holds the route any longer
             _ROUTES.remove(self)

@@ -41,7 +41,7 @@ _GLOO = GlooChannel()
 # Keyed weakly, so that neither holds a destroyed group (and its gloo threads) alive until
 # interpreter exit: C++ threads torn down during finalization abort the process
 # ("terminate called without an active exception"). A destroyed group's routes are
-# released with it, which drops their hold on the c10d store.
+# released with it (their files removed).
 _ROUTES: weakref.WeakKeyDictionary[Any, dict[tuple[str, tuple[int, ...]], ShmRoute | str]] = (
     weakref.WeakKeyDictionary())
 _PUBLISHED: weakref.WeakSet[Any] = weakref.WeakSet()

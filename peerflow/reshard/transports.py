@@ -5,7 +5,7 @@
 * `torch` — torch.distributed point-to-point (`isend`/`irecv`) on the plan's group: gloo
   on CPU, NCCL on GPU. Only ranks owning a replica-0 source piece send.
 * `shm` — same-host CPU ranks: each bucket through one `/dev/shm` segment per sender and
-  one store key (the coordinator's `ShmRoute`, on a route of its own). The sender writes
+  one wake-up per receiver (the coordinator's `ShmRoute`, on a route of its own). The sender writes
   and returns; the receiver maps the segment. Over gloo, a push that the receiver drains
   while it generates costs the sender's gloo thread ~15 ms of CPU per 2 MB on a 2-core
   machine — CPU the trainer's step then lacks (docs/benchmarks.md, "Async overhead,
