@@ -139,8 +139,10 @@ def test_torchrun_max_restarts_resumes_by_itself(hosts, tmp_path) -> None:
     run = tmp_path / "run"
     # restarted workers start at different times on the two hosts (seconds apart on a busy
     # machine); a restarted rank waits for rank 0 of its generation up to fault_timeout
-    procs = _torchrun(hosts, run, "run.steps=6", "run.checkpoint_every=3", max_restarts=3,
-                      fault_timeout=45)
+    # h0's worker, stopped by its agent (SIGTERM) when h1's dies, cannot reach a step
+    # boundary without its peer: a short stop_grace ends it at once
+    procs = _torchrun(hosts, run, "run.steps=6", "run.checkpoint_every=3",
+                      "runtime.stop_grace=1", max_restarts=3, fault_timeout=45)
     deadline = time.monotonic() + 240
     while not _steps(run):
         assert time.monotonic() < deadline, "no step within 240 s"
