@@ -5,8 +5,9 @@ the run directory is on the file system both see, as shared storage would be. Th
 run the quickstart under `torchrun --nnodes 2` with the c10d rendezvous, then lose a host
 (every process killed, or its link cut) and check that the surviving rank exits within
 `runtime.fault_timeout` naming the lost host, that `--resume` continues from the last
-checkpoint, and that `torchrun --max-restarts` resumes by itself. Skipped, with the
-reason, where network namespaces cannot be created.
+checkpoint, and that `torchrun --max-restarts` resumes by itself. A clean two-host run,
+both agents exiting 0 with every step's metrics, is part of the resume and of the
+max-restarts test. Skipped, with the reason, where network namespaces cannot be created.
 """
 
 from __future__ import annotations
@@ -87,13 +88,6 @@ def _wait_for_checkpoint(run_dir: Path, procs: list[subprocess.Popen], step: int
         assert time.monotonic() < deadline, "no checkpoint within 240 s"
         assert all(p.poll() is None for p in procs), _finish(procs)
         time.sleep(0.2)
-
-
-def test_quickstart_runs_across_two_hosts(hosts, tmp_path) -> None:
-    run = tmp_path / "run"
-    results = _finish(_torchrun(hosts, run, "run.steps=3"))
-    assert [code for code, _ in results] == [0, 0], results
-    assert _steps(run) == [1, 2, 3]
 
 
 @pytest.mark.parametrize("fault", ["kill", "cut"])
