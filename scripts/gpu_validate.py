@@ -2,18 +2,20 @@
 
 One call on a bare GPU machine (preinstalled CUDA PyTorch, no registry):
 
-1. install the wheels of `--wheels DIR` (PeerFlow's small pure-Python dependencies, the
-   test tools, DeepSpeed's source package and Megatron-core) and PeerFlow itself from this
-   checkout, without touching the image's torch;
-2. run every check of `CHECKS` as a subprocess under its own time budget (the budgets and
-   the install add up to less than `TOTAL_BUDGET_S`, inside a 10-minute device command);
-3. write `OUT/gpu-validate.json` (format: `validate_report`) and `OUT/gpu-validate.log`
-   (every command and its output).
+1. install the wheels of `--wheels DIR` (`gpu_validate_wheels`: PeerFlow's small
+   pure-Python dependencies, the test tools, DeepSpeed's source package and
+   Megatron-core) and PeerFlow itself from this checkout, without touching the image's
+   torch;
+2. run every check of `plan_checks` (programs: `gpu_validate_checks`) as a subprocess
+   under its own time budget (the budgets and the install add up to less than
+   `TOTAL_BUDGET_S`, inside a 10-minute device command);
+3. write `OUT/gpu-validate.json` (format: `gpu_validate_report`) and
+   `OUT/gpu-validate.log` (every command and its output).
 
 `--dry-run` does everything that needs no GPU: checks the wheel folder against `WHEELS`
-and the transfer limit, the plan against the time budget, and writes and validates a
-report whose checks are all `planned`. `--prepare-wheels DIR` fills a wheel folder on a
-CPU machine with a registry.
+(`gpu_validate_wheels`) and the transfer limit, the plan against the time budget, and
+writes and validates a report whose checks are all `planned`. `--prepare-wheels DIR`
+fills a wheel folder on a CPU machine with a registry.
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 import time
@@ -29,38 +30,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SCHEMA = "peerflow-gpu-validate/1"
-ROOT = Path(__file__).resolve().parents[1]
-#: Seconds the whole kit may take (a device command may run 600 s).
-TOTAL_BUDGET_S = 540
-#: Seconds reserved for installing the wheels and PeerFlow.
-INSTALL_BUDGET_S = 90
-#: Bytes that may travel with the working tree to the device (64 MiB).
-TRANSFER_LIMIT = 64 * 2**20
-#: Where check programs print their figures: one line `GPU_VALIDATE_FIGURES {json}`.
-FIGURES_PREFIX = "GPU_VALIDATE_FIGURES "
-#: Exit status of a check program when the machine cannot run the check (reason in figures).
-UNSUPPORTED_EXIT = 3
-STATUSES = ("planned", "passed", "failed", "timeout", "skipped", "unsupported")
-PYTHON_TAG = "3.12"  # the GPU images seen so far
+# The kit's other modules sit beside it; found however this file is loaded.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-#: Wheels to bring, by group: (project name, pip requirement). PeerFlow is installed with
-#: `--no-deps`, so only what its checks import is needed; `datasets`, `tensorboard` and
-#: `matplotlib` (tens of MB) are left out: the checks do not use them.
-WHEELS: dict[str, list[tuple[str, str]]] = {
-    "core": [("pluggy", "pluggy>=1.5"), ("attrs", "attrs>=23.1"), ("pyyaml", "pyyaml"),
-             ("rich", "rich"), ("markdown-it-py", "markdown-it-py"), ("mdurl", "mdurl"),
-             ("pygments", "pygments")],
-    "tests": [("pytest", "pytest>=8"), ("iniconfig", "iniconfig"), ("pluggy", "pluggy>=1.5"),
-              ("pytest-timeout", "pytest-timeout"), ("hypothesis", "hypothesis"),
-              ("sortedcontainers", "sortedcontainers")],
-    "deepspeed": [("deepspeed", "deepspeed==0.19.8"), ("hjson", "hjson"),
-                  ("py-cpuinfo", "py-cpuinfo"), ("ninja", "ninja"), ("msgpack", "msgpack"),
-                  ("pydantic", "pydantic>=2"), ("pydantic-core", "pydantic-core"),
-                  ("annotated-types", "annotated-types"),
-                  ("typing-inspection", "typing-inspection"), ("einops", "einops")],
-    "megatron": [("megatron-core", "megatron-core==0.16.1")],
-}
+from gpu_validate_checks import CHECKS, FIGURES_PREFIX, UNSUPPORTED_EXIT  # noqa: E402
+from gpu_validate_report import (  # noqa: E402
+    INSTALL_BUDGET_S,
+    TOTAL_BUDGET_S,
+    build_report,
+    metrics_figures,
+    validate_report,
+)
+from gpu_validate_wheels import (  # noqa: E402
+    ROOT,
+    TRANSFER_LIMIT,
+    check_wheel_folder,
+    prepare_wheels,
+)
 
 
 @dataclass
@@ -129,57 +115,13 @@ def plan_checks(out: Path) -> list[Check]:
     ]
 
 
-def _norm(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
-
-
-def find_wheels(folder: Path) -> dict[str, Path]:
-    """Distribution files in `folder` by normalised project name."""
-    found: dict[str, Path] = {}
-    if not folder.is_dir():
-        return found
-    for path in sorted(folder.iterdir()):
-        if path.suffix == ".whl" or path.name.endswith((".tar.gz", ".zip")):
-            stem = path.name.split("-")
-            found[_norm(stem[0])] = path
-    return found
-
-
-def check_wheel_folder(folder: Path) -> dict[str, Any]:
-    """What the folder holds against `WHEELS`, and whether it fits the transfer limit."""
-    found = find_wheels(folder)
-    groups = {group: [n for n, _ in items if _norm(n) not in found]
-              for group, items in WHEELS.items()}
-    size = sum(p.stat().st_size for p in found.values())
-    tree = _tracked_bytes()
-    return {"folder": str(folder), "files": sorted(p.name for p in found.values()),
-            "bytes": size, "tree_bytes": tree, "fits_transfer_limit": size + tree
-            <= TRANSFER_LIMIT, "missing": {g: m for g, m in groups.items() if m}}
-
-
-def _tracked_bytes() -> int:
-    try:
-        names = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True,
-                               check=True).stdout.split(b"\0")
-    except (OSError, subprocess.CalledProcessError):
-        return 0
-    return sum((ROOT / n.decode()).stat().st_size for n in names
-               if n and (ROOT / n.decode()).is_file())
-
-
 def check_commands(checks: list[Check]) -> list[str]:
     """Problems with the checks' commands: unknown programs, subcommands or files."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("gpu_checks", ROOT / "scripts" /
-                                                  "gpu_validate_checks.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
     problems = []
     for check in checks:
         argv = check.argv
         if argv[0].endswith(".py"):
-            if len(argv) != 2 or argv[1] not in module.CHECKS:
+            if len(argv) != 2 or argv[1] not in CHECKS:
                 problems.append(f"{check.name}: {argv[1:]} is not a check of {argv[0]}")
         elif argv[:2] == ["-m", "peerflow"]:
             if not (ROOT / "peerflow" / "cli" / f"{argv[2]}_cmd.py").is_file():
@@ -188,31 +130,6 @@ def check_commands(checks: list[Check]) -> list[str]:
                          if a.endswith(".yaml") and not (ROOT / a).is_file()]
         elif argv[:2] != ["-m", "pytest"]:
             problems.append(f"{check.name}: unexpected command {argv}")
-    return problems
-
-
-def validate_report(report: dict[str, Any]) -> list[str]:
-    """Problems with a report's format (empty when valid)."""
-    problems = []
-    for key, kind in (("schema", str), ("dry_run", bool), ("budget_s", int),
-                      ("install", dict), ("checks", list), ("summary", dict)):
-        if not isinstance(report.get(key), kind):
-            problems.append(f"report[{key!r}] must be a {kind.__name__}")
-    if report.get("schema") != SCHEMA:
-        problems.append(f"report['schema'] must be {SCHEMA!r}")
-    total = 0
-    for i, check in enumerate(report.get("checks") or []):
-        for key, kind in (("name", str), ("proves", str), ("budget_s", int),
-                          ("command", list), ("status", str), ("figures", dict)):
-            if not isinstance(check.get(key), kind):
-                problems.append(f"checks[{i}][{key!r}] must be a {kind.__name__}")
-        if check.get("status") not in STATUSES:
-            problems.append(f"checks[{i}]['status']={check.get('status')!r}: not one of "
-                            f"{STATUSES}")
-        total += check.get("budget_s") or 0
-    if total + INSTALL_BUDGET_S > TOTAL_BUDGET_S:
-        problems.append(f"check budgets ({total} s) + install ({INSTALL_BUDGET_S} s) exceed "
-                        f"{TOTAL_BUDGET_S} s")
     return problems
 
 
@@ -300,57 +217,6 @@ def run_check(runner: Runner, check: Check, missing: dict[str, list[str]]) -> di
     return entry
 
 
-def metrics_figures(run_dir: Path) -> dict[str, Any]:
-    """Reward first/last steps, log-prob mismatch and step time from a run's metrics."""
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
-        return {}
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    if not rows:
-        return {}
-
-    def mean(key: str, part: list[dict[str, Any]]) -> float | None:
-        values = [r[key] for r in part if isinstance(r.get(key), (int, float))]
-        return round(sum(values) / len(values), 4) if values else None
-
-    head, tail = rows[:5], rows[-5:]
-    figures = {"steps": rows[-1].get("step"), "reward_first5": mean("reward/mean", head),
-               "reward_last5": mean("reward/mean", tail),
-               "time_step_s": mean("time/step", tail),
-               "tokens_per_s": mean("throughput/tokens_per_s", tail)}
-    for key in sorted({k for r in rows for k in r if "mismatch" in k}):
-        figures[key] = mean(key, tail)
-    return figures
-
-
-def _report(dry_run: bool, install_entry: dict[str, Any], checks: list[dict[str, Any]],
-            device: dict[str, Any] | None) -> dict[str, Any]:
-    counts: dict[str, int] = {}
-    for c in checks:
-        counts[c["status"]] = counts.get(c["status"], 0) + 1
-    return {"schema": SCHEMA, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "dry_run": dry_run, "device": device, "budget_s": TOTAL_BUDGET_S,
-            "install": install_entry, "checks": checks, "summary": counts}
-
-
-def prepare_wheels(folder: Path) -> int:
-    """Downloads `WHEELS` for the GPU image's Python into `folder` (needs a registry)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    specs = {spec for items in WHEELS.values() for name, spec in items
-             if name != "deepspeed"}
-    binary = [sys.executable, "-m", "pip", "download", "--no-deps", "-d", str(folder),
-              "--python-version", PYTHON_TAG, "--platform", "manylinux2014_x86_64",
-              "--platform", "manylinux_2_17_x86_64", "--only-binary=:all:", *sorted(specs)]
-    source = [sys.executable, "-m", "pip", "download", "--no-deps", "-d", str(folder),
-              "--no-binary=:all:", dict(WHEELS["deepspeed"])["deepspeed"]]
-    for argv in (binary, source):
-        print("$", " ".join(argv), flush=True)
-        if subprocess.run(argv).returncode:
-            return 1
-    print(json.dumps(check_wheel_folder(folder), indent=2))
-    return 0
-
-
 def main(argv: list[str] | None = None) -> int:
     """Runs the kit; returns the exit status (0: every check passed or was planned)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -395,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
             for e in entries:
                 runner.say(f"[{e['status']}] {e['name']} ({e['seconds']} s) {e['figures']}")
             device = next((e["figures"] for e in entries if e["name"] == "env"), None)
-        report = _report(args.dry_run, install_entry, entries, device)
+        report = build_report(args.dry_run, install_entry, entries, device)
         problems = validate_report(report) + check_commands(checks)
         if args.dry_run and not folder["fits_transfer_limit"]:
             problems.append("the wheel folder and the tree exceed the transfer limit")

@@ -25,7 +25,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+#: Where check programs print their figures: one line `GPU_VALIDATE_FIGURES {json}`.
 FIGURES_PREFIX = "GPU_VALIDATE_FIGURES "
+#: Exit status of a check program when the machine cannot run the check (reason in figures).
 UNSUPPORTED_EXIT = 3
 #: Qwen2.5-1.5B: hidden, intermediate, layers, heads, kv heads, vocabulary.
 QWEN25_15B = (1536, 8960, 28, 12, 2, 151936)

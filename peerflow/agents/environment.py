@@ -21,7 +21,7 @@ at once, each under `rollout.agent` time limits, so a slow environment does not 
 batch. An exception or a time-out from `step` (or `final_reward`) ends that trajectory with
 its error marked in the sample (`finish_reason` `"env_error"` or `"env_timeout"`, the text
 in `agent_error`); the run goes on, and training leaves the trajectory (by default its
-whole group) out as `rollout.agent.on_env_error` says (`peerflow.agents.env_errors`).
+whole group) out as `rollout.agent.on_env_error` says (`peerflow.algorithms.failed_samples`).
 `close` runs the same way; its errors are dropped.
 
 Tools are environments too: `peerflow.agents.tools.ToolEnvironment` parses tool calls out

@@ -347,7 +347,7 @@ def record_episode_metrics(batch: Batch, metrics: Any) -> None:
     (`agent/versions_max`: most versions one trajectory's sampled tokens span), and the
     per-trajectory mean of every number environments put in `StepResult.info`.
     """
-    from peerflow.agents.env_errors import ENV_EXCLUDED, env_faults
+    from peerflow.algorithms.failed_samples import ENV_EXCLUDED, env_faults
 
     n = len(batch)
     turns = batch["num_turns"].float()

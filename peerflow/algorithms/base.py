@@ -30,9 +30,9 @@ Batch fields the algorithms read and write (ragged fields are aligned with
 * `is_weights` — ragged, decoupled-PPO importance weights `π_prox / π_behav` (truncated
   or masked, no grad), written before `train_step` (`peerflow.algorithms.off_policy`).
 * `train_mask` — optional `[num_samples]` bool: `False` samples (DAPO's overlong
-  filtering, dynamic sampling's flat top-up groups, agent trajectories the environment
-  failed — `peerflow.agents.env_errors`) are left out of the actor's and the critic's
-  loss and of their token and sample normalisers. With `loss_mask` too, a token is
+  filtering, dynamic sampling's flat top-up groups, samples the environment or the
+  reward failed — `peerflow.algorithms.failed_samples`) are left out of the actor's and
+  the critic's loss and of their token and sample normalisers. With `loss_mask` too, a token is
   trained when its sample's `train_mask` and its own `loss_mask` are both true.
 * `entropy` — ragged, the current policy's per-token entropy *with grad*; the train
   engine sets it on a micro-batch when the loss's `needs_entropy` is true (entropy bonus).

@@ -4,7 +4,10 @@ Such a group has zero advantage under any group-relative estimator, so it adds n
 gradient, only noise in the normalisers. The worker calls `filter_groups` after the
 reward node; if fewer than the wanted number of groups remain it generates
 `refill_groups` more prompts' worth and calls it again on the union (DAPO's loop), then
-`take_groups` trims the batch to exactly the wanted number.
+`take_groups` trims the batch to exactly the wanted number. Samples that training will
+leave out whatever happens (failed ones, `peerflow.algorithms.failed_samples`) are passed
+as `excluded`: a group is judged on the others alone, so one whose failure policy drops
+it all counts as dropped and is refilled like a flat one.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ class DynamicSamplingResult:
     kept_groups: int
     """Groups with reward variance."""
     dropped_groups: int
-    """Groups whose rewards were all equal (within `tolerance`)."""
+    """Groups whose kept samples' rewards were all equal (within `tolerance`), or that
+    kept no sample."""
     refill_groups: int
     """`max(0, target_groups - kept_groups)`: prompts still to sample."""
 
@@ -40,25 +44,31 @@ class DynamicSamplingResult:
 
 def filter_groups(
     batch: Batch, target_groups: int | None = None, *, key: str = "reward",
-    tolerance: float = 1e-6,
+    tolerance: float = 1e-6, excluded: torch.Tensor | None = None,
 ) -> DynamicSamplingResult:
-    """Drops every group whose `key` values are all equal.
+    """Drops every group whose `key` values are all equal over its kept samples.
 
     Args:
         batch: Whole groups (samples sharing `group_id`), with a `[num_samples]` `key`.
         target_groups: Groups the step wants; `None` means the groups in `batch`.
         key: Field scored per sample (the reward; `score` to ignore a KL penalty).
         tolerance: Max-minus-min spread below which rewards count as equal.
+        excluded: `[num_samples]` bool, samples training leaves out in any case: they
+            take no part in the comparison (a group of none, or of one, is dropped).
     """
     values = batch[key]
     if not isinstance(values, torch.Tensor):
         raise TypeError(f"dynamic sampling reads batch field {key!r} as a [num_samples] tensor.")
     uniques, index = torch.unique(batch.group_id, return_inverse=True)
     values = values.to(torch.float64)
+    lows, highs = values, values
+    if excluded is not None:
+        lows = values.masked_fill(excluded, torch.inf)
+        highs = values.masked_fill(excluded, -torch.inf)
     high = torch.full((len(uniques),), -torch.inf, dtype=torch.float64).scatter_reduce(
-        0, index, values, reduce="amax")
+        0, index, highs, reduce="amax")
     low = torch.full((len(uniques),), torch.inf, dtype=torch.float64).scatter_reduce(
-        0, index, values, reduce="amin")
+        0, index, lows, reduce="amin")
     keep_group = (high - low) > tolerance
     keep = keep_group[index].nonzero().flatten()
     kept = int(keep_group.sum())

@@ -147,7 +147,7 @@ def trained_samples(batch: Batch) -> Batch:
     """The samples a train step uses: those whose `train_mask` is true (all without one).
 
     Overlong filtering, dynamic sampling's flat top-up groups and trajectories the
-    environment failed (`peerflow.agents.env_errors`) clear it.
+    environment or the reward failed (`peerflow.algorithms.failed_samples`) clear it.
     """
     if "train_mask" not in batch:
         return batch

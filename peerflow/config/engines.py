@@ -107,7 +107,7 @@ class AgentConfig:
     `env_error` or `env_timeout`: not the model's doing). `drop_group`: leave its whole
     GRPO group out (their baseline is corrupted); `mask`: leave the trajectory alone out,
     its group's baseline computed over the others; `train`: train on it like any other
-    (see `peerflow.agents.env_errors`)."""
+    (see `peerflow.algorithms.failed_samples`)."""
 
 
 @attrs.frozen(kw_only=True)

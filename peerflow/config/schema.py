@@ -55,6 +55,11 @@ class RewardLimits:
     failure_score: float = 0.0
     """Score of a sample whose reward raised, timed out or returned a non-number (each one
     is counted in `reward/errors` or `reward/timeouts` and logged with the sample)."""
+    on_failure: Literal["train", "mask", "drop_group"] = "train"
+    """What training does with such a sample: `train` it at `failure_score`; `mask`: leave
+    it alone out (its group's baseline over the others); `drop_group`: leave its whole
+    group out. Left-out groups are refilled under `algorithm.dynamic_sampling` (see
+    `peerflow.algorithms.failed_samples`, the same policies as `rollout.agent.on_env_error`)."""
 
 
 @attrs.frozen(kw_only=True)

@@ -2,25 +2,27 @@
 
 `ShmRoute.exchange` has the contract of `exchange.exchange` — every sender's framed
 messages reach their peers, one message per (sender, receiver) — but moves them through
-files under `/dev/shm` and signals with the default c10d store instead of one gloo
-message per pair:
+files under `/dev/shm` and wakes receivers through their pipes (`coordinator.inbox`)
+instead of one gloo message per pair:
 
 * a sender writes all its messages of one exchange into one segment (a message addressed
   to several peers, e.g. a shard's metadata or the samples of a consumer's tp peers, is
-  written once), gives each receiver a hard link of its own, then sets one store key;
-* a receiver waits for its senders' keys in one store round trip, maps each link
+  written once), gives each receiver a hard link of its own, then writes one wake-up
+  line into each receiver's pipe;
+* a receiver waits until all its senders' wake-ups have arrived, maps each link
   privately (copy on write: zero-copy views that no other process sees change) and
   unlinks it.
 
 Lifetime: a mapping outlives the unlinked file, so a segment is freed once its last
 receiver has unlinked its link (`st_nlink` of the sender's own name back to 1); the
-sender checks that after each exchange and then removes its name and key. A call that
+sender checks that after each exchange and then removes its name. A call that
 fails removes its sender's segments at once (a receiver that still wants one gets a
 `WorkerFailedError` naming the sender); at exit a process removes its names and the
 links of receivers that no longer exist (a live one removes its link when it reads);
 and the first route of a process removes files of processes that no longer exist, so a
-killed run leaves nothing behind for the next. Keys and file names carry the route (its
-rank set), a per-route call counter and the exchange's tag, so no two calls collide.
+killed run leaves nothing behind for the next. Wake-up tokens and file names carry the
+route (its rank set), a per-route call counter and the exchange's tag, so no two calls
+collide.
 """
 
 from __future__ import annotations
@@ -36,9 +38,10 @@ from typing import Any
 import attrs
 import torch
 
-from peerflow.distributed.comm import store_wait
+from peerflow.coordinator.inbox import Inbox
 from peerflow.distributed.procs import process_gone
 from peerflow.errors import WorkerFailedError
+from peerflow.rounding import pad_to_multiple
 
 #: Where segments live (a tmpfs on Linux).
 SHM_DIR = "/dev/shm"
@@ -47,11 +50,7 @@ PREFIX = "peerflow-"
 #: Byte alignment of every message in a segment (wire.ALIGN divides it).
 _ALIGN = 64
 
-_ROUTES: list[ShmRoute] = []  # every route of this process, released at exit
-
-
-def _aligned(n: int) -> int:
-    return -(-n // _ALIGN) * _ALIGN
+_ROUTES: list[ShmRoute] = []  # every unreleased route of this process, released at exit
 
 
 def sweep_stale(directory: str = SHM_DIR) -> int:
@@ -68,8 +67,16 @@ def sweep_stale(directory: str = SHM_DIR) -> int:
     return removed
 
 
+def this_process_inbox(directory: str = SHM_DIR) -> Inbox:
+    """This process's wake-up pipe in `directory` (made on first use).
+
+    Call it before telling peers this process's id, so that they never find it missing.
+    """
+    return Inbox.of_this_process(directory, PREFIX)
+
+
 def _release_all() -> None:
-    for route in _ROUTES:
+    for route in list(_ROUTES):
         route.release()
 
 
@@ -107,12 +114,11 @@ def _link(path: str, link: str) -> None:
 
 @attrs.define(eq=False)
 class _Segment:
-    """One written segment: the sender's own name, its receivers' links, its store key."""
+    """One written segment: the sender's own name and its receivers' links."""
 
     call: int
     path: str
     links: list[str]
-    key: str
 
 
 @attrs.define(eq=False)
@@ -123,8 +129,8 @@ class ShmRoute:
     counter (part of every key and file name) agrees across the set.
     """
 
-    store: object
-    """The default c10d store (every rank of the world reaches it)."""
+    inbox: Inbox
+    """This process's wake-up pipe (`this_process_inbox`)."""
     rank: int
     """This process's global rank."""
     route_key: str
@@ -159,8 +165,8 @@ class ShmRoute:
         return os.path.join(self.directory,
                             f"{PREFIX}{self.pids[sender]}-{self.route_key}-{self.call}-{tag}")
 
-    def _key(self, sender: int, tag: int) -> str:
-        return f"peerflow/shm/{self.route_key}/{self.call}/{tag}/{sender}"
+    def _token(self, sender: int, tag: int) -> str:
+        return f"{self.route_key}/{self.call}/{tag}/{sender}"
 
     def exchange(
         self,
@@ -179,13 +185,12 @@ class ShmRoute:
         """
         try:
             sent = self._write(outgoing, tag)
-            keys = {self._key(peer, tag): peer for peer in incoming}
-            store_wait(self.store, keys, f"{what} (shared memory)", timeout)
+            tokens = {self._token(peer, tag): peer for peer in incoming}
+            self.inbox.wait(tokens, f"{what} (shared memory)", timeout)
             received = {peer: self._read(peer, tag, what) for peer in incoming}
         except WorkerFailedError:
             self._abandon()
-            with contextlib.suppress(Exception):  # the store may be gone with its rank
-                self._collect()
+            self._collect()
             raise
         self._collect()
         return received, sent
@@ -204,10 +209,10 @@ class ShmRoute:
             sent += message.numel()
         if not table:
             return 0
-        offsets, position = [], _aligned(8 + 24 * len(table))
+        offsets, position = [], pad_to_multiple(8 + 24 * len(table), _ALIGN)
         for message in messages:
             offsets.append(position)
-            position += _aligned(message.numel())
+            position += pad_to_multiple(message.numel(), _ALIGN)
         header = [len(table)]
         for peer, index in table:
             header += [peer, offsets[index], messages[index].numel()]
@@ -220,13 +225,16 @@ class ShmRoute:
                 _write_all(fd, memoryview(message.numpy()), offset)
         finally:
             os.close(fd)
-        links = [f"{path}-to{peer}" for peer in dict.fromkeys(peer for peer, _ in table)]
-        segment = _Segment(call=self.call, path=path, links=[], key=self._key(self.rank, tag))
+        receivers = list(dict.fromkeys(peer for peer, _ in table))
+        segment = _Segment(call=self.call, path=path, links=[])
         self.pending.append(segment)
-        for link in links:
+        for peer in receivers:
+            link = f"{path}-to{peer}"
             _link(path, link)
             segment.links.append(link)
-        self.store.set(segment.key, b"")
+        token = self._token(self.rank, tag)
+        for peer in receivers:
+            self.inbox.notify(self.pids[peer], token)
         return sent
 
     def _read(self, sender: int, tag: int, what: str) -> torch.Tensor:
@@ -266,7 +274,6 @@ class ShmRoute:
                 continue
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(segment.path)
-            self.store.delete_key(segment.key)
         self.pending = keep
 
     def _abandon(self) -> None:
@@ -283,7 +290,7 @@ class ShmRoute:
                         os.unlink(path)
 
     def release(self) -> None:
-        """Removes this route's files at process exit.
+        """Removes this route's files (at process exit, or when its world group goes).
 
         A link of a receiver that is still alive stays: that receiver may not have read
         it yet (this process may finish its last call first), and removes it when it does.
@@ -293,3 +300,5 @@ class ShmRoute:
 
         self._remove(self.pending, keep_link=reader_alive)
         self.pending = []
+        if self in _ROUTES:  # nothing holds the route any longer
+            _ROUTES.remove(self)

@@ -5,8 +5,9 @@ both modes (p2p and the centralized baseline) run their rounds over it, so compa
 them compares designs, not transports:
 
 * `gloo`: `exchange.GlooChannel`, one gloo message per pair (any set of hosts);
-* `shm`: `shm.ShmRoute`, segments under `/dev/shm` and one store key per sender and
-  round; every rank of the route must share this host's `/dev/shm`;
+* `shm`: `shm.ShmRoute`, segments under `/dev/shm` and one wake-up per sender,
+  receiver and round (`coordinator.inbox`); every rank of the route must share this
+  host's `/dev/shm`;
 * `auto` (the default): `shm` when they do, else `gloo`.
 
 Whether they do is decided once per rank set: every rank publishes its host identity
@@ -28,17 +29,20 @@ from typing import Any
 import torch.distributed as dist
 
 from peerflow.coordinator.exchange import GlooChannel
-from peerflow.coordinator.shm import SHM_DIR, ShmRoute
+from peerflow.coordinator.shm import SHM_DIR, ShmRoute, this_process_inbox
 from peerflow.distributed.comm import store_wait
 
 #: Accepted values of `redistribute(transport=…)` and `runtime.coordinator_transport`.
 TRANSPORTS = ("auto", "gloo", "shm")
 
 _GLOO = GlooChannel()
-# Keyed weakly by the world process group, so that neither holds a destroyed group (and
-# its gloo threads) alive until interpreter exit: C++ threads torn down during
-# finalization abort the process ("terminate called without an active exception").
-_ROUTES: weakref.WeakKeyDictionary[Any, dict[tuple[int, ...], ShmRoute | str]] = (
+# Every shared-memory route of this process (the coordinator's and the weight sync's):
+# world process group → (namespace, rank set) → route, or why its ranks share no memory.
+# Keyed weakly, so that neither holds a destroyed group (and its gloo threads) alive until
+# interpreter exit: C++ threads torn down during finalization abort the process
+# ("terminate called without an active exception"). A destroyed group's routes are
+# released with it (their files removed).
+_ROUTES: weakref.WeakKeyDictionary[Any, dict[tuple[str, tuple[int, ...]], ShmRoute | str]] = (
     weakref.WeakKeyDictionary())
 _PUBLISHED: weakref.WeakSet[Any] = weakref.WeakSet()
 
@@ -75,6 +79,7 @@ def shm_route(participants: tuple[int, ...], timeout: float, *, namespace: str =
     store = dist.distributed_c10d._get_default_store()
     rank = dist.get_rank()
     world = dist.group.WORLD
+    inbox = this_process_inbox() if host_identity() else None  # before peers learn our pid
     if world not in _PUBLISHED:
         store.set(f"peerflow/host/{rank}",
                   f"{host_identity()}|{os.getpid()}|{usable_cores()}")
@@ -94,8 +99,32 @@ def shm_route(participants: tuple[int, ...], timeout: float, *, namespace: str =
         return f"the route's ranks are on {len(hosts)} hosts ({sorted(hosts.values())})"
     route_key = hashlib.blake2s((namespace + ",".join(map(str, participants))).encode(),
                                 digest_size=6).hexdigest()
-    return ShmRoute(store=store, rank=rank, route_key=route_key, pids=pids,
+    return ShmRoute(inbox=inbox, rank=rank, route_key=route_key, pids=pids,
                     cores=min(cores))
+
+
+def cached_shm_route(participants: Sequence[int], timeout: float, *, namespace: str = ""
+                     ) -> ShmRoute | str:
+    """`shm_route` of the rank set, made at the first call and kept for the world group.
+
+    Every rank of `participants` calls it in the same order per `namespace`.
+    """
+    world = dist.group.WORLD
+    routes = _ROUTES.get(world)
+    if routes is None:
+        routes = _ROUTES[world] = {}
+        weakref.finalize(world, _release, routes)
+    key = (namespace, tuple(participants))
+    if key not in routes:
+        routes[key] = shm_route(key[1], timeout, namespace=namespace)
+    return routes[key]
+
+
+def _release(routes: dict[Any, ShmRoute | str]) -> None:
+    for route in routes.values():
+        if isinstance(route, ShmRoute):
+            route.release()
+    routes.clear()
 
 
 def check_transport(transport: str) -> None:
@@ -116,11 +145,7 @@ def open_channel(participants: Sequence[int], transport: str, timeout: float) ->
     check_transport(transport)
     if transport == "gloo":
         return _GLOO
-    routes = _ROUTES.setdefault(dist.group.WORLD, {})
-    key = tuple(participants)
-    if key not in routes:
-        routes[key] = shm_route(key, timeout)
-    route = routes[key]
+    route = cached_shm_route(participants, timeout)
     if isinstance(route, str):
         if transport == "shm":
             raise ValueError(f"redistribute: transport='shm' but {route}; use "

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 import torch
 
 from peerflow.batch import Batch, RaggedField
+from peerflow.rounding import pad_to_multiple
 
 #: Byte alignment of every tensor in a packed buffer (the widest element size).
 ALIGN = 16
@@ -30,7 +31,7 @@ _HEADER_SLACK = 256
 
 def padded(nbytes: int) -> int:
     """`nbytes` rounded up to `ALIGN` (where a packed batch or one of its tensors starts)."""
-    return -(-nbytes // ALIGN) * ALIGN
+    return pad_to_multiple(nbytes, ALIGN)
 
 
 @functools.cache

@@ -26,7 +26,8 @@ def default_timeout() -> float:
     return ctx.timeout if ctx is not None else 60.0
 
 
-def _peer_failure() -> str | None:
+def peer_failure() -> str | None:
+    """The failure a peer published to the failure monitor, if any (named in timeouts)."""
     monitor = current_monitor()
     if monitor is None:
         return None
@@ -50,7 +51,7 @@ def wait_all(works: Sequence[Any], what: str, timeout: float | None = None) -> N
         try:
             work.wait(timeout=delta)
         except Exception as exc:
-            peer = _peer_failure()
+            peer = peer_failure()
             cause = f"; {peer}" if peer else ""
             raise WorkerFailedError(
                 f"{what} did not complete within {timeout:g} s ({exc}){cause}"
@@ -111,7 +112,7 @@ def store_wait(store: Any, keys: dict[str, int], what: str, timeout: float | Non
         except Exception:  # the store itself is gone (its host rank died)
             missing = []
         whom = f"rank(s) {missing}" if missing else "a peer (the store is unreachable)"
-        peer = _peer_failure()
+        peer = peer_failure()
         cause = f"; {peer}" if peer else ""
         raise WorkerFailedError(
             f"{what}: {whom} did not answer within {timeout:g} s ({exc}){cause}"

@@ -23,7 +23,6 @@ from __future__ import annotations
 from peerflow.models import llama, qwen2, qwen3, qwen3_moe  # noqa: F401  (register families)
 from peerflow.models.common import (
     RankCoords,
-    pad_to_multiple,
     restrict_rows,
     split_chunk,
     split_even,
@@ -33,6 +32,7 @@ from peerflow.models.config import ModelShape
 from peerflow.models.hf import hf_layout, hf_parameters, tp_layout
 from peerflow.models.megatron import hf_to_megatron, megatron_layout, megatron_to_hf, padded_vocab
 from peerflow.models.vllm import hf_to_vllm, sglang_layout, vllm_layout, vllm_to_hf
+from peerflow.rounding import pad_to_multiple
 
 __all__ = [
     "ModelShape",

@@ -53,11 +53,6 @@ def split_chunk(total: int, parts: int, rank: int) -> range:
     return range(start, min(start + chunk, total))
 
 
-def pad_to_multiple(value: int, multiple: int) -> int:
-    """Returns `value` rounded up to a multiple of `multiple`."""
-    return -(-value // multiple) * multiple
-
-
 def stage_layers(num_layers: int, pp_rank: int, pp_size: int) -> range:
     """Returns the global layer indices of pipeline stage `pp_rank`.
 

@@ -29,7 +29,6 @@ from peerflow.models.common import (
     ONE_RANK,
     RankCoords,
     Segment,
-    pad_to_multiple,
     rows_of,
     split_even,
     stack,
@@ -38,6 +37,7 @@ from peerflow.models.common import (
 from peerflow.models.config import ModelShape
 from peerflow.models.hf import col_split, expert_prefix
 from peerflow.models.vllm import dense_mlp, stage_ends
+from peerflow.rounding import pad_to_multiple
 from peerflow.shard import ShardSpec
 
 #: Megatron-LM's default `make_vocab_size_divisible_by`.

@@ -33,7 +33,6 @@ from peerflow.models.common import (
     ONE_RANK,
     RankCoords,
     Segment,
-    pad_to_multiple,
     replica_index,
     rows_of,
     split_even,
@@ -42,6 +41,7 @@ from peerflow.models.common import (
 )
 from peerflow.models.config import ModelShape
 from peerflow.models.hf import EMBED, FINAL_NORM, LM_HEAD, col_split, expert_prefix
+from peerflow.rounding import pad_to_multiple
 from peerflow.shard import ShardSpec
 
 #: vLLM's `DEFAULT_VOCAB_PADDING_SIZE`.

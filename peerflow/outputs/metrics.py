@@ -15,7 +15,8 @@ Algorithm
     `actor/dual_clipfrac`, `actor/grad_norm`, `actor/lr` (from the losses in
     `peerflow.algorithms.losses` and the train engine); `actor/masked_fraction` — samples
     left out of the loss (overlong filtering, flat top-up groups, failed agent
-    trajectories); `agent/env_errors` — agent trajectories the environment failed,
+    trajectories, samples whose reward failed under `task.reward_limits.on_failure`);
+    `agent/env_errors` — agent trajectories the environment failed,
     `agent/env_dropped_fraction` — samples `rollout.agent.on_env_error` left out;
     `off_policy/is_weight_mean`, `off_policy/is_weight_max` — decoupled-PPO weights
     `exp(old_logprobs - rollout_logprobs)` before truncation,

@@ -38,6 +38,7 @@ from peerflow.errors import ShardError
 from peerflow.reshard.buckets import Bucket, itemsize
 from peerflow.reshard.plan import ReshardPlan, Transfer
 from peerflow.reshard.transport import WeightTransport
+from peerflow.rounding import pad_to_multiple
 from peerflow.shard import ShardSpec
 
 #: Byte alignment of regions inside packed buffers (so any dtype view is legal).
@@ -110,7 +111,7 @@ class Arena:
         """Returns the next `nbytes` (16-byte aligned) of the buffer as `uint8`."""
         assert self.buffer is not None
         start = self.cursor
-        self.cursor += _aligned(nbytes)
+        self.cursor += pad_to_multiple(nbytes, ALIGN)
         return self.buffer[start:start + nbytes]
 
     def release(self) -> None:
@@ -120,16 +121,12 @@ class Arena:
             self.buffer = None
 
 
-def _aligned(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
-
-
 def packed_layout(transfers: Sequence[Transfer]) -> tuple[list[int], int]:
     """Returns each transfer's byte offset in a packed buffer and the buffer's size."""
     offsets, cursor = [], 0
     for t in transfers:
         offsets.append(cursor)
-        cursor += _aligned(t.numel * itemsize(t.src_dtype))
+        cursor += pad_to_multiple(t.numel * itemsize(t.src_dtype), ALIGN)
     return offsets, cursor
 
 
@@ -199,8 +196,10 @@ def _arena_bytes(buckets: Sequence[Bucket], routes: Sequence[BucketRoutes], rank
     """Largest arena any bucket of this rank needs (send buffers; staged tensors too)."""
     need = 0
     for bucket, route in zip(buckets, routes, strict=True):
-        send = sum(_aligned(packed_layout(ts)[1]) for ts in route.outgoing.values())
-        staged = sum(_aligned(math.prod(targets[n].local_shape) * itemsize(targets[n].dtype))
+        send = sum(pad_to_multiple(packed_layout(ts)[1], ALIGN)
+                   for ts in route.outgoing.values())
+        staged = sum(pad_to_multiple(math.prod(targets[n].local_shape)
+                                     * itemsize(targets[n].dtype), ALIGN)
                      for r, n in bucket.targets if r == rank) if stage else 0
         need = max(need, send, staged)
     return need
@@ -300,7 +299,7 @@ def destination_tensors(names: Sequence[str], targets: dict[str, ShardSpec],
         return out
     sizes = [math.prod(targets[n].local_shape) * itemsize(targets[n].dtype) for n in names]
     arena.reset()
-    arena.reserve_total(max(sum(_aligned(n) for n in sizes), arena.stage_bytes))
+    arena.reserve_total(max(sum(pad_to_multiple(n, ALIGN) for n in sizes), arena.stage_bytes))
     for name, nbytes in zip(names, sizes):
         spec = targets[name]
         tensor = arena.take(nbytes).view(getattr(torch, spec.dtype)).view(spec.local_shape)
@@ -338,7 +337,7 @@ def _run_bucket(bucket: Bucket, routes: BucketRoutes, rank: int, sources: dict[s
     start = time.perf_counter()
     arena.reset()
     if routes.outgoing:
-        arena.reserve_total(sum(_aligned(packed_layout(ts)[1])
+        arena.reserve_total(sum(pad_to_multiple(packed_layout(ts)[1], ALIGN)
                                 for ts in routes.outgoing.values()))
     sends = pack_regions(routes.outgoing, sources, arena.take)
     stats["bytes"] += sum(buf.numel() for buf in sends.values())

@@ -5,7 +5,7 @@
 * `torch` — torch.distributed point-to-point (`isend`/`irecv`) on the plan's group: gloo
   on CPU, NCCL on GPU. Only ranks owning a replica-0 source piece send.
 * `shm` — same-host CPU ranks: each bucket through one `/dev/shm` segment per sender and
-  one store key (the coordinator's `ShmRoute`, on a route of its own). The sender writes
+  one wake-up per receiver (the coordinator's `ShmRoute`, on a route of its own). The sender writes
   and returns; the receiver maps the segment. Over gloo, a push that the receiver drains
   while it generates costs the sender's gloo thread ~15 ms of CPU per 2 MB on a 2-core
   machine — CPU the trainer's step then lacks (docs/benchmarks.md, "Async overhead,
@@ -20,13 +20,12 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from peerflow.coordinator.shm import ShmRoute
-from peerflow.coordinator.transport import shm_route
+from peerflow.coordinator.transport import cached_shm_route
 from peerflow.distributed.comm import default_timeout
 from peerflow.errors import ConfigError
 from peerflow.plugins import hookimpl
@@ -78,23 +77,18 @@ class SharedMemoryTransport(WeightTransport):
 
     name = "shm"
 
-    def __init__(self, *, rank: int = 0, group: Any = None, device: str = "cpu") -> None:
-        super().__init__(rank=rank, group=group, device=device)
-        self._route: ShmRoute | str | None = None
-
     def route(self) -> ShmRoute | str:
         """The group's shared-memory route, or why its ranks cannot share memory.
 
-        The first call waits for every rank of the group to publish its host (every
-        rank calls `exchange` for every bucket, so every rank gets here).
+        The coordinator's route cache holds it (namespace `weights:`, so its call counter
+        is the weight sync's own) and releases it with the world group. The first call
+        waits for every rank of the group to publish its host (every rank calls
+        `exchange` for every bucket, so every rank gets here).
         """
-        if self._route is None:
-            if self.device != "cpu":
-                self._route = f"its buffers live on {self.device!r}, not in host memory"
-            else:
-                ranks = tuple(dist.get_process_group_ranks(self.group or dist.group.WORLD))
-                self._route = shm_route(ranks, default_timeout(), namespace="weights:")
-        return self._route
+        if self.device != "cpu":
+            return f"its buffers live on {self.device!r}, not in host memory"
+        ranks = dist.get_process_group_ranks(self.group or dist.group.WORLD)
+        return cached_shm_route(ranks, default_timeout(), namespace="weights:")
 
     def exchange(self, sends: Mapping[int, torch.Tensor], recvs: Mapping[int, int],
                  routes: Sequence[Route]) -> dict[int, torch.Tensor]:

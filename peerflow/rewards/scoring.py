@@ -4,8 +4,10 @@ A component is either a function named by reference (`rewards.py:score`, `pkg.mo
 a registered reward class that declares `function`) — run in the `RewardPool` under time
 and memory limits — or a registered `RewardFunction` class, called in the rank's own
 process. Either way a failure costs only the samples it touched: they score
-`failure_score`, are counted in `reward/errors` or `reward/timeouts`, and are logged
-with the reward's name and the sample.
+`failure_score`, are marked in `RewardScores.failed` (what training does with them:
+`task.reward_limits.on_failure`, `peerflow.algorithms.failed_samples`), are counted in
+`reward/errors` or `reward/timeouts`, and are logged with the reward's name and the
+sample.
 """
 
 from __future__ import annotations
@@ -63,6 +65,8 @@ class RewardScores:
     """Means as `(value, count)`: `reward/<name>/mean` and extras per component."""
     counts: dict[str, int]
     """`reward/errors` and `reward/timeouts`."""
+    failed: list[bool]
+    """Per answer: a component failed on it (it scored `failure_score` there)."""
 
 
 @attrs.define(eq=False)
@@ -92,8 +96,11 @@ class RewardSet:
         total = [0.0] * len(responses)
         metrics: dict[str, tuple[float, int]] = {}
         counts = {"reward/errors": 0, "reward/timeouts": 0}
+        failed = [False] * len(responses)
         for component, handle in pending:
             outcomes = self._collect(handle)
+            for i, outcome in enumerate(outcomes):
+                failed[i] = failed[i] or outcome.status != "ok"
             scores = self._account(component, outcomes, ids, records, counts)
             for i, value in enumerate(scores):
                 total[i] += component.weight * value
@@ -104,7 +111,7 @@ class RewardSet:
                 values = [o.extras[key] for o in outcomes if key in o.extras]
                 metrics[f"reward/{component.name}/{key}"] = (sum(values) / len(values),
                                                              len(values))
-        return RewardScores(total=total, metrics=metrics, counts=counts)
+        return RewardScores(total=total, metrics=metrics, counts=counts, failed=failed)
 
     def _submit(self, component: RewardComponent, responses: Sequence[str],
                 examples: Sequence[Any], records: list[dict[str, Any]]) -> Any:

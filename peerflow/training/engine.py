@@ -230,8 +230,8 @@ class CausalLMTrainEngine(TrainEngine, abc.ABC):
             if tokens == 0:  # every rank agrees (a global count): none steps
                 log.warning(
                     "%s.train_step: no trained token in the mini-batch on any dp-rank (every "
-                    "sample was left out: train_mask false — failed agent trajectories, "
-                    "overlong filtering — or loss_mask false everywhere); its optimizer "
+                    "sample was left out: train_mask false — failed agent trajectories or "
+                    "rewards, overlong filtering — or loss_mask false everywhere); its optimizer "
                     "step is skipped, the weights stay as they are.", type(self).__name__)
                 continue
             self.zero_grad()

@@ -45,14 +45,16 @@ def score_texts(rewards: Any, batch: Batch, texts: list[str]) -> Any:
     """Scores decoded answers with a `RewardSet`; returns its `RewardScores`.
 
     Agent episodes (`env_reward` in the batch) keep their environment's outcome reward
-    (`Environment.final_reward`) where it gave one; the task's rewards score the others.
+    (`Environment.final_reward`) where it gave one (a task reward's failure on them then
+    does not count); the task's rewards score the others.
     """
     scores = rewards.score(texts, batch["example"], batch.sample_id.tolist())
     if "env_reward" not in batch:
         return scores
-    total = [task if math.isnan(env) else env
-             for task, env in zip(scores.total, batch["env_reward"].tolist())]
-    return attrs.evolve(scores, total=total)
+    env = batch["env_reward"].tolist()
+    total = [task if math.isnan(e) else e for task, e in zip(scores.total, env)]
+    failed = [f and math.isnan(e) for f, e in zip(scores.failed, env)]
+    return attrs.evolve(scores, total=total, failed=failed)
 
 
 def _score(rt: WorkerRuntime, batch: Batch, node: Any = None,
@@ -63,8 +65,12 @@ def _score(rt: WorkerRuntime, batch: Batch, node: Any = None,
     (`task.reward` / `task.rewards`); the field is the node's first output (`reward` by
     default), so several reward nodes can feed one advantage node under different names
     (fan-in). Per-reward means and the `reward/errors` / `reward/timeouts` counts go
-    into `metrics`. Agent episodes keep their environment's outcome reward (`score_texts`).
+    into `metrics`; the samples a reward failed on are marked `reward_failed` (with
+    several reward nodes: any of them). Agent episodes keep their environment's outcome
+    reward (`score_texts`).
     """
+    from peerflow.algorithms.failed_samples import REWARD_FAILED, reward_failures
+
     texts = response_texts(rt, batch)
     options = getattr(node, "options", None) or {}
     rewards = rt.reward_set(options.get("reward"))
@@ -79,6 +85,8 @@ def _score(rt: WorkerRuntime, batch: Batch, node: Any = None,
     outputs = tuple(getattr(node, "outputs", ()) or ("reward",))
     batch.set_objects("response_text", texts)
     batch.set(outputs[0], torch.tensor(scores.total, dtype=torch.float32))
+    batch.set(REWARD_FAILED, reward_failures(batch) | torch.tensor(scores.failed,
+                                                                   dtype=torch.bool))
 
 
 def _samples(batch: Batch) -> str:
@@ -120,16 +128,19 @@ def _dynamic_sampling(
 ) -> Batch:
     """Drops groups whose rewards are all equal and samples new prompts to refill (DAPO).
 
-    Refill rounds are bounded by `rt.max_refill_rounds`. When the bound is hit, the batch
-    is topped up with flat groups so every dp-rank trains on the same number of groups
-    (train engines step in lock-step); flat groups carry zero group-relative advantage.
+    A group the failure policies leave out (`rollout.agent.on_env_error`,
+    `task.reward_limits.on_failure`: `_failure_exclusions`) counts as dropped too, and
+    the others' rewards are compared over the samples the policies keep. Refill rounds
+    are bounded by `rt.max_refill_rounds`. When the bound is hit, the batch is topped up
+    with flat groups so every dp-rank trains on the same number of groups (train engines
+    step in lock-step); flat groups carry zero group-relative advantage.
     Works with one reward node (the one writing `reward`).
     """
     from peerflow.algorithms.dynamic_sampling import filter_groups, take_groups, top_up
 
     target = group_count(batch)
-    pool = [batch]
-    result = filter_groups(batch, target)
+    pool, everything = [batch], batch
+    result = filter_groups(batch, target, excluded=_failure_exclusions(rt, batch))
     first = result
     rounds = 0
     while result.refill_groups > 0 and rounds < rt.max_refill_rounds:
@@ -139,10 +150,11 @@ def _dynamic_sampling(
             fresh = rt.generate_batch(rt.engine("rollout"), draws, _sampling(rt, rounds))
         _score(rt, fresh, node, metrics)
         pool.append(fresh)
-        result = filter_groups(Batch.concat(pool), target)
+        everything = Batch.concat(pool)
+        result = filter_groups(everything, target,
+                               excluded=_failure_exclusions(rt, everything))
     out = take_groups(result.batch, target)
     missing = target - group_count(out)
-    everything = Batch.concat(pool)
     chosen = set(out.group_id.tolist())
     flat = [i for i, g in enumerate(everything.group_id.tolist()) if g not in chosen]
     out = top_up(out, take_groups(everything.select(flat), max(missing, 0)))
@@ -154,6 +166,21 @@ def _dynamic_sampling(
     metrics.sum("dynamic_sampling/refill_rounds", rounds)
     metrics.sum("dynamic_sampling/topped_up_groups", max(missing, 0))
     return out
+
+
+def _failure_policies(rt: WorkerRuntime) -> tuple[str, str]:
+    """`rollout.agent.on_env_error` (`train` without agents), `task.reward_limits.on_failure`."""
+    agent = rt.config.rollout.agent
+    return (agent.on_env_error if agent is not None else "train",
+            rt.config.task.reward_limits.on_failure)
+
+
+def _failure_exclusions(rt: WorkerRuntime, batch: Batch) -> torch.Tensor:  # [num_samples]
+    """The samples the failure policies leave out (`failed_samples.failure_exclusions`)."""
+    from peerflow.algorithms.failed_samples import failure_exclusions
+
+    env_excluded, reward_excluded = failure_exclusions(batch, *_failure_policies(rt))
+    return env_excluded | reward_excluded
 
 
 def run_ref_logprob(rt: WorkerRuntime, node: Any, batch: Batch, metrics: StepMetrics) -> Batch:
@@ -175,9 +202,9 @@ def run_advantage(rt: WorkerRuntime, node: Any, batch: Batch, metrics: StepMetri
     """Runs the advantage estimator (after fan-in reward sums and any KL penalty).
 
     Several reward fields (fan-in) are summed into `reward`; with `kl.mode: reward` the
-    KL penalty is subtracted first. Agent trajectories the environment failed are left
-    out as `rollout.agent.on_env_error` says (`peerflow.agents.env_errors`): the
-    estimator runs over the kept samples only.
+    KL penalty is subtracted first. Samples the environment or the reward failed are left
+    out as `rollout.agent.on_env_error` and `task.reward_limits.on_failure` say
+    (`peerflow.algorithms.failed_samples`): the estimator runs over the kept samples only.
     """
     if "reward" not in batch:
         parts = [f for f in getattr(node, "inputs", ()) if f.endswith("reward")
@@ -190,11 +217,9 @@ def run_advantage(rt: WorkerRuntime, node: Any, batch: Batch, metrics: StepMetri
         batch.set("reward", torch.stack([batch[f] for f in parts]).sum(0))
     if rt.kl_reward is not None:
         rt.kl_reward(batch, metrics)
-    from peerflow.agents.env_errors import apply_env_error_policy, estimate_advantages
+    from peerflow.algorithms.failed_samples import apply_failure_policies, estimate_advantages
 
-    agent = rt.config.rollout.agent
-    keep = (apply_env_error_policy(batch, agent.on_env_error) if agent is not None
-            else torch.ones(len(batch), dtype=torch.bool))
+    keep = apply_failure_policies(batch, *_failure_policies(rt))
     for name, column in estimate_advantages(rt.estimator, batch, keep).items():
         batch.set(name, column)
     kept = batch if bool(keep.all()) else batch.select(keep.nonzero().flatten())

@@ -71,12 +71,16 @@ def test_segments_are_freed_once_read_and_at_exit(cores) -> None:
             check(src, dst, shards_by_dp, pool.run(src, dst, shards, mode=mode,
                                                    transport="shm"))
         # a sender frees a segment after the exchange in which all its readers read it:
-        # what is left belongs to the last call (5 calls: indices 0-4)
-        calls = {int(name.split("-")[3]) for name in _files_of(pids)}
-        assert calls <= {4}, _files_of(pids)
+        # what is left belongs to the last call (5 calls: indices 0-4), besides each
+        # process's wake-up pipe
+        files = _files_of(pids)
+        assert sorted(name for name in files if name.endswith("-inbox")) == sorted(
+            f"{PREFIX}{pid}-inbox" for pid in pids)
+        calls = {int(name.split("-")[3]) for name in files if not name.endswith("-inbox")}
+        assert calls <= {4}, files
     finally:
         pool.close()
-    assert _files_of(pids) == []
+    assert _files_of(pids) == []  # pipes included
 
 
 def _tp_peers_change_their_batches(rank: int, world: int) -> dict:
@@ -137,7 +141,8 @@ def _dies_after_one_call(rank: int, world: int, port: int, mode: str, results) -
         redistribute(shards_by_dp[rank], (src, dst), mode=mode, transport="shm", timeout=3)
         results.put("no error")
     except WorkerFailedError as exc:
-        results.put((str(exc), _files_of([os.getpid()])))
+        results.put((str(exc), [name for name in _files_of([os.getpid()])
+                                if not name.endswith("-inbox")]))
 
 
 @pytest.mark.parametrize("mode", ["p2p", "centralized"])
@@ -162,6 +167,7 @@ def test_a_dead_peer_is_a_clear_error_and_leaves_no_segments(mode) -> None:
     message, files = got
     assert "rank(s) [1] did not answer within 3 s" in message and "shared memory" in message
     assert files == []
+    assert _files_of([procs[0].pid]) == []  # its wake-up pipe is gone at exit
 
 
 def _two_hosts(rank: int, world: int) -> dict:
@@ -223,19 +229,25 @@ def _world_after_destroy(rank: int, port: int, out) -> None:
     import torch.distributed as dist
 
     from peerflow.coordinator.transport import open_channel
+    from peerflow.reshard.transports import SharedMemoryTransport
 
     init_gloo(rank, 2, port)
-    open_channel((0, 1), "shm", timeout=60)
+    coordinator = open_channel((0, 1), "shm", timeout=60)
+    weights = SharedMemoryTransport(rank=rank).route()
+    assert weights is not coordinator  # one cache, a route (call counter) per namespace
+    routes = [weakref.ref(coordinator), weakref.ref(weights)]
+    del coordinator, weights
     world = weakref.ref(dist.group.WORLD)
     dist.destroy_process_group()
     gc.collect()
-    out.put((rank, world() is None))
+    out.put((rank, world() is None and all(route() is None for route in routes)))
 
 
 def test_a_destroyed_process_group_is_not_kept_alive_by_the_routes() -> None:
     """The route cache must not hold the world group (its gloo threads) past its
     destruction: C++ threads torn down at interpreter exit abort the process
-    ("terminate called without an active exception", seen at the end of bench runs)."""
+    ("terminate called without an active exception", seen at the end of bench runs).
+    Its routes — the coordinator's and the weight sync's — go with the group."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()

@@ -5,6 +5,9 @@ from __future__ import annotations
 import pytest
 
 from peerflow.worker.main import run_worker
+from tests.helpers import flaky_grader
+
+FLAKY_GRADER = flaky_grader.__file__
 
 CASES = {
     "grpo": ([], ["advantages/mean"]),
@@ -37,6 +40,14 @@ CASES = {
                               "rollout.agent.on_env_error=mask"],
                              ["time/train_critic", "agent/env_errors",
                               "agent/env_dropped_fraction", "actor/masked_fraction"]),
+    # dynamic sampling refills the groups a failure policy leaves out (a grader that is
+    # down for some answers, on_failure=drop_group), at a sampling temperature other than 1
+    "dynamic_sampling_failed_rewards": (["algorithm.dynamic_sampling=true",
+                                         "rollout.sampling.temperature=0.7",
+                                         f"task.reward={FLAKY_GRADER}:score",
+                                         "task.reward_limits.on_failure=drop_group"],
+                                        ["reward/errors", "dynamic_sampling/dropped_groups",
+                                         "dynamic_sampling/topped_up_groups"]),
     # trainer, old-policy and reference forwards all score at the sampling temperature
     "temperature_top_p_kl": (["rollout.sampling.temperature=0.7", "rollout.sampling.top_p=0.9",
                               "algorithm.kl.coef=0.05", "algorithm.kl.mode=loss"],
@@ -69,5 +80,11 @@ def test_algorithm_smoke(case, tmp_path, monkeypatch, quickstart, tiny, metrics_
         for m in lines:
             assert m["agent/env_dropped_fraction"] == pytest.approx(m["agent/env_errors"] / 16)
             assert m["actor/masked_fraction"] == pytest.approx(m["agent/env_dropped_fraction"])
+    if case == "dynamic_sampling_failed_rewards":  # no failed group is trained: the only
+        # samples left out are the flat groups that top the batch up once refills run out
+        assert sum(m["reward/errors"] for m in lines) > 0
+        for m in lines:
+            assert m.get("actor/masked_fraction", 0.0) == pytest.approx(
+                m["dynamic_sampling/topped_up_groups"] * 4 / 16)
     if case == "stale_mis":  # step 2's samples come from the weights before step 1's update
         assert lines[1]["mismatch/abs_max"] > 1e-4

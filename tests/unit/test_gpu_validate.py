@@ -14,11 +14,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _kit():
-    spec = importlib.util.spec_from_file_location("gpu_validate", ROOT / "scripts" /
-                                                  "gpu_validate.py")
+def _kit(name: str = "gpu_validate"):
+    """One of the kit's modules (`gpu_validate` puts `scripts/` on the path for the rest)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_validate"] = module  # dataclasses look their module up
+    sys.modules[name] = module  # dataclasses look their module up
     spec.loader.exec_module(module)
     return module
 
@@ -42,7 +42,8 @@ def test_dry_run_plans_every_check_within_the_budget(tmp_path) -> None:
     assert all(c["status"] == "planned" for c in report["checks"])
     assert report["summary"] == {"planned": len(names)}
     assert sum(c["budget_s"] for c in report["checks"]) + kit.INSTALL_BUDGET_S <= 540
-    assert set(report["install"]["missing"]) == set(kit.WHEELS)  # nothing brought
+    wheels = _kit("gpu_validate_wheels").WHEELS
+    assert set(report["install"]["missing"]) == set(wheels)  # none brought
     log = (tmp_path / "out" / "gpu-validate.log").read_text()
     assert "[plan] realsize" in log and "scripts/gpu_validate_checks.py realsize" in log
 
@@ -50,7 +51,7 @@ def test_dry_run_plans_every_check_within_the_budget(tmp_path) -> None:
 def test_dry_run_accepts_a_complete_wheel_folder(tmp_path) -> None:
     wheels = tmp_path / "wheels"
     wheels.mkdir()
-    kit = _kit()
+    kit = _kit("gpu_validate_wheels")
     for name, _ in {n for items in kit.WHEELS.values() for n in items}:
         suffix = ".tar.gz" if name == "deepspeed" else "-py3-none-any.whl"
         dist = name.replace("-", "_")

@@ -16,14 +16,12 @@ from collections.abc import Iterator, Sequence
 import attrs
 import torch
 
+from peerflow.rounding import pad_to_multiple
+
 #: Every tensor starts at a multiple of this many bytes (any dtype's alignment).
 ALIGN = 64
 
 Entry = tuple[int, str, torch.Tensor]
-
-
-def _aligned(nbytes: int) -> int:
-    return -(-nbytes // ALIGN) * ALIGN
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
@@ -67,7 +65,7 @@ class SharedBuffer:
         chunk: list[Entry] = []
         used = 0
         for entry in entries:
-            size = _aligned(_nbytes(entry[2]))
+            size = pad_to_multiple(_nbytes(entry[2]), ALIGN)
             if size > self.nbytes:
                 raise ValueError(
                     f"tensor {entry[1]!r} takes {size} bytes, more than the shared buffer's "
@@ -91,7 +89,7 @@ class SharedBuffer:
             self.data[offset : offset + size].copy_(flat.cpu())
             dtype = str(tensor.dtype).removeprefix("torch.")
             layout.append((tp_rank, name, offset, tuple(tensor.shape), dtype))
-            offset += _aligned(size)
+            offset += pad_to_multiple(size, ALIGN)
         return layout
 
     def close(self) -> None:

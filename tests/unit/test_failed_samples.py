@@ -1,4 +1,6 @@
-"""`rollout.agent.on_env_error`: trajectories the environment failed are left out of training.
+"""Failed samples: trajectories the environment failed (`rollout.agent.on_env_error`) and
+samples whose reward failed (`task.reward_limits.on_failure`) are left out of training, and
+dynamic sampling refills the groups that leaves out.
 
 The environment is the calculator example (`calculator-arithmetic`, the real `calculator`
 tool run in the sandbox) on a tiny random Qwen2 chat model (hf engine, temperature 0.8):
@@ -20,14 +22,17 @@ import pytest
 import torch
 
 from peerflow import ParallelLayout, SamplingParams
-from peerflow.agents.env_errors import (
-    ENV_EXCLUDED,
-    apply_env_error_policy,
-    estimate_advantages,
-)
 from peerflow.agents.rollout import AgentRollout, record_episode_metrics
 from peerflow.algorithms.advantages import GRPO, ReinforcePP
 from peerflow.algorithms.base import Example
+from peerflow.algorithms.dynamic_sampling import filter_groups
+from peerflow.algorithms.failed_samples import (
+    ENV_EXCLUDED,
+    REWARD_FAILED,
+    apply_failure_policies,
+    estimate_advantages,
+    failure_exclusions,
+)
 from peerflow.algorithms.setup import build_algorithm
 from peerflow.config import AgentConfig, AlgorithmConfig, structure
 from peerflow.contrib.tasks.tool_arithmetic import CalculatorArithmetic
@@ -144,7 +149,7 @@ def _per_sample(batch) -> list[float]:
 @pytest.mark.parametrize("policy", ["drop_group", "mask", "train"])
 def test_the_policy_decides_which_trajectories_train_and_form_baselines(batch, policy):
     failed = torch.tensor(_failed(batch))
-    keep = apply_env_error_policy(batch, policy)
+    keep = apply_failure_policies(batch, policy, "train")
     groups = batch.group_id.tolist()
     bad_groups = {g for g, f in zip(groups, failed.tolist()) if f}
     expected_keep = {"drop_group": [g not in bad_groups for g in groups],
@@ -177,7 +182,7 @@ def test_the_policy_decides_which_trajectories_train_and_form_baselines(batch, p
 
 
 def test_left_out_trajectories_take_no_part_in_batch_whitening(batch):
-    keep = apply_env_error_policy(batch, "drop_group")
+    keep = apply_failure_policies(batch, "drop_group", "train")
     assert 0 < int(keep.sum()) < len(batch)
     out = estimate_advantages(ReinforcePP(), batch, keep)
     alone = ReinforcePP().compute(batch.select(keep.nonzero().flatten()))
@@ -199,7 +204,7 @@ def _trainer(chat_model):
 
 def test_training_on_the_batch_equals_training_on_its_kept_trajectories(chat_model, batch):
     algo = build_algorithm(structure(AlgorithmConfig, {"advantage": "grpo"}))
-    keep = apply_env_error_policy(batch, "mask")
+    keep = apply_failure_policies(batch, "mask", "train")
     for name, column in estimate_advantages(algo.estimator, batch, keep).items():
         batch.set(name, column)
     kept = batch.select(keep.nonzero().flatten())
@@ -229,7 +234,7 @@ def test_a_step_whose_trajectories_are_all_left_out_trains_nothing(chat_model, b
     batch = batch.select([i for i, g in enumerate(batch.group_id.tolist())
                           if g in failing_groups])
     algo = build_algorithm(structure(AlgorithmConfig, {"advantage": "grpo"}))
-    keep = apply_env_error_policy(batch, "drop_group")
+    keep = apply_failure_policies(batch, "drop_group", "train")
     assert not keep.any()
     for name, column in estimate_advantages(algo.estimator, batch, keep).items():
         batch.set(name, column)
@@ -252,12 +257,12 @@ def test_a_step_whose_trajectories_are_all_left_out_trains_nothing(chat_model, b
 
 
 def test_the_first_error_of_each_kind_is_logged_once(batch, caplog, monkeypatch):
-    from peerflow.agents import env_errors
+    from peerflow.algorithms import failed_samples
 
-    monkeypatch.setattr(env_errors, "_logged_kinds", set())
+    monkeypatch.setattr(failed_samples, "_logged_kinds", set())
     with caplog.at_level(logging.WARNING, logger="peerflow.agents"):
-        apply_env_error_policy(batch, "drop_group")
-        apply_env_error_policy(batch, "drop_group")
+        apply_failure_policies(batch, "drop_group", "train")
+        apply_failure_policies(batch, "drop_group", "train")
     lines = [r.getMessage() for r in caplog.records if r.name == "peerflow.agents"]
     assert len(lines) == 1
     assert "env_error: flaky-calculator-test.step raised ConnectionError" in lines[0]
@@ -267,6 +272,78 @@ def test_the_first_error_of_each_kind_is_logged_once(batch, caplog, monkeypatch)
 
 def test_an_unknown_policy_is_refused_with_the_choices(batch):
     with pytest.raises(ValueError, match="on_env_error='skip'.*drop_group, mask, train"):
-        apply_env_error_policy(batch, "skip")
+        apply_failure_policies(batch, "skip", "train")
+    with pytest.raises(ValueError, match="reward_limits.on_failure='skip'.*drop_group"):
+        apply_failure_policies(batch, "train", "skip")
     with pytest.raises(Exception, match="on_env_error"):
         structure(AgentConfig, {"environment": "retry", "on_env_error": "skip"})
+
+
+def _groups_of(batch, samples: torch.Tensor) -> set[int]:
+    return set(batch.group_id[samples].tolist())
+
+
+@pytest.mark.parametrize("policy", ["drop_group", "mask"])
+def test_dynamic_sampling_refills_the_groups_a_failure_policy_leaves_out(batch, policy):
+    """The failed trajectories' garbage reward (`CORRUPT`) gives their groups a spread, so
+    by rewards alone dynamic sampling would keep them — and the advantage node would then
+    leave them out, training a short batch. Judged on the kept samples, they are dropped
+    and counted for refilling."""
+    failed = torch.tensor(_failed(batch))
+    by_rewards = filter_groups(batch, PROMPTS)
+    assert _groups_of(batch, failed) <= set(by_rewards.batch.group_id.tolist())
+    env_excluded, reward_excluded = failure_exclusions(batch, policy, "train")
+    assert not reward_excluded.any()
+    result = filter_groups(batch, PROMPTS, excluded=env_excluded)
+    kept = set(result.batch.group_id.tolist())
+    rewards, groups = batch["reward"].tolist(), batch.group_id.tolist()
+    for g in set(groups):  # a group stays when its kept trajectories' rewards differ
+        spread = {rewards[i] for i in range(len(batch)) if groups[i] == g
+                  and not env_excluded[i]}
+        assert (g in kept) == (len(spread) > 1)
+    if policy == "drop_group":
+        assert not kept & _groups_of(batch, failed)
+    assert result.dropped_groups == PROMPTS - len(kept)
+    assert result.refill_groups == PROMPTS - len(kept) > 0
+
+
+@pytest.mark.parametrize("policy", ["train", "mask", "drop_group"])
+def test_samples_whose_reward_failed_follow_reward_limits_on_failure(chat_model, batch,
+                                                                     policy):
+    """A grader that raises for some of the sampled answers (temperature 0.8): `train`
+    trains them at `failure_score` (verl's and TRL's behaviour); `mask` and `drop_group`
+    leave them out through the environment failures' path; dynamic sampling refills."""
+    from transformers import AutoTokenizer
+
+    from peerflow.rewards.scoring import RewardComponent, RewardSet
+    from tests.helpers import flaky_grader
+
+    tokenizer = AutoTokenizer.from_pretrained(chat_model)
+    texts = tokenizer.batch_decode([r.tolist() for r in batch.ragged("response_ids").rows()],
+                                   skip_special_tokens=True)
+    rewards = RewardSet(components=[RewardComponent(name="grader",
+                                                    ref=f"{flaky_grader.__file__}:score")],
+                        failure_score=-1.0)
+    scores = rewards.score(texts, batch["example"], batch.sample_id.tolist())
+    failed = [len(t) % 3 == 0 for t in texts]
+    assert scores.failed == failed and 0 < sum(failed) < len(batch)
+    assert scores.counts["reward/errors"] == sum(failed)
+    batch.set("reward", torch.tensor(scores.total, dtype=torch.float64))
+    batch.set(REWARD_FAILED, torch.tensor(failed))
+    assert all(r == -1.0 for r, f in zip(scores.total, failed) if f)
+
+    keep = apply_failure_policies(batch, "train", policy)
+    groups = batch.group_id.tolist()
+    bad = {g for g, f in zip(groups, failed) if f}
+    expected = {"train": [True] * len(batch), "mask": [not f for f in failed],
+                "drop_group": [g not in bad for g in groups]}[policy]
+    assert keep.tolist() == expected
+    assert not batch[ENV_EXCLUDED].any()  # the environment's policy left nothing out
+    if policy != "train":
+        assert batch["train_mask"].tolist() == expected
+    excluded = torch.logical_or(*failure_exclusions(batch, "train", policy))
+    assert excluded.tolist() == [not k for k in expected]
+    refill = filter_groups(batch, PROMPTS, excluded=excluded).refill_groups
+    if policy == "drop_group":
+        assert refill >= len(bad)
+
