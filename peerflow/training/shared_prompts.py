@@ -121,42 +121,40 @@ def shared_prompt_inputs(batch: Batch) -> SharedPromptInputs:
             first_scored=0, samples=0)
     prompts = prompt_tuples(batch)
     responses = [row.to(torch.int64) for row in batch.ragged("response_ids").rows()]
+    sizes = batch.ragged("response_ids").lengths.tolist()
     for i, prompt in enumerate(prompts):
         if not prompt:
             raise ValueError(
                 f"sample {int(batch.sample_id[i])} has an empty prompt_ids; a causal LM "
                 "needs at least one prompt token to predict the first response token.")
     groups = shared_prompt_groups(prompts)
-    widths = [len(prompts[g[0]]) + sum(len(responses[i]) for i in g) for g in groups]
-    width = max(widths)
+    width = max(len(prompts[g[0]]) + sum(sizes[i] for i in g) for g in groups)
     input_ids = torch.zeros(len(groups), width, dtype=torch.int64)
     position_ids = torch.zeros(len(groups), width, dtype=torch.int64)
     segment = torch.full((len(groups), width), -2, dtype=torch.int64)  # -1 prompt, k answer k
-    where: dict[int, torch.Tensor] = {}
+    where: list[torch.Tensor] = [torch.empty(0, dtype=torch.int64)] * len(batch)
+    steps = torch.arange(width)
     for r, group in enumerate(groups):
         prompt = prompts[group[0]]
         head = len(prompt)
         input_ids[r, :head] = torch.tensor(prompt)
-        position_ids[r, :head] = torch.arange(head)
+        position_ids[r, :head] = steps[:head]
         segment[r, :head] = -1
         start = head
         for k, i in enumerate(group):
-            n = len(responses[i])
+            n = sizes[i]
             input_ids[r, start:start + n] = responses[i]
-            position_ids[r, start:start + n] = torch.arange(head, head + n)
+            position_ids[r, start:start + n] = steps[head:head + n]
             segment[r, start:start + n] = k
             # Token j is predicted at the prompt's last position (j = 0), else at j - 1.
-            own = torch.arange(start - 1, start + n - 1)
-            own[0] = head - 1
-            where[i] = r * width + own
+            own = steps[start - 1:start + n - 1] + r * width
+            own[:1] = r * width + head - 1
+            where[i] = own
             start += n
-    allowed = _segment_mask(segment)
-    order = range(len(batch))
     return SharedPromptInputs(
-        input_ids=input_ids, position_ids=position_ids, allowed=allowed,
-        positions=torch.cat([where[i] for i in order]),
-        targets=torch.cat([responses[i] for i in order]),
-        offsets=_offsets(torch.tensor([len(responses[i]) for i in order], dtype=torch.int64)),
+        input_ids=input_ids, position_ids=position_ids, allowed=_segment_mask(segment),
+        positions=torch.cat(where), targets=torch.cat(responses),
+        offsets=_offsets(torch.tensor(sizes, dtype=torch.int64)),
         first_scored=min(len(prompts[g[0]]) - 1 for g in groups),
         samples=len(batch))
 
