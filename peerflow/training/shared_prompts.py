@@ -25,7 +25,7 @@ import attrs
 import torch
 
 from peerflow.batch import Batch, RaggedField
-from peerflow.training.inputs import _offsets
+from peerflow.training.inputs import _offsets, check_kept
 
 
 @attrs.frozen(kw_only=True)
@@ -73,12 +73,7 @@ class SharedPromptInputs:
         """
         rows, kept = per_position.shape[:2]
         width = self.input_ids.shape[1]
-        if kept < self.logits_to_keep:
-            raise ValueError(
-                f"the model returned {kept} positions but response tokens are predicted "
-                f"from the last {self.logits_to_keep}; pass logits_to_keep="
-                "inputs.logits_to_keep (or 0 for every position)."
-            )
+        check_kept(kept, self.logits_to_keep)
         device = per_position.device
         row, pos = self.positions // width, self.positions % width - (width - kept)
         flat = per_position.reshape(rows * kept, *per_position.shape[2:])
