@@ -12,6 +12,12 @@ shape of `peerflow.bench.shapes` on both sides — the ~50 M-parameter bench mod
 128-token `reverse-digits` prompts, long-tailed answers up to 512 tokens — with 2 prompts
 × 4 answers a step for 3 steps (counts, not shape, are cut to keep a run short). Each side
 reports its mean answer length and the share that hit the cap.
+
+Same work on both sides: the same sampling settings, one torch thread per process,
+activation recomputation only where PeerFlow's trainer does it, and run `i` of `--runs`
+seeded `seed + i` on both sides. Answer lengths are random, so each side also reports the
+work it drew (`work`: answer tokens, and decode steps — each step's longest answer,
+summed — which is what batched generation costs).
 """
 
 from __future__ import annotations
@@ -134,7 +140,7 @@ def _work(longest: list[float], mean: list[float], answers: int) -> dict[str, fl
     longest answer of each step, summed) is what generation costs, while the token
     count grows with every answer. Sides that drew different lengths did different work.
     """
-    return {"response_tokens": sum(m * answers for m in mean),
+    return {"response_tokens": round(sum(m * answers for m in mean)),
             "decode_steps": sum(longest)}
 
 
