@@ -32,6 +32,7 @@ def run_suite(tmp_path, module: str, classes: list[str], keyword: str, *extra: s
     env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
     return subprocess.run(
         [sys.executable, "-m", "pytest", str(test_file), "-q", "-p", "no:cacheprovider",
+         "-p", "no:hypothesispytest",  # the suite uses no hypothesis; its plugin costs ~1 s
          "--rootdir", str(tmp_path), "-o", "addopts=", "-rfE", "-k", keyword, *extra],
         capture_output=True, text=True, env=env, timeout=600)
 

@@ -57,6 +57,7 @@ def _run(tmp_path, source: str, keyword: str) -> dict:
     env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
     subprocess.run(
         [sys.executable, "-m", "pytest", str(test_file), "-q", "-p", "no:cacheprovider",
+         "-p", "no:hypothesispytest",  # the suite uses no hypothesis; its plugin costs ~1 s
          "--rootdir", str(tmp_path), "-o", "addopts=", "--tb=no", "-k", keyword,
          "--peerflow-report", str(report)],
         capture_output=True, text=True, env=env, timeout=1200, check=False)

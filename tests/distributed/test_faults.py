@@ -285,7 +285,7 @@ def _run_hanging_reward(tmp_path, config: str, hang_rank: int) -> subprocess.Com
     for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "PEERFLOW_FAULT_STORE"):
         env.pop(key, None)
     overrides = ["run.steps=3", "run.prompts_per_step=4", "rollout.sampling.n=4",
-                 "task.reward=stuck", "runtime.reward_timeout=4",
+                 "task.reward=stuck", "runtime.reward_timeout=2",
                  "runtime.fault_timeout=60", "run.trace=false", "run.tensorboard=false"]
     return subprocess.run(
         [sys.executable, "-m", "tests.helpers.stuck_reward",
@@ -310,7 +310,7 @@ def test_a_reward_that_never_returns_fails_the_run_naming_rank_reward_and_sample
     launcher = next(line for line in err.splitlines() if line.startswith("LAUNCHER:"))
     assert (f"rank {hang_rank} (host {host}) failed in stage \"{stage} (reward "
             "'stuck' on sample_id ") in launcher, err
-    assert "past the stage's deadline of 4 s" in launcher
+    assert "past the stage's deadline of 2 s" in launcher
     assert "stuck_reward.py:" in launcher and "in score" in launcher
     if config == "quickstart.yaml":
         assert "first: dataset row" in launcher

@@ -5,8 +5,9 @@ the run directory is on the file system both see, as shared storage would be. Th
 run the quickstart under `torchrun --nnodes 2` with the c10d rendezvous, then lose a host
 (every process killed, or its link cut) and check that the surviving rank exits within
 `runtime.fault_timeout` naming the lost host, that `--resume` continues from the last
-checkpoint, and that `torchrun --max-restarts` resumes by itself. Skipped, with the
-reason, where network namespaces cannot be created.
+checkpoint, and that `torchrun --max-restarts` resumes by itself. A clean two-host run,
+both agents exiting 0 with every step's metrics, is part of the resume and of the
+max-restarts test. Skipped, with the reason, where network namespaces cannot be created.
 """
 
 from __future__ import annotations
@@ -89,13 +90,6 @@ def _wait_for_checkpoint(run_dir: Path, procs: list[subprocess.Popen], step: int
         time.sleep(0.2)
 
 
-def test_quickstart_runs_across_two_hosts(hosts, tmp_path) -> None:
-    run = tmp_path / "run"
-    results = _finish(_torchrun(hosts, run, "run.steps=3"))
-    assert [code for code, _ in results] == [0, 0], results
-    assert _steps(run) == [1, 2, 3]
-
-
 @pytest.mark.parametrize("fault", ["kill", "cut"])
 def test_a_lost_host_stops_the_survivor_naming_it_then_resume_continues(
         hosts, tmp_path, fault) -> None:
@@ -139,8 +133,10 @@ def test_torchrun_max_restarts_resumes_by_itself(hosts, tmp_path) -> None:
     run = tmp_path / "run"
     # restarted workers start at different times on the two hosts (seconds apart on a busy
     # machine); a restarted rank waits for rank 0 of its generation up to fault_timeout
-    procs = _torchrun(hosts, run, "run.steps=6", "run.checkpoint_every=3", max_restarts=3,
-                      fault_timeout=45)
+    # h0's worker, stopped by its agent (SIGTERM) when h1's dies, cannot reach a step
+    # boundary without its peer: a short stop_grace ends it at once
+    procs = _torchrun(hosts, run, "run.steps=6", "run.checkpoint_every=3",
+                      "runtime.stop_grace=1", max_restarts=3, fault_timeout=45)
     deadline = time.monotonic() + 240
     while not _steps(run):
         assert time.monotonic() < deadline, "no step within 240 s"
