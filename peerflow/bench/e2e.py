@@ -12,6 +12,12 @@ shape of `peerflow.bench.shapes` on both sides — the ~50 M-parameter bench mod
 128-token `reverse-digits` prompts, long-tailed answers up to 512 tokens — with 2 prompts
 × 4 answers a step for 3 steps (counts, not shape, are cut to keep a run short). Each side
 reports its mean answer length and the share that hit the cap.
+
+Same work on both sides: the same sampling settings, one torch thread per process,
+activation recomputation only where PeerFlow's trainer does it, and run `i` of `--runs`
+seeded `seed + i` on both sides. Answer lengths are random, so each side also reports the
+work it drew (`work`: answer tokens, and decode steps — each step's longest answer,
+summed — which is what batched generation costs).
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from peerflow.bench.shapes import add_shape_argument, config_overrides, pick
+from peerflow.config import load_config
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -94,6 +101,9 @@ def run_peerflow(args: argparse.Namespace, overrides: list[str], work: Path) -> 
     return {"tokens": tokens, "wall_s": wall, "train_s": train_s,
             "startup_s": max(wall - train_s, 0.0), "phases_s": phases,
             "response_length_mean": _mean(m.get("response_length/mean", 0.0) for m in lines),
+            **_work([m.get("response_length/max", 0.0) for m in lines],
+                    [m.get("response_length/mean", 0.0) for m in lines],
+                    args.prompts_per_step * args.n),
             "response_clip_frac": _mean(m.get("response_length/clip_frac", 0.0) for m in lines),
             "balance": {key[8:]: _mean(m[key] for m in lines if key in m)
                         for key in sorted({k for m in lines for k in m
@@ -116,8 +126,22 @@ def run_trl(args: argparse.Namespace, overrides: list[str], work: Path) -> dict[
     return {"tokens": result["tokens"], "wall_s": wall, "train_s": result["train_s"],
             "startup_s": max(wall - result["train_s"], 0.0),
             "response_length_mean": _mean(result.get("mean_length") or [0.0]),
+            **_work(result.get("max_length") or [], result.get("mean_length") or [],
+                    args.prompts_per_step * args.n),
+            "generate_s": sum(result.get("generate_s") or []),
             "response_clip_frac": _mean(result.get("clipped_ratio") or [0.0]),
             "reward_first": rewards[0], "reward_last": rewards[-1]}
+
+
+def _work(longest: list[float], mean: list[float], answers: int) -> dict[str, float]:
+    """The generation work a run drew: its answer tokens and its decode steps.
+
+    A step's batched decode runs until its longest answer ends, so `decode_steps` (the
+    longest answer of each step, summed) is what generation costs, while the token
+    count grows with every answer. Sides that drew different lengths did different work.
+    """
+    return {"response_tokens": round(sum(m * answers for m in mean)),
+            "decode_steps": sum(longest)}
 
 
 def _mean(values: Any) -> float:
@@ -133,14 +157,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         shape += ["run.prompts_per_step=2", "rollout.sampling.n=4"]
     overrides = [*shape, f"run.steps={args.steps}", f"runtime.nprocs={args.nprocs}",
                  *args.overrides]
+    config = load_config(args.config, overrides)
+    args.prompts_per_step, args.n = config.run.prompts_per_step, config.rollout.sampling.n
     peerflow: list[dict[str, Any]] = []
     trl: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="peerflow-bench-e2e-") as tmp:
         work = Path(tmp)
-        for _ in range(args.runs):
-            peerflow.append(run_peerflow(args, overrides, work))
+        for run_index in range(args.runs):
+            # Each run draws other answers (seed + run index), the same seed on both sides:
+            # over runs neither side keeps one lucky or unlucky draw of answer lengths.
+            seeded = [*overrides, f"seed={config.seed + run_index}"]
+            peerflow.append(run_peerflow(args, seeded, work))
             if not args.skip_trl:
-                trl.append(run_trl(args, overrides, work))
+                trl.append(run_trl(args, seeded, work))
 
     def rate(rows: list[dict[str, Any]], key: str) -> float:
         return statistics.median(r["tokens"] / r[key] for r in rows) if rows else 0.0
@@ -157,6 +186,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "median_of": args.runs,
         "response_length_mean": {"peerflow": _mean(r["response_length_mean"] for r in peerflow),
                                  "trl": _mean(r["response_length_mean"] for r in trl)},
+        "work": {side: {key: statistics.median(r[key] for r in rows) if rows else 0.0
+                        for key in ("response_tokens", "decode_steps")}
+                 for side, rows in (("peerflow", peerflow), ("trl", trl))},
         "settings": {"config": args.config, "shape": args.shape, "nprocs": args.nprocs,
                      "steps": args.steps, "overrides": overrides},
         "runs": {"peerflow": peerflow, "trl": trl},

@@ -76,6 +76,7 @@ def main(argv: list[str] | None = None) -> None:
                           train_dataset=dataset, processing_class=tokenizer)
     loop = _loop_clock()
     trainer.add_callback(loop)
+    generate_s = _time_generation(trainer)
     trainer.train()
     train_s = time.perf_counter() - loop.start
     if int(os.environ.get("RANK", "0")) == 0:
@@ -86,8 +87,29 @@ def main(argv: list[str] | None = None) -> None:
             "steps": trainer.state.global_step,
             "reward": rewards,
             **{key.split("/")[1]: [h[key] for h in trainer.state.log_history if key in h]
-               for key in ("completions/mean_length", "completions/clipped_ratio")},
+               for key in ("completions/mean_length", "completions/max_length",
+                           "completions/clipped_ratio")},
+            "generate_s": generate_s,
         }))
+
+
+def _time_generation(trainer: Any) -> list[float]:
+    """Times each call of the trainer's `_generate` (sampling and decoding the answers).
+
+    Returns the list the times are appended to (this rank's, in seconds).
+    """
+    times: list[float] = []
+    generate = trainer._generate
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return generate(*args, **kwargs)
+        finally:
+            times.append(time.perf_counter() - start)
+
+    trainer._generate = timed
+    return times
 
 
 def _loop_clock() -> Any:
@@ -113,6 +135,7 @@ def _grpo_config(config: Any, output_dir: Path, world: int) -> Any:
     from trl import GRPOConfig
 
     sampling = config.rollout.sampling
+    engine = config.trainer.engine_options.get(config.trainer.backend) or {}
     return GRPOConfig(
         output_dir=str(output_dir),
         per_device_train_batch_size=config.run.prompts_per_step * sampling.n // world,
@@ -128,6 +151,9 @@ def _grpo_config(config: Any, output_dir: Path, world: int) -> Any:
         adam_beta2=config.trainer.betas[1],
         weight_decay=config.trainer.weight_decay,
         max_grad_norm=config.trainer.grad_clip,
+        # GRPOConfig turns recomputation on by default; PeerFlow's trainer recomputes only
+        # when its engine option says so: the same work on both sides.
+        gradient_checkpointing=bool(engine.get("gradient_checkpointing", False)),
         lr_scheduler_type="constant",
         warmup_steps=0,
         beta=config.algorithm.kl.coef,

@@ -41,6 +41,12 @@ from peerflow.training.inputs import PaddedInputs, assemble_rows, pad_inputs
 from peerflow.training.logprobs import VocabShard, token_entropy, token_logprobs
 from peerflow.training.metrics import StepTally
 from peerflow.training.microbatch import plan_micro_batches, split_mini_batches
+from peerflow.training.shared_prompts import (
+    SharedPromptInputs,
+    prompt_tuples,
+    shared_prompt_groups,
+    shared_prompt_inputs,
+)
 
 log = logging.getLogger("peerflow.training")
 
@@ -54,8 +60,8 @@ class MicroBatch:
     that only keeps collectives in step with ranks that have more micro-batches."""
     batch: Batch
     """Those samples."""
-    inputs: PaddedInputs
-    """Their padded model inputs (one filler row for a filler pass)."""
+    inputs: PaddedInputs | SharedPromptInputs
+    """Their model inputs (one filler row for a filler pass)."""
     last: bool
     """Whether it is the last micro-batch of its mini-batch (gradient-sync boundary)."""
 
@@ -77,6 +83,10 @@ class CausalLMTrainEngine(TrainEngine, abc.ABC):
     """The engine is a critic: `forward_micro` returns values `[B, L]`, not logits."""
     is_last_stage: bool = True
     """This rank computes the model's output (the last pipeline stage)."""
+    shares_prompts: bool = False
+    """`forward_micro` passes `inputs.position_ids` and a 4D `inputs.attention_mask_as(...)`
+    to the model, so the samples of one prompt can share a row
+    (`peerflow.training.shared_prompts`) instead of each running the prompt."""
 
     # -- what adapters supply --------------------------------------------------------------
 
@@ -124,16 +134,30 @@ class CausalLMTrainEngine(TrainEngine, abc.ABC):
         return collective_device(self.device)
 
     def plan_micro_batches(self, batch: Batch) -> list[MicroBatch]:
-        """Token-balanced micro-batches, as many as on every dp-rank (collective)."""
+        """Token-balanced micro-batches, as many as on every dp-rank (collective).
+
+        With `shares_prompts` the units planned are the sets of samples with the same
+        prompt (their tokens counted with the prompt once), laid out one row per prompt.
+        """
         lengths = batch.token_count().tolist() if len(batch) else []
+        units = [[i] for i in range(len(batch))]
+        layout: Callable[[Batch], PaddedInputs | SharedPromptInputs] = pad_inputs
+        if self.shares_prompts and len(batch):
+            units = shared_prompt_groups(prompt_tuples(batch))
+            prompt = batch.ragged("prompt_ids").lengths.tolist()
+            lengths = [sum(lengths[i] for i in unit) - prompt[unit[0]] * (len(unit) - 1)
+                       for unit in units]
+            layout = shared_prompt_inputs
         plan = plan_micro_batches(lengths, self.optim.micro_batch_tokens, self.dp_group,
                                   self.reduce_device)
-        return [self.build_micro_batch(batch, indices, k == len(plan) - 1, pad_inputs)
+        plan = [[i for unit in bin_ for i in units[unit]] for bin_ in plan]
+        return [self.build_micro_batch(batch, indices, k == len(plan) - 1, layout)
                 for k, indices in enumerate(plan)]
 
     @staticmethod
     def build_micro_batch(batch: Batch, indices: list[int], last: bool,
-                          layout: Callable[[Batch], PaddedInputs]) -> MicroBatch:
+                          layout: Callable[[Batch], PaddedInputs | SharedPromptInputs],
+                          ) -> MicroBatch:
         """The micro-batch of `batch[indices]`, its inputs laid out by `layout`."""
         part = batch.select(indices)
         return MicroBatch(indices=indices, batch=part, inputs=layout(part), last=last)
@@ -168,7 +192,7 @@ class CausalLMTrainEngine(TrainEngine, abc.ABC):
                 f"{type(self).__name__}: an entropy term in the loss needs full-vocabulary "
                 "logits; with a vocab-parallel output layer entropy is a metric only."
             )
-        targets = micro.inputs.gather(micro.inputs.target_ids.to(output.device)).values
+        targets = micro.inputs.response_targets().to(output.device)
         logits = picked.values
         logprobs = token_logprobs(logits, targets, temperature=self.temperature, shard=shard)
         with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):

@@ -54,6 +54,14 @@ class PaddedInputs:
             return 1
         return self.input_ids.shape[1] - int(self.prompt_lengths[scored].min()) + 1
 
+    def attention_mask_as(self, dtype: torch.dtype) -> torch.Tensor:
+        """The `[B, L]` padding mask (the model builds its causal mask from it; any dtype)."""
+        return self.attention_mask
+
+    def response_targets(self) -> torch.Tensor:
+        """The response tokens, sample after sample, aligned with `gather`'s values."""
+        return self.gather(self.target_ids).values
+
     def gather(self, per_position: torch.Tensor) -> RaggedField:
         """Packs `[B, K, ...]` per-position values at response positions, ragged.
 
@@ -65,16 +73,25 @@ class PaddedInputs:
             ValueError: `per_position` lacks positions that predict response tokens.
         """
         kept = per_position.shape[1]
-        if kept < self.logits_to_keep:
-            raise ValueError(
-                f"the model returned {kept} positions but response tokens are predicted "
-                f"from the last {self.logits_to_keep}; pass logits_to_keep="
-                "inputs.logits_to_keep (or 0 for every position)."
-            )
+        check_kept(kept, self.logits_to_keep)
         device = per_position.device
         offsets = _offsets(self.response_lengths[: self.samples])
         mask = self.response_mask()[:, self.input_ids.shape[1] - kept:]
         return RaggedField(values=per_position[mask.to(device)], offsets=offsets.to(device))
+
+
+def check_kept(kept: int, needed: int) -> None:
+    """Raises unless a model output of `kept` trailing positions holds the `needed` ones.
+
+    Raises:
+        ValueError: `kept < needed` (the model skipped positions that predict responses).
+    """
+    if kept < needed:
+        raise ValueError(
+            f"the model returned {kept} positions but response tokens are predicted "
+            f"from the last {needed}; pass logits_to_keep="
+            "inputs.logits_to_keep (or 0 for every position)."
+        )
 
 
 def pad_inputs(batch: Batch) -> PaddedInputs:

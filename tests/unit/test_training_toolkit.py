@@ -320,3 +320,29 @@ def test_train_step_trains_only_the_tokens_of_the_loss_mask():
             samples += 1
     (total / samples).backward()
     torch.testing.assert_close(got, table.detach() - 0.5 * table.grad)
+
+
+def test_shared_prompt_layout_runs_each_prompt_once_and_keeps_answers_apart():
+    from peerflow.training.shared_prompts import shared_prompt_inputs
+
+    prompts = [[5, 6, 7], [5, 6, 7], [9, 8], [5, 6, 7]]
+    responses = [[1, 2], [], [3, 4, 5], [6]]  # an empty answer too
+    count = len(prompts)
+    batch = Batch(sample_id=torch.arange(count), group_id=torch.tensor([0, 0, 1, 0]),
+                  weight_version=torch.zeros(count, dtype=torch.int64))
+    batch.set("prompt_ids", [torch.tensor(p) for p in prompts])
+    batch.set("response_ids", [torch.tensor(r, dtype=torch.int64) for r in responses])
+    inputs = shared_prompt_inputs(batch)
+    assert inputs.input_ids.tolist() == [[5, 6, 7, 1, 2, 6], [9, 8, 3, 4, 5, 0]]
+    assert inputs.position_ids[0].tolist() == [0, 1, 2, 3, 4, 3]  # each answer after its prompt
+    assert torch.equal(inputs.response_targets(), pad_inputs(batch).response_targets())
+    allowed = inputs.allowed[0]
+    assert allowed[5, :3].all() and not allowed[5, 3:5].any()  # sees the prompt, not answer 1
+    assert allowed[4, 3] and not allowed[3, 4]  # causal inside an answer
+    # Every response token is read where it is predicted: position ids of the last K.
+    per_position = torch.arange(12).reshape(2, 6)[:, -inputs.logits_to_keep:]
+    got = inputs.gather(per_position)
+    # sample 0: row 0 at the prompt's end (2), then 3; sample 2: row 1 (7, 8, 9);
+    # sample 3: row 0, at the prompt's end again
+    assert got.values.tolist() == [2, 3, 7, 8, 9, 2]
+    assert got.offsets.tolist() == [0, 2, 2, 5, 6]

@@ -59,6 +59,10 @@ class FSDPTrainOptions:
     forward without backward (log-probs, values) reshards after it."""
     attn_implementation: str | None = None
     """transformers attention backend (`sdpa`, `eager`); `None` lets transformers pick."""
+    share_prompts: bool = True
+    """Run a prompt once for all its samples in a micro-batch (one row `[prompt, answer_1,
+    answer_2, …]` with a mask keeping answers apart; `peerflow.training.shared_prompts`):
+    the same log-probs and gradients over fewer positions. Actors only (not `value_head`)."""
 
 
 class FSDPTrainEngine(CausalLMTrainEngine):
@@ -102,6 +106,8 @@ class FSDPTrainEngine(CausalLMTrainEngine):
         self._coords = {"dp": coord.dp, "tp": coord.tp} if coord else {"dp": 0, "tp": 0}
         self._sizes = {"dp": layout.dp, "tp": layout.tp}
         self.bf16 = self.optim.bf16 and self._bf16_supported()
+        self.shares_prompts = self.options.share_prompts and not self.options.value_head
+        self._compute_dtype = torch.bfloat16 if self.bf16 else torch_dtype(context.dtype)
         torch.manual_seed(context.seed)  # identical value-head init on every rank
         self.model = load_module(
             context.model_path,
@@ -177,13 +183,15 @@ class FSDPTrainEngine(CausalLMTrainEngine):
         """
         if self.distributed:
             self.model.set_requires_gradient_sync(micro.last)
-        ids = micro.inputs.input_ids.to(self.device)
-        mask = micro.inputs.attention_mask.to(self.device)
+        inputs = micro.inputs
+        ids = inputs.input_ids.to(self.device)
+        mask = inputs.attention_mask_as(self._compute_dtype).to(self.device)
         with self._autocast():
             if self.options.value_head:
                 return self.model(input_ids=ids, attention_mask=mask)
-            return self.model(input_ids=ids, attention_mask=mask, use_cache=False,
-                              logits_to_keep=micro.inputs.logits_to_keep).logits
+            return self.model(input_ids=ids, attention_mask=mask,
+                              position_ids=inputs.position_ids.to(self.device),
+                              use_cache=False, logits_to_keep=inputs.logits_to_keep).logits
 
     def forward_logprobs(self, batch: Any) -> Any:
         """See `CausalLMTrainEngine.forward_logprobs`; leaves the parameters sharded."""

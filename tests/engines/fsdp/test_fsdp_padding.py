@@ -21,12 +21,19 @@ BUDGET = 160
 OPTIM = OptimSettings(lr=1e-2, eps=1e-3, grad_clip=0.0, micro_batch_tokens=BUDGET)
 
 
-def _batch(vocab: int) -> Batch:
+#: With shared prompts: samples 0-3 answer one prompt, 4-5 another, 6 and 7 their own.
+SHARED_PROMPT_OF = [0, 0, 0, 0, 4, 4, 6, 7]
+
+
+def _batch(vocab: int, shared: bool = False) -> Batch:
     g = torch.Generator().manual_seed(11)
     count = len(PROMPT_LENGTHS)
     batch = Batch(sample_id=torch.arange(count), group_id=torch.arange(count) // 2,
                   weight_version=torch.zeros(count, dtype=torch.int64))
-    batch.set("prompt_ids", [torch.randint(2, vocab, (n,), generator=g) for n in PROMPT_LENGTHS])
+    prompts = [torch.randint(2, vocab, (n,), generator=g) for n in PROMPT_LENGTHS]
+    if shared:
+        prompts = [prompts[k] for k in SHARED_PROMPT_OF]
+    batch.set("prompt_ids", prompts)
     batch.set("response_ids", [torch.randint(2, vocab, (n,), generator=g)
                                for n in RESPONSE_LENGTHS])
     offsets = batch.ragged("response_ids").offsets
@@ -71,8 +78,9 @@ def _reference(model_path: str, batch: Batch, loss) -> dict:
             "state": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
+@pytest.mark.parametrize("shared", [False, True], ids=["own-prompts", "shared-prompts"])
 @pytest.mark.parametrize("family", ["tiny_model", "tiny_untied_qwen"])
-def test_cut_micro_batches_and_kept_logits_give_the_full_pass_step(family, request):
+def test_cut_micro_batches_and_kept_logits_give_the_full_pass_step(family, shared, request):
     from peerflow.adapters.fsdp.engine import FSDPTrainEngine, FSDPTrainOptions
     from peerflow.algorithms.losses import PPOClip
 
@@ -80,13 +88,15 @@ def test_cut_micro_batches_and_kept_logits_give_the_full_pass_step(family, reque
     engine = FSDPTrainEngine(EngineContext(model_path=model_path, layout=ParallelLayout(),
                                            temperature=TEMPERATURE),
                              FSDPTrainOptions(), OPTIM)
-    batch = _batch(engine.model.config.vocab_size)
+    batch = _batch(engine.model.config.vocab_size, shared)
     lengths = batch.token_count().tolist()
     plan = pack_by_tokens(lengths, BUDGET)
     padded = sum(len(b) * max(lengths[i] for i in b) for b in plan)
     assert len(plan) > 1 and padded < len(lengths) * max(lengths)  # really cut, less padding
-    micro = engine.plan_micro_batches(batch)[0]
-    assert micro.inputs.logits_to_keep < micro.inputs.input_ids.shape[1]  # prompts skipped
+    micros = engine.plan_micro_batches(batch)
+    assert micros[0].inputs.logits_to_keep < micros[0].inputs.input_ids.shape[1]
+    positions = sum(m.inputs.input_ids.shape[0] for m in micros)  # rows of all passes
+    assert positions < len(batch) if shared else positions == len(batch)
 
     ref = _reference(model_path, batch, PPOClip())
     metrics = engine.train_step(batch, PPOClip())
@@ -99,7 +109,8 @@ def test_cut_micro_batches_and_kept_logits_give_the_full_pass_step(family, reque
         torch.testing.assert_close(tensor, ref["state"][name], atol=2e-5, rtol=0, msg=name)
 
 
-def test_logprobs_of_kept_positions_equal_the_full_pass(tiny_model):
+@pytest.mark.parametrize("shared", [False, True], ids=["own-prompts", "shared-prompts"])
+def test_logprobs_of_kept_positions_equal_the_full_pass(tiny_model, shared):
     from transformers import AutoModelForCausalLM
 
     from peerflow.adapters.fsdp.engine import FSDPTrainEngine, FSDPTrainOptions
@@ -107,7 +118,7 @@ def test_logprobs_of_kept_positions_equal_the_full_pass(tiny_model):
     engine = FSDPTrainEngine(EngineContext(model_path=tiny_model, layout=ParallelLayout(),
                                            temperature=TEMPERATURE),
                              FSDPTrainOptions(), OPTIM)
-    batch = _batch(engine.model.config.vocab_size)
+    batch = _batch(engine.model.config.vocab_size, shared)
     got = engine.forward_logprobs(batch)
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     for row in range(len(batch)):

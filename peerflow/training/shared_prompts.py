@@ -1,0 +1,168 @@
+"""Shared-prompt layout: the samples of one prompt run it once, in one row.
+
+A GRPO group's answers share their prompt; laid out one sample per row
+(`peerflow.training.inputs.pad_inputs`) the forward and backward run over the prompt once
+per answer. Here the samples of a micro-batch that have the same prompt go into one row,
+`[prompt, answer_1, answer_2, …]`, with an attention mask that lets each answer see the
+prompt and its own earlier tokens only, and position ids that restart after the prompt for
+every answer. A causal model's prompt positions do not depend on what follows them, so
+each answer's log-probs are those of `prompt + answer` alone (the same numbers up to
+floating-point summation order), and the prompt's activations receive the gradient of
+every answer in the row — the gradient of running the prompt once per answer, summed.
+Fewer positions go through every linear layer: on 4 answers averaging 128 tokens after a
+128-token prompt, 640 instead of 1024.
+
+Response token `j` of a sample is predicted at the prompt's last position (`j = 0`) or at
+its own token `j - 1`; several samples share the first of those positions, so targets are
+kept per response token (`response_targets`) rather than per position.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+import torch
+
+from peerflow.batch import Batch, RaggedField
+from peerflow.training.inputs import _offsets, check_kept
+
+
+@attrs.frozen(kw_only=True)
+class SharedPromptInputs:
+    """One micro-batch laid out one row per distinct prompt (see the module docstring).
+
+    Offers what the training toolkit reads from `PaddedInputs`: `input_ids`,
+    `position_ids`, `attention_mask`, `logits_to_keep`, `samples`, `gather` and
+    `response_targets`.
+    """
+
+    input_ids: torch.Tensor  # [R, L] int64, right-padded with 0
+    position_ids: torch.Tensor  # [R, L] int64
+    allowed: torch.Tensor  # [R, L, L] bool: query position may attend to key position
+    positions: torch.Tensor  # [T] flat index (row * L + position) predicting each response token
+    targets: torch.Tensor  # [T] the response tokens, sample after sample
+    offsets: torch.Tensor  # [samples + 1] into `positions` / `targets`
+    first_scored: int
+    """Leftmost position (over rows) that predicts a response token."""
+    samples: int
+
+    @property
+    def attention_mask(self) -> torch.Tensor:
+        """`[R, 1, L, L]` additive float32 mask (0 where allowed), transformers' custom 4D mask.
+
+        Use `attention_mask_as(dtype)` for a model computing in another dtype.
+        """
+        return self.attention_mask_as(torch.float32)
+
+    def attention_mask_as(self, dtype: torch.dtype) -> torch.Tensor:
+        """The additive 4D mask in `dtype` (the dtype the model's attention computes in)."""
+        blocked = torch.full((), torch.finfo(dtype).min, dtype=dtype)
+        return torch.where(self.allowed, torch.zeros((), dtype=dtype), blocked)[:, None]
+
+    @property
+    def logits_to_keep(self) -> int:
+        """How many trailing positions hold every position that predicts a response token."""
+        return max(self.input_ids.shape[1] - self.first_scored, 1)
+
+    def gather(self, per_position: torch.Tensor) -> RaggedField:
+        """Packs `[R, K, ...]` values of the last `K` positions at response tokens, ragged.
+
+        Raises:
+            ValueError: `per_position` lacks positions that predict response tokens.
+        """
+        rows, kept = per_position.shape[:2]
+        width = self.input_ids.shape[1]
+        check_kept(kept, self.logits_to_keep)
+        device = per_position.device
+        row, pos = self.positions // width, self.positions % width - (width - kept)
+        flat = per_position.reshape(rows * kept, *per_position.shape[2:])
+        return RaggedField(values=flat[(row * kept + pos).to(device)],
+                           offsets=self.offsets.to(device))
+
+    def response_targets(self) -> torch.Tensor:
+        """The token each gathered position predicts, aligned with `gather`'s values."""
+        return self.targets
+
+
+def shared_prompt_groups(prompts: Sequence[tuple[int, ...]]) -> list[list[int]]:
+    """Indices of the samples with the same prompt, in order of first appearance."""
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i, prompt in enumerate(prompts):
+        groups.setdefault(prompt, []).append(i)
+    return list(groups.values())
+
+
+def prompt_tuples(batch: Batch) -> list[tuple[int, ...]]:
+    """Each sample's prompt ids as a tuple (hashable, for grouping)."""
+    prompt = batch.ragged("prompt_ids")
+    return [tuple(row.tolist()) for row in prompt.rows()]
+
+
+def shared_prompt_inputs(batch: Batch) -> SharedPromptInputs:
+    """Lays out `batch` one row per distinct prompt (see the module docstring).
+
+    An empty batch becomes one filler row of a single token with no scored position.
+
+    Raises:
+        ValueError: A sample has no prompt token (nothing predicts its first token).
+    """
+    if len(batch) == 0:
+        one = torch.zeros(1, 1, dtype=torch.int64)
+        empty = torch.zeros(0, dtype=torch.int64)
+        return SharedPromptInputs(
+            input_ids=one, position_ids=one, allowed=torch.ones(1, 1, 1, dtype=torch.bool),
+            positions=empty, targets=empty, offsets=torch.zeros(1, dtype=torch.int64),
+            first_scored=0, samples=0)
+    prompts = prompt_tuples(batch)
+    responses = [row.to(torch.int64) for row in batch.ragged("response_ids").rows()]
+    sizes = batch.ragged("response_ids").lengths.tolist()
+    for i, prompt in enumerate(prompts):
+        if not prompt:
+            raise ValueError(
+                f"sample {int(batch.sample_id[i])} has an empty prompt_ids; a causal LM "
+                "needs at least one prompt token to predict the first response token.")
+    groups = shared_prompt_groups(prompts)
+    width = max(len(prompts[g[0]]) + sum(sizes[i] for i in g) for g in groups)
+    input_ids = torch.zeros(len(groups), width, dtype=torch.int64)
+    position_ids = torch.zeros(len(groups), width, dtype=torch.int64)
+    segment = torch.full((len(groups), width), -2, dtype=torch.int64)  # -1 prompt, k answer k
+    where: list[torch.Tensor] = [torch.empty(0, dtype=torch.int64)] * len(batch)
+    steps = torch.arange(width)
+    for r, group in enumerate(groups):
+        prompt = prompts[group[0]]
+        head = len(prompt)
+        input_ids[r, :head] = torch.tensor(prompt)
+        position_ids[r, :head] = steps[:head]
+        segment[r, :head] = -1
+        start = head
+        for k, i in enumerate(group):
+            n = sizes[i]
+            input_ids[r, start:start + n] = responses[i]
+            position_ids[r, start:start + n] = steps[head:head + n]
+            segment[r, start:start + n] = k
+            # Token j is predicted at the prompt's last position (j = 0), else at j - 1.
+            own = steps[start - 1:start + n - 1] + r * width
+            own[:1] = r * width + head - 1
+            where[i] = own
+            start += n
+    return SharedPromptInputs(
+        input_ids=input_ids, position_ids=position_ids, allowed=_segment_mask(segment),
+        positions=torch.cat(where), targets=torch.cat(responses),
+        offsets=_offsets(torch.tensor(sizes, dtype=torch.int64)),
+        first_scored=min(len(prompts[g[0]]) - 1 for g in groups),
+        samples=len(batch))
+
+
+def _segment_mask(segment: torch.Tensor) -> torch.Tensor:
+    """`[R, L, L]`: causal, and an answer sees the prompt (-1) and itself only.
+
+    Padding (-2) attends to itself only, so no row of the mask is empty.
+    """
+    width = segment.shape[1]
+    causal = torch.ones(width, width, dtype=torch.bool).tril()
+    query, key = segment[:, :, None], segment[:, None, :]
+    same = (query == key) & (query != -2)
+    sees_prompt = (key == -1) & (query >= 0)
+    pad_self = (query == -2) & torch.eye(width, dtype=torch.bool)
+    return (causal & (same | sees_prompt)) | pad_self
