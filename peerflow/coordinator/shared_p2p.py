@@ -48,30 +48,25 @@ def assemblers(channel: Any, participants: Sequence[int],
 
 
 def _read_shards(batch: Batch, src: ParallelLayout, dst: ParallelLayout, rank: int,
-                 targets: Sequence[int], load_fields: Sequence[str], keep_groups: bool,
-                 received: dict[int, torch.Tensor], stats: TransferStats) -> list[Batch]:
+                 targets: Sequence[int], keep_groups: bool, messages: dict[int, torch.Tensor],
+                 stats: TransferStats) -> list[Batch]:
     """Plans from every producer leader's metadata and copies out each target's samples.
 
+    `messages` holds every leader's message (this rank's own too, when it leads);
     `targets` are consumer ranks (the first rank of each consumer dp group this rank
     assembles for, or this rank itself); returns their batches in that order.
     """
     members = dp_members(src)
-    leaders = [m[0] for m in members]
     group_ids, loads, shards = [], [], []
-    for leader in leaders:
-        if leader == rank:
-            group_ids.append(sample_units(batch, keep_groups).tolist())
-            loads.append(sample_loads(batch, load_fields, keep_groups).tolist())
-            shards.append(None)
-            continue
-        message = received[leader]
+    for leader in (m[0] for m in members):
+        message = messages[leader]
         length = message_length(message)
         values = message[8:length].view(torch.int64)
         n = len(values) // 2
         group_ids.append(values[:n].tolist())
         loads.append(values[n:].tolist())
-        shards.append(message[padded(length):])
-        stats.metadata_bytes += length
+        shards.append(None if leader == rank else message[padded(length):])
+        stats.metadata_bytes += 0 if leader == rank else length
     plan = plan_transfer(src, dst, group_ids, loads, plan_slack(keep_groups))
     stats.plan = plan
     owner = {r: dp for dp, m in enumerate(members) for r in m}
@@ -152,13 +147,14 @@ def p2p_shared(batch: Batch, src: ParallelLayout, dst: ParallelLayout, rank: int
                                    what="redistribute: shards", timeout=timeout)
     if rank not in set(dst.global_ranks):
         return Batch.empty()
+    if rank in leaders:
+        received[rank] = message  # its own metadata, read like the others'
     if builder is None:
-        return _read_shards(batch, src, dst, rank, [rank], load_fields, keep_groups,
-                            received, stats)[0]
+        return _read_shards(batch, src, dst, rank, [rank], keep_groups, received, stats)[0]
     mine = [i for i, b in enumerate(builder) if b == rank]
     built = {}
     if mine:
         batches = _read_shards(batch, src, dst, rank, [groups[i][0] for i in mine],
-                               load_fields, keep_groups, received, stats)
+                               keep_groups, received, stats)
         built = dict(zip(mine, batches))
     return _hand_out(built, groups, builder, rank, channel, timeout, stats)
