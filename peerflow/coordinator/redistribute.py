@@ -32,14 +32,14 @@ know the size posts `HEAD_BYTES` and takes the rest as a second message).
 
 Transport (`transport=`, `coordinator.transport`): both modes run their rounds over the
 call's channel — gloo messages, or, when every rank of the route shares this host's
-`/dev/shm` (`auto`, the default, or `shm`), shared-memory segments signalled through the
-c10d store (`coordinator.shm`). A shared channel writes a message addressed to many
+`/dev/shm` (`auto`, the default, or `shm`), shared-memory segments and a wake-up pipe
+per process (`coordinator.shm`). A shared channel writes a message addressed to many
 ranks once, so p2p over it takes one round instead of two (`coordinator.shared_p2p`): each producer
 dp-leader writes its shard's group ids and token loads followed by the whole packed
 shard, and every consumer rank plans from all leaders' metadata and copies only its
 samples out of the mapped shards — or, on a host whose cores the route's ranks
-outnumber, only the first rank of each consumer dp group does, and its tp/pp peers map
-the batch it assembled (`shares_assembly`). A re-balance within one layout keeps the
+outnumber, one assembler per core does it for every `cores`-th consumer dp group, whose
+ranks map the batch it wrote (`assemblers`). A re-balance within one layout keeps the
 two rounds on any channel: most samples stay home, so packing only the few that move
 beats writing every shard. The centralized baseline keeps its gather and scatter.
 

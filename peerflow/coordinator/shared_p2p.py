@@ -29,75 +29,91 @@ from peerflow.layout import ParallelLayout
 _SHARE_TAG = 75
 
 
-def shares_assembly(channel: Any, participants: Sequence[int]) -> bool:
-    """Whether the tp/pp peers of a consumer dp group share one assembled batch.
+def assemblers(channel: Any, participants: Sequence[int],
+               groups: Sequence[tuple[int, ...]]) -> list[int] | None:
+    """For each consumer dp group, the rank that reads the shards and assembles its batch.
 
-    Only when the route's ranks outnumber the host's cores (`ShmRoute.cores`): then a
-    batch assembled by every peer costs wall time, since the peers take turns on the
-    cores. With a core per rank the peers assemble in parallel, and sharing would only
-    add a hop.
+    `None` (every consumer rank assembles its own) unless the route's ranks outnumber
+    the host's cores (`ShmRoute.cores`): then work done by more ranks than cores costs
+    wall time, since they take turns on the cores. So as many consumer groups' first
+    ranks as there are cores (at least one) each read the shards once, plan once and
+    assemble the batches of every `cores`-th group, and each group's ranks map the batch
+    its assembler wrote (copy on write) — no rank gathers and scatters for all, unless
+    the host has a single core.
     """
-    return len(participants) > channel.cores
+    if len(participants) <= channel.cores:
+        return None
+    count = max(1, min(len(groups), channel.cores))
+    return [groups[i % count][0] for i in range(len(groups))]
 
 
 def _read_shards(batch: Batch, src: ParallelLayout, dst: ParallelLayout, rank: int,
-                 load_fields: Sequence[str], keep_groups: bool,
-                 received: dict[int, torch.Tensor], stats: TransferStats) -> Batch:
-    """Plans from every producer leader's metadata and copies this rank's samples out."""
+                 targets: Sequence[int], keep_groups: bool, messages: dict[int, torch.Tensor],
+                 stats: TransferStats) -> list[Batch]:
+    """Plans from every producer leader's metadata and copies out each target's samples.
+
+    `messages` holds every leader's message (this rank's own too, when it leads);
+    `targets` are consumer ranks (the first rank of each consumer dp group this rank
+    assembles for, or this rank itself); returns their batches in that order.
+    """
     members = dp_members(src)
-    leaders = [m[0] for m in members]
     group_ids, loads, shards = [], [], []
-    for leader in leaders:
-        if leader == rank:
-            group_ids.append(sample_units(batch, keep_groups).tolist())
-            loads.append(sample_loads(batch, load_fields, keep_groups).tolist())
-            shards.append(None)
-            continue
-        message = received[leader]
+    for leader in (m[0] for m in members):
+        message = messages[leader]
         length = message_length(message)
         values = message[8:length].view(torch.int64)
         n = len(values) // 2
         group_ids.append(values[:n].tolist())
         loads.append(values[n:].tolist())
-        shards.append(message[padded(length):])
-        stats.metadata_bytes += length
+        shards.append(None if leader == rank else message[padded(length):])
+        stats.metadata_bytes += 0 if leader == rank else length
     plan = plan_transfer(src, dst, group_ids, loads, plan_slack(keep_groups))
     stats.plan = plan
     owner = {r: dp for dp, m in enumerate(members) for r in m}
-    parts, remote, start = [], [], 0
-    for sender, indices in plan.receives(rank):
-        s_dp = owner[sender]
-        if rank in members[s_dp]:
-            parts.append((batch, indices))
-        else:
-            parts.append((unpack_batch(shards[s_dp]), indices))
-            remote.append((start, start + len(indices)))
-        start += len(indices)
-    out = assemble(parts)
-    stats.bytes_received += spans_bytes(out, remote)
-    return out
+    unpacked: dict[int, Batch] = {}
+    built = []
+    for target in targets:
+        parts, remote, start = [], [], 0
+        for sender, indices in plan.receives(target):
+            s_dp = owner[sender]
+            if rank in members[s_dp]:
+                parts.append((batch, indices))
+            else:
+                if s_dp not in unpacked:
+                    unpacked[s_dp] = unpack_batch(shards[s_dp])
+                parts.append((unpacked[s_dp], indices))
+                remote.append((start, start + len(indices)))
+            start += len(indices)
+        out = assemble(parts)
+        stats.bytes_received += spans_bytes(out, remote)
+        built.append(out)
+    return built
 
 
-def _share_assembly(out: Batch, group: tuple[int, ...], rank: int, channel: Any,
-                    timeout: float, stats: TransferStats) -> Batch:
-    """Gives a consumer dp group's assembled batch to its tp/pp peers.
+def _hand_out(built: dict[int, Batch], groups: Sequence[tuple[int, ...]], builder: list[int],
+              rank: int, channel: Any, timeout: float, stats: TransferStats) -> Batch:
+    """Gives each consumer dp group the batch its assembler built (`built`: group → batch).
 
-    The group's first rank writes it once; each peer maps it copy on write (its batch is
-    its own: changing it changes no other rank's) instead of assembling it again.
+    An assembler writes each batch it built once, for the ranks of that group other
+    than itself; they map it copy on write (a rank's batch is its own: changing it
+    changes no other rank's) instead of assembling it again.
     """
-    first = group[0]
     outgoing = []
-    if rank == first:
-        message = pack_batch(out)
-        outgoing = [(peer, message, 0) for peer in group[1:]]
-        stats.bytes_sent += message.numel()
-    received, _ = channel.exchange(outgoing, {} if rank == first else {first: 0},
-                                   tag=_SHARE_TAG, what="redistribute: sharing a tp group's batch",
+    for index, out in built.items():
+        peers = [peer for peer in groups[index] if peer != rank]
+        if peers:
+            message = pack_batch(out)
+            outgoing += [(peer, message, 0) for peer in peers]
+            stats.bytes_sent += message.numel()
+    mine = next(i for i, g in enumerate(groups) if rank in g)
+    source = builder[mine]
+    received, _ = channel.exchange(outgoing, {} if source == rank else {source: 0},
+                                   tag=_SHARE_TAG, what="redistribute: assembled batches",
                                    timeout=timeout)
-    if rank == first:
-        return out
-    stats.bytes_received += received[first].numel()
-    return unpack_batch(received[first])
+    if source == rank:
+        return built[mine]
+    stats.bytes_received += received[source].numel()
+    return unpack_batch(received[source])
 
 
 def p2p_shared(batch: Batch, src: ParallelLayout, dst: ParallelLayout, rank: int,
@@ -106,17 +122,17 @@ def p2p_shared(batch: Batch, src: ParallelLayout, dst: ParallelLayout, rank: int
     """p2p in one round over a `shared` channel (same host: `coordinator.shm`).
 
     Each producer dp-leader writes one message once — its shard's group ids and token
-    loads, then the whole packed shard — for the consumers that read it; each of them
-    reads all leaders' group ids and loads, plans, and copies only its own samples out
-    of the shards that hold them (zero-copy views until `select`/`concat`). The readers
-    are every consumer rank, or, when the tp/pp peers of a consumer dp group share one
-    assembly (`shares_assembly`), only its first rank, which then writes the assembled
-    batch once for its peers (a second round, within the group).
+    loads, then the whole packed shard — for the ranks that read it; each of them reads
+    all leaders' group ids and loads, plans, and copies only the samples it assembles
+    out of the shards that hold them (zero-copy views until the gather). The readers are
+    every consumer rank, or, on a host whose cores the route's ranks outnumber, one
+    assembler per core (`assemblers`), which then writes each batch it built once for
+    that group's ranks (a second round).
     """
     leaders = [m[0] for m in dp_members(src)]
     groups = dp_members(dst)
-    share = shares_assembly(channel, participants)
-    readers = [g[0] for g in groups] if share else list(dst.global_ranks)
+    builder = assemblers(channel, participants, groups)
+    readers = sorted(set(builder)) if builder else list(dst.global_ranks)
     outgoing: list[tuple[int, torch.Tensor, int]] = []
     if rank in leaders:
         meta = frame(torch.cat([sample_units(batch, keep_groups),
@@ -129,11 +145,16 @@ def p2p_shared(batch: Batch, src: ParallelLayout, dst: ParallelLayout, rank: int
     incoming = {r: 0 for r in leaders if r != rank} if reads else {}
     received, _ = channel.exchange(outgoing, incoming, tag=DATA_TAG,
                                    what="redistribute: shards", timeout=timeout)
-    group = next((g for g in groups if rank in g), None)
-    if group is None:
+    if rank not in set(dst.global_ranks):
         return Batch.empty()
-    out = (_read_shards(batch, src, dst, rank, load_fields, keep_groups, received, stats)
-           if reads else None)
-    if not share or len(group) == 1:
-        return out
-    return _share_assembly(out, group, rank, channel, timeout, stats)
+    if rank in leaders:
+        received[rank] = message  # its own metadata, read like the others'
+    if builder is None:
+        return _read_shards(batch, src, dst, rank, [rank], keep_groups, received, stats)[0]
+    mine = [i for i, b in enumerate(builder) if b == rank]
+    built = {}
+    if mine:
+        batches = _read_shards(batch, src, dst, rank, [groups[i][0] for i in mine],
+                               keep_groups, received, stats)
+        built = dict(zip(mine, batches))
+    return _hand_out(built, groups, builder, rank, channel, timeout, stats)

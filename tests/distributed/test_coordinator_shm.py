@@ -2,9 +2,9 @@
 
 Uses the worker pools of `test_coordinator` (one per world size and core count, spawned
 once for this module) and, for a peer that dies, the host fallback and the isolation of
-tp peers' batches, processes of their own. A pool told it has one core shares each
-consumer group's assembly among its tp peers (`coordinator.shared_p2p.shares_assembly`); one told
-it has 64 lets every peer assemble its own.
+tp peers' batches, processes of their own. A pool told it has fewer cores than a route
+has ranks assembles each consumer group's batch on one of as many assemblers as cores
+(`coordinator.shared_p2p.assemblers`); one told it has 64 lets every rank assemble its own.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def _files_of(pids) -> list[str]:
                   if name.startswith(f"{PREFIX}{pid}-"))
 
 
-@pytest.mark.parametrize("cores", [64, 1])
+@pytest.mark.parametrize("cores", [64, 2, 1])
 @route_property(["dp4->dp2xtp2", "dp2@01->dp4", "colocated->split", "split->colocated",
                  "dp3->dp2@12", "dp2->dp1xtp2", "dp2@01->tp2@23"], max_examples=3)
 def test_shm_gives_the_same_batches_as_gloo(pools, cores, name, mode, data) -> None:
@@ -125,6 +125,50 @@ def test_tp_peers_sharing_an_assembly_get_independent_batches() -> None:
             assert row["ids"] and row["reward"] and row["rest"], (rank, call, row)
             assert row["text"] == f"changed by {rank}"
         assert got[rank]["shard"]  # the producer's own shard is untouched
+
+
+def _same(a, b) -> bool:
+    """Whether two batches hold the same fields, values and objects (pickled bytes of the
+    objects may differ in memo references, so not `pack_batch` bytes)."""
+    (meta_a, tensors_a), (meta_b, tensors_b) = a.to_wire(), b.to_wire()
+    return meta_a == meta_b and len(tensors_a) == len(tensors_b) and all(
+        x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(tensors_a, tensors_b))
+
+
+def _assemblers_over_changing_shapes(rank: int, world: int) -> dict:
+    import peerflow.coordinator.transport as transport
+    from peerflow.coordinator import TransferStats, redistribute
+
+    transport.usable_cores = lambda: 2  # 4 ranks on 2 cores: 2 assemblers
+    wide, narrow = ParallelLayout(dp=4), ParallelLayout(dp=2, tp=2)
+    rows = []
+    # shapes change every call: lengths, group counts, routes (4 or 2 consumer groups)
+    for call, (src, dst, groups) in enumerate([
+            (narrow, wide, [[[5, 9], [3]], [[7, 1, 4], [2]]]),
+            (wide, narrow, [[[30]], [[1, 2], [3]], [[12, 5]], [[4]]]),
+            (narrow, wide, [[[2], [40, 1]], [[3], [3], [3], [9, 9]]])]):
+        shards_by_dp, _ = make_shards(src, groups, seed=call)
+        shard = shards_by_dp[rank // 2 if src == narrow else rank]
+        stats = TransferStats()
+        out = redistribute(shard, (src, dst), transport="shm", stats=stats, timeout=60)
+        expected = redistribute(shard, (src, dst), transport="gloo", timeout=60)
+        rows.append({"planned": stats.plan is not None,
+                     "same": _same(out, expected),
+                     "samples": len(out)})
+    return {"rows": rows, "pid": os.getpid()}
+
+
+def test_assemblers_one_per_core_give_gloo_batches_across_changing_shapes() -> None:
+    got = run_gloo(_assemblers_over_changing_shapes, 4)
+    for rank in range(4):
+        for call, row in enumerate(got[rank]["rows"]):
+            assert row["same"], (rank, call)
+            # two assemblers, the first ranks of consumer groups 0 and 1: to dp4 ranks
+            # 0 and 1 (each builds two groups' batches), to dp2×tp2 ranks 0 and 2
+            assemblers = {0, 2} if call == 1 else {0, 1}
+            assert row["planned"] == (rank in assemblers), (rank, call)
+    assert sum(got[r]["rows"][0]["samples"] for r in range(4)) == 7  # one copy each
+    assert _files_of([got[r]["pid"] for r in range(4)]) == []  # all freed at exit
 
 
 def _dies_after_one_call(rank: int, world: int, port: int, mode: str, results) -> None:
