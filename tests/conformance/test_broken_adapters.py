@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
+
+import pytest
 
 HERE = Path(__file__).parent
 
@@ -53,24 +57,36 @@ def test_layer_3_passes_the_real_hf_engine_and_fails_one_swapping_k_and_v(tmp_pa
         "model.layers.0.self_attn.v_proj.weight" in out
 
 
-def test_vocab_padding_off_by_one_fails_layers_1_and_2(tmp_path):
-    result = run_suite(tmp_path, "layout_adapters", ["BrokenVocabPadding"],
-                       "(l1_shards_cover or l2_canonical) and llama-mha-untied and tp2 "
-                       "and not pp2")
+@pytest.fixture(scope="module")
+def vocab_padding_run(tmp_path_factory) -> tuple[str, dict[str, Counter]]:
+    """One suite run over the two vocab-padding adapters (layer 1 and layer 2's canonical
+    check, llama-mha-untied at tp2): its output and each class's outcome counts."""
+    result = run_suite(
+        tmp_path_factory.mktemp("vocab"), "layout_adapters",
+        ["BrokenVocabPadding", "VocabPaddingWithXfails"],
+        "(TestBrokenVocabPadding and (l1_shards_cover or l2_canonical) or "
+        "TestVocabPaddingWithXfails and l1_) and llama-mha-untied and tp2 and not pp2", "-rA")
     assert result.returncode == 1, result.stdout[-3000:]
-    out = result.stdout
-    assert "2 failed" in out
+    outcomes: dict[str, Counter] = {}
+    for line in result.stdout.splitlines():
+        found = re.match(r"(PASSED|FAILED|XFAIL|XPASS|SKIPPED|ERROR) \S+::Test(\w+)::", line)
+        if found:
+            outcomes.setdefault(found.group(2), Counter())[found.group(1)] += 1
+    return result.stdout, outcomes
+
+
+def test_vocab_padding_off_by_one_fails_layers_1_and_2(vocab_padding_run):
+    out, outcomes = vocab_padding_run
+    assert outcomes["BrokenVocabPadding"] == Counter(FAILED=2), out[-3000:]
     # Layer 1: the last real vocabulary row is held by no shard.
     assert "model.embed_tokens.weight: 16 of 1120 elements are held by no shard" in out
     # Layer 2: the planner refuses the plan, naming parameter and region.
     assert "lm_head.weight: region [69:70, 0:16] of source rank 0" in out
 
 
-def test_expected_failures_are_strict(tmp_path):
-    result = run_suite(tmp_path, "layout_adapters", ["VocabPaddingWithXfails"],
-                       "l1_ and llama-mha-untied and tp2 and not pp2")
-    out = result.stdout
-    assert result.returncode == 1, out[-3000:]
+def test_expected_failures_are_strict(vocab_padding_run):
+    out, outcomes = vocab_padding_run
     # well-formed passes, coverage fails as declared, the wrongly declared one XPASSes.
-    assert "1 failed, 1 passed" in out and "1 xfailed" in out, out[-3000:]
+    assert outcomes["VocabPaddingWithXfails"] == Counter(FAILED=1, PASSED=1, XFAIL=1), \
+        out[-3000:]
     assert "[XPASS(strict)] declared by mistake: this test passes" in out

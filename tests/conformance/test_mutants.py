@@ -3,8 +3,8 @@
 Runs layers 1–3 (llama models, single layout) over each class of `mutants.py` in one
 pytest subprocess and reads the JSON report: every mutant must fail, and its failure
 messages must contain what `mutants.EXPECTED` lists (the parameter or method, and the
-fix); the correct `HFFused` must pass. Also runs the authors' guide example engine
-(`minimal_engine.py`) through every layer, registered as a plugin.
+fix); the correct `HFFused` must pass. The same subprocess runs the authors' guide
+example engine (`minimal_engine.py`), registered as a plugin, through every layer.
 """
 
 from __future__ import annotations
@@ -64,13 +64,23 @@ def _run(tmp_path, source: str, keyword: str) -> dict:
     return json.loads(report.read_text())
 
 
-def test_every_mutant_is_caught_naming_the_parameter_and_the_fix(tmp_path):
+@pytest.fixture(scope="module")
+def suite_report(tmp_path_factory) -> dict[str, list[dict]]:
+    """One suite run over `HFFused`, every mutant (llama, single layout, layer 3) and the
+    minimal example engine (every layer but 4): its JSON report's tests, by class name."""
     names = ["HFFused", *EXPECTED]
-    report = _run(tmp_path, SUITE.format(here=str(HERE), classes="".join(
-        CLASS.format(name=n) for n in names)), "llama and (single or l3_)")
+    source = SUITE.format(here=str(HERE), classes="".join(
+        CLASS.format(name=n) for n in names)) + MINIMAL.format(here=str(HERE))
+    report = _run(tmp_path_factory.mktemp("suite"), source,
+                  "(TestMinimal and not l4_) or (not TestMinimal and llama and (single or l3_))")
     by_class: dict[str, list[dict]] = {}
     for test in report["tests"]:
         by_class.setdefault(test["id"].split("::")[0].removeprefix("Test"), []).append(test)
+    return by_class
+
+
+def test_every_mutant_is_caught_naming_the_parameter_and_the_fix(suite_report):
+    by_class = suite_report
     fused = by_class["HFFused"]
     assert fused and all(t["outcome"] in ("passed", "skipped") for t in fused), \
         [t["message"] for t in fused if t["outcome"] == "failed"]
@@ -97,9 +107,9 @@ def test_vllm_mutant_with_untempered_logprobs_is_caught(tmp_path):
         assert all(w in text for w in wanted), (name, text)
 
 
-def test_minimal_example_engine_passes_every_layer(tmp_path):
-    report = _run(tmp_path, MINIMAL.format(here=str(HERE)), "not l4_")
-    failed = [(t["id"], t["message"]) for t in report["tests"] if t["outcome"] == "failed"]
+def test_minimal_example_engine_passes_every_layer(suite_report):
+    tests = suite_report["Minimal"]
+    failed = [(t["id"], t["message"]) for t in tests if t["outcome"] == "failed"]
     assert not failed, failed
-    layers = {t["layer"] for t in report["tests"] if t["outcome"] == "passed"}
+    layers = {t["layer"] for t in tests if t["outcome"] == "passed"}
     assert layers == {0, 1, 2, 3}
