@@ -43,9 +43,8 @@ from peerflow.training.metrics import StepTally
 from peerflow.training.microbatch import plan_micro_batches, split_mini_batches
 from peerflow.training.shared_prompts import (
     SharedPromptInputs,
-    prompt_tuples,
-    shared_prompt_groups,
     shared_prompt_inputs,
+    shared_prompt_units,
 )
 
 log = logging.getLogger("peerflow.training")
@@ -136,17 +135,15 @@ class CausalLMTrainEngine(TrainEngine, abc.ABC):
     def plan_micro_batches(self, batch: Batch) -> list[MicroBatch]:
         """Token-balanced micro-batches, as many as on every dp-rank (collective).
 
-        With `shares_prompts` the units planned are the sets of samples with the same
-        prompt (their tokens counted with the prompt once), laid out one row per prompt.
+        With `shares_prompts` the units planned are the rows of samples with the same
+        prompt (their tokens counted with the prompt once, each row within the budget;
+        `shared_prompt_units`), laid out one row per unit.
         """
         lengths = batch.token_count().tolist() if len(batch) else []
         units = [[i] for i in range(len(batch))]
         layout: Callable[[Batch], PaddedInputs | SharedPromptInputs] = pad_inputs
         if self.shares_prompts and len(batch):
-            units = shared_prompt_groups(prompt_tuples(batch))
-            prompt = batch.ragged("prompt_ids").lengths.tolist()
-            lengths = [sum(lengths[i] for i in unit) - prompt[unit[0]] * (len(unit) - 1)
-                       for unit in units]
+            units, lengths = shared_prompt_units(batch, self.optim.micro_batch_tokens)
             layout = shared_prompt_inputs
         plan = plan_micro_batches(lengths, self.optim.micro_batch_tokens, self.dp_group,
                                   self.reduce_device)

@@ -19,6 +19,7 @@ kept per response token (`response_targets`) rather than per position.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import attrs
@@ -26,6 +27,8 @@ import torch
 
 from peerflow.batch import Batch, RaggedField
 from peerflow.training.inputs import _offsets, check_kept
+
+log = logging.getLogger("peerflow.training")
 
 
 @attrs.frozen(kw_only=True)
@@ -85,12 +88,60 @@ class SharedPromptInputs:
         return self.targets
 
 
+#: transformers attention backends that apply an arbitrary 4D additive mask.
+MASKABLE_ATTENTION = frozenset({"sdpa", "eager"})
+
+
+def takes_custom_masks(model: torch.nn.Module) -> bool:
+    """Whether `model`'s attention backend applies the layout's 4D mask (logs if not)."""
+    backend = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if backend in MASKABLE_ATTENTION:
+        return True
+    log.info("share_prompts is off: attention backend %r takes no custom 4D mask (%s do); "
+             "each sample keeps a row of its own.", backend, sorted(MASKABLE_ATTENTION))
+    return False
+
+
 def shared_prompt_groups(prompts: Sequence[tuple[int, ...]]) -> list[list[int]]:
     """Indices of the samples with the same prompt, in order of first appearance."""
     groups: dict[tuple[int, ...], list[int]] = {}
     for i, prompt in enumerate(prompts):
         groups.setdefault(prompt, []).append(i)
     return list(groups.values())
+
+
+def shared_prompt_units(batch: Batch, budget: int) -> tuple[list[list[int]], list[int]]:
+    """The rows of `batch` in the shared-prompt layout, and the tokens of each.
+
+    The samples with the same prompt share a row while the row (prompt once, then the
+    answers) stays within `budget` tokens; a larger group is cut into several rows (first
+    fit, in sample order), each with its own copy of the prompt, so a row never outgrows
+    the micro-batch budget and its `[L, L]` attention mask stays within `budget ** 2`
+    entries. A sample longer than
+    the budget gets a row of its own. Two rows of one prompt together exceed the budget,
+    so the micro-batch planner never puts them in one micro-batch (where
+    `shared_prompt_inputs` would join them again).
+
+    Returns:
+        The sample indices of each row, and each row's tokens.
+    """
+    prompts = prompt_tuples(batch)
+    prompt = batch.ragged("prompt_ids").lengths.tolist()
+    answer = batch.ragged("response_ids").lengths.tolist()
+    rows: list[list[int]] = []
+    tokens: list[int] = []
+    for group in shared_prompt_groups(prompts):
+        head, first = prompt[group[0]], len(rows)
+        for i in group:
+            fits = (r for r in range(first, len(rows)) if tokens[r] + answer[i] <= budget)
+            row = next(fits, None)
+            if row is None:
+                rows.append([i])
+                tokens.append(head + answer[i])
+            else:
+                rows[row].append(i)
+                tokens[row] += answer[i]
+    return rows, tokens
 
 
 def prompt_tuples(batch: Batch) -> list[tuple[int, ...]]:

@@ -346,3 +346,33 @@ def test_shared_prompt_layout_runs_each_prompt_once_and_keeps_answers_apart():
     # sample 3: row 0, at the prompt's end again
     assert got.values.tolist() == [2, 3, 7, 8, 9, 2]
     assert got.offsets.tolist() == [0, 2, 2, 5, 6]
+
+
+def test_shared_prompt_rows_stay_within_the_micro_batch_budget():
+    from peerflow.training.shared_prompts import shared_prompt_inputs, shared_prompt_units
+
+    prompt = [5, 6, 7, 8]
+    answers = [[1] * 3, [2] * 4, [3] * 2, [4] * 12, [9]]
+    batch = Batch(sample_id=torch.arange(6), group_id=torch.tensor([0] * 5 + [1]),
+                  weight_version=torch.zeros(6, dtype=torch.int64))
+    batch.set("prompt_ids", [torch.tensor(prompt)] * 5 + [torch.tensor([3, 3])])
+    batch.set("response_ids", [torch.tensor(a) for a in [*answers, [7, 7]]])
+    rows, tokens = shared_prompt_units(batch, budget=12)
+    # 4 + 3 + 4 fits; + 2 does not, so a second row repeats the prompt; the 12-token
+    # answer is over budget alone; the last answer still fits the first row (first fit);
+    # the other prompt has a row of its own.
+    assert rows == [[0, 1, 4], [2], [3], [5]]
+    assert tokens == [12, 6, 16, 4]
+    inputs = shared_prompt_inputs(batch.select(rows[0]))
+    assert inputs.input_ids.shape == (1, 12)
+
+
+def test_shared_prompts_need_an_attention_backend_that_takes_4d_masks():
+    from types import SimpleNamespace
+
+    from peerflow.training.shared_prompts import takes_custom_masks
+
+    model = torch.nn.Linear(1, 1)
+    for backend, takes in [("sdpa", True), ("eager", True), ("flash_attention_2", False)]:
+        model.config = SimpleNamespace(_attn_implementation=backend)
+        assert takes_custom_masks(model) is takes

@@ -42,6 +42,7 @@ from peerflow.engines.train import tensors_of
 from peerflow.errors import ConfigError
 from peerflow.shard import ShardSpec
 from peerflow.training import CausalLMTrainEngine, MicroBatch, build_adamw, torch_dtype
+from peerflow.training.shared_prompts import takes_custom_masks
 
 
 @attrs.frozen(kw_only=True)
@@ -62,7 +63,9 @@ class FSDPTrainOptions:
     share_prompts: bool = True
     """Run a prompt once for all its samples in a micro-batch (one row `[prompt, answer_1,
     answer_2, …]` with a mask keeping answers apart; `peerflow.training.shared_prompts`):
-    the same log-probs and gradients over fewer positions. Actors only (not `value_head`)."""
+    the same log-probs and gradients over fewer positions. Actors only (not `value_head`),
+    and only under an attention backend that takes a custom 4D mask (`sdpa`, `eager`);
+    under another (`flash_attention_2`) samples keep a row each, with a log line."""
 
 
 class FSDPTrainEngine(CausalLMTrainEngine):
@@ -106,7 +109,6 @@ class FSDPTrainEngine(CausalLMTrainEngine):
         self._coords = {"dp": coord.dp, "tp": coord.tp} if coord else {"dp": 0, "tp": 0}
         self._sizes = {"dp": layout.dp, "tp": layout.tp}
         self.bf16 = self.optim.bf16 and self._bf16_supported()
-        self.shares_prompts = self.options.share_prompts and not self.options.value_head
         self._compute_dtype = torch.bfloat16 if self.bf16 else torch_dtype(context.dtype)
         torch.manual_seed(context.seed)  # identical value-head init on every rank
         self.model = load_module(
@@ -115,6 +117,8 @@ class FSDPTrainEngine(CausalLMTrainEngine):
             dtype=torch_dtype(context.dtype),
             attn_implementation=self.options.attn_implementation,
         ).to(self.device)
+        self.shares_prompts = self.options.share_prompts and not self.options.value_head \
+            and takes_custom_masks(self.model)
         if self.options.gradient_checkpointing:
             target = self.model.model if self.options.value_head else self.model
             target.gradient_checkpointing_enable(
