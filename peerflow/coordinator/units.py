@@ -41,8 +41,9 @@ class TransferStats:
     """CPU seconds of the calling thread in the call (`time.thread_time`; gloo's own
     threads not counted): the call's wall on a machine with a core per process."""
     plan: TransferPlan | None = None
-    """The plan it executed (p2p mode; `None` on a tp/pp peer that mapped the batch its
-    consumer group's first rank assembled, and on ranks that only produce over shm)."""
+    """The plan it executed (p2p mode; `None` on a rank that mapped the batch another
+    rank assembled for it (`shared_p2p.assemblers`), and on ranks that only produce over
+    shm)."""
     transport: str = ""
     """The transport its exchanges used (`gloo` or `shm`)."""
 
