@@ -219,6 +219,10 @@ class RunSettings:
     the end (0: never)."""
 
 
+#: How long a rank waits for a live peer when some stage has no deadline (one day).
+NO_DEADLINE_WAIT_S = 86_400.0
+
+
 @attrs.frozen(kw_only=True)
 class RuntimeConfig:
     """How the workflow runs across processes."""
@@ -239,7 +243,8 @@ class RuntimeConfig:
     token count over the trainer's dp-ranks, so no rank waits for a busier one in the
     training step's collectives. Loss normalisers are global, so the step is the same."""
     fault_timeout: float = 60.0
-    """Seconds before a rank gives up on a dead peer and exits naming it."""
+    """Seconds before a rank gives up on a dead peer and exits naming it (a live peer busy
+    in a long stage is waited for: `peer_wait_timeout`)."""
     stage_timeout: float = 1800.0
     """Seconds any one stage of a step (a node, a route, a weight sync, a checkpoint) may
     run on a rank before the run fails naming that rank and stage (0: no deadline)."""
@@ -269,6 +274,21 @@ class RuntimeConfig:
     stop_checkpoint: bool = True
     """Checkpoint the step a graceful stop ends at, when cheap: the run's slowest
     checkpoint save so far (none yet counts as cheap) took at most half of `stop_grace`."""
+
+    @property
+    def peer_wait_timeout(self) -> float:
+        """Seconds a rank waits for a live peer in a collective, route or stream message.
+
+        A peer may spend up to its longest stage deadline (`stage_timeout`,
+        `reward_timeout`) in one stage — a long generation on a straggler — before it
+        answers; past that, its own monitor fails the run naming it, and the record
+        reaches every rank within `fault_timeout`. A dead peer is noticed far sooner, by
+        the fault monitor's heartbeats and the launcher (`fault_timeout`), whatever this
+        bound. With a stage without deadline (0), a live peer is waited for a day.
+        """
+        deadlines = (self.stage_timeout, self.reward_timeout)
+        longest = max(deadlines) if min(deadlines) > 0 else NO_DEADLINE_WAIT_S
+        return longest + self.fault_timeout
 
     def stage_deadline(self, kind: str) -> float | None:
         """Seconds a stage running a node of `kind` may take (`None`: no deadline)."""

@@ -106,16 +106,20 @@ def init_distributed(
     world_size: int | None = None,
     init_method: str | None = None,
     monitor: bool = True,
+    wait_timeout: float | None = None,
 ) -> DistContext:
     """Initialises the default process group and the fault monitor (idempotent).
 
     Args:
         backend: `auto` (NCCL when CUDA is available, else gloo), `gloo` or `nccl`.
-        timeout: Seconds each collective may take (the run's `runtime.fault_timeout`).
+        timeout: Seconds before a dead peer or a lost store fails the run (the run's
+            `runtime.fault_timeout`): the fault monitor's and the store's bound.
         rank: Global rank; defaults to `$RANK`.
         world_size: Number of ranks; defaults to `$WORLD_SIZE`.
         init_method: URL for `init_process_group`; defaults to `env://`.
         monitor: Start the heartbeat/abort monitor.
+        wait_timeout: Seconds each collective and peer wait may take while the peer
+            lives (`runtime.peer_wait_timeout`); defaults to `timeout`.
 
     Returns:
         The process's `DistContext`.
@@ -144,7 +148,7 @@ def init_distributed(
         try:
             dist.init_process_group(
                 backend=backend, rank=rank, world_size=world_size,
-                timeout=datetime.timedelta(seconds=timeout),
+                timeout=datetime.timedelta(seconds=wait_timeout or timeout),
                 **({"store": generation[0]} if generation
                    else {"init_method": init_method or "env://"}),
             )
@@ -163,7 +167,8 @@ def init_distributed(
         fault_monitor.install_sigterm_handler()
         set_monitor(fault_monitor)
     _CONTEXT = DistContext(rank=rank, world_size=world_size, local_rank=local_rank,
-                           backend=backend, host=socket.gethostname(), timeout=timeout,
+                           backend=backend, host=socket.gethostname(),
+                           timeout=wait_timeout or timeout,
                            store=store, monitor=fault_monitor)
     return _CONTEXT
 

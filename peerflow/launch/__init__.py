@@ -50,6 +50,7 @@ def launch(
     entry: str = DEFAULT_ENTRY,
     torch_threads: int | None = None,
     stop_grace: float | None = None,
+    wait_timeout: float | None = None,
 ) -> int:
     """Runs the workers of a run and returns 0 when every one finished cleanly.
 
@@ -65,6 +66,8 @@ def launch(
         entry: `module:function` every worker runs.
         torch_threads: torch threads per worker (default: `runtime.torch_threads`).
         stop_grace: Seconds a graceful stop may take (default: `runtime.stop_grace`).
+        wait_timeout: Seconds a rank waits for a live peer (default:
+            `runtime.peer_wait_timeout`).
 
     Returns:
         0.
@@ -75,7 +78,7 @@ def launch(
     """
     if launcher not in LAUNCHERS:
         raise ConfigError(f"--launcher {launcher!r}: use one of {', '.join(LAUNCHERS)}.")
-    if None in (fault_timeout, nprocs, torch_threads):
+    if None in (fault_timeout, nprocs, torch_threads, wait_timeout):
         from peerflow.config import load_config
 
         runtime = load_config(config_path, overrides).runtime
@@ -83,10 +86,11 @@ def launch(
         nprocs = runtime.nprocs if nprocs is None else nprocs
         torch_threads = runtime.torch_threads if torch_threads is None else torch_threads
         stop_grace = runtime.stop_grace if stop_grace is None else stop_grace
+        wait_timeout = runtime.peer_wait_timeout if wait_timeout is None else wait_timeout
     resolve_entry(entry)  # fail here, not in every worker
     command = WorkerCommand(entry=entry, config_path=config_path, overrides=overrides,
                             run_dir=run_dir, resume=resume, fault_timeout=fault_timeout,
-                            torch_threads=torch_threads,
+                            torch_threads=torch_threads, wait_timeout=wait_timeout,
                             **({} if stop_grace is None else {"stop_grace": stop_grace}))
     if in_distributed_env():
         worker_entry(*command.args())

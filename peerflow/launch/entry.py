@@ -64,11 +64,14 @@ class WorkerCommand:
     """torch threads per worker."""
     stop_grace: float = STOP_GRACE
     """Seconds a graceful stop may take (`runtime.stop_grace`)."""
+    wait_timeout: float | None = None
+    """Seconds a rank waits for a live peer (`runtime.peer_wait_timeout`; `None`:
+    `fault_timeout`)."""
 
     def args(self) -> tuple[Any, ...]:
         """Returns `worker_entry`'s positional arguments (picklable for spawned workers)."""
         return (self.entry, self.config_path, list(self.overrides), self.run_dir, self.resume,
-                self.fault_timeout, self.torch_threads, self.stop_grace)
+                self.fault_timeout, self.torch_threads, self.stop_grace, self.wait_timeout)
 
     @property
     def logs_dir(self) -> str:
@@ -85,6 +88,7 @@ def worker_entry(
     fault_timeout: float,
     torch_threads: int = 1,
     stop_grace: float = STOP_GRACE,
+    wait_timeout: float | None = None,
 ) -> None:
     """Runs one worker process (called by the launchers, on every rank).
 
@@ -97,6 +101,7 @@ def worker_entry(
         fault_timeout: Seconds within which every rank exits after a peer fails.
         torch_threads: torch intra-op threads of this process.
         stop_grace: Seconds a graceful stop may take before this rank stops at once.
+        wait_timeout: Seconds each collective and peer wait may take while the peer lives.
 
     A first SIGINT or SIGTERM asks every rank to stop at the next step boundary
     (`peerflow.distributed.stop`); a worker that stopped that way exits with
@@ -110,7 +115,7 @@ def worker_entry(
 
     torch.set_num_threads(max(1, torch_threads))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    ctx = init_distributed(timeout=fault_timeout)
+    ctx = init_distributed(timeout=fault_timeout, wait_timeout=wait_timeout)
     open_rank_log(resume or run_dir, ctx.rank)
     monitor = ctx.monitor
     stopped = None

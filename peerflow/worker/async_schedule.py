@@ -53,7 +53,7 @@ def streaming_schedule(rt: WorkerRuntime, program: RankProgram, stage: Any) -> A
 
     import torch.distributed as dist
 
-    timeout = rt.config.runtime.fault_timeout
+    timeout = rt.config.runtime.peer_wait_timeout
     with stage("stream channel"):
         # samples are CPU tensors, which NCCL cannot send
         group = None if dist.get_backend() == "gloo" else dist.new_group(

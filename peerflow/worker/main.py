@@ -87,9 +87,11 @@ def run_worker(
     rank, world_size = _rank_and_world()
     _seed_everything(config.seed, rank)
     if "RANK" in os.environ:
-        init_distributed(timeout=config.runtime.fault_timeout)
+        init_distributed(timeout=config.runtime.fault_timeout,
+                         wait_timeout=config.runtime.peer_wait_timeout)
     else:  # one process started by hand (tests, notebooks)
         init_distributed(timeout=config.runtime.fault_timeout, rank=0, world_size=1,
+                         wait_timeout=config.runtime.peer_wait_timeout,
                          init_method=f"tcp://127.0.0.1:{free_port()}")
     runtime = None
     try:
@@ -178,7 +180,7 @@ def _program(config: RunConfig, world_size: int, rank: int, pm: Any) -> RankProg
     plan = plan_run(config, world_size, pm)
     return program_from_plan(plan, rank, mode=config.runtime.coordinator,
                              transport=config.runtime.coordinator_transport,
-                             timeout=config.runtime.fault_timeout)
+                             timeout=config.runtime.peer_wait_timeout)
 
 
 def _load_tokenizer(model_path: str) -> Any:
@@ -202,7 +204,8 @@ def _weight_sync(rt: WorkerRuntime) -> Any:
     ws, runtime = rt.config.weight_sync, rt.config.runtime
     group = None
     if runtime.mode == "async":
-        group = dist.new_group(timeout=datetime.timedelta(seconds=runtime.fault_timeout))
+        group = dist.new_group(
+            timeout=datetime.timedelta(seconds=runtime.peer_wait_timeout))
     return WeightSyncService.build(
         rt.engines.get("actor"), rt.engines.get("rollout"), transport=ws.transport,
         bucket_bytes=ws.bucket_bytes, group=group, colocated=runtime.placement == "colocated")
