@@ -43,8 +43,9 @@ ranks map the batch it wrote (`assemblers`). A re-balance within one layout keep
 two rounds on any channel: most samples stay home, so packing only the few that move
 beats writing every shard. The centralized baseline keeps its gather and scatter.
 
-Every wait has a timeout (`runtime.fault_timeout`); a dead peer raises
-`WorkerFailedError` naming it.
+Every wait has a timeout (`runtime.peer_wait_timeout` in a run: a live peer may take a
+whole stage); a dead peer is named by the fault monitor within `runtime.fault_timeout`,
+and a wait that times out raises `WorkerFailedError` naming the ranks it waited for.
 """
 
 from __future__ import annotations
