@@ -3,6 +3,7 @@ naming the failed rank, host and stage, and the launcher exits non-zero."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -277,16 +278,19 @@ def test_a_rank_that_timed_out_waiting_names_the_stuck_peer() -> None:
     assert "rank 0 timed out waiting for it in stage 'step 2 advantage'" in record.reason
 
 
-def _run_hanging_reward(tmp_path, config: str, hang_rank: int) -> subprocess.CompletedProcess:
-    """Launches `config` on 2 processes with a reward that never returns on `hang_rank`."""
+def _run_hanging_reward(tmp_path, config: str, hang_rank: int, *extra: str,
+                        **env_extra: str) -> subprocess.CompletedProcess:
+    """Launches `config` on 2 processes with a reward that never returns on `hang_rank`
+    (or, with `STUCK_SECONDS`, returns that much later)."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, PYTHONPATH=f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-               GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", STUCK_RANK=str(hang_rank))
+               GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", STUCK_RANK=str(hang_rank),
+               **env_extra)
     for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "PEERFLOW_FAULT_STORE"):
         env.pop(key, None)
     overrides = ["run.steps=3", "run.prompts_per_step=4", "rollout.sampling.n=4",
                  "task.reward=stuck", "runtime.reward_timeout=2",
-                 "runtime.fault_timeout=60", "run.trace=false", "run.tensorboard=false"]
+                 "runtime.fault_timeout=60", "run.trace=false", "run.tensorboard=false", *extra]
     return subprocess.run(
         [sys.executable, "-m", "tests.helpers.stuck_reward",
          os.path.join(root, "examples", config), str(tmp_path / "run"), *overrides],
@@ -315,3 +319,17 @@ def test_a_reward_that_never_returns_fails_the_run_naming_rank_reward_and_sample
     if config == "quickstart.yaml":
         assert "first: dataset row" in launcher
         assert f"; rank 0 (host {host}" in err  # the healthy rank exits naming rank 1
+
+
+def test_a_live_peer_busy_longer_than_fault_timeout_is_waited_for(tmp_path) -> None:
+    """Rank 1's reward takes 12 s, more than twice `fault_timeout` (5 s), while rank 0 waits
+    for it in the step's routes and collectives: a live, busy peer is no fault — the run
+    finishes (waits are bounded by `runtime.peer_wait_timeout`, not `fault_timeout`)."""
+    proc = _run_hanging_reward(tmp_path, "quickstart.yaml", 1, "run.steps=2",
+                               "runtime.reward_timeout=60", "runtime.fault_timeout=5",
+                               STUCK_SECONDS="12", STUCK_FLAG=str(tmp_path / "slow"))
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "slow").exists() and (tmp_path / "slow.rank0").exists()
+    steps = [json.loads(line)["step"]
+             for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2]

@@ -6,7 +6,8 @@ processes with this module's `run` as the worker entry (select the reward with
 the run fails. Environment: `STUCK_RANK` (default 1) hangs in its
 `STUCK_CALL`-th reward call (default 1); `STUCK_FLAG`, when set, is a file created just
 before it hangs, and `STUCK_FLAG.rank{N}` one created when rank N, not stuck, returns from
-that call (it then goes on to wait for the stuck rank in a collective).
+that call (it then goes on to wait for the stuck rank in a collective). With
+`STUCK_SECONDS` set, the call is only slow: it returns after that many seconds.
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ class StuckReward(RewardFunction):
         if dist.get_rank() == int(os.environ.get("STUCK_RANK", "1")):
             if flag:
                 open(flag, "w").close()
+            if os.environ.get("STUCK_SECONDS"):  # a slow reward: a live, busy peer
+                time.sleep(float(os.environ["STUCK_SECONDS"]))
+                return [0.0] * len(responses)
             while True:  # a reward that never returns
                 time.sleep(0.1)
         if flag:
