@@ -112,7 +112,8 @@ def train(config: ConfigSource, overrides: Mapping[str, Any] | Sequence[str] | N
     path = create_run_dir(run_dir, name=_name(config))
     launch(config_path=config_path, overrides=extra, run_dir=str(path),
            nprocs=settings.runtime.nprocs, launcher=launcher,
-           fault_timeout=settings.runtime.fault_timeout)
+           fault_timeout=settings.runtime.fault_timeout,
+           wait_timeout=settings.runtime.peer_wait_timeout)
     return path
 
 
@@ -143,5 +144,6 @@ def evaluate(config: ConfigSource, checkpoint: str | Path | None = None,
            resume=str(Path(checkpoint).resolve()) if checkpoint is not None else None,
            nprocs=settings.runtime.nprocs, launcher=launcher,
            fault_timeout=settings.runtime.fault_timeout,
+           wait_timeout=settings.runtime.peer_wait_timeout,
            entry="peerflow.worker.main:run_eval_worker")
     return json.loads((path / "eval.json").read_text())

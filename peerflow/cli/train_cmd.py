@@ -227,6 +227,7 @@ def run(args: argparse.Namespace) -> int:
                 config_path=config_path, overrides=overrides, run_dir=str(run_path),
                 resume=args.resume, nprocs=nprocs, launcher=args.launcher,
                 fault_timeout=config.runtime.fault_timeout,
+                wait_timeout=config.runtime.peer_wait_timeout,
                 stop_grace=config.runtime.stop_grace,
             ) or 0)
         except RunInterruptedError as exc:

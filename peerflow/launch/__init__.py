@@ -66,8 +66,8 @@ def launch(
         entry: `module:function` every worker runs.
         torch_threads: torch threads per worker (default: `runtime.torch_threads`).
         stop_grace: Seconds a graceful stop may take (default: `runtime.stop_grace`).
-        wait_timeout: Seconds a rank waits for a live peer (default:
-            `runtime.peer_wait_timeout`).
+        wait_timeout: Seconds a rank waits for a live peer (default: with the config read,
+            `runtime.peer_wait_timeout`; else `fault_timeout`).
 
     Returns:
         0.
@@ -78,7 +78,7 @@ def launch(
     """
     if launcher not in LAUNCHERS:
         raise ConfigError(f"--launcher {launcher!r}: use one of {', '.join(LAUNCHERS)}.")
-    if None in (fault_timeout, nprocs, torch_threads, wait_timeout):
+    if None in (fault_timeout, nprocs, torch_threads):
         from peerflow.config import load_config
 
         runtime = load_config(config_path, overrides).runtime
