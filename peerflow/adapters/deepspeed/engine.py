@@ -34,6 +34,7 @@ from peerflow.engines.train import tensors_of
 from peerflow.errors import ConfigError
 from peerflow.shard import ShardSpec
 from peerflow.training import CausalLMTrainEngine, MicroBatch, build_adamw, torch_dtype
+from peerflow.training.shared_prompts import takes_custom_masks
 
 
 def _ensure_distributed(context: EngineContext) -> None:
@@ -135,6 +136,8 @@ class DeepSpeedTrainEngine(DeepSpeedCheckpoints, CausalLMTrainEngine):
         if options.gradient_checkpointing:
             model.gradient_checkpointing_enable()
         model.config.use_cache = False
+        self.shares_prompts = options.share_prompts and takes_custom_masks(model)
+        self._compute_dtype = torch.bfloat16 if bf16 else torch.float32
         optimizer = build_adamw(model.parameters(), optim)
         self.engine, _, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, config=self.ds_config,
@@ -166,7 +169,10 @@ class DeepSpeedTrainEngine(DeepSpeedCheckpoints, CausalLMTrainEngine):
 
     # ------------------------------------------------- what the toolkit needs
     def forward_micro(self, micro: MicroBatch) -> torch.Tensor:
-        """Logits `[B, K, V]` of one padded micro-batch's last `K = logits_to_keep` positions.
+        """Logits `[R, K, V]` of one micro-batch's last `K = logits_to_keep` positions.
+
+        A row per sample, or per prompt when the samples share it (`shares_prompts`: a 4D
+        mask in the dtype the model computes in keeps their answers apart).
 
         DeepSpeed reduces gradients and steps at the accumulation boundary, which is the
         last micro-batch of a mini-batch.
@@ -175,7 +181,7 @@ class DeepSpeedTrainEngine(DeepSpeedCheckpoints, CausalLMTrainEngine):
         inputs = micro.inputs
         return self.engine(
             input_ids=inputs.input_ids.to(self.device),
-            attention_mask=inputs.attention_mask.to(self.device),
+            attention_mask=inputs.attention_mask_as(self._compute_dtype).to(self.device),
             position_ids=inputs.position_ids.to(self.device),
             use_cache=False,
             logits_to_keep=inputs.logits_to_keep,

@@ -61,6 +61,10 @@ class DeepSpeedOptions:
     """Native DeepSpeed config keys merged over the generated config (pass-through)."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward (HF `gradient_checkpointing_enable`)."""
+    share_prompts: bool = True
+    """Run a prompt once for all its samples in a micro-batch, as `trainer.fsdp.share_prompts`
+    does (docs/training.md, "Shared prompts"); off under an attention backend that takes no
+    custom 4D mask."""
     checkpoint_tag: str = "peerflow"
     """Tag DeepSpeed's checkpoint files are saved under inside the checkpoint directory."""
 

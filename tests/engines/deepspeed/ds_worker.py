@@ -70,7 +70,7 @@ def main() -> None:
         results[stage] = {
             "logprobs": logprobs.values, "metrics": metrics, "after_one": after_one,
             "after_two": after_two, "resumed": resumed, "version_loaded": version_loaded,
-            "specs": engine.weight_sources(),
+            "specs": engine.weight_sources(), "shares_prompts": engine.shares_prompts,
         }
         engine.shutdown()
     smaller = EngineContext(model_path=one_layer_copy(model_path, out_dir),

@@ -72,12 +72,14 @@ def refused_load(engine, directory: str) -> str | None:
 
 
 def full_batch():
-    """Eight samples of ragged prompt/response lengths (the same on every call), with a
-    `loss_mask` that leaves some response tokens untrained."""
+    """Eight samples of ragged prompt/response lengths (the same on every call), the two
+    answers of a group sharing their prompt, with a `loss_mask` that leaves some response
+    tokens untrained."""
     from peerflow.batch import Batch, RaggedField
 
     g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(1, 61, (2 + i % 3,), generator=g) for i in range(SAMPLES)]
+    groups = [torch.randint(1, 61, (2 + i % 3,), generator=g) for i in range(SAMPLES // 2)]
+    prompts = [groups[i // 2] for i in range(SAMPLES)]
     responses = [torch.randint(1, 61, (1 + (i * 5) % 4,), generator=g) for i in range(SAMPLES)]
     batch = Batch(sample_id=torch.arange(SAMPLES), group_id=torch.arange(SAMPLES) // 2,
                   weight_version=torch.zeros(SAMPLES))
