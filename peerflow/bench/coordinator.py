@@ -16,7 +16,7 @@ ranks, what sets the wall when processes outnumber cores), medians over `--runs`
 repetitions after one warm-up;
 and the payload bandwidth of the busiest rank next to a plain send of the same number of
 bytes between two of the same processes, measured in the same run (the wire's speed):
-gloo `send`, and the shared-memory channel (write, map, one copy out).
+gloo `send`, and the shared-memory channel (write, wake, read out).
 
 `simulation` models the same route up to N = 1024 with the planner's
 `simulate_route` (the runtime's planning code, no processes).
@@ -145,8 +145,8 @@ def _worker(rank: int, world: int, port: int, args: dict[str, Any], out: Any) ->
 def _plain_send(nbytes: int, runs: int, transport: str) -> dict[str, Any]:
     """Times a plain send of `nbytes` from rank 0 to rank 1 (median of `runs`).
 
-    `gloo`: one `dist.send`; `shm`: the coordinator's shared-memory channel (write,
-    signal, map) plus one copy out of the mapping, as a receiver's unpack makes.
+    `gloo`: one `dist.send`; `shm`: the coordinator's shared-memory channel (write into
+    a segment, wake the receiver, which reads its message out into memory of its own).
     """
     import time
 
@@ -166,10 +166,8 @@ def _plain_send(nbytes: int, runs: int, transport: str) -> dict[str, Any]:
         elif rank in (0, 1):
             channel = open_channel((0, 1), "shm", timeout=300)
             outgoing = [(1, buf, buf.numel())] if rank == 0 else []
-            got, _ = channel.exchange(outgoing, {0: buf.numel()} if rank == 1 else {},
-                                      tag=9, what="shm send", timeout=300)
-            if rank == 1:
-                got[0].clone()
+            channel.exchange(outgoing, {0: buf.numel()} if rank == 1 else {}, tag=9,
+                             what="shm send", timeout=300)
         wall = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
         dist.all_reduce(wall, op=dist.ReduceOp.MAX)
         if run:

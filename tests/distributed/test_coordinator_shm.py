@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import os
 import queue
+from collections import Counter
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
 from peerflow.coordinator import pack_batch
-from peerflow.coordinator.shm import PREFIX, SHM_DIR
+from peerflow.coordinator.shm import POOL_FILES, PREFIX, SHM_DIR
 from peerflow.layout import ParallelLayout
 from tests.distributed import test_coordinator
 from tests.distributed.test_coordinator import (
@@ -70,14 +71,19 @@ def test_segments_are_freed_once_read_and_at_exit(cores) -> None:
             shards_by_dp, shards = make_shards(src, [[[5, 9], [3]]] * 4, seed=seed)
             check(src, dst, shards_by_dp, pool.run(src, dst, shards, mode=mode,
                                                    transport="shm"))
-        # a sender frees a segment after the exchange in which all its readers read it:
-        # what is left belongs to the last call (5 calls: indices 0-4), besides each
-        # process's wake-up pipe
+        # a sender returns a segment to its route's pool after the exchange in which all
+        # its readers read it, and writes the next exchanges into it: what is left is
+        # each process's wake-up pipe, its pool (fewer files than the exchanges it wrote)
+        # and receivers' links of the last call only (5 calls: indices 0-4)
         files = _files_of(pids)
         assert sorted(name for name in files if name.endswith("-inbox")) == sorted(
             f"{PREFIX}{pid}-inbox" for pid in pids)
-        calls = {int(name.split("-")[3]) for name in files if not name.endswith("-inbox")}
-        assert calls <= {4}, files
+        segments = [name for name in files if "-seg" in name]
+        links = [name for name in files if "-to" in name]
+        assert len(files) == len(pids) + len(segments) + len(links), files
+        assert {int(name.split("-")[3]) for name in links} <= {4}, files
+        per_process = Counter(name.split("-")[1] for name in segments)
+        assert max(per_process.values()) <= min(POOL_FILES, 3), files
     finally:
         pool.close()
     assert _files_of(pids) == []  # pipes included
@@ -141,7 +147,7 @@ def _assemblers_over_changing_shapes(rank: int, world: int) -> dict:
 
     transport.usable_cores = lambda: 2  # 4 ranks on 2 cores: 2 assemblers
     wide, narrow = ParallelLayout(dp=4), ParallelLayout(dp=2, tp=2)
-    rows = []
+    rows, kept = [], []
     # shapes change every call: lengths, group counts, routes (4 or 2 consumer groups)
     for call, (src, dst, groups) in enumerate([
             (narrow, wide, [[[5, 9], [3]], [[7, 1, 4], [2]]]),
@@ -155,7 +161,9 @@ def _assemblers_over_changing_shapes(rank: int, world: int) -> dict:
         rows.append({"planned": stats.plan is not None,
                      "same": _same(out, expected),
                      "samples": len(out)})
-    return {"rows": rows, "pid": os.getpid()}
+        kept.append((out, expected))
+    # later calls rewrote the senders' pooled segments: earlier batches are unchanged
+    return {"rows": rows, "pid": os.getpid(), "kept": [_same(*pair) for pair in kept]}
 
 
 def test_assemblers_one_per_core_give_gloo_batches_across_changing_shapes() -> None:
@@ -167,6 +175,7 @@ def test_assemblers_one_per_core_give_gloo_batches_across_changing_shapes() -> N
             # 0 and 1 (each builds two groups' batches), to dp2×tp2 ranks 0 and 2
             assemblers = {0, 2} if call == 1 else {0, 1}
             assert row["planned"] == (rank in assemblers), (rank, call)
+        assert all(got[rank]["kept"]), rank
     assert sum(got[r]["rows"][0]["samples"] for r in range(4)) == 7  # one copy each
     assert _files_of([got[r]["pid"] for r in range(4)]) == []  # all freed at exit
 
