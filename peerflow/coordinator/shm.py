@@ -32,9 +32,10 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import mmap
 import multiprocessing.util
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import attrs
@@ -56,7 +57,7 @@ POOL_FILES = 4
 POOL_FILE_BYTES = 64 * 2**20
 #: Byte alignment of every message in a segment (wire.ALIGN divides it).
 _ALIGN = 64
-#: Bytes of a segment's first read: its receiver table, unless it has over 160 rows.
+#: Bytes of a segment's first read: its receiver table, unless it has over 170 rows.
 _HEAD_READ = 4096
 
 _ROUTES: list[ShmRoute] = []  # every unreleased route of this process, released at exit
@@ -289,7 +290,12 @@ class ShmRoute:
         return sent
 
     def _read(self, sender: int, tag: int, what: str) -> torch.Tensor:
-        """Reads this rank's message out of `sender`'s segment, then removes its link."""
+        """This rank's message in `sender`'s segment, as memory of its own; unlinks its link.
+
+        A segment the sender may reuse (at most `POOL_FILE_BYTES`) is read out with
+        `pread`; a larger one is never written again, so it is mapped privately (copy on
+        write: zero-copy, and no other process sees changes to it).
+        """
         link = f"{self._path(sender, tag)}-to{self.rank}"
         try:
             fd = os.open(link, os.O_RDONLY)
@@ -299,23 +305,37 @@ class ShmRoute:
                 "gone (the rank gave up on this call)."
             ) from None
         try:
-            head = os.pread(fd, _HEAD_READ, 0)
-            count = int.from_bytes(head[:8], "little")
-            if 8 + 24 * count > len(head):
-                head = os.pread(fd, 8 + 24 * count, 0)
-            table = torch.frombuffer(bytearray(head[8 : 8 + 24 * count]),
-                                     dtype=torch.int64).view(count, 3).tolist()
-            entry = next((row for row in table if row[0] == self.rank), None)
-            if entry is None:
-                raise ValueError(f"{what}: rank {sender}'s segment {link} holds no message "
-                                 f"for rank {self.rank} (its receivers: "
-                                 f"{[row[0] for row in table]}).")
-            message = torch.empty(entry[2], dtype=torch.uint8)
-            _read_into(fd, memoryview(message.numpy()), entry[1])
+            if os.fstat(fd).st_size > POOL_FILE_BYTES:
+                whole = torch.frombuffer(mmap.mmap(fd, 0, access=mmap.ACCESS_COPY),
+                                         dtype=torch.uint8)
+                _, offset, length = self._entry(lambda n: whole[:n].numpy().tobytes(), sender,
+                                                what)
+                message = whole[offset : offset + length]
+            else:
+                _, offset, length = self._entry(lambda n: os.pread(fd, n, 0), sender, what)
+                message = torch.empty(length, dtype=torch.uint8)
+                _read_into(fd, memoryview(message.numpy()), offset)
         finally:
             os.close(fd)
         os.unlink(link)  # read: the sender may reuse the segment
         return message
+
+    def _entry(self, read: Callable[[int], bytes], sender: int, what: str) -> list[int]:
+        """`[rank, offset, length]` of this rank's message in a segment's receiver table.
+
+        `read(n)` returns the segment's first `n` bytes.
+        """
+        head = read(_HEAD_READ)
+        count = int.from_bytes(head[:8], "little")
+        if 8 + 24 * count > len(head):
+            head = read(8 + 24 * count)
+        table = torch.frombuffer(bytearray(head[8 : 8 + 24 * count]),
+                                 dtype=torch.int64).view(count, 3).tolist()
+        entry = next((row for row in table if row[0] == self.rank), None)
+        if entry is None:
+            raise ValueError(f"{what}: rank {sender}'s segment holds no message for rank "
+                             f"{self.rank} (its receivers: {[row[0] for row in table]}).")
+        return entry
 
     def _collect(self) -> None:
         """Returns segments every receiver has read to the pool (or removes them)."""

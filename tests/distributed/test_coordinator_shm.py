@@ -9,6 +9,7 @@ has ranks assembles each consumer group's batch on one of as many assemblers as 
 
 from __future__ import annotations
 
+import functools
 import os
 import queue
 from collections import Counter
@@ -141,11 +142,13 @@ def _same(a, b) -> bool:
         x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(tensors_a, tensors_b))
 
 
-def _assemblers_over_changing_shapes(rank: int, world: int) -> dict:
+def _assemblers_over_changing_shapes(rank: int, world: int, pool_file_bytes: int) -> dict:
+    import peerflow.coordinator.shm as shm
     import peerflow.coordinator.transport as transport
     from peerflow.coordinator import TransferStats, redistribute
 
     transport.usable_cores = lambda: 2  # 4 ranks on 2 cores: 2 assemblers
+    shm.POOL_FILE_BYTES = pool_file_bytes
     wide, narrow = ParallelLayout(dp=4), ParallelLayout(dp=2, tp=2)
     rows, kept = [], []
     # shapes change every call: lengths, group counts, routes (4 or 2 consumer groups)
@@ -166,8 +169,13 @@ def _assemblers_over_changing_shapes(rank: int, world: int) -> dict:
     return {"rows": rows, "pid": os.getpid(), "kept": [_same(*pair) for pair in kept]}
 
 
-def test_assemblers_one_per_core_give_gloo_batches_across_changing_shapes() -> None:
-    got = run_gloo(_assemblers_over_changing_shapes, 4)
+@pytest.mark.parametrize("pool_file_bytes", [64 * 2**20, 0])
+def test_assemblers_one_per_core_give_gloo_batches_across_changing_shapes(
+        pool_file_bytes) -> None:
+    """With 0, no segment is small enough to reuse: receivers map them instead of
+    reading them out, and senders remove them once read."""
+    got = run_gloo(functools.partial(_assemblers_over_changing_shapes,
+                                     pool_file_bytes=pool_file_bytes), 4)
     for rank in range(4):
         for call, row in enumerate(got[rank]["rows"]):
             assert row["same"], (rank, call)
