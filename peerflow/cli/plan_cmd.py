@@ -48,17 +48,23 @@ def _simulation(plan: Any, config: Any) -> list[dict[str, Any]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Prints the plan; raises `ConfigError` (exit 1) when the run cannot be planned."""
-    from peerflow.config import load_config
+    """Prints the plan; raises `ConfigError` (exit 1) when the run cannot be planned.
+
+    The config is checked as `peerflow config validate` checks it (names, option keys),
+    without opening the model directory or the dataset.
+    """
+    from peerflow.config import load_config, validate_config
     from peerflow.errors import ConfigError
     from peerflow.planner import plan_run
     from peerflow.planner.validate import check_model_layouts
     from peerflow.plugins import get_plugin_manager
     from peerflow.workflow.on_policy import old_logprob_decision
 
-    config = load_config(args.config, args.overrides)
-    nprocs = args.nprocs or config.runtime.nprocs
-    plan = plan_run(config, nprocs, get_plugin_manager())
+    nprocs = [f"runtime.nprocs={args.nprocs}"] if args.nprocs else []
+    config = load_config(args.config, [*(args.overrides or []), *nprocs])
+    pm = get_plugin_manager()
+    validate_config(config, pm)
+    plan = plan_run(config, config.runtime.nprocs, pm)
     problems = check_model_layouts(config, plan.graph, plan.roles)
     if problems:
         raise ConfigError("\n".join(problems))

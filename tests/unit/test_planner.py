@@ -153,7 +153,7 @@ def test_simulation_scales_and_centralized_funnels() -> None:
 def test_plan_cli_json_1024(tmp_path) -> None:
     config = tmp_path / "run.yaml"
     config.write_text("runtime: {placement: split}\nrollout: {layout: {dp: 0}}\n"
-                      "trainer: {layout: {dp: 512}}\n")
+                      "trainer: {layout: {dp: 512}}\nrun: {prompts_per_step: 512}\n")
     out = subprocess.run([sys.executable, "-m", "peerflow", "plan", str(config), "--nprocs",
                           "1024", "--format", "json"], capture_output=True, text=True,
                          timeout=120)
@@ -195,6 +195,9 @@ def test_plan_cli_text_dot_rank_and_errors(tmp_path, capsys) -> None:
     assert "routes:" in out and "centralized" in out and "p2p" in out
     assert main(["plan", str(config), "--nprocs", "4", "--set", "rollout.layout.tp=2"]) == 1
     assert "does not divide" in capsys.readouterr().err
+    # a typo in an engine's options is named, as `peerflow config validate` names it
+    assert main(["plan", str(config), "--nprocs", "4", "--set", "trainer.fsdp.bogus=1"]) == 1
+    assert "trainer.fsdp.bogus: unknown key. Valid keys" in capsys.readouterr().err
 
 
 def test_async_program_gives_every_node_its_streaming_phase() -> None:
