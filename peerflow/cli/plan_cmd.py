@@ -50,24 +50,21 @@ def _simulation(plan: Any, config: Any) -> list[dict[str, Any]]:
 def run(args: argparse.Namespace) -> int:
     """Prints the plan; raises `ConfigError` (exit 1) when the run cannot be planned.
 
-    The config is checked as `peerflow config validate` checks it (names, option keys),
-    without opening the model directory or the dataset.
+    The config is checked as `peerflow config validate` checks it (names, option keys,
+    layouts against the model's heads and layers), without loading the model or
+    opening the dataset.
     """
     from peerflow.config import load_config, validate_config
     from peerflow.errors import ConfigError
     from peerflow.planner import plan_run
-    from peerflow.planner.validate import check_model_layouts
     from peerflow.plugins import get_plugin_manager
     from peerflow.workflow.on_policy import old_logprob_decision
 
     nprocs = [f"runtime.nprocs={args.nprocs}"] if args.nprocs else []
-    config = load_config(args.config, [*(args.overrides or []), *nprocs])
+    config = load_config(args.config, [*args.overrides, *nprocs])
     pm = get_plugin_manager()
     validate_config(config, pm)
     plan = plan_run(config, config.runtime.nprocs, pm)
-    problems = check_model_layouts(config, plan.graph, plan.roles)
-    if problems:
-        raise ConfigError("\n".join(problems))
     if args.rank is not None:
         try:
             program = plan.program(args.rank)
