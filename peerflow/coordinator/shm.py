@@ -136,8 +136,14 @@ class _File:
 
     path: str
     fd: int
-    size: int = 0
-    """Bytes its tmpfs pages hold (the largest message set written into it)."""
+
+    @property
+    def size(self) -> int:
+        """Its length, the largest message set written into it so far.
+
+        Receivers read the same length to tell whether it may be reused (`ShmRoute._read`).
+        """
+        return os.fstat(self.fd).st_size
 
     def read_by_all(self) -> bool:
         """Whether every receiver has removed its link (only the sender's name is left)."""
@@ -277,7 +283,6 @@ class ShmRoute:
                    0)
         for message, offset in zip(messages, offsets):
             _write_all(file.fd, memoryview(message.numpy()), offset)
-        file.size = max(file.size, position)
         receivers = list(dict.fromkeys(peer for peer, _ in table))
         stem = self._path(self.rank, tag)
         for peer in receivers:
@@ -308,11 +313,11 @@ class ShmRoute:
             if os.fstat(fd).st_size > POOL_FILE_BYTES:
                 whole = torch.frombuffer(mmap.mmap(fd, 0, access=mmap.ACCESS_COPY),
                                          dtype=torch.uint8)
-                _, offset, length = self._entry(lambda n: whole[:n].numpy().tobytes(), sender,
-                                                what)
+                offset, length = self._entry(lambda n: whole[:n].numpy().tobytes(), sender,
+                                             what)
                 message = whole[offset : offset + length]
             else:
-                _, offset, length = self._entry(lambda n: os.pread(fd, n, 0), sender, what)
+                offset, length = self._entry(lambda n: os.pread(fd, n, 0), sender, what)
                 message = torch.empty(length, dtype=torch.uint8)
                 _read_into(fd, memoryview(message.numpy()), offset)
         finally:
@@ -320,8 +325,8 @@ class ShmRoute:
         os.unlink(link)  # read: the sender may reuse the segment
         return message
 
-    def _entry(self, read: Callable[[int], bytes], sender: int, what: str) -> list[int]:
-        """`[rank, offset, length]` of this rank's message in a segment's receiver table.
+    def _entry(self, read: Callable[[int], bytes], sender: int, what: str) -> tuple[int, int]:
+        """`(offset, length)` of this rank's message in a segment's receiver table.
 
         `read(n)` returns the segment's first `n` bytes.
         """
@@ -335,7 +340,7 @@ class ShmRoute:
         if entry is None:
             raise ValueError(f"{what}: rank {sender}'s segment holds no message for rank "
                              f"{self.rank} (its receivers: {[row[0] for row in table]}).")
-        return entry
+        return entry[1], entry[2]
 
     def _collect(self) -> None:
         """Returns segments every receiver has read to the pool (or removes them)."""
@@ -353,6 +358,9 @@ class ShmRoute:
         """Removes this call's segments and the pool (a failed call leaves no files)."""
         self._remove(s for s in self.pending if s.call == self.call)
         self.pending = [s for s in self.pending if s.call != self.call]
+        self._empty_pool()
+
+    def _empty_pool(self) -> None:
         for file in self.pool:
             file.remove()
         self.pool = []
@@ -376,8 +384,7 @@ class ShmRoute:
             return not process_gone(self.pids[int(link.rsplit("-to", 1)[1])])
 
         self._remove(self.pending, keep_link=reader_alive)
-        for file in self.pool:
-            file.remove()
-        self.pending, self.pool = [], []
+        self.pending = []
+        self._empty_pool()
         if self in _ROUTES:  # nothing holds the route any longer
             _ROUTES.remove(self)
