@@ -176,7 +176,8 @@ def balance_groups_local(
     A group whose producer is also a rank of consumer `home[g]` (colocated layouts) moves
     no bytes if it stays there. Groups are kept home, heaviest first, while the home's load
     stays within the balanced peak; the rest are placed longest-first and refined. The
-    result is used only if its busiest load is within `1 + slack` of the balanced one.
+    result is used only if its busiest load is within `1 + slack` of the balanced one;
+    when every group has a home, and keeping them all there is no busier, nothing moves.
 
     Args:
         loads: Token load of each group.
@@ -207,4 +208,9 @@ def balance_groups_local(
             assign[g] = b
             heapq.heappush(heap, (load + loads[g], b))
     local_peak = max(_bin_loads(loads, assign, bins))
-    return assign if local_peak <= peak * (1 + slack) else balanced
+    chosen = assign if local_peak <= peak * (1 + slack) else balanced
+    if all(0 <= h < bins for h in home):  # never busier than moving nothing
+        stay = list(home)
+        if max(_bin_loads(loads, stay, bins)) <= max(_bin_loads(loads, chosen, bins)):
+            return stay
+    return chosen

@@ -12,7 +12,9 @@ same route; ranks outside `src ∪ dst` return an empty batch at once:
    `keep_groups=False`), token load and a packed-size bound of each sample (24 bytes a
    sample, `wire.size_bound`); the load is the summed length of the `load_fields` the
    batch has (none of them: an error), 0 for a sample whose `train_mask` is false when
-   samples are balanced (it is dropped before training);
+   samples are balanced (it is dropped before training); for consumers that run a prompt
+   once for all its samples (`shared_prompts`) the units stay prompt groups, each
+   weighing its prompt once and every answer (`units.Balance`);
 3. every rank computes the same `TransferPlan` (`plan_transfer`): units (prompt groups or
    samples) kept whole, token loads balanced over the consumer dp-ranks, tp/pp peers of a
    consumer dp-rank receiving the same samples; a sample that stays on its rank moves
@@ -66,11 +68,9 @@ from peerflow.coordinator.transport import check_transport, open_channel
 from peerflow.coordinator.units import (
     DATA_TAG,
     LOAD_FIELDS,
+    Balance,
     TransferStats,
     assemble,
-    plan_slack,
-    sample_loads,
-    sample_units,
 )
 from peerflow.coordinator.wire import pack_batch, size_bound, unpack_batch
 from peerflow.distributed.comm import default_timeout
@@ -127,13 +127,12 @@ class _ShardMetadata:
         return self.fixed_bytes + int(self.sample_bytes[index].sum())
 
 
-def _encode_metadata(batch: Batch, load_fields: Sequence[str],
-                     keep_groups: bool) -> torch.Tensor:
+def _encode_metadata(batch: Batch, balance: Balance) -> torch.Tensor:
     """`[length, fixed bytes, n, unit ids…, loads…, sample bytes…]` as one framed message."""
     sample_bytes, fixed = size_bound(batch)
     n = len(batch)
-    body = torch.cat([torch.tensor([fixed, n], dtype=torch.int64), sample_units(batch, keep_groups),
-                      sample_loads(batch, load_fields, keep_groups), sample_bytes])
+    body = torch.cat([torch.tensor([fixed, n], dtype=torch.int64), balance.units(batch),
+                      balance.loads(batch), sample_bytes])
     return frame(body)
 
 
@@ -147,12 +146,11 @@ def _decode_metadata(message: torch.Tensor) -> _ShardMetadata:
 
 def _exchange_metadata(
     batch: Batch, src: ParallelLayout, participants: Sequence[int], rank: int,
-    load_fields: Sequence[str], keep_groups: bool, channel: Any, timeout: float,
-    stats: TransferStats,
+    balance: Balance, channel: Any, timeout: float, stats: TransferStats,
 ) -> list[_ShardMetadata]:
     """Every producer dp-leader sends its shard's metadata to every other participant."""
     leaders = [m[0] for m in dp_members(src)]
-    mine = _encode_metadata(batch, load_fields, keep_groups) if rank in leaders else None
+    mine = _encode_metadata(batch, balance) if rank in leaders else None
     outgoing = [] if mine is None else [(peer, mine, HEAD_BYTES) for peer in participants
                                         if peer != rank]
     incoming = {leader: HEAD_BYTES for leader in leaders if leader != rank}
@@ -175,12 +173,12 @@ def _packed_sends(
 
 
 def _p2p(batch: Batch, src: ParallelLayout, dst: ParallelLayout, rank: int,
-         participants: Sequence[int], load_fields: Sequence[str], keep_groups: bool,
-         channel: Any, timeout: float, stats: TransferStats) -> Batch:
-    metadata = _exchange_metadata(batch, src, participants, rank, load_fields, keep_groups,
-                                  channel, timeout, stats)
+         participants: Sequence[int], balance: Balance, channel: Any, timeout: float,
+         stats: TransferStats) -> Batch:
+    metadata = _exchange_metadata(batch, src, participants, rank, balance, channel, timeout,
+                                  stats)
     plan = plan_transfer(src, dst, [m.group_ids for m in metadata], [m.loads for m in metadata],
-                         plan_slack(keep_groups))
+                         balance.slack)
     stats.plan = plan
     owner = {r: dp for dp, m in enumerate(dp_members(src)) for r in m}
     receives = plan.receives(rank)
@@ -199,8 +197,7 @@ def _p2p(batch: Batch, src: ParallelLayout, dst: ParallelLayout, rank: int,
 
 
 def _centralized(batch: Batch, src: ParallelLayout, dst: ParallelLayout, rank: int,
-                 load_fields: Sequence[str], keep_groups: bool, channel: Any, timeout: float,
-                 stats: TransferStats) -> Batch:
+                 balance: Balance, channel: Any, timeout: float, stats: TransferStats) -> Batch:
     members = dp_members(src)
     leaders = [m[0] for m in members]
     controller = min(set(src.global_ranks) | set(dst.global_ranks))
@@ -222,9 +219,8 @@ def _centralized(batch: Batch, src: ParallelLayout, dst: ParallelLayout, rank: i
             return Batch.empty()
         return unpack_batch(move([], [controller], "centralized scatter")[controller])
     shards = [batch if r == controller else unpack_batch(gathered[r]) for r in leaders]
-    plan = plan_transfer(src, dst, [sample_units(s, keep_groups).tolist() for s in shards],
-                         [sample_loads(s, load_fields, keep_groups).tolist() for s in shards],
-                         plan_slack(keep_groups))
+    plan = plan_transfer(src, dst, [balance.units(s).tolist() for s in shards],
+                         [balance.loads(s).tolist() for s in shards], balance.slack)
     stats.plan = plan
     consumers = [(group, assemble([(shards[s_dp], idx) for s_dp in range(src.dp)
                                     for (s, r), idx in plan.sends.items()
@@ -253,6 +249,7 @@ def redistribute(
     transport: str = "auto",
     load_fields: Sequence[str] = LOAD_FIELDS,
     keep_groups: bool = True,
+    shared_prompts: bool = False,
     timeout: float | None = None,
     stats: TransferStats | None = None,
 ) -> Batch:
@@ -275,6 +272,10 @@ def redistribute(
         keep_groups: Keep each prompt group whole on one consumer dp-rank (what group
             statistics such as GRPO's advantages need); `False` balances single samples,
             and also runs when `route.src == route.dst` (a re-balance over one layout).
+        shared_prompts: The consumers run a prompt once for all its samples
+            (`CausalLMTrainEngine.shares_prompts`): prompt groups stay whole even with
+            `keep_groups=False`, each weighing its prompt once and every answer
+            (`units.Balance`). Every rank of the route must pass the same value.
         timeout: Seconds per wait; defaults to the process group's (`fault_timeout`).
         stats: Filled with this rank's bytes and time when given.
 
@@ -307,7 +308,9 @@ def redistribute(
         _check_load_fields(batch, load_fields)
         channel = open_channel(participants, transport, timeout)
         stats.transport = channel.name
-        args = (load_fields, keep_groups, channel, timeout, stats)
+        balance = Balance(fields=load_fields, keep_groups=keep_groups,
+                          shared_prompts=shared_prompts)
+        args = (balance, channel, timeout, stats)
         if mode == "p2p":
             p2p = p2p_shared if channel.shared and src != dst else _p2p
             out = p2p(batch, src, dst, rank, participants, *args)

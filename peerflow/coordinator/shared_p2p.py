@@ -17,11 +17,9 @@ from peerflow.coordinator.exchange import frame, message_length
 from peerflow.coordinator.transfer import dp_members, plan_transfer
 from peerflow.coordinator.units import (
     DATA_TAG,
+    Balance,
     TransferStats,
     assemble,
-    plan_slack,
-    sample_loads,
-    sample_units,
 )
 from peerflow.coordinator.wire import pack_batch, padded, spans_bytes, unpack_batch
 from peerflow.layout import ParallelLayout
@@ -48,7 +46,7 @@ def assemblers(channel: Any, participants: Sequence[int],
 
 
 def _read_shards(batch: Batch, src: ParallelLayout, dst: ParallelLayout, rank: int,
-                 targets: Sequence[int], keep_groups: bool, messages: dict[int, torch.Tensor],
+                 targets: Sequence[int], balance: Balance, messages: dict[int, torch.Tensor],
                  stats: TransferStats) -> list[Batch]:
     """Plans from every producer leader's metadata and copies out each target's samples.
 
@@ -67,7 +65,7 @@ def _read_shards(batch: Batch, src: ParallelLayout, dst: ParallelLayout, rank: i
         loads.append(values[n:].tolist())
         shards.append(None if leader == rank else message[padded(length):])
         stats.metadata_bytes += 0 if leader == rank else length
-    plan = plan_transfer(src, dst, group_ids, loads, plan_slack(keep_groups))
+    plan = plan_transfer(src, dst, group_ids, loads, balance.slack)
     stats.plan = plan
     owner = {r: dp for dp, m in enumerate(members) for r in m}
     unpacked: dict[int, Batch] = {}
@@ -117,8 +115,8 @@ def _hand_out(built: dict[int, Batch], groups: Sequence[tuple[int, ...]], builde
 
 
 def p2p_shared(batch: Batch, src: ParallelLayout, dst: ParallelLayout, rank: int,
-                participants: Sequence[int], load_fields: Sequence[str], keep_groups: bool,
-                channel: Any, timeout: float, stats: TransferStats) -> Batch:
+                participants: Sequence[int], balance: Balance, channel: Any, timeout: float,
+                stats: TransferStats) -> Batch:
     """p2p in one round over a `shared` channel (same host: `coordinator.shm`).
 
     Each producer dp-leader writes one message once — its shard's group ids and token
@@ -135,8 +133,7 @@ def p2p_shared(batch: Batch, src: ParallelLayout, dst: ParallelLayout, rank: int
     readers = sorted(set(builder)) if builder else list(dst.global_ranks)
     outgoing: list[tuple[int, torch.Tensor, int]] = []
     if rank in leaders:
-        meta = frame(torch.cat([sample_units(batch, keep_groups),
-                                sample_loads(batch, load_fields, keep_groups)]))
+        meta = frame(torch.cat([balance.units(batch), balance.loads(batch)]))
         message = pack_batch(batch, reserve=padded(meta.numel()))
         message[: meta.numel()] = meta
         outgoing = [(peer, message, 0) for peer in readers if peer != rank]
@@ -150,11 +147,11 @@ def p2p_shared(batch: Batch, src: ParallelLayout, dst: ParallelLayout, rank: int
     if rank in leaders:
         received[rank] = message  # its own metadata, read like the others'
     if builder is None:
-        return _read_shards(batch, src, dst, rank, [rank], keep_groups, received, stats)[0]
+        return _read_shards(batch, src, dst, rank, [rank], balance, received, stats)[0]
     mine = [i for i, b in enumerate(builder) if b == rank]
     built = {}
     if mine:
         batches = _read_shards(batch, src, dst, rank, [groups[i][0] for i in mine],
-                               keep_groups, received, stats)
+                               balance, received, stats)
         built = dict(zip(mine, batches))
     return _hand_out(built, groups, builder, rank, channel, timeout, stats)

@@ -11,11 +11,13 @@ from collections.abc import Sequence
 import attrs
 import torch
 
-from peerflow.batch import Batch
+from peerflow.batch import Batch, RaggedField
 from peerflow.coordinator.transfer import TransferPlan
 
 #: Ragged fields whose lengths make up a sample's token load.
 LOAD_FIELDS: tuple[str, ...] = ("prompt_ids", "response_ids")
+#: The ragged field the samples of one prompt group have in common.
+PROMPT_FIELD = "prompt_ids"
 
 DATA_TAG = 73
 """Tag of the payload messages (every mode); `exchange` sends tails on the next tag."""
@@ -53,26 +55,72 @@ class TransferStats:
         return self.bytes_sent + self.bytes_received + self.metadata_bytes
 
 
-def plan_slack(keep_groups: bool) -> float:
-    """The plan's locality slack (`plan_transfer`): 0 for single samples.
+@attrs.frozen(kw_only=True)
+class Balance:
+    """What a route's plan balances: its units, their token loads and its locality slack."""
 
-    A re-balance of samples exists to even the load, and a moved sample costs a few
-    kilobytes, so it keeps samples home only where that costs no balance.
+    fields: tuple[str, ...] = attrs.field(default=LOAD_FIELDS, converter=tuple)
+    """Ragged fields whose summed lengths make up a sample's load."""
+    keep_groups: bool = True
+    """Keep prompt groups whole (`False`: a re-balance of single samples before training,
+    where a sample whose `train_mask` is false weighs 0)."""
+    shared_prompts: bool = False
+    """The consumers run a prompt once for all its samples in a row
+    (`CausalLMTrainEngine.shares_prompts`). Sharing pays only for samples kept together,
+    so groups stay whole even where `keep_groups` is false, each weighing what its row
+    costs: its prompt once (spread over its samples, `prompt_shares`) and every answer."""
+
+    @property
+    def by_group(self) -> bool:
+        """Whether the units are prompt groups (else single samples)."""
+        return self.keep_groups or self.shared_prompts
+
+    @property
+    def slack(self) -> float:
+        """The plan's locality slack (`plan_transfer`): 0 for a re-balance.
+
+        A re-balance before training exists to even the load, and a moved sample costs a
+        few kilobytes, so it keeps samples (or groups) home only where that costs no
+        balance.
+        """
+        return 0.05 if self.keep_groups else 0.0
+
+    def units(self, batch: Batch) -> torch.Tensor:
+        """The id of each sample's unit of assignment: its prompt group, or itself."""
+        return batch.group_id if self.by_group else batch.sample_id
+
+    def loads(self, batch: Batch) -> torch.Tensor:
+        """Each sample's token load (0 where a re-balance's `train_mask` drops it)."""
+        keep = None
+        if not self.keep_groups and "train_mask" in batch:
+            keep = batch["train_mask"].to(torch.bool)
+        if not (self.shared_prompts and PROMPT_FIELD in self.fields
+                and isinstance(batch.fields.get(PROMPT_FIELD), RaggedField)):
+            loads = batch.token_count(self.fields)
+        else:
+            rest = batch.token_count([f for f in self.fields if f != PROMPT_FIELD])
+            loads = rest + prompt_shares(batch, keep)
+        return loads if keep is None else loads * keep
+
+
+def prompt_shares(batch: Batch, keep: torch.Tensor | None = None) -> torch.Tensor:
+    """Each sample's share of its group's prompt tokens (the shares of a group sum to them).
+
+    The group's prompt length is split evenly over its samples in `batch` that `keep`
+    (all by default), the remainder going to the first of them; a sample not kept gets 0.
     """
-    return 0.05 if keep_groups else 0.0
-
-
-def sample_units(batch: Batch, keep_groups: bool) -> torch.Tensor:
-    """The id of each sample's unit of assignment: its prompt group, or itself."""
-    return batch.group_id if keep_groups else batch.sample_id
-
-
-def sample_loads(batch: Batch, load_fields: Sequence[str], keep_groups: bool) -> torch.Tensor:
-    """Each sample's token load; balancing samples, 0 where `train_mask` drops it."""
-    loads = batch.token_count(load_fields)
-    if not keep_groups and "train_mask" in batch:
-        loads = loads * batch["train_mask"].to(torch.bool)
-    return loads
+    prompt = batch.lengths(PROMPT_FIELD)
+    kept = torch.ones(len(batch), dtype=torch.bool) if keep is None else keep
+    _, group, _ = torch.unique(batch.group_id, return_inverse=True, return_counts=True)
+    count = torch.zeros(int(group.max()) + 1 if len(batch) else 0, dtype=torch.int64)
+    count.index_add_(0, group, kept.to(torch.int64))
+    members = count[group].clamp(min=1)
+    shares = torch.where(kept, prompt // members, 0)
+    first = torch.full_like(count, len(batch)).scatter_reduce(
+        0, group[kept], torch.arange(len(batch))[kept], "amin")
+    leads = first[first < len(batch)]
+    shares[leads] += prompt[leads] % members[leads]
+    return shares
 
 
 def assemble(parts: Sequence[tuple[Batch, Sequence[int] | None]]) -> Batch:

@@ -65,7 +65,10 @@ class Route:
 
     def describe(self) -> str:
         """One line: layouts, senders and receivers."""
-        unit = "groups kept whole" if self.keep_groups else "samples (groups may split)"
+        unit = "groups kept whole" if self.keep_groups else (
+            "samples (groups may split; whole groups weighed by their rows when the "
+            "trainer shares prompts)" if self.src_role == self.dst_role
+            else "samples (groups may split)")
         return (f"{self.name}: {self.src.describe()} -> {self.dst.describe()}; "
                 f"{self.src.dp} producer dp-shards to {self.dst.dp} consumer dp-ranks, "
                 f"{unit}, token-balanced; fields {', '.join(self.fields)}")

@@ -47,7 +47,8 @@ def run_step(rt: WorkerRuntime, program: RankProgram, *, stage_factory: Any = No
         span = tracer.span(item.name) if tracer is not None else contextlib.nullcontext()
         with span, timed(metrics, item.name.replace(" ", "_"), stage):
             if isinstance(item, RouteStep):
-                batch = item.run(batch, metrics)
+                batch = item.run(batch, metrics,
+                                 shared_prompts=item.consumers_share_prompts(rt.engine))
             else:
                 batch = run_node(rt, item, batch, metrics)
     metrics.max("time/step", time.perf_counter() - start)

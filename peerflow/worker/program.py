@@ -10,6 +10,7 @@ process groups, and which layout's dp-ranks read prompts.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -36,8 +37,12 @@ class RouteStep:
         """Route name, used for timings and fault stages (`route <name>`)."""
         return f"route {self.route.name}"
 
-    def run(self, batch: Batch, metrics: Any = None) -> Batch:
+    def run(self, batch: Batch, metrics: Any = None, *, shared_prompts: bool = False) -> Batch:
         """Returns this rank's consumer shard of the redistributed batch.
+
+        `shared_prompts`: the consumers run a prompt once for all its samples, so the
+        token loads count it once (`redistribute`); every rank of the route passes the
+        same value (`consumers_share_prompts`).
 
         A route that balances samples (`route.keep_groups` false) records into `metrics`
         (a `StepMetrics`, when given) the consumer dp-ranks' token loads before and after
@@ -49,7 +54,7 @@ class RouteStep:
         stats = TransferStats()
         out = redistribute(batch, self.route, self.group, mode=self.mode,
                            transport=self.transport, keep_groups=self.route.keep_groups,
-                           stats=stats)
+                           shared_prompts=shared_prompts, stats=stats)
         plan = stats.plan
         if metrics is not None and not self.route.keep_groups and plan is not None:
             mean = sum(plan.dst_loads) / max(len(plan.dst_loads), 1)
@@ -61,6 +66,18 @@ class RouteStep:
                 metrics.max(f"balance/tokens_max_{when}", peak)
                 metrics.max(f"balance/imbalance_{when}", peak / mean if mean else 1.0)
         return out
+
+    def consumers_share_prompts(self, engine_of: Callable[[str], Any]) -> bool:
+        """Whether the consumers run a prompt once for all its samples in a row.
+
+        Only on a route within one role (a re-balance before training), whose every rank
+        hosts the consumer engine (`engine_of(role)`) and so decides alike; a route
+        between roles counts every sample's prompt (producer-only ranks cannot see the
+        consumer engine's `shares_prompts`).
+        """
+        role = self.route.dst_role
+        return role == self.route.src_role and bool(
+            getattr(engine_of(role), "shares_prompts", False))
 
 
 @attrs.frozen(kw_only=True)

@@ -120,11 +120,9 @@ def test_balancing_samples_gives_the_same_step_with_even_tokens(tiny_model):
 
 def test_sample_balance_on_one_layout_loads_ignore_dropped_samples():
     """A sample whose `train_mask` is false weighs nothing (training drops it)."""
-    from peerflow.coordinator.units import sample_loads as _loads
+    from peerflow.coordinator.units import Balance
 
     batch = _group(0, 50)
     batch.set("train_mask", torch.tensor([True, False, True, True]))
-    loads = _loads(batch, ("prompt_ids", "response_ids"), keep_groups=False)
-    assert loads.tolist() == [53, 0, 66, 14]
-    assert _loads(batch, ("prompt_ids", "response_ids"), keep_groups=True).tolist() == [
-        53, 8, 66, 14]
+    assert Balance(keep_groups=False).loads(batch).tolist() == [53, 0, 66, 14]
+    assert Balance(keep_groups=True).loads(batch).tolist() == [53, 8, 66, 14]

@@ -30,7 +30,8 @@ def test_samples_are_rebalanced_in_place_after_the_advantage_node() -> None:
     ops = [op.describe() for op in plan.program(0)]
     assert ops.index("route actor->actor@train_actor") == ops.index(
         "run advantage (advantage on actor)") + 1
-    assert "samples (groups may split)" in route.describe()
+    assert ("samples (groups may split; whole groups weighed by their rows when the trainer "
+            "shares prompts)") in route.describe()
     assert plan.to_dict()["routes"][0]["keep_groups"] is False
     # one trainer dp-rank: nothing to balance
     assert plan_run(load_config(None, ["trainer.layout.tp=2", "rollout.layout.tp=2"]),
