@@ -111,9 +111,8 @@ def prompt_shares(batch: Batch, keep: torch.Tensor | None = None) -> torch.Tenso
     """
     prompt = batch.lengths(PROMPT_FIELD)
     kept = torch.ones(len(batch), dtype=torch.bool) if keep is None else keep
-    _, group, _ = torch.unique(batch.group_id, return_inverse=True, return_counts=True)
-    count = torch.zeros(int(group.max()) + 1 if len(batch) else 0, dtype=torch.int64)
-    count.index_add_(0, group, kept.to(torch.int64))
+    ids, group = torch.unique(batch.group_id, return_inverse=True)
+    count = torch.zeros(len(ids), dtype=torch.int64).index_add_(0, group, kept.to(torch.int64))
     members = count[group].clamp(min=1)
     shares = torch.where(kept, prompt // members, 0)
     first = torch.full_like(count, len(batch)).scatter_reduce(

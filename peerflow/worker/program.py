@@ -75,9 +75,8 @@ class RouteStep:
         between roles counts every sample's prompt (producer-only ranks cannot see the
         consumer engine's `shares_prompts`).
         """
-        role = self.route.dst_role
-        return role == self.route.src_role and bool(
-            getattr(engine_of(role), "shares_prompts", False))
+        return self.route.within_role and bool(
+            getattr(engine_of(self.route.dst_role), "shares_prompts", False))
 
 
 @attrs.frozen(kw_only=True)
