@@ -204,6 +204,7 @@ def resume_hint(run_dir: Path) -> str:
 def run(args: argparse.Namespace) -> int:
     """Runs `peerflow train`; returns the exit code."""
     from peerflow.launch import in_distributed_env, launch
+    from peerflow.launch.warm import start_warm_server
     from peerflow.outputs import RunLock, create_run_dir
 
     config_path, run_dir = resolve_paths(args)
@@ -211,6 +212,8 @@ def run(args: argparse.Namespace) -> int:
         return _torchrun_worker(args, config_path, run_dir)
     if args.nprocs is not None and args.nprocs < 1:
         raise ConfigError(f"--nprocs {args.nprocs}: must be at least 1.")
+    if args.launcher == "elastic":
+        start_warm_server()  # its imports overlap the checks below
     overrides = list(args.overrides)
     if args.nprocs is not None:
         # Before validation: a split layout may only fit the --nprocs world size.

@@ -7,11 +7,14 @@ import signal
 import uuid
 from pathlib import Path
 
+import attrs
+
 from peerflow.distributed.init import free_port
 from peerflow.distributed.ranklog import rank_log_path
 from peerflow.distributed.stop import LauncherStopHandler, read_stop, stop_reason
 from peerflow.errors import RunInterruptedError, WorkerFailedError
 from peerflow.launch.entry import WorkerCommand, worker_entry
+from peerflow.launch.warm import environment_changes, start_warm_server
 from peerflow.launch.watch import FaultStore
 
 
@@ -58,7 +61,10 @@ def stop_outcome(store: FaultStore, stopper: LauncherStopHandler,
 
 
 def launch_elastic(command: WorkerCommand, *, nprocs: int) -> None:
-    """Spawns `nprocs` workers with `elastic_launch`; returns when all finished cleanly.
+    """Starts `nprocs` workers with `elastic_launch`; returns when all finished cleanly.
+
+    Workers are forked from the warm fork server (`peerflow.launch.warm`) where the
+    platform has one, else spawned.
 
     The first SIGINT/SIGTERM asks every worker to stop at the next step boundary
     (`LauncherStopHandler`); a second one, or `command.stop_grace` passing, stops them
@@ -74,6 +80,7 @@ def launch_elastic(command: WorkerCommand, *, nprocs: int) -> None:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    warm = start_warm_server()
     store = FaultStore(world_size=nprocs)
     store.export()
     store.start_watching()
@@ -82,7 +89,7 @@ def launch_elastic(command: WorkerCommand, *, nprocs: int) -> None:
         rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}",
         rdzv_configs={"timeout": int(max(60, command.fault_timeout))}, max_restarts=0,
         # our own watcher names the failure first; the agent then stops the rest
-        monitor_interval=0.5, start_method="spawn",
+        monitor_interval=0.5, start_method="forkserver" if warm else "spawn",
         signals_to_handle="SIGHUP,SIGQUIT",  # SIGINT and SIGTERM: LauncherStopHandler
     )
     # The agent logs each failed child's traceback through torch's formatter, which
@@ -95,6 +102,8 @@ def launch_elastic(command: WorkerCommand, *, nprocs: int) -> None:
         interrupt=lambda signum: SignalException("stopped at once", signal.Signals(signum)),
     ).install()
     try:
+        if warm:  # after store.export(): workers see the store's address
+            command = attrs.evolve(command, environ=environment_changes())
         elastic_launch(config, worker_entry)(*command.args())
     except (KeyboardInterrupt, SignalException):
         raise RunInterruptedError(f"interrupted ({stopper.reason or 'Ctrl-C'}); every "

@@ -67,11 +67,15 @@ class WorkerCommand:
     wait_timeout: float | None = None
     """Seconds a rank waits for a live peer (`runtime.peer_wait_timeout`; `None`:
     `fault_timeout`)."""
+    environ: dict[str, str | None] = attrs.field(factory=dict)
+    """Environment variables a worker sets (`None`: removes) first: what changed in the
+    launcher since the fork server it starts from did (`peerflow.launch.warm`)."""
 
     def args(self) -> tuple[Any, ...]:
         """Returns `worker_entry`'s positional arguments (picklable for spawned workers)."""
         return (self.entry, self.config_path, list(self.overrides), self.run_dir, self.resume,
-                self.fault_timeout, self.torch_threads, self.stop_grace, self.wait_timeout)
+                self.fault_timeout, self.torch_threads, self.stop_grace, self.wait_timeout,
+                dict(self.environ))
 
     @property
     def logs_dir(self) -> str:
@@ -89,6 +93,7 @@ def worker_entry(
     torch_threads: int = 1,
     stop_grace: float = STOP_GRACE,
     wait_timeout: float | None = None,
+    environ: dict[str, str | None] | None = None,
 ) -> None:
     """Runs one worker process (called by the launchers, on every rank).
 
@@ -102,6 +107,7 @@ def worker_entry(
         torch_threads: torch intra-op threads of this process.
         stop_grace: Seconds a graceful stop may take before this rank stops at once.
         wait_timeout: Seconds each collective and peer wait may take while the peer lives.
+        environ: Environment variables to set (`None`: remove) before anything else.
 
     A first SIGINT or SIGTERM asks every rank to stop at the next step boundary
     (`peerflow.distributed.stop`); a worker that stopped that way exits with
@@ -112,7 +118,9 @@ def worker_entry(
     from peerflow.distributed import handle_failure, init_distributed, shutdown_distributed
     from peerflow.distributed.ranklog import append_to_rank_log, open_rank_log
     from peerflow.distributed.stop import WorkerStopHandler, read_stop
+    from peerflow.launch.warm import apply_environment_changes
 
+    apply_environment_changes(environ or {})
     torch.set_num_threads(max(1, torch_threads))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     ctx = init_distributed(timeout=fault_timeout, wait_timeout=wait_timeout)

@@ -91,3 +91,45 @@ def test_unknown_launcher_and_entry() -> None:
         launch(None, nprocs=1, launcher="slurm", fault_timeout=1, torch_threads=1)
     with pytest.raises(ValueError, match="expected 'module:function'"):
         launch(None, nprocs=1, fault_timeout=1, torch_threads=1, entry="nope")
+
+
+WARM_PROGRAM = textwrap.dedent('''
+    import os, sys
+
+    def run(config_path, overrides, run_dir, resume):
+        rank = os.environ["RANK"]
+        with open(os.path.join(run_dir, f"rank{rank}"), "w") as f:
+            f.write(f"{'peerflow.launch.preload' in sys.modules} "
+                    f"{os.environ.get('LATE')} {'GONE' in os.environ}")
+''')
+
+WARM_SCRIPT = textwrap.dedent('''
+    import multiprocessing, os, sys
+    from peerflow.launch import launch
+    from peerflow.launch.warm import start_warm_server
+
+    if __name__ == "__main__":  # workers import this module as they start
+        if sys.argv[2] == "taken":  # someone else's fork server: its environment is unknown
+            multiprocessing.forkserver.ensure_running()
+        print("warm:", start_warm_server())
+        os.environ["LATE"] = "set after the server started"
+        del os.environ["GONE"]
+        launch(None, [], sys.argv[1], None, nprocs=2, fault_timeout=20,
+               entry="warmprog:run", torch_threads=1)
+''')
+
+
+@pytest.mark.parametrize("server", ["ours", "taken"])
+def test_elastic_workers_fork_from_the_warm_server_and_see_the_launchers_environment(
+        tmp_path, server) -> None:
+    """Workers start with torch imported where the launcher owns the fork server, else
+    spawn; either way they see the launcher's environment as it is at launch."""
+    (tmp_path / "warmprog.py").write_text(WARM_PROGRAM)
+    (tmp_path / "warm_script.py").write_text(WARM_SCRIPT)
+    env = _env(tmp_path, GONE="removed after the server started")
+    proc = subprocess.run([sys.executable, str(tmp_path / "warm_script.py"), str(tmp_path),
+                           server], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    warm = server == "ours"
+    assert f"warm: {warm}" in proc.stdout
+    assert _results(tmp_path, 2) == [f"{warm} set after the server started False"] * 2

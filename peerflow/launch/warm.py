@@ -1,0 +1,70 @@
+"""Warm worker starts: workers forked from a server that has already imported torch.
+
+A spawned worker starts a fresh interpreter and imports torch, transformers and
+PeerFlow's worker modules again: about 7 s of CPU per worker on a 2-core machine, more
+than a short run's training. The elastic launcher instead starts its workers through
+multiprocessing's fork server, with `peerflow.launch.preload` imported there once: each
+worker is a fork of an interpreter that has those modules already, and shares their pages
+with its siblings. The server has only imported modules (one thread, no CUDA context, no
+torch thread pool), the state in which forking is safe.
+
+`peerflow train` starts the server first thing, so its imports overlap the launcher's own
+(config validation, plugin loading). A fork-server worker inherits the server's
+environment, not the launcher's at launch time: `environment_changes` gives what changed
+since the server started, and `worker_entry` applies it, so a worker sees what a spawned
+one would.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.forkserver
+import os
+
+#: The module whose import warms the fork server (`peerflow.launch.preload`).
+PRELOAD = "peerflow.launch.preload"
+#: The environment the fork server was started with (`None`: this process did not start it).
+_server_environ: dict[str, str] | None = None
+
+
+def start_warm_server() -> bool:
+    """Starts the fork server with `PRELOAD` imported, unless it runs already.
+
+    Returns:
+        Whether workers can be forked from a server whose environment is known (this
+        platform has fork servers, and this process started the one that runs).
+    """
+    global _server_environ
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return False
+    if _server_environ is None:
+        server = multiprocessing.forkserver._forkserver  # noqa: SLF001 (the stdlib singleton)
+        if server._forkserver_pid is not None:  # noqa: SLF001 another part of this process
+            return False
+        multiprocessing.set_forkserver_preload([PRELOAD])
+        _server_environ = dict(os.environ)
+        multiprocessing.forkserver.ensure_running()
+    return True
+
+
+def environment_changes() -> dict[str, str | None]:
+    """What a worker forked now must change in its environment (`None`: remove the name).
+
+    Empty when this process did not start the fork server.
+    """
+    if _server_environ is None:
+        return {}
+    changes: dict[str, str | None] = {
+        name: value for name, value in os.environ.items()
+        if _server_environ.get(name) != value}
+    changes.update({name: None for name in _server_environ if name not in os.environ})
+    return changes
+
+
+def apply_environment_changes(changes: dict[str, str | None]) -> None:
+    """Sets (or, for `None`, removes) each variable of `changes` in this process."""
+    for name, value in changes.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
