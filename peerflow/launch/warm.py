@@ -47,6 +47,14 @@ def start_warm_server() -> bool:
     return True
 
 
+def warm_context() -> multiprocessing.context.BaseContext:
+    """The multiprocessing context to start workers with: the warm fork server's, or spawn.
+
+    Pass `environment_changes()` to what the process runs, and apply it there first.
+    """
+    return multiprocessing.get_context("forkserver" if start_warm_server() else "spawn")
+
+
 def environment_changes() -> dict[str, str | None]:
     """What a worker forked now must change in its environment (`None`: remove the name).
 

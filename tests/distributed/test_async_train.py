@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch.multiprocessing as mp
 
+from peerflow.launch.warm import apply_environment_changes, environment_changes, warm_context
+
 pytestmark = pytest.mark.distributed
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,7 +34,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world, port, overrides, run_dir, resume):
+def _worker(rank, world, port, overrides, run_dir, resume, environ):
+    apply_environment_changes(environ)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo",
                       HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
@@ -42,9 +45,11 @@ def _worker(rank, world, port, overrides, run_dir, resume):
 
 
 def run_workers(overrides, run_dir, world=2, resume=None, timeout=240):
-    ctx = mp.get_context("spawn")
+    ctx = warm_context()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, overrides, str(run_dir), resume))
+    environ = environment_changes()
+    procs = [ctx.Process(target=_worker,
+                         args=(r, world, port, overrides, str(run_dir), resume, environ))
              for r in range(world)]
     for p in procs:
         p.start()
@@ -166,23 +171,25 @@ class _DieAtVersion2:
             os._exit(9)
 
 
-def _dying_worker(rank, world, port, overrides, run_dir, log_dir):
+def _dying_worker(rank, world, port, overrides, run_dir, log_dir, environ):
     log = os.open(os.path.join(log_dir, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT)
     os.dup2(log, 2)
     if rank == 0:
         from peerflow.plugins import get_plugin_manager
 
         get_plugin_manager().register(_DieAtVersion2(), "test-die")
-    _worker(rank, world, port, overrides, run_dir, None)
+    _worker(rank, world, port, overrides, run_dir, None, environ)
 
 
 def test_dead_rollout_rank_fails_the_run_fast(tmp_path):
     overrides = [*SMALL, *SPLIT, "runtime.mode=async", "runtime.max_staleness=1",
                  "run.steps=6", "runtime.fault_timeout=20"]
-    ctx = mp.get_context("spawn")
+    ctx = warm_context()
     port = free_port()
-    procs = [ctx.Process(target=_dying_worker,
-                         args=(r, 2, port, overrides, str(tmp_path / "run"), str(tmp_path)))
+    environ = environment_changes()
+    procs = [ctx.Process(target=_dying_worker, args=(r, 2, port, overrides,
+                                                     str(tmp_path / "run"), str(tmp_path),
+                                                     environ))
              for r in range(2)]
     for p in procs:
         p.start()

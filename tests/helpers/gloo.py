@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from peerflow.distributed.init import free_port
+from peerflow.launch.warm import apply_environment_changes, environment_changes, warm_context
 
 
 def init_gloo(rank: int, world: int, port: int, timeout_s: float | None = None) -> None:
@@ -28,7 +28,10 @@ def init_gloo(rank: int, world: int, port: int, timeout_s: float | None = None) 
 
 
 def run_gloo(body: Callable[[int, int], Any], world: int, *, timeout_s: float = 240) -> dict:
-    """Runs `body(rank, world)` in `world` spawned processes joined in one gloo group.
+    """Runs `body(rank, world)` in `world` new processes joined in one gloo group.
+
+    The processes fork from the warm fork server (`peerflow.launch.warm`), which this
+    process starts once, so each starts with torch imported.
 
     `body` must be a module-level function and return plain data (a shared tensor's file
     descriptor is gone once its process exits). Collectives time out after `timeout_s`.
@@ -36,10 +39,12 @@ def run_gloo(body: Callable[[int, int], Any], world: int, *, timeout_s: float = 
     Returns:
         Rank → what `body` returned there; fails the test with every worker's traceback.
     """
-    ctx = mp.get_context("spawn")
+    ctx = warm_context()
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_run_rank, args=(body, rank, world, port, timeout_s, results))
+    environ = environment_changes()
+    procs = [ctx.Process(target=_run_rank,
+                         args=(body, rank, world, port, timeout_s, results, environ))
              for rank in range(world)]
     for p in procs:
         p.start()
@@ -59,9 +64,10 @@ def run_gloo(body: Callable[[int, int], Any], world: int, *, timeout_s: float = 
 
 
 def _run_rank(body: Callable[[int, int], Any], rank: int, world: int, port: int,
-              timeout_s: float, results: Any) -> None:
+              timeout_s: float, results: Any, environ: dict[str, str | None]) -> None:
     import torch.distributed as dist
 
+    apply_environment_changes(environ)
     init_gloo(rank, world, port, timeout_s=timeout_s)
     try:
         results.put((rank, body(rank, world), None))
