@@ -29,8 +29,6 @@ import os
 import statistics
 from typing import Any
 
-from peerflow.distributed.init import free_port
-
 #: What each timed call records (the slowest rank's wall, the busiest rank's bytes and
 #: CPU, the ranks' summed CPU); reported as medians over the runs.
 _MEASURED = ("wall_s", "busiest_rank_bytes", "busiest_rank_cpu_s", "total_cpu_s")
@@ -177,6 +175,8 @@ def _plain_send(nbytes: int, runs: int, transport: str) -> dict[str, Any]:
 
 def _measure(world: int, args: dict[str, Any]) -> dict[str, Any]:
     import torch.multiprocessing as mp
+
+    from peerflow.distributed.init import free_port
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()

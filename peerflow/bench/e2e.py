@@ -34,7 +34,6 @@ from pathlib import Path
 from typing import Any
 
 from peerflow.bench.shapes import add_shape_argument, config_overrides, pick
-from peerflow.config import load_config
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -151,6 +150,8 @@ def _mean(values: Any) -> float:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Runs both sides `--runs` times and returns the JSON result."""
+    from peerflow.config import load_config
+
     args.steps = pick(args.steps, args.shape, 20, 3)
     shape = config_overrides(args.shape)
     if shape:

@@ -26,14 +26,12 @@ import contextlib
 import math
 import statistics
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # torch and the planner load in `run`: `peerflow --help` stays fast
+    import torch
 
-from peerflow.models import megatron_layout
-from peerflow.models.vllm import tp_prefixed_layout
-from peerflow.reshard import WeightSyncService, plan_reshard
-from peerflow.shard import ShardSpec
+    from peerflow.shard import ShardSpec
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -65,6 +63,8 @@ class _Sources:
     """Megatron tp shards held in memory (the trainer side of the sync)."""
 
     def __init__(self, specs: list[ShardSpec]) -> None:
+        import torch
+
         self.specs = specs
         generator = torch.Generator().manual_seed(0)
         self.tensors = {s.local_name: torch.rand(s.local_shape, generator=generator)
@@ -81,6 +81,8 @@ class _Destinations:
     """vLLM tp shards held in memory (the rollout side); optionally zero-copy."""
 
     def __init__(self, specs: list[ShardSpec], *, zero_copy: bool) -> None:
+        import torch
+
         self.specs = specs
         self.params = {s.local_name: torch.zeros(s.local_shape) for s in specs}
         self.zero_copy = zero_copy
@@ -126,6 +128,12 @@ def _checksums(specs: list[ShardSpec], tensors: dict[str, torch.Tensor]) -> dict
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Runs the benchmark and returns the JSON report."""
+    import torch
+
+    from peerflow.models import megatron_layout
+    from peerflow.models.vllm import tp_prefixed_layout
+    from peerflow.reshard import WeightSyncService, plan_reshard
+
     torch.set_num_threads(args.threads)
     config = model_config(args.target_gb, args.hidden, args.vocab)
     src_specs = tp_prefixed_layout(config, 2, builder=megatron_layout)

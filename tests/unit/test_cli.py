@@ -1,4 +1,6 @@
 import json
+import subprocess
+import sys
 
 from tests.helpers.fake_dist import run_peerflow
 
@@ -12,6 +14,17 @@ def test_version_and_help():
     assert help_text.returncode == 0
     for command in ("plugins", "config", "bench"):
         assert command in help_text.stdout
+
+
+def test_building_the_command_line_imports_no_engine_or_torch():
+    # `peerflow --help` and every `COMMAND --help` must not wait for torch (seconds)
+    probe = ("import sys; from peerflow.cli import build_parser; build_parser(); "
+             "heavy = sorted(m for m in ('torch', 'transformers', 'vllm', 'deepspeed', 'ray') "
+             "if m in sys.modules); print(heavy)")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
 
 
 def test_plugins_json_lists_every_builtin_backend():
