@@ -15,6 +15,7 @@ Call sequence on every rank (no rank drives the others):
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import os
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,19 @@ from peerflow.worker.sampler import ShardedPromptSampler
 from peerflow.workflow.roles import engine_roles
 
 
+def _dump_stacks_on_crash() -> None:
+    """A native crash (an abort, a segfault) prints every thread's Python stack to stderr.
+
+    That is the rank's log under the launcher: it names the thread that was in a C++
+    call, which an exit code of -6 or -11 alone does not.
+    """
+    if not faulthandler.is_enabled():
+        with contextlib.suppress(AttributeError, OSError, RuntimeError, ValueError):
+            faulthandler.enable(all_threads=True)  # needs a stderr with a file descriptor
+
+
 def _environment(config: RunConfig | None = None) -> None:
+    _dump_stacks_on_crash()
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
