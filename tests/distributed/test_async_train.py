@@ -10,9 +10,8 @@ import time
 from pathlib import Path
 
 import pytest
-import torch.multiprocessing as mp
 
-from peerflow.launch.warm import apply_environment_changes, environment_changes, warm_context
+from tests.helpers.gloo import warm_process
 
 pytestmark = pytest.mark.distributed
 
@@ -34,8 +33,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world, port, overrides, run_dir, resume, environ):
-    apply_environment_changes(environ)
+def _worker(rank, world, port, overrides, run_dir, resume):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo",
                       HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
@@ -45,11 +43,8 @@ def _worker(rank, world, port, overrides, run_dir, resume, environ):
 
 
 def run_workers(overrides, run_dir, world=2, resume=None, timeout=240):
-    ctx = warm_context()
     port = free_port()
-    environ = environment_changes()
-    procs = [ctx.Process(target=_worker,
-                         args=(r, world, port, overrides, str(run_dir), resume, environ))
+    procs = [warm_process(_worker, (r, world, port, overrides, str(run_dir), resume))
              for r in range(world)]
     for p in procs:
         p.start()
@@ -64,9 +59,8 @@ def run_workers(overrides, run_dir, world=2, resume=None, timeout=240):
 
 
 def run_single(overrides, run_dir):
-    ctx = mp.get_context("spawn")
     os.environ.pop("RANK", None)
-    p = ctx.Process(target=_single, args=(overrides, str(run_dir)))
+    p = warm_process(_single, (overrides, str(run_dir)))
     p.start()
     p.join(240)
     assert not p.is_alive(), "worker hung"
@@ -171,25 +165,22 @@ class _DieAtVersion2:
             os._exit(9)
 
 
-def _dying_worker(rank, world, port, overrides, run_dir, log_dir, environ):
+def _dying_worker(rank, world, port, overrides, run_dir, log_dir):
     log = os.open(os.path.join(log_dir, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT)
     os.dup2(log, 2)
     if rank == 0:
         from peerflow.plugins import get_plugin_manager
 
         get_plugin_manager().register(_DieAtVersion2(), "test-die")
-    _worker(rank, world, port, overrides, run_dir, None, environ)
+    _worker(rank, world, port, overrides, run_dir, None)
 
 
 def test_dead_rollout_rank_fails_the_run_fast(tmp_path):
     overrides = [*SMALL, *SPLIT, "runtime.mode=async", "runtime.max_staleness=1",
                  "run.steps=6", "runtime.fault_timeout=20"]
-    ctx = warm_context()
     port = free_port()
-    environ = environment_changes()
-    procs = [ctx.Process(target=_dying_worker, args=(r, 2, port, overrides,
-                                                     str(tmp_path / "run"), str(tmp_path),
-                                                     environ))
+    procs = [warm_process(_dying_worker, (r, 2, port, overrides, str(tmp_path / "run"),
+                                          str(tmp_path)))
              for r in range(2)]
     for p in procs:
         p.start()

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+
+from tests.helpers.gloo import warm_process
 
 pytestmark = pytest.mark.distributed
 
@@ -38,11 +39,8 @@ def _entry(fn, rank, world, port, out):
 
 
 def spawn(fn, world, tmp_path, timeout=90):
-    ctx = mp.get_context("spawn")
     port = free_port()
-    procs = [
-        ctx.Process(target=_entry, args=(fn, r, world, port, str(tmp_path))) for r in range(world)
-    ]
+    procs = [warm_process(_entry, (fn, r, world, port, str(tmp_path))) for r in range(world)]
     for p in procs:
         p.start()
     deadline = time.time() + timeout

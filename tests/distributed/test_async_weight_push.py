@@ -5,24 +5,16 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import socket
 import time
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+
+from peerflow.plugins.hookspecs import hookimpl
+from tests.helpers.gloo import free_port, warm_process
 
 pytestmark = pytest.mark.distributed
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-from peerflow.plugins.hookspecs import hookimpl  # noqa: E402
 
 
 class _Hooks:
@@ -118,9 +110,7 @@ def test_push_is_bucketed_double_buffered_and_fires_hooks(tmp_path):
         {"hidden_size": 32, "intermediate_size": 64, "num_layers": 1, "num_heads": 2,
          "num_kv_heads": 2})
     port = free_port()
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_worker, args=(r, port, model_path, str(tmp_path)))
-             for r in range(2)]
+    procs = [warm_process(_worker, (r, port, model_path, str(tmp_path))) for r in range(2)]
     for p in procs:
         p.start()
     for p in procs:

@@ -13,7 +13,6 @@ import queue
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -22,8 +21,9 @@ from peerflow.coordinator import dp_members, pack_batch, unpack_batch
 from peerflow.coordinator.exchange import HEAD_BYTES
 from peerflow.coordinator.wire import size_bound
 from peerflow.distributed.init import free_port
+from peerflow.launch.warm import warm_context
 from peerflow.layout import ParallelLayout
-from tests.helpers.gloo import init_gloo
+from tests.helpers.gloo import init_gloo, warm_process
 
 pytestmark = pytest.mark.distributed
 
@@ -65,14 +65,14 @@ def _worker(rank: int, world: int, port: int, tasks, results, cores: int | None)
 
 class Pool:
     def __init__(self, world: int, cores: int | None = None) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = warm_context()
         self.world = world
         self.tasks = [ctx.Queue() for _ in range(world)]
         self.results = ctx.Queue()
         port = free_port()
         self.transports: dict[int, str | None] = {}
-        self.procs = [ctx.Process(target=_worker, args=(r, world, port, self.tasks[r],
-                                                        self.results, cores), daemon=True)
+        self.procs = [warm_process(_worker, (r, world, port, self.tasks[r], self.results,
+                                             cores), daemon=True)
                       for r in range(world)]
         for p in self.procs:
             p.start()

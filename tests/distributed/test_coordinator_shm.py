@@ -20,6 +20,7 @@ import torch.multiprocessing as mp
 
 from peerflow.coordinator import pack_batch
 from peerflow.coordinator.shm import POOL_FILES, PREFIX, SHM_DIR
+from peerflow.launch.warm import warm_context
 from peerflow.layout import ParallelLayout
 from tests.distributed import test_coordinator
 from tests.distributed.test_coordinator import (
@@ -29,7 +30,7 @@ from tests.distributed.test_coordinator import (
     make_shards,
     route_property,
 )
-from tests.helpers.gloo import free_port, init_gloo, run_gloo
+from tests.helpers.gloo import free_port, init_gloo, run_gloo, warm_process
 
 pytestmark = pytest.mark.distributed
 
@@ -208,11 +209,9 @@ def _dies_after_one_call(rank: int, world: int, port: int, mode: str, results) -
 
 @pytest.mark.parametrize("mode", ["p2p", "centralized"])
 def test_a_dead_peer_is_a_clear_error_and_leaves_no_segments(mode) -> None:
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
+    results = warm_context().Queue()
     port = free_port()
-    procs = [ctx.Process(target=_dies_after_one_call, args=(r, 2, port, mode, results))
-             for r in range(2)]
+    procs = [warm_process(_dies_after_one_call, (r, 2, port, mode, results)) for r in range(2)]
     for p in procs:
         p.start()
     try:
@@ -309,7 +308,7 @@ def test_a_destroyed_process_group_is_not_kept_alive_by_the_routes() -> None:
     destruction: C++ threads torn down at interpreter exit abort the process
     ("terminate called without an active exception", seen at the end of bench runs).
     Its routes — the coordinator's and the weight sync's — go with the group."""
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("spawn")  # not warm_process: a fork-server child skips shutdown
     out = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_world_after_destroy, args=(r, port, out)) for r in (0, 1)]

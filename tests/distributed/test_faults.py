@@ -179,14 +179,14 @@ def _silent_peer(rank: int, port: int, out) -> None:
 
 
 def test_point_to_point_waits_time_out_with_a_message() -> None:
-    import torch.multiprocessing as mp
+    from peerflow.launch.warm import warm_context
+    from tests.helpers.gloo import warm_process
 
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
+    out = warm_context().Queue()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    procs = [ctx.Process(target=_silent_peer, args=(r, port, out)) for r in range(2)]
+    procs = [warm_process(_silent_peer, (r, port, out)) for r in range(2)]
     for p in procs:
         p.start()
     message, waited = out.get(timeout=280)

@@ -15,10 +15,10 @@ from pathlib import Path
 import attrs
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from peerflow.adapters.hf.engine import HFRolloutEngine
 from peerflow.plugins import hookimpl
+from tests.helpers.gloo import warm_process
 
 pytestmark = pytest.mark.distributed
 
@@ -95,9 +95,8 @@ def test_colocated_run_sleeps_and_wakes_only_a_declaring_engine(tmp_path, quicks
                                                                backend, metrics_of):
     record = tmp_path / "calls.jsonl"
     overrides = [*tiny, "run.steps=3", "runtime.nprocs=1", f"rollout.backend={backend}"]
-    ctx = mp.get_context("spawn")
-    proc = ctx.Process(target=_run, args=(quickstart, overrides, str(tmp_path / "run"),
-                                          str(record), os.environ["PEERFLOW_MODEL_CACHE"]))
+    proc = warm_process(_run, (quickstart, overrides, str(tmp_path / "run"), str(record),
+                               os.environ["PEERFLOW_MODEL_CACHE"]))
     proc.start()
     proc.join(300)
     if proc.is_alive():

@@ -27,6 +27,24 @@ def init_gloo(rank: int, world: int, port: int, timeout_s: float | None = None) 
                             world_size=world, **extra)
 
 
+def warm_process(target: Callable[..., Any], args: tuple = (), **kwargs: Any) -> Any:
+    """A process (not started) that runs `target(*args)`, forked from the warm fork server.
+
+    It starts with torch imported (`peerflow.launch.warm`) and this process's environment
+    as it is now. Like any fork-server child it ends with `os._exit`, without the
+    interpreter's shutdown: a test of what happens at shutdown must spawn its process.
+    Make its queues with `warm_context().Queue()`.
+    """
+    return warm_context().Process(target=_in_environment,
+                                  args=(environment_changes(), target, args), **kwargs)
+
+
+def _in_environment(environ: dict[str, str | None], target: Callable[..., Any],
+                    args: tuple) -> None:
+    apply_environment_changes(environ)
+    target(*args)
+
+
 def run_gloo(body: Callable[[int, int], Any], world: int, *, timeout_s: float = 240) -> dict:
     """Runs `body(rank, world)` in `world` new processes joined in one gloo group.
 
@@ -39,12 +57,9 @@ def run_gloo(body: Callable[[int, int], Any], world: int, *, timeout_s: float = 
     Returns:
         Rank → what `body` returned there; fails the test with every worker's traceback.
     """
-    ctx = warm_context()
-    results = ctx.Queue()
+    results = warm_context().Queue()
     port = free_port()
-    environ = environment_changes()
-    procs = [ctx.Process(target=_run_rank,
-                         args=(body, rank, world, port, timeout_s, results, environ))
+    procs = [warm_process(_run_rank, (body, rank, world, port, timeout_s, results))
              for rank in range(world)]
     for p in procs:
         p.start()
@@ -64,10 +79,9 @@ def run_gloo(body: Callable[[int, int], Any], world: int, *, timeout_s: float = 
 
 
 def _run_rank(body: Callable[[int, int], Any], rank: int, world: int, port: int,
-              timeout_s: float, results: Any, environ: dict[str, str | None]) -> None:
+              timeout_s: float, results: Any) -> None:
     import torch.distributed as dist
 
-    apply_environment_changes(environ)
     init_gloo(rank, world, port, timeout_s=timeout_s)
     try:
         results.put((rank, body(rank, world), None))

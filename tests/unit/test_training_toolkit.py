@@ -9,11 +9,11 @@ import socket
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from peerflow import ParallelLayout
 from peerflow.batch import Batch, RaggedField
 from peerflow.engines import EngineContext, OptimSettings
+from peerflow.launch.warm import warm_context
 from peerflow.training import (
     CausalLMTrainEngine,
     MicroBatch,
@@ -26,6 +26,7 @@ from peerflow.training import (
     token_logprobs,
 )
 from peerflow.training.inputs import pad_inputs
+from tests.helpers.gloo import warm_process
 
 VOCAB = 11
 
@@ -146,9 +147,8 @@ def test_vocab_parallel_logprobs_match_full_vocabulary_values_and_gradients():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_vocab_parallel_rank, args=(r, port, queue)) for r in range(2)]
+    queue = warm_context().Queue()
+    procs = [warm_process(_vocab_parallel_rank, (r, port, queue)) for r in range(2)]
     for p in procs:
         p.start()
     results = {r: [torch.from_numpy(a) for a in rest]
