@@ -5,8 +5,14 @@ from __future__ import annotations
 import datetime
 import os
 import queue
+import runpy
+import shutil
+import sys
+import tempfile
+import time
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -89,3 +95,46 @@ def _run_rank(body: Callable[[int, int], Any], rank: int, world: int, port: int,
         results.put((rank, None, traceback.format_exc()))
     finally:
         dist.destroy_process_group()
+
+
+def run_script(script: Path | str, *args: str, nprocs: int = 2, timeout: float = 420) -> None:
+    """Runs `script ARGS` as `__main__` on `nprocs` ranks, started as torchrun would.
+
+    Each rank is a warm process (`warm_process`) with torchrun's environment for an
+    `env://` rendezvous (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, …), one torch
+    thread, and its output in a log of its own. Fails naming every rank that did not
+    exit 0, with the end of its log.
+    """
+    logs = Path(tempfile.mkdtemp(prefix="peerflow-test-ranks-"))
+    port = free_port()
+    procs = [warm_process(_script_rank, (str(script), args, rank, nprocs, port, str(logs)))
+             for rank in range(nprocs)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(max(1.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join()
+    failed = [f"rank {rank} exited {p.exitcode}" + (" (killed at the timeout)" if p.exitcode
+                                                     == -9 else "") + ":\n" +
+              (logs / f"rank{rank}.log").read_text()[-6000:]
+              for rank, p in enumerate(procs) if p.exitcode != 0]
+    assert not failed, "\n".join(failed)
+    shutil.rmtree(logs, ignore_errors=True)
+
+
+def _script_rank(script: str, args: tuple[str, ...], rank: int, world: int, port: int,
+                 logs: str) -> None:
+    log = os.open(os.path.join(logs, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT, 0o644)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world), GROUP_RANK="0", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo", HF_HUB_OFFLINE="1",
+                      OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    sys.argv = [script, *args]
+    sys.path.insert(0, os.path.dirname(script))  # as `python script` has it
+    runpy.run_path(script, run_name="__main__")

@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
 
-from peerflow.distributed.init import free_port
+from tests.helpers.gloo import run_script
 
 #: Adam with eps=1e-3 makes the post-step comparison about gradients, not about the
 #: float noise of near-zero gradients (see tests/engines/fsdp).
@@ -22,7 +20,6 @@ OPTIM = {"lr": 0.01, "eps": 1e-3, "grad_clip": 0.0, "micro_batch_tokens": 24}
 SAMPLES = 8
 #: Sampling temperature the engines score at (not 1, so a missing division shows).
 TEMPERATURE = 0.7
-ROOT = Path(__file__).resolve().parents[3]
 
 
 def build_model(directory: Path | str, family: str = "llama", *, tied: bool = True) -> str:
@@ -140,14 +137,8 @@ def reference(model_path: str) -> dict:
 
 
 def run_workers(script: Path, *args: str, nprocs: int = 2, timeout: float = 420) -> None:
-    """Runs `script ARGS` on `nprocs` gloo ranks with torchrun; fails with the stderr tail."""
-    env = dict(os.environ, HF_HUB_OFFLINE="1", GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nprocs),
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-           str(script), *args]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
+    """Runs `script ARGS` on `nprocs` gloo ranks (`tests.helpers.gloo.run_script`)."""
+    run_script(script, *args, nprocs=nprocs, timeout=timeout)
 
 
 def optim_settings():

@@ -3,16 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from peerflow import GenerationRequest, ParallelLayout, SamplingParams
-from peerflow.distributed.init import free_port
 from peerflow.engines import EngineContext, OptimSettings
 from tests.engines.fsdp.fsdp_testlib import (
     PROMPTS,
@@ -22,6 +18,7 @@ from tests.engines.fsdp.fsdp_testlib import (
     nll_loss,
     to_batch,
 )
+from tests.helpers.gloo import run_script
 
 pytestmark = pytest.mark.distributed
 
@@ -43,14 +40,8 @@ def run(request, tiny_model, tmp_path_factory):
     """Runs the worker on 2 (dptp: 4) ranks; returns (mode, per-rank results, checkpoint)."""
     world = LAYOUTS[request.param].world_size
     out = tmp_path_factory.mktemp(f"fsdp-{request.param}")
-    env = dict(os.environ, HF_HUB_OFFLINE="1", GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
-        "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-        str(WORKER), tiny_model, str(out), request.param, json.dumps(OPTIM),
-    ]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_script(WORKER, tiny_model, str(out), request.param, json.dumps(OPTIM), nprocs=world,
+               timeout=600)
     ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]
     return request.param, ranks, str(out / "ckpt")
 
