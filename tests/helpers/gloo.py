@@ -1,4 +1,4 @@
-"""Process-group plumbing for tests that spawn gloo workers on this machine."""
+"""Worker processes for tests: warm forks, gloo groups on this machine, torchrun-like ranks."""
 
 from __future__ import annotations
 
@@ -112,15 +112,17 @@ def run_script(script: Path | str, *args: str, nprocs: int = 2, timeout: float =
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout
-    for p in procs:
+    failed = []
+    for rank, p in enumerate(procs):
         p.join(max(1.0, deadline - time.monotonic()))
-        if p.is_alive():
+        late = p.is_alive()
+        if late:
             p.kill()
             p.join()
-    failed = [f"rank {rank} exited {p.exitcode}" + (" (killed at the timeout)" if p.exitcode
-                                                     == -9 else "") + ":\n" +
-              (logs / f"rank{rank}.log").read_text()[-6000:]
-              for rank, p in enumerate(procs) if p.exitcode != 0]
+        if p.exitcode != 0:
+            log = (logs / f"rank{rank}.log").read_text()[-6000:]
+            failed.append(f"rank {rank} {'hung past the timeout' if late else 'exited'} "
+                          f"({p.exitcode}):\n{log}")
     assert not failed, "\n".join(failed)
     shutil.rmtree(logs, ignore_errors=True)
 
