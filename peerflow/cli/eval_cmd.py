@@ -41,6 +41,10 @@ def add_parser(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Runs `peerflow eval`; prints the metrics and returns the exit code."""
+    from peerflow.launch.warm import start_warm_server
+
+    if args.launcher == "elastic":
+        start_warm_server()  # as in `peerflow train`: its imports overlap the checks
     from peerflow.api import evaluate
 
     result = evaluate(args.config, checkpoint=args.checkpoint, overrides=args.overrides,
