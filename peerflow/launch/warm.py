@@ -8,8 +8,9 @@ worker is a fork of an interpreter that has those modules already, and shares th
 with its siblings. The server has only imported modules (one thread, no CUDA context, no
 torch thread pool), the state in which forking is safe.
 
-`peerflow train` starts the server first thing, so its imports overlap the launcher's own
-(config validation, plugin loading). A fork-server worker inherits the server's
+`peerflow train` and `peerflow eval` start the server first thing, so its imports overlap
+the launcher's own (config validation, plugin loading). A fork-server worker inherits the
+server's
 environment, not the launcher's at launch time: `environment_changes` gives what changed
 since the server started, and `worker_entry` applies it, so a worker sees what a spawned
 one would.

@@ -35,8 +35,9 @@ from peerflow.workflow.roles import engine_roles
 def _dump_stacks_on_crash() -> None:
     """A native crash (an abort, a segfault) prints every thread's Python stack to stderr.
 
-    That is the rank's log under the launcher: it names the thread that was in a C++
-    call, which an exit code of -6 or -11 alone does not.
+    Under `peerflow train` that is the launcher's terminal (workers inherit it): the
+    stacks name the thread that was in a C++ call, which an exit code of -6 or -11 alone
+    does not.
     """
     if not faulthandler.is_enabled():
         with contextlib.suppress(AttributeError, OSError, RuntimeError, ValueError):
