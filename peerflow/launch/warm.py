@@ -10,10 +10,9 @@ torch thread pool), the state in which forking is safe.
 
 `peerflow train` and `peerflow eval` start the server first thing, so its imports overlap
 the launcher's own (config validation, plugin loading). A fork-server worker inherits the
-server's
-environment, not the launcher's at launch time: `environment_changes` gives what changed
-since the server started, and `worker_entry` applies it, so a worker sees what a spawned
-one would.
+server's environment, not the launcher's at launch time: `environment_changes` gives what
+changed since the server started, and `worker_entry` applies it, so a worker sees what a
+spawned one would.
 """
 
 from __future__ import annotations

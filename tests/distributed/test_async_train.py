@@ -5,13 +5,12 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.helpers.gloo import warm_process
+from tests.helpers.gloo import free_port, warm_process
 
 pytestmark = pytest.mark.distributed
 
@@ -25,12 +24,6 @@ SPLIT = ["runtime.placement=split", "rollout.layout.dp=1", "trainer.layout.dp=1"
 #: Metrics that measure time or the async machinery itself, not learning.
 NOT_LEARNING = ("time/", "throughput/", "sync/", "idle/", "overlap/", "queue/", "staleness/",
                 "rollout/")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank, world, port, overrides, run_dir, resume):

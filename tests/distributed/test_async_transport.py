@@ -5,22 +5,15 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import socket
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers.gloo import warm_process
+from tests.helpers.gloo import free_port, warm_process
 
 pytestmark = pytest.mark.distributed
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _entry(fn, rank, world, port, out):

@@ -180,12 +180,10 @@ def _silent_peer(rank: int, port: int, out) -> None:
 
 def test_point_to_point_waits_time_out_with_a_message() -> None:
     from peerflow.launch.warm import warm_context
-    from tests.helpers.gloo import warm_process
+    from tests.helpers.gloo import free_port, warm_process
 
     out = warm_context().Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     procs = [warm_process(_silent_peer, (r, port, out)) for r in range(2)]
     for p in procs:
         p.start()

@@ -4,7 +4,6 @@ vocab-parallel), and `CausalLMTrainEngine` driving a real torch module."""
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
@@ -26,7 +25,7 @@ from peerflow.training import (
     token_logprobs,
 )
 from peerflow.training.inputs import pad_inputs
-from tests.helpers.gloo import warm_process
+from tests.helpers.gloo import free_port, warm_process
 
 VOCAB = 11
 
@@ -144,9 +143,7 @@ def _vocab_parallel_rank(rank: int, port: int, queue) -> None:
 
 
 def test_vocab_parallel_logprobs_match_full_vocabulary_values_and_gradients():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     queue = warm_context().Queue()
     procs = [warm_process(_vocab_parallel_rank, (r, port, queue)) for r in range(2)]
     for p in procs:
