@@ -6,13 +6,19 @@ this rollout rank* in the group's step, ties broken in an order rotated by the r
 rank so that several rollout ranks do not all favour trainer 0. Within one step and one
 source, trainers stay within one group's tokens of each other, so across `R` sources the
 spread is at most `R` groups' tokens.
+
+A group weighs what it costs its trainer (`coordinator.units.Balance.loads`): every
+answer, and its prompt once per answer, or once for the group when the trainers run a
+prompt once for all its answers (`CausalLMTrainEngine.shares_prompts`).
 """
 
 from __future__ import annotations
 
 import attrs
 
+from peerflow.batch import Batch
 from peerflow.checkpoint.state import JsonState
+from peerflow.coordinator.units import Balance
 from peerflow.errors import ConfigError
 
 
@@ -28,6 +34,8 @@ class TokenBalancer(JsonState):
     """Step → tokens sent to each consumer in that step."""
     groups: dict[int, list[int]] = attrs.field(factory=dict)
     """Step → groups sent to each consumer in that step."""
+    shared_prompts: bool = False
+    """The trainers run a prompt once for all its answers (their `shares_prompts`)."""
 
     def __attrs_post_init__(self) -> None:
         if self.num_consumers < 1:
@@ -49,6 +57,11 @@ class TokenBalancer(JsonState):
         counts[best] += int(tokens)
         groups[best] += 1
         return best
+
+    def assign_group(self, step: int, group: Batch) -> int:
+        """Returns the consumer dp-rank for the finished prompt group `group` in `step`."""
+        load = Balance(shared_prompts=self.shared_prompts).loads(group)
+        return self.assign(step, int(load.sum()))
 
     def forget_before(self, step: int) -> None:
         """Drops the counts of steps before `step` (they are sealed)."""

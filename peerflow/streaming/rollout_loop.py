@@ -189,7 +189,7 @@ class RolloutStreamer:
         outgoing: dict[tuple[int, int], list[Batch]] = {}
         for placed in self.scheduler.assign_finished():
             group = self._groups.pop(placed.group_id)
-            dp = self.balancer.assign(placed.step, int(group.token_count().sum()))
+            dp = self.balancer.assign_group(placed.step, group)
             outgoing.setdefault((placed.step, dp), []).append(group)
             self.sent_groups.append((placed.group_id, placed.step, dp))
         for (step, dp), groups in outgoing.items():

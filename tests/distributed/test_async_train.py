@@ -1,4 +1,4 @@
-"""`runtime.mode: async` end to end: 1 rollout rank (hf) + 1 trainer rank (fsdp) on CPU."""
+"""`runtime.mode: async` end to end on CPU: hf rollout ranks feed fsdp trainer ranks."""
 
 from __future__ import annotations
 
@@ -206,3 +206,19 @@ def test_two_rollout_ranks_feed_one_trainer(tmp_path):
     per_source = {int(k): v for k, v in state["trained_groups"].items()}
     assert sorted(per_source) == [0, 1] and all(len(v) == 3 * 2 for v in per_source.values())
     assert all(g % 2 == src for src, gids in per_source.items() for g in gids)  # own shard
+
+
+def test_one_rollout_rank_feeds_two_trainer_ranks_that_share_prompts(tmp_path):
+    """fsdp trainers share prompts by default: every rank learns it when the stream opens
+    (a collective), and the rollout rank weighs the groups it sends by it."""
+    overrides = [*SMALL, "runtime.placement=split", "rollout.layout.dp=1",
+                 "trainer.layout.dp=2", "runtime.nprocs=3", "runtime.mode=async", "run.steps=2"]
+    assert run_workers(overrides, tmp_path / "run", world=3) == [0, 0, 0]
+    rows = metrics(tmp_path / "run")
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["samples"] == 16 for r in rows)
+    for rank in (1, 2):  # each trainer trains half of every step (2 of its 4 groups)
+        trace = json.loads((tmp_path / "run" / f"trace_rank{rank}.json").read_text())
+        trained = [e["args"]["samples"] for e in trace["traceEvents"]
+                   if e.get("name", "").startswith("trainer/train step")]
+        assert trained == [8, 8], (rank, trained)

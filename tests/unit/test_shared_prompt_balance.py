@@ -1,5 +1,6 @@
-"""What the coordinator balances (`units.Balance`): with consumers that run a prompt once
-for all its samples (`shares_prompts`), groups stay whole and a group's prompt counts once."""
+"""What the coordinator and the async stream balance (`units.Balance`): with consumers that
+run a prompt once for all its samples (`shares_prompts`), groups stay whole and a group's
+prompt counts once."""
 
 from __future__ import annotations
 
@@ -11,7 +12,10 @@ from peerflow.coordinator.transfer import plan_transfer
 from peerflow.coordinator.units import Balance, prompt_shares
 from peerflow.layout import ParallelLayout
 from peerflow.planner.plan import Route
+from peerflow.streaming.assignment import TokenBalancer
+from peerflow.worker.async_schedule import trainers_share_prompts
 from peerflow.worker.program import RouteStep
+from tests.helpers.gloo import run_gloo
 
 
 def _shard(groups: list[tuple[int, int, list[int]]], first_id: int = 0) -> Batch:
@@ -144,3 +148,32 @@ def test_a_route_counts_prompts_once_only_within_a_role_whose_engine_shares_them
     assert not _step("ref", "ref").consumers_share_prompts(engines.__getitem__)
     # between roles a producer-only rank cannot see the consumer's engine: never
     assert not _step("rollout", "actor").consumers_share_prompts(engines.__getitem__)
+
+
+def test_the_async_stream_weighs_a_group_by_what_its_trainer_runs():
+    long_prompt = _shard([(0, 100, [10, 10, 10, 10])])  # 4 × 110 = 440; shared: 140
+    long_answers = _shard([(1, 10, [60, 60, 60, 60])])  # 280; shared: 250
+    short = _shard([(2, 10, [20, 20, 20, 20])])
+    per_answer = TokenBalancer(num_consumers=2)
+    shared = TokenBalancer(num_consumers=2, shared_prompts=True)
+    for balancer in (per_answer, shared):
+        assert [balancer.assign_group(0, g) for g in (long_prompt, long_answers)] == [0, 1]
+    assert per_answer.tokens[0] == [440, 280] and shared.tokens[0] == [140, 250]
+    # the third group goes where it costs the trainers least: to the one whose prompt
+    # was long only if that prompt runs once
+    assert per_answer.assign_group(0, short) == 1 and shared.assign_group(0, short) == 0
+    clone = TokenBalancer.from_state_dict(shared.state_dict())
+    assert clone.shared_prompts and clone.tokens == shared.tokens
+
+
+def _told_share_prompts(rank: int, world: int) -> bool:
+    from types import SimpleNamespace
+
+    # ranks 1 and 2 train (rank 1 first, its engine shares prompts); rank 0 rolls out
+    engines = {"actor": _Engine(rank == 1)} if rank else {"rollout": object()}
+    program = SimpleNamespace(placement={"actor": SimpleNamespace(global_ranks=(1, 2))})
+    return trainers_share_prompts(SimpleNamespace(engines=engines), program, None)
+
+
+def test_every_rank_of_an_async_run_learns_whether_the_trainers_share_prompts():
+    assert run_gloo(_told_share_prompts, 3) == {0: True, 1: True, 2: True}
