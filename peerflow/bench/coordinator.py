@@ -81,7 +81,11 @@ def make_step_batch(groups: int, group_size: int, mean_tokens: int, seed: int) -
     return batch
 
 
-def _worker(rank: int, world: int, port: int, args: dict[str, Any], out: Any) -> None:
+def _worker(rank: int, world: int, port: int, args: dict[str, Any], out: Any,
+            environ: dict[str, str | None]) -> None:
+    from peerflow.launch.warm import apply_environment_changes
+
+    apply_environment_changes(environ)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     import torch
     import torch.distributed as dist
@@ -174,14 +178,19 @@ def _plain_send(nbytes: int, runs: int, transport: str) -> dict[str, Any]:
 
 
 def _measure(world: int, args: dict[str, Any]) -> dict[str, Any]:
-    import torch.multiprocessing as mp
+    """Runs the benchmark's `world` processes; returns rank 0's report.
 
+    They fork from the warm fork server, as `peerflow train` starts its workers
+    (`peerflow.launch.warm`): a spawned process would import torch again.
+    """
     from peerflow.distributed.init import free_port
+    from peerflow.launch.warm import environment_changes, warm_context
 
-    ctx = mp.get_context("spawn")
+    ctx = warm_context()
     out = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, args, out)) for r in range(world)]
+    procs = [ctx.Process(target=_worker, args=(r, world, port, args, out, environment_changes()))
+             for r in range(world)]
     for p in procs:
         p.start()
     try:
