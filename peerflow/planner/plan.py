@@ -59,11 +59,6 @@ class Route:
         return tuple(sorted(set(self.src.global_ranks) | set(self.dst.global_ranks)))
 
     @property
-    def within_role(self) -> bool:
-        """Whether producers and consumers are one role's ranks (each hosts its engine)."""
-        return self.src_role == self.dst_role
-
-    @property
     def moves(self) -> bool:
         """Whether samples may move (the layouts differ, or samples are re-balanced)."""
         return self.src != self.dst or not self.keep_groups
@@ -72,8 +67,7 @@ class Route:
         """One line: layouts, senders and receivers."""
         unit = "groups kept whole" if self.keep_groups else (
             "samples (groups may split; whole groups weighed by their rows when the "
-            "trainer shares prompts)" if self.within_role
-            else "samples (groups may split)")
+            "trainer shares prompts)")
         return (f"{self.name}: {self.src.describe()} -> {self.dst.describe()}; "
                 f"{self.src.dp} producer dp-shards to {self.dst.dp} consumer dp-ranks, "
                 f"{unit}, token-balanced; fields {', '.join(self.fields)}")

@@ -45,9 +45,6 @@ class StreamLink:
     group: Any = None
     """Gloo group the sample and weight-announcement streams use (`None`: the default)."""
     timeout: float = 60.0
-    trainers_share_prompts: bool = False
-    """The trainers run a prompt once for all its answers (the actor engine's
-    `shares_prompts`): the rollout ranks weigh the groups they stream by it."""
 
 
 def streaming_schedule(rt: WorkerRuntime, program: RankProgram, stage: Any) -> Any:
@@ -61,26 +58,10 @@ def streaming_schedule(rt: WorkerRuntime, program: RankProgram, stage: Any) -> A
         # samples are CPU tensors, which NCCL cannot send
         group = None if dist.get_backend() == "gloo" else dist.new_group(
             backend="gloo", timeout=datetime.timedelta(seconds=timeout))
-        shares = trainers_share_prompts(rt, program, group)
-    link = StreamLink(service=rt.weight_sync, group=group, timeout=timeout,
-                      trainers_share_prompts=shares)
+    link = StreamLink(service=rt.weight_sync, group=group, timeout=timeout)
     if "rollout" in rt.engines:
         return RolloutSchedule(rt=rt, program=program, link=link, stage=stage)
     return TrainerSchedule(rt=rt, program=program, link=link, stage=stage)
-
-
-def trainers_share_prompts(rt: WorkerRuntime, program: RankProgram, group: Any) -> bool:
-    """The first trainer rank's `shares_prompts`, told to every rank (collective).
-
-    Only a trainer rank hosts the actor engine, and whether it shares prompts depends on
-    its model (`takes_custom_masks`), so the rollout ranks learn it here.
-    """
-    import torch.distributed as dist
-
-    flag = [bool(getattr(rt.engines.get("actor"), "shares_prompts", False))]
-    dist.broadcast_object_list(flag, src=min(program.placement["actor"].global_ranks),
-                               group=group)
-    return flag[0]
 
 
 def _runner(rt: WorkerRuntime, nodes: Sequence[Any], stage: Any
@@ -162,7 +143,7 @@ class RolloutSchedule:
                 quota=split_evenly(cfg.run.prompts_per_step, layout.dp, layout.dp_rank(rt.rank))),
             balancer=TokenBalancer(num_consumers=trainer_layout.dp,
                                    source_index=layout.dp_rank(rt.rank),
-                                   shared_prompts=link.trainers_share_prompts),
+                                   shared_prompts=rt.prompt_sharing.get("actor", False)),
             trainer_layout=trainer_layout,
             sender=StreamSender(tag=DATA_TAG, group=link.group, timeout=link.timeout),
             weights=WeightReceiver(service=link.service, receiver=receiver.start()).start(),

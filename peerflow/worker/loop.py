@@ -48,7 +48,7 @@ def run_step(rt: WorkerRuntime, program: RankProgram, *, stage_factory: Any = No
         with span, timed(metrics, item.name.replace(" ", "_"), stage):
             if isinstance(item, RouteStep):
                 batch = item.run(batch, metrics,
-                                 shared_prompts=item.consumers_share_prompts(rt.engine))
+                                 shared_prompts=item.consumers_share_prompts(rt.prompt_sharing))
             else:
                 batch = run_node(rt, item, batch, metrics)
     metrics.max("time/step", time.perf_counter() - start)

@@ -26,7 +26,7 @@ from peerflow.config import RunConfig, load_config, validate_config
 from peerflow.worker.driver import drive
 from peerflow.worker.evaluation import EvalHook
 from peerflow.worker.loop import LockstepSchedule
-from peerflow.worker.program import RankProgram, program_from_plan
+from peerflow.worker.program import RankProgram, program_from_plan, roles_sharing_prompts
 from peerflow.worker.runtime import WorkerRuntime, build_components, resolve_model_path
 from peerflow.worker.sampler import ShardedPromptSampler
 from peerflow.workflow.roles import engine_roles
@@ -170,6 +170,7 @@ def _start(
     for role in program.roles:
         if role in engine_roles():
             rt.engines[role] = rt.build_engine(role, program.process_group(role))
+    rt.prompt_sharing = roles_sharing_prompts(rt.engines)
     if program.has_kind("sync_weights") or config.runtime.mode == "async":
         rt.weight_sync = _weight_sync(rt)
     advantage = next((n for n in program.steps if getattr(n, "kind", "") == "advantage"), None)

@@ -10,7 +10,7 @@ process groups, and which layout's dp-ranks read prompts.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Mapping
 from typing import Any
 
 import attrs
@@ -67,16 +67,37 @@ class RouteStep:
                 metrics.max(f"balance/imbalance_{when}", peak / mean if mean else 1.0)
         return out
 
-    def consumers_share_prompts(self, engine_of: Callable[[str], Any]) -> bool:
+    def consumers_share_prompts(self, sharing: Mapping[str, bool]) -> bool:
         """Whether the consumers run a prompt once for all its samples in a row.
 
-        Only on a route within one role (a re-balance before training), whose every rank
-        hosts the consumer engine (`engine_of(role)`) and so decides alike; a route
-        between roles counts every sample's prompt (producer-only ranks cannot see the
-        consumer engine's `shares_prompts`).
+        `sharing` is the run's `roles_sharing_prompts`, the same on every rank, so every
+        rank of the route decides alike, producer-only ranks included.
         """
-        return self.route.within_role and bool(
-            getattr(engine_of(self.route.dst_role), "shares_prompts", False))
+        return bool(sharing.get(self.route.dst_role, False))
+
+
+def roles_sharing_prompts(engines: Mapping[str, Any]) -> dict[str, bool]:
+    """Role → whether its engines run a prompt once for all its samples, for every role.
+
+    Collective over the world (call on every rank after building the engines): a route
+    balances by what its consumers run (`RouteStep.consumers_share_prompts`), and a rank
+    that only produces for it, or an async rollout rank, does not host the consumer's
+    engine. A role shares prompts when every rank hosting it says so (its engines'
+    `shares_prompts`, which depends on the model as well as the config).
+    """
+    import torch.distributed as dist
+
+    mine = {role: bool(getattr(engine, "shares_prompts", False))
+            for role, engine in engines.items()}
+    gathered: list[Any] = [mine]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine)
+    sharing: dict[str, bool] = {}
+    for facts in gathered:
+        for role, shares in facts.items():
+            sharing[role] = sharing.get(role, True) and shares
+    return sharing
 
 
 @attrs.frozen(kw_only=True)

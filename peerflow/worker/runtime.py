@@ -110,6 +110,9 @@ class WorkerRuntime:
     agent: Any = None
     """The multi-turn driver (`peerflow.agents.rollout.AgentRollout`) when the config has
     `rollout.agent`, else `None` (single-turn answers)."""
+    prompt_sharing: dict[str, bool] = attrs.field(factory=dict)
+    """Role → whether its engines run a prompt once for all its samples, for every role
+    of the run, hosted here or not (`program.roles_sharing_prompts`)."""
 
     def generate_batch(self, engine: Any, draws: Any, sampling: Any, **agent_args: Any) -> Any:
         """Samples a batch for `draws`: agent episodes with `rollout.agent`, else answers.

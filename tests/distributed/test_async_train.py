@@ -1,4 +1,5 @@
-"""`runtime.mode: async` end to end on CPU: hf rollout ranks feed fsdp trainer ranks."""
+"""`runtime.mode: async` end to end on CPU: hf rollout ranks feed fsdp trainer ranks (and
+the same split placement run in sync mode)."""
 
 from __future__ import annotations
 
@@ -208,11 +209,14 @@ def test_two_rollout_ranks_feed_one_trainer(tmp_path):
     assert all(g % 2 == src for src, gids in per_source.items() for g in gids)  # own shard
 
 
+ONE_ROLLOUT_TWO_TRAINERS = [*SMALL, "runtime.placement=split", "rollout.layout.dp=1",
+                            "trainer.layout.dp=2", "runtime.nprocs=3", "run.steps=2"]
+
+
 def test_one_rollout_rank_feeds_two_trainer_ranks_that_share_prompts(tmp_path):
-    """fsdp trainers share prompts by default: every rank learns it when the stream opens
-    (a collective), and the rollout rank weighs the groups it sends by it."""
-    overrides = [*SMALL, "runtime.placement=split", "rollout.layout.dp=1",
-                 "trainer.layout.dp=2", "runtime.nprocs=3", "runtime.mode=async", "run.steps=2"]
+    """fsdp trainers share prompts by default: every rank learns it at start-up (a
+    collective), and the rollout rank weighs the groups it streams by it."""
+    overrides = [*ONE_ROLLOUT_TWO_TRAINERS, "runtime.mode=async"]
     assert run_workers(overrides, tmp_path / "run", world=3) == [0, 0, 0]
     rows = metrics(tmp_path / "run")
     assert [r["step"] for r in rows] == [1, 2]
@@ -222,3 +226,16 @@ def test_one_rollout_rank_feeds_two_trainer_ranks_that_share_prompts(tmp_path):
         trained = [e["args"]["samples"] for e in trace["traceEvents"]
                    if e.get("name", "").startswith("trainer/train step")]
         assert trained == [8, 8], (rank, trained)
+
+
+def test_in_sync_mode_a_route_between_roles_weighs_what_the_trainers_run(tmp_path):
+    """The route from the rollout rank to the two trainer ranks weighs groups by what the
+    trainers run (the prompt once), which the rollout rank, hosting no trainer engine,
+    learns at start-up; over gloo, where it plans the route as well."""
+    ragged = ["task.options.min_digits=1", "task.options.digits=9",  # prompts 2–10 tokens
+              "runtime.coordinator_transport=gloo"]  # where the producer plans too
+    assert run_workers([*ONE_ROLLOUT_TWO_TRAINERS, *ragged], tmp_path / "run",
+                       world=3) == [0, 0, 0]
+    rows = metrics(tmp_path / "run")
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["samples"] == 16 and r["balance/imbalance_after"] >= 1 for r in rows)

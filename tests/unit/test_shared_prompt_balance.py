@@ -13,8 +13,7 @@ from peerflow.coordinator.units import Balance, prompt_shares
 from peerflow.layout import ParallelLayout
 from peerflow.planner.plan import Route
 from peerflow.streaming.assignment import TokenBalancer
-from peerflow.worker.async_schedule import trainers_share_prompts
-from peerflow.worker.program import RouteStep
+from peerflow.worker.program import RouteStep, roles_sharing_prompts
 from tests.helpers.gloo import run_gloo
 
 
@@ -141,13 +140,13 @@ def _step(src_role: str, dst_role: str) -> RouteStep:
                                  dst_role=dst_role, keep_groups=False))
 
 
-def test_a_route_counts_prompts_once_only_within_a_role_whose_engine_shares_them():
-    engines = {"actor": _Engine(True), "critic": _Engine(False), "ref": object()}
-    assert _step("actor", "actor").consumers_share_prompts(engines.__getitem__)
-    assert not _step("critic", "critic").consumers_share_prompts(engines.__getitem__)
-    assert not _step("ref", "ref").consumers_share_prompts(engines.__getitem__)
-    # between roles a producer-only rank cannot see the consumer's engine: never
-    assert not _step("rollout", "actor").consumers_share_prompts(engines.__getitem__)
+def test_a_route_counts_prompts_once_where_its_consumer_role_shares_them():
+    sharing = {"actor": True, "critic": False, "rollout": False}
+    assert _step("actor", "actor").consumers_share_prompts(sharing)
+    # between roles too: every rank knows every role's fact, producer-only ranks included
+    assert _step("rollout", "actor").consumers_share_prompts(sharing)
+    assert not _step("critic", "critic").consumers_share_prompts(sharing)
+    assert not _step("actor", "ref").consumers_share_prompts(sharing)  # no fact: no
 
 
 def test_the_async_stream_weighs_a_group_by_what_its_trainer_runs():
@@ -166,14 +165,16 @@ def test_the_async_stream_weighs_a_group_by_what_its_trainer_runs():
     assert clone.shared_prompts and clone.tokens == shared.tokens
 
 
-def _told_share_prompts(rank: int, world: int) -> bool:
-    from types import SimpleNamespace
+def _gathered_facts(rank: int, world: int) -> dict[str, bool]:
+    # rank 0 rolls out; ranks 1 and 2 train and hold a critic, whose engine on rank 2
+    # cannot share prompts (say, another attention backend): the role then does not
+    engines = [{"rollout": object()},
+               {"actor": _Engine(True), "critic": _Engine(True)},
+               {"actor": _Engine(True), "critic": _Engine(False)}][rank]
+    return roles_sharing_prompts(engines)
 
-    # ranks 1 and 2 train (rank 1 first, its engine shares prompts); rank 0 rolls out
-    engines = {"actor": _Engine(rank == 1)} if rank else {"rollout": object()}
-    program = SimpleNamespace(placement={"actor": SimpleNamespace(global_ranks=(1, 2))})
-    return trainers_share_prompts(SimpleNamespace(engines=engines), program, None)
 
-
-def test_every_rank_of_an_async_run_learns_whether_the_trainers_share_prompts():
-    assert run_gloo(_told_share_prompts, 3) == {0: True, 1: True, 2: True}
+def test_every_rank_learns_every_roles_prompt_sharing():
+    expected = {"rollout": False, "actor": True, "critic": False}
+    assert run_gloo(_gathered_facts, 3) == {rank: expected for rank in range(3)}
+    assert roles_sharing_prompts({"actor": _Engine(True)}) == {"actor": True}  # no group
