@@ -44,10 +44,14 @@ class RouteStep:
         token loads count it once (`redistribute`); every rank of the route passes the
         same value (`consumers_share_prompts`).
 
-        A route that balances samples (`route.keep_groups` false) records into `metrics`
-        (a `StepMetrics`, when given) the consumer dp-ranks' token loads before and after
-        it: `balance/tokens_max_before`, `balance/tokens_max_after`, `balance/tokens_mean`
-        and `balance/imbalance_before` / `_after` (busiest load over the mean; 1 is even).
+        Records into `metrics` (a `StepMetrics`, when given) the busiest rank's CPU
+        seconds in the call, `coordinator/<route>/cpu_s`, and bytes sent and received,
+        `coordinator/<route>/bytes`: the route's `time/` figure is its slowest rank's
+        wall, which includes waiting for the last producer to arrive. A route that
+        balances samples (`route.keep_groups` false) also records the consumer
+        dp-ranks' token loads before and after it: `balance/tokens_max_before`,
+        `balance/tokens_max_after`, `balance/tokens_mean` and `balance/imbalance_before`
+        / `_after` (busiest load over the mean; 1 is even).
         """
         from peerflow.coordinator import TransferStats, redistribute
 
@@ -55,6 +59,9 @@ class RouteStep:
         out = redistribute(batch, self.route, self.group, mode=self.mode,
                            transport=self.transport, keep_groups=self.route.keep_groups,
                            shared_prompts=shared_prompts, stats=stats)
+        if metrics is not None:
+            metrics.max(f"coordinator/{self.route.name}/cpu_s", stats.cpu_s)
+            metrics.max(f"coordinator/{self.route.name}/bytes", stats.bytes_total)
         plan = stats.plan
         if metrics is not None and not self.route.keep_groups and plan is not None:
             mean = sum(plan.dst_loads) / max(len(plan.dst_loads), 1)

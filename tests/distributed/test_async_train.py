@@ -239,3 +239,7 @@ def test_in_sync_mode_a_route_between_roles_weighs_what_the_trainers_run(tmp_pat
     rows = metrics(tmp_path / "run")
     assert [r["step"] for r in rows] == [1, 2]
     assert all(r["samples"] == 16 and r["balance/imbalance_after"] >= 1 for r in rows)
+    for row in rows:  # what the route itself cost, beside its wall (which waits for rank 0)
+        name = "rollout->actor@advantage"
+        assert 0 < row[f"coordinator/{name}/cpu_s"] <= row[f"time/route_{name}"]
+        assert row[f"coordinator/{name}/bytes"] > 0

@@ -10,8 +10,9 @@ import pytest
 
 pytestmark = pytest.mark.distributed
 
-#: Wall-clock measurements differ between any two runs; everything else must not.
-TIMING_PREFIXES = ("time/", "throughput/", "weight_sync/")
+#: Wall-clock and CPU-time measurements differ between any two runs; everything else must
+#: not.
+TIMING_PREFIXES = ("time/", "throughput/", "weight_sync/", "coordinator/")
 
 
 def _comparable(line: dict) -> dict:
