@@ -81,11 +81,7 @@ def make_step_batch(groups: int, group_size: int, mean_tokens: int, seed: int) -
     return batch
 
 
-def _worker(rank: int, world: int, port: int, args: dict[str, Any], out: Any,
-            environ: dict[str, str | None]) -> None:
-    from peerflow.launch.warm import apply_environment_changes
-
-    apply_environment_changes(environ)
+def _worker(rank: int, world: int, port: int, args: dict[str, Any], out: Any) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     import torch
     import torch.distributed as dist
@@ -184,13 +180,11 @@ def _measure(world: int, args: dict[str, Any]) -> dict[str, Any]:
     (`peerflow.launch.warm`): a spawned process would import torch again.
     """
     from peerflow.distributed.init import free_port
-    from peerflow.launch.warm import environment_changes, warm_context
+    from peerflow.launch.warm import warm_context, warm_process
 
-    ctx = warm_context()
-    out = ctx.Queue()
+    out = warm_context().Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, args, out, environment_changes()))
-             for r in range(world)]
+    procs = [warm_process(_worker, (r, world, port, args, out)) for r in range(world)]
     for p in procs:
         p.start()
     try:

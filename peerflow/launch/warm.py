@@ -20,6 +20,8 @@ from __future__ import annotations
 import multiprocessing
 import multiprocessing.forkserver
 import os
+from collections.abc import Callable
+from typing import Any
 
 #: The module whose import warms the fork server (`peerflow.launch.preload`).
 PRELOAD = "peerflow.launch.preload"
@@ -76,3 +78,21 @@ def apply_environment_changes(changes: dict[str, str | None]) -> None:
             os.environ.pop(name, None)
         else:
             os.environ[name] = value
+
+
+def warm_process(target: Callable[..., Any], args: tuple = (), **kwargs: Any) -> Any:
+    """A process (not started) that runs `target(*args)`, forked from the warm fork server.
+
+    It starts with `PRELOAD` imported and this process's environment as it is now
+    (`environment_changes`, applied before `target`). Like any fork-server child it ends
+    with `os._exit`, without the interpreter's shutdown. Make its queues with
+    `warm_context().Queue()`.
+    """
+    return warm_context().Process(target=_in_environment,
+                                  args=(environment_changes(), target, args), **kwargs)
+
+
+def _in_environment(changes: dict[str, str | None], target: Callable[..., Any],
+                    args: tuple) -> None:
+    apply_environment_changes(changes)
+    target(*args)

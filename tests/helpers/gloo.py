@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from peerflow.distributed.init import free_port
-from peerflow.launch.warm import apply_environment_changes, environment_changes, warm_context
+from peerflow.launch.warm import warm_context, warm_process
 
 
 def init_gloo(rank: int, world: int, port: int, timeout_s: float | None = None) -> None:
@@ -31,24 +31,6 @@ def init_gloo(rank: int, world: int, port: int, timeout_s: float | None = None) 
     extra = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, **extra)
-
-
-def warm_process(target: Callable[..., Any], args: tuple = (), **kwargs: Any) -> Any:
-    """A process (not started) that runs `target(*args)`, forked from the warm fork server.
-
-    It starts with torch imported (`peerflow.launch.warm`) and this process's environment
-    as it is now. Like any fork-server child it ends with `os._exit`, without the
-    interpreter's shutdown: a test of what happens at shutdown must spawn its process.
-    Make its queues with `warm_context().Queue()`.
-    """
-    return warm_context().Process(target=_in_environment,
-                                  args=(environment_changes(), target, args), **kwargs)
-
-
-def _in_environment(environ: dict[str, str | None], target: Callable[..., Any],
-                    args: tuple) -> None:
-    apply_environment_changes(environ)
-    target(*args)
 
 
 def run_gloo(body: Callable[[int, int], Any], world: int, *, timeout_s: float = 240) -> dict:
