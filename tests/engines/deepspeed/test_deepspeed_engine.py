@@ -10,12 +10,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
-from tests.engines.deepspeed.trainlib import (  # noqa: E402
-    build_model,
-    full_batch,
-    reference,
-    run_workers,
-)
+from tests.engines.deepspeed.trainlib import build_model, full_batch, reference  # noqa: E402
+from tests.helpers.gloo import run_script  # noqa: E402
 
 pytest.importorskip("deepspeed")
 WORKER = Path(__file__).with_name("ds_worker.py")
@@ -30,7 +26,7 @@ def tiny(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def ranks(tiny, tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("ds-run")
-    run_workers(WORKER, tiny, str(out))
+    run_script(WORKER, tiny, str(out))
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 

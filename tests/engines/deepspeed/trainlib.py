@@ -12,8 +12,6 @@ from pathlib import Path
 
 import torch
 
-from tests.helpers.gloo import run_script
-
 #: Adam with eps=1e-3 makes the post-step comparison about gradients, not about the
 #: float noise of near-zero gradients (see tests/engines/fsdp).
 OPTIM = {"lr": 0.01, "eps": 1e-3, "grad_clip": 0.0, "micro_batch_tokens": 24}
@@ -134,11 +132,6 @@ def reference(model_path: str) -> dict:
         del state["lm_head.weight"]
     return {"logprobs": logprobs.values.detach(), "grad_norm": float(norm), "state": state,
             "loss": float(loss.detach()), "entropy": float(entropy.detach())}
-
-
-def run_workers(script: Path, *args: str, nprocs: int = 2, timeout: float = 420) -> None:
-    """Runs `script ARGS` on `nprocs` gloo ranks (`tests.helpers.gloo.run_script`)."""
-    run_script(script, *args, nprocs=nprocs, timeout=timeout)
 
 
 def optim_settings():

@@ -16,7 +16,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
-from tests.engines.deepspeed.trainlib import build_model, dumps, reference, run_workers  # noqa: E402
+from tests.engines.deepspeed.trainlib import build_model, dumps, reference  # noqa: E402
+from tests.helpers.gloo import run_script  # noqa: E402
 
 pytest.importorskip("megatron.core")
 WORKER = Path(__file__).with_name("mg_worker.py")
@@ -49,7 +50,7 @@ def refs(models) -> dict[str, dict]:
 def ranks(models, tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("mg-run")
     cases = [[name, fam, models[fam], tp, pp] for name, fam, tp, pp in CASES]
-    run_workers(WORKER, str(out), dumps(cases), timeout=540)
+    run_script(WORKER, str(out), dumps(cases), timeout=540)
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 
