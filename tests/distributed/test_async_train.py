@@ -229,9 +229,11 @@ def test_one_rollout_rank_feeds_two_trainer_ranks_that_share_prompts(tmp_path):
 
 
 def test_in_sync_mode_a_route_between_roles_weighs_what_the_trainers_run(tmp_path):
-    """The route from the rollout rank to the two trainer ranks weighs groups by what the
-    trainers run (the prompt once), which the rollout rank, hosting no trainer engine,
-    learns at start-up; over gloo, where it plans the route as well."""
+    """A split sync run whose route from the rollout rank (hosting no trainer engine) to
+    the two trainer ranks counts each prompt once, as the trainers run it, over gloo where
+    the rollout rank plans the route too; the route reports its own CPU and bytes beside
+    its wall. A smoke test: with one producer a plan that differs between ranks still
+    runs, so the decision itself is checked in tests/unit/test_shared_prompt_balance.py."""
     ragged = ["task.options.min_digits=1", "task.options.digits=9",  # prompts 2–10 tokens
               "runtime.coordinator_transport=gloo"]  # where the producer plans too
     assert run_workers([*ONE_ROLLOUT_TWO_TRAINERS, *ragged], tmp_path / "run",
