@@ -11,6 +11,13 @@ columns of three kinds:
 
 Fields the runtime does not know travel untouched: nothing in PeerFlow keeps a fixed
 schema that could silently drop a column.
+
+Every tensor of a batch (ids, values, offsets) lives on one device, `Batch.device`; a
+tensor on another device is an error naming its field. Batches live on the host: the
+worker, coordinator, streaming and estimators only see host batches, and `to_wire`
+refuses anything else. The training toolkit alone moves a micro-batch to its engine's
+device, whole (`Batch.to`), and brings results back (docs/architecture.md, "Where
+tensors live").
 """
 
 from __future__ import annotations
@@ -28,11 +35,23 @@ import torch
 LOSS_MASK = "loss_mask"
 
 
-def _offsets_from_lengths(lengths: Sequence[int] | torch.Tensor) -> torch.Tensor:
+def offsets_from_lengths(lengths: Sequence[int] | torch.Tensor) -> torch.Tensor:
+    """`[0, l0, l0 + l1, …]` (int64, `[len(lengths) + 1]`) on the lengths' device.
+
+    The one offsets helper: every ragged layout in PeerFlow takes its offsets from here.
+    """
     lengths = torch.as_tensor(lengths, dtype=torch.int64)
-    offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
-    torch.cumsum(lengths, 0, out=offsets[1:])
-    return offsets
+    return torch.nn.functional.pad(torch.cumsum(lengths, 0), (1, 0))
+
+
+def _device_error(name: str, tensor: torch.Tensor, device: torch.device) -> ValueError:
+    return ValueError(
+        f"Batch field {name!r} is on {tensor.device} but the batch lives on {device}: every "
+        "tensor of a batch lives on one device, and batches live on the host (docs/"
+        "architecture.md, 'Where tensors live'). Bring engine results back to the host "
+        "where they leave the engine; only the training toolkit moves a whole micro-batch "
+        "to its device (Batch.to)."
+    )
 
 
 @attrs.frozen(kw_only=True)
@@ -40,7 +59,26 @@ class RaggedField:
     """A packed ragged column: sample `i` is `values[offsets[i]:offsets[i+1]]`."""
 
     values: torch.Tensor  # [total_len, *trailing]
-    offsets: torch.Tensor  # [num_samples + 1], int64
+    offsets: torch.Tensor  # [num_samples + 1], int64, on the values' device
+
+    def __attrs_post_init__(self) -> None:
+        if self.offsets.device != self.values.device:
+            raise ValueError(
+                f"RaggedField: values on {self.values.device} and offsets on "
+                f"{self.offsets.device}; a ragged field lives on one device (build offsets "
+                "with peerflow.batch.offsets_from_lengths from lengths on that device).")
+
+    @property
+    def device(self) -> torch.device:
+        """Where the field's values and offsets live."""
+        return self.values.device
+
+    def to(self, device: torch.device | str) -> RaggedField:
+        """The field with its values and offsets on `device` (itself when already there)."""
+        device = torch.device(device)
+        if self.values.device == device:
+            return self
+        return RaggedField(values=self.values.to(device), offsets=self.offsets.to(device))
 
     @classmethod
     def from_tensors(cls, tensors: Sequence[torch.Tensor], dtype: torch.dtype | None = None):
@@ -49,16 +87,15 @@ class RaggedField:
         if not tensors:
             return cls(values=torch.empty(0, dtype=dtype or torch.float32),
                        offsets=torch.zeros(1, dtype=torch.int64))
-        return cls(
-            values=torch.cat([t.reshape(len(t), *t.shape[1:]) for t in tensors]),
-            offsets=_offsets_from_lengths([len(t) for t in tensors]),
-        )
+        values = torch.cat([t.reshape(len(t), *t.shape[1:]) for t in tensors])
+        lengths = torch.tensor([len(t) for t in tensors], dtype=torch.int64, device=values.device)
+        return cls(values=values, offsets=offsets_from_lengths(lengths))
 
     @classmethod
     def from_lists(cls, rows: Sequence[Sequence[float]], dtype: torch.dtype) -> RaggedField:
         """Packs per-sample lists of numbers (one tensor built, no per-sample tensors)."""
         return cls(values=torch.tensor(list(itertools.chain.from_iterable(rows)), dtype=dtype),
-                   offsets=_offsets_from_lengths([len(row) for row in rows]))
+                   offsets=offsets_from_lengths([len(row) for row in rows]))
 
     @property
     def lengths(self) -> torch.Tensor:  # [num_samples]
@@ -78,7 +115,8 @@ class RaggedField:
 
     def select(self, indices: Sequence[int] | torch.Tensor) -> RaggedField:
         """Returns the samples at `indices`, in that order (one gather, no per-sample loop)."""
-        offsets, gather = self.gather_index(torch.as_tensor(indices, dtype=torch.int64))
+        index = torch.as_tensor(indices, dtype=torch.int64, device=self.device)
+        offsets, gather = self.gather_index(index)
         # index_select: cheaper than values[gather]
         return RaggedField(values=self.values.index_select(0, gather), offsets=offsets)
 
@@ -88,13 +126,13 @@ class RaggedField:
         Fields with equal offsets share the result (`Batch.gather` computes it once).
         """
         lengths = self.lengths.index_select(0, index)
-        offsets = _offsets_from_lengths(lengths)
+        offsets = offsets_from_lengths(lengths)
         total = int(offsets[-1])
         # Element j of the result comes from values[starts[s] + (j - offsets[s])] for the
         # selected sample s that j falls in.
         shift = torch.repeat_interleave(self.offsets.index_select(0, index) - offsets[:-1],
                                         lengths, output_size=total)
-        return offsets, torch.arange(total, dtype=torch.int64).add_(shift)
+        return offsets, torch.arange(total, dtype=torch.int64, device=self.device).add_(shift)
 
 
 Column = RaggedField | torch.Tensor | list
@@ -136,7 +174,7 @@ class _RaggedGather:
         indexed = [None if i is None else c.gather_index(i) for c, i in columns]
         lengths = [c.lengths if g is None else g[0].diff() for (c, _), g in zip(columns, indexed)]
         gathers = [None if g is None else g[1] for g in indexed]
-        plan = (_offsets_from_lengths(torch.cat(lengths)), gathers)
+        plan = (offsets_from_lengths(torch.cat(lengths)), gathers)
         self._known.append((offsets, plan))
         return plan
 
@@ -166,8 +204,16 @@ class Batch:
                 f"Batch ids disagree: {n} sample_id, {len(self.group_id)} group_id, "
                 f"{len(self.weight_version)} weight_version."
             )
+        for name in ("group_id", "weight_version"):
+            if getattr(self, name).device != self.device:
+                raise _device_error(name, getattr(self, name), self.device)
         for name, column in self.fields.items():
             self._check_column(name, column)
+
+    @property
+    def device(self) -> torch.device:
+        """Where every tensor of the batch lives (the host, but inside the training toolkit)."""
+        return self.sample_id.device
 
     def _check_column(self, name: str, column: Column) -> None:
         if not isinstance(column, RaggedField | torch.Tensor | list):
@@ -175,10 +221,27 @@ class Batch:
                 f"Batch field {name!r} is a {type(column).__name__}; use a RaggedField, a "
                 "tensor with one row per sample, or a list with one object per sample."
             )
+        tensor = column.values if isinstance(column, RaggedField) else column
+        if isinstance(tensor, torch.Tensor) and tensor.device != self.device:
+            raise _device_error(name, tensor, self.device)
         if len(column) != len(self):
             raise ValueError(
                 f"Batch field {name!r} has {len(column)} samples but the batch has {len(self)}."
             )
+
+    def to(self, device: torch.device | str) -> Batch:
+        """The batch with every tensor (ids, values, offsets) on `device`.
+
+        The training toolkit's crossing (`CausalLMTrainEngine.build_micro_batch`); the
+        batch itself when it is already there.
+        """
+        device = torch.device(device)
+        if device == self.device:
+            return self
+        fields = {name: column.to(device) if isinstance(column, RaggedField | torch.Tensor)
+                  else column for name, column in self.fields.items()}
+        return Batch(sample_id=self.sample_id.to(device), group_id=self.group_id.to(device),
+                     weight_version=self.weight_version.to(device), fields=fields)
 
     @classmethod
     def empty(cls) -> Batch:
@@ -261,9 +324,9 @@ class Batch:
         mask = self.loss_mask()
         if mask is None:
             return lengths
-        sample = torch.repeat_interleave(torch.arange(len(lengths), device=lengths.device), lengths)
-        counts = torch.zeros(len(lengths), dtype=torch.int64, device=lengths.device)
-        return counts.index_add(0, sample, mask.long().to(lengths.device))
+        sample = torch.repeat_interleave(torch.arange(len(lengths), device=self.device), lengths)
+        counts = torch.zeros(len(lengths), dtype=torch.int64, device=self.device)
+        return counts.index_add(0, sample, mask.long())
 
     def to_padded(
         self, name: str, pad_value: float | int = 0, length: int | None = None
@@ -282,7 +345,7 @@ class Batch:
         lengths = field.lengths
         length = int(lengths.max()) if length is None and len(lengths) else (length or 0)
         padded = field.values.new_full((len(self), length, *field.values.shape[1:]), pad_value)
-        mask = torch.arange(length)[None, :] < lengths[:, None]
+        mask = torch.arange(length, device=self.device)[None, :] < lengths[:, None]
         padded[mask] = field.values
         return padded, mask
 
@@ -309,11 +372,15 @@ class Batch:
         Raises:
             ValueError: The batches have different fields (naming the difference).
         """
-        rows = [(b, None if i is None else torch.as_tensor(i, dtype=torch.int64))
+        rows = [(b, None if i is None else torch.as_tensor(i, dtype=torch.int64, device=b.device))
                 for b, i in parts]
         rows = [(b, i) for b, i in rows if (len(b) if i is None else len(i))] or rows[:1]
         if not rows:
             return cls.empty()
+        devices = {b.device for b, _ in rows}
+        if len(devices) > 1:
+            raise ValueError(f"cannot gather batches that live on {sorted(map(str, devices))}; "
+                             "batches live on the host (docs/architecture.md).")
         names = list(rows[0][0].fields)
         for b, _ in rows[1:]:
             if set(b.fields) != set(names):
@@ -339,7 +406,7 @@ class Batch:
 
     def token_count(self, names: Sequence[str] = ("prompt_ids", "response_ids")) -> torch.Tensor:
         """Per-sample token load: the summed lengths of the named ragged fields present."""
-        total = torch.zeros(len(self), dtype=torch.int64)
+        total = torch.zeros(len(self), dtype=torch.int64, device=self.device)
         for name in names:
             if isinstance(self.fields.get(name), RaggedField):
                 total += self.fields[name].lengths
@@ -350,7 +417,14 @@ class Batch:
 
         Python-object fields travel inside the metadata (it is pickled by the transport).
         `Batch.from_wire(*batch.to_wire())` reproduces the batch exactly.
+
+        Raises:
+            ValueError: the batch is not on the host (batches cross processes from there).
         """
+        if self.device.type != "cpu":
+            raise ValueError(
+                f"Batch.to_wire: the batch lives on {self.device}; batches travel between "
+                "processes from the host (docs/architecture.md, 'Where tensors live').")
         tensors = [self.sample_id, self.group_id, self.weight_version]
         layout: list[tuple[str, str]] = []
         objects: dict[str, list] = {}

@@ -206,7 +206,7 @@ def _token_rewards(batch: Batch, reward: torch.Tensor, lengths: torch.Tensor) ->
             )
         rewards = on_trained_tokens(rewards, mask).clone()
     else:
-        rewards = torch.zeros(int(lengths.sum()), dtype=torch.float64)
+        rewards = torch.zeros(int(lengths.sum()), dtype=torch.float64, device=lengths.device)
     ends = torch.cumsum(lengths, 0) - 1
     has_tokens = lengths > 0
     rewards[ends[has_tokens]] += reward[has_tokens]
@@ -218,7 +218,7 @@ def _discounted_returns(
 ) -> torch.Tensor:  # [total_tokens]
     padded, mask = pad(rewards, lengths)
     returns = torch.zeros_like(padded)
-    running = torch.zeros(len(lengths), dtype=padded.dtype)
+    running = padded.new_zeros(len(lengths))
     for t in range(padded.shape[1] - 1, -1, -1):
         running = padded[:, t] + gamma * running
         returns[:, t] = running

@@ -66,7 +66,7 @@ class GAE(AdvantageEstimator):
         v, _ = pad(values, lengths)
         gamma, lam = self.options.gamma, self.options.lam
         advantages = torch.zeros_like(r)
-        running = torch.zeros(len(lengths), dtype=r.dtype)
+        running = r.new_zeros(len(lengths))
         for t in range(r.shape[1] - 1, -1, -1):
             next_value = v[:, t + 1] * valid[:, t + 1] if t + 1 < r.shape[1] else 0.0
             delta = r[:, t] + gamma * next_value - v[:, t]

@@ -47,7 +47,7 @@ def _non_negative(_: object, attribute: attrs.Attribute, value: float) -> None:
 def old_logprobs(batch: Batch, logprobs: torch.Tensor) -> torch.Tensor:  # [total_tokens]
     """The ratio's denominator: `old_logprobs`, else the current log-probs detached."""
     if "old_logprobs" in batch:
-        return token_values(batch, "old_logprobs").detach().to(logprobs)
+        return token_values(batch, "old_logprobs").detach().to(logprobs.dtype)
     return logprobs.detach()
 
 
@@ -59,7 +59,7 @@ def batch_is_weights(batch: Batch, like: torch.Tensor) -> torch.Tensor | None:
     """
     if "is_weights" not in batch:
         return None
-    return token_values(batch, "is_weights").detach().to(like)
+    return token_values(batch, "is_weights").detach().to(like.dtype)
 
 
 @attrs.frozen(kw_only=True)
@@ -117,7 +117,7 @@ class PPOClip(PolicyLoss):
         current = logprobs.values
         lengths = logprobs.lengths
         old = old_logprobs(batch, current)
-        advantages = token_values(batch, "advantages").detach().to(current)
+        advantages = token_values(batch, "advantages").detach().to(current.dtype)
         mask = batch.loss_mask()
         ratio = self.ratios(current, old, lengths, mask)
         opts = self.options
@@ -179,7 +179,7 @@ class GSPO(PPOClip):
         """Sequence-level ratios (over trained tokens) broadcast to tokens, per-token grads."""
         seq_log_ratio = segment_mean(logprobs - old, lengths, mask).detach()
         per_token_log = (
-            torch.repeat_interleave(seq_log_ratio, lengths.to(logprobs.device))
+            torch.repeat_interleave(seq_log_ratio, lengths)
             + logprobs - logprobs.detach()
         )
         return per_token_log.clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT).exp()

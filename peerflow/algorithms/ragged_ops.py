@@ -3,13 +3,17 @@
 A ragged field stores every sample's tokens back to back (`values`, `[total_tokens]`)
 with per-sample `lengths` (`[num_samples]`); these helpers do per-sample reductions and
 broadcasts on that flat layout without padding.
+
+Device: every helper computes where its arguments live and creates what it needs there;
+its tensor arguments share one device (all of one `Batch` do, by its invariant): host
+for the estimators, the engine's device inside a loss.
 """
 
 from __future__ import annotations
 
 import torch
 
-from peerflow.batch import Batch, RaggedField
+from peerflow.batch import Batch, RaggedField, offsets_from_lengths
 
 #: Log-ratios are clamped to ±this before `exp` (ratios, importance weights, k3), so one
 #: wild token cannot overflow; verl clamps at the same bound.
@@ -24,14 +28,14 @@ def segment_ids(lengths: torch.Tensor) -> torch.Tensor:  # [total_tokens]
 def segment_sum(values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:  # [num_samples]
     """Sums each sample's tokens (differentiable)."""
     out = values.new_zeros(len(lengths))
-    return out.index_add(0, segment_ids(lengths).to(values.device), values)
+    return out.index_add(0, segment_ids(lengths), values)
 
 
 def segment_mean(values: torch.Tensor, lengths: torch.Tensor,
                  mask: torch.Tensor | None = None) -> torch.Tensor:  # [num_samples]
     """Averages each sample's tokens (only those where `mask` is true); empty samples give 0."""
-    counts = lengths if mask is None else segment_sum(mask.to(values.device).long(), lengths)
-    return segment_sum(masked(values, mask), lengths) / counts.clamp(min=1).to(values)
+    counts = lengths if mask is None else segment_sum(mask.long(), lengths)
+    return segment_sum(masked(values, mask), lengths) / counts.clamp(min=1).to(values.dtype)
 
 
 def masked(values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -42,7 +46,7 @@ def masked(values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """
     if mask is None:
         return values
-    return torch.where(mask.to(values.device), values, torch.zeros_like(values))
+    return torch.where(mask, values, torch.zeros_like(values))
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor | None) -> float:
@@ -54,7 +58,7 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor | None) -> float:
 
 def per_token(per_sample: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:  # [total_tokens]
     """Broadcasts one value per sample to every token of that sample."""
-    return torch.repeat_interleave(per_sample, lengths.to(per_sample.device))
+    return torch.repeat_interleave(per_sample, lengths)
 
 
 def response_lengths(batch: Batch) -> torch.Tensor:  # [num_samples]
@@ -64,9 +68,7 @@ def response_lengths(batch: Batch) -> torch.Tensor:  # [num_samples]
 
 def ragged_like(values: torch.Tensor, lengths: torch.Tensor) -> RaggedField:
     """Wraps flat per-token `values` as a ragged field with the given `lengths`."""
-    offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
-    torch.cumsum(lengths.to(torch.int64), 0, out=offsets[1:])
-    return RaggedField(values=values, offsets=offsets)
+    return RaggedField(values=values, offsets=offsets_from_lengths(lengths))
 
 
 def token_values(batch: Batch, name: str) -> torch.Tensor:  # [total_tokens]
@@ -111,7 +113,7 @@ def group_stats(
     """
     index, num_groups = group_index(group_id)
     values = values.to(torch.float64)
-    zeros = torch.zeros(num_groups, dtype=torch.float64)
+    zeros = torch.zeros(num_groups, dtype=torch.float64, device=values.device)
     count = zeros.index_add(0, index, torch.ones_like(values))
     mean = zeros.index_add(0, index, values) / count
     sq = zeros.index_add(0, index, (values - mean[index]) ** 2)
@@ -128,11 +130,8 @@ def whiten(values: torch.Tensor, process_group: object = None, eps: float = 1e-8
     ranks of the group hold each shard (tensor/pipeline peers), so the sums are divided
     by it. Estimators whiten the values of trained tokens only (`on_trained_tokens`).
     """
-    stats = torch.stack([
-        torch.tensor(float(values.numel()), dtype=torch.float64),
-        values.detach().to(torch.float64).sum(),
-        (values.detach().to(torch.float64) ** 2).sum(),
-    ])
+    flat = values.detach().to(torch.float64)
+    stats = torch.stack([flat.new_tensor(float(flat.numel())), flat.sum(), (flat**2).sum()])
     if process_group is not None:
         import torch.distributed as dist
 
@@ -148,7 +147,7 @@ def whiten(values: torch.Tensor, process_group: object = None, eps: float = 1e-8
 
 def on_trained_tokens(values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """The values of the trained tokens only (`mask` true), samples still back to back."""
-    return values if mask is None else values[mask.to(values.device)]
+    return values if mask is None else values[mask]
 
 
 def to_response_tokens(values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -156,7 +155,7 @@ def to_response_tokens(values: torch.Tensor, mask: torch.Tensor | None) -> torch
     if mask is None:
         return values
     full = values.new_zeros(len(mask))
-    full[mask.to(values.device)] = values
+    full[mask] = values
     return full
 
 
@@ -167,7 +166,7 @@ def pad(values: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torc
         `(padded, mask)`; `padded[mask]` gives `values` back.
     """
     width = int(lengths.max()) if len(lengths) else 0
-    mask = torch.arange(width)[None, :] < lengths[:, None]
+    mask = torch.arange(width, device=lengths.device)[None, :] < lengths[:, None]
     padded = values.new_zeros((len(lengths), width))
     padded[mask] = values
     return padded, mask

@@ -81,7 +81,7 @@ class RegularizedLoss:
             logprobs, batch, global_tokens=global_tokens, global_samples=global_samples
         )
         if self.kl_coef > 0:
-            ref = token_values(batch, "ref_logprobs").detach().to(logprobs.values)
+            ref = token_values(batch, "ref_logprobs").detach().to(logprobs.values.dtype)
             kl = kl_estimate(logprobs.values, ref, self.kl_estimator)
             loss = loss + self.kl_coef * self._aggregate(kl, logprobs, batch, global_tokens,
                                                          global_samples)
@@ -93,7 +93,7 @@ class RegularizedLoss:
                     "set; use a train engine built on peerflow.training, or set "
                     "algorithm.entropy_coef: 0."
                 )
-            entropy = token_values(batch, "entropy").to(logprobs.values)
+            entropy = token_values(batch, "entropy").to(logprobs.values.dtype)
             loss = loss - self.entropy_coef * self._aggregate(entropy, logprobs, batch,
                                                               global_tokens, global_samples)
         return loss, metrics

@@ -47,8 +47,8 @@ class ClippedValueLoss:
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """Returns `(loss, metrics)` for one micro-batch; `logprobs` holds the values."""
         values = logprobs.values
-        old = token_values(batch, "values").detach().to(values)
-        returns = token_values(batch, "returns").detach().to(values)
+        old = token_values(batch, "values").detach().to(values.dtype)
+        returns = token_values(batch, "returns").detach().to(values.dtype)
         unclipped = (values - returns) ** 2
         clip = self.options.clip
         if clip > 0:

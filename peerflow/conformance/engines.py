@@ -15,18 +15,35 @@ from peerflow.layout import ParallelLayout
 
 
 def world_group() -> Any:
-    """Returns the default process group, starting a one-process gloo group if needed."""
+    """Returns the default process group, starting a one-process group if needed.
+
+    The group has the device contract's backends (`peerflow.distributed.devices`): gloo
+    for host tensors, the accelerator's backend for device tensors.
+    """
     import torch.distributed as dist
+
+    from peerflow.distributed.devices import group_backend, rank_device
 
     if not dist.is_initialized():
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         store = os.path.join(tempfile.mkdtemp(prefix="peerflow-conformance-"), "store")
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+        dist.init_process_group(group_backend(rank_device()), init_method=f"file://{store}",
+                                rank=0, world_size=1)
     return dist.group.WORLD
 
 
-def build_engine(profile: AdapterProfile, model_dir: str, *, device: str = "cpu") -> Any:
-    """Builds a one-rank engine of `profile` on `model_dir` (the adapter's hook wins)."""
+def build_engine(profile: AdapterProfile, model_dir: str, *, device: str | None = None) -> Any:
+    """Builds a one-rank engine of `profile` on `model_dir` (the adapter's hook wins).
+
+    Args:
+        profile: The adapter under test.
+        model_dir: The tiny checkpoint.
+        device: Where the engine computes; this rank's accelerator when there is one
+            (`peerflow.distributed.devices.rank_device`), else the CPU.
+    """
+    from peerflow.distributed.devices import rank_device
+
+    device = str(rank_device()) if device is None else device
     hook = profile.hook("conformance_engine")
     if hook is not None:
         return hook(model_dir, device=device)

@@ -59,7 +59,7 @@ class EngineLayerBase(SuiteBase):
 
     @pytest.fixture
     def engine(self, profile, engine_model, model_dir, request):
-        """A one-rank engine of the adapter on the tiny checkpoint (CPU)."""
+        """A one-rank engine of the adapter on the tiny checkpoint, on this rank's device."""
         check_family(profile, engine_model)
         if profile.cls.capabilities.gpu_only and not torch.cuda.is_available():
             request.node.user_properties.append(("capability", "gpu_only"))

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import datetime
 from typing import Any
 
 import attrs
 import torch.distributed as dist
+
+from peerflow.distributed.groups import new_group
 
 
 @attrs.define(eq=False)
@@ -29,8 +30,7 @@ class RouteGroups:
             ranks = route.participants
             if len(ranks) == world or ranks in out.groups:
                 continue
-            kwargs = {"timeout": datetime.timedelta(seconds=timeout)} if timeout else {}
-            out.groups[ranks] = dist.new_group(list(ranks), **kwargs)
+            out.groups[ranks] = new_group(ranks, timeout=timeout or None)
         return out
 
     def get(self, route: Any) -> Any:

@@ -4,9 +4,11 @@ Call sequence on every rank (the launcher's entry does 1–2 before `run_worker`
 
 1. `ctx = init_distributed(backend="auto", timeout=fault_timeout)` — reads the
    `torchrun`-style environment (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`,
-   `MASTER_PORT`), picks gloo on CPU and NCCL on GPU, sets the process group's timeout
-   (the timeout of every collective), and starts the `FaultMonitor`. Idempotent: a second
-   call returns the same context.
+   `MASTER_PORT`), makes this rank's device current and starts the default group with
+   the contract's backends (`peerflow.distributed.devices.group_backend`: host tensors
+   over gloo, device tensors over NCCL), sets the process group's timeout (the timeout
+   of every collective), and starts the `FaultMonitor`. Idempotent: a second call
+   returns the same context.
 2. wrap work in `with stage("generate"): …` so failures name the stage;
 3. `shutdown_distributed()` at the end (marks the rank done, destroys the group).
 """
@@ -22,6 +24,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
+from peerflow.distributed import devices
 from peerflow.distributed.faults import FaultMonitor, current_monitor, set_monitor
 from peerflow.distributed.round_store import generation_stores
 from peerflow.errors import ConfigError
@@ -48,7 +51,9 @@ class DistContext:
     local_rank: int
     """Rank on this host (selects the GPU)."""
     backend: str
-    """`gloo` or `nccl`."""
+    """The default group's backends: `gloo` on the host, `cpu:gloo,cuda:nccl` on a GPU."""
+    device: torch.device
+    """Where this rank's engines compute (`devices.rank_device`)."""
     host: str
     """This host's name."""
     timeout: float
@@ -57,11 +62,6 @@ class DistContext:
     """The store the fault monitor uses."""
     monitor: FaultMonitor | None
     """This rank's fault monitor (`None` when started with `monitor=False`)."""
-
-    @property
-    def device(self) -> torch.device:
-        """`cuda:<local_rank>` with NCCL, else CPU."""
-        return torch.device(f"cuda:{self.local_rank}" if self.backend == "nccl" else "cpu")
 
 
 _CONTEXT: DistContext | None = None
@@ -111,7 +111,9 @@ def init_distributed(
     """Initialises the default process group and the fault monitor (idempotent).
 
     Args:
-        backend: `auto` (NCCL when CUDA is available, else gloo), `gloo` or `nccl`.
+        backend: `auto` (this rank's accelerator when there is one, with the contract's
+            backends; else the host over gloo) or `gloo` (the host only, even beside an
+            accelerator).
         timeout: Seconds before a dead peer or a lost store fails the run (the run's
             `runtime.fault_timeout`): the fault monitor's and the store's bound.
         rank: Global rank; defaults to `$RANK`.
@@ -130,17 +132,16 @@ def init_distributed(
     global _CONTEXT
     if _CONTEXT is not None and dist.is_initialized():
         return _CONTEXT
-    if backend == "auto":
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend not in ("gloo", "nccl"):
-        raise ConfigError(f"init_distributed: backend={backend!r}; use auto, gloo or nccl.")
+    if backend not in ("auto", "gloo"):
+        raise ConfigError(f"init_distributed: backend={backend!r}; use auto or gloo.")
     rank = _env_int("RANK") if rank is None else rank
     world_size = _env_int("WORLD_SIZE") if world_size is None else world_size
     local_rank = _env_int("LOCAL_RANK", 0)
     if os.environ.get("MASTER_ADDR", "127.0.0.1") in ("127.0.0.1", "localhost"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one machine: stay on loopback
-    if backend == "nccl":
-        torch.cuda.set_device(local_rank)
+    device = devices.HOST if backend == "gloo" else devices.rank_device(local_rank)
+    devices.use_device(device)
+    backend = devices.group_backend(device)
     generation = None  # under torchrun: stores of this worker generation (round_store)
     if init_method is None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         generation = generation_stores(rank, timeout)
@@ -167,7 +168,7 @@ def init_distributed(
         fault_monitor.install_sigterm_handler()
         set_monitor(fault_monitor)
     _CONTEXT = DistContext(rank=rank, world_size=world_size, local_rank=local_rank,
-                           backend=backend, host=socket.gethostname(),
+                           backend=backend, device=device, host=socket.gethostname(),
                            timeout=wait_timeout or timeout,
                            store=store, monitor=fault_monitor)
     return _CONTEXT

@@ -2,20 +2,19 @@
 
 `CausalLMTrainEngine` implements the `TrainEngine` contract once — mini-batches ×
 token-balanced micro-batches, global token counts, log-probs and entropy at the sampling
-temperature, device moves, the step's metrics — over an adapter's forward, backward and
-optimiser step. The pieces are usable on their own.
+temperature, the one host/device crossing of a micro-batch and of its results, the
+step's metrics — over an adapter's forward, backward and optimiser step. The pieces are
+usable on their own.
 """
 
 from peerflow.training.collectives import (
     all_reduce_max,
     all_reduce_sum,
-    batch_to,
-    collective_device,
     global_counts,
 )
 from peerflow.training.dtypes import torch_dtype
 from peerflow.training.engine import CausalLMTrainEngine, MicroBatch, Objective
-from peerflow.training.inputs import PaddedInputs, assemble_rows, pad_inputs, pad_to_shape
+from peerflow.training.inputs import PaddedInputs, gather_results, pad_inputs, pad_to_shape
 from peerflow.training.logprobs import VocabShard, tempered, token_entropy, token_logprobs
 from peerflow.training.metrics import StepTally
 from peerflow.training.microbatch import (
@@ -36,11 +35,9 @@ __all__ = [
     "VocabShard",
     "all_reduce_max",
     "all_reduce_sum",
-    "assemble_rows",
-    "batch_to",
     "build_adamw",
-    "collective_device",
     "fixed_shape_micro_batches",
+    "gather_results",
     "global_counts",
     "pack_by_tokens",
     "pad_inputs",

@@ -14,9 +14,17 @@ A train adapter subclasses it and supplies only what its framework does differen
 
 Everything else is here, once: the PPO mini-batch split, token-balanced micro-batches
 with the same count on every dp-rank, global token and sample counts for the loss,
-device moves, log-probs and entropy at the sampling temperature (`EngineContext.
-temperature`), re-assembling per-sample outputs in batch order, and the step's metrics
-under the same names for every engine (`metrics.py`).
+log-probs and entropy at the sampling temperature (`EngineContext.temperature`),
+re-assembling per-sample outputs in batch order, and the step's metrics under the same
+names for every engine (`metrics.py`).
+
+Where tensors live (docs/architecture.md): the batch a `TrainEngine` method receives and
+everything it returns are on the host. The toolkit is the one place they cross:
+`build_micro_batch` moves each micro-batch to `self.device` whole — its model inputs,
+every field with its offsets, and its ids — so `forward_micro`, `score` and the
+`LossFunction` see device tensors only; `gather_results` brings the log-probs (or values)
+back in one copy, and the step's metrics leave as Python numbers. Reductions over the
+dp-group carry host numbers (over gloo).
 
 A framework whose schedule runs forward and backward itself (Megatron's pipeline
 schedules) overrides `run_micro_batches` (and `plan_micro_batches` for fixed shapes,
@@ -36,8 +44,8 @@ import torch
 
 from peerflow.batch import Batch, RaggedField
 from peerflow.engines.train import LossFunction, TrainEngine
-from peerflow.training.collectives import batch_to, collective_device, global_counts
-from peerflow.training.inputs import PaddedInputs, assemble_rows, pad_inputs
+from peerflow.training.collectives import global_counts
+from peerflow.training.inputs import PaddedInputs, gather_results, pad_inputs
 from peerflow.training.logprobs import VocabShard, token_entropy, token_logprobs
 from peerflow.training.metrics import StepTally
 from peerflow.training.microbatch import plan_micro_batches, split_mini_batches
@@ -58,9 +66,9 @@ class MicroBatch:
     """Positions of its samples in the batch being processed; empty for a filler pass
     that only keeps collectives in step with ranks that have more micro-batches."""
     batch: Batch
-    """Those samples."""
+    """Those samples, on the engine's device."""
     inputs: PaddedInputs | SharedPromptInputs
-    """Their model inputs (one filler row for a filler pass)."""
+    """Their model inputs (one filler row for a filler pass), on the engine's device."""
     last: bool
     """Whether it is the last micro-batch of its mini-batch (gradient-sync boundary)."""
 
@@ -72,8 +80,8 @@ Objective = Callable[[MicroBatch, torch.Tensor], torch.Tensor]
 class CausalLMTrainEngine(TrainEngine, abc.ABC):
     """A train engine for causal LMs whose contract methods are the toolkit's.
 
-    Subclasses set `self.device` and `self.dp_group` (the data-parallel group, `None` for
-    one rank) in `__init__`.
+    Subclasses set `self.device` (where the model computes: `EngineContext.device`) and
+    `self.dp_group` (the data-parallel group, `None` for one rank) in `__init__`.
     """
 
     device: torch.device
@@ -91,7 +99,10 @@ class CausalLMTrainEngine(TrainEngine, abc.ABC):
 
     @abc.abstractmethod
     def forward_micro(self, micro: MicroBatch) -> torch.Tensor:
-        """The model's output for `micro.inputs` (logits `[B, K, V]` or values `[B, L]`)."""
+        """The model's output for `micro.inputs` (logits `[B, K, V]` or values `[B, L]`).
+
+        `micro` is already on `self.device`; so must the output be.
+        """
 
     def backward_micro(self, loss: torch.Tensor, micro: MicroBatch) -> None:
         """Backward of one micro-batch's loss; plain autograd by default.
@@ -127,11 +138,6 @@ class CausalLMTrainEngine(TrainEngine, abc.ABC):
         """The sampling temperature log-probs are computed at (`EngineContext`)."""
         return self.context.temperature
 
-    @property
-    def reduce_device(self) -> torch.device:
-        """Where dp-group reductions run (the GPU under NCCL, else the CPU)."""
-        return collective_device(self.device)
-
     def plan_micro_batches(self, batch: Batch) -> list[MicroBatch]:
         """Token-balanced micro-batches, as many as on every dp-rank (collective).
 
@@ -145,19 +151,22 @@ class CausalLMTrainEngine(TrainEngine, abc.ABC):
         if self.shares_prompts and len(batch):
             units, lengths = shared_prompt_units(batch, self.optim.micro_batch_tokens)
             layout = shared_prompt_inputs
-        plan = plan_micro_batches(lengths, self.optim.micro_batch_tokens, self.dp_group,
-                                  self.reduce_device)
+        plan = plan_micro_batches(lengths, self.optim.micro_batch_tokens, self.dp_group)
         plan = [[i for unit in bin_ for i in units[unit]] for bin_ in plan]
         return [self.build_micro_batch(batch, indices, k == len(plan) - 1, layout)
                 for k, indices in enumerate(plan)]
 
-    @staticmethod
-    def build_micro_batch(batch: Batch, indices: list[int], last: bool,
+    def build_micro_batch(self, batch: Batch, indices: list[int], last: bool,
                           layout: Callable[[Batch], PaddedInputs | SharedPromptInputs],
                           ) -> MicroBatch:
-        """The micro-batch of `batch[indices]`, its inputs laid out by `layout`."""
+        """The micro-batch of `batch[indices]` on `self.device`: the toolkit's crossing.
+
+        The inputs are laid out by `layout` on the host, then the samples (ids, fields,
+        offsets) and the inputs move to the device together, once.
+        """
         part = batch.select(indices)
-        return MicroBatch(indices=indices, batch=part, inputs=layout(part), last=last)
+        return MicroBatch(indices=indices, batch=part.to(self.device),
+                          inputs=layout(part).to(self.device), last=last)
 
     def run_micro_batches(self, micros: Sequence[MicroBatch], objective: Objective) -> None:
         """Forward (and, with grad enabled, backward) of every micro-batch in order."""
@@ -189,7 +198,7 @@ class CausalLMTrainEngine(TrainEngine, abc.ABC):
                 f"{type(self).__name__}: an entropy term in the loss needs full-vocabulary "
                 "logits; with a vocab-parallel output layer entropy is a metric only."
             )
-        targets = micro.inputs.response_targets().to(output.device)
+        targets = micro.inputs.response_targets()
         logits = picked.values
         logprobs = token_logprobs(logits, targets, temperature=self.temperature, shard=shard)
         with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
@@ -199,17 +208,16 @@ class CausalLMTrainEngine(TrainEngine, abc.ABC):
 
     def _forward_no_grad(self, batch: Batch) -> RaggedField:
         self.set_training(False)
-        rows: dict[int, torch.Tensor] = {}
+        parts: list[tuple[list[int], RaggedField]] = []
 
         def collect(micro: MicroBatch, output: torch.Tensor) -> torch.Tensor:
             if micro.indices:
-                values, _ = self.score(output, micro)
-                rows.update(zip(micro.indices, values.rows(), strict=True))
+                parts.append((micro.indices, self.score(output, micro)[0]))
             return output.float().sum() * 0.0
 
         with torch.no_grad():
             self.run_micro_batches(self.plan_micro_batches(batch), collect)
-        result = assemble_rows(len(batch), rows) if self.is_last_stage else None
+        result = gather_results(len(batch), parts) if self.is_last_stage else None
         return self.share_from_last_stage(result)
 
     def forward_logprobs(self, batch: Batch) -> RaggedField:
@@ -247,7 +255,7 @@ class CausalLMTrainEngine(TrainEngine, abc.ABC):
         tally = StepTally()
         for indices in split_mini_batches(len(batch), self.optim.mini_batches):
             mini = batch.select(indices)
-            tokens, samples = global_counts(mini, self.dp_group, self.reduce_device)
+            tokens, samples = global_counts(mini, self.dp_group)
             if tokens == 0:  # every rank agrees (a global count): none steps
                 log.warning(
                     "%s.train_step: no trained token in the mini-batch on any dp-rank (every "
@@ -260,8 +268,8 @@ class CausalLMTrainEngine(TrainEngine, abc.ABC):
             self.run_micro_batches(self.plan_micro_batches(mini), objective)
             tally.add_optimizer_step(self.optimizer_step())
         self.version += 1
-        return tally.summary(group=self.dp_group, device=self.reduce_device,
-                             lr=self.current_lr(), share=self.share_from_last_stage)
+        return tally.summary(group=self.dp_group, lr=self.current_lr(),
+                             share=self.share_from_last_stage)
 
     def _objective(self, loss: LossFunction, tally: StepTally, tokens: int, samples: int,
                    micro: MicroBatch, output: torch.Tensor) -> torch.Tensor:
@@ -269,7 +277,7 @@ class CausalLMTrainEngine(TrainEngine, abc.ABC):
             return output.float().sum() * 0.0
         entropy_grad = bool(getattr(loss, "needs_entropy", False))
         values, entropy = self.score(output, micro, entropy_grad=entropy_grad)
-        part = batch_to(micro.batch, self.device)
+        part = micro.batch
         if entropy is not None:
             part.set("entropy", entropy)
         value, metrics = loss(values, part, global_tokens=tokens, global_samples=samples)

@@ -4,18 +4,30 @@ The log-prob (or value) of response token `j` of a sample is read at position
 `len(prompt) + j - 1`, the position that predicts it; `PaddedInputs.response_mask` marks
 those positions and `PaddedInputs.gather` packs per-position values there into a ragged
 field aligned with `response_ids`.
+
+Inputs are laid out on the host from a host micro-batch, then cross to the engine's
+device whole (`PaddedInputs.to`, called by the toolkit); `gather` runs where the model's
+output is, with the inputs already there.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TypeVar
+
 import attrs
 import torch
 
-from peerflow.batch import Batch, RaggedField
+from peerflow.batch import Batch, RaggedField, offsets_from_lengths
+
+_Inputs = TypeVar("_Inputs")
 
 
-def _offsets(lengths: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.pad(torch.cumsum(lengths, 0), (1, 0))
+def inputs_to(inputs: _Inputs, device: torch.device) -> _Inputs:
+    """`inputs` (an attrs class of a micro-batch's tensors) with every tensor on `device`."""
+    moved = {field.name: value.to(device) for field in attrs.fields(type(inputs))
+             if isinstance(value := getattr(inputs, field.name), torch.Tensor)}
+    return attrs.evolve(inputs, **moved)
 
 
 @attrs.frozen(kw_only=True)
@@ -37,7 +49,7 @@ class PaddedInputs:
 
     def response_mask(self) -> torch.Tensor:  # [B, L] bool
         """True at positions whose *prediction* is a response token."""
-        pos = torch.arange(self.input_ids.shape[1])[None, :]
+        pos = torch.arange(self.input_ids.shape[1], device=self.input_ids.device)[None, :]
         start = (self.prompt_lengths - 1)[:, None]
         return (pos >= start) & (pos < start + self.response_lengths[:, None])
 
@@ -58,6 +70,10 @@ class PaddedInputs:
         """The `[B, L]` padding mask (the model builds its causal mask from it; any dtype)."""
         return self.attention_mask
 
+    def to(self, device: torch.device) -> PaddedInputs:
+        """These inputs with every tensor on `device` (the toolkit's crossing)."""
+        return inputs_to(self, device)
+
     def response_targets(self) -> torch.Tensor:
         """The response tokens, sample after sample, aligned with `gather`'s values."""
         return self.gather(self.target_ids).values
@@ -74,10 +90,9 @@ class PaddedInputs:
         """
         kept = per_position.shape[1]
         check_kept(kept, self.logits_to_keep)
-        device = per_position.device
-        offsets = _offsets(self.response_lengths[: self.samples])
+        offsets = offsets_from_lengths(self.response_lengths[: self.samples])
         mask = self.response_mask()[:, self.input_ids.shape[1] - kept:]
-        return RaggedField(values=per_position[mask.to(device)], offsets=offsets.to(device))
+        return RaggedField(values=per_position[mask], offsets=offsets)
 
 
 def check_kept(kept: int, needed: int) -> None:
@@ -134,7 +149,7 @@ def _concat_rows(first: RaggedField, second: RaggedField) -> torch.Tensor:
     """Row `i` of `first` then row `i` of `second`, for every row, packed (one gather)."""
     lengths = first.lengths + second.lengths
     row = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
-    local = torch.arange(int(lengths.sum())) - _offsets(lengths)[:-1][row]
+    local = torch.arange(int(lengths.sum())) - offsets_from_lengths(lengths)[:-1][row]
     head = first.lengths[row]
     source = torch.where(local < head, first.offsets[:-1][row] + local,
                          len(first.values) + second.offsets[:-1][row] + local - head)
@@ -159,14 +174,30 @@ def pad_to_shape(inputs: PaddedInputs, rows: int, width: int) -> PaddedInputs:
     )
 
 
-def assemble_rows(count: int, rows: dict[int, torch.Tensor]) -> RaggedField:
-    """Packs per-sample rows, keyed by batch index `0..count-1`, into one float32 field.
+def gather_results(count: int, parts: Sequence[tuple[Sequence[int], RaggedField]]
+                   ) -> RaggedField:
+    """Brings per-micro-batch results back to the host, in batch order (one copy).
+
+    Args:
+        count: Samples in the batch (`0..count-1`).
+        parts: Each micro-batch's batch indices and its results, one row per index, on
+            the engine's device.
+
+    Returns:
+        A float32 host field with row `i` for sample `i`.
 
     Raises:
         KeyError: A sample's row is missing (a micro-batch plan that dropped it).
     """
-    missing = [i for i in range(count) if i not in rows]
+    produced = [i for indices, _ in parts for i in indices]
+    missing = sorted(set(range(count)) - set(produced))
     if missing:
         raise KeyError(f"no micro-batch produced samples {missing[:5]}; the plan lost them.")
-    return RaggedField.from_tensors([rows[i].detach().float().cpu() for i in range(count)],
-                                    dtype=torch.float32)
+    if not parts:
+        return RaggedField.from_tensors([], dtype=torch.float32)
+    values = torch.cat([field.values.detach().float() for _, field in parts]).cpu()
+    lengths = torch.cat([field.lengths for _, field in parts]).cpu()
+    joined = RaggedField(values=values, offsets=offsets_from_lengths(lengths))
+    order = torch.empty(count, dtype=torch.int64)
+    order[torch.tensor(produced, dtype=torch.int64)] = torch.arange(len(produced))
+    return joined.select(order)

@@ -56,20 +56,18 @@ class StepTally:
         """Records one mini-batch's optimiser step."""
         self._grad_norms.append(float(grad_norm))
 
-    def summary(self, *, group: object | None, device: torch.device, lr: float,
+    def summary(self, *, group: object | None, lr: float,
                 share: Callable[[Any], Any] = lambda value: value) -> dict[str, float]:
         """The step's metrics (collective over `group`, the dp group).
 
         Args:
             group: The data-parallel group the loss and entropy are summed over.
-            device: The device `group` reduces on.
             lr: The learning rate of the last step.
             share: Hands the metrics computed where the loss runs (a pipeline's last
                 stage) to every rank; identity without pipelining.
         """
         loss, entropy_sum, tokens, padded = all_reduce_sum(
-            [self._loss, self._entropy_sum, self._entropy_tokens, self._padded_tokens],
-            group, device)
+            [self._loss, self._entropy_sum, self._entropy_tokens, self._padded_tokens], group)
         steps = max(len(self._grad_norms), 1)
         metrics = {key: self._sums[key] / self._counts[key] for key in self._sums}
         metrics["loss"] = loss / steps

@@ -115,7 +115,6 @@ def plan_micro_batches(
     lengths: Sequence[int],
     budget: int,
     group: object | None = None,
-    device: torch.device | str = "cpu",
 ) -> list[list[int]]:
     """Token-balanced micro-batches, as many on this rank as on every rank of `group`.
 
@@ -123,13 +122,12 @@ def plan_micro_batches(
         lengths: Tokens (prompt + response) of each local sample.
         budget: Padded-token budget of one micro-batch.
         group: The data-parallel group (collective on all its ranks), or `None`.
-        device: Where the count is reduced (the group's backend device).
 
     Returns:
         The same number (at least one) of index lists on every rank; some may be empty.
     """
     bins = pack_by_tokens(lengths, budget)
-    count = all_reduce_max(max(len(bins), 1), group, device)
+    count = all_reduce_max(max(len(bins), 1), group)
     return split_to_count(bins, lengths, count)
 
 

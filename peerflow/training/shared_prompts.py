@@ -25,8 +25,8 @@ from collections.abc import Sequence
 import attrs
 import torch
 
-from peerflow.batch import Batch, RaggedField
-from peerflow.training.inputs import _offsets, check_kept
+from peerflow.batch import Batch, RaggedField, offsets_from_lengths
+from peerflow.training.inputs import check_kept, inputs_to
 
 log = logging.getLogger("peerflow.training")
 
@@ -60,8 +60,12 @@ class SharedPromptInputs:
 
     def attention_mask_as(self, dtype: torch.dtype) -> torch.Tensor:
         """The additive 4D mask in `dtype` (the dtype the model's attention computes in)."""
-        blocked = torch.full((), torch.finfo(dtype).min, dtype=dtype)
-        return torch.where(self.allowed, torch.zeros((), dtype=dtype), blocked)[:, None]
+        mask = torch.zeros(self.allowed.shape, dtype=dtype, device=self.allowed.device)
+        return mask.masked_fill_(~self.allowed, torch.finfo(dtype).min)[:, None]
+
+    def to(self, device: torch.device) -> SharedPromptInputs:
+        """These inputs with every tensor on `device` (the toolkit's crossing)."""
+        return inputs_to(self, device)
 
     @property
     def logits_to_keep(self) -> int:
@@ -77,11 +81,9 @@ class SharedPromptInputs:
         rows, kept = per_position.shape[:2]
         width = self.input_ids.shape[1]
         check_kept(kept, self.logits_to_keep)
-        device = per_position.device
         row, pos = self.positions // width, self.positions % width - (width - kept)
         flat = per_position.reshape(rows * kept, *per_position.shape[2:])
-        return RaggedField(values=flat[(row * kept + pos).to(device)],
-                           offsets=self.offsets.to(device))
+        return RaggedField(values=flat[row * kept + pos], offsets=self.offsets)
 
     def response_targets(self) -> torch.Tensor:
         """The token each gathered position predicts, aligned with `gather`'s values."""
@@ -200,7 +202,7 @@ def shared_prompt_inputs(batch: Batch) -> SharedPromptInputs:
     return SharedPromptInputs(
         input_ids=input_ids, position_ids=position_ids, allowed=_segment_mask(segment),
         positions=torch.cat(where), targets=torch.cat(responses),
-        offsets=_offsets(torch.tensor(sizes, dtype=torch.int64)),
+        offsets=offsets_from_lengths(sizes),
         first_scored=min(len(prompts[g[0]]) - 1 for g in groups),
         samples=len(batch))
 

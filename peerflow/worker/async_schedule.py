@@ -38,27 +38,17 @@ from peerflow.worker.runtime import WorkerRuntime
 
 @attrs.frozen(kw_only=True)
 class StreamLink:
-    """What both sides of the streams share: the run's weight sync and the channel."""
+    """What both sides of the streams share: the run's weight sync and the peer-wait timeout."""
 
     service: Any
     """The run's `WeightSyncService` (`rt.weight_sync`), driven by the streaming push."""
-    group: Any = None
-    """Gloo group the sample and weight-announcement streams use (`None`: the default)."""
     timeout: float = 60.0
 
 
 def streaming_schedule(rt: WorkerRuntime, program: RankProgram, stage: Any) -> Any:
     """Returns this rank's streaming schedule (call on every rank: it is collective)."""
-    import datetime
-
-    import torch.distributed as dist
-
     timeout = rt.config.runtime.peer_wait_timeout
-    with stage("stream channel"):
-        # samples are CPU tensors, which NCCL cannot send
-        group = None if dist.get_backend() == "gloo" else dist.new_group(
-            backend="gloo", timeout=datetime.timedelta(seconds=timeout))
-    link = StreamLink(service=rt.weight_sync, group=group, timeout=timeout)
+    link = StreamLink(service=rt.weight_sync, timeout=timeout)
     if "rollout" in rt.engines:
         return RolloutSchedule(rt=rt, program=program, link=link, stage=stage)
     return TrainerSchedule(rt=rt, program=program, link=link, stage=stage)
@@ -127,7 +117,7 @@ class RolloutSchedule:
         runtime = cfg.runtime
         chunk = runtime.partial_rollout_tokens or max(cfg.rollout.sampling.max_tokens // 4, 1)
         receiver = StreamReceiver(sources=tuple(sorted(link.service.plan.sources)),
-                                  tag=WEIGHT_TAG, group=link.group, timeout=link.timeout,
+                                  tag=WEIGHT_TAG, timeout=link.timeout,
                                   what="weights")
         return RolloutStreamer(
             engine=engine,
@@ -145,7 +135,7 @@ class RolloutSchedule:
                                    source_index=layout.dp_rank(rt.rank),
                                    shared_prompts=rt.prompt_sharing.get("actor", False)),
             trainer_layout=trainer_layout,
-            sender=StreamSender(tag=DATA_TAG, group=link.group, timeout=link.timeout),
+            sender=StreamSender(tag=DATA_TAG, timeout=link.timeout),
             weights=WeightReceiver(service=link.service, receiver=receiver.start()).start(),
             steps=cfg.run.steps, rank=rt.rank,
             prompts_per_call=runtime.async_prompts_per_call,
@@ -240,9 +230,9 @@ class TrainerSchedule:
 
         rt, link = self.rt, self.link
         sources = tuple(self.program.placement["rollout"].global_ranks)
-        sender = StreamSender(tag=WEIGHT_TAG, group=link.group, timeout=link.timeout)
+        sender = StreamSender(tag=WEIGHT_TAG, timeout=link.timeout)
         pusher = WeightPusher(service=link.service, sender=sender)
-        receiver = StreamReceiver(sources=sources, tag=DATA_TAG, group=link.group,
+        receiver = StreamReceiver(sources=sources, tag=DATA_TAG,
                                   timeout=link.timeout).start()
         self._streamer = self._make_streamer(receiver, sources, start_step, tracer,
                                              functools.partial(pusher.push, rt.engine("actor")))

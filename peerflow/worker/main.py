@@ -210,17 +210,13 @@ def _weight_sync(rt: WorkerRuntime) -> Any:
     Async mode's push runs the transport on background threads, so there it gets a
     process group of its own that carries nothing else.
     """
-    import datetime
-
-    import torch.distributed as dist
-
+    from peerflow.distributed.groups import new_group
     from peerflow.reshard import WeightSyncService
 
     ws, runtime = rt.config.weight_sync, rt.config.runtime
     group = None
     if runtime.mode == "async":
-        group = dist.new_group(
-            timeout=datetime.timedelta(seconds=runtime.peer_wait_timeout))
+        group = new_group(timeout=runtime.peer_wait_timeout)
     return WeightSyncService.build(
         rt.engines.get("actor"), rt.engines.get("rollout"), transport=ws.transport,
         bucket_bytes=ws.bucket_bytes, group=group, colocated=runtime.placement == "colocated")

@@ -167,7 +167,7 @@ class MetricsExchange:
         assert self._layouts is not None
         layout = _layout(raw)
         width = max(len(kept) for kept in self._layouts)
-        row = torch.zeros(1 + 2 * width, dtype=torch.float64, device=_device(self.group))
+        row = torch.zeros(1 + 2 * width, dtype=torch.float64)  # host: gathered over gloo
         if layout == self._layouts[dist.get_rank(self.group)]:
             row[0] = 1.0
             row[1:1 + len(layout)] = torch.tensor([raw[n][1] for n, _ in layout],
@@ -183,16 +183,6 @@ class MetricsExchange:
 
 def _layout(raw: dict[str, tuple[str, float, float]]) -> Layout:
     return tuple(sorted((name, how) for name, (how, _, _) in raw.items()))
-
-
-def _device(group: Any) -> Any:
-    """Where the group's backend gathers tensors: the current GPU for NCCL, else the CPU."""
-    import torch
-    import torch.distributed as dist
-
-    if "gloo" not in str(dist.get_backend(group)) and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def record_batch_metrics(batch: Batch, metrics: StepMetrics) -> None:

@@ -150,19 +150,17 @@ def _new_groups(layouts: dict[str, ParallelLayout], world_size: int, timeout: fl
     `new_group` is collective: every rank calls this with the same layouts, in the same
     (sorted) order.
     """
-    import datetime
-
     import torch.distributed as dist
+
+    from peerflow.distributed.groups import new_group
 
     if not dist.is_initialized():
         return {}
     made: dict[tuple[int, ...], Any] = {tuple(range(world_size)): dist.group.WORLD}
     for role in sorted(layouts):
         ranks = tuple(layouts[role].global_ranks)
-        if ranks in made:
-            continue
-        made[ranks] = dist.new_group(list(ranks),
-                                     timeout=datetime.timedelta(seconds=timeout))
+        if ranks not in made:
+            made[ranks] = new_group(ranks, timeout=timeout)
     return {role: made.get(tuple(lay.global_ranks)) for role, lay in layouts.items()}
 
 

@@ -210,11 +210,12 @@ class WorkerRuntime:
 
 
 def _device() -> str:
-    import torch
+    """This rank's engine device: the one `init_distributed` chose (the device contract)."""
+    from peerflow.distributed.devices import rank_device
+    from peerflow.distributed.init import dist_context
 
-    if torch.cuda.is_available():
-        return f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
-    return "cpu"
+    ctx = dist_context()
+    return str(ctx.device if ctx is not None else rank_device())
 
 
 def build_components(config: RunConfig, pm: Any) -> dict[str, Any]:

@@ -42,8 +42,10 @@ def _ensure_distributed(context: EngineContext) -> None:
     import deepspeed
     import torch.distributed as dist
 
-    backend = "nccl" if context.device.startswith("cuda") else "gloo"
-    if backend == "gloo":
+    from peerflow.distributed.devices import group_backend
+
+    backend = group_backend(torch.device(context.device))
+    if not context.device.startswith("cuda"):
         _skip_shared_memory_all_reduce()
     # zero.Init reads LOCAL_RANK even when the caller started torch.distributed itself.
     os.environ.setdefault("LOCAL_RANK", context.device.partition(":")[2] or "0")
@@ -180,9 +182,9 @@ class DeepSpeedTrainEngine(DeepSpeedCheckpoints, CausalLMTrainEngine):
         self.engine.set_gradient_accumulation_boundary(micro.last)
         inputs = micro.inputs
         return self.engine(
-            input_ids=inputs.input_ids.to(self.device),
-            attention_mask=inputs.attention_mask_as(self._compute_dtype).to(self.device),
-            position_ids=inputs.position_ids.to(self.device),
+            input_ids=inputs.input_ids,
+            attention_mask=inputs.attention_mask_as(self._compute_dtype),
+            position_ids=inputs.position_ids,
             use_cache=False,
             logits_to_keep=inputs.logits_to_keep,
         ).logits

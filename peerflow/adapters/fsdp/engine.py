@@ -188,13 +188,12 @@ class FSDPTrainEngine(CausalLMTrainEngine):
         if self.distributed:
             self.model.set_requires_gradient_sync(micro.last)
         inputs = micro.inputs
-        ids = inputs.input_ids.to(self.device)
-        mask = inputs.attention_mask_as(self._compute_dtype).to(self.device)
+        ids, mask = inputs.input_ids, inputs.attention_mask_as(self._compute_dtype)
         with self._autocast():
             if self.options.value_head:
                 return self.model(input_ids=ids, attention_mask=mask)
             return self.model(input_ids=ids, attention_mask=mask,
-                              position_ids=inputs.position_ids.to(self.device),
+                              position_ids=inputs.position_ids,
                               use_cache=False, logits_to_keep=inputs.logits_to_keep).logits
 
     def forward_logprobs(self, batch: Any) -> Any:

@@ -1,4 +1,4 @@
-"""CUDA-to-CPU redirects that megatron-core needs to run on a CPU-only torch build.
+"""Redirects that megatron-core needs to run off CUDA (the CPU, or another accelerator).
 
 megatron-core 0.16 assumes CUDA in a few places on the forward/backward path:
 `torch.cuda.current_device()` as the device of freshly allocated tensors (rotary
@@ -6,27 +6,28 @@ embedding frequencies, pipeline send/recv buffers, the global memory buffer, att
 masks), and the CUDA RNG tracker (`model_parallel_cuda_manual_seed`, `get_cuda_rng_tracker`)
 reading and writing `torch.cuda` RNG state.
 
-The redirect is confined to Megatron's own modules and to CPU runs:
+The redirect is confined to Megatron's own modules and to runs off CUDA; the engine's
+device is the *target*:
 
 * every loaded `megatron.*` module whose global `torch` is the real torch module gets a
   thin proxy instead, identical to torch except that `torch.cuda.current_device()` is
-  `"cpu"`, `torch.cuda.{get,set}_rng_state`/`manual_seed` use the CPU generator and
+  the target, `torch.cuda.{get,set}_rng_state`/`manual_seed` use the CPU generator and
   `torch.cuda.synchronize` is a no-op, and tensor factories (`zeros`, `ones`, `empty`,
-  `full`, `tensor`, `arange`) called with `device="cuda"` allocate on CPU. Nothing
+  `full`, `tensor`, `arange`) called with `device="cuda"` allocate on the target. Nothing
   outside `megatron.*` (PeerFlow, vLLM, transformers, user code) sees a change;
   `torch.cuda.is_available()` stays `False`;
 * Megatron's RNG tracker helpers `_get_cuda_rng_state` / `_set_cuda_rng_state` use the CPU
   generator, so `get_cuda_rng_tracker().fork()` saves and restores real state;
 * `get_default_causal_mask` (a `device="cuda"` literal in `megatron.core.transformer.
-  utils`, imported by name into the softmax fusions) builds the causal mask on CPU.
+  utils`, imported by name into the softmax fusions) builds the causal mask on the target.
 
 `tensor_cuda_is_identity()` covers one more spot: `GPTModel.__init__` with tied embeddings
 and pp > 1 moves the last stage's embedding copy with `tensor.cuda()` before all-reducing
 it; the adapter builds the model inside this context manager, which makes
 `torch.Tensor.cuda` return the tensor unchanged for the duration of the build only.
 
-`enable_cpu_redirects()` is called by the Megatron adapter only when its device is `cpu`
-and torch has no CUDA; it is idempotent and re-applies to Megatron modules imported since.
+`enable_redirects(device)` is called by the Megatron adapter only when its device is not
+CUDA; it is idempotent and re-applies to Megatron modules imported since.
 """
 
 from __future__ import annotations
@@ -39,13 +40,16 @@ from typing import Any
 
 import torch
 
+#: Where Megatron's CUDA allocations land (`enable_redirects` sets it).
+_TARGET: list[torch.device] = [torch.device("cpu")]
 
-class _CudaOnCpu:
-    """`torch.cuda` as Megatron sees it on CPU (everything else falls through)."""
+
+class _CudaOffCuda:
+    """`torch.cuda` as Megatron sees it off CUDA (everything else falls through)."""
 
     @staticmethod
-    def current_device() -> str:
-        return "cpu"
+    def current_device() -> torch.device:
+        return _TARGET[0]
 
     @staticmethod
     def get_rng_state(device: Any = None) -> torch.Tensor:
@@ -77,30 +81,30 @@ class _CudaOnCpu:
 _FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange")
 
 
-def _on_cpu(factory: Any) -> Any:
+def _on_target(factory: Any) -> Any:
     def call(*args: Any, **kwargs: Any) -> Any:
         device = kwargs.get("device")
         if device is not None and torch.device(device).type == "cuda":
-            kwargs["device"] = "cpu"
+            kwargs["device"] = _TARGET[0]
         return factory(*args, **kwargs)
 
     return call
 
 
-class _TorchOnCpu:
-    """The `torch` module with `cuda` replaced by `_CudaOnCpu` and CUDA factories on CPU."""
+class _TorchOffCuda:
+    """The `torch` module with `cuda` replaced by `_CudaOffCuda`, CUDA factories on target."""
 
-    cuda = _CudaOnCpu()
+    cuda = _CudaOffCuda()
 
     def __init__(self) -> None:
         for name in _FACTORIES:
-            setattr(self, name, _on_cpu(getattr(torch, name)))
+            setattr(self, name, _on_target(getattr(torch, name)))
 
     def __getattr__(self, name: str) -> Any:
         return getattr(torch, name)
 
 
-_PROXY = _TorchOnCpu()
+_PROXY = _TorchOffCuda()
 
 
 def _cpu_get_rng_state(device: Any = "cuda", clone: bool = False,
@@ -114,17 +118,22 @@ def _cpu_set_rng_state(new_state: torch.Tensor, device: int = -1,
     torch.set_rng_state(new_state)
 
 
-def _cpu_causal_mask(sq: int) -> torch.Tensor:  # [sq, sq] bool, True above the diagonal
-    return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
+def _target_causal_mask(sq: int) -> torch.Tensor:  # [sq, sq] bool, True above the diagonal
+    return torch.triu(torch.ones(sq, sq, dtype=torch.bool, device=_TARGET[0]), diagonal=1)
 
 
-def needs_cpu_redirects(device: str) -> bool:
-    """Whether the adapter must redirect Megatron's CUDA calls (CPU device, no CUDA)."""
-    return device == "cpu" and not torch.cuda.is_available()
+def needs_redirects(device: str) -> bool:
+    """Whether the adapter must redirect Megatron's CUDA calls (a device other than CUDA)."""
+    return torch.device(device).type != "cuda"
 
 
-def enable_cpu_redirects() -> int:
-    """Applies the redirects to every loaded `megatron.*` module; returns how many changed."""
+def enable_redirects(device: str | torch.device = "cpu") -> int:
+    """Applies the redirects to every loaded `megatron.*` module; returns how many changed.
+
+    Args:
+        device: Where Megatron's `device="cuda"` allocations go (the engine's device).
+    """
+    _TARGET[0] = torch.device(device)
     changed = 0
     for name, module in list(sys.modules.items()):
         if not (name == "megatron" or name.startswith("megatron.")) or module is None:
@@ -133,7 +142,7 @@ def enable_cpu_redirects() -> int:
             module.torch = _PROXY
             changed += 1
         if callable(getattr(module, "get_default_causal_mask", None)):
-            module.get_default_causal_mask = _cpu_causal_mask
+            module.get_default_causal_mask = _target_causal_mask
         if name == "megatron.core.tensor_parallel.random":
             module._get_cuda_rng_state = _cpu_get_rng_state
             module._set_cuda_rng_state = _cpu_set_rng_state
@@ -142,7 +151,7 @@ def enable_cpu_redirects() -> int:
 
 @contextlib.contextmanager
 def tensor_cuda_is_identity(active: bool = True) -> Iterator[None]:
-    """While active, `torch.Tensor.cuda()` returns the CPU tensor itself (model build only)."""
+    """While active, `torch.Tensor.cuda()` returns the tensor itself (model build only)."""
     if not active:
         yield
         return

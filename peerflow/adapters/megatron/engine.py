@@ -33,8 +33,8 @@ import torch
 
 from peerflow.adapters.megatron.checkpoint import MegatronCheckpoints
 from peerflow.adapters.megatron.cpu import (
-    enable_cpu_redirects,
-    needs_cpu_redirects,
+    enable_redirects,
+    needs_redirects,
     tensor_cuda_is_identity,
 )
 from peerflow.adapters.megatron.layout import megatron_shard_layout
@@ -68,14 +68,17 @@ from peerflow.training import (
 
 
 def _ensure_distributed(context: EngineContext) -> None:
+    """Starts torch.distributed for a standalone engine, with the contract's backends."""
     import torch.distributed as dist
+
+    from peerflow.distributed.devices import group_backend
 
     if dist.is_initialized():
         return
-    backend = "nccl" if context.device.startswith("cuda") else "gloo"
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 20000))
-    dist.init_process_group(backend, rank=int(os.environ.get("RANK", 0)),
+    dist.init_process_group(group_backend(torch.device(context.device)),
+                            rank=int(os.environ.get("RANK", 0)),
                             world_size=int(os.environ.get("WORLD_SIZE", 1)))
 
 
@@ -88,7 +91,7 @@ def _import_megatron() -> None:
 
 
 def _init_parallel_state(context: EngineContext) -> Any:
-    """Megatron's parallel state for `context.layout` (CPU redirects first, on CPU).
+    """Megatron's parallel state for `context.layout` (redirects first, off CUDA).
 
     Returns:
         `megatron.core.parallel_state`, initialised and seeded.
@@ -98,8 +101,8 @@ def _init_parallel_state(context: EngineContext) -> Any:
     """
     layout = context.layout
     _import_megatron()
-    if needs_cpu_redirects(context.device):
-        enable_cpu_redirects()
+    if needs_redirects(context.device):
+        enable_redirects(context.device)
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -173,7 +176,7 @@ class MegatronTrainEngine(MegatronCheckpoints, CausalLMTrainEngine):
                                          dtype=dtype, on_cpu=not on_gpu)
         self.is_first = ps.is_pipeline_first_stage()
         self.is_last_stage = ps.is_pipeline_last_stage()
-        with tensor_cuda_is_identity(needs_cpu_redirects(context.device)):
+        with tensor_cuda_is_identity(needs_redirects(context.device)):
             model = build_gpt_model(self.hf_config, self.config, tp=layout.tp,
                                     vocab_multiple=options.vocab_multiple,
                                     pre_process=self.is_first, post_process=self.is_last_stage)
@@ -244,10 +247,10 @@ class MegatronTrainEngine(MegatronCheckpoints, CausalLMTrainEngine):
 
     def forward_micro(self, micro: MicroBatch) -> torch.Tensor:
         """This stage's output: vocab-parallel logits `[B, L, V / tp]` on the last stage."""
-        width = micro.inputs.input_ids.shape[1]
-        causal = torch.triu(torch.ones(width, width, dtype=torch.bool), 1)[None, None]
-        return self.model(micro.inputs.input_ids.to(self.device),
-                          micro.inputs.position_ids.to(self.device), causal.to(self.device))
+        ids = micro.inputs.input_ids
+        width = ids.shape[1]
+        causal = torch.ones(width, width, dtype=torch.bool, device=ids.device).triu(1)
+        return self.model(ids, micro.inputs.position_ids, causal[None, None])
 
     def run_micro_batches(self, micros: Sequence[MicroBatch], objective: Objective) -> None:
         """Megatron's schedule (1F1B with pp > 1) over `micros`; backward unless no-grad.
@@ -261,7 +264,7 @@ class MegatronTrainEngine(MegatronCheckpoints, CausalLMTrainEngine):
             return self.forward_micro(micro), partial(loss_step, micro)
 
         def loss_step(micro: MicroBatch, output: torch.Tensor) -> tuple[Any, Any, dict]:
-            tokens = torch.tensor(int(micro.inputs.response_lengths.sum()), dtype=torch.int)
+            tokens = micro.inputs.response_lengths.sum().to(torch.int)  # on the device
             return objective(micro, output), tokens, {}
 
         rows, width = micros[0].inputs.input_ids.shape

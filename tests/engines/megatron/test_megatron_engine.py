@@ -91,10 +91,10 @@ def test_unsupported_models_and_cpu_distributed_optimizer_are_rejected(models):
 def test_cpu_redirect_is_confined_to_megatron_modules():
     import megatron.core.models.common.embeddings.rotary_pos_embedding as rope
 
-    from peerflow.adapters.megatron.cpu import enable_cpu_redirects
+    from peerflow.adapters.megatron.cpu import enable_redirects
 
-    enable_cpu_redirects()
-    assert rope.torch.cuda.current_device() == "cpu"
+    enable_redirects()
+    assert rope.torch.cuda.current_device() == torch.device("cpu")
     assert rope.torch.zeros(2, device="cuda").device.type == "cpu"
     assert not torch.cuda.is_available()
     with pytest.raises((AssertionError, RuntimeError)):
