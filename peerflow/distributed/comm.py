@@ -71,9 +71,11 @@ def all_gather_ragged(rows: torch.Tensor, group: Any = None, *, what: str = "all
                       timeout: float | None = None) -> list[torch.Tensor]:
     """All-gathers `[n_i, k]` tensors whose first dimension differs per rank.
 
-    Two collectives: the row counts, then the rows padded to the largest count.
+    Two collectives: the row counts, then the rows padded to the largest count. The
+    counts travel beside the rows, on their device, so any group that carries the rows
+    carries them.
     """
-    count = torch.tensor([rows.shape[0]], dtype=torch.int64)
+    count = torch.tensor([rows.shape[0]], dtype=torch.int64, device=rows.device)
     counts = [int(c) for c in all_gather_tensor(count, group, what=f"{what} (counts)",
                                                  timeout=timeout)]
     padded = rows.new_zeros((max(counts + [0]), *rows.shape[1:]))
@@ -83,7 +85,7 @@ def all_gather_ragged(rows: torch.Tensor, group: Any = None, *, what: str = "all
 
 
 def barrier(group: Any = None, *, what: str = "barrier", timeout: float | None = None) -> None:
-    """A barrier with a timeout (an all-reduce of one element; works on every backend)."""
+    """A barrier with a timeout (an all-reduce of one host element, over the group's gloo)."""
     one = torch.ones(1)
     wait_all([dist.all_reduce(one, group=group, async_op=True)], what, timeout)
 
