@@ -136,7 +136,9 @@ class RolloutEngine(EngineBase, abc.ABC):
         Returns:
             `len(requests) * sampling.n` results, grouped by request in request order,
             each with `log_softmax(logits / sampling.temperature)` of every sampled token
-            (before top-k/top-p; see the module docstring).
+            (before top-k/top-p; see the module docstring). Requests and results are host
+            values (token ids and log-probs as Python numbers): the engine moves its inputs
+            to its device and its outputs back itself.
         """
 
     @abc.abstractmethod

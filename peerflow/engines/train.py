@@ -21,6 +21,12 @@ Call order on the ranks that host the engine (all ranks of its group, SPMD):
 Batches given to the engine carry ragged `prompt_ids` and `response_ids` fields; every tp/pp
 peer of one dp-rank receives the same samples.
 
+Where tensors live: the batches an engine receives are on the host, and what it returns
+(`forward_logprobs`, `forward_values`: host ragged fields; `train_step`: Python numbers)
+is on the host. The engine computes on `EngineContext.device` and crosses between the two
+itself, in one place; `CausalLMTrainEngine` does it for its subclasses. Weight tensors
+(`materialize`) stay on the engine's device: the weight-sync service moves them.
+
 Log-probs (`forward_logprobs`, and those handed to the loss in `train_step`) are those of
 the distribution the rollout sampled from: `log_softmax(logits / T)[token]` over the full
 vocabulary, with `T = EngineContext.temperature` (the run's `rollout.sampling.temperature`),
@@ -86,6 +92,11 @@ class LossFunction(Protocol):
     A micro-batch with a `loss_mask` field (ragged bool; false on a multi-turn
     trajectory's observation tokens) must leave its false tokens out of the loss, its
     normalisers and its metrics (`peerflow.algorithms.aggregation.aggregate(mask=...)`).
+
+    Device: `logprobs` and every tensor of `batch` (ids, fields, offsets) are on the
+    engine's device, the same one; a loss creates what it needs there (`device=` of its
+    inputs) and never moves its inputs. It returns the loss on that device and its
+    metrics as Python floats.
     """
 
     def __call__(
