@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU validation kit (docs/gpu-validation.md): on a bare GPU machine with a preinstalled
-# CUDA PyTorch, install PeerFlow and the small engine wheels from a local folder, run every
-# GPU check under a per-check time budget, and write OUT/gpu-validate.json + OUT/gpu-validate.log.
+# CUDA PyTorch, install from a local wheel folder only what the image lacks, then PeerFlow;
+# run the checks in parallel lanes, each under its own time budget (realsize and the
+# coordinator benchmark alone afterwards), and write OUT/gpu-validate.json + .log.
 #
 #   bash scripts/gpu-validate.sh --wheels wheels --out "$OUT"        # on the GPU machine
 #   bash scripts/gpu-validate.sh --dry-run --wheels wheels             # anywhere: checks the

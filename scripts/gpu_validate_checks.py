@@ -12,8 +12,11 @@ cannot run it; the reason is in the figures) or anything else (failed).
   plan / pack / wire / load and checked element for element;
 * `realsize` — `peerflow train` on a random Llama with the Qwen2.5-1.5B shape
   (28 layers, hidden 1536, MLP 8960, 12 query / 2 key-value heads, vocabulary 151936),
-  ~500-token prompts and 1024-token answers, bf16, one GPU: tokens/s of a GRPO step,
-  per-node times including the weight sync, and peak GPU memory.
+  ~500-token prompts and 1024-token answers, bf16, one GPU: per step the generate /
+  train / weight-sync seconds and tokens (from the run's `metrics.jsonl`), the train MFU
+  (6 x parameters x tokens / train seconds / the device's dense bf16 peak,
+  `PEAK_BF16_TFLOPS`; null with the reason for a device not in the table) and the peak
+  GPU memory (`torch.cuda.max_memory_allocated`).
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ from typing import Any
 FIGURES_PREFIX = "GPU_VALIDATE_FIGURES "
 #: Exit status of a check program when the machine cannot run the check (reason in figures).
 UNSUPPORTED_EXIT = 3
+#: Seconds `nccl-pair` waits for its two ranks (its budget in the kit is 20 s).
+PAIR_WAIT_S = 14
 #: Qwen2.5-1.5B: hidden, intermediate, layers, heads, kv heads, vocabulary.
 QWEN25_15B = (1536, 8960, 28, 12, 2, 151936)
 
@@ -72,7 +77,7 @@ def _nccl_rank(rank: int, port: int, queue: Any) -> None:
     times: dict[str, float] = {}
     try:
         dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=2, timeout=datetime.timedelta(seconds=15))
+                                world_size=2, timeout=datetime.timedelta(seconds=PAIR_WAIT_S))
         x = torch.full((1 << 20,), float(rank + 1), device="cuda")
         ops = {
             "all_reduce": lambda: dist.all_reduce(x.clone()),
@@ -108,20 +113,21 @@ def check_nccl_pair() -> None:
     for p in procs:
         p.start()
     results = {}
+    deadline = time.monotonic() + PAIR_WAIT_S
     try:
         for _ in range(2):
-            rank, status, value = queue.get(timeout=60)
+            rank, status, value = queue.get(timeout=max(deadline - time.monotonic(), 0.1))
             results[rank] = (status, value)
     except Exception:  # noqa: BLE001 - a rank hung: NCCL waited for a peer that failed
         pass
     for p in procs:
-        p.join(timeout=10)
+        p.join(timeout=max(deadline - time.monotonic(), 0.1))
         if p.is_alive():
             p.kill()
     if len(results) == 2 and all(s == "ok" for s, _ in results.values()):
         emit({"ranks": 2, "device": "cuda:0", **results[0][1]})
     errors = {r: v for r, (s, v) in results.items() if s != "ok"}
-    reason = next(iter(errors.values()), "a rank did not report within 60 s")
+    reason = next(iter(errors.values()), f"a rank did not report within {PAIR_WAIT_S} s")
     duplicate = "duplicate gpu" in reason.lower()
     emit({"reason": reason, "nccl_refuses_shared_gpu": duplicate},
          UNSUPPORTED_EXIT if duplicate else 1)
@@ -229,13 +235,105 @@ def check_ipc_pair() -> None:
     emit(figures, 0 if same else 1)
 
 
+#: Dense bf16 peak of a device, TFLOPS, by the name `torch.cuda.get_device_name` gives
+#: (NVIDIA datasheets: H100 SXM and H200 SXM both 989). Other variants (H100 PCIe, NVL)
+#: differ and are left out: their MFU is reported as null with the reason.
+PEAK_BF16_TFLOPS = {"H100 SXM": 989.0, "H200": 989.0}
+
+
+def peak_bf16_tflops(device: str) -> tuple[float | None, str]:
+    """(peak dense bf16 TFLOPS, table key) of a device name, or (None, why not)."""
+    name = device.upper()
+    if any(v in name for v in ("PCIE", "NVL")):
+        return None, f"no bf16 peak for {device!r} in PEAK_BF16_TFLOPS (a PCIe/NVL variant)"
+    if "H200" in name:
+        return PEAK_BF16_TFLOPS["H200"], "H200"
+    if "H100" in name and ("SXM" in name or "HBM3" in name):
+        return PEAK_BF16_TFLOPS["H100 SXM"], "H100 SXM"
+    return None, f"no bf16 peak for {device!r} in PEAK_BF16_TFLOPS"
+
+
+def train_mfu(params: int, tokens: float, seconds: float, device: str
+              ) -> tuple[float | None, str]:
+    """Model FLOPs utilisation of a train step: 6 x parameters x tokens / seconds / peak.
+
+    Returns (MFU in [0, 1] or None, the peak's table key or why there is no figure). The
+    6·N·T count leaves out attention's own FLOPs (a few % at ~1.5 k tokens).
+    """
+    peak, why = peak_bf16_tflops(device)
+    if peak is None:
+        return None, why
+    if seconds <= 0 or tokens <= 0 or params <= 0:
+        return None, f"no train time or tokens (seconds={seconds}, tokens={tokens})"
+    return 6.0 * params * tokens / seconds / (peak * 1e12), why
+
+
+def count_parameters(model_dir: Path) -> int:
+    """Parameters in a model directory's `*.safetensors` headers (tied weights once)."""
+    total = 0
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        with open(path, "rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        for name, info in header.items():
+            if name != "__metadata__":
+                n = 1
+                for d in info["shape"]:
+                    n *= int(d)
+                total += n
+    return total
+
+
+#: Per-step figures realsize reads from `metrics.jsonl` (`peerflow.outputs.metrics`):
+#: the phase times are `time/<node>` (max over ranks, `peerflow.worker.loop.timed`).
+REALSIZE_KEYS = {"generate_s": "time/generate", "train_s": "time/train_actor",
+                 "sync_s": "time/sync_weights", "checkpoint_s": "time/checkpoint",
+                 "step_s": "time/step", "tokens": "tokens/total",
+                 "prompt_tokens": "tokens/prompt", "response_tokens": "tokens/response",
+                 "tokens_per_s": "throughput/tokens_per_s",
+                 "sync_wire_s": "weight_sync/wire_s", "sync_bytes": "weight_sync/bytes"}
+
+
+def realsize_figures(rows: list[dict[str, Any]], params: int, device: str,
+                     peak_bytes: int) -> dict[str, Any]:
+    """The realsize figures from a run's metrics rows.
+
+    Per step: generate / train / weight-sync seconds and tokens; the last step's train
+    MFU; the peak GPU memory.
+    """
+    steps = []
+    for row in rows:
+        step = {"step": row.get("step")}
+        for name, key in REALSIZE_KEYS.items():
+            if isinstance(row.get(key), (int, float)):
+                step[name] = round(float(row[key]), 4)
+        steps.append(step)
+    last = steps[-1] if steps else {}
+    mfu, why = train_mfu(params, last.get("tokens", 0.0), last.get("train_s", 0.0), device)
+    figures: dict[str, Any] = {
+        "device": device, "parameters": params,
+        "generate_s": last.get("generate_s"), "train_s": last.get("train_s"),
+        "weight_sync_s": last.get("sync_s"), "tokens": last.get("tokens"),
+        "train_mfu": None if mfu is None else round(mfu, 4),
+        "peak_gpu_gib": round(peak_bytes / 2**30, 2), "steps": steps}
+    if mfu is None:
+        figures["train_mfu_reason"] = why
+    else:
+        figures["peak_bf16_tflops"] = peak_bf16_tflops(device)[0]
+    return figures
+
+
 def check_realsize() -> None:
-    """`peerflow train` on the Qwen2.5-1.5B shape; throughput, times and peak memory."""
+    """`peerflow train` on the Qwen2.5-1.5B shape; figures from its metrics.jsonl.
+
+    Generate / train / weight-sync seconds, train MFU and peak GPU memory.
+    """
     import torch
 
     from peerflow.bench.shapes import build_model
     from peerflow.worker.main import run_worker
 
+    if not torch.cuda.is_available():
+        emit({"reason": "no CUDA device"}, UNSUPPORTED_EXIT)
     out = Path(os.environ.get("OUT") or "runs/gpu-validate") / "realsize"
     hidden, inter, layers, heads, kv, vocab = QWEN25_15B
     model = build_model(out / "model", {
@@ -251,17 +349,14 @@ def check_realsize() -> None:
     torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     run_worker("examples/quickstart.yaml", overrides, str(run_dir))
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    last = rows[-1]
-    figures = {"model": "Qwen2.5-1.5B shape (Llama blocks), random bf16 weights",
-               "wall_s": round(time.perf_counter() - start, 1),
-               "peak_gpu_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
-               "sleep_wake": "not measured: the hf rollout engine declares no sleep(); "
-                             "vLLM and SGLang, which do, are too large for the wheel folder"}
-    for key in ("throughput/tokens_per_s", "tokens/prompt", "tokens/response", "time/step",
-                "time/generate", "time/train_actor", "time/sync_weights"):
-        if key in last:
-            figures[key] = round(float(last[key]), 3)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+            if line.strip()]
+    figures = realsize_figures(rows, count_parameters(Path(model)),
+                               torch.cuda.get_device_name(0), torch.cuda.max_memory_allocated())
+    figures.update(model="Qwen2.5-1.5B shape (Llama blocks), random bf16 weights",
+                   wall_s=round(time.perf_counter() - start, 1),
+                   sleep_wake="not measured: the hf rollout engine declares no sleep(); "
+                              "vLLM and SGLang, which do, are too large for the wheel folder")
     emit(figures)
 
 
