@@ -26,9 +26,17 @@ import torch
 #: The host: batches, metadata and collectives of host tensors.
 HOST = torch.device("cpu")
 
+#: Set to `1`, every PeerFlow process of a run computes on the emulated accelerator of
+#: `peerflow.testing.emulated_device` (tests of device code on a machine without a GPU).
+EMULATE_ENV = "PEERFLOW_EMULATE_ACCELERATOR"
+
 
 def accelerator_type() -> str | None:
     """The accelerator torch can use in this process (`"cuda"`, …), or `None`."""
+    if os.environ.get(EMULATE_ENV) == "1":
+        from peerflow.testing.emulated_device import install
+
+        install()
     accelerator = getattr(torch, "accelerator", None)
     if accelerator is None or not accelerator.is_available():
         return None

@@ -58,12 +58,12 @@ def clip_and_step(optimizer: Any, module: torch.nn.Module, grad_clip: float, *,
     import torch.distributed as dist
 
     params = list(module.parameters())
-    square = torch.zeros((), dtype=torch.float64)
+    square = torch.zeros((), dtype=torch.float64, device=params[0].device)  # with the grads
     for param in params:
         param.grad = param.main_grad.to(param.dtype)
         counted = getattr(param, "tensor_model_parallel", False) or tp_rank == 0
         if counted and not getattr(param, "shared", False):
-            square += param.grad.double().pow(2).sum().cpu()
+            square += param.grad.double().pow(2).sum()
     if dist.get_world_size(group) > 1:
         dist.all_reduce(square, group=group)
     norm = float(square.sqrt())
