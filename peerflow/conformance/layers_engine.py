@@ -90,6 +90,21 @@ class Layer3TrainEngine(EngineLayerBase):
                      f"{profile.name} {engine_model} weight_sources")
 
     @layer3
+    def test_l3_weights_live_on_the_context_device(self, profile, engine):
+        """Every weight the engine holds is on `EngineContext.device`, where it computes.
+
+        On an accelerator (or the emulated one of `peerflow.testing`) a weight left on
+        the host, or placed by the framework on another device, is the host/device mix
+        that fails the first step.
+        """
+        want = torch.device(engine.context.device)
+        wrong = sorted(f"{name} on {tensor.device}"
+                       for name, tensor in read_weights(profile, engine).items()
+                       if tensor.device.type != want.type
+                       or want.index not in (None, tensor.device.index))
+        _fail(wrong, f"{profile.name} weights not on EngineContext.device={want}")
+
+    @layer3
     def test_l3_export_is_bit_exact(self, profile, engine, engine_model, model_dir):
         """A sync out of the engine reproduces the checkpoint on disk bit-exact."""
         config = hf_config(ENGINE_MODELS[engine_model])
