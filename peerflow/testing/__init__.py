@@ -1,0 +1,1 @@
+"""Test support that ships with PeerFlow: an emulated accelerator (`emulated_device`)."""

@@ -1,0 +1,233 @@
+"""An emulated accelerator: test device code without a GPU.
+
+`install()` makes this process believe it has one accelerator, `emu:0`
+(`torch.accelerator.current_accelerator()` is `torch.device("emu")`), whose tensors hold
+real values computed on the CPU, and which refuses every host/device mix that CUDA
+refuses, with CUDA's messages ("Expected all tensors to be on the same device, but found
+at least two devices, emu:0 and cpu!"). Code that decides its devices through
+`torch.accelerator` runs its GPU path here, so a CPU-only test run catches the placement
+bugs that otherwise surface only on a GPU machine.
+
+Parts (each its own module):
+
+* **The device** (`emulated_runtime`): the `PrivateUse1` backend registered from Python and
+  renamed `emu`, its `torch.emu` module (streams, events, RNG, memory figures),
+  `torch.Generator("emu")`.
+* **Its tensors** (`emulated_tensor`): a traceable wrapper subclass over a CPU tensor;
+  every operator is checked with CUDA's rules (`emulated_rules`, read from torch's own
+  `native_functions.yaml`) and run on the CPU values.
+* **Collectives** (`emulated_collectives`): the `emunccl` c10d backend, serving the device
+  only (as NCCL serves CUDA only), over a gloo connection of its own.
+* **DeepSpeed** (`emulated_deepspeed`): an accelerator for the device, set when DeepSpeed
+  is installed.
+
+Use it in a process of its own: `install()` (or `install_from_env()` with
+`PEERFLOW_EMULATE_ACCELERATOR=1`) once, at start-up, before the process's first backward
+pass (autograd sizes its per-device worker threads then) and before any process group or
+DeepSpeed engine exists. It cannot be undone.
+
+Limits:
+
+* No autocast: `torch.autocast("emu", dtype=torch.bfloat16)` is accepted and computes in
+  fp32. No fused kernels: scaled-dot-product attention takes its math path (values within
+  ~1e-5 of the CPU's flash kernel; eager attention matches the CPU bit for bit).
+* No stream or event races: all work is synchronous; streams and events only keep books.
+* One emulated device per process: `emu:0` (`device_count()` is 1; `set_device_index`
+  accepts only 0). Several ranks on one host each have their own `emu:0`.
+* Things a Python backend cannot provide: `pin_memory()` returns an unpinned copy; a CPU
+  operator handed an `emu` generator runs instead of failing; `.data = cpu_tensor` on an
+  emulated tensor raises (CUDA allows it); `torch.load(weights_only=True)` refuses pickled
+  emulated tensors.
+* Process-wide patches: `torch.Generator` (accepts `"emu"`), `Tensor.pin_memory`,
+  `torch.utils.swap_tensors` (swaps parameters with weak references onto the device, as
+  DeepSpeed's `module.to()` needs), and `torch.accelerator`'s `synchronize`,
+  `set_device_index` and memory statistics (answered for the emulated device).
+* Private torch APIs (`_setup_privateuseone_for_python_backend`, wrapper subclasses,
+  c10d's operator dispatch, torchgen's `native_functions.yaml`): a torch upgrade needs the
+  smoke test (`tests/unit/test_emulated_device.py`); on a torch without them `install()`
+  raises a `RuntimeError` naming the version and the fix, and the tests skip.
+
+Cost: every operator on an emulated tensor goes through Python dispatch, about 17 µs
+more per operator (a tiny Llama's training step runs ~6x slower than on the CPU; large
+matrix products at CPU speed). `install()` takes about 0.5 s (it reads torch's operator
+table, and imports DeepSpeed when installed).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+import torch
+
+from peerflow.testing.emulated_collectives import BACKEND_NAME, GROUP_BACKEND
+from peerflow.testing.emulated_tensor import DEVICE_TYPE, EmulatedTensor, emulated_device
+
+__all__ = ["BACKEND_NAME", "DEVICE_TYPE", "ENV_VAR", "GROUP_BACKEND", "EmulatedTensor",
+           "install", "install_from_env", "is_installed", "unsupported_reason"]
+
+#: Set to "1" to make `install_from_env()` install the emulation (worker processes).
+ENV_VAR = "PEERFLOW_EMULATE_ACCELERATOR"
+
+_lock = threading.Lock()
+_installed = False
+_failure: RuntimeError | None = None
+_libraries: list[torch.library.Library] = []
+
+#: What the emulation is built on: (owner, attribute) pairs this torch must have.
+_REQUIRED = (
+    ("torch.utils.backend_registration", "_setup_privateuseone_for_python_backend"),
+    ("torch.Tensor", "_make_wrapper_subclass"),
+    ("torch._C._acc", "PrivateUse1Hooks"),
+    ("torch._C._acc", "DeviceGuard"),
+    ("torch.accelerator", "current_accelerator"),
+    ("torch.library.Library", "fallback"),
+)
+
+
+def unsupported_reason() -> str | None:
+    """Why this torch cannot host the emulation, or None when it can."""
+    import importlib
+
+    missing = []
+    for owner, name in _REQUIRED:
+        module_name, _, attribute = owner.rpartition(".")
+        try:
+            found = getattr(importlib.import_module(module_name), attribute)
+        except (ImportError, AttributeError):
+            found = None
+        if not hasattr(found, name):
+            missing.append(f"{owner}.{name}")
+    if not missing:
+        return None
+    return (f"torch {torch.__version__} lacks {', '.join(missing)}, which the emulated "
+            "accelerator (peerflow.testing) is built on: install the torch version PeerFlow "
+            "pins (constraints-cpu.txt), or port peerflow/testing to this one")
+
+
+def is_installed() -> bool:
+    """Whether `install()` has completed in this process."""
+    return _installed
+
+
+def _hooks_and_guard() -> tuple[Any, Any]:
+    """The `PrivateUse1` hooks and device guard of the emulated device."""
+
+    class Hooks(torch._C._acc.PrivateUse1Hooks):
+        def is_available(self) -> bool:
+            return True
+
+        def has_primary_context(self, device_index: int) -> bool:
+            return True
+
+        def is_built(self) -> bool:
+            return True
+
+    class Guard(torch._C._acc.DeviceGuard):
+        def type_(self) -> torch._C._autograd.DeviceType:
+            return torch._C._autograd.DeviceType.PrivateUse1
+
+    return Hooks(), Guard()
+
+
+def _register_device() -> None:
+    """Registers `PrivateUse1` as the `emu` device with its module, hooks and kernels."""
+    from torch.utils import backend_registration
+
+    from peerflow.testing import emulated_runtime
+    from peerflow.testing.emulated_tensor import register_backend_kernels
+
+    if torch._C._get_privateuse1_backend_name() != "privateuseone":
+        raise RuntimeError(
+            "the PrivateUse1 backend is already registered as "
+            f"{torch._C._get_privateuse1_backend_name()!r} in this process; the emulated "
+            "accelerator needs it (run it in a process of its own)")
+    hooks, guard = _hooks_and_guard()
+    backend_registration._setup_privateuseone_for_python_backend(
+        rename=DEVICE_TYPE, backend_module=emulated_runtime.build_device_module(),
+        hook=hooks, device_guard=guard)
+    kernels = torch.library.Library("aten", "IMPL")
+    register_backend_kernels(kernels)
+    # Autocast on the device is accepted and changes nothing (no casting policy).
+    fallbacks = torch.library.Library("_", "IMPL")
+    fallbacks.fallback(torch.library.fallthrough_kernel, "AutocastPrivateUse1")
+    _libraries.extend((kernels, fallbacks))
+    emulated_runtime.patch_torch()
+
+
+def _check_autograd() -> None:
+    """Runs a backward pass on the device: the autograd engine must know it.
+
+    Raises:
+        RuntimeError: a backward pass ran in this process before `install()`.
+    """
+    probe = EmulatedTensor(torch.ones(1), requires_grad=True)
+    try:
+        (probe * 2).sum().backward()
+    except RuntimeError as error:
+        if "device_ready_queues_" not in str(error):
+            raise
+        raise RuntimeError(
+            "peerflow.testing.emulated_device.install() ran after this process's first "
+            "backward pass: autograd sized its device queues then and cannot run the "
+            "emulated device's backward. Install it at process start (install_from_env() "
+            f"first thing in the worker, with ${ENV_VAR}=1).") from error
+
+
+def _install_deepspeed_accelerator() -> None:
+    """Makes DeepSpeed place its engines on the emulated device, when it is installed."""
+    import importlib.util
+
+    if importlib.util.find_spec("deepspeed") is None:
+        return
+    from peerflow.testing import emulated_deepspeed
+
+    emulated_deepspeed.set_accelerator()
+
+
+def install() -> torch.device:
+    """Installs the emulated accelerator in this process (idempotent).
+
+    Returns:
+        `torch.device("emu", 0)`, the emulated device.
+
+    Raises:
+        RuntimeError: this torch lacks the private APIs the emulation needs (the message
+            names the version and the fix), another backend holds `PrivateUse1`, or a
+            backward pass already ran in this process. An install that failed part-way
+            raises the same error again.
+    """
+    global _installed, _failure
+    with _lock:
+        if _installed:
+            return emulated_device()
+        if _failure is not None:
+            raise _failure
+        reason = unsupported_reason()
+        if reason is not None:
+            raise RuntimeError(reason)
+        from peerflow.testing import emulated_collectives, emulated_rules
+
+        try:
+            emulated_rules.rule_table()
+            _register_device()
+            _check_autograd()
+        except RuntimeError as error:
+            _failure = error
+            raise
+        emulated_collectives.register()
+        _install_deepspeed_accelerator()
+        _installed = True
+    return emulated_device()
+
+
+def install_from_env() -> torch.device | None:
+    """Installs the emulation when `$PEERFLOW_EMULATE_ACCELERATOR` is "1".
+
+    Returns:
+        The emulated device when installed, else None.
+    """
+    if os.environ.get(ENV_VAR) != "1":
+        return None
+    return install()

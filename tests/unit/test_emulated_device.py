@@ -1,0 +1,414 @@
+"""The emulated accelerator (`peerflow.testing.emulated_device`).
+
+The emulation is process-wide and cannot be undone (it makes `torch.accelerator` report a
+device), so every check runs in a fresh Python process; each child prints one JSON line
+of what it saw, and the assertions live here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from peerflow.testing.emulated_device import unsupported_reason
+
+ROOT = Path(__file__).resolve().parents[2]
+REASON = unsupported_reason()
+pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
+
+PRELUDE = """
+import json, os, sys, tempfile
+import torch
+from peerflow.testing import emulated_device as emulation
+def report(**values):
+    print("RESULT:" + json.dumps(values), flush=True)
+def error(action):
+    try:
+        action()
+    except RuntimeError as raised:
+        return str(raised)
+    return None
+"""
+
+MIXES = PRELUDE + """
+dev = emulation.install()
+again = emulation.install()
+cpu, on_dev = torch.ones(3), torch.ones(3, device="emu")
+idx_cpu = torch.tensor([0, 2])
+idx_dev = idx_cpu.to("emu")
+square = torch.ones(2, 2, device="emu")
+refused = {
+    "cpu.mul_(dev)": lambda: cpu.clone().mul_(on_dev),
+    "dev @ cpu": lambda: square @ torch.ones(2, 2),
+    "cpu[dev_idx]": lambda: cpu[idx_dev],
+    "dev.index_put_(cpu_values)": lambda: on_dev.clone().index_put_((idx_cpu,), torch.ones(2)),
+    "embedding(cpu_ids)": lambda: torch.nn.functional.embedding(idx_cpu, square),
+    "repeat_interleave(dev, cpu_repeats)":
+        lambda: torch.repeat_interleave(on_dev, torch.tensor([1, 2, 1])),
+    "cumsum(dev, out=cpu)": lambda: torch.cumsum(on_dev, 0, out=torch.empty(3)),
+    "equal(cpu, dev)": lambda: torch.equal(cpu, on_dev),
+    "dev + cpu": lambda: on_dev + cpu,
+    "cat([dev, cpu])": lambda: torch.cat([on_dev, cpu]),
+    "where(mask, dev, cpu)": lambda: torch.where(on_dev > 0, on_dev, cpu),
+    "index_select(dev, cpu_idx)": lambda: on_dev.index_select(0, idx_cpu),
+    "cross_entropy(dev, cpu_targets)":
+        lambda: torch.nn.functional.cross_entropy(square, torch.tensor([0, 1])),
+}
+offsets = torch.zeros(4, device="emu")
+torch.cumsum(on_dev, 0, out=offsets[1:])
+mask = torch.tensor([True, False, True])
+grown = torch.empty(0, device="emu")
+torch.cumsum(on_dev, 0, out=grown)
+x = torch.zeros(5, device="emu")
+x[torch.tensor([1, 3])] = 2.0
+x[x > 0] += 1.0
+legal = {
+    "dev * cpu_scalar": (on_dev * torch.tensor(2.0)).tolist(),
+    "dev[cpu_idx]": on_dev[idx_cpu].tolist(),
+    "dev[cpu_mask]": torch.arange(3.0, device="emu")[mask].tolist(),
+    "cumsum(out=dev)": offsets.tolist(),
+    "cumsum(out=empty dev)": [list(grown.shape), grown.tolist()],
+    "index assignment": x.tolist(),
+    "nonzero": (x > 0).nonzero().flatten().tolist(),
+    "repeat_interleave(dev, dev)":
+        torch.repeat_interleave(on_dev, torch.tensor([1, 2, 1], device="emu")).tolist(),
+    "index_add": torch.zeros(3, device="emu").index_add(0, idx_dev, on_dev[:2]).tolist(),
+    "equal(dev, dev)": torch.equal(on_dev, torch.ones(3, device="emu")),
+    "cpu.copy_(dev)": torch.zeros(3).copy_(on_dev * 3).tolist(),
+    "item": torch.arange(5, device="emu").sum().item(),
+}
+gen = torch.Generator("emu").manual_seed(7)
+report(
+    refused={name: error(action) for name, action in refused.items()},
+    legal=legal,
+    device=str(dev), same=again == dev, installed=emulation.is_installed(),
+    available=torch.accelerator.is_available(),
+    accelerator=str(torch.accelerator.current_accelerator()),
+    is_emu=torch.accelerator.current_accelerator() == torch.device("emu"),
+    count=torch.accelerator.device_count(), index=torch.accelerator.current_device_index(),
+    set_index=error(lambda: torch.accelerator.set_device_index(0)),
+    bad_index=error(lambda: torch.accelerator.set_device_index(1)),
+    cuda=torch.cuda.is_available(),
+    types=[type(t).__name__ for t in (on_dev, on_dev.cpu(), torch.arange(3, device="emu"))],
+    devices=[str(t.device) for t in (torch.tensor([1], device="emu"), on_dev.to("cpu"),
+                                     torch.ones(2).to("emu"), torch.empty(1, device="emu"))],
+    generated=torch.equal(torch.randn(4, device="emu", generator=gen).cpu(),
+                          torch.randn(4, generator=torch.Generator().manual_seed(7))),
+    cpu_generator=error(lambda: torch.randn(2, device="emu", generator=torch.Generator())),
+    backend=torch.distributed.get_default_backend_for_device("emu"),
+)
+"""
+
+TRAINING = PRELUDE + """
+import copy, time
+import torch.distributed as dist
+from transformers import LlamaConfig, LlamaForCausalLM
+dev = emulation.install()
+
+def tiny(attention):
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
+                         max_position_embeddings=64, tie_word_embeddings=True,
+                         attn_implementation=attention)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config)
+
+def train(model, ids, foreach, steps=2):
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=foreach)
+    losses = []
+    for _ in range(steps):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+def gap(reference, model):
+    return max((p.detach() - q.detach().cpu()).abs().max().item()
+               for p, q in zip(reference.parameters(), model.parameters()))
+
+ids = torch.randint(0, 64, (2, 10), generator=torch.Generator().manual_seed(1))
+runs, timing = {}, {}
+for attention, foreach in (("eager", False), ("eager", True), ("sdpa", None)):
+    reference, model = tiny(attention), tiny(attention).to(dev)
+    start = time.perf_counter()
+    cpu_losses = train(reference, ids, foreach)
+    middle = time.perf_counter()
+    emu_losses = train(model, ids.to(dev), foreach)
+    timing[attention] = [middle - start, time.perf_counter() - middle]
+    runs[f"{attention}/{foreach}"] = dict(
+        cpu=cpu_losses, emu=emu_losses, gap=gap(reference, model),
+        tied=model.lm_head.weight is model.model.embed_tokens.weight,
+        param=[type(model.lm_head.weight).__name__, str(model.lm_head.weight.device)])
+
+from safetensors.torch import load_file, save_file
+path = tempfile.mktemp(suffix=".safetensors")
+state = {name: value.cpu() for name, value in model.state_dict().items()
+         if name != "lm_head.weight"}
+save_file(state, path)
+saved = all(torch.equal(value, state[name]) for name, value in load_file(path).items())
+
+dist.init_process_group(emulation.GROUP_BACKEND, init_method="file://" + tempfile.mktemp(),
+                        rank=0, world_size=1)
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import init_device_mesh
+reference, model = tiny("eager"), tiny("eager").to(dev)
+mesh = init_device_mesh("emu", (1,))
+for layer in model.model.layers:
+    fully_shard(layer, mesh=mesh)
+fully_shard(model, mesh=mesh)
+fsdp = dict(cpu=train(reference, ids, None, steps=3), emu=train(model, ids.to(dev), None, 3),
+            param=[type(model.lm_head.weight).__name__, str(model.lm_head.weight.device)],
+            gap=max((p.detach() - q.full_tensor().cpu()).abs().max().item()
+                    for p, q in zip(reference.parameters(), model.parameters())))
+dist.destroy_process_group()
+report(runs=runs, timing=timing, saved=saved, fsdp=fsdp)
+"""
+
+COLLECTIVES = PRELUDE + """
+import torch.distributed as dist
+from torch.distributed._functional_collectives import all_reduce as functional_all_reduce
+rank, world, store = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+emulation.install()
+dist.init_process_group(emulation.GROUP_BACKEND, init_method="file://" + store,
+                        rank=rank, world_size=world)
+seen = {}
+value = torch.full((3,), float(rank + 1), device="emu")
+dist.all_reduce(value)
+seen["all_reduce"] = value.tolist()
+peak = torch.tensor([float(rank), 10.0 * rank], device="emu")
+dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+seen["max"] = peak.tolist()
+host = torch.full((2,), float(rank + 1))
+dist.all_reduce(host)
+seen["host"] = [host.tolist(), str(host.device)]
+sent = torch.arange(3.0, device="emu") + rank
+dist.broadcast(sent, 0)
+seen["broadcast"] = sent.tolist()
+parts = [torch.empty(1, device="emu") for _ in range(world)]
+dist.all_gather(parts, torch.full((1,), float(rank), device="emu"))
+seen["all_gather"] = [part.item() for part in parts]
+joined = torch.empty(2 * world, device="emu")
+dist.all_gather_into_tensor(joined, torch.full((2,), float(rank), device="emu"))
+seen["all_gather_into_tensor"] = joined.tolist()
+shard = torch.empty(1, device="emu")
+dist.reduce_scatter_tensor(shard, torch.arange(float(world), device="emu"))
+seen["reduce_scatter_tensor"] = shard.tolist()
+swapped = torch.empty(world, device="emu")
+dist.all_to_all_single(swapped, torch.arange(float(world), device="emu") + 10 * rank)
+seen["all_to_all_single"] = swapped.tolist()
+if rank == 0:
+    dist.send(torch.tensor([42.0], device="emu"), 1)
+    dist.isend(torch.tensor([43.0], device="emu"), 1).wait()
+else:
+    first, second = torch.empty(1, device="emu"), torch.empty(1, device="emu")
+    dist.recv(first, 0)
+    dist.irecv(second, 0).wait()
+    seen["recv"] = [first.item(), second.item()]
+dist.barrier()
+summed = functional_all_reduce(torch.ones(2, device="emu"), "sum", dist.group.WORLD).wait()
+seen["functional"] = [summed.tolist(), str(summed.device)]
+inherited = dist.new_group(list(range(world)))
+both = [torch.ones(1, device="emu"), torch.ones(1)]
+for tensor in both:
+    dist.all_reduce(tensor, group=inherited)
+seen["new_group"] = [tensor.item() for tensor in both]
+device_only = dist.new_group(list(range(world)), backend="emunccl")
+on_device = torch.ones(1, device="emu")
+dist.all_reduce(on_device, group=device_only)
+seen["device_only"] = on_device.item()
+seen["host_on_device_only"] = error(lambda: dist.all_reduce(torch.ones(1), group=device_only))
+objects = [{"from": rank}]
+dist.broadcast_object_list(objects, 0)
+seen["objects"] = objects
+dist.destroy_process_group()
+report(rank=rank, **seen)
+"""
+
+DEEPSPEED = PRELUDE + """
+os.environ.update(MASTER_ADDR="127.0.0.1", RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
+                  MASTER_PORT=str(20000 + os.getpid() % 20000))
+dev = emulation.install()
+import deepspeed, torch._dynamo
+import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
+from transformers import LlamaConfig, LlamaForCausalLM
+dist.init_process_group(emulation.GROUP_BACKEND, init_method="file://" + tempfile.mktemp(),
+                        rank=0, world_size=1)
+deepspeed.init_distributed(dist_backend=emulation.GROUP_BACKEND, auto_mpi_discovery=False)
+config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
+                     max_position_embeddings=64, attn_implementation="eager")
+seen = dict(accelerator=[get_accelerator().device_name(), get_accelerator().current_device_name(),
+                         get_accelerator().communication_backend_name()])
+for stage in (1, 3):
+    ds_config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+                 "zero_optimization": {"stage": stage}}
+    torch.manual_seed(0)
+    if stage == 3:
+        with deepspeed.zero.Init(config_dict_or_path=ds_config, remote_device=None):
+            model = LlamaForCausalLM(config)
+    else:
+        model = LlamaForCausalLM(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+    ids = torch.randint(0, 64, (2, 10), generator=torch.Generator().manual_seed(1))
+    losses = []
+    for _ in range(2):
+        loss = engine(input_ids=ids.to(engine.device), labels=ids.to(engine.device)).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    param = next(engine.module.parameters())
+    seen[f"zero{stage}"] = dict(device=str(engine.device), losses=losses,
+                                param=[type(param).__name__, str(param.device)],
+                                partition=str(getattr(param, "ds_tensor", param).device))
+report(**seen)
+"""
+
+GUARDS = PRELUDE + """
+from torch.utils import backend_registration
+setup = backend_registration._setup_privateuseone_for_python_backend
+del backend_registration._setup_privateuseone_for_python_backend
+missing = error(emulation.install)
+backend_registration._setup_privateuseone_for_python_backend = setup
+weight = torch.ones(2, requires_grad=True)
+(weight * 2).sum().backward()
+late = error(emulation.install)
+os.environ[emulation.ENV_VAR] = "0"
+report(missing=missing, late=late, from_env=emulation.install_from_env() is None,
+       installed=emulation.is_installed(), version=torch.__version__)
+"""
+
+
+def _run(code: str, *args: str, timeout: float = 240) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    result = subprocess.run([sys.executable, "-c", code, *args], capture_output=True,
+                            text=True, timeout=timeout, cwd=ROOT, env=env)
+    return _result(result.returncode, result.stdout, result.stderr)
+
+
+def _result(returncode: int, stdout: str, stderr: str) -> dict:
+    lines = [line for line in stdout.splitlines() if line.startswith("RESULT:")]
+    assert returncode == 0 and lines, f"child failed ({returncode}):\n{stderr[-4000:]}"
+    return json.loads(lines[-1][len("RESULT:"):])
+
+
+@pytest.fixture(scope="module")
+def mixes() -> dict:
+    return _run(MIXES)
+
+
+def test_refuses_every_host_device_mix_cuda_refuses(mixes):
+    refused = mixes["refused"]
+    assert len(refused) == 13
+    assert all(refused.values()), [name for name, message in refused.items() if not message]
+    two_devices = ("Expected all tensors to be on the same device, but found at least two "
+                   "devices, emu:0 and cpu!")
+    for name in ("cpu.mul_(dev)", "dev.index_put_(cpu_values)", "embedding(cpu_ids)",
+                 "dev + cpu", "where(mask, dev, cpu)"):
+        assert refused[name] == two_devices, name
+    assert refused["cumsum(dev, out=cpu)"] == (
+        "Expected out tensor to have device emu:0, but got cpu instead")
+    assert refused["equal(cpu, dev)"] == (
+        "Expected all tensors to be on the same device, but got other is on emu:0, different "
+        "from other tensors on cpu (when checking argument in method wrapper_CUDA__equal)")
+    assert refused["dev @ cpu"].endswith(
+        "but got mat2 is on cpu, different from other tensors on emu:0 (when checking "
+        "argument in method wrapper_CUDA_mm)")
+    assert refused["cpu[dev_idx]"] == ("indices should be either on cpu or on the same "
+                                       "device as the indexed tensor (cpu)")
+    for name in ("repeat_interleave(dev, cpu_repeats)", "index_select(dev, cpu_idx)"):
+        assert "but got index is on cpu" in refused[name], name
+    assert "wrapper_CUDA_cat" in refused["cat([dev, cpu])"]
+    assert "but got target is on cpu" in refused["cross_entropy(dev, cpu_targets)"]
+
+
+def test_legal_mixes_compute_real_values_and_the_device_looks_like_an_accelerator(mixes):
+    seen = mixes
+    assert seen["legal"] == {
+        "dev * cpu_scalar": [2.0, 2.0, 2.0], "dev[cpu_idx]": [1.0, 1.0],
+        "dev[cpu_mask]": [0.0, 2.0], "cumsum(out=dev)": [0.0, 1.0, 2.0, 3.0],
+        "cumsum(out=empty dev)": [[3], [1.0, 2.0, 3.0]],
+        "index assignment": [0.0, 3.0, 0.0, 3.0, 0.0], "nonzero": [1, 3],
+        "repeat_interleave(dev, dev)": [1.0, 1.0, 1.0, 1.0], "index_add": [1.0, 0.0, 1.0],
+        "equal(dev, dev)": True, "cpu.copy_(dev)": [3.0, 3.0, 3.0], "item": 10,
+    }
+    assert seen["device"] == "emu:0" and seen["same"] and seen["installed"]
+    assert seen["available"] and seen["is_emu"] and seen["accelerator"] == "emu"
+    assert (seen["count"], seen["index"], seen["set_index"]) == (1, 0, None)
+    assert "Invalid device ordinal 1" in seen["bad_index"]
+    assert seen["cuda"] is False
+    assert seen["types"] == ["EmulatedTensor", "Tensor", "EmulatedTensor"]
+    assert seen["devices"] == ["emu:0", "cpu", "emu:0", "emu:0"]
+    assert seen["generated"] is True
+    assert seen["cpu_generator"] == "Expected a 'emu' device type for generator but found 'cpu'"
+    assert seen["backend"] == "emunccl"
+
+
+def test_llama_and_fsdp2_train_on_the_device_as_on_the_cpu():
+    seen = _run(TRAINING)
+    for name, run in seen["runs"].items():
+        assert run["tied"] and run["param"] == ["EmulatedTensor", "emu:0"], name
+        if name.startswith("eager"):
+            assert run["emu"] == run["cpu"] and run["gap"] == 0.0, name
+        else:  # SDPA takes its math path on the device, the CPU's flash kernel on the host
+            assert run["emu"] == pytest.approx(run["cpu"], abs=1e-5), name
+            assert run["gap"] < 1e-5, name
+    assert seen["saved"]
+    fsdp = seen["fsdp"]
+    assert fsdp["param"] == ["DTensor", "emu:0"]
+    assert fsdp["emu"] == fsdp["cpu"] and fsdp["gap"] == 0.0
+
+
+def test_collectives_carry_device_tensors_and_refuse_host_ones_on_a_device_only_group(
+        tmp_path):
+    store = str(tmp_path / "store")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    children = [subprocess.Popen([sys.executable, "-c", COLLECTIVES, str(rank), "2", store],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                 cwd=ROOT, env=env) for rank in range(2)]
+    outputs = [child.communicate(timeout=240) for child in children]
+    seen = [_result(child.returncode, *output) for child, output in zip(children, outputs)]
+    for rank, ranks in enumerate(seen):
+        assert ranks["all_reduce"] == [3.0, 3.0, 3.0]
+        assert ranks["max"] == [1.0, 10.0]
+        assert ranks["host"] == [[3.0, 3.0], "cpu"]
+        assert ranks["broadcast"] == [0.0, 1.0, 2.0]
+        assert ranks["all_gather"] == [0.0, 1.0]
+        assert ranks["all_gather_into_tensor"] == [0.0, 0.0, 1.0, 1.0]
+        assert ranks["reduce_scatter_tensor"] == [2.0 * rank]
+        assert ranks["all_to_all_single"] == [float(rank), 10.0 + rank]
+        assert ranks["functional"] == [[2.0, 2.0], "emu:0"]
+        assert ranks["new_group"] == [2.0, 2.0]
+        assert ranks["device_only"] == 2.0
+        assert ranks["host_on_device_only"] == "No backend type associated with device type cpu"
+        assert ranks["objects"] == [{"from": 0}]
+    assert seen[1]["recv"] == [42.0, 43.0]
+
+
+def test_deepspeed_places_zero_engines_on_the_device():
+    pytest.importorskip("deepspeed")
+    seen = _run(DEEPSPEED)
+    assert seen["accelerator"] == ["emu", "emu:0", "cpu:gloo,emu:emunccl"]
+    for stage in ("zero1", "zero3"):
+        assert seen[stage]["device"] == "emu:0", stage
+        assert seen[stage]["param"] == ["EmulatedTensor", "emu:0"], stage
+        assert seen[stage]["partition"] == "emu:0", stage
+        assert len(seen[stage]["losses"]) == 2 and seen[stage]["losses"][1] < \
+            seen[stage]["losses"][0], stage
+
+
+def test_refuses_a_torch_without_its_apis_and_an_install_after_the_first_backward():
+    seen = _run(GUARDS)
+    assert seen["version"] in seen["missing"]
+    assert "_setup_privateuseone_for_python_backend" in seen["missing"]
+    assert "after this process's first backward pass" in seen["late"]
+    assert seen["from_env"] and not seen["installed"]
