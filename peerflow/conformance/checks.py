@@ -104,6 +104,7 @@ def compare(expected: Mapping[int, Mapping[str, torch.Tensor]],
                 problems.append(f"rank {rank} tensor {spec.local_name!r} was never loaded")
                 continue
             want = expected[rank][spec.local_name]
+            have = have.detach().cpu()  # engines hold device tensors; the oracle is on the host
             if not check_padding:
                 have = have.clone()
                 for box in spec.padding:

@@ -125,6 +125,8 @@ def worker_entry(
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     ctx = init_distributed(timeout=fault_timeout, wait_timeout=wait_timeout)
     open_rank_log(resume or run_dir, ctx.rank)
+    append_to_rank_log(f"rank {ctx.rank} on {ctx.host}: engines compute on {ctx.device}; "
+                       f"process groups carry {ctx.backend}")
     monitor = ctx.monitor
     stopped = None
     if monitor is not None:
