@@ -100,13 +100,19 @@ def _auto_transport(plan: ReshardPlan, *, rank: int, group: Any, device: str
     """The transport `auto` stands for (every rank of the group decides alike).
 
     `inprocess` when no transfer crosses ranks; else `shm` when every rank of the group
-    shares this host's memory (CPU buffers); else `torch`.
+    shares this host's memory (CPU buffers); else `cuda_ipc` when ranks share a GPU (one
+    host with more ranks than GPUs: NCCL refuses two ranks on one device, and gloo would
+    stage every bucket through the host); else `torch`.
     """
+    from peerflow.distributed.devices import ranks_share_devices
+
     if not any(t.src_rank != t.dst_rank for t in plan.transfers):
         return make_transport("inprocess", rank=rank, group=group, device=device)
     shared = make_transport("shm", rank=rank, group=group, device=device)
     if not isinstance(shared.route(), str):
         return shared
+    if str(device).startswith("cuda") and ranks_share_devices():
+        return make_transport("cuda_ipc", rank=rank, group=group, device=device)
     return make_transport("torch", rank=rank, group=group, device=device)
 
 

@@ -116,3 +116,20 @@ def test_the_core_asks_the_device_contract_not_cuda():
     users = {path for path in _calls(r"torch\.cuda\.") if path.removeprefix("peerflow/")
              .startswith(core)}
     assert not users, f"decide devices in peerflow/distributed/devices.py, not in {users}"
+
+
+def test_ranks_sharing_a_gpu_sync_weights_over_cuda_ipc(monkeypatch, gpus):
+    """NCCL cannot join two ranks on one GPU; `auto` moves their buckets over CUDA IPC."""
+    from types import SimpleNamespace
+
+    from peerflow.reshard.service import _auto_transport
+    from peerflow.reshard.transports import CudaIpcTransport, TorchP2PTransport
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    plan = SimpleNamespace(transfers=[SimpleNamespace(src_rank=0, dst_rank=1)])
+    gpus(count=1, local_world=2)
+    assert isinstance(_auto_transport(plan, rank=0, group=None, device="cuda:0"),
+                      CudaIpcTransport)
+    gpus(count=2, local_world=2)
+    assert isinstance(_auto_transport(plan, rank=0, group=None, device="cuda:0"),
+                      TorchP2PTransport)
