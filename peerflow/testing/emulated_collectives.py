@@ -43,9 +43,12 @@ NAMESPACES = ("c10d", "_c10d_functional", "_c10d_functional_autograd")
 WRAPPERS = frozenset({"_c10d_functional::_wrap_tensor_autograd"})
 
 _lock = threading.Lock()
-#: Shadow groups by the id of the device backend they serve (each holds its backend, so
-#: the id stays unique), with the name each is registered under in c10d.
-_shadows: dict[int, tuple[dist.ProcessGroup, str]] = {}
+#: Shadow groups by the id of the device backend they serve, with the name each is
+#: registered under in c10d and the backend's Python object: holding that object keeps
+#: its id unique, and makes c10d hand out the same object for the backend again (a
+#: wrapper left to die would free its id for the next group's backend, whose collectives
+#: would then go to this group's connections on one rank and hang).
+_shadows: dict[int, tuple[dist.ProcessGroup, str, Any]] = {}
 
 
 def _create_backend(store: dist.Store, rank: int, size: int,
@@ -75,8 +78,8 @@ def _shadow(group: dist.ProcessGroup) -> tuple[dist.ProcessGroup, str]:
             # backend it shares with `group`.
             name = f"{group.group_name}:{DEVICE_TYPE}:{len(_shadows)}"
             torch._C._distributed_c10d._register_process_group(name, shadow)
-            found = _shadows[id(backend)] = (shadow, name)
-    return found
+            found = _shadows[id(backend)] = (shadow, name, backend)
+    return found[0], found[1]
 
 
 def _reroute(value: Any, argument: torch.Argument) -> Any:

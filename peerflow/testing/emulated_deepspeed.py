@@ -5,8 +5,9 @@ abstraction, which detects the CPU here. `set_accelerator()` replaces it with on
 emulated device, so a DeepSpeed engine places its model and ZeRO partitions on `emu` and
 starts its process group with the emulated device's backend (host tensors over gloo,
 device tensors over `emunccl`). It is DeepSpeed's CPU accelerator (its op builders, no
-pinned memory) with the device, streams and events of the emulated one. DeepSpeed is
-imported only when this runs.
+pinned memory) with the device, streams and events of the emulated one, and its device
+indices: `device_count()`, `set_device()`, `current_device()` and `current_device_name()`
+(`emu:<current index>`) are the emulation's. DeepSpeed is imported only when this runs.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ def build_accelerator() -> Any:
     """An instance of the emulated device's `DeepSpeedAccelerator` (imports DeepSpeed)."""
     from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
 
-    from peerflow.testing import emulated_collectives, emulated_runtime
-    from peerflow.testing.emulated_tensor import DEVICE_TYPE, emulated_device
+    from peerflow.testing import emulated_collectives, emulated_ordinals, emulated_runtime
+    from peerflow.testing.emulated_ordinals import DEVICE_TYPE
 
     module = getattr(torch, DEVICE_TYPE)
 
@@ -40,19 +41,19 @@ def build_accelerator() -> Any:
             return DEVICE_TYPE if device_index is None else f"{DEVICE_TYPE}:{device_index}"
 
         def device(self, device_index: int | None = None) -> torch.device:
-            return torch.device(DEVICE_TYPE, 0 if device_index is None else device_index)
+            return torch.device(DEVICE_TYPE, emulated_ordinals.index_of(device_index))
 
         def set_device(self, device_index: int) -> None:
             module.set_device(device_index)
 
         def current_device(self) -> int:
-            return 0
+            return emulated_ordinals.current_index()
 
         def current_device_name(self) -> str:
-            return str(emulated_device())
+            return str(emulated_ordinals.current_device())
 
         def device_count(self) -> int:
-            return 1
+            return emulated_ordinals.device_count()
 
         def synchronize(self, device_index: int | None = None) -> None:
             module.synchronize(device_index)

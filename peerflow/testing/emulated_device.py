@@ -1,18 +1,24 @@
 """An emulated accelerator: test device code without a GPU.
 
-`install()` makes this process believe it has one accelerator, `emu:0`
-(`torch.accelerator.current_accelerator()` is `torch.device("emu")`), whose tensors hold
-real values computed on the CPU, and which refuses every host/device mix that CUDA
-refuses, with CUDA's messages ("Expected all tensors to be on the same device, but found
-at least two devices, emu:0 and cpu!"). Code that decides its devices through
-`torch.accelerator` runs its GPU path here, so a CPU-only test run catches the placement
-bugs that otherwise surface only on a GPU machine.
+`install()` makes this process believe it runs on a host with one accelerator per local
+rank, `emu:0` … `emu:<n-1>` (`torch.accelerator.current_accelerator()` is
+`torch.device("emu")`, `torch.accelerator.device_count()` is `$LOCAL_WORLD_SIZE`, or
+`$PEERFLOW_EMULATED_DEVICES` when set), whose tensors hold real values computed on the
+CPU, and which refuses every mix of devices that CUDA refuses, host/device and
+`emu:0`/`emu:1` alike, with CUDA's messages ("Expected all tensors to be on the same
+device, but found at least two devices, emu:0 and cpu!"). Code that decides its devices
+through `torch.accelerator` runs its GPU path here (`peerflow.distributed.devices` gives
+each local rank a device of its own and NCCL's stand-in, `emunccl`), so a CPU-only test run
+catches the placement bugs that otherwise surface only on a GPU machine.
 
 Parts (each its own module):
 
 * **The device** (`emulated_runtime`): the `PrivateUse1` backend registered from Python and
   renamed `emu`, its `torch.emu` module (streams, events, RNG, memory figures),
   `torch.Generator("emu")`.
+* **Its indices** (`emulated_ordinals`): how many devices, which one is current
+  (`torch.accelerator.set_device_index`, 0 at start), and the device a tensor named
+  `"emu"`, without an index, lands on (the current one, as on CUDA).
 * **Its tensors** (`emulated_tensor`): a traceable wrapper subclass over a CPU tensor;
   every operator is checked with CUDA's rules (`emulated_rules`, read from torch's own
   `native_functions.yaml`) and run on the CPU values.
@@ -32,16 +38,31 @@ Limits:
   fp32. No fused kernels: scaled-dot-product attention takes its math path (values within
   ~1e-5 of the CPU's flash kernel; eager attention matches the CPU bit for bit).
 * No stream or event races: all work is synchronous; streams and events only keep books.
-* One emulated device per process: `emu:0` (`device_count()` is 1; `set_device_index`
-  accepts only 0). Several ranks on one host each have their own `emu:0`.
+* Devices are names: every index's values live in this process's CPU memory, each
+  process has its own (rank 1's `emu:1` and rank 0's `emu:1` are not one device), and a
+  copy between indices is a CPU copy. The count is read at `install()`
+  (`$PEERFLOW_EMULATED_DEVICES`, else `$LOCAL_WORLD_SIZE`, at least 1); with fewer devices
+  than local ranks, ranks share devices (`peerflow.distributed.devices` then carries device
+  tensors over gloo, which serves the emulated device too).
+* The current device is the process's, not each thread's as on CUDA (a thread that never
+  set its device computes on the process's current one here, on device 0 on a GPU).
+* With more than one device, every backward pass runs on its caller's thread (autograd's
+  per-device threads exist for device 0 only), and `Tensor.to`, `torch.tensor`,
+  `torch.as_tensor`, `torch.asarray` and `Tensor.new_tensor` are wrapped so that `"emu"`
+  without an index names the current device (torch's C++ side would name device 0).
+  A `device="emu"` that reaches C++ another way (`torch.set_default_device("emu")` or
+  another torch function mode, an operator called from C++ with `emu` and no index) lands
+  on `emu:0`. The wrappers are not torch's builtins: code that looks those up by identity
+  misses them (the device context, `with torch.device(…)`, and lazy modules are covered).
 * Things a Python backend cannot provide: `pin_memory()` returns an unpinned copy; a CPU
   operator handed an `emu` generator runs instead of failing; `.data = cpu_tensor` on an
   emulated tensor raises (CUDA allows it); `torch.load(weights_only=True)` refuses pickled
   emulated tensors.
 * Process-wide patches: `torch.Generator` (accepts `"emu"`), `Tensor.pin_memory`,
   `torch.utils.swap_tensors` (swaps parameters with weak references onto the device, as
-  DeepSpeed's `module.to()` needs), and `torch.accelerator`'s `synchronize`,
-  `set_device_index` and memory statistics (answered for the emulated device).
+  DeepSpeed's `module.to()` needs), `torch.accelerator`'s `synchronize`, device-index and
+  stream functions and memory statistics (answered for the emulated device), and with more
+  than one device those of the previous point.
 * Private torch APIs (`_setup_privateuseone_for_python_backend`, wrapper subclasses,
   c10d's operator dispatch, torchgen's `native_functions.yaml`): a torch upgrade needs the
   smoke test (`tests/unit/test_emulated_device.py`); on a torch without them `install()`
@@ -62,10 +83,12 @@ from typing import Any
 import torch
 
 from peerflow.testing.emulated_collectives import BACKEND_NAME, GROUP_BACKEND
+from peerflow.testing.emulated_ordinals import ENV_VAR as DEVICES_ENV_VAR
 from peerflow.testing.emulated_tensor import DEVICE_TYPE, EmulatedTensor, emulated_device
 
-__all__ = ["BACKEND_NAME", "DEVICE_TYPE", "ENV_VAR", "GROUP_BACKEND", "EmulatedTensor",
-           "install", "install_from_env", "is_installed", "unsupported_reason"]
+__all__ = ["BACKEND_NAME", "DEVICES_ENV_VAR", "DEVICE_TYPE", "ENV_VAR", "GROUP_BACKEND",
+           "EmulatedTensor", "install", "install_from_env", "is_installed",
+           "unsupported_reason"]
 
 #: Set to "1" to make `install_from_env()` install the emulation (worker processes).
 ENV_VAR = "PEERFLOW_EMULATE_ACCELERATOR"
@@ -189,14 +212,17 @@ def _install_deepspeed_accelerator() -> None:
 def install() -> torch.device:
     """Installs the emulated accelerator in this process (idempotent).
 
+    The device count is read now: `$PEERFLOW_EMULATED_DEVICES`, else `$LOCAL_WORLD_SIZE`
+    (at least 1).
+
     Returns:
-        `torch.device("emu", 0)`, the emulated device.
+        The current emulated device (`torch.device("emu", 0)` after the first install).
 
     Raises:
         RuntimeError: this torch lacks the private APIs the emulation needs (the message
-            names the version and the fix), another backend holds `PrivateUse1`, or a
-            backward pass already ran in this process. An install that failed part-way
-            raises the same error again.
+            names the version and the fix), another backend holds `PrivateUse1`, a
+            backward pass already ran in this process, or `$PEERFLOW_EMULATED_DEVICES` is
+            not a device count. An install that failed part-way raises the same error again.
     """
     global _installed, _failure
     with _lock:
@@ -207,15 +233,17 @@ def install() -> torch.device:
         reason = unsupported_reason()
         if reason is not None:
             raise RuntimeError(reason)
-        from peerflow.testing import emulated_collectives, emulated_rules
+        from peerflow.testing import emulated_collectives, emulated_ordinals, emulated_rules
 
         try:
+            emulated_ordinals.configure()
             emulated_rules.rule_table()
             _register_device()
             _check_autograd()
         except RuntimeError as error:
             _failure = error
             raise
+        emulated_ordinals.patch_torch()
         emulated_collectives.register()
         _install_deepspeed_accelerator()
         _installed = True

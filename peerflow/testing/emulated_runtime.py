@@ -5,7 +5,8 @@ this is what device-generic code reaches through `torch.accelerator`, FSDP2's de
 handle (`getattr(torch, device.type)`), `torch.autocast("emu")` and `torch.manual_seed`.
 Everything runs synchronously on the CPU, so streams and events only keep the bookkeeping
 that callers read back. Random numbers come from the CPU generator, so a seeded run draws
-the same values on the emulated device as on the CPU.
+the same values on the emulated device as on the CPU (one generator serves every index).
+The device indices (how many, which is current) are `emulated_ordinals`'.
 """
 
 from __future__ import annotations
@@ -22,23 +23,24 @@ from typing import Any
 
 import torch
 
-from peerflow.testing.emulated_tensor import (
-    DEVICE_TYPE,
-    EMULATED_GENERATORS,
-    EmulatedTensor,
-    emulated_device,
-)
+from peerflow.testing import emulated_ordinals
+from peerflow.testing.emulated_tensor import DEVICE_TYPE, EMULATED_GENERATORS, EmulatedTensor
 
 #: What `get_device_name()` reports.
 DEVICE_NAME = "PeerFlow emulated accelerator (CPU values)"
+
+
+def _device_type_code() -> int:
+    return int(torch._C._autograd.DeviceType.PrivateUse1)
 
 
 class Stream(torch.Stream):
     """A stream of the emulated device (work runs at once; ordering calls are no-ops)."""
 
     def __new__(cls, device: Any = None, priority: int = 0, **kwargs: Any) -> Stream:
-        """A stream on the emulated device (`device` must name it, or be None)."""
-        return super().__new__(cls, device=DEVICE_TYPE, priority=priority)
+        """A stream on the emulated `device` (the current one when None or no index)."""
+        return super().__new__(cls, stream_id=0, device_index=emulated_ordinals.index_of(device),
+                               device_type=_device_type_code())
 
 
 class Event(torch.Event):
@@ -68,18 +70,13 @@ class Event(torch.Event):
 
 
 def _check_device(device: Any) -> None:
-    if device is None:
-        return
-    index = device if isinstance(device, int) else torch.device(device).index
-    if index not in (None, 0, -1):
-        raise RuntimeError(f"Invalid device ordinal {index}: the emulated accelerator has "
-                           f"one device, {emulated_device()}")
+    emulated_ordinals.index_of(device)
 
 
 def current_stream(device: Any = None) -> torch.Stream:
-    """The stream work is issued on."""
-    _check_device(device)
-    return torch.accelerator.current_stream()
+    """The stream work is issued on: the default stream of `device` (None: the current)."""
+    return torch.Stream(stream_id=0, device_index=emulated_ordinals.index_of(device),
+                        device_type=_device_type_code())
 
 
 @contextlib.contextmanager
@@ -97,8 +94,16 @@ def stream(selected: torch.Stream | None) -> Iterator[None]:
 
 
 def set_device(device: Any) -> None:
-    """Selects the device (only `emu:0` exists)."""
-    _check_device(device)
+    """Makes `device` (an index, a device or its name) the current device."""
+    emulated_ordinals.set_index(device)
+
+
+def _rng_states() -> list[torch.Tensor]:
+    return [torch.get_rng_state()] * emulated_ordinals.device_count()
+
+
+def _set_rng_states(states: Any) -> None:
+    torch.set_rng_state(states[emulated_ordinals.current_index()])
 
 
 def _rng_state(device: Any = None) -> torch.Tensor:
@@ -131,16 +136,17 @@ def build_device_module() -> types.ModuleType:
     module.__dict__.update(
         is_available=lambda: True, is_initialized=lambda: True, _is_in_bad_fork=lambda: False,
         _lazy_init=nothing, init=nothing, is_bf16_supported=lambda *args, **kwargs: True,
-        device_count=lambda: 1, current_device=lambda: 0, set_device=set_device,
+        device_count=emulated_ordinals.device_count,
+        current_device=emulated_ordinals.current_index, set_device=set_device,
+        device=emulated_ordinals.device_index,
         get_device_name=lambda device=None: DEVICE_NAME,
         synchronize=lambda device=None: _check_device(device), Stream=Stream, Event=Event,
         current_stream=current_stream, default_stream=current_stream, stream=stream,
-        set_stream=torch.accelerator.set_stream,
+        set_stream=lambda selected: torch.accelerator.set_stream(selected),
         manual_seed=_seed, manual_seed_all=_seed, seed=torch.seed, seed_all=torch.seed,
         initial_seed=torch.initial_seed, get_rng_state=_rng_state, set_rng_state=_set_rng_state,
-        get_rng_state_all=lambda: [torch.get_rng_state()],
-        set_rng_state_all=lambda states: torch.set_rng_state(states[0]),
-        default_generators=(torch.default_generator,),
+        get_rng_state_all=_rng_states, set_rng_state_all=_set_rng_states,
+        default_generators=(torch.default_generator,) * emulated_ordinals.device_count(),
         get_amp_supported_dtype=lambda: [torch.float16, torch.bfloat16],
         memory_allocated=zero, max_memory_allocated=zero, memory_reserved=zero,
         max_memory_reserved=zero, reset_peak_memory_stats=nothing,
@@ -173,10 +179,10 @@ class Generator(torch._C.Generator, metaclass=_GeneratorMeta):
         """A generator for `device` (the emulated one is backed by a CPU generator)."""
         device = torch.device(device)
         emulated = device.type == DEVICE_TYPE
-        if emulated:
-            _check_device(device)
+        index = emulated_ordinals.index_of(device) if emulated else None
         generator = super().__new__(cls, "cpu" if emulated else device)
         generator._emulated = emulated
+        generator._index = index
         if emulated:
             EMULATED_GENERATORS.add(generator._cdata)
             weakref.finalize(generator, EMULATED_GENERATORS.discard, generator._cdata)
@@ -185,12 +191,14 @@ class Generator(torch._C.Generator, metaclass=_GeneratorMeta):
     @property
     def device(self) -> torch.device:
         """The device this generator serves."""
-        return emulated_device() if self._emulated else super().device
+        if self._emulated:
+            return torch.device(DEVICE_TYPE, self._index)
+        return super().device
 
 
 def _accelerator_patch(original: Callable[..., Any], emulated: Callable[..., Any]
                        ) -> Callable[..., Any]:
-    @functools.wraps(original)
+    @functools.wraps(original, updated=())  # `original` may be a class (`device_index`)
     def patched(*args: Any, **kwargs: Any) -> Any:
         current = torch.accelerator.current_accelerator()
         if current is not None and current.type == DEVICE_TYPE:
@@ -200,11 +208,25 @@ def _accelerator_patch(original: Callable[..., Any], emulated: Callable[..., Any
     return patched
 
 
+def _device_index(device: Any) -> int:
+    """torch.accelerator's reading of a device argument that must name an index."""
+    from torch.accelerator._utils import _get_device_index
+
+    return _get_device_index(device, optional=False)
+
+
 #: `torch.accelerator` functions a Python-registered backend cannot serve (they reach C++
-#: allocator and synchronisation hooks it has no way to provide): what they return instead.
+#: allocator, synchronisation and device-index hooks it has no way to provide; its C++
+#: device guard knows device 0 only): what they do instead.
 ACCELERATOR_FALLBACKS: dict[str, Callable[..., Any]] = {
-    "synchronize": lambda device=None: None,
-    "set_device_index": set_device,
+    "synchronize": lambda device=None: _check_device(device),
+    "current_device_index": emulated_ordinals.current_index,
+    "current_device_idx": emulated_ordinals.current_index,
+    "set_device_index": lambda device: set_device(_device_index(device)),
+    "set_device_idx": lambda device: set_device(_device_index(device)),
+    "device_index": emulated_ordinals.device_index,
+    "current_stream": current_stream,
+    "set_stream": lambda stream: set_device(stream.device_index),
     "memory_allocated": lambda device_index=None: 0,
     "max_memory_allocated": lambda device_index=None: 0,
     "memory_reserved": lambda device_index=None: 0,

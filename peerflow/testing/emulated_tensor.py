@@ -1,26 +1,29 @@
 """Tensors on the emulated device: CPU values behind a device-typed wrapper.
 
 An `EmulatedTensor` is a traceable wrapper subclass (`_make_wrapper_subclass`) whose device
-is `emu:0` and whose values live in a CPU tensor, `elem`. Every operator on it reaches
-`__torch_dispatch__`, which checks the devices as CUDA would (`emulated_rules`), runs the
-operator on the CPU values and wraps the results; an in-place or `out=` operator returns
-the caller's own tensor. Factories that name the device (`torch.empty(…, device="emu")`)
-reach per-operator `PrivateUse1` kernels that do the same.
+is `emu:<index>` and whose values live in a CPU tensor, `elem`. Every operator on it
+reaches `__torch_dispatch__`, which checks the devices as CUDA would (`emulated_rules`),
+runs the operator on the CPU values and wraps the results; an in-place or `out=` operator
+returns the caller's own tensor. Factories that name the device (`torch.empty(…,
+device="emu")`) reach per-operator `PrivateUse1` kernels that do the same. New tensors
+take the index their `device=` names, else their inputs' (all one, or CUDA's check has
+refused the call), else the current one (`emulated_ordinals`).
 """
 
 from __future__ import annotations
 
 import copy
-import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from peerflow.testing import emulated_rules
+from peerflow.testing import emulated_ordinals, emulated_rules
+from peerflow.testing.emulated_ordinals import DEVICE_TYPE
 
-#: The device type of the emulated accelerator.
-DEVICE_TYPE = "emu"
+__all__ = ["DEVICE_TYPE", "EmulatedTensor", "emulated_device", "register_backend_kernels",
+           "run_operator"]
+
 _HOST = torch.device("cpu")
 
 #: Operators whose `PrivateUse1` kernel this module provides: they run before any
@@ -56,10 +59,9 @@ NAMESPACE_HANDLERS: dict[str, Callable[[torch._ops.OpOverload, Sequence[Any],
                                          dict[str, Any]], Any]] = {}
 
 
-@functools.lru_cache(maxsize=1)
 def emulated_device() -> torch.device:
-    """`emu:0`, the emulated accelerator's only device (valid once it is registered)."""
-    return torch.device(DEVICE_TYPE, 0)
+    """The current emulated device, `emu:<current index>` (valid once it is registered)."""
+    return emulated_ordinals.current_device()
 
 
 class EmulatedTensor(torch.Tensor):
@@ -69,24 +71,34 @@ class EmulatedTensor(torch.Tensor):
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @staticmethod
-    def __new__(cls, elem: torch.Tensor, requires_grad: bool = False) -> EmulatedTensor:
-        """Wraps the CPU tensor `elem` (not copied) as a tensor on the emulated device."""
+    def __new__(cls, elem: torch.Tensor, requires_grad: bool = False,
+                index: int | None = None) -> EmulatedTensor:
+        """Wraps the CPU tensor `elem` (not copied) as a tensor on `emu:<index>`.
+
+        Args:
+            cls: `EmulatedTensor` (or a subclass).
+            elem: The values.
+            requires_grad: Whether autograd records operations on the tensor.
+            index: The device's index; the current device's when None.
+        """
+        if index is None:
+            index = emulated_ordinals.current_index()
         wrapper = torch.Tensor._make_wrapper_subclass(
             cls, elem.shape, strides=elem.stride(), storage_offset=elem.storage_offset(),
-            dtype=elem.dtype, layout=elem.layout, device=emulated_device(),
+            dtype=elem.dtype, layout=elem.layout, device=torch.device(DEVICE_TYPE, index),
             requires_grad=requires_grad)
         wrapper.elem = elem
         return wrapper
 
-    def __tensor_flatten__(self) -> tuple[list[str], None]:
-        """The inner tensor's attribute name (traceable wrapper protocol)."""
-        return ["elem"], None
+    def __tensor_flatten__(self) -> tuple[list[str], int]:
+        """The inner tensor's attribute name and the device index (traceable wrappers)."""
+        return ["elem"], self.device.index
 
     @staticmethod
-    def __tensor_unflatten__(inner: dict[str, torch.Tensor], meta: None, outer_size: Any,
-                             outer_stride: Any) -> EmulatedTensor:
+    def __tensor_unflatten__(inner: dict[str, torch.Tensor], meta: int | None,
+                             outer_size: Any, outer_stride: Any) -> EmulatedTensor:
         """Rebuilds the wrapper from its inner tensor (traceable wrapper protocol)."""
-        return EmulatedTensor(inner["elem"])
+        return EmulatedTensor(inner["elem"], index=meta)
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:
         """The CPU values' repr with the device and autograd state of this tensor."""
@@ -133,7 +145,7 @@ class EmulatedTensor(torch.Tensor):
         if id(self) in memo:
             return memo[id(self)]
         with torch.no_grad():
-            new = EmulatedTensor(self.elem.clone())
+            new = EmulatedTensor(self.elem.clone(), index=self.device.index)
         new.requires_grad_(self.requires_grad)
         memo[id(self)] = new
         for name, value in self.__dict__.items():
@@ -142,8 +154,8 @@ class EmulatedTensor(torch.Tensor):
         return new
 
     def __reduce_ex__(self, protocol: Any) -> tuple[Any, tuple[Any, ...]]:
-        """Pickles the CPU values; unpickling needs the emulation installed."""
-        return (_rebuild, (self.elem.detach(), self.requires_grad))
+        """Pickles the CPU values and the index; unpickling needs the emulation installed."""
+        return (_rebuild, (self.elem.detach(), self.requires_grad, self.device.index))
 
     @classmethod
     def __torch_dispatch__(cls, func: torch._ops.OpOverload, types: Any,
@@ -153,8 +165,12 @@ class EmulatedTensor(torch.Tensor):
         return run_operator(func, args, kwargs or {})
 
 
-def _rebuild(elem: torch.Tensor, requires_grad: bool) -> EmulatedTensor:
-    return EmulatedTensor(elem, requires_grad=requires_grad)
+def _rebuild(elem: torch.Tensor, requires_grad: bool, index: int = 0) -> EmulatedTensor:
+    count = emulated_ordinals.device_count()
+    if index >= count:
+        raise RuntimeError(f"Attempting to deserialize object on {DEVICE_TYPE} device {index} "
+                           f"but torch.{DEVICE_TYPE}.device_count() is {count}.")
+    return EmulatedTensor(elem, requires_grad=requires_grad, index=index)
 
 
 def _unwrap(value: Any, held: dict[int, Any]) -> Any:
@@ -171,27 +187,55 @@ def _unwrap(value: Any, held: dict[int, Any]) -> Any:
     return value
 
 
-def _wrap(value: Any, held: dict[int, Any], on_device: bool) -> Any:
+def _wrap(value: Any, held: dict[int, Any], index: int | None) -> Any:
     if isinstance(value, torch.Tensor):
         original = held.get(id(value))
         if original is not None:
             return original
-        return EmulatedTensor(value) if on_device and type(value) is torch.Tensor else value
+        if index is None or type(value) is not torch.Tensor:
+            return value
+        if not value.is_inference() and torch.is_inference_mode_enabled():
+            # A view of a normal tensor is a normal tensor, in inference mode too (autograd
+            # then shares its version counter with the base's).
+            with torch.inference_mode(False):
+                return EmulatedTensor(value, index=index)
+        return EmulatedTensor(value, index=index)
     if isinstance(value, (list, tuple)):
-        return type(value)(_wrap(item, held, on_device) for item in value)
+        return type(value)(_wrap(item, held, index) for item in value)
     return value
 
 
-def _on_device(func: torch._ops.OpOverload, kwargs: dict[str, Any]) -> bool:
-    """Whether `func`'s results live on the emulated device (else on the host)."""
+def _first_index(values: Any) -> int | None:
+    """The device index of the first emulated tensor among `values` (one level deep)."""
+    for value in values:
+        if isinstance(value, EmulatedTensor):
+            return value.device.index
+        if isinstance(value, (list, tuple)):
+            for item in value:
+                if isinstance(item, EmulatedTensor):
+                    return item.device.index
+    return None
+
+
+def _placement(func: torch._ops.OpOverload, args: Sequence[Any], kwargs: dict[str, Any]
+               ) -> int | None:
+    """The index of the emulated device `func`'s results live on, or None (the host).
+
+    The one `device=` names (the current one when it names no index), else the inputs'.
+    """
     device = kwargs.get("device")
     if device is None:
-        return True
+        index = _first_index(args)
+        if index is None:
+            index = _first_index(kwargs.values())
+        return emulated_ordinals.current_index() if index is None else index
     device = torch.device(device)
-    if device.type == DEVICE_TYPE and device.index not in (None, 0):
-        raise RuntimeError(f"{func}: invalid device ordinal {device.index}: the emulated "
-                           f"accelerator has one device, {emulated_device()}")
-    return device.type == DEVICE_TYPE
+    if device.type != DEVICE_TYPE:
+        return None
+    try:
+        return emulated_ordinals.index_of(device)
+    except RuntimeError as error:
+        raise RuntimeError(f"{func}: {error}") from None
 
 
 def _check_generator(kwargs: dict[str, Any]) -> None:
@@ -209,7 +253,8 @@ def _resync(held: dict[int, Any]) -> None:
         elem = original.elem
         if (original.shape != elem.shape or original.stride() != elem.stride()
                 or original.storage_offset() != elem.storage_offset()):
-            torch._C.TensorBase.data.__set__(original, EmulatedTensor(elem))
+            torch._C.TensorBase.data.__set__(
+                original, EmulatedTensor(elem, index=original.device.index))
 
 
 def run_operator(func: torch._ops.OpOverload, args: Sequence[Any],
@@ -224,8 +269,9 @@ def run_operator(func: torch._ops.OpOverload, args: Sequence[Any],
             call, to run it here.
 
     Returns:
-        The operator's results: new ones on the emulated device (or on the host where
-        `device=` says so), written arguments as the caller's own tensors.
+        The operator's results: new ones on the emulated device (its index from `device=`,
+        else the inputs'; on the host where `device=` says so), written arguments as the
+        caller's own tensors.
 
     Raises:
         RuntimeError: where CUDA would refuse this mix of devices, with its message.
@@ -236,8 +282,8 @@ def run_operator(func: torch._ops.OpOverload, args: Sequence[Any],
     if func._schema.name in NO_OPS:
         return None
     emulated_rules.check_devices(func, args, kwargs)
-    on_device = _on_device(func, kwargs)
-    if on_device:
+    index = _placement(func, args, kwargs)
+    if index is not None:
         _check_generator(kwargs)
     held: dict[int, Any] = {}
     run = ON_VALUES.get(func._schema.name, func)
@@ -245,7 +291,7 @@ def run_operator(func: torch._ops.OpOverload, args: Sequence[Any],
                                           for key, value in kwargs.items()})
     if func._schema.is_mutable:
         _resync(held)
-    return _wrap(result, held, on_device)
+    return _wrap(result, held, index)
 
 
 def _kernels_instead_of_decompositions() -> list[str]:

@@ -83,7 +83,11 @@ legal = {
     "item": torch.arange(5, device="emu").sum().item(),
 }
 gen = torch.Generator("emu").manual_seed(7)
+weight = torch.nn.Parameter(torch.ones(2, 3, device="emu"))
+with torch.inference_mode():  # as on the CPU: a view of a normal tensor is a normal tensor
+    inference = [error(lambda: weight.t()), weight.t().is_inference(), (weight * 2).is_inference()]
 report(
+    inference=inference,
     refused={name: error(action) for name, action in refused.items()},
     legal=legal,
     device=str(dev), same=again == dev, installed=emulation.is_installed(),
@@ -175,11 +179,13 @@ report(runs=runs, timing=timing, saved=saved, fsdp=fsdp)
 COLLECTIVES = PRELUDE + """
 import torch.distributed as dist
 from torch.distributed._functional_collectives import all_reduce as functional_all_reduce
+from peerflow.distributed import devices
 rank, world, store = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-emulation.install()
-dist.init_process_group(emulation.GROUP_BACKEND, init_method="file://" + store,
-                        rank=rank, world_size=world)
-seen = {}
+device = devices.rank_device()  # installs the emulation ($PEERFLOW_EMULATE_ACCELERATOR=1)
+devices.use_device(device)
+backend = devices.group_backend()
+dist.init_process_group(backend, init_method="file://" + store, rank=rank, world_size=world)
+seen = dict(device=str(device), backend=backend, share=devices.ranks_share_devices())
 value = torch.full((3,), float(rank + 1), device="emu")
 dist.all_reduce(value)
 seen["all_reduce"] = value.tolist()
@@ -228,8 +234,107 @@ seen["host_on_device_only"] = error(lambda: dist.all_reduce(torch.ones(1), group
 objects = [{"from": rank}]
 dist.broadcast_object_list(objects, 0)
 seen["objects"] = objects
+seen["placed"] = sorted({str(t.device) for t in (value, peak, sent, *parts, joined, shard, swapped,
+                                                 summed, both[0], on_device)})
 dist.destroy_process_group()
 report(rank=rank, **seen)
+"""
+
+COUNTS = PRELUDE + """
+from peerflow.distributed import devices
+failed = error(devices.accelerator_type)  # installs the emulation ($PEERFLOW_EMULATE_ACCELERATOR=1)
+if failed:
+    report(failed=failed)
+else:
+    report(count=torch.accelerator.device_count(), share=devices.ranks_share_devices(),
+           device=str(devices.rank_device()), backend=devices.group_backend())
+"""
+
+INDICES = PRELUDE + """
+import importlib.util
+import torch.distributed as dist
+from peerflow.distributed import devices
+from transformers import LlamaConfig, LlamaForCausalLM
+installed_on = str(emulation.install())
+torch.accelerator.set_device_index(1)
+on1, on0 = torch.ones(2, device="emu"), torch.ones(2, device="emu:0")
+moved = on0.to("emu:1")
+linear = torch.nn.Linear(2, 2).to("emu:0").to(torch.device("emu", 1))
+placed = {
+    "ones": on1, "tensor": torch.tensor([1.0], device="emu"), "to": torch.ones(2).to("emu"),
+    "sum": on1.sum(), "result": on1 * 2 + 1, "emu:0": on0, "emu:0 result": on0.exp(),
+    "moved": moved, "new_zeros of emu:0": on0.new_zeros(1), "module": linear.weight,
+    "module output": linear(on1), "Tensor.emu()": torch.ones(1).emu(),
+}
+with torch.accelerator.device_index(0):
+    placed["in device_index(0)"] = torch.zeros(1, device="emu")
+placed["after it"] = torch.zeros(1, device="emu")
+with torch.device("meta"):  # transformers reads its device context so: torch.tensor([]).device
+    placed["torch.tensor in a meta context"] = torch.tensor([])
+    placed["torch.as_tensor in a meta context"] = torch.as_tensor([1.0])
+if importlib.util.find_spec("deepspeed"):
+    from deepspeed.accelerator import get_accelerator
+    accelerator = get_accelerator()
+    deepspeed = [accelerator.current_device(), accelerator.current_device_name(),
+                 accelerator.device_count()]
+else:
+    deepspeed = None
+seen = dict(
+    count=torch.accelerator.device_count(), installed_on=installed_on,
+    current=[torch.accelerator.current_device_index(), torch.emu.current_device(),
+             str(emulation.install())],
+    bare=on1.device == torch.device("emu", 1), placed={k: str(v.device) for k, v in placed.items()},
+    moved_copies=moved.data_ptr() != on0.data_ptr() and moved.tolist() == on0.tolist(),
+    kept=on1.to("emu:1") is on1,
+    refused={
+        "emu:0 + emu:1": error(lambda: on0 + on1),
+        "emu:0 @ emu:1":
+            error(lambda: torch.ones(2, 2, device="emu:0") @ torch.ones(2, 2, device="emu")),
+        "emu:1[emu:0 idx]": error(lambda: on1[torch.tensor([0], device="emu:0")]),
+    },
+    copied=on1.clone().copy_(on0 * 3).tolist(),
+    bad_index=error(lambda: torch.accelerator.set_device_index(2)),
+    bad_factory=error(lambda: torch.ones(1, device="emu:2")),
+    generator=str(torch.Generator("emu").device),
+    stream=str(torch.accelerator.current_stream().device),
+    deepspeed=deepspeed,
+    rank_device=str(devices.rank_device(1)),
+)
+
+def tiny():
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
+                         max_position_embeddings=64, attn_implementation="eager")
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config)
+
+def train(model, ids):
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+    losses = []
+    for _ in range(2):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+ids = torch.randint(0, 64, (2, 10), generator=torch.Generator().manual_seed(1))
+reference, model = tiny(), tiny().to("emu")
+seen["train"] = dict(cpu=train(reference, ids), emu=train(model, ids.to("emu")),
+                     param=str(model.lm_head.weight.device))
+dist.init_process_group(devices.group_backend(torch.device("emu", 1)),
+                        init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import init_device_mesh
+reference, model = tiny(), tiny().to("emu")
+fully_shard(model, mesh=init_device_mesh("emu", (1,)))
+seen["fsdp"] = dict(cpu=train(reference, ids), emu=train(model, ids.to("emu")),
+                    param=str(model.lm_head.weight.device),
+                    local=str(model.lm_head.weight.to_local().device))
+dist.destroy_process_group()
+report(**seen)
 """
 
 DEEPSPEED = PRELUDE + """
@@ -267,9 +372,12 @@ for stage in (1, 3):
         engine.step()
         losses.append(loss.item())
     param = next(engine.module.parameters())
+    with torch.inference_mode():  # generation gathers ZeRO-3 partitions in inference mode
+        inference = error(lambda: engine.module(input_ids=ids.to(engine.device)))
     seen[f"zero{stage}"] = dict(device=str(engine.device), losses=losses,
                                 param=[type(param).__name__, str(param.device)],
-                                partition=str(getattr(param, "ds_tensor", param).device))
+                                partition=str(getattr(param, "ds_tensor", param).device),
+                                inference=inference)
 report(**seen)
 """
 
@@ -288,11 +396,33 @@ report(missing=missing, late=late, from_env=emulation.install_from_env() is None
 """
 
 
-def _run(code: str, *args: str, timeout: float = 240) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    result = subprocess.run([sys.executable, "-c", code, *args], capture_output=True,
-                            text=True, timeout=timeout, cwd=ROOT, env=env)
-    return _result(result.returncode, result.stdout, result.stderr)
+#: What a child's device count and devices are read from: set only where a test sets them.
+DEVICE_ENV = ("LOCAL_WORLD_SIZE", "LOCAL_RANK", "PEERFLOW_EMULATED_DEVICES",
+              "PEERFLOW_EMULATE_ACCELERATOR")
+
+
+def _env(**overrides: str) -> dict[str, str]:
+    env = {name: value for name, value in os.environ.items() if name not in DEVICE_ENV}
+    return {**env, "PYTHONPATH": str(ROOT), **overrides}
+
+
+def _run(code: str, *args: str, timeout: float = 240, **env: str) -> dict:
+    return _run_all([(code, args, env)], timeout=timeout)[0]
+
+
+def _run_all(children: list[tuple[str, tuple[str, ...], dict[str, str]]],
+             timeout: float = 240) -> list[dict]:
+    """Runs the children (code, argv, environment) at once; their reports, in order."""
+    running = [subprocess.Popen([sys.executable, "-c", code, *args], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, cwd=ROOT, env=_env(**env))
+               for code, args, env in children]
+    try:
+        outputs = [child.communicate(timeout=timeout) for child in running]
+    finally:
+        for child in running:
+            if child.poll() is None:
+                child.kill()
+    return [_result(child.returncode, *output) for child, output in zip(running, outputs)]
 
 
 def _result(returncode: int, stdout: str, stderr: str) -> dict:
@@ -351,6 +481,7 @@ def test_legal_mixes_compute_real_values_and_the_device_looks_like_an_accelerato
     assert seen["generated"] is True
     assert seen["cpu_generator"] == "Expected a 'emu' device type for generator but found 'cpu'"
     assert seen["backend"] == "emunccl"
+    assert seen["inference"] == [None, False, True]
 
 
 def test_llama_and_fsdp2_train_on_the_device_as_on_the_cpu():
@@ -368,16 +499,21 @@ def test_llama_and_fsdp2_train_on_the_device_as_on_the_cpu():
     assert fsdp["emu"] == fsdp["cpu"] and fsdp["gap"] == 0.0
 
 
+@pytest.mark.parametrize("emulated_devices", ["", "1"],
+                         ids=["one device per rank", "ranks share a device"])
 def test_collectives_carry_device_tensors_and_refuse_host_ones_on_a_device_only_group(
-        tmp_path):
+        tmp_path, emulated_devices):
+    """Rank r on emu:r over emunccl (as on a GPU node), or both on emu:0 over gloo."""
     store = str(tmp_path / "store")
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    children = [subprocess.Popen([sys.executable, "-c", COLLECTIVES, str(rank), "2", store],
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                 cwd=ROOT, env=env) for rank in range(2)]
-    outputs = [child.communicate(timeout=240) for child in children]
-    seen = [_result(child.returncode, *output) for child, output in zip(children, outputs)]
+    seen = _run_all([(COLLECTIVES, (str(rank), "2", store), dict(
+        PEERFLOW_EMULATE_ACCELERATOR="1", LOCAL_WORLD_SIZE="2", LOCAL_RANK=str(rank),
+        PEERFLOW_EMULATED_DEVICES=emulated_devices)) for rank in range(2)])
+    shared = emulated_devices == "1"
     for rank, ranks in enumerate(seen):
+        device = "emu:0" if shared else f"emu:{rank}"
+        assert ranks["device"] == device and ranks["placed"] == [device]
+        assert ranks["share"] is shared
+        assert ranks["backend"] == ("cpu:gloo,emu:gloo" if shared else "cpu:gloo,emu:emunccl")
         assert ranks["all_reduce"] == [3.0, 3.0, 3.0]
         assert ranks["max"] == [1.0, 10.0]
         assert ranks["host"] == [[3.0, 3.0], "cpu"]
@@ -386,7 +522,7 @@ def test_collectives_carry_device_tensors_and_refuse_host_ones_on_a_device_only_
         assert ranks["all_gather_into_tensor"] == [0.0, 0.0, 1.0, 1.0]
         assert ranks["reduce_scatter_tensor"] == [2.0 * rank]
         assert ranks["all_to_all_single"] == [float(rank), 10.0 + rank]
-        assert ranks["functional"] == [[2.0, 2.0], "emu:0"]
+        assert ranks["functional"] == [[2.0, 2.0], device]
         assert ranks["new_group"] == [2.0, 2.0]
         assert ranks["device_only"] == 2.0
         assert ranks["host_on_device_only"] == "No backend type associated with device type cpu"
@@ -402,6 +538,7 @@ def test_deepspeed_places_zero_engines_on_the_device():
         assert seen[stage]["device"] == "emu:0", stage
         assert seen[stage]["param"] == ["EmulatedTensor", "emu:0"], stage
         assert seen[stage]["partition"] == "emu:0", stage
+        assert seen[stage]["inference"] is None, stage
         assert len(seen[stage]["losses"]) == 2 and seen[stage]["losses"][1] < \
             seen[stage]["losses"][0], stage
 
@@ -412,3 +549,49 @@ def test_refuses_a_torch_without_its_apis_and_an_install_after_the_first_backwar
     assert "_setup_privateuseone_for_python_backend" in seen["missing"]
     assert "after this process's first backward pass" in seen["late"]
     assert seen["from_env"] and not seen["installed"]
+
+
+def test_the_device_count_follows_the_local_world_size_or_its_override():
+    local_world = dict(PEERFLOW_EMULATE_ACCELERATOR="1", LOCAL_WORLD_SIZE="3", LOCAL_RANK="2")
+    three, shared, four, refused = _run_all([
+        (COUNTS, (), local_world),
+        (COUNTS, (), {**local_world, "PEERFLOW_EMULATED_DEVICES": "1"}),
+        (COUNTS, (), {**local_world, "PEERFLOW_EMULATED_DEVICES": "4"}),
+        (COUNTS, (), {**local_world, "PEERFLOW_EMULATED_DEVICES": "none"}),
+    ])
+    assert three == dict(count=3, share=False, device="emu:2", backend="cpu:gloo,emu:emunccl")
+    assert shared == dict(count=1, share=True, device="emu:0", backend="cpu:gloo,emu:gloo")
+    assert four == dict(count=4, share=False, device="emu:2", backend="cpu:gloo,emu:emunccl")
+    assert "$PEERFLOW_EMULATED_DEVICES must be a whole number" in refused["failed"]
+
+
+def test_each_index_is_a_device_of_its_own_and_a_model_trains_on_emu_1():
+    seen = _run(INDICES, PEERFLOW_EMULATED_DEVICES="2")
+    assert seen["count"] == 2 and seen["installed_on"] == "emu:0"
+    assert seen["current"] == [1, 1, "emu:1"] and seen["bare"]
+    assert seen["placed"] == {
+        "ones": "emu:1", "tensor": "emu:1", "to": "emu:1", "sum": "emu:1", "result": "emu:1",
+        "emu:0": "emu:0", "emu:0 result": "emu:0", "moved": "emu:1",
+        "new_zeros of emu:0": "emu:0", "module": "emu:1", "module output": "emu:1",
+        "Tensor.emu()": "emu:1", "in device_index(0)": "emu:0", "after it": "emu:1",
+        "torch.tensor in a meta context": "meta", "torch.as_tensor in a meta context": "meta"}
+    assert seen["moved_copies"] and seen["kept"] and seen["copied"] == [3.0, 3.0]
+    refused = seen["refused"]
+    assert refused["emu:0 + emu:1"] == ("Expected all tensors to be on the same device, but "
+                                        "found at least two devices, emu:0 and emu:1!")
+    assert refused["emu:0 @ emu:1"] == (
+        "Expected all tensors to be on the same device, but got mat2 is on emu:1, different "
+        "from other tensors on emu:0 (when checking argument in method wrapper_CUDA_mm)")
+    assert refused["emu:1[emu:0 idx]"] == ("indices should be either on cpu or on the same "
+                                           "device as the indexed tensor (emu:1)")
+    assert seen["bad_index"].startswith("Invalid device ordinal 2: the emulated accelerator "
+                                        "has 2 devices")
+    assert "Invalid device ordinal 2" in seen["bad_factory"]
+    assert seen["generator"] == seen["stream"] == "emu:1"
+    assert seen["deepspeed"] in (None, [1, "emu:1", 2])
+    assert seen["rank_device"] == "emu:1"
+    assert seen["train"]["param"] == "emu:1"
+    assert seen["train"]["emu"] == seen["train"]["cpu"]
+    fsdp = seen["fsdp"]
+    assert (fsdp["param"], fsdp["local"]) == ("emu:1", "emu:1")
+    assert fsdp["emu"] == fsdp["cpu"]
