@@ -84,7 +84,8 @@ def test_a_run_trains_on_the_emulated_device(tmp_path, name):
     assert any(m["actor/grad_norm"] > 0 for m in lines)  # a step may have no reward spread
     for rank in (0, 1):
         log = (run_dir / "logs" / f"rank{rank}.log").read_text()
-        assert "engines compute on emu:" in log, log  # TODO(index): emu:{rank}, emunccl
+        assert f"engines compute on emu:{rank}" in log, log
+        assert "process groups carry cpu:gloo,emu:emunccl" in log, log
 
 
 
