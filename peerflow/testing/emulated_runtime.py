@@ -205,7 +205,9 @@ def _accelerator_patch(original: Callable[..., Any], emulated: Callable[..., Any
             return emulated(*args, **kwargs)
         return original(*args, **kwargs)
 
-    return patched
+    # torch.compile asks the accelerator for its stream while it compiles: it must call
+    # these Python functions, not trace them (tracing them asks again, forever)
+    return torch.compiler.disable(patched, recursive=True)
 
 
 def _device_index(device: Any) -> int:
