@@ -98,16 +98,26 @@ def run_node(rt: WorkerRuntime, node: Any, batch: Batch, metrics: StepMetrics) -
 
     Raises:
         UnknownNameError: no registered kind has the node's `kind`.
+        ValueError: the node's output does not fit the batch: a field of another length,
+            or off the host (batches live there; docs/architecture.md), naming the node.
     """
     kind = rt.pm.get("node", node.kind)
     context = NodeContext(node=node, step=rt.step, metrics=metrics, config=rt.config,
                           runtime=rt)
     out = kind(node, rt.config).run(batch, context)
+    where = f"workflow node {node.name!r} (kind {node.kind!r})"
     if isinstance(out, Batch):
+        if out.device.type != "cpu":
+            raise ValueError(f"{where} returned a batch on {out.device}; nodes hand batches "
+                             "on the host: bring engine results back where they leave the "
+                             "engine (docs/architecture.md, 'Where tensors live').")
         return out
     for name, column in dict(out or {}).items():
-        if isinstance(column, list) and column and not isinstance(column[0], torch.Tensor):
-            batch.set_objects(name, column)
-        else:
-            batch.set(name, column)
+        try:
+            if isinstance(column, list) and column and not isinstance(column[0], torch.Tensor):
+                batch.set_objects(name, column)
+            else:
+                batch.set(name, column)
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from None
     return batch

@@ -133,3 +133,31 @@ def test_ranks_sharing_a_gpu_sync_weights_over_cuda_ipc(monkeypatch, gpus):
     gpus(count=2, local_world=2)
     assert isinstance(_auto_transport(plan, rank=0, group=None, device="cuda:0"),
                       TorchP2PTransport)
+
+
+@pytest.mark.parametrize("returns", ["fields", "batch"])
+def test_a_node_that_hands_back_device_tensors_is_named(returns):
+    """Everything the worker touches lives on the host: a node's output off it is refused,
+    naming the node (and the field)."""
+    from types import SimpleNamespace
+
+    from peerflow.worker.nodes import run_node
+
+    class LeakyNode:
+        def __init__(self, node, config) -> None:
+            pass
+
+        def run(self, batch, context):
+            if returns == "batch":
+                return Batch(sample_id=batch.sample_id.to("meta"),
+                             group_id=batch.group_id.to("meta"),
+                             weight_version=batch.weight_version.to("meta"))
+            return {"score": torch.zeros(len(batch), device="meta")}
+
+    rt = SimpleNamespace(pm=SimpleNamespace(get=lambda kind, name: LeakyNode), step=1,
+                         config=None)
+    node = SimpleNamespace(name="judge", kind="my_scorer")
+    batch = Batch(sample_id=torch.arange(2), group_id=torch.arange(2),
+                  weight_version=torch.zeros(2, dtype=torch.int64))
+    with pytest.raises(ValueError, match="workflow node 'judge' .*(meta|'score')"):
+        run_node(rt, node, batch, metrics=None)
