@@ -108,21 +108,19 @@ report(
 )
 """
 
-TRAINING = PRELUDE + """
-import copy, time
-import torch.distributed as dist
+#: A tiny Llama and its training loop, shared by the scripts that train one.
+LLAMA = """
 from transformers import LlamaConfig, LlamaForCausalLM
-dev = emulation.install()
 
-def tiny(attention):
+def tiny(attention="eager", tied=False):
     config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
-                         max_position_embeddings=64, tie_word_embeddings=True,
+                         max_position_embeddings=64, tie_word_embeddings=tied,
                          attn_implementation=attention)
     torch.manual_seed(0)
     return LlamaForCausalLM(config)
 
-def train(model, ids, foreach, steps=2):
+def train(model, ids, foreach=True, steps=2):
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=foreach)
     losses = []
     for _ in range(steps):
@@ -133,6 +131,13 @@ def train(model, ids, foreach, steps=2):
         optimizer.zero_grad()
         losses.append(loss.item())
     return losses
+"""
+
+TRAINING = PRELUDE + LLAMA + """
+import copy, time
+import torch.distributed as dist
+dev = emulation.install()
+
 
 def gap(reference, model):
     return max((p.detach() - q.detach().cpu()).abs().max().item()
@@ -141,7 +146,7 @@ def gap(reference, model):
 ids = torch.randint(0, 64, (2, 10), generator=torch.Generator().manual_seed(1))
 runs, timing = {}, {}
 for attention, foreach in (("eager", False), ("eager", True), ("sdpa", None)):
-    reference, model = tiny(attention), tiny(attention).to(dev)
+    reference, model = tiny(attention, tied=True), tiny(attention, tied=True).to(dev)
     start = time.perf_counter()
     cpu_losses = train(reference, ids, foreach)
     middle = time.perf_counter()
@@ -163,7 +168,7 @@ dist.init_process_group(emulation.GROUP_BACKEND, init_method="file://" + tempfil
                         rank=0, world_size=1)
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import init_device_mesh
-reference, model = tiny("eager"), tiny("eager").to(dev)
+reference, model = tiny(tied=True), tiny(tied=True).to(dev)
 mesh = init_device_mesh("emu", (1,))
 for layer in model.model.layers:
     fully_shard(layer, mesh=mesh)
@@ -250,11 +255,10 @@ else:
            device=str(devices.rank_device()), backend=devices.group_backend())
 """
 
-INDICES = PRELUDE + """
+INDICES = PRELUDE + LLAMA + """
 import importlib.util
 import torch.distributed as dist
 from peerflow.distributed import devices
-from transformers import LlamaConfig, LlamaForCausalLM
 installed_on = str(emulation.install())
 torch.accelerator.set_device_index(1)
 on1, on0 = torch.ones(2, device="emu"), torch.ones(2, device="emu:0")
@@ -301,24 +305,6 @@ seen = dict(
     rank_device=str(devices.rank_device(1)),
 )
 
-def tiny():
-    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
-                         max_position_embeddings=64, attn_implementation="eager")
-    torch.manual_seed(0)
-    return LlamaForCausalLM(config)
-
-def train(model, ids):
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
-    losses = []
-    for _ in range(2):
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses
 
 ids = torch.randint(0, 64, (2, 10), generator=torch.Generator().manual_seed(1))
 reference, model = tiny(), tiny().to("emu")
