@@ -82,6 +82,7 @@ from typing import Any
 
 import torch
 
+from peerflow.distributed.devices import EMULATE_ENV
 from peerflow.testing.emulated_collectives import BACKEND_NAME, GROUP_BACKEND
 from peerflow.testing.emulated_ordinals import ENV_VAR as DEVICES_ENV_VAR
 from peerflow.testing.emulated_tensor import DEVICE_TYPE, EmulatedTensor, emulated_device
@@ -90,8 +91,9 @@ __all__ = ["BACKEND_NAME", "DEVICES_ENV_VAR", "DEVICE_TYPE", "ENV_VAR", "GROUP_B
            "EmulatedTensor", "install", "install_from_env", "is_installed",
            "unsupported_reason"]
 
-#: Set to "1" to make `install_from_env()` install the emulation (worker processes).
-ENV_VAR = "PEERFLOW_EMULATE_ACCELERATOR"
+#: Set to "1" to make `install_from_env()` install the emulation (worker processes); the
+#: device contract installs it where it first decides a device.
+ENV_VAR = EMULATE_ENV
 
 _lock = threading.Lock()
 _installed = False
