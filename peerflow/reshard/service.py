@@ -179,7 +179,8 @@ class WeightSyncService:
             rollout: This rank's rollout engine (`None` on trainer-only ranks).
             transport: Registered transport name or instance; `auto` picks `inprocess`
                 when no transfer crosses ranks, else `shm` when every rank of `group`
-                shares this host (CPU buffers), else `torch`.
+                shares this host (CPU buffers), else `cuda_ipc` when ranks share a GPU,
+                else `torch`.
             bucket_bytes: Most destination bytes moved per bucket (all ranks together).
             group: Process group of every rank in the sync (`None`: world).
             device: Where buffers live; default the engines' `context.device`.
