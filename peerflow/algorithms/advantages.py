@@ -95,6 +95,11 @@ class GRPO(AdvantageEstimator):
     options_class: ClassVar[type] = GRPOOptions
 
     @property
+    def compares_within_groups(self) -> bool:
+        """Advantages are relative to the prompt's group."""
+        return True
+
+    @property
     def preferred_aggregation(self) -> str | None:
         """`seq-mean-token-sum-norm` for Dr.GRPO, else the loss's default."""
         return "seq-mean-token-sum-norm" if self.options.unbiased else None
@@ -123,6 +128,11 @@ class RLOO(AdvantageEstimator):
 
     name: ClassVar[str] = "rloo"
     options_class: ClassVar[type] = RLOOOptions
+
+    @property
+    def compares_within_groups(self) -> bool:
+        """Advantages are relative to the prompt's group."""
+        return True
 
     def compute(self, batch: Batch) -> dict[str, RaggedField | torch.Tensor]:
         """Returns `advantages` and `returns` (identical ragged fields)."""
@@ -157,6 +167,11 @@ class ReinforcePP(AdvantageEstimator):
     name: ClassVar[str] = "reinforce_pp"
     options_class: ClassVar[type] = ReinforcePPOptions
     uses_token_rewards: ClassVar[bool] = True
+
+    @property
+    def compares_within_groups(self) -> bool:
+        """REINFORCE++-baseline subtracts the group's mean reward."""
+        return self.options.group_baseline
 
     def compute(self, batch: Batch) -> dict[str, RaggedField | torch.Tensor]:
         """Returns `advantages` (whitened) and `returns` (before whitening)."""

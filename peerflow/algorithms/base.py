@@ -109,6 +109,15 @@ class AdvantageEstimator(_Component, abc.ABC):
     once and the whitening is global over the dp-ranks."""
 
     @property
+    def compares_within_groups(self) -> bool:
+        """Whether an advantage compares the answers to one prompt (GRPO, RLOO).
+
+        Such an estimator needs `rollout.sampling.n >= 2`: with one answer per prompt every
+        advantage is 0 (`check_algorithm` refuses the config).
+        """
+        return False
+
+    @property
     def preferred_aggregation(self) -> str | None:
         """Loss aggregation this estimator's options call for, or `None`.
 

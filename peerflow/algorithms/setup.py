@@ -255,11 +255,35 @@ def staleness_bound(config: Any) -> int:
     return max(config.weight_sync.every, 1) - 1
 
 
+def _group_problems(config: Any, pm: Any) -> list[str]:
+    """A group-relative estimator with one answer per prompt: every advantage is 0."""
+    from peerflow.config.loader import structure_options
+
+    algorithm, n = config.algorithm, config.rollout.sampling.n
+    registry = pm.registry("advantage_estimator")
+    if n >= 2 or algorithm.advantage not in registry:
+        return []  # an unknown name is reported by the name check
+    cls = registry.get(algorithm.advantage)
+    try:
+        estimator = cls(structure_options(cls.options_class,
+                                          algorithm.options.get(algorithm.advantage),
+                                          f"algorithm.options.{algorithm.advantage}"))
+    except Exception:  # bad options are reported by the options check
+        return []
+    if not estimator.compares_within_groups:
+        return []
+    return [f"algorithm.advantage={algorithm.advantage!r} compares the answers to one prompt, "
+            f"but rollout.sampling.n={n}: every advantage would be 0 and the run would learn "
+            "nothing; set rollout.sampling.n to 2 or more (4-16 is usual), or use an "
+            "estimator without groups (reinforce_pp, gae)."]
+
+
 def check_algorithm(config: Any, pm: Any) -> list[str]:
     """A config check (`peerflow.algorithms.plugin` registers it): settings the run can't use.
 
-    Refuses a run whose samples can be stale (async mode with `max_staleness > 0`, sync
-    mode with `weight_sync.every > 1`) when `algorithm.off_policy.correction` is `none`
+    Refuses a group-relative estimator (GRPO, RLOO, REINFORCE++-baseline) with one answer
+    per prompt, and a run whose samples can be stale (async mode with `max_staleness > 0`,
+    sync mode with `weight_sync.every > 1`) when `algorithm.off_policy.correction` is `none`
     or the policy loss does not apply importance weights, and an overlong buffer longer
     than the generation budget.
 
@@ -275,6 +299,7 @@ def check_algorithm(config: Any, pm: Any) -> list[str]:
             f"rollout.sampling.max_tokens={max_tokens}; the soft punishment starts at "
             "max_tokens - buffer, so lower the buffer (0 disables it)."
         )
+    problems += _group_problems(config, pm)
     lag = staleness_bound(config)
     if lag == 0:
         return problems

@@ -169,3 +169,23 @@ def test_algorithm_kl_penalty_picks_per_token_for_token_level_estimators(plugin_
         assert algo.kl_penalty(b)["kl/mean"] == pytest.approx(0.25)
         assert ("token_rewards" in b) is per_token
         assert b["reward"].item() == pytest.approx(1.0 if per_token else 0.95)
+
+
+@pytest.mark.parametrize("overrides", [
+    ["algorithm.advantage=grpo"], ["algorithm.advantage=rloo"],
+    ["algorithm.advantage=reinforce_pp",
+     "algorithm.options={reinforce_pp: {group_baseline: true}}"],
+])
+def test_group_estimators_refuse_one_answer_per_prompt(plugin_manager, overrides):
+    """Issue 33: GRPO with n: 1 trained on zero advantages without a word."""
+    from tests.helpers.configs import validation_error
+
+    message = validation_error(plugin_manager, *overrides, "rollout.sampling.n=1")
+    assert "rollout.sampling.n=1" in message and "every advantage would be 0" in message
+
+
+def test_estimators_without_groups_accept_one_answer_per_prompt(plugin_manager):
+    from peerflow.config import load_config, validate_config
+
+    validate_config(load_config(None, ["algorithm.advantage=reinforce_pp",
+                                       "rollout.sampling.n=1"]), plugin_manager)
