@@ -217,6 +217,10 @@ class RunSettings:
     eval_every: int = 0
     """Score the held-out split (see `eval`) every K steps, before the first step and at
     the end (0: never)."""
+    samples_per_step: int = attrs.field(default=8, validator=attrs.validators.ge(0))
+    """Write this many samples of every step (the first by `sample_id`: prompt, response,
+    reward and its components, advantage) to `RUN_DIR/samples/step_N.jsonl`, read by
+    `peerflow samples` (0: none)."""
 
 
 #: How long a rank waits for a live peer when some stage has no deadline (one day).

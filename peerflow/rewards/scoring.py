@@ -67,6 +67,8 @@ class RewardScores:
     """`reward/errors` and `reward/timeouts`."""
     failed: list[bool]
     """Per answer: a component failed on it (it scored `failure_score` there)."""
+    components: dict[str, list[float]] = attrs.field(factory=dict)
+    """Per component name: its unweighted score of each answer."""
 
 
 @attrs.define(eq=False)
@@ -97,11 +99,13 @@ class RewardSet:
         metrics: dict[str, tuple[float, int]] = {}
         counts = {"reward/errors": 0, "reward/timeouts": 0}
         failed = [False] * len(responses)
+        components: dict[str, list[float]] = {}
         for component, handle in pending:
             outcomes = self._collect(handle)
             for i, outcome in enumerate(outcomes):
                 failed[i] = failed[i] or outcome.status != "ok"
             scores = self._account(component, outcomes, ids, records, counts)
+            components[component.name] = list(scores)
             for i, value in enumerate(scores):
                 total[i] += component.weight * value
             if scores:
@@ -111,7 +115,8 @@ class RewardSet:
                 values = [o.extras[key] for o in outcomes if key in o.extras]
                 metrics[f"reward/{component.name}/{key}"] = (sum(values) / len(values),
                                                              len(values))
-        return RewardScores(total=total, metrics=metrics, counts=counts, failed=failed)
+        return RewardScores(total=total, metrics=metrics, counts=counts, failed=failed,
+                            components=components)
 
     def _submit(self, component: RewardComponent, responses: Sequence[str],
                 examples: Sequence[Any], records: list[dict[str, Any]]) -> Any:

@@ -10,7 +10,9 @@ schedules of async mode (`RolloutSchedule`, `TrainerSchedule`;
    takes back its own state (`Schedule.restore`);
 2. outputs: the per-rank tracer, and on the schedule's reporting rank the metrics writer
    (`metrics.jsonl`, TensorBoard, W&B) and the progress bar;
-3. for each step the schedule finishes: reduce its metrics over the schedule's group, run
+3. for each step the schedule finishes: write `run.samples_per_step` of its samples
+   (`samples/step_N.jsonl`, `peerflow.worker.samples`), reduce its metrics over the
+   schedule's group, run
    the driver hooks (`DriverHook.end_step`, e.g. evaluation), write the metrics, call the
    plugins' `peerflow_end_of_step`, and checkpoint every `run.checkpoint_every` steps and
    at the end (`peerflow.checkpoint.save_step` on the schedule's ranks together, with
@@ -51,6 +53,7 @@ from peerflow.worker.metrics import (
     record_batch_metrics,
 )
 from peerflow.worker.runtime import WorkerRuntime
+from peerflow.worker.samples import write_step_samples
 
 
 class Schedule(Protocol):
@@ -187,6 +190,8 @@ def drive(rt: WorkerRuntime, schedule: Schedule, stage: Any, *, resuming: bool =
                 since = now
                 rt.step = step
                 record_batch_metrics(batch, metrics)
+                write_step_samples(rt, step, batch, group=schedule.group,
+                                   reports=schedule.reports)
                 stopping.offer(metrics)
                 reduced = finish_metrics(exchange.reduce(metrics), step)
                 stop_now = stopping.agreed(reduced)

@@ -59,10 +59,18 @@ def _draws(rt: WorkerRuntime) -> list[Draw]:
 
 def _generate_and_score(rt: WorkerRuntime, draws: list[Draw], sampling: SamplingParams
                         ) -> tuple[Any, Any]:
-    from peerflow.worker.executors import response_texts, score_texts
+    """Generates and scores; the batch keeps its `reward` and `reward_components`."""
+    import torch
+
+    from peerflow.worker.executors import REWARD_COMPONENTS, response_texts, score_texts
 
     batch = rt.generate_batch(rt.engine("rollout"), draws, sampling)
-    return batch, score_texts(rt.reward_set(), batch, response_texts(rt, batch))
+    scores = score_texts(rt.reward_set(), batch, response_texts(rt, batch))
+    batch.set("reward", torch.tensor(scores.total, dtype=torch.float32))
+    batch.set_objects(REWARD_COMPONENTS, [
+        {name: values[i] for name, values in scores.components.items()}
+        for i in range(len(batch))])
+    return batch, scores
 
 
 def _record(metrics: StepMetrics, prefix: str, batch: Any, scores: Any) -> None:
@@ -80,22 +88,31 @@ def _record(metrics: StepMetrics, prefix: str, batch: Any, scores: Any) -> None:
 def evaluate(rt: WorkerRuntime, step: int) -> dict[str, float]:
     """Scores the eval split on this rank's share and returns the metrics of all ranks.
 
+    Every sample goes to `samples/eval_step_<step>.jsonl` (rank 0 writes it;
+    `peerflow.worker.samples.write_eval_samples`).
+
     Collective: every rank of the run must call it at the same point.
     """
+    from peerflow.worker.samples import write_eval_samples
+
     cfg, sampling = rt.config.eval, rt.config.rollout.sampling
     metrics = StepMetrics()
     draws = _draws(rt) if "rollout" in rt.engines else []
+    shown: list[tuple[str, Any]] = []
     if draws:
         metrics.sum("eval/prompts", len(draws))
         seed = (rt.config.seed * 7919 + step * 104_729 + rt.dp_rank) % (2**31 - 1)
         if cfg.greedy:
             greedy = SamplingParams(n=1, temperature=0.0, max_tokens=sampling.max_tokens,
                                     stop=tuple(sampling.stop), seed=seed)
-            _record(metrics, "eval/greedy", *_generate_and_score(rt, draws, greedy))
+            batch, scores = _generate_and_score(rt, draws, greedy)
+            _record(metrics, "eval/greedy", batch, scores)
+            shown.append(("greedy", batch))
         if cfg.n:
             sampled = attrs.evolve(sampling.to_params(seed=seed), n=cfg.n)
             batch, scores = _generate_and_score(rt, draws, sampled)
             _record(metrics, "eval/sampled", batch, scores)
+            shown.append(("sampled", batch))
             correct: dict[int, int] = defaultdict(int)
             for group, score in zip(batch.group_id.tolist(), scores.total):
                 correct[group] += score >= cfg.correct_threshold
@@ -104,6 +121,7 @@ def evaluate(rt: WorkerRuntime, step: int) -> dict[str, float]:
                 values = [pass_at_k(cfg.n, correct[d.position], k) for d in draws]
                 metrics.mean(f"eval/pass@{k}", sum(values) / len(values), len(values))
                 k *= 2
+    write_eval_samples(rt, step, shown)
     return {k: v for k, v in all_reduce_metrics(metrics).items() if k.startswith("eval/")}
 
 

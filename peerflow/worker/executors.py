@@ -25,6 +25,9 @@ from peerflow.worker.sampler import split_evenly
 if TYPE_CHECKING:
     from peerflow.worker.runtime import WorkerRuntime
 
+#: Object field: per sample, `{reward name: its unweighted score}` (set by reward nodes).
+REWARD_COMPONENTS = "reward_components"
+
 Executor = Callable[["WorkerRuntime", Any, Batch, StepMetrics], Batch]
 
 
@@ -84,9 +87,25 @@ def _score(rt: WorkerRuntime, batch: Batch, node: Any = None,
             metrics.sum(name, count)
     outputs = tuple(getattr(node, "outputs", ()) or ("reward",))
     batch.set_objects("response_text", texts)
+    _add_components(batch, scores.components)
     batch.set(outputs[0], torch.tensor(scores.total, dtype=torch.float32))
     batch.set(REWARD_FAILED, reward_failures(batch) | torch.tensor(scores.failed,
                                                                    dtype=torch.bool))
+
+
+def _add_components(batch: Batch, components: dict[str, list[float]]) -> None:
+    """Adds each sample's reward component scores to its `reward_components` dict.
+
+    Several reward nodes (fan-in) add theirs to the same dicts, which `peerflow samples`
+    shows beside the reward.
+    """
+    kept = batch[REWARD_COMPONENTS] if REWARD_COMPONENTS in batch else [{} for _ in
+                                                                        range(len(batch))]
+    merged = [dict(old) for old in kept]
+    for name, scores in components.items():
+        for row, score in zip(merged, scores):
+            row[name] = score
+    batch.set_objects(REWARD_COMPONENTS, merged)
 
 
 def _samples(batch: Batch) -> str:
