@@ -48,6 +48,7 @@ from peerflow.errors import ConfigError
 from peerflow.worker.graceful_stop import GracefulStop
 from peerflow.worker.metrics import (
     MetricsExchange,
+    SignalWatch,
     StepMetrics,
     finish_metrics,
     record_batch_metrics,
@@ -181,7 +182,7 @@ def drive(rt: WorkerRuntime, schedule: Schedule, stage: Any, *, resuming: bool =
             outputs.write(start_step, initial, run, force=True)
         with stage(schedule.name), contextlib.closing(
                 schedule.steps(start_step, outputs.tracer)) as steps:
-            since = time.perf_counter()
+            since, signal = time.perf_counter(), SignalWatch()
             for step, batch, metrics in steps:
                 # The loop's wall time, per step: this step and the previous step's driver
                 # work (metrics, hooks, checkpoint) — what a user waits for in the loop.
@@ -194,6 +195,8 @@ def drive(rt: WorkerRuntime, schedule: Schedule, stage: Any, *, resuming: bool =
                                    reports=schedule.reports)
                 stopping.offer(metrics)
                 reduced = finish_metrics(exchange.reduce(metrics), step)
+                if schedule.reports:
+                    signal.check(step, reduced)
                 stop_now = stopping.agreed(reduced)
                 extra = _call(hooks, "end_step", rt, step, reduced)
                 reduced.update(extra)

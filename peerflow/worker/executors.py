@@ -239,6 +239,7 @@ def run_advantage(rt: WorkerRuntime, node: Any, batch: Batch, metrics: StepMetri
     from peerflow.algorithms.failed_samples import apply_failure_policies, estimate_advantages
 
     keep = apply_failure_policies(batch, *_failure_policies(rt))
+    _record_reward_spread(batch, metrics)
     for name, column in estimate_advantages(rt.estimator, batch, keep).items():
         batch.set(name, column)
     kept = batch if bool(keep.all()) else batch.select(keep.nonzero().flatten())
@@ -252,6 +253,21 @@ def run_advantage(rt: WorkerRuntime, node: Any, batch: Batch, metrics: StepMetri
         metrics.max("advantages/max", float(adv.max()))
         metrics.min("advantages/min", float(adv.min()))
     return batch
+
+
+def _record_reward_spread(batch: Batch, metrics: StepMetrics) -> None:
+    """`reward/frac_zero_std`: the share of samples whose group's rewards are all equal.
+
+    Groups are whole at the advantage node; with `n` answers a prompt it is the share of
+    groups with no reward spread, whose group-relative advantages are all 0 (no signal).
+    """
+    from peerflow.algorithms.ragged_ops import group_stats
+
+    count, _, std = group_stats(batch["reward"], batch.group_id)
+    grouped = count > 1
+    if bool(grouped.any()):
+        metrics.mean("reward/frac_zero_std", float((std[grouped] == 0).double().mean()),
+                     int(grouped.sum()))
 
 
 def run_train_actor(rt: WorkerRuntime, node: Any, batch: Batch, metrics: StepMetrics) -> Batch:

@@ -8,6 +8,7 @@ output writer on rank 0 then appends one line to `metrics.jsonl`.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Mapping
 from typing import Any, Literal
@@ -16,6 +17,8 @@ import attrs
 
 from peerflow.algorithms.overlong import TRUNCATED
 from peerflow.batch import Batch
+
+log = logging.getLogger("peerflow.worker")
 
 Reduce = Literal["mean", "sum", "max", "min"]
 
@@ -237,3 +240,29 @@ def finish_metrics(reduced: dict[str, float], step: int) -> dict[str, float]:
         out["throughput/tokens_per_s"] = tokens / step_s
         out["throughput/samples_per_s"] = out.get("samples", 0.0) / step_s
     return {"step": step, **dict(sorted(out.items()))}
+
+
+@attrs.define
+class SignalWatch:
+    """Warns when a step had no learning signal: every group's rewards were equal.
+
+    The reporting rank calls `check` with each step's reduced metrics; it warns on the
+    first such step and then at most once every `every` steps.
+    """
+
+    every: int = 10
+    _last: int | None = None
+
+    def check(self, step: int, reduced: Mapping[str, float]) -> bool:
+        """Warns when `reward/frac_zero_std` is 1; returns whether it warned."""
+        if reduced.get("reward/frac_zero_std") != 1.0:
+            return False
+        if self._last is not None and step - self._last < self.every:
+            return False
+        self._last = step
+        log.warning(
+            "step %d: every prompt's answers got the same reward (reward/frac_zero_std = 1), "
+            "so group-relative advantages are all 0 and the step trains nothing. Make the "
+            "reward denser (partial credit) or the task easier, raise rollout.sampling.n or "
+            "the temperature, or set algorithm.dynamic_sampling: true.", step)
+        return True

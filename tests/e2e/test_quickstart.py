@@ -27,6 +27,7 @@ def test_quickstart_two_processes(quickstart_run, metrics_of):
         assert "time/old_logprob" not in m  # on-policy: the fast path skips that forward
         assert m["mismatch/abs_max"] < 1e-4  # rollout and trainer agree at the same weights
         assert 0 < m["off_policy/is_weight_mean"] < 2
+        assert 0.0 <= m["reward/frac_zero_std"] <= 1.0  # groups without a learning signal
         # the fsdp trainer runs a prompt once for its answers, so the re-balance before it
         # weighs a rank's 2 groups as their 8 answers and 2 prompts (~5 tokens each), not
         # as 8 × (answer + prompt): ~10 tokens over the answers, not ~40
