@@ -191,15 +191,27 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
         path = path / METRICS_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist; is this a PeerFlow run directory?")
+    return read_json_lines(path, "metrics", required=("step",))
+
+
+def read_json_lines(path: Path, what: str, *, required: tuple[str, ...] = ()
+                    ) -> list[dict[str, Any]]:
+    """The JSON objects of a JSONL file, one a line (blank lines skipped).
+
+    Raises:
+        ValueError: a line is not a JSON object, or lacks a `required` key (naming the
+            file, the 1-based line number and what a `what` line must be).
+    """
     records = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
         if not line.strip():
             continue
         try:
             record = json.loads(line)
         except json.JSONDecodeError as exc:
             raise ValueError(f"{path}:{number}: not a JSON object ({exc}).") from None
-        if not isinstance(record, dict) or "step" not in record:
-            raise ValueError(f"{path}:{number}: a metrics line must be an object with 'step'.")
+        if not isinstance(record, dict) or any(key not in record for key in required):
+            keys = f" with {', '.join(repr(k) for k in required)}" if required else ""
+            raise ValueError(f"{path}:{number}: a {what} line must be a JSON object{keys}.")
         records.append(record)
     return records

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from peerflow.checkpoint.atomic import write_text_atomic
+from peerflow.outputs.metrics import read_json_lines
 
 SAMPLES_DIR = "samples"
 _NAME = re.compile(r"^(eval_)?step_(\d+)\.jsonl$")
@@ -113,18 +114,7 @@ def read_samples(run_dir: str | Path, step: int | None = None, *, evaluation: bo
         raise FileNotFoundError(f"no {kind} for step {step} in {run_dir}; steps with "
                                 f"{kind}: {describe_steps(steps)}{every}.")
     path = samples_path(run_dir, step, evaluation=evaluation)
-    records = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}:{number}: not a JSON object ({exc}).") from None
-        if not isinstance(record, dict):
-            raise ValueError(f"{path}:{number}: a sample line must be a JSON object.")
-        records.append(record)
-    return step, records
+    return step, read_json_lines(path, "sample")
 
 
 def order_samples(samples: Sequence[dict[str, Any]], *, worst: bool = False,
