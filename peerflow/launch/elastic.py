@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import uuid
 from pathlib import Path
@@ -14,6 +15,7 @@ from peerflow.distributed.ranklog import rank_log_path
 from peerflow.distributed.stop import LauncherStopHandler, read_stop, stop_reason
 from peerflow.errors import RunInterruptedError, WorkerFailedError
 from peerflow.launch.entry import WorkerCommand, worker_entry
+from peerflow.launch.lifeline import LAUNCHER_PID_ENV
 from peerflow.launch.warm import environment_changes, start_warm_server
 from peerflow.launch.watch import FaultStore
 
@@ -83,6 +85,7 @@ def launch_elastic(command: WorkerCommand, *, nprocs: int) -> None:
     warm = start_warm_server()
     store = FaultStore(world_size=nprocs)
     store.export()
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # workers exit when this process dies
     store.start_watching()
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nprocs, run_id=f"peerflow-{uuid.uuid4().hex[:8]}",
@@ -118,3 +121,4 @@ def launch_elastic(command: WorkerCommand, *, nprocs: int) -> None:
         stopper.uninstall()
         quiet.setLevel(level)
         store.stop()
+        os.environ.pop(LAUNCHER_PID_ENV, None)

@@ -109,22 +109,28 @@ def worker_entry(
         wait_timeout: Seconds each collective and peer wait may take while the peer lives.
         environ: Environment variables to set (`None`: remove) before anything else.
 
-    A first SIGINT or SIGTERM asks every rank to stop at the next step boundary
-    (`peerflow.distributed.stop`); a worker that stopped that way exits with
-    `INTERRUPTED_EXIT` after finishing cleanly. A later one stops it at once.
+    A worker started by a launcher (`LAUNCHER_PID_ENV`) exits within about a second of
+    that launcher's death, quietly (`peerflow.launch.lifeline`), and adds its pid to the
+    run lock (`register_worker`). A first SIGINT or SIGTERM asks every rank to stop at
+    the next step boundary (`peerflow.distributed.stop`); a worker that stopped that way
+    exits with `INTERRUPTED_EXIT` after finishing cleanly. A later one stops it at once.
     """
     import torch
 
     from peerflow.distributed import handle_failure, init_distributed, shutdown_distributed
     from peerflow.distributed.ranklog import append_to_rank_log, open_rank_log
     from peerflow.distributed.stop import WorkerStopHandler, read_stop
+    from peerflow.launch.lifeline import hold_to_launcher
     from peerflow.launch.warm import apply_environment_changes
+    from peerflow.outputs.rundir import register_worker
 
     apply_environment_changes(environ or {})
     torch.set_num_threads(max(1, torch_threads))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     ctx = init_distributed(timeout=fault_timeout, wait_timeout=wait_timeout)
     open_rank_log(resume or run_dir, ctx.rank)
+    hold_to_launcher(note=append_to_rank_log)  # exits within a second of its death
+    register_worker(run_dir)  # the run lock names every local worker
     append_to_rank_log(f"rank {ctx.rank} on {ctx.host}: engines compute on {ctx.device}; "
                        f"process groups carry {ctx.backend}")
     monitor = ctx.monitor

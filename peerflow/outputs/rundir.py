@@ -18,6 +18,7 @@ Layout (what the other `peerflow.outputs` modules write)::
 from __future__ import annotations
 
 import datetime as dt
+import fcntl
 import json
 import os
 import socket
@@ -123,14 +124,17 @@ def record_torchrun_job(run_dir: Path) -> None:
 
 @attrs.define(eq=False)
 class RunLock:
-    """The exclusive lock of a run directory: `RUN_DIR/run.lock`, naming host and pid.
+    """The exclusive lock of a run directory: `RUN_DIR/run.lock`, naming host and pids.
 
     Taken before anything is written to the directory and held for the whole run (by the
-    `peerflow train` launcher, or rank 0 under torchrun). A lock left by a process that
-    no longer exists on this host is stale and taken over, saying so, and so is a lock of
-    the same torchrun job (`torchrun_job()`: its agents stopped every worker before
-    restarting them, on whichever host rank 0 lands); a lock held by a live process, or
-    by another host, refuses the run.
+    `peerflow train` launcher, or rank 0 under torchrun). Every worker on the lock's host
+    adds its pid (`register_worker`), so the lock names the launcher and each local
+    worker. A lock is stale only when none of those processes lives on this host (a
+    launcher killed with SIGKILL leaves workers that exit within a second or two, and
+    until then a resume is refused); a stale lock is taken over, saying so, and so is a
+    lock of the same torchrun job (`torchrun_job()`: its agents stopped every worker
+    before restarting them, on whichever host rank 0 lands); a lock held by a live
+    process, or by another host, refuses the run.
     """
 
     run_dir: Path
@@ -152,7 +156,7 @@ class RunLock:
         """
         mine = {"host": socket.gethostname(), "pid": os.getpid(),
                 "started": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-                "job": torchrun_job() or None}
+                "job": torchrun_job() or None, "workers": []}
         for _ in range(3):
             try:  # O_EXCL: exactly one process creates the file
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
@@ -160,6 +164,7 @@ class RunLock:
                 pass
             else:
                 with os.fdopen(fd, "w") as handle:
+                    fcntl.flock(handle, fcntl.LOCK_EX)  # readers wait for the content
                     handle.write(json.dumps(mine))
                 self._held = True
                 return self
@@ -187,28 +192,73 @@ class RunLock:
         self.release()
 
     def _holder(self) -> dict[str, Any] | None:
-        try:
-            return json.loads(self.path.read_text())
-        except (OSError, ValueError):
-            return None
+        return read_lock(self.path)
 
     @staticmethod
     def _is_stale(holder: dict[str, Any]) -> bool:
         if holder.get("host") != socket.gethostname():
             return False  # a process on another host cannot be checked from here
-        try:
-            os.kill(int(holder["pid"]), 0)
-        except ProcessLookupError:
-            return True
-        except PermissionError:
-            return False
-        return False
+        return not live_holders(holder)
 
     def _refusal(self, holder: dict[str, Any] | None) -> ConfigError:
         who = (f"pid {holder['pid']} on host {holder['host']} (since {holder.get('started')})"
                if holder else "another process")
+        if holder and holder.get("host") == socket.gethostname():
+            workers = [pid for pid in live_holders(holder) if pid != int(holder["pid"])]
+            if workers and int(holder["pid"]) not in live_holders(holder):
+                who = (f"the workers (pids {', '.join(map(str, workers))}) of a launcher "
+                       f"that is gone (pid {holder['pid']} on host {holder['host']}); they "
+                       "exit within a few seconds, then retry")
         return ConfigError(
             f"run directory {str(self.run_dir)!r} is in use by {who}: {self.path} is held. "
             "Two runs on one directory would corrupt each other; wait for that run to end, "
             "pick another --run-dir, or, if that process is gone, delete the lock file."
         )
+
+
+def read_lock(path: Path) -> dict[str, Any] | None:
+    """The content of a lock file (read under a shared `flock`), or `None` if unreadable."""
+    try:
+        with open(path) as handle:
+            fcntl.flock(handle, fcntl.LOCK_SH)
+            return json.loads(handle.read())
+    except (OSError, ValueError):
+        return None
+
+
+def live_holders(holder: dict[str, Any]) -> list[int]:
+    """The pids of a lock on this host (launcher and workers) whose processes still live."""
+    from peerflow.distributed.procs import process_gone
+
+    pids = [int(holder["pid"]), *(int(p) for p in holder.get("workers") or ())]
+    return [pid for pid in pids if not process_gone(pid)]
+
+
+def register_worker(run_dir: str | Path, pid: int | None = None) -> bool:
+    """Adds a worker's pid to `RUN_DIR/run.lock` when the lock is held on this host.
+
+    The file is rewritten in place under an exclusive `flock` (readers take a shared
+    one), so concurrent workers never lose each other's pid.
+
+    Returns:
+        Whether the pid was recorded (no lock, or one of another host: nothing to do).
+    """
+    path = Path(run_dir) / LOCK_FILE
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError:
+        return False
+    with os.fdopen(fd, "r+") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            holder = json.loads(handle.read())
+        except ValueError:
+            return False
+        if holder.get("host") != socket.gethostname():
+            return False
+        holder["workers"] = [*(holder.get("workers") or ()), pid or os.getpid()]
+        handle.seek(0)
+        handle.truncate()
+        handle.write(json.dumps(holder))
+        handle.flush()
+    return True
