@@ -38,6 +38,7 @@ _EXPORTS = {
     "ShardSpec": "peerflow.shard",
     "TrainEngine": "peerflow.engines",
     "evaluate": "peerflow.api",
+    "export": "peerflow.api",
     "hf_layout": "peerflow.models",
     "hf_parameters": "peerflow.models",
     "megatron_layout": "peerflow.models",
@@ -48,7 +49,7 @@ _EXPORTS = {
 }
 
 if TYPE_CHECKING:
-    from peerflow.api import evaluate, train
+    from peerflow.api import evaluate, export, train
     from peerflow.batch import Batch
     from peerflow.capabilities import Capabilities
     from peerflow.engines import (
@@ -101,6 +102,7 @@ __all__ = [
     "TrainEngine",
     "__version__",
     "evaluate",
+    "export",
     "hf_layout",
     "hf_parameters",
     "megatron_layout",

@@ -1,16 +1,18 @@
-"""Python entry points for scripts and notebooks: `peerflow.train`, `peerflow.evaluate`.
+"""Python entry points for scripts and notebooks: `train`, `evaluate`, `export`.
 
 Both run the same launcher as the CLI (`peerflow train` / `peerflow eval`): the config is
 validated here, before any worker starts, then worker processes are spawned (or, under
 `torchrun`, this process is one). A reward given as a Python function must be importable
 by those processes — a top-level function of a module or a `.py` file; a lambda, a nested
-function or one typed into a notebook is refused with the fix.
+function or one typed into a notebook is refused with the fix. `peerflow.export` writes a
+run's checkpoint as a Hugging Face model directory (`peerflow export`).
 
     import peerflow
     from my_rewards import score
 
     run_dir = peerflow.train("examples/quickstart.yaml", overrides={"run.steps": 20},
                              reward_fn=score)
+    peerflow.export(run_dir, "my-model")  # a Hugging Face model directory
 """
 
 from __future__ import annotations
@@ -147,3 +149,30 @@ def evaluate(config: ConfigSource, checkpoint: str | Path | None = None,
            wait_timeout=settings.runtime.peer_wait_timeout,
            entry="peerflow.worker.main:run_eval_worker")
     return json.loads((path / "eval.json").read_text())
+
+
+def export(run_dir: str | Path, out_dir: str | Path, step: int | None = None, *,
+           dtype: str = "auto", max_shard_size: int | str = "5GB") -> Path:
+    """Writes a run's checkpoint as a Hugging Face model directory, as `peerflow export` does.
+
+    The directory (safetensors, config, generation config, tokenizer and chat template)
+    loads with `AutoModelForCausalLM.from_pretrained(out_dir)`. The model is assembled in
+    this process: it needs host memory for one full copy of the weights.
+
+    Args:
+        run_dir: A run directory (or one of its `checkpoints/step_N` directories).
+        out_dir: The model directory to create (must not exist, or be empty).
+        step: The checkpoint's step (`None`: the newest verified checkpoint).
+        dtype: `auto` (as saved), `float32`, `bfloat16` or `float16`.
+        max_shard_size: Largest safetensors file before the weights are split.
+
+    Returns:
+        `out_dir`.
+
+    Raises:
+        ConfigError: no (such) verified checkpoint, `out_dir` not empty, or a bad dtype.
+    """
+    from peerflow.hf_export import export as export_run
+
+    return export_run(run_dir, out_dir, step=step, dtype=dtype,
+                      max_shard_size=max_shard_size).out_dir

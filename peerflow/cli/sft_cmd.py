@@ -108,6 +108,7 @@ def supervised_warm_start(
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from peerflow.hf_export import unique_tensors, write_model_dir
     from peerflow.plugins import get_plugin_manager
     from peerflow.worker.rollout import encode_prompt
 
@@ -146,9 +147,8 @@ def supervised_warm_start(
     model.eval()
     accuracy = _exact_match(model, tokenizer, task, eval_examples) if eval_examples else None
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
+    write_model_dir(out, unique_tensors(model), config=model.config, tokenizer=tokenizer,
+                    generation_config=model.generation_config)
     summary = {
         "source_model": source, "task": config.task.name, "steps": steps,
         "batch_size": batch_size, "lr": lr, "loss_first": losses[0] if losses else None,

@@ -7,7 +7,7 @@ from peerflow.engines.rollout import (
     RolloutEngine,
     SamplingParams,
 )
-from peerflow.engines.train import LossFunction, OptimSettings, TrainEngine
+from peerflow.engines.train import LossFunction, OptimSettings, SavedShard, TrainEngine
 
 __all__ = [
     "EngineContext",
@@ -19,6 +19,7 @@ __all__ = [
     "OptimSettings",
     "RolloutEngine",
     "SamplingParams",
+    "SavedShard",
     "TrainEngine",
     "WeightSyncStats",
 ]

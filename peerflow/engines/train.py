@@ -15,7 +15,8 @@ Call order on the ranks that host the engine (all ranks of its group, SPMD):
    rank of the group in the same order (it may run collectives, e.g. a ZeRO-3 gather of
    exactly that bucket's parameters); only ranks owning a `replica == 0` piece send.
 5. With `Capabilities.checkpoint`: `save_checkpoint(dir)` / `load_checkpoint(dir)` on all
-   ranks.
+   ranks; the classmethod `saved_shards(dir, ...)` describes what such a directory holds
+   as pieces of HF tensors, without building the engine (`peerflow export` reads it).
 6. `shutdown()`.
 
 Batches given to the engine carry ragged `prompt_ids` and `response_ids` fields; every tp/pp
@@ -45,8 +46,8 @@ from __future__ import annotations
 
 import abc
 import contextlib
-from collections.abc import Iterator, Mapping, Sequence
-from typing import Protocol
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, Protocol
 
 import attrs
 import torch
@@ -120,6 +121,32 @@ class LossFunction(Protocol):
         """
 
 
+@attrs.frozen(kw_only=True)
+class SavedShard:
+    """One tensor of a train engine's checkpoint, as pieces of HF tensors, read on demand."""
+
+    source: int
+    """Which saved part holds it (e.g. the saving rank); `spec.local_name` is unique
+    within one source."""
+    spec: ShardSpec
+    """The tensor's name and shape in the checkpoint and the HF regions it holds
+    (`replica > 0`: a copy, read only where no replica 0 covers a region)."""
+    read: Callable[[], torch.Tensor]
+    """Returns the tensor (host memory), of shape `spec.local_shape`."""
+
+    @classmethod
+    def in_file(cls, path: str, *, source: int, spec: ShardSpec) -> SavedShard:
+        """A shard stored in a safetensors file under `spec.local_name`, read when needed."""
+
+        def read() -> torch.Tensor:
+            from safetensors import safe_open
+
+            with safe_open(path, "pt") as handle:
+                return handle.get_tensor(spec.local_name)
+
+        return cls(source=source, spec=spec, read=read)
+
+
 class TrainEngine(EngineBase, abc.ABC):
     """A training engine: log-prob forward, optimiser steps, sharded weight export."""
 
@@ -178,6 +205,25 @@ class TrainEngine(EngineBase, abc.ABC):
             f"{type(self).__name__} does not declare Capabilities.checkpoint."
         )
 
+    @classmethod
+    def saved_shards(cls, directory: str, *, model_path: str,
+                     options: Any = None) -> list[SavedShard]:
+        """What a `save_checkpoint` directory holds, as HF-named shards.
+
+        Needs `Capabilities.checkpoint`. Called in a plain process: no process group, no
+        engine built, no accelerator. `peerflow.hf_export` assembles the shards into whole HF
+        tensors.
+
+        Args:
+            directory: What `save_checkpoint` wrote (every rank's part).
+            model_path: The HF model directory the run started from (its `config.json`).
+            options: The engine's options of the run (`options_class`), or `None`.
+        """
+        raise NotImplementedError(
+            f"{cls.__name__} does not describe its checkpoints (saved_shards); it cannot be "
+            "exported."
+        )
+
     def shutdown(self) -> None:
         """Releases the engine's memory and process groups. Safe to call twice."""
 
@@ -205,5 +251,6 @@ def yield_tensors(tensors: list[torch.Tensor]) -> Iterator[list[torch.Tensor]]:
 
 
 __all__ = [
-    "EngineContext", "LossFunction", "OptimSettings", "TrainEngine", "tensors_of", "yield_tensors",
+    "EngineContext", "LossFunction", "OptimSettings", "SavedShard", "TrainEngine", "tensors_of",
+    "yield_tensors",
 ]

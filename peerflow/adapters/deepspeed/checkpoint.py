@@ -8,14 +8,20 @@ the weight version, ZeRO stage, dp size, tag, and the full shape of every parame
 Loading is strict: the recorded shapes must be exactly the model's
 (`peerflow.checkpoint.check_shapes`) before DeepSpeed reads anything, and the dp size must
 be the one the checkpoint was written with.
+
+`saved_shards` reads the full-precision weights of any ZeRO stage with DeepSpeed's own
+`zero_to_fp32` (`get_fp32_state_dict_from_zero_checkpoint`), in one process, for
+`peerflow export`: whole HF tensors, float32 (the optimiser's master copy).
 """
 
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from peerflow.checkpoint import check_same_layout, check_shapes, read_engine_meta, write_json_atomic
+from peerflow.engines.train import SavedShard
+from peerflow.shard import ShardSpec
 
 if TYPE_CHECKING:
     from peerflow.adapters.deepspeed.engine import DeepSpeedTrainEngine
@@ -53,3 +59,16 @@ class DeepSpeedCheckpoints:
         if path is None:
             raise RuntimeError(f"DeepSpeed could not load the checkpoint in {directory}.")
         self.version = int(client.get("peerflow_version", meta["version"]))
+
+    @classmethod
+    def saved_shards(cls, directory: str, *, model_path: str,
+                     options: Any = None) -> list[SavedShard]:
+        """The checkpoint's float32 weights, whole, through DeepSpeed's `zero_to_fp32`."""
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        meta = read_engine_meta(directory, META, "DeepSpeed")
+        state = get_fp32_state_dict_from_zero_checkpoint(directory, tag=meta["tag"])
+        shapes = meta["shapes"]
+        return [SavedShard(source=0, read=lambda name=name: state[name],
+                           spec=ShardSpec.of_slice(name, shapes[name]))
+                for name in shapes]

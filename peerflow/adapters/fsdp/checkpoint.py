@@ -13,6 +13,8 @@ global shapes: `peerflow.checkpoint.check_shapes`), then reads the box metadata 
 saved rank and copies each overlapping region into this rank's shard, so a checkpoint
 loads onto a different dp/tp layout too; only the regions of replica 0 are read, and every
 local element must be covered exactly once.
+`saved_shards` describes the files as HF-named shards (the boxes are HF regions already)
+for `peerflow export`.
 RNG states are restored only when the layout is unchanged (same world size). On CPU a
 reload reproduces parameters, optimiser moments and step counts bit for bit, so training
 resumes exactly.
@@ -29,7 +31,8 @@ import torch
 
 from peerflow.adapters.fsdp.shards import local_box
 from peerflow.checkpoint import atomic_path, check_shapes, write_json_atomic
-from peerflow.shard import Box
+from peerflow.engines.train import SavedShard
+from peerflow.shard import Box, ShardSpec
 
 FORMAT = "peerflow-fsdp/1"
 _MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -134,6 +137,22 @@ def read_meta(directory: str) -> list[dict[str, Any]]:
             raise ValueError(f"{path}: format {meta.get('format')!r}, expected {FORMAT!r}.")
         metas.append(meta)
     return metas
+
+
+def saved_shards(directory: str) -> list[SavedShard]:
+    """Every rank's model shard in `directory` as `(HF box, lazy reader)` (no optimiser).
+
+    Raises:
+        FileNotFoundError: `directory` holds no complete fsdp checkpoint.
+    """
+    shards = []
+    for meta in read_meta(directory):
+        path = str(Path(directory) / f"model-rank{meta['rank']}.safetensors")
+        for name, info in meta["boxes"].items():
+            box = Box(offsets=info["offsets"], sizes=info["sizes"])
+            spec = ShardSpec.of_slice(name, info["global_shape"], box, replica=info["replica"])
+            shards.append(SavedShard.in_file(path, source=meta["rank"], spec=spec))
+    return shards
 
 
 def _fill(

@@ -37,7 +37,7 @@ from peerflow.adapters.fsdp.shards import (
     replica_index,
 )
 from peerflow.capabilities import Capabilities
-from peerflow.engines import EngineContext, OptimSettings
+from peerflow.engines import EngineContext, OptimSettings, SavedShard
 from peerflow.engines.train import tensors_of
 from peerflow.errors import ConfigError
 from peerflow.shard import ShardSpec
@@ -305,6 +305,12 @@ class FSDPTrainEngine(CausalLMTrainEngine):
             optimizer=self.optimizer,
         )
         self.version = int(meta.get("version", 0))
+
+    @classmethod
+    def saved_shards(cls, directory: str, *, model_path: str,
+                     options: Any = None) -> list[SavedShard]:
+        """Every saving rank's shards, under HF names already (see `checkpoint`)."""
+        return ckpt.saved_shards(directory)
 
     # -- conformance hooks (read by peerflow.conformance; see its profile module) ---------
 

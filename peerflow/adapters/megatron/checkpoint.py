@@ -4,20 +4,23 @@ Layout of a checkpoint directory:
 
 * `megatron_tp{t}_pp{p}.safetensors` — that rank's parameters under Megatron names;
 * `megatron_optim_tp{t}_pp{p}.pt` — the torch optimiser state of that model shard;
-* `peerflow_megatron.json` — weight version and the tp/pp/dp layout it was written with.
+* `peerflow_megatron.json` — weight version, the tp/pp/dp layout it was written with and
+  the vocabulary padding multiple.
 
 dp replicas hold identical shards, so only dp-rank 0 writes; every file is written
 atomically (`peerflow.checkpoint.atomic_path`). Loading needs the same tp and pp (the
 shards are Megatron's own) and is strict: every saved tensor must have exactly the name
 and shape of this model's (`peerflow.checkpoint.check_shapes`). Megatron's distributed
 optimizer (GPU) is saved with its own `state_dict`. `MegatronCheckpoints` gives the engine
-`save_checkpoint` / `load_checkpoint`.
+`save_checkpoint` / `load_checkpoint`, and `saved_shards` describes every (tp, pp) file
+as pieces of HF tensors (the same `megatron_layout` specs the weight sync uses) for
+`peerflow export`.
 """
 
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -28,6 +31,7 @@ from peerflow.checkpoint import (
     read_engine_meta,
     write_json_atomic,
 )
+from peerflow.engines.train import SavedShard
 
 if TYPE_CHECKING:
     from peerflow.adapters.megatron.engine import MegatronTrainEngine
@@ -54,7 +58,8 @@ class MegatronCheckpoints:
             with atomic_path(os.path.join(directory, f"megatron_optim_{tag}.pt")) as tmp:
                 torch.save(self.optimizer.state_dict(), tmp)
         if dist.get_rank() == min(layout.global_ranks):
-            meta = {"version": self.version, "tp": layout.tp, "pp": layout.pp, "dp": layout.dp}
+            meta = {"version": self.version, "tp": layout.tp, "pp": layout.pp, "dp": layout.dp,
+                    "vocab_multiple": self.options.vocab_multiple}
             write_json_atomic(os.path.join(directory, META), meta)
         dist.barrier()
 
@@ -78,3 +83,26 @@ class MegatronCheckpoints:
                            weights_only=False)
         self.optimizer.load_state_dict(state)
         self.version = int(meta["version"])
+
+    @classmethod
+    def saved_shards(cls, directory: str, *, model_path: str,
+                     options: Any = None) -> list[SavedShard]:
+        """Every (tp, pp) file's tensors as pieces of HF tensors (dp replica 0's specs)."""
+        from transformers import AutoConfig
+
+        from peerflow.adapters.megatron.layout import megatron_shard_layout
+        from peerflow.layout import ParallelLayout
+
+        meta = read_engine_meta(directory, META, "Megatron")
+        layout = ParallelLayout(tp=meta["tp"], pp=meta["pp"], dp=meta["dp"])
+        multiple = meta.get("vocab_multiple", getattr(options, "vocab_multiple", 128))
+        hf_config = AutoConfig.from_pretrained(model_path)
+        shards = []
+        for tp in range(layout.tp):
+            for pp in range(layout.pp):
+                rank = layout.rank_at(tp=tp, pp=pp, dp=0)
+                path = os.path.join(directory, f"megatron_tp{tp}_pp{pp}.safetensors")
+                for spec in megatron_shard_layout(hf_config, layout, rank,
+                                                  vocab_multiple=multiple):
+                    shards.append(SavedShard.in_file(path, source=rank, spec=spec))
+        return shards

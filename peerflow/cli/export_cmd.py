@@ -1,0 +1,55 @@
+"""`peerflow export RUN_DIR OUT_DIR`: a run's checkpoint as a Hugging Face model directory.
+
+    peerflow export RUN_DIR OUT_DIR [--step N] [--dtype auto|float32|bfloat16|float16]
+                                    [--max-shard-size 5GB]
+
+The newest checkpoint that verifies (or `--step N`), from any train adapter and layout,
+written as safetensors (sharded with an index past `--max-shard-size`), config,
+generation config, tokenizer and chat template: what `transformers`,
+vLLM or SGLang load with `from_pretrained(OUT_DIR)`. See `peerflow.hf_export`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from peerflow.hf_export.run import DTYPES
+
+
+def add_parser(subparsers: Any) -> None:
+    """Adds the `export` subcommand."""
+    parser = subparsers.add_parser(
+        "export", help="write a run's checkpoint as a Hugging Face model directory",
+        description="Write the newest verified checkpoint of RUN_DIR (or --step N) as a "
+        "Hugging Face model directory (safetensors, config, generation config, tokenizer, "
+        "chat template) that transformers, vLLM and SGLang load. The weights are assembled "
+        "in this process (one full host copy of the model).",
+    )
+    parser.add_argument("run_dir", metavar="RUN_DIR",
+                        help="a run directory (or one of its checkpoints/step_N directories)")
+    parser.add_argument("out_dir", metavar="OUT_DIR",
+                        help="the model directory to create (must not exist, or be empty)")
+    parser.add_argument("--step", type=int, default=None, metavar="N",
+                        help="the checkpoint of step N (default: the newest verified one)")
+    parser.add_argument("--dtype", choices=DTYPES, default="auto",
+                        help="dtype of the written weights (default auto: as the checkpoint "
+                        "holds them)")
+    parser.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
+                        help="largest safetensors file before the weights are split into "
+                        "shards with an index (default 5GB)")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Exports; prints where the model went and how to load it."""
+    from peerflow.hf_export import export
+
+    size = int(args.max_shard_size) if args.max_shard_size.isdigit() else args.max_shard_size
+    result = export(args.run_dir, args.out_dir, step=args.step, dtype=args.dtype,
+                    max_shard_size=size)
+    print(f"exported step {result.step} of {args.run_dir} ({result.backend} checkpoint, "
+          f"{result.parameters:,} parameters, {result.dtype}) to {result.out_dir}")
+    print(f"load it with AutoModelForCausalLM.from_pretrained({str(result.out_dir)!r}), or "
+          f"serve it: vllm serve {result.out_dir}")
+    return 0

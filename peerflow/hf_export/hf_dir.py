@@ -1,0 +1,117 @@
+"""The one writer of Hugging Face model directories (`peerflow export`, `peerflow sft`).
+
+A directory holds the weights as safetensors (one file, or shards of at most
+`max_shard_size` with `model.safetensors.index.json`, written by `huggingface_hub`'s
+`save_torch_state_dict`), `config.json` (its `dtype` the weights'), `generation_config.json`
+when the source model has one, and the tokenizer with its chat template — what
+`AutoModelForCausalLM.from_pretrained` and `AutoTokenizer.from_pretrained` load. Tied
+tensors are written once, under the name `named_parameters()` gives them (the embedding).
+
+Before writing, the tensors are checked against the architecture of `config` (built on
+the meta device, no memory): every parameter and persistent buffer present with its shape,
+nothing else, so a directory that would not load is never written.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from peerflow.errors import ShardError
+
+#: Largest safetensors file before the weights are split (`save_pretrained`'s default).
+DEFAULT_SHARD_SIZE = "5GB"
+
+
+def expected_tensors(config: Any) -> dict[str, tuple[int, ...]]:
+    """Name → shape of every tensor a checkpoint of `config`'s architecture holds.
+
+    Tied parameters count once (the name `named_parameters()` keeps); non-persistent
+    buffers (rotary frequencies) are not saved.
+    """
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    state = model.state_dict()
+    every = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    kept = {name for name, _ in model.named_parameters()}
+    return {name: tuple(t.shape) for name, t in state.items() if name not in every - kept}
+
+
+def _check(tensors: Mapping[str, torch.Tensor], config: Any) -> None:
+    want = expected_tensors(config)
+    problems = []
+    missing = sorted(set(want) - set(tensors))
+    if missing:
+        problems.append(f"missing {missing[:4]}")
+    extra = sorted(set(tensors) - set(want))
+    if extra:
+        problems.append(f"not in the architecture {extra[:4]}")
+    wrong = [f"{n} {tuple(tensors[n].shape)} (config: {want[n]})"
+             for n in sorted(set(want) & set(tensors)) if tuple(tensors[n].shape) != want[n]]
+    if wrong:
+        problems.append(f"shapes differ: {wrong[:4]}")
+    if problems:
+        raise ShardError(
+            f"the weights do not fit {type(config).__name__} ({'; '.join(problems)}): the "
+            "checkpoint was written from another model than the config's model directory. "
+            "Export with the model the run was trained from (its config.yaml's model section)."
+        )
+
+
+def unique_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A live model's parameters (tied ones once) and persistent buffers, detached."""
+    names = set(expected_tensors(model.config))
+    return {n: t.detach() for n, t in model.state_dict().items() if n in names}
+
+
+def _readable(paths: Any) -> None:
+    """Gives files the permissions the umask allows (safetensors writes owner-only ones)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    for path in paths:
+        path.chmod(0o666 & ~mask)
+
+
+def write_model_dir(out_dir: str | Path, tensors: Mapping[str, torch.Tensor], *, config: Any,
+                    tokenizer: Any = None, generation_config: Any = None,
+                    max_shard_size: int | str = DEFAULT_SHARD_SIZE) -> Path:
+    """Writes a Hugging Face model directory.
+
+    Args:
+        out_dir: Directory to write into (created; existing files of the same names are
+            replaced, so give a new or empty one).
+        tensors: HF name → tensor, every parameter once (`unique_tensors` for a live model).
+        config: The model's `transformers` config; its `dtype` is set to the tensors'.
+        tokenizer: A `transformers` tokenizer to save beside (its chat template included).
+        generation_config: A `GenerationConfig` to save, or `None`.
+        max_shard_size: Largest safetensors file (e.g. `"5GB"`, bytes as an int).
+
+    Returns:
+        `out_dir`.
+
+    Raises:
+        ShardError: the tensors do not fit `config`'s architecture (names the tensors).
+    """
+    from huggingface_hub import save_torch_state_dict
+
+    _check(tensors, config)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    dtypes = {t.dtype for t in tensors.values() if t.is_floating_point()}
+    if len(dtypes) == 1:
+        config.dtype = next(iter(dtypes))
+    save_torch_state_dict(dict(tensors), out, max_shard_size=max_shard_size,
+                          metadata={"format": "pt"})
+    _readable(out.glob("*.safetensors"))
+    config.save_pretrained(out)
+    if generation_config is not None:
+        generation_config.save_pretrained(out)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
+    return out
