@@ -59,6 +59,12 @@ class Capabilities:
     gpu_only: bool = False
     """The engine cannot run without a CUDA device."""
 
+    lora: bool = False
+    """LoRA adapters (`trainer.lora`): a train engine trains them only (the reference
+    policy is its base with adapters off, `weight_sources()` lists the adapter tensors
+    only); a rollout engine applies them (`weight_targets()` lists adapter tensors under
+    peft's names, and only those move in a weight sync)."""
+
     def enabled(self) -> list[str]:
         """Returns the names of the flags that are set, in declaration order."""
         return [field.name for field in attrs.fields(type(self)) if getattr(self, field.name)]

@@ -6,6 +6,7 @@ from typing import Any, Literal
 
 import attrs
 
+from peerflow.config.lora import LoraConfig
 from peerflow.config.structure import SECTIONS
 from peerflow.engines import OptimSettings, SamplingParams
 from peerflow.layout import ParallelLayout
@@ -148,6 +149,9 @@ class TrainerConfig:
     """Compute in bfloat16 where the device supports it."""
     layout: LayoutConfig = attrs.Factory(LayoutConfig)
     """Parallel layout of the trainer role."""
+    lora: LoraConfig | None = None
+    """Train LoRA adapters instead of every weight (`trainer.lora: {rank: 16}`); absent
+    (the default) trains the full model. See docs/lora.md."""
     engine_options: dict[str, dict[str, Any]] = _section_field()
     """Per-backend option sections, keyed by backend name (validated when selected)."""
 

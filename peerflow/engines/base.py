@@ -66,6 +66,9 @@ class EngineContext:
     temperature`, > 0): train engines compute log-probs of `softmax(logits /
     temperature)`, the distribution the rollout sampled from. Rollout engines read
     `SamplingParams` instead."""
+    lora: Any = None
+    """The run's `peerflow.config.lora.LoraConfig` (`trainer.lora`), given to engines
+    that declare `Capabilities.lora`; `None`: full weights, no adapters."""
 
 
 @attrs.frozen(kw_only=True)

@@ -30,7 +30,8 @@ ENTRY_POINT_GROUP = "peerflow"
 BUILTIN_DISTRIBUTION = "peerflow"
 #: Core modules that register their built-ins through the same hooks a plugin uses.
 CORE_PLUGINS = ("peerflow.streaming.samplers", "peerflow.planner.validate",
-                "peerflow.rewards.setup", "peerflow.worker.nodes")
+                "peerflow.rewards.setup", "peerflow.worker.nodes", "peerflow.training.lora",
+                "peerflow.training.schedule")
 
 
 @attrs.frozen(kw_only=True)

@@ -167,7 +167,7 @@ def _start(
         sampler=sampler, kl_reward=components["kl_reward"], algorithm=components["algorithm"],
         layouts=dict(program.layouts), agent=_agent_rollout(config, pm),
     )
-    for role in program.roles:
+    for role in sorted(program.roles, key=lambda r: r == "ref"):  # a LoRA ref views the actor
         if role in engine_roles():
             rt.engines[role] = rt.build_engine(role, program.process_group(role))
     rt.prompt_sharing = roles_sharing_prompts(rt.engines)

@@ -171,9 +171,13 @@ class WorkerRuntime:
                                                  self.default_reward, name)
         return self.rewards[key]
 
-    def context(self, role: str, process_group: Any = None) -> EngineContext:
-        """Returns the `EngineContext` of this rank's engine for `role`."""
+    def context(self, role: str, process_group: Any = None, lora: Any = None) -> EngineContext:
+        """Returns the `EngineContext` of this rank's engine for `role`.
+
+        `lora` is `trainer.lora`, for an engine that trains or applies adapters.
+        """
         return EngineContext(
+            lora=lora,
             model_path=self.model_path,
             layout=self.layouts[role],
             rank=self.rank,
@@ -192,7 +196,7 @@ class WorkerRuntime:
             cls = self.pm.get("rollout_engine", cfg.rollout.backend)
             options = _options(cls, cfg.rollout.engine_options.get(cfg.rollout.backend),
                                f"rollout.{cfg.rollout.backend}")
-            return cls(self.context(role, process_group), options)
+            return cls(self.context(role, process_group, cfg.trainer.lora), options)
         cls = self.pm.get("train_engine", cfg.trainer.backend)
         section = dict(cfg.trainer.engine_options.get(cfg.trainer.backend) or {})
         if role == "critic":
@@ -205,8 +209,25 @@ class WorkerRuntime:
             if attrs.has(cls.options_class) and "value_head" in attrs.fields_dict(
                     cls.options_class):
                 section["value_head"] = True
+        if role == "ref" and cfg.trainer.lora is not None:
+            return _base_model_view(self.engines)
         options = _options(cls, section, f"trainer.{cfg.trainer.backend}")
-        return cls(self.context(role, process_group), options, cfg.trainer.optim_settings())
+        lora = cfg.trainer.lora if role == "actor" else None
+        return cls(self.context(role, process_group, lora), options,
+                   cfg.trainer.optim_settings())
+
+
+def _base_model_view(engines: dict[str, Any]) -> Any:
+    """The reference role of a `trainer.lora` run: the actor with its adapters off."""
+    from peerflow.training.lora import BaseModelView
+
+    if "actor" not in engines:
+        raise ConfigError(
+            "trainer.lora: the reference model (ref_logprob) is the actor's base with its "
+            "adapters off, so it must run on the actor's ranks; this rank hosts ref "
+            "without actor. Place ref with the actor (the default placement does)."
+        )
+    return BaseModelView(engines["actor"])
 
 
 def _device() -> str:

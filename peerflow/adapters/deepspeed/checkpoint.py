@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from peerflow.checkpoint import check_same_layout, check_shapes, read_engine_meta, write_json_atomic
 from peerflow.engines.train import SavedShard
 from peerflow.shard import ShardSpec
+from peerflow.training import lora
 
 if TYPE_CHECKING:
     from peerflow.adapters.deepspeed.engine import DeepSpeedTrainEngine
@@ -33,7 +34,7 @@ class DeepSpeedCheckpoints:
     """`save_checkpoint` / `load_checkpoint` of `DeepSpeedTrainEngine` (a mixin)."""
 
     def _shapes(self: DeepSpeedTrainEngine) -> dict[str, list[int]]:
-        return {n: list(self._full_shape(p)) for n, p in self._module.named_parameters()}
+        return {n: list(self._full_shape(p)) for n, p in self._sync_params().items()}
 
     def save_checkpoint(self: DeepSpeedTrainEngine, directory: str) -> None:
         """Saves model, optimiser and engine state into `directory` (every rank)."""
@@ -41,12 +42,16 @@ class DeepSpeedCheckpoints:
 
         os.makedirs(directory, exist_ok=True)
         tag = self.options.checkpoint_tag
+        adapters = self.context.lora is not None
         self.engine.save_checkpoint(directory, tag=tag,
-                                    client_state={"peerflow_version": self.version})
+                                    client_state={"peerflow_version": self.version},
+                                    exclude_frozen_parameters=adapters)
         if self.dp_rank == 0:
             write_json_atomic(os.path.join(directory, META), {
                 "version": self.version, "zero_stage": self.zero_stage,
                 "dp_size": self.dp_size, "tag": tag, "shapes": self._shapes(),
+                "base_fingerprint": (lora.base_fingerprint(self.context.model_path)
+                                     if adapters else None),
             })
         dist.barrier(group=self.dp_group)
 
@@ -55,7 +60,9 @@ class DeepSpeedCheckpoints:
         meta = read_engine_meta(directory, META, "DeepSpeed")
         check_same_layout({"dp": meta["dp_size"]}, {"dp": self.dp_size}, where=directory)
         check_shapes(meta.get("shapes", {}), self._shapes(), where=directory)
-        path, client = self.engine.load_checkpoint(directory, tag=meta["tag"])
+        lora.check_base(meta.get("base_fingerprint"), self.context.model_path, directory)
+        path, client = self.engine.load_checkpoint(
+            directory, tag=meta["tag"], load_module_strict=self.context.lora is None)
         if path is None:
             raise RuntimeError(f"DeepSpeed could not load the checkpoint in {directory}.")
         self.version = int(client.get("peerflow_version", meta["version"]))

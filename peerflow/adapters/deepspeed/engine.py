@@ -25,7 +25,12 @@ from typing import Any
 import torch
 
 from peerflow.adapters.deepspeed.checkpoint import DeepSpeedCheckpoints
-from peerflow.adapters.deepspeed.layout import FAMILIES, check_layout, deepspeed_shard_layout
+from peerflow.adapters.deepspeed.layout import (
+    FAMILIES,
+    adapter_shard_layout,
+    check_layout,
+    deepspeed_shard_layout,
+)
 from peerflow.adapters.deepspeed.loading import load_hf_weights
 from peerflow.adapters.deepspeed.options import DeepSpeedOptions
 from peerflow.capabilities import Capabilities
@@ -33,7 +38,7 @@ from peerflow.engines import EngineContext, OptimSettings
 from peerflow.engines.train import tensors_of
 from peerflow.errors import ConfigError
 from peerflow.shard import ShardSpec
-from peerflow.training import CausalLMTrainEngine, MicroBatch, build_adamw, torch_dtype
+from peerflow.training import CausalLMTrainEngine, MicroBatch, build_adamw, lora, torch_dtype
 from peerflow.training.shared_prompts import takes_custom_masks
 
 
@@ -85,7 +90,7 @@ class DeepSpeedTrainEngine(DeepSpeedCheckpoints, CausalLMTrainEngine):
     """Train engine backed by `deepspeed.initialize` (ZeRO stage from the options)."""
 
     name = "deepspeed"
-    capabilities = Capabilities(checkpoint=True)
+    capabilities = Capabilities(checkpoint=True, lora=True)
     options_class = DeepSpeedOptions
     requires = ("deepspeed",)
     install_hint = (
@@ -135,6 +140,8 @@ class DeepSpeedTrainEngine(DeepSpeedCheckpoints, CausalLMTrainEngine):
         else:
             model = AutoModelForCausalLM.from_pretrained(context.model_path,
                                                          dtype=torch.float32)
+        if context.lora is not None:
+            model = lora.apply_lora(model, context.lora)
         if options.gradient_checkpointing:
             model.gradient_checkpointing_enable()
         model.config.use_cache = False
@@ -145,7 +152,11 @@ class DeepSpeedTrainEngine(DeepSpeedCheckpoints, CausalLMTrainEngine):
             model=model, optimizer=optimizer, config=self.ds_config,
         )
         self._specs = deepspeed_shard_layout(hf_config, layout, dist.get_rank())
-        held = {n: self._full_shape(p) for n, p in self._module.named_parameters()}
+        if context.lora is not None:
+            self._specs = adapter_shard_layout(
+                {n: self._full_shape(p) for n, p in self._sync_params().items()}, layout,
+                dist.get_rank())
+        held = {n: self._full_shape(p) for n, p in self._sync_params().items()}
         declared = {s.local_name: s.local_shape for s in self._specs}
         if held != declared:
             raise ConfigError(
@@ -164,6 +175,15 @@ class DeepSpeedTrainEngine(DeepSpeedCheckpoints, CausalLMTrainEngine):
     def zero_stage(self) -> int:
         """The ZeRO stage the engine runs."""
         return self.options.zero_stage
+
+    def _sync_params(self) -> dict[str, torch.nn.Parameter]:
+        """The parameters a sync and a checkpoint carry, by name.
+
+        Every one, or with `trainer.lora` the adapters only (under peft's names).
+        """
+        if self.context.lora is not None:
+            return dict(lora.adapter_parameters(self._module))
+        return dict(self._module.named_parameters())
 
     @staticmethod
     def _full_shape(param: torch.nn.Parameter) -> tuple[int, ...]:
@@ -213,7 +233,10 @@ class DeepSpeedTrainEngine(DeepSpeedCheckpoints, CausalLMTrainEngine):
 
     # ---------------------------------------------------------------- contract
     def weight_sources(self) -> list[ShardSpec]:
-        """One full-tensor spec per HF parameter; its owner rank sends it (replica 0)."""
+        """One full-tensor spec per HF parameter; its owner rank sends it (replica 0).
+
+        With `trainer.lora`, one per adapter tensor instead (peft's names).
+        """
         return list(self._specs)
 
     def materialize(
@@ -224,7 +247,7 @@ class DeepSpeedTrainEngine(DeepSpeedCheckpoints, CausalLMTrainEngine):
 
     @contextlib.contextmanager
     def _materialize(self, specs: Sequence[ShardSpec]) -> Iterator[list[torch.Tensor]]:
-        chosen = tensors_of(specs, dict(self._module.named_parameters()), self.name)
+        chosen = tensors_of(specs, self._sync_params(), self.name)
         if self.zero_stage == 3:
             import deepspeed
 

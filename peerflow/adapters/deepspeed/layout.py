@@ -46,3 +46,15 @@ def deepspeed_shard_layout(hf_config: Any, layout: ParallelLayout, rank: int,
     owners = owners_by_size(list(shapes.items()), dp)
     return [ShardSpec.of_slice(name, shape, dtype=dtype, replica=(dp_rank - owners[name]) % dp)
             for name, shape in shapes.items()]
+
+
+def adapter_shard_layout(shapes: dict[str, tuple[int, ...]], layout: ParallelLayout,
+                         rank: int) -> list[ShardSpec]:
+    """`weight_sources()` with `trainer.lora`: every adapter tensor on every dp rank.
+
+    Full shapes under peft's names, each sent by one owner as `deepspeed_shard_layout` does.
+    """
+    dp_rank, dp = layout.dp_rank(rank), layout.dp
+    owners = owners_by_size(list(shapes.items()), dp)
+    return [ShardSpec.of_slice(name, shape, replica=(dp_rank - owners[name]) % dp)
+            for name, shape in shapes.items()]

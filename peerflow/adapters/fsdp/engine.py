@@ -41,7 +41,7 @@ from peerflow.engines import EngineContext, OptimSettings, SavedShard
 from peerflow.engines.train import tensors_of
 from peerflow.errors import ConfigError
 from peerflow.shard import ShardSpec
-from peerflow.training import CausalLMTrainEngine, MicroBatch, build_adamw, torch_dtype
+from peerflow.training import CausalLMTrainEngine, MicroBatch, build_adamw, lora, torch_dtype
 from peerflow.training.shared_prompts import takes_custom_masks
 
 
@@ -73,7 +73,7 @@ class FSDPTrainEngine(CausalLMTrainEngine):
 
     name: ClassVar[str] = "fsdp"
     capabilities: ClassVar[Capabilities] = Capabilities(
-        tensor_parallel=True, value_head=True, checkpoint=True
+        tensor_parallel=True, value_head=True, checkpoint=True, lora=True
     )
     options_class: ClassVar[type] = FSDPTrainOptions
 
@@ -117,6 +117,8 @@ class FSDPTrainEngine(CausalLMTrainEngine):
             dtype=torch_dtype(context.dtype),
             attn_implementation=self.options.attn_implementation,
         ).to(self.device)
+        if context.lora is not None and not self.options.value_head:
+            self.model = lora.apply_lora(self.model, context.lora)
         self.shares_prompts = self.options.share_prompts and not self.options.value_head \
             and takes_custom_masks(self.model)
         if self.options.gradient_checkpointing:
@@ -254,10 +256,15 @@ class FSDPTrainEngine(CausalLMTrainEngine):
     # -- weights and checkpoints ----------------------------------------------------------
 
     def _named_params(self) -> list[tuple[str, torch.Tensor]]:
+        if self.context.lora is not None and not self.options.value_head:
+            return lora.adapter_parameters(self.model)
         return list(self.model.named_parameters())
 
     def weight_sources(self) -> list[ShardSpec]:
-        """This rank's local shard of every parameter (tied parameters once)."""
+        """This rank's local shard of every parameter (tied parameters once).
+
+        With `trainer.lora`, of every adapter tensor only (peft's names).
+        """
         specs, _ = named_shard_specs(self._named_params(), self._coords, self._sizes)
         return specs
 
@@ -269,6 +276,12 @@ class FSDPTrainEngine(CausalLMTrainEngine):
         """
         params = tensors_of(specs, dict(self._named_params()), self.name)
         yield [local_tensor(param).detach() for param in params]
+
+    def _base_fingerprint(self) -> str | None:
+        """With `trainer.lora`: the base weights the saved adapters belong to."""
+        if self.context.lora is None or self.options.value_head:
+            return None
+        return lora.base_fingerprint(self.context.model_path)
 
     def _group_rank(self) -> tuple[int, int]:
         layout = self.context.layout
@@ -289,7 +302,8 @@ class FSDPTrainEngine(CausalLMTrainEngine):
             world_size=world,
             params=params,
             optimizer=self.optimizer,
-            extra={"version": self.version, "layout": self.context.layout.describe()},
+            extra={"version": self.version, "layout": self.context.layout.describe(),
+                   "base_fingerprint": self._base_fingerprint()},
         )
         if self.distributed:
             dist.barrier(group=self.context.process_group)
@@ -297,6 +311,8 @@ class FSDPTrainEngine(CausalLMTrainEngine):
     def load_checkpoint(self, directory: str) -> None:
         """Restores what `save_checkpoint` wrote, onto this engine's layout."""
         rank, world = self._group_rank()
+        lora.check_base(ckpt.read_meta(directory)[0].get("base_fingerprint"),
+                        self.context.model_path, directory)
         meta = ckpt.load_shards(
             directory,
             rank=rank,

@@ -36,6 +36,7 @@ from peerflow.engines import (
 )
 from peerflow.errors import ConfigError
 from peerflow.shard import ShardSpec
+from peerflow.training import lora
 
 
 @attrs.frozen(kw_only=True)
@@ -97,7 +98,7 @@ class HFRolloutEngine(RolloutEngine):
 
     name: ClassVar[str] = "hf"
     capabilities: ClassVar[Capabilities] = Capabilities(
-        logprobs=True, stop_strings=True, in_place_weight_update=True
+        logprobs=True, stop_strings=True, in_place_weight_update=True, lora=True
     )
     options_class: ClassVar[type] = HFRolloutOptions
 
@@ -117,6 +118,8 @@ class HFRolloutEngine(RolloutEngine):
             kwargs["attn_implementation"] = self.options.attn_implementation
         self.device = torch.device(context.device)
         self.model = AutoModelForCausalLM.from_pretrained(context.model_path, **kwargs)
+        if context.lora is not None:  # peft applies the adapters; syncs move only them
+            self.model = lora.apply_lora(self.model, context.lora)
         self.model.to(self.device).eval()
         self.model.requires_grad_(False)
         self.tokenizer = self._load_tokenizer(context.model_path)
@@ -125,7 +128,8 @@ class HFRolloutEngine(RolloutEngine):
         self.pad_token_id = int(
             pad if pad is not None else min(self.eos_token_ids, default=0)
         )
-        self._params = dict(self.model.named_parameters())
+        self._params = dict(lora.adapter_parameters(self.model) if context.lora is not None
+                            else self.model.named_parameters())
         self._generator = torch.Generator(self.device).manual_seed(
             context.seed * 1_000_003 + context.rank
         )

@@ -1,0 +1,194 @@
+"""LoRA through peft, written once for every engine that declares `Capabilities.lora`.
+
+* `apply_lora(model, lora)` wraps a transformers causal LM with peft's LoRA
+  (`trainer.lora`): base weights frozen, adapters trainable. Train engines call it before
+  they shard the model (FSDP2, DeepSpeed), rollout engines to apply synced adapters.
+* `adapter_parameters(model)` lists the adapter tensors under **peft's file names**
+  (`base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`, what
+  `adapter_model.safetensors` holds): the canonical names of an adapter-only weight sync,
+  checkpoint and export, as HF names are for full weights.
+* `BaseModelView` is the reference role of a LoRA run: the actor engine with its
+  adapters switched off (peft's `disable_adapter()`), no second copy of the weights.
+* `base_fingerprint(path)` identifies the base weights an adapter checkpoint belongs to.
+* `check_lora` (a core `peerflow_validate_config` hook) refuses a `trainer.lora` run whose
+  train or rollout backend does not declare `Capabilities.lora`, naming the reason.
+
+peft is imported inside the functions: `import peerflow` does not import it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from peerflow.errors import ConfigError, UnknownNameError
+from peerflow.plugins.hookspecs import hookimpl
+
+#: peft's adapter name inside the live module; peft's files drop it from tensor names.
+ADAPTER = "default"
+_ADAPTER_PARAM = re.compile(r"\.(lora_(?:embedding_)?[AB])\." + ADAPTER + r"(?=\.|$)")
+#: Why an engine without the capability cannot train or apply adapters, by backend.
+_WHY_NOT = {
+    "megatron": "megatron-core 0.16 has no LoRA of its own and no maintained library "
+                "here adds one (NVIDIA's Megatron-Bridge PEFT needs megatron-core >= 0.17, "
+                "Python >= 3.12 and CUDA)",
+    "sglang": "SGLang cannot be installed or exercised on these CPU machines, so its LoRA "
+              "API is not wired yet",
+}
+
+
+def apply_lora(model: torch.nn.Module, lora: Any) -> torch.nn.Module:
+    """Wraps `model` with peft's LoRA of `lora` (a `peerflow.config.lora.LoraConfig`).
+
+    The base weights are frozen (`requires_grad=False`); the adapters are trainable and
+    start as peft initialises them (`A` random, `B` zero: the adapted model equals the
+    base). Raises a `ConfigError` naming `trainer.lora.target_modules` when no module
+    matches.
+    """
+    from peft import get_peft_model
+
+    try:
+        return get_peft_model(model, lora.to_peft())
+    except ValueError as exc:
+        if "target modules" not in str(exc).lower():
+            raise
+        names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                        if isinstance(m, torch.nn.Linear)})
+        raise ConfigError(
+            f"trainer.lora.target_modules={lora.target_modules!r} matches no module of "
+            f"{type(model).__name__}; its linear layers are {names} (or use 'all-linear')."
+        ) from exc
+
+
+def is_adapter(name: str) -> bool:
+    """Whether a live parameter name is a LoRA adapter tensor."""
+    return _ADAPTER_PARAM.search(name) is not None
+
+
+def adapter_name(name: str) -> str:
+    """The peft file name of a live adapter parameter (its adapter name dropped)."""
+    return _ADAPTER_PARAM.sub(r".\1", name)
+
+
+def adapter_parameters(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """`(peft file name, live parameter)` of every adapter tensor of `model`, in order."""
+    return [(adapter_name(n), p) for n, p in model.named_parameters() if is_adapter(n)]
+
+
+def peft_module(model: Any) -> Any:
+    """The peft model inside `model` (itself, or a framework wrapper's `.module`)."""
+    for candidate in (model, getattr(model, "module", None)):
+        if candidate is not None and hasattr(candidate, "disable_adapter"):
+            return candidate
+    raise RuntimeError(
+        f"{type(model).__name__} carries no LoRA adapters; the engine was built without "
+        "trainer.lora."
+    )
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: Any) -> Iterator[None]:
+    """Runs the body on the base model: every adapter of `model` switched off."""
+    with peft_module(model).disable_adapter():
+        yield
+
+
+class BaseModelView:
+    """The reference role of a LoRA run: the actor engine with its adapters off.
+
+    Its `forward_logprobs` is the actor's under `adapters_disabled`; every other attribute
+    is the actor's (one model, one copy of the base weights). The KL term then compares
+    the adapted policy with its own base, as a separate frozen reference engine would.
+    """
+
+    def __init__(self, actor: Any) -> None:
+        self.actor = actor
+
+    def forward_logprobs(self, batch: Any) -> Any:
+        """The base model's log-probs of `batch` (collective like the actor's)."""
+        with adapters_disabled(self.actor.model):
+            return self.actor.forward_logprobs(batch)
+
+    def shutdown(self) -> None:
+        """Nothing of its own to release: the actor owns the model."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.actor, name)
+
+
+def base_fingerprint(path: str | Path) -> str:
+    """A SHA-256 identifying the base weights at `path` (a Hugging Face directory).
+
+    Hashes every weight file's name, size, header and three 1 MiB samples (start, middle,
+    end), so another model of the same architecture (a fine-tuned one) differs, without
+    reading a 7B model's 14 GB.
+    """
+    digest = hashlib.sha256()
+    files = sorted(p for p in Path(path).iterdir()
+                   if p.suffix in (".safetensors", ".bin", ".pt") and p.is_file())
+    chunk = 1 << 20
+    for file in files:
+        size = file.stat().st_size
+        digest.update(f"{file.name}:{size}".encode())
+        with file.open("rb") as handle:
+            for offset in sorted({0, max(0, size // 2 - chunk // 2), max(0, size - chunk)}):
+                handle.seek(offset)
+                digest.update(handle.read(chunk))
+    return digest.hexdigest()
+
+
+def check_base(saved: str | None, path: str | Path, where: str) -> None:
+    """Refuses to load adapters saved on another base model than the one at `path`.
+
+    Raises:
+        ConfigError: `saved` (the checkpoint's `base_fingerprint`) differs.
+    """
+    if saved is None:
+        return
+    current = base_fingerprint(path)
+    if saved != current:
+        raise ConfigError(
+            f"{where} holds LoRA adapters trained on another base model (fingerprint "
+            f"{saved[:12]}…, the model at {path} is {current[:12]}…); resume with the "
+            "model.path (or builder) the run started from."
+        )
+
+
+def lora_refusal(kind: str, cls: type, backend: str, usable: list[str]) -> str | None:
+    """Why `cls` (registered as `backend`) cannot take part in a LoRA run, or `None`.
+
+    `usable` names the registered backends of that kind that declare `Capabilities.lora`.
+    """
+    if cls.capabilities.lora:
+        return None
+    side = "trainer" if kind == "train_engine" else "rollout"
+    why = _WHY_NOT.get(backend, f"{cls.__name__} does not declare Capabilities.lora")
+    verb = "train" if side == "trainer" else "apply"
+    return (f"trainer.lora: {side}.backend={backend!r} cannot {verb} LoRA adapters: {why}. "
+            f"Use {side}.backend {' or '.join(usable) or '(none installed)'}, or remove "
+            "trainer.lora to train every weight.")
+
+
+@hookimpl
+def peerflow_validate_config(config: Any, pm: Any) -> list[str]:
+    """`trainer.lora` needs train and rollout backends that declare `Capabilities.lora`."""
+    if config.trainer.lora is None:
+        return []
+    problems = []
+    for kind, section in (("train_engine", config.trainer), ("rollout_engine", config.rollout)):
+        try:
+            cls = pm.get(kind, section.backend)
+        except UnknownNameError:  # reported by the name check already
+            continue
+        registry = pm.registry(kind)
+        usable = [n for n in registry.names() if registry.get(n).capabilities.lora]
+        refusal = lora_refusal(kind, cls, section.backend, usable)
+        if refusal:
+            problems.append(refusal)
+    return problems
