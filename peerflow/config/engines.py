@@ -133,20 +133,36 @@ class TrainerConfig:
 
     backend: str = "fsdp"
     """Registered trainer backend: fsdp, deepspeed, megatron, or a plugin's name."""
-    lr: float = 1e-3
-    """AdamW learning rate."""
+    lr: float = attrs.field(default=1e-6, validator=attrs.validators.gt(0.0))
+    """Peak AdamW learning rate. 1e-6 (TRL's and verl's RL default) is safe for a
+    pretrained model; tiny models trained from scratch need far more (the examples set
+    1e-3)."""
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """The learning rate after the warm-up, over optimiser steps (`run.steps` x
+    `mini_batches`): `constant`, or `linear` / `cosine` decay to `min_lr_ratio` x `lr`
+    at the run's last step (docs/training.md)."""
+    warmup_steps: int = attrs.field(default=0, validator=attrs.validators.ge(0))
+    """Optimiser steps of linear warm-up to `lr` (0: none)."""
+    warmup_ratio: float = attrs.field(default=0.0, validator=[attrs.validators.ge(0.0),
+                                                              attrs.validators.lt(1.0)])
+    """Warm-up as a share of the run's optimiser steps, instead of `warmup_steps`."""
+    min_lr_ratio: float = attrs.field(default=0.0, validator=[attrs.validators.ge(0.0),
+                                                              attrs.validators.le(1.0)])
+    """Floor of `linear` and `cosine`, a fraction of `lr` (their warm-up starts there)."""
     weight_decay: float = 0.0
     """AdamW decoupled weight decay."""
     betas: tuple[float, float] = (0.9, 0.999)
     """AdamW betas."""
-    grad_clip: float = 1.0
-    """Gradient-norm clip; 0 disables."""
+    grad_clip: float = attrs.field(default=1.0, validator=attrs.validators.ge(0.0))
+    """Clip the global gradient norm to this before every optimiser step; 0 disables."""
     micro_batch_tokens: int = 8192
     """Token budget of one micro-batch (token-balanced packing)."""
     mini_batches: int = 1
     """Optimiser steps per training step (PPO mini-batches)."""
-    bf16: bool = False
-    """Compute in bfloat16 where the device supports it."""
+    bf16: bool | Literal["auto"] = "auto"
+    """Mixed precision: compute in bfloat16, parameters and optimiser state stay in
+    `model.dtype`. `auto`: bfloat16 on an accelerator that supports it (CUDA: Ampere or
+    newer), float32 on the CPU (`peerflow.distributed.devices.resolve_bf16`)."""
     layout: LayoutConfig = attrs.Factory(LayoutConfig)
     """Parallel layout of the trainer role."""
     lora: LoraConfig | None = None
@@ -155,12 +171,25 @@ class TrainerConfig:
     engine_options: dict[str, dict[str, Any]] = _section_field()
     """Per-backend option sections, keyed by backend name (validated when selected)."""
 
-    def optim_settings(self) -> OptimSettings:
-        """Returns the engine-facing optimiser settings."""
+    def __attrs_post_init__(self) -> None:
+        if self.warmup_steps and self.warmup_ratio:
+            raise ValueError(f"trainer.warmup_steps={self.warmup_steps} and trainer.warmup_ratio="
+                             f"{self.warmup_ratio}: set one of them, not both.")
+
+    def optim_settings(self, steps: int = 0) -> OptimSettings:
+        """Returns the engine-facing optimiser settings.
+
+        Args:
+            steps: The run's training steps (`run.steps`); the schedule counts
+                `steps * mini_batches` optimiser steps. 0: unknown (constant only).
+        """
+        total = steps * self.mini_batches
+        warmup = self.warmup_steps or round(self.warmup_ratio * total)
         return OptimSettings(
             lr=self.lr, betas=self.betas, weight_decay=self.weight_decay,
             grad_clip=self.grad_clip, micro_batch_tokens=self.micro_batch_tokens,
-            mini_batches=self.mini_batches, bf16=self.bf16,
+            mini_batches=self.mini_batches, bf16=self.bf16, lr_schedule=self.lr_schedule,
+            warmup_steps=warmup, total_steps=total, min_lr_ratio=self.min_lr_ratio,
         )
 
 

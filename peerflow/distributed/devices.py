@@ -108,3 +108,39 @@ def use_device(device: torch.device) -> None:
     """Makes `device` this process's current accelerator (no-op on the host)."""
     if device.type != "cpu" and device.index is not None:
         torch.accelerator.set_device_index(device.index)
+
+
+def supports_bf16(device: torch.device) -> bool:
+    """Whether `device` is an accelerator that computes in bfloat16 natively.
+
+    The host answers `False` (bfloat16 runs there, but slower than float32); an
+    accelerator answers through its torch module (`is_bf16_supported()`; CUDA: Ampere
+    or newer), and one whose module cannot tell answers `False`.
+    """
+    if device.type == "cpu":
+        return False
+    check = getattr(getattr(torch, device.type, None), "is_bf16_supported", None)
+    try:
+        return bool(check()) if callable(check) else False
+    except (RuntimeError, AssertionError):
+        return False
+
+
+def resolve_bf16(setting: bool | str, device: torch.device) -> bool:
+    """Whether a train engine on `device` computes in bfloat16 (`trainer.bf16`).
+
+    Args:
+        setting: `auto` (bfloat16 where `supports_bf16(device)`, float32 on the CPU),
+            `True` (bfloat16, float32 with a warning on an accelerator without it), or
+            `False`.
+        device: The engine's device (`EngineContext.device`).
+    """
+    if setting == "auto":
+        return supports_bf16(device)
+    if setting and device.type != "cpu" and not supports_bf16(device):
+        import warnings
+
+        warnings.warn(f"trainer.bf16 is on but {device} lacks bfloat16; training in float32.",
+                      stacklevel=2)
+        return False
+    return bool(setting)

@@ -47,7 +47,7 @@ from __future__ import annotations
 import abc
 import contextlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import attrs
 import torch
@@ -75,8 +75,19 @@ class OptimSettings:
     """Most tokens in one micro-batch; micro-batches are packed to balance tokens."""
     mini_batches: int = 1
     """Optimiser steps per `train_step` call (PPO mini-batches)."""
-    bf16: bool = False
-    """Compute in bfloat16 where the device supports it."""
+    bf16: bool | Literal["auto"] = False
+    """Compute in bfloat16 (parameters and optimiser state stay in `EngineContext.dtype`);
+    `auto`: where the device supports it (`peerflow.distributed.devices.resolve_bf16`)."""
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """How the learning rate moves over optimiser steps after the warm-up
+    (`peerflow.training.schedule`)."""
+    warmup_steps: int = 0
+    """Optimiser steps of linear warm-up from 0 to `lr`."""
+    total_steps: int = 0
+    """Optimiser steps of the whole run (`linear` and `cosine` decay over them; 0: unknown,
+    allowed with `constant` only)."""
+    min_lr_ratio: float = 0.0
+    """Floor of `linear` and `cosine`, as a fraction of `lr`."""
 
 
 class LossFunction(Protocol):

@@ -25,6 +25,7 @@ from peerflow.training.microbatch import (
     split_to_count,
 )
 from peerflow.training.optim import build_adamw
+from peerflow.training.schedule import build_lr_scheduler
 
 __all__ = [
     "CausalLMTrainEngine",
@@ -36,6 +37,7 @@ __all__ = [
     "all_reduce_max",
     "all_reduce_sum",
     "build_adamw",
+    "build_lr_scheduler",
     "fixed_shape_micro_batches",
     "gather_results",
     "global_counts",

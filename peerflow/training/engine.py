@@ -43,7 +43,9 @@ import attrs
 import torch
 
 from peerflow.batch import Batch, RaggedField
-from peerflow.engines.train import LossFunction, TrainEngine
+from peerflow.distributed.devices import resolve_bf16
+from peerflow.engines.base import EngineContext
+from peerflow.engines.train import LossFunction, OptimSettings, TrainEngine
 from peerflow.training.collectives import global_counts
 from peerflow.training.inputs import PaddedInputs, gather_results, pad_inputs
 from peerflow.training.logprobs import VocabShard, token_entropy, token_logprobs
@@ -95,6 +97,14 @@ class CausalLMTrainEngine(TrainEngine, abc.ABC):
     to the model, so the samples of one prompt can share a row
     (`peerflow.training.shared_prompts`) instead of each running the prompt."""
 
+    def __init__(self, context: EngineContext, options: object, optim: OptimSettings) -> None:
+        """Stores the settings with `optim.bf16` resolved for `context.device`.
+
+        `auto` goes through the device contract (`resolve_bf16`), so adapters read a bool.
+        """
+        bf16 = resolve_bf16(optim.bf16, torch.device(context.device))
+        super().__init__(context, options, attrs.evolve(optim, bf16=bf16))
+
     # -- what adapters supply --------------------------------------------------------------
 
     @abc.abstractmethod
@@ -124,7 +134,7 @@ class CausalLMTrainEngine(TrainEngine, abc.ABC):
         """Clears gradients before a mini-batch (nothing when stepping clears them)."""
 
     def current_lr(self) -> float:
-        """The learning rate of the last optimiser step."""
+        """The learning rate the next optimiser step applies."""
         return float(self.optim.lr)
 
     def vocab_shard(self) -> VocabShard | None:
@@ -266,7 +276,8 @@ class CausalLMTrainEngine(TrainEngine, abc.ABC):
             self.zero_grad()
             objective = partial(self._objective, loss, tally, max(tokens, 1), max(samples, 1))
             self.run_micro_batches(self.plan_micro_batches(mini), objective)
-            tally.add_optimizer_step(self.optimizer_step())
+            lr = self.current_lr()  # the rate this step applies; a schedule moves it after
+            tally.add_optimizer_step(self.optimizer_step(), lr=lr)
         self.version += 1
         return tally.summary(group=self.dp_group, lr=self.current_lr(),
                              share=self.share_from_last_stage)

@@ -35,6 +35,7 @@ class StepTally:
     _entropy_tokens: int = 0
     _padded_tokens: int = 0
     _grad_norms: list[float] = attrs.field(factory=list)
+    _lr: float | None = None
 
     def add_micro_batch(self, loss: torch.Tensor, metrics: Mapping[str, Any],
                         entropy: torch.Tensor | None, padded_tokens: int) -> None:
@@ -52,9 +53,11 @@ class StepTally:
             self._entropy_sum += float(entropy.detach().sum())
             self._entropy_tokens += int(entropy.numel())
 
-    def add_optimizer_step(self, grad_norm: float) -> None:
-        """Records one mini-batch's optimiser step."""
+    def add_optimizer_step(self, grad_norm: float, lr: float | None = None) -> None:
+        """Records one mini-batch's optimiser step and the learning rate it applied."""
         self._grad_norms.append(float(grad_norm))
+        if lr is not None:
+            self._lr = float(lr)
 
     def summary(self, *, group: object | None, lr: float,
                 share: Callable[[Any], Any] = lambda value: value) -> dict[str, float]:
@@ -62,7 +65,7 @@ class StepTally:
 
         Args:
             group: The data-parallel group the loss and entropy are summed over.
-            lr: The learning rate of the last step.
+            lr: The learning rate, reported when no optimiser step recorded its own.
             share: Hands the metrics computed where the loss runs (a pipeline's last
                 stage) to every rank; identity without pipelining.
         """
@@ -77,5 +80,5 @@ class StepTally:
         metrics = dict(share(metrics))
         norms = self._grad_norms
         metrics["grad_norm"] = sum(norms) / len(norms) if norms else float("nan")
-        metrics["lr"] = float(lr)
+        metrics["lr"] = float(lr if self._lr is None else self._lr)
         return metrics

@@ -214,7 +214,7 @@ class WorkerRuntime:
         options = _options(cls, section, f"trainer.{cfg.trainer.backend}")
         lora = cfg.trainer.lora if role == "actor" else None
         return cls(self.context(role, process_group, lora), options,
-                   cfg.trainer.optim_settings())
+                   cfg.trainer.optim_settings(steps=cfg.run.steps))
 
 
 def _base_model_view(engines: dict[str, Any]) -> Any:

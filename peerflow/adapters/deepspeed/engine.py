@@ -38,7 +38,14 @@ from peerflow.engines import EngineContext, OptimSettings
 from peerflow.engines.train import tensors_of
 from peerflow.errors import ConfigError
 from peerflow.shard import ShardSpec
-from peerflow.training import CausalLMTrainEngine, MicroBatch, build_adamw, lora, torch_dtype
+from peerflow.training import (
+    CausalLMTrainEngine,
+    MicroBatch,
+    build_adamw,
+    build_lr_scheduler,
+    lora,
+    torch_dtype,
+)
 from peerflow.training.shared_prompts import takes_custom_masks
 
 
@@ -121,8 +128,8 @@ class DeepSpeedTrainEngine(DeepSpeedCheckpoints, CausalLMTrainEngine):
         self.dp_size = dist.get_world_size()
         self.device = torch.device(context.device)
         dtype = torch_dtype(context.dtype)
-        bf16 = optim.bf16 or dtype == torch.bfloat16
-        self.ds_config = options.deepspeed_config(optim, bf16=bf16)
+        bf16 = self.optim.bf16 or dtype == torch.bfloat16
+        self.ds_config = options.deepspeed_config(self.optim, bf16=bf16)
         torch.manual_seed(context.seed)
 
         hf_config = AutoConfig.from_pretrained(context.model_path)
@@ -148,8 +155,10 @@ class DeepSpeedTrainEngine(DeepSpeedCheckpoints, CausalLMTrainEngine):
         self.shares_prompts = options.share_prompts and takes_custom_masks(model)
         self._compute_dtype = torch.bfloat16 if bf16 else torch.float32
         optimizer = build_adamw(model.parameters(), optim)
+        # DeepSpeed steps the schedule after each optimiser step and checkpoints its state.
         self.engine, _, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, config=self.ds_config,
+            lr_scheduler=build_lr_scheduler(optimizer, optim),
         )
         self._specs = deepspeed_shard_layout(hf_config, layout, dist.get_rank())
         if context.lora is not None:
@@ -218,7 +227,7 @@ class DeepSpeedTrainEngine(DeepSpeedCheckpoints, CausalLMTrainEngine):
         self.engine.backward(loss * self.dp_size, scale_wrt_gas=False)
 
     def optimizer_step(self) -> float:
-        """DeepSpeed's clip and step; returns its global gradient norm."""
+        """DeepSpeed's clip, step and schedule step; returns its global gradient norm."""
         self.engine.step()
         norm = self.engine.get_global_grad_norm()
         return float("nan") if norm is None else float(norm)

@@ -18,7 +18,6 @@ those values with gradients in place of log-probs.
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar
 
@@ -41,7 +40,14 @@ from peerflow.engines import EngineContext, OptimSettings, SavedShard
 from peerflow.engines.train import tensors_of
 from peerflow.errors import ConfigError
 from peerflow.shard import ShardSpec
-from peerflow.training import CausalLMTrainEngine, MicroBatch, build_adamw, lora, torch_dtype
+from peerflow.training import (
+    CausalLMTrainEngine,
+    MicroBatch,
+    build_adamw,
+    build_lr_scheduler,
+    lora,
+    torch_dtype,
+)
 from peerflow.training.shared_prompts import takes_custom_masks
 
 
@@ -108,7 +114,7 @@ class FSDPTrainEngine(CausalLMTrainEngine):
         coord = layout.coord(context.rank) if self.distributed else None
         self._coords = {"dp": coord.dp, "tp": coord.tp} if coord else {"dp": 0, "tp": 0}
         self._sizes = {"dp": layout.dp, "tp": layout.tp}
-        self.bf16 = self.optim.bf16 and self._bf16_supported()
+        self.bf16 = self.optim.bf16
         self._compute_dtype = torch.bfloat16 if self.bf16 else torch_dtype(context.dtype)
         torch.manual_seed(context.seed)  # identical value-head init on every rank
         self.model = load_module(
@@ -136,12 +142,7 @@ class FSDPTrainEngine(CausalLMTrainEngine):
         self.optimizer = build_adamw(self.model.parameters(), self.optim,
                                      fused=True if layout.tp == 1 else None,
                                      foreach=None if layout.tp == 1 else False)
-
-    def _bf16_supported(self) -> bool:
-        if self.device.type == "cuda" and not torch.cuda.is_bf16_supported():
-            warnings.warn("bf16 requested but this GPU lacks bfloat16; training in float32.")
-            return False
-        return True
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, self.optim)
 
     def _shard(self, group: Any) -> None:
         from torch.distributed.device_mesh import DeviceMesh
@@ -240,9 +241,10 @@ class FSDPTrainEngine(CausalLMTrainEngine):
         self.optimizer.zero_grad(set_to_none=True)
 
     def optimizer_step(self) -> float:
-        """Global-norm clip (DTensor-aware) and one AdamW step; returns the norm."""
+        """Global-norm clip (DTensor-aware), one AdamW step, one schedule step; the norm."""
         norm = clip_grad_norm(self.model.parameters(), self.optim.grad_clip)
         self.optimizer.step()
+        self.lr_scheduler.step()
         return norm
 
     def current_lr(self) -> float:
@@ -303,7 +305,8 @@ class FSDPTrainEngine(CausalLMTrainEngine):
             params=params,
             optimizer=self.optimizer,
             extra={"version": self.version, "layout": self.context.layout.describe(),
-                   "base_fingerprint": self._base_fingerprint()},
+                   "base_fingerprint": self._base_fingerprint(),
+                   "lr_scheduler": self.lr_scheduler.state_dict()},
         )
         if self.distributed:
             dist.barrier(group=self.context.process_group)
@@ -321,6 +324,8 @@ class FSDPTrainEngine(CausalLMTrainEngine):
             optimizer=self.optimizer,
         )
         self.version = int(meta.get("version", 0))
+        if "lr_scheduler" in meta:  # checkpoints before schedules ran at a constant lr
+            self.lr_scheduler.load_state_dict(meta["lr_scheduler"])
 
     @classmethod
     def saved_shards(cls, directory: str, *, model_path: str,
@@ -347,5 +352,5 @@ class FSDPTrainEngine(CausalLMTrainEngine):
 
     def shutdown(self) -> None:
         """Drops model and optimiser state. Safe to call twice."""
-        self.optimizer = None
+        self.optimizer = self.lr_scheduler = None
         self.model = None

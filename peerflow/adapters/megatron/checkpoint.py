@@ -59,7 +59,8 @@ class MegatronCheckpoints:
                 torch.save(self.optimizer.state_dict(), tmp)
         if dist.get_rank() == min(layout.global_ranks):
             meta = {"version": self.version, "tp": layout.tp, "pp": layout.pp, "dp": layout.dp,
-                    "vocab_multiple": self.options.vocab_multiple}
+                    "vocab_multiple": self.options.vocab_multiple,
+                    "lr_scheduler": [sched.state_dict() for sched in self.lr_schedulers]}
             write_json_atomic(os.path.join(directory, META), meta)
         dist.barrier()
 
@@ -82,6 +83,8 @@ class MegatronCheckpoints:
         state = torch.load(os.path.join(directory, f"megatron_optim_{tag}.pt"),
                            weights_only=False)
         self.optimizer.load_state_dict(state)
+        for sched, saved in zip(self.lr_schedulers, meta.get("lr_scheduler", []), strict=False):
+            sched.load_state_dict(saved)  # older checkpoints ran at a constant lr: none saved
         self.version = int(meta["version"])
 
     @classmethod

@@ -44,7 +44,11 @@ from peerflow.adapters.megatron.model import (
     check_supported,
     transformer_config,
 )
-from peerflow.adapters.megatron.optim import build_optimizer, clip_and_step
+from peerflow.adapters.megatron.optim import (
+    build_lr_schedulers,
+    build_optimizer,
+    clip_and_step,
+)
 from peerflow.adapters.megatron.options import MegatronOptions
 from peerflow.adapters.megatron.weights import covered_names, import_hf_weights
 from peerflow.batch import Batch
@@ -165,7 +169,7 @@ class MegatronTrainEngine(MegatronCheckpoints, CausalLMTrainEngine):
         self.dp_rank = ps.get_data_parallel_rank()
         self.dp_group = ps.get_data_parallel_group()
         self.device = torch.device(context.device)
-        dtype = torch.bfloat16 if optim.bf16 else torch_dtype(context.dtype)
+        dtype = torch.bfloat16 if self.optim.bf16 else torch_dtype(context.dtype)
         self.dtype = dtype
 
         self.hf_config = AutoConfig.from_pretrained(context.model_path)
@@ -207,6 +211,7 @@ class MegatronTrainEngine(MegatronCheckpoints, CausalLMTrainEngine):
         self.config.finalize_model_grads_func = _finalize_without_token_scaling
         self.optimizer = build_optimizer(self.model, self.module, optim, dtype=dtype,
                                          distributed=options.use_distributed_optimizer)
+        self.lr_schedulers = build_lr_schedulers(self.optimizer, optim)
         self.vocab_local = model.output_layer.weight.shape[0] if self.is_last_stage and \
             model.output_layer.weight is not None else None
         if self.is_last_stage and self.vocab_local is None:
@@ -290,9 +295,16 @@ class MegatronTrainEngine(MegatronCheckpoints, CausalLMTrainEngine):
         self.optimizer.zero_grad()
 
     def optimizer_step(self) -> float:
-        """Clip over the model-parallel group and step (see `optim.py`)."""
-        return clip_and_step(self.optimizer, self.module, self.optim.grad_clip,
+        """Clip over the model-parallel group, step, and step the lr schedule (`optim.py`)."""
+        norm = clip_and_step(self.optimizer, self.module, self.optim.grad_clip,
                              tp_rank=self.tp_rank, group=self.ps.get_model_parallel_group())
+        for sched in self.lr_schedulers:
+            sched.step()
+        return norm
+
+    def current_lr(self) -> float:
+        """The learning rate of the optimiser's first param group."""
+        return float(self.optimizer.param_groups[0]["lr"])
 
     def set_training(self, mode: bool) -> None:
         """`model.train(mode)`."""
@@ -336,6 +348,7 @@ class MegatronTrainEngine(MegatronCheckpoints, CausalLMTrainEngine):
         if getattr(self, "model", None) is None:
             return
         self.model = self.module = self.optimizer = None
+        self.lr_schedulers = []
         with contextlib.suppress(Exception):
             self.ps.destroy_model_parallel()
 

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from peerflow.engines import OptimSettings
-from peerflow.training import build_adamw
+from peerflow.training import build_adamw, build_lr_scheduler
 
 
 def build_optimizer(model: Any, module: torch.nn.Module, optim: OptimSettings, *,
@@ -39,6 +39,18 @@ def build_optimizer(model: Any, module: torch.nn.Module, optim: OptimSettings, *
         )
         return get_megatron_optimizer(config, [model])
     return build_adamw(module.parameters(), optim)
+
+
+def build_lr_schedulers(optimizer: Any, optim: OptimSettings) -> list[Any]:
+    """The run's learning-rate schedule over every torch optimiser inside `optimizer`.
+
+    AdamW has one; Megatron's (chained) distributed optimizer steps one torch optimiser per
+    parameter kind, whose param groups the schedule moves (`peerflow.training.schedule`).
+    """
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return [build_lr_scheduler(optimizer, optim)]
+    parts = getattr(optimizer, "chained_optimizers", [optimizer])
+    return [build_lr_scheduler(part.optimizer, optim) for part in parts]
 
 
 def clip_and_step(optimizer: Any, module: torch.nn.Module, grad_clip: float, *,
