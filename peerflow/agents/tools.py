@@ -96,8 +96,10 @@ def render_prompt(tokenizer: Any, messages: Sequence[dict[str, str]],
 
     The tool schemas go through the template's `tools=` argument when the template renders
     them (Qwen2.5, Llama 3.1, Hermes, Mistral templates); otherwise they are described in
-    a system message in the Hermes format, so any model sees the same contract (a
-    tokenizer without a chat template gets the messages as `encode_prompt` joins them).
+    a system message in the Hermes format, so any model sees the same contract. A
+    tokenizer without a chat template gets that description and a text prompt (one user
+    message) joined by newlines; a chat of the environment's own needs a template
+    (`encode_prompt` raises, naming the fix).
 
     Args:
         tokenizer: A Hugging Face tokenizer (with or without a chat template).
@@ -110,6 +112,7 @@ def render_prompt(tokenizer: Any, messages: Sequence[dict[str, str]],
     from peerflow.worker.rollout import encode_prompt
 
     messages = [dict(m) for m in messages]
+    from_text = len(messages) == 1 and messages[0].get("role") == "user"
     if tools and template_renders_tools(tokenizer):
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
                                             tokenize=True, tools=list(tools))
@@ -123,4 +126,4 @@ def render_prompt(tokenizer: Any, messages: Sequence[dict[str, str]],
             messages[0]["content"] = f"{messages[0]['content']}\n\n{described}"
         else:
             messages.insert(0, {"role": "system", "content": described})
-    return encode_prompt(tokenizer, messages)
+    return encode_prompt(tokenizer, messages, join_untemplated=from_text)

@@ -66,7 +66,12 @@ def load_tokenizer(path: str | Path) -> Any:
 
 
 def check_dataset(config: Any, pm: Any) -> list[str]:
-    """Problems opening the task's training data: its size and first example."""
+    """Problems opening the task's training data: its size and first example.
+
+    The first example also checks that TRL-style rewards find their keyword columns
+    (`peerflow.rewards.setup.check_reward_columns`) and that chat prompts meet a
+    tokenizer with a chat template.
+    """
     from peerflow.worker.runtime import build_components
 
     try:
@@ -75,13 +80,24 @@ def check_dataset(config: Any, pm: Any) -> list[str]:
         if size == 0:
             return [f"task {config.task.name!r}: the training split is empty; check "
                     "task.options (the dataset file or split)."]
-        task.example("train", 0, config.seed)
+        example = task.example("train", 0, config.seed)
+        from peerflow.rewards.setup import check_reward_columns
+
+        problems = check_reward_columns(config, pm, example)
     except PeerFlowError as exc:
         return [str(exc)]
     except Exception as exc:  # noqa: BLE001 - a plugin's own error, shown with its type
         return [f"task {config.task.name!r} (task.options {dict(config.task.options)}): "
                 f"opening the training data failed: {type(exc).__name__}: {exc}"]
-    return []
+    if config.model.path and isinstance(example.prompt, list):
+        from peerflow.worker.rollout import chat_template_problem
+
+        try:  # a tokenizer that does not load is check_model_dir's to report
+            tokenizer = load_tokenizer(config.model.path)
+        except ConfigError:
+            return problems
+        problems += chat_template_problem(tokenizer, f"model.path={config.model.path!r}")
+    return problems
 
 
 def preflight(config: Any, pm: Any) -> None:

@@ -11,6 +11,8 @@ can import its neighbours); `reward_shape` reads how to call it from its signatu
   `batched: true`;
 * verl's `compute_score(data_source, solution_str, ground_truth, extra_info)`, called with
   those keywords;
+* TRL's `fn(completions, **kwargs) -> list` (`prompts`, `completion_ids` and every dataset
+  column as keyword lists; `peerflow.rewards.trl_style`);
 * any of them as `async def`.
 
 Every problem is a `RewardLoadError` naming the config key, the file or module and — for
@@ -32,6 +34,7 @@ from typing import Any
 import attrs
 
 from peerflow.errors import ConfigError
+from peerflow.rewards.trl_style import is_trl_style
 
 #: First-parameter names that mark a batched reward.
 BATCH_PARAMETERS = ("responses", "completions", "solutions", "texts", "outputs")
@@ -70,6 +73,8 @@ class RewardShape:
     """verl's keyword signature (`solution_str`, `ground_truth`, …)."""
     is_async: bool = False
     """An `async def` (run with `asyncio.run` in the worker)."""
+    trl: bool = False
+    """TRL's keyword form, called once per batch (`peerflow.rewards.trl_style`)."""
 
 
 def parse_target(text: str, base_dir: str | Path | None = None) -> RewardTarget | None:
@@ -179,6 +184,8 @@ def reward_shape(fn: Callable[..., Any], batched: bool | None = None,
     names = {p.name for p in params}
     if {"solution_str", "ground_truth"} <= names:
         return RewardShape(verl=True, is_async=is_async)
+    if is_trl_style(params):
+        return RewardShape(batched=True, trl=True, is_async=is_async)
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     required = [p for p in params if p.default is p.empty
                 and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
@@ -187,8 +194,9 @@ def reward_shape(fn: Callable[..., Any], batched: bool | None = None,
         raise RewardLoadError(
             f"{key}: reward {name}{inspect.signature(fn)} has the wrong signature; write "
             "`def score(response, example) -> float` (per sample), "
-            "`def score(responses, examples) -> list[float]` (batched), or verl's "
-            "`compute_score(data_source, solution_str, ground_truth, extra_info)`."
+            "`def score(responses, examples) -> list[float]` (batched), verl's "
+            "`compute_score(data_source, solution_str, ground_truth, extra_info)`, or TRL's "
+            "`def score(completions, **kwargs) -> list[float]` (dataset columns by name)."
         )
     if batched is None:
         batched = bool(positional) and positional[0].name in BATCH_PARAMETERS

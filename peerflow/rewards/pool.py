@@ -36,6 +36,7 @@ from peerflow.rewards.loading import (
     parse_target,
     reward_shape,
 )
+from peerflow.rewards.trl_style import call_trl, logged_means
 
 
 @attrs.frozen(kw_only=True)
@@ -49,6 +50,8 @@ class Outcome:
     """Extra numeric metrics the reward returned next to `score`."""
     message: str = ""
     """Why it failed (exception type and message)."""
+    traceback: str = ""
+    """The reward's traceback when it raised (kept in `RUN_DIR/reward_errors.jsonl`)."""
 
 
 def to_outcome(value: Any, name: str) -> Outcome:
@@ -66,7 +69,10 @@ def to_outcome(value: Any, name: str) -> Outcome:
         score = float(value)
         if math.isfinite(score):
             return Outcome(status="ok", score=score, extras=extras)
-        return Outcome(status="error", message=f"reward {name!r} returned {score}")
+        return Outcome(status="error", message=(
+            f"reward {name!r} returned {score} (a failure: the sample scores "
+            "task.reward_limits.failure_score and task.reward_limits.on_failure decides "
+            "whether it is trained)"))
     return Outcome(status="error", message=(
         f"reward {name!r} returned {type(value).__name__} {value!r:.80}; return a number or "
         "{'score': number, ...}"))
@@ -99,25 +105,36 @@ def _invoke(fn: Callable[..., Any], shape: RewardShape, response: Any, example: 
 
 
 def call_reward(ref: str, batched: bool | None, responses: Sequence[Any],
-                examples: Sequence[dict[str, Any]]) -> list[Outcome]:
+                examples: Sequence[dict[str, Any]], context: dict[str, Any] | None = None
+                ) -> list[Outcome]:
     """Runs in a pool worker: scores `responses` with the function `ref` names.
 
-    Per-sample rewards are called once per response; a batched reward once for all.
-    Exceptions propagate (the pool reports them); bad return values become `error`
-    outcomes naming the reward.
+    Per-sample rewards are called once per response; a batched reward once for all (a
+    TRL-style one with keyword lists, `context` giving `completion_ids`, `step` and
+    `steps`). Exceptions propagate (the pool reports them); bad return values become
+    `error` outcomes naming the reward.
     """
     fn, shape = _loaded(ref, batched)
     name = ref.rpartition(":")[2]
     if not shape.batched:
         return [to_outcome(_invoke(fn, shape, r, e), name) for r, e in zip(responses, examples)]
-    values = fn(list(responses), list(examples))
+    extras: dict[str, float] = {}
+    if shape.trl:
+        values, logged = call_trl(fn, responses, examples, context)
+    else:
+        values = fn(list(responses), list(examples))
     if asyncio.iscoroutine(values):
         values = asyncio.run(values)
     values = list(values)
+    if shape.trl:  # TRL's None: this reward does not apply to the sample (adds 0)
+        values = [0.0 if v is None else v for v in values]
+        extras = logged_means(logged)
     if len(values) != len(responses):
         raise ValueError(f"batched reward {name!r} returned {len(values)} scores for "
                          f"{len(responses)} responses; return one per response")
-    return [to_outcome(v, name) for v in values]
+    outcomes = [to_outcome(v, name) for v in values]
+    return [attrs.evolve(o, extras={**extras, **o.extras}) if extras and o.status == "ok"
+            else o for o in outcomes]
 
 
 def _init_worker(memory_bytes: int) -> None:
@@ -138,7 +155,8 @@ def failed(exc: BaseException, timeout_s: float, memory_mb: int) -> Outcome:
     if isinstance(exc, ProcessExpired):
         return Outcome(status="error", message=f"the reward process died (exit code "
                        f"{exc.exitcode}; memory limit {memory_mb} MiB)")
-    return Outcome(status="error", message=f"{type(exc).__name__}: {exc}")
+    return Outcome(status="error", message=f"{type(exc).__name__}: {exc}",
+                   traceback=str(getattr(exc, "traceback", "") or ""))
 
 
 @attrs.define(eq=False)
@@ -170,10 +188,11 @@ class RewardPool:
         return self._pool
 
     def submit(self, ref: str, batched: bool | None, responses: Sequence[Any],
-               examples: Sequence[dict[str, Any]]) -> Future:
+               examples: Sequence[dict[str, Any]], context: dict[str, Any] | None = None
+               ) -> Future:
         """Schedules one call; its future yields `list[Outcome]` or raises."""
         return self._started().schedule(
-            call_reward, args=(ref, batched, list(responses), list(examples)),
+            call_reward, args=(ref, batched, list(responses), list(examples), context),
             timeout=self.timeout_s)
 
     def outcomes(self, future: Future, count: int) -> list[Outcome]:

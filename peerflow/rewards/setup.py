@@ -68,7 +68,8 @@ def build_reward_set(task: Any, pm: Any, default: str | None, name: str | None =
     if pool is None and limits.workers > 0 and any(c.ref for c in components):
         pool = RewardPool(workers=limits.workers, timeout_s=limits.timeout_s,
                           memory_mb=limits.memory_mb)
-    return RewardSet(components=components, failure_score=limits.failure_score, pool=pool)
+    return RewardSet(components=components, failure_score=limits.failure_score, pool=pool,
+                     on_failure=limits.on_failure)
 
 
 def check_rewards(config: Any, pm: Any) -> list[str]:
@@ -101,6 +102,39 @@ def check_rewards(config: Any, pm: Any) -> list[str]:
     if duplicates:
         problems.append(f"task.rewards: several rewards are named {duplicates}; give each a "
                         "distinct `name` (its metrics are reward/<name>/...).")
+    return problems
+
+
+def check_reward_columns(config: Any, pm: Any, example: Any) -> list[str]:
+    """TRL-style rewards get every keyword they require from the dataset's rows.
+
+    Called by the preflight with the task's first training example; each required
+    parameter of a TRL-style reward must be one of TRL's own arguments or a column.
+    """
+    from peerflow.rewards.scoring import example_record
+    from peerflow.rewards.trl_style import PROVIDED, columns, missing_keywords
+
+    registry = pm.registry("task")
+    default = None
+    if config.task.name in registry:
+        default = getattr(registry.get(config.task.name), "default_reward", None)
+    available = columns([example_record(example)])
+    problems = []
+    for key, entry in reward_entries(config.task, default):
+        target = parse_target(entry.fn)
+        if target is None:
+            continue
+        fn = load_function(target, key)
+        if not reward_shape(fn, entry.batched, key).trl:
+            continue
+        missing = missing_keywords(fn, available)
+        if missing:
+            problems.append(
+                f"{key}: TRL-style reward {target.function}() requires "
+                f"{', '.join(repr(m) for m in missing)}, which is neither one of the "
+                f"arguments every call gets ({', '.join(PROVIDED)}) nor a column of the "
+                f"task's rows ({', '.join(available) or 'none'}). Rename the parameter to "
+                "a column, give it a default, or add the column to the dataset.")
     return problems
 
 

@@ -27,6 +27,9 @@ if TYPE_CHECKING:
 
 #: Object field: per sample, `{reward name: its unweighted score}` (set by reward nodes).
 REWARD_COMPONENTS = "reward_components"
+#: Object field: per sample, the names of the rewards that failed on it (set by reward
+#: nodes; counted into `reward/failed_samples` and `reward/<name>/failed`).
+REWARD_ERRORS = "reward_errors"
 
 Executor = Callable[["WorkerRuntime", Any, Batch, StepMetrics], Batch]
 
@@ -44,14 +47,18 @@ def response_texts(rt: WorkerRuntime, batch: Batch) -> list[str]:
     )
 
 
-def score_texts(rewards: Any, batch: Batch, texts: list[str]) -> Any:
+def score_texts(rewards: Any, batch: Batch, texts: list[str], *, step: int = 0,
+                steps: int = 0) -> Any:
     """Scores decoded answers with a `RewardSet`; returns its `RewardScores`.
 
-    Agent episodes (`env_reward` in the batch) keep their environment's outcome reward
-    (`Environment.final_reward`) where it gave one (a task reward's failure on them then
-    does not count); the task's rewards score the others.
+    TRL-style rewards also get the answers' token ids and the step
+    (`peerflow.rewards.trl_style`). Agent episodes (`env_reward` in the batch) keep their
+    environment's outcome reward (`Environment.final_reward`) where it gave one (a task
+    reward's failure on them then does not count); the task's rewards score the others.
     """
-    scores = rewards.score(texts, batch["example"], batch.sample_id.tolist())
+    context = {"completion_ids": [row.tolist() for row in batch.ragged("response_ids").rows()],
+               "step": step, "steps": steps}
+    scores = rewards.score(texts, batch["example"], batch.sample_id.tolist(), context=context)
     if "env_reward" not in batch:
         return scores
     env = batch["env_reward"].tolist()
@@ -79,7 +86,13 @@ def _score(rt: WorkerRuntime, batch: Batch, node: Any = None,
     rewards = rt.reward_set(options.get("reward"))
     describe_stage(f"reward {', '.join(c.name for c in rewards.components)!r} on "
                    f"{_samples(batch)}")
-    scores = score_texts(rewards, batch, texts)
+    step = max(rt.step, int(batch.weight_version.max()) + 1) if len(batch) else rt.step
+    scores = score_texts(rewards, batch, texts, step=step, steps=rt.config.run.steps)
+    if scores.errors:
+        from peerflow.outputs.reward_errors import append_reward_errors
+
+        append_reward_errors(rt.run_dir, step, rt.rank, scores.errors)
+    _add_failures(batch, scores)
     if metrics is not None:
         for name, (value, count) in scores.metrics.items():
             metrics.mean(name, value, count)
@@ -106,6 +119,18 @@ def _add_components(batch: Batch, components: dict[str, list[float]]) -> None:
         for row, score in zip(merged, scores):
             row[name] = score
     batch.set_objects(REWARD_COMPONENTS, merged)
+
+
+def _add_failures(batch: Batch, scores: Any) -> None:
+    """Adds the names of the rewards that failed on each sample to its `reward_errors`."""
+    position = {sid: i for i, sid in enumerate(batch.sample_id.tolist())}
+    kept = batch[REWARD_ERRORS] if REWARD_ERRORS in batch else [[] for _ in range(len(batch))]
+    merged = [list(names) for names in kept]
+    for error in scores.errors:
+        i = position[error.sample_id]
+        if scores.failed[i] and error.reward not in merged[i]:
+            merged[i].append(error.reward)
+    batch.set_objects(REWARD_ERRORS, merged)
 
 
 def _samples(batch: Batch) -> str:

@@ -191,6 +191,9 @@ def _layout(raw: dict[str, tuple[str, float, float]]) -> Layout:
 def record_batch_metrics(batch: Batch, metrics: StepMetrics) -> None:
     """Records reward, length and token-count metrics of this rank's samples.
 
+    `reward/failed_samples` counts the samples a reward failed on, and
+    `reward/<name>/failed` those each reward failed on (`peerflow.worker.reward_watch`).
+
     `response_length/*` counts the tokens the model generated (a multi-turn
     trajectory's observation tokens, `loss_mask` false, left out); `tokens/response`
     counts every response token (what the engines processed, for throughput).
@@ -217,6 +220,11 @@ def record_batch_metrics(batch: Batch, metrics: StepMetrics) -> None:
     if "finish_reason" in batch:
         clipped = sum(1 for r in batch["finish_reason"] if r in TRUNCATED)
         metrics.mean("response_length/clip_frac", clipped / n, n)
+    if "reward_errors" in batch:  # names of the rewards that failed on each sample
+        names = batch["reward_errors"]
+        metrics.sum("reward/failed_samples", sum(1 for failed in names if failed))
+        for name in sorted({n for failed in names for n in failed}):
+            metrics.sum(f"reward/{name}/failed", sum(name in failed for failed in names))
     if "num_turns" in batch:
         from peerflow.agents.rollout import record_episode_metrics
 

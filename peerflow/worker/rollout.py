@@ -17,12 +17,36 @@ from peerflow.engines import GenerationRequest, GenerationResult, RolloutEngine,
 from peerflow.worker.sampler import Draw
 
 
-def encode_prompt(tokenizer: Any, prompt: str | list[dict[str, str]]) -> list[int]:
+def chat_template_problem(tokenizer: Any, where: str) -> list[str]:
+    """Why chat prompts cannot be rendered with `tokenizer` (empty: they can).
+
+    Args:
+        tokenizer: A Hugging Face tokenizer.
+        where: Names the tokenizer in the message (`model.path='…'`).
+    """
+    if getattr(tokenizer, "chat_template", None):
+        return []
+    return [f"the task's prompts are chat messages, but the tokenizer of {where} has no chat "
+            "template to render them. Give the tokenizer one (`tok.chat_template = "
+            "AutoTokenizer.from_pretrained(INSTRUCT_MODEL).chat_template; "
+            "tok.save_pretrained(MODEL_DIR)`), use an instruct model's directory, or give "
+            "text prompts (a string prompt column, and no task.options.system_prompt)."]
+
+
+def encode_prompt(tokenizer: Any, prompt: str | list[dict[str, str]], *,
+                  join_untemplated: bool = False) -> list[int]:
     """Returns the prompt's token ids, chat-templated when the tokenizer has a template.
 
     `prompt` is text (sent as one user message) or a list of `{role, content}` messages,
     rendered with `add_generation_prompt`. Without a chat template, text is tokenized as
-    it is and messages are joined by newlines.
+    it is and messages are refused (`ConfigError`, naming the fix) — unless
+    `join_untemplated`, for messages PeerFlow composed itself (a tool description before
+    a text prompt, `peerflow.agents.tools.render_prompt`): their contents are then
+    joined by newlines.
+
+    Raises:
+        ConfigError: chat messages, a tokenizer without a chat template and not
+            `join_untemplated`.
     """
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
     if getattr(tokenizer, "chat_template", None):
@@ -31,6 +55,11 @@ def encode_prompt(tokenizer: Any, prompt: str | list[dict[str, str]]) -> list[in
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         return [int(i) for i in ids]
+    if not isinstance(prompt, str) and not join_untemplated:
+        from peerflow.errors import ConfigError
+
+        where = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+        raise ConfigError(chat_template_problem(tokenizer, repr(where))[0])
     text = prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in messages)
     return [int(i) for i in tokenizer(text, add_special_tokens=True)["input_ids"]]
 
