@@ -60,6 +60,13 @@ class RewardLimits:
     it alone out (its group's baseline over the others); `drop_group`: leave its whole
     group out. Left-out groups are refilled under `algorithm.dynamic_sampling` (see
     `peerflow.algorithms.failed_samples`, the same policies as `rollout.agent.on_env_error`)."""
+    fatal_after_steps: int = 3
+    """Stop the run when one reward fails on every sample it scores for this many steps in
+    a row, naming the reward, a sample and its traceback (0: never stop)."""
+    max_failure_share: float = 0.5
+    """The run exits non-zero (after its last checkpoint) when more than this share of its
+    trained samples had a reward fail on them (raise, time-out, NaN or a non-number);
+    1: never. The end-of-run tally is printed and written to `reward_errors.json`."""
 
 
 @attrs.frozen(kw_only=True)
