@@ -17,14 +17,25 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def load_validated(args: argparse.Namespace) -> Any:
-    """Loads, overrides and validates a config; opens its model directory and dataset."""
+    """Loads, overrides and validates a config; opens its model directory and dataset.
+
+    Every problem is reported at once: the structure's (unknown keys, types, values) and
+    the checks against the installed plugins, in one `ConfigError`.
+    """
     from peerflow.config import load_config, validate_config
+    from peerflow.errors import ConfigError
     from peerflow.launch.preflight import preflight
     from peerflow.plugins import get_plugin_manager
 
-    config = load_config(args.config, args.overrides)
+    problems: list[str] = []
+    config = load_config(args.config, args.overrides, problems=problems)
     pm = get_plugin_manager()
-    validate_config(config, pm)
+    try:
+        validate_config(config, pm)
+    except ConfigError as exc:
+        problems.append(str(exc))
+    if problems:
+        raise ConfigError("\n".join(problems))
     preflight(config, pm)
     return config
 

@@ -12,6 +12,7 @@ import yaml
 
 from peerflow.config.schema import RunConfig
 from peerflow.config.structure import apply_override, structure, unstructure
+from peerflow.config.tracking import tracker_problems
 from peerflow.errors import ConfigError, PeerFlowError
 
 
@@ -38,12 +39,15 @@ def load_raw(path: str | Path | None, overrides: Sequence[str] = ()) -> dict[str
     return data
 
 
-def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> RunConfig:
+def load_config(path: str | Path | None, overrides: Sequence[str] = (), *,
+                problems: list[str] | None = None) -> RunConfig:
     """Returns the typed `RunConfig` of a YAML file plus overrides (structure only).
 
     Call `validate_config` afterwards to check names against the installed plugins.
+    With `problems`, structure problems are appended there instead of raised, and the
+    keys that failed keep their defaults (see `peerflow.config.structure.structure`).
     """
-    return structure(RunConfig, load_raw(path, overrides))
+    return structure(RunConfig, load_raw(path, overrides), problems=problems)
 
 
 def dump_config(config: RunConfig) -> str:
@@ -124,6 +128,7 @@ def validate_config(config: RunConfig, pm: Any) -> None:
         except ConfigError as exc:
             problems.append(str(exc))
     _check_agent(pm, config.rollout.agent, problems)
+    problems += tracker_problems(config.run)
     estimator = _check_name(pm, "advantage_estimator", config.algorithm.advantage, problems)
     loss = _check_name(pm, "policy_loss", config.algorithm.loss, problems)
     known = {c.name: c for c in (estimator, loss) if c is not None}

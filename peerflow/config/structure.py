@@ -1,7 +1,8 @@
 """Strict, typed conversion between plain YAML data and attrs config classes.
 
 Unknown keys are errors with a did-you-mean; values are converted to the field's type
-(`"1e-3"` becomes a float for a float field); every error names the dotted key path.
+(`"1e-3"` becomes a float for a float field); every error names the dotted key path, and
+every problem of a config is reported at once (one line each).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 
-def _convert(value: Any, tp: Any, path: str) -> Any:
+def _convert(value: Any, tp: Any, path: str, problems: list[str] | None = None) -> Any:
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
     if tp is Any or tp is object:
@@ -55,24 +56,25 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
         hint = f" Did you mean {close[0]!r}?" if close else ""
         raise ConfigError(f"{path}: {value!r} is not one of {list(args)}.{hint}")
     if attrs.has(tp):
-        return structure(tp, value, path)
+        return structure(tp, value, path, problems=problems)
     if origin in (list, tuple) or tp in (list, tuple):
         if isinstance(value, str | bytes) or not isinstance(value, list | tuple):
             raise ConfigError(f"{path}: expected a list, got {_describe(value)}")
         if origin is tuple and args and args[-1] is not Ellipsis:
             if len(value) != len(args):
                 raise ConfigError(f"{path}: expected {len(args)} items, got {len(value)}")
-            return tuple(
-                _convert(v, a, f"{path}[{i}]") for i, (v, a) in enumerate(zip(value, args))
-            )
+            return tuple(_each([(v, a, f"{path}[{i}]")
+                                for i, (v, a) in enumerate(zip(value, args))]))
         item = args[0] if args else Any
-        items = [_convert(v, item, f"{path}[{i}]") for i, v in enumerate(value)]
+        items = _each([(v, item, f"{path}[{i}]") for i, v in enumerate(value)])
         return tuple(items) if (origin or tp) is tuple else items
     if origin is dict or tp is dict:
         if not isinstance(value, Mapping):
             raise ConfigError(f"{path}: expected a mapping, got {_describe(value)}")
         vt = args[1] if args else Any
-        return {str(k): _convert(v, vt, f"{path}.{k}") for k, v in value.items()}
+        keys = [str(k) for k in value]
+        return dict(zip(keys, _each([(v, vt, f"{path}.{k}") for k, v in zip(keys,
+                                                                         value.values())])))
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -92,6 +94,19 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
     raise ConfigError(f"{path}: cannot read {_describe(value)} as {_type_name(tp)}")
 
 
+def _each(items: list[tuple[Any, Any, str]]) -> list[Any]:
+    """Converts every `(value, type, path)`, raising one error with every item's problem."""
+    out, problems = [], []
+    for value, tp, path in items:
+        try:
+            out.append(_convert(value, tp, path))
+        except ConfigError as exc:
+            problems.append(str(exc))
+    if problems:
+        raise ConfigError("\n".join(problems))
+    return out
+
+
 def _number(value: Any, tp: type[int] | type[float], path: str) -> int | float:
     """Reads an `int` (a whole float too) or a `float`; strings are parsed."""
     number = value
@@ -107,13 +122,20 @@ def _number(value: Any, tp: type[int] | type[float], path: str) -> int | float:
     raise ConfigError(f"{path}: expected {expected}, got {_describe(value)}")
 
 
-def structure(cls: type, data: Any, path: str = "") -> Any:
+def structure(cls: type, data: Any, path: str = "", *,
+              problems: list[str] | None = None) -> Any:
     """Builds an attrs config instance from plain data, strictly.
+
+    Every problem is reported at once: each unknown key, type error and validator failure
+    of the whole (nested) data, one line each, in one `ConfigError`.
 
     Args:
         cls: An attrs class whose fields have type annotations.
         data: A mapping (from YAML) or `None` for all defaults.
         path: Dotted key path of `data`, for messages.
+        problems: Where given, problems are appended to it instead of raised, and the
+            instance is built with defaults for the keys that failed (so later checks can
+            run on the rest: `config validate` reports everything at once).
 
     Raises:
         ConfigError: an unknown key (with a did-you-mean), a missing required key, a
@@ -132,31 +154,63 @@ def structure(cls: type, data: Any, path: str = "") -> Any:
     sections_field = next((f.name for f in fields.values() if f.metadata.get(SECTIONS)), None)
     kwargs: dict[str, Any] = {}
     sections: dict[str, Any] = {}
+    found: list[str] = []
     for key, value in data.items():
         key = str(key)
         sub = f"{path}.{key}" if path else key
         if key in fields and key != sections_field:
-            kwargs[key] = _convert(value, hints[key], sub)
+            try:
+                kwargs[key] = _convert(value, hints[key], sub, problems)
+            except ConfigError as exc:
+                found.append(str(exc))
         elif sections_field is not None and isinstance(value, Mapping | None):
             sections[key] = dict(value or {})
         else:
             known = [n for n in fields if n != sections_field]
             close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
             hint = f" Did you mean {close[0]!r}?" if close else ""
-            raise ConfigError(
+            found.append(
                 f"{sub}: unknown key.{hint} Valid keys under {where}: {', '.join(sorted(known))}."
             )
     if sections_field is not None:
         kwargs[sections_field] = sections
-    missing = [n for n, f in fields.items() if f.default is attrs.NOTHING and n not in kwargs]
+    missing = [n for n, f in fields.items() if f.default is attrs.NOTHING and n not in data]
     if missing:
-        raise ConfigError(f"{where}: missing required key(s) {', '.join(missing)}.")
+        found.append(f"{where}: missing required key(s) {', '.join(missing)}.")
+    invalid = _field_validator_problems(cls, kwargs, where)
+    found += [message for _, message in invalid]
+    if found and problems is None:
+        raise ConfigError("\n".join(found))
+    if found:
+        problems += found
+        for name, _ in invalid:
+            kwargs.pop(name)
     try:
         return cls(**kwargs)
-    except ConfigError as exc:
-        raise ConfigError(f"{where}: {exc}") from None
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"{where}: {exc}") from None
+    except (ConfigError, TypeError, ValueError) as exc:
+        if problems is None:
+            raise ConfigError(f"{where}: {exc}") from None
+        problems.append(f"{where}: {exc}")
+        return cls()
+
+
+def _field_validator_problems(cls: type, kwargs: dict[str, Any],
+                              where: str) -> list[tuple[str, str]]:
+    """`(field, message)` of each field validator failure (attrs stops at the first).
+
+    Validators that read other fields of the instance run when the class is built.
+    """
+    problems = []
+    for field in attrs.fields(cls):
+        if field.validator is None or field.name not in kwargs:
+            continue
+        try:
+            field.validator(None, field, kwargs[field.name])
+        except (ConfigError, TypeError, ValueError) as exc:
+            problems.append((field.name, f"{where}: {exc}"))
+        except AttributeError:
+            continue
+    return problems
 
 
 def unstructure(obj: Any) -> Any:
