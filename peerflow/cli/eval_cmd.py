@@ -40,11 +40,11 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Runs `peerflow eval`; prints the metrics and returns the exit code."""
-    from peerflow.launch.warm import start_warm_server
+    """Runs `peerflow eval`; prints the metrics and returns the exit code.
 
-    if args.launcher == "elastic":
-        start_warm_server()  # as in `peerflow train`: its imports overlap the checks
+    The warm fork server starts only once the config passed validation (in `launch`), so
+    a refused command returns in the time validation takes.
+    """
     from peerflow.api import evaluate
 
     result = evaluate(args.config, checkpoint=args.checkpoint, overrides=args.overrides,

@@ -24,6 +24,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import attrs
+
 from peerflow.errors import (
     INTERRUPTED_EXIT,
     ConfigError,
@@ -97,11 +99,26 @@ def check_config(config_path: str, overrides: list[str]) -> Any:
     return config
 
 
+@attrs.frozen(kw_only=True)
+class RunPlan:
+    """What `peerflow train` does with a run directory that passed `check_run_dir`."""
+
+    resume: str | None
+    """The directory the workers resume from (`None`: they start at step 0)."""
+    done_at: int | None = None
+    """The newest checkpoint's step when it already reaches `run.steps` (nothing to run)."""
+
+
 def check_run_dir(
     run_dir: Path, config: Any, *, resume: bool, allow_change: list[str],
     restarted: bool = False,
-) -> None:
+) -> RunPlan:
     """Refuses a fresh run into a used directory, or a resume that changes the fingerprint.
+
+    A resume of a run that stopped before its first checkpoint starts it again from step
+    0 in place (same fingerprint required; unfinished checkpoint directories removed), so
+    `peerflow train --resume RUN_DIR` is the one command that retries any run. A resume
+    whose newest checkpoint already reaches `run.steps` has nothing to do (`done_at`).
 
     Args:
         run_dir: The run directory (locked by the caller).
@@ -118,28 +135,50 @@ def check_run_dir(
     from peerflow.checkpoint import newest_complete
     from peerflow.checkpoint.fingerprint import check_resume
 
+    found = newest_complete(run_dir)
     if resume:
         check_resume(run_dir, config, allow_change)
-        if newest_complete(run_dir) is None:
-            raise ConfigError(
-                f"--resume {str(run_dir)!r}: no finished checkpoint under {run_dir}/"
-                "checkpoints; a run saves one every run.checkpoint_every steps and at its "
-                "end. Start a fresh run instead (another --run-dir)."
-            )
-    elif allow_change:
+        if found is None:
+            _restart_in_place(run_dir, "--resume: the run stopped before its first checkpoint")
+            return RunPlan(resume=None)
+        if config.run.steps <= found.step:
+            return RunPlan(resume=str(run_dir), done_at=found.step)
+        return RunPlan(resume=str(run_dir))
+    if allow_change:
         raise ConfigError("--allow-change only applies to --resume RUN_DIR; drop it.")
-    elif restarted and (run_dir / "config.yaml").is_file():
+    if restarted and (run_dir / "config.yaml").is_file():
         check_resume(run_dir, config, [])
-        print(f"peerflow train: torchrun restarted the job before its first checkpoint: "
-              f"starting {run_dir} again from step 0", file=sys.stderr, flush=True)
+        _restart_in_place(run_dir, "torchrun restarted the job before its first checkpoint")
     elif (run_dir / "config.yaml").is_file():
-        raise ConfigError(
-            f"run directory {str(run_dir)!r} already holds a run (config.yaml); continue it "
-            f"with `peerflow train --resume {run_dir}`, or pick another --run-dir."
-        )
+        what = ("already holds a run (config.yaml); continue it" if found is not None else
+                "holds a run that stopped before its first checkpoint; start it again from "
+                "step 0 in place")
+        raise ConfigError(f"run directory {str(run_dir)!r} {what} with `peerflow train "
+                          f"--resume {run_dir}`, or pick another --run-dir.")
+    return RunPlan(resume=None)
+
+
+def _restart_in_place(run_dir: Path, why: str) -> None:
+    """Removes unfinished checkpoint directories and says the run starts again at step 0."""
+    import shutil
+
+    from peerflow.checkpoint.store import list_checkpoints
+
+    for info in list_checkpoints(run_dir):  # none has a manifest: none can be loaded
+        shutil.rmtree(info.path, ignore_errors=True)
+    print(f"peerflow train: {why}: starting {run_dir} again from step 0 with its own "
+          "settings", file=sys.stderr, flush=True)
+
+
+def already_done(run_dir: Path, step: int, steps: int) -> str:
+    """The message of a resume with nothing to run, and how to train further."""
+    return (f"peerflow train: {run_dir} is already at step {step} (run.steps={steps}); "
+            f"nothing to do. To train further, raise run.steps: `peerflow train --resume "
+            f"{run_dir} --set run.steps={max(step, steps) + step}`.")
 
 
 def _torchrun_worker(args: argparse.Namespace, config_path: str, run_dir: str | None) -> int:
+    from peerflow.checkpoint import newest_complete
     from peerflow.launch import launch
     from peerflow.outputs.rundir import RunLock, record_torchrun_job, same_torchrun_job
 
@@ -149,13 +188,15 @@ def _torchrun_worker(args: argparse.Namespace, config_path: str, run_dir: str | 
             "several machines) so every rank writes the same run directory."
         )
     resume = args.resume or restart_resume(run_dir)
+    if resume and newest_complete(run_dir) is None:  # every rank decides the same
+        resume = None  # stopped before its first checkpoint: rank 0 restarts it in place
     lead = os.environ.get("RANK") == "0"  # one lock per run: rank 0 takes it and checks
     if lead:
         config = check_config(config_path, list(args.overrides))
         Path(run_dir).mkdir(parents=True, exist_ok=True)
     with RunLock(Path(run_dir)) if lead else contextlib.nullcontext():
         if lead:
-            check_run_dir(Path(run_dir), config, resume=bool(resume),
+            check_run_dir(Path(run_dir), config, resume=bool(args.resume or resume),
                           allow_change=args.allow_change,
                           restarted=same_torchrun_job(Path(run_dir)))
             record_torchrun_job(Path(run_dir))
@@ -195,16 +236,20 @@ def resume_hint(run_dir: Path) -> str:
 
     found = newest_complete(run_dir)
     if found is None:
-        return (f"No checkpoint was written yet (run.checkpoint_every), so there is nothing "
-                f"to resume in {run_dir}; start a fresh run.")
+        return (f"No checkpoint was written yet (run.checkpoint_every); start the run again "
+                f"from step 0 in place with:\n  peerflow train --resume {run_dir}")
     return (f"The newest complete checkpoint is step {found.step} ({found.path}); continue "
             f"with:\n  peerflow train --resume {run_dir}")
 
 
 def run(args: argparse.Namespace) -> int:
-    """Runs `peerflow train`; returns the exit code."""
+    """Runs `peerflow train`; returns the exit code.
+
+    Nothing is started before the config, the directory and the resume checks pass: the
+    warm fork server starts in `launch`, so a refused command returns in the time the
+    checks take and leaves no process holding the caller's stdout.
+    """
     from peerflow.launch import in_distributed_env, launch
-    from peerflow.launch.warm import start_warm_server
     from peerflow.outputs import RunLock, create_run_dir
 
     config_path, run_dir = resolve_paths(args)
@@ -212,8 +257,6 @@ def run(args: argparse.Namespace) -> int:
         return _torchrun_worker(args, config_path, run_dir)
     if args.nprocs is not None and args.nprocs < 1:
         raise ConfigError(f"--nprocs {args.nprocs}: must be at least 1.")
-    if args.launcher == "elastic":
-        start_warm_server()  # its imports overlap the checks below
     overrides = list(args.overrides)
     if args.nprocs is not None:
         # Before validation: a split layout may only fit the --nprocs world size.
@@ -222,13 +265,16 @@ def run(args: argparse.Namespace) -> int:
     nprocs = config.runtime.nprocs
     run_path = create_run_dir(run_dir, name=Path(config_path).stem)
     with RunLock(run_path):
-        check_run_dir(run_path, config, resume=bool(args.resume),
-                      allow_change=args.allow_change)
+        plan = check_run_dir(run_path, config, resume=bool(args.resume),
+                             allow_change=args.allow_change)
+        if plan.done_at is not None:  # no worker needed
+            print(already_done(run_path, plan.done_at, config.run.steps), flush=True)
+            return 0
         print(f"peerflow train: {nprocs} worker(s), run directory {run_path}", flush=True)
         try:
             return int(launch(
                 config_path=config_path, overrides=overrides, run_dir=str(run_path),
-                resume=args.resume, nprocs=nprocs, launcher=args.launcher,
+                resume=plan.resume, nprocs=nprocs, launcher=args.launcher,
                 fault_timeout=config.runtime.fault_timeout,
                 wait_timeout=config.runtime.peer_wait_timeout,
                 stop_grace=config.runtime.stop_grace,

@@ -108,11 +108,11 @@ def test_dataset_errors_name_the_row_and_column(jsonl, tmp_path):
         DatasetTask(DatasetOptions(path=str(jsonl))).size("train")
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "ok", "answer": "1"}\n{"prompt": "", "answer": "2"}\n')
-    with pytest.raises(ConfigError, match=r"row 1: column 'prompt' is ''"):
+    with pytest.raises(ConfigError, match=r"line 2: column 'prompt' is ''"):
         DatasetTask(DatasetOptions(path=str(bad))).size("train")
     missing = tmp_path / "missing.jsonl"
     missing.write_text('{"prompt": "ok", "answer": null}\n')
-    with pytest.raises(ConfigError, match=r"row 0: column 'answer' is empty"):
+    with pytest.raises(ConfigError, match=r"line 1: column 'answer' is empty"):
         DatasetTask(DatasetOptions(path=str(missing))).size("train")
     with pytest.raises(ConfigError, match="is not a file"):
         DatasetTask(DatasetOptions(path=str(tmp_path / "nope.jsonl"))).size("train")
@@ -210,7 +210,7 @@ def test_chat_prompts_render_with_the_chat_template(tmp_path):
     (b"\n\n", r"the dataset is empty"),
     (b'["prompt", "answer"]\n', r"line 1: is a JSON list, not an object"),
     (b'{"prompt": [{"role": "user"}], "answer": "1"}\n',
-     r"row 0: column 'prompt' message 0 is .*needs a role .* and a string content"),
+     r"line 1: column 'prompt' message 0 is .*needs a role .* and a string content"),
 ])
 def test_dataset_file_errors_name_the_line_and_fix(tmp_path, content, expected):
     path = tmp_path / "data.jsonl"

@@ -38,7 +38,8 @@ def column(row: Mapping[str, Any], name: str) -> Any:
     return value
 
 
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+def _read_jsonl(path: Path) -> list[tuple[int, dict[str, Any]]]:
+    """The rows of a .jsonl file with their 1-based line numbers (blank lines skipped)."""
     rows = []
     with open(path, "rb") as handle:
         for number, raw in enumerate(handle, start=1):
@@ -64,7 +65,7 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
                 raise ConfigError(f"{path}: line {number}: is a JSON {type(row).__name__}, "
                                   "not an object; write one {\"prompt\": ..., \"answer\": ...} "
                                   "object per line.")
-            rows.append(row)
+            rows.append((number, row))
     return rows
 
 
@@ -104,6 +105,17 @@ def _read_directory(path: Path, split: str) -> list[dict[str, Any]]:
 def read_rows(path_text: str, split: str = "train") -> list[dict[str, Any]]:
     """Reads every row of a local dataset file or `save_to_disk` directory.
 
+    Same as `read_labelled_rows` without the labels.
+    """
+    return [row for _label, row in read_labelled_rows(path_text, split)]
+
+
+def read_labelled_rows(path_text: str, split: str = "train") -> list[tuple[str, dict[str, Any]]]:
+    """Reads every row of a local dataset file or `save_to_disk` directory, with its label.
+
+    A label is how messages name the row, counting from 1 as editors do: `line N` (the
+    file's line) in a .jsonl file, `row N` elsewhere.
+
     Args:
         path_text: The file or directory (`~` expanded).
         split: Which split of a saved `DatasetDict` to read.
@@ -114,7 +126,7 @@ def read_rows(path_text: str, split: str = "train") -> list[dict[str, Any]]:
     """
     path = Path(path_text).expanduser()
     if path.is_dir():
-        rows = _read_directory(path, split)
+        rows = _numbered(_read_directory(path, split))
     elif not path.is_file():
         raise ConfigError(f"task.options.path: {str(path)!r} is not a file; give a local "
                           ".jsonl, .json, .parquet or .csv dataset, or a save_to_disk "
@@ -125,10 +137,15 @@ def read_rows(path_text: str, split: str = "train") -> list[dict[str, Any]]:
             raise ConfigError(f"task.options.path: {str(path)!r} has suffix {path.suffix!r}; "
                               f"expected one of {', '.join(FORMATS)} or a save_to_disk "
                               "directory.")
-        rows = _read_jsonl(path) if path.suffix.lower() == ".jsonl" else (
-            _read_with_datasets(path, fmt))
+        rows = ([(f"line {n}", row) for n, row in _read_jsonl(path)]
+                if path.suffix.lower() == ".jsonl" else
+                _numbered(_read_with_datasets(path, fmt)))
     if not rows:
         raise ConfigError(f"{path}: the dataset is empty (no rows); add at least one row "
                           "with a prompt and an answer, or point task.options.path at "
                           "another file.")
     return rows
+
+
+def _numbered(rows: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
+    return [(f"row {i}", row) for i, row in enumerate(rows, start=1)]

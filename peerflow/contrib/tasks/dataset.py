@@ -5,7 +5,8 @@ with the tokenizer's chat template (`add_generation_prompt`) — and `system_pro
 prepends a system message. Columns may be nested (`answer_column:
 reward_model.ground_truth`), so verl-style parquet loads as it is; every other column of
 a row reaches function rewards in their `example` dict. Every row must have a prompt and
-an answer; the first bad row is reported with its file, row number and column. Rows are
+an answer; the first bad row is reported with its file, line (`.jsonl`) or row number
+(1-based) and column. Rows are
 shuffled by the run's seed (train split); `eval_fraction` holds out a fixed slice, or
 `eval_path` names a separate file.
 """
@@ -19,7 +20,7 @@ from typing import Any, ClassVar
 import attrs
 
 from peerflow.algorithms.base import Example, Task
-from peerflow.contrib.tasks.datafiles import MISSING, column, read_rows
+from peerflow.contrib.tasks.datafiles import MISSING, column, read_labelled_rows
 from peerflow.errors import ConfigError
 
 #: One parsed row: (row number, prompt, answer, the row's other columns).
@@ -132,9 +133,13 @@ class DatasetTask(Task):
                 "eval_rows": self.size("eval")}
 
 
-def _prompt(value: Any, row: int, path: str, opts: DatasetOptions) -> Any:
+def _prompt(value: Any, label: str, path: str, opts: DatasetOptions) -> Any:
     """Checks one prompt (text or messages) and adds the system prompt."""
-    fix = f"{path}: row {row}: column {opts.prompt_column!r} "
+    fix = f"{path}: {label}: column {opts.prompt_column!r} "
+    if value is MISSING or value is None:
+        raise ConfigError(fix + ("is missing" if value is MISSING else "is empty (null)")
+                          + "; every row needs a prompt (a string or a list of {role, "
+                          "content} messages). Fix or drop the row.")
     if isinstance(value, str):
         if not value.strip():
             raise ConfigError(fix + f"is {value!r}; expected a non-empty string or a list of "
@@ -158,10 +163,10 @@ def _prompt(value: Any, row: int, path: str, opts: DatasetOptions) -> Any:
 
 
 def _read_rows(path: str, opts: DatasetOptions, split: str) -> list[Row]:
-    table = read_rows(path, split)
+    table = read_labelled_rows(path, split)
     if opts.max_rows:
         table = table[:opts.max_rows]
-    first = table[0]
+    first = table[0][1]
     for option, name in (("prompt_column", opts.prompt_column),
                          ("answer_column", opts.answer_column)):
         if column(first, name) is MISSING:
@@ -171,14 +176,15 @@ def _read_rows(path: str, opts: DatasetOptions, split: str) -> list[Row]:
                 "nested fields, e.g. reward_model.ground_truth)."
             )
     rows = []
-    for row, record in enumerate(table):
+    for row, (label, record) in enumerate(table):
         answer = column(record, opts.answer_column)
         if answer is None or answer is MISSING:
             raise ConfigError(
-                f"{path}: row {row}: column {opts.answer_column!r} is empty (null); every row "
-                "needs a reference answer. Fix or drop the row."
+                f"{path}: {label}: column {opts.answer_column!r} is "
+                f"{'missing' if answer is MISSING else 'empty (null)'}; every row needs a "
+                "reference answer. Fix or drop the row."
             )
-        prompt = _prompt(column(record, opts.prompt_column), row, path, opts)
+        prompt = _prompt(column(record, opts.prompt_column), label, path, opts)
         metadata = {k: v for k, v in record.items() if k != opts.prompt_column}
         rows.append((row, prompt, answer, metadata))
     return rows
