@@ -7,6 +7,7 @@ from typing import Any, Literal
 import attrs
 
 from peerflow.config.engines import RolloutConfig, TrainerConfig, WeightSyncConfig
+from peerflow.config.tracking import TrackersConfig
 from peerflow.config.workflow import WorkflowConfig
 
 
@@ -218,7 +219,11 @@ class RunSettings:
     tensorboard: bool = True
     """Write TensorBoard events."""
     wandb: bool = False
-    """Log to Weights & Biases when it is installed."""
+    """Log to Weights & Biases (project, entity, name, tags, group: `run.trackers.wandb`)."""
+    mlflow: bool = False
+    """Log to MLflow (tracking URI, experiment, run name, tags: `run.trackers.mlflow`)."""
+    trackers: TrackersConfig = attrs.Factory(TrackersConfig)
+    """Options of the W&B and MLflow trackers (`peerflow.config.tracking`)."""
     trace: bool = True
     """Write a per-rank Chrome-trace timeline."""
     eval_every: int = 0

@@ -1,0 +1,100 @@
+"""`run.trackers`: the options of the metric trackers `run.wandb` and `run.mlflow` switch on.
+
+Every tracker gets the same records as `metrics.jsonl` (`peerflow.outputs.trackers`):
+
+    run:
+      wandb: true
+      mlflow: true
+      trackers:
+        wandb: {project: rl, entity: my-team, name: grpo-lr1e-6, tags: [grpo], group: sweep-3}
+        mlflow: {tracking_uri: http://mlflow:5000, experiment: rl}
+
+Options given for a tracker that is switched off are an error (`tracker_problems`), so a
+W&B project cannot be set and then silently not used.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any, Literal
+
+import attrs
+
+#: The module each optional tracker needs, and the extra that installs it.
+PACKAGES = {"wandb": ("wandb", "wandb"), "mlflow": ("mlflow", "mlflow")}
+
+
+@attrs.frozen(kw_only=True)
+class WandbOptions:
+    """Weights & Biases (`pip install 'peerflow[wandb]'`), used when `run.wandb` is true."""
+
+    project: str = "peerflow"
+    """W&B project the run is logged to."""
+    entity: str | None = None
+    """W&B team or user owning the project (default: the logged-in user's default)."""
+    name: str | None = None
+    """Display name of the run (default: the run directory's name)."""
+    group: str | None = None
+    """Group the run belongs to (runs of one sweep or experiment, shown together)."""
+    tags: tuple[str, ...] = ()
+    """Tags of the run."""
+    notes: str | None = None
+    """A longer description of the run."""
+    mode: Literal["online", "offline", "disabled"] | None = None
+    """`online`, `offline` (written under `RUN_DIR/wandb`, `wandb sync` later) or
+    `disabled` (default: the `WANDB_MODE` environment variable, else online)."""
+
+
+@attrs.frozen(kw_only=True)
+class MlflowOptions:
+    """MLflow (`pip install 'peerflow[mlflow]'`), used when `run.mlflow` is true."""
+
+    tracking_uri: str | None = None
+    """Where runs are recorded: a server (`http://host:5000`), a database (`sqlite:///x.db`,
+    needs the full `mlflow` package) or a directory (default: `$MLFLOW_TRACKING_URI`,
+    else the local file store `RUN_DIR/mlruns`)."""
+    experiment: str = "peerflow"
+    """MLflow experiment the run is logged to (created when missing)."""
+    run_name: str | None = None
+    """Display name of the run (default: the run directory's name)."""
+    tags: dict[str, str] = attrs.Factory(dict)
+    """Tags of the run."""
+
+
+@attrs.frozen(kw_only=True)
+class TrackersConfig:
+    """Options of the trackers beside `metrics.jsonl` (switched by `run.wandb`, `run.mlflow`)."""
+
+    wandb: WandbOptions = attrs.Factory(WandbOptions)
+    """Weights & Biases options (`run.wandb: true` turns it on)."""
+    mlflow: MlflowOptions = attrs.Factory(MlflowOptions)
+    """MLflow options (`run.mlflow: true` turns it on)."""
+
+
+def missing_package(name: str) -> str | None:
+    """The install hint for tracker `name` (`wandb`, `mlflow`) when its package is missing."""
+    module, extra = PACKAGES[name]
+    if importlib.util.find_spec(module) is not None:
+        return None
+    return (f"run.{name} is true but the {module} package is not installed; "
+            f"pip install 'peerflow[{extra}]' (or set run.{name}: false).")
+
+
+def tracker_problems(run: Any) -> list[str]:
+    """Trackers on without their package, or with options but off: each naming the fix.
+
+    Args:
+        run: The `RunSettings` (`run.wandb`, `run.mlflow`, `run.trackers`).
+    """
+    problems = [problem for name in PACKAGES
+                if getattr(run, name) and (problem := missing_package(name)) is not None]
+    for name, default in (("wandb", WandbOptions()), ("mlflow", MlflowOptions())):
+        options = getattr(run.trackers, name)
+        if options != default and not getattr(run, name):
+            changed = [f.name for f in attrs.fields(type(options))
+                       if getattr(options, f.name) != getattr(default, f.name)]
+            problems.append(
+                f"run.trackers.{name} sets {', '.join(changed)} but run.{name} is false, so "
+                f"nothing would be logged there; set run.{name}: true, or drop "
+                f"run.trackers.{name}.")
+    return problems
