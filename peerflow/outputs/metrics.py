@@ -1,16 +1,22 @@
-"""`metrics.jsonl`, TensorBoard and W&B: one writer, one line per logged step.
+"""`metrics.jsonl` and the trackers (TensorBoard, W&B, MLflow): one line a logged step.
 
-Every line of `RUN_DIR/metrics.jsonl` is a JSON object with `step` (1-based) and the
-step's scalar metrics; non-finite values are written as `null`. `peerflow report` plots
+Every line of `RUN_DIR/metrics.jsonl` is a JSON object with `step` (1-based; a `step: 0`
+line holds the evaluation before the first step) and the step's scalar metrics;
+non-finite values are written as `null`. `peerflow report` plots
 these names (a `<prefix>/*` group is plotted when any key of it exists):
 
 Task and samples
     `reward/mean`, `reward/std`, `reward/min`, `reward/max` — task reward in [0, 1] for
     the built-in tasks (after a KL reward penalty, if any); `score/mean` — the raw reward
-    before that penalty; `eval/reward/mean` — greedy reward on the eval split.
+    before that penalty; `reward/<name>/mean` — each reward's own score;
+    `reward/frac_zero_std` — share of prompt groups whose answers all got one reward.
     `response_length/mean`, `response_length/max` — generated tokens a sample;
     `response_length/clip_frac` — fraction that hit `max_tokens`; `prompt_length/mean`.
+Evaluation (`run.eval_every`, `peerflow.worker.evaluation`)
+    `eval/greedy/reward` — greedy (temperature 0) reward on the eval split,
+    `eval/sampled/reward`, `eval/pass@k`, `eval/<greedy|sampled>/<reward name>`.
 Algorithm
+    `actor/loss`, `actor/entropy` (of the tempered policy, per response token),
     `actor/pg_loss`, `actor/clipfrac`, `actor/ppo_kl`, `actor/ratio_mean`,
     `actor/dual_clipfrac`, `actor/grad_norm`, `actor/lr` (from the losses in
     `peerflow.algorithms.losses` and the train engine); `actor/masked_fraction` — samples
@@ -49,18 +55,15 @@ Async mode
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import math
-import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from peerflow.outputs.trackers import open_trackers
+
 METRICS_FILE = "metrics.jsonl"
-TENSORBOARD_DIR = "tb"
-#: Seconds between TensorBoard's writes to disk (and at close).
-TENSORBOARD_FLUSH_S = 5
 
 
 def _scalar(value: Any) -> float | int | None:
@@ -74,22 +77,8 @@ def _scalar(value: Any) -> float | int | None:
     return value if math.isfinite(value) else None
 
 
-def _tensorboard_summary(record: Mapping[str, Any]) -> Any:
-    """One TensorBoard `Summary` holding every scalar of a step (`null`s left out).
-
-    Each value is what `SummaryWriter.add_scalar` writes (`simple_value`); one event per
-    step instead of one per metric saves the reporting rank ~50 protobuf events and
-    writer-thread hand-offs a step, while the rest of the job waits for it.
-    """
-    from tensorboard.compat.proto.summary_pb2 import Summary
-
-    return Summary(value=[Summary.Value(tag=name, simple_value=float(value))
-                          for name, value in record.items()
-                          if name != "step" and value is not None])
-
-
 class MetricsWriter(contextlib.AbstractContextManager["MetricsWriter"]):
-    """Appends step metrics to `metrics.jsonl` and mirrors them to TensorBoard and W&B.
+    """Appends step metrics to `metrics.jsonl` and mirrors them to the run's trackers.
 
     Create it on one rank (rank 0) after the ranks have reduced their metrics. Lines are
     appended, so a resumed run continues the same file (truncate it to the checkpoint's
@@ -97,52 +86,28 @@ class MetricsWriter(contextlib.AbstractContextManager["MetricsWriter"]):
 
     Args:
         run_dir: The run directory.
-        config: The `RunConfig`; `run.tensorboard` and `run.wandb` switch the mirrors
-            and W&B records the resolved config. `None`: JSONL and TensorBoard only.
+        config: The `RunConfig`; `run.tensorboard`, `run.wandb` and `run.mlflow` switch
+            the trackers (`peerflow.outputs.trackers`), `run.trackers` holds their
+            options, and W&B and MLflow record the resolved config. `None`: JSONL and
+            TensorBoard only.
         tensorboard: Overrides `config.run.tensorboard`.
-        wandb: Overrides `config.run.wandb`; ignored (with a note on stderr) when the
-            `wandb` package is not installed.
+        wandb: Overrides `config.run.wandb`.
+        mlflow: Overrides `config.run.mlflow`.
+
+    Raises:
+        ConfigError: W&B or MLflow is on but its package is not installed.
     """
 
     def __init__(
         self, run_dir: str | Path, config: Any = None, *, tensorboard: bool | None = None,
-        wandb: bool | None = None,
+        wandb: bool | None = None, mlflow: bool | None = None,
     ) -> None:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / METRICS_FILE
+        self.trackers = open_trackers(self.run_dir, config, tensorboard=tensorboard,
+                                      wandb=wandb, mlflow=mlflow)
         self._file = self.path.open("a", encoding="utf-8")
-        settings = getattr(config, "run", None)
-        use_tb = tensorboard if tensorboard is not None else getattr(settings, "tensorboard", True)
-        use_wandb = wandb if wandb is not None else getattr(settings, "wandb", False)
-        self._tb = self._open_tensorboard() if use_tb else None
-        self._wandb = self._open_wandb(config) if use_wandb else None
-
-    def _open_tensorboard(self) -> Any:
-        try:
-            from torch.utils.tensorboard.writer import FileWriter
-        except ImportError as exc:  # tensorboard missing: keep the JSONL going
-            print(f"peerflow: TensorBoard disabled ({exc}); pip install tensorboard",
-                  file=sys.stderr)
-            return None
-        # The writer's own thread writes events to disk every few seconds; flushing at
-        # every step instead made the reporting rank wait for that thread each step.
-        return FileWriter(str(self.run_dir / TENSORBOARD_DIR), flush_secs=TENSORBOARD_FLUSH_S)
-
-    def _open_wandb(self, config: Any) -> Any:
-        if importlib.util.find_spec("wandb") is None:
-            print("peerflow: run.wandb is true but wandb is not installed; pip install wandb "
-                  "(metrics still go to metrics.jsonl and TensorBoard).", file=sys.stderr)
-            return None
-        import wandb
-
-        plain = None
-        if config is not None:
-            from peerflow.config import unstructure
-
-            plain = unstructure(config)
-        return wandb.init(project="peerflow", dir=str(self.run_dir), config=plain,
-                          name=self.run_dir.name, resume="allow", id=self.run_dir.name)
 
     def write(self, step: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
         """Appends one line (`step` first, then the metrics sorted by name) and mirrors it.
@@ -156,27 +121,24 @@ class MetricsWriter(contextlib.AbstractContextManager["MetricsWriter"]):
                 record[name] = _scalar(metrics[name])
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
-        if self._tb is not None:
-            self._tb.add_summary(_tensorboard_summary(record), global_step=step)
-        if self._wandb is not None:
-            self._wandb.log({k: v for k, v in record.items() if k != "step"}, step=step)
+        if self.trackers:
+            scalars = {k: v for k, v in record.items() if k != "step" and v is not None}
+            for tracker in self.trackers:
+                tracker.log(step, scalars)
         return record
 
     __call__ = write
 
-    def close(self) -> None:
-        """Flushes and closes every sink. Safe to call twice."""
+    def close(self, failed: bool = False) -> None:
+        """Flushes and closes every sink (`failed`: the run ended in an error); idempotent."""
         if not self._file.closed:
             self._file.close()
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
-        if self._wandb is not None:
-            self._wandb.finish()
-            self._wandb = None
+        trackers, self.trackers = self.trackers, []
+        for tracker in trackers:
+            tracker.close(failed=failed)
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        self.close(failed=exc_type is not None)
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:

@@ -9,7 +9,8 @@ schedules of async mode (`RolloutSchedule`, `TrainerSchedule`;
    checkpoint's engines (every trainable role this rank hosts) and RNG, then the schedule
    takes back its own state (`Schedule.restore`);
 2. outputs: the per-rank tracer, and on the schedule's reporting rank the metrics writer
-   (`metrics.jsonl`, TensorBoard, W&B) and the progress bar;
+   (`metrics.jsonl` and the trackers: TensorBoard, W&B, MLflow) and the progress bar,
+   which prints a line per logged step and per evaluation (`peerflow.outputs.console`);
 3. for each step the schedule finishes: write `run.samples_per_step` of its samples
    (`samples/step_N.jsonl`, `peerflow.worker.samples`), reduce its metrics over the
    schedule's group, run
@@ -17,7 +18,9 @@ schedules of async mode (`RolloutSchedule`, `TrainerSchedule`;
    plugins' `peerflow_end_of_step`, and checkpoint every `run.checkpoint_every` steps and
    at the end (`peerflow.checkpoint.save_step` on the schedule's ranks together, with
    `Schedule.state` and `Schedule.inflight` beside the engines);
-4. a graceful stop (first Ctrl-C or SIGTERM, `peerflow.distributed.stop`): each rank
+4. at the end of the run (or of a graceful stop) the reporting rank prints the summary:
+   rewards, evaluations, the checkpoint, samples and trackers, the commands to run next;
+5. a graceful stop (first Ctrl-C or SIGTERM, `peerflow.distributed.stop`): each rank
    adds whether it has seen the request to the step's metrics exchange, so the
    schedule's ranks agree on the same stop step; they checkpoint it when cheap
    (`runtime.stop_checkpoint`, and the run's slowest save so far took at most half of
@@ -121,30 +124,46 @@ class RunOutputs:
         if reports:
             # a resume, or a torchrun restart before the first checkpoint (start_step 0)
             truncate_metrics(rt.run_dir / "metrics.jsonl", start_step)
-            writer = MetricsWriter(rt.run_dir, rt.config, tensorboard=run.tensorboard,
-                                   wandb=run.wandb)
+            writer = MetricsWriter(rt.run_dir, rt.config)
         progress = StepProgress(run.steps, start=start_step, enabled=reports)
         rt.progress = progress
         return cls(tracer=tracer, writer=writer, progress=progress)
 
     def write(self, step: int, metrics: dict[str, float], run: Any, *, force: bool = False
               ) -> None:
-        """Writes a step's metrics (every `run.log_every` steps, the last, or `force`)."""
+        """Writes and prints a step's metrics: every `run.log_every` steps, the last, `force`.
+
+        The progress bar moves every step.
+        """
         due = step % max(run.log_every, 1) == 0 or step == run.steps
         if self.writer is not None and (due or force):
             self.writer.write(step, metrics)
-        if step:
-            self.progress.update(step, metrics)
+        self.progress.update(step, metrics, line=due or force)
 
-    def close(self) -> None:
-        """Flushes the timeline and closes the writer."""
+    def summarize(self, rt: WorkerRuntime, step: int, seconds: float) -> None:
+        """Prints the end-of-run summary on the reporting rank (`console.run_summary`)."""
+        if self.writer is None:
+            return
+        from peerflow.checkpoint import newest_complete
+        from peerflow.outputs import read_metrics
+        from peerflow.outputs.console import run_summary
+
+        found = newest_complete(rt.run_dir)
+        self.progress.print(run_summary(
+            rt.run_dir, read_metrics(self.writer.path), step=step, total=rt.config.run.steps,
+            seconds=seconds, mode=rt.config.runtime.mode,
+            checkpoint=str(found.path) if found is not None else None,
+            trackers=[t.location for t in self.writer.trackers]))
+
+    def close(self, failed: bool = False) -> None:
+        """Flushes the timeline and closes the writer (`failed`: the run raised)."""
         from peerflow.outputs import set_tracer
 
         self.progress.close()
         self.tracer.flush()
         set_tracer(None)
         if self.writer is not None:
-            self.writer.close()
+            self.writer.close(failed=failed)
 
 
 def drive(rt: WorkerRuntime, schedule: Schedule, stage: Any, *, resuming: bool = False,
@@ -176,6 +195,7 @@ def drive(rt: WorkerRuntime, schedule: Schedule, stage: Any, *, resuming: bool =
     stopping = GracefulStop(enabled=rt.config.runtime.stop_checkpoint,
                             grace=rt.config.runtime.stop_grace)
     exchange = MetricsExchange(group=schedule.group)
+    began, failed = time.perf_counter(), True
     try:
         initial = _call(hooks, "begin", rt, start_step)
         if initial:
@@ -210,9 +230,11 @@ def drive(rt: WorkerRuntime, schedule: Schedule, stage: Any, *, resuming: bool =
                 if stop_now and step < run.steps:
                     stopping.publish(step, saved=saved)
                     schedule.stop()
+        failed = False
+        outputs.summarize(rt, rt.step, time.perf_counter() - began)
     finally:
         _call(hooks, "end", rt)
-        outputs.close()
+        outputs.close(failed=failed)
 
 
 def _save(rt: WorkerRuntime, schedule: Schedule, stage: Any, tracer: Any, step: int) -> None:

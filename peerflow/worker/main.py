@@ -45,7 +45,10 @@ def _dump_stacks_on_crash() -> None:
 
 
 def _environment(config: RunConfig | None = None) -> None:
+    from peerflow.outputs.progress import quiet_library_progress
+
     _dump_stacks_on_crash()
+    quiet_library_progress()  # the step lines say it all: no per-worker library bars
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -68,15 +68,25 @@ def test_read_metrics_errors_name_the_line(tmp_path):
         read_metrics(tmp_path / "nope")
 
 
-def test_wandb_missing_is_a_note_not_an_error(tmp_path, capsys, monkeypatch):
+def test_a_tracker_without_its_package_is_refused_naming_the_install(tmp_path, monkeypatch):
     import importlib.util
+
+    from peerflow.config import validate_config
+    from peerflow.errors import ConfigError
+    from peerflow.plugins import load_plugins
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "wandb" else real(name, *a))
-    with MetricsWriter(tmp_path, tensorboard=False, wandb=True) as writer:
-        writer(1, {"x": 1.0})
-    assert "wandb is not installed" in capsys.readouterr().err
+                        lambda name, *a: None if name in ("wandb", "mlflow") else real(name, *a))
+    for name in ("wandb", "mlflow"):
+        with pytest.raises(ConfigError, match=rf"pip install 'peerflow\[{name}\]'"):
+            MetricsWriter(tmp_path, tensorboard=False, **{name: True})
+    config = load_config(None, ["run.wandb=true", "run.mlflow=true"])
+    with pytest.raises(ConfigError) as info:  # before any worker starts, both at once
+        validate_config(config, load_plugins())
+    assert "the wandb package is not installed" in str(info.value)
+    assert "the mlflow package is not installed" in str(info.value)
+    assert not (tmp_path / "metrics.jsonl").exists()
 
 
 def test_trace_spans_write_chrome_json(tmp_path):
@@ -116,7 +126,7 @@ def test_progress_prints_lines_off_terminal(capsys):
         with bar.generation(8) as advance:
             advance(8)
     err = capsys.readouterr().err
-    assert "step 1/3 reward/mean=0.5 time/step=0.25" in err
+    assert "step 1/3  reward 0.5  0.25s" in err
     with StepProgress(3, enabled=False) as quiet:
         quiet.update(1, {"reward/mean": 0.5})
     assert capsys.readouterr().err == ""

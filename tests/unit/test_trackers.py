@@ -1,0 +1,82 @@
+"""Trackers: W&B options from the config (offline), MLflow in a local file store, the checks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from peerflow.config import load_config, validate_config
+from peerflow.errors import ConfigError
+from peerflow.outputs import MetricsWriter, read_metrics
+
+WANDB = ["run.wandb=true", "run.tensorboard=false", "run.trackers.wandb.project=rl-tests",
+         "run.trackers.wandb.entity=my-team", "run.trackers.wandb.name=grpo-lr1e-6",
+         "run.trackers.wandb.tags=[grpo, tiny]", "run.trackers.wandb.group=sweep-3",
+         "run.trackers.wandb.mode=offline"]
+
+
+def test_wandb_gets_project_entity_name_tags_group_from_the_config(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    for key in ("WANDB_API_KEY", "WANDB_PROJECT", "WANDB_ENTITY", "WANDB_RUN_GROUP",
+                "WANDB_TAGS", "WANDB_NAME"):
+        monkeypatch.delenv(key, raising=False)
+    config = load_config(None, WANDB)
+    run_dir = tmp_path / "run-1"
+    with MetricsWriter(run_dir, config) as writer:
+        (tracker,) = writer.trackers
+        run = tracker.run
+        assert (run.project, run.entity, run.name, run.group) == (
+            "rl-tests", "my-team", "grpo-lr1e-6", "sweep-3")
+        assert tuple(run.tags) == ("grpo", "tiny") and run.id == "run-1"
+        assert run.config["trainer"]["lr"] == config.trainer.lr  # the resolved config
+        writer(1, {"reward/mean": 0.25, "actor/grad_norm": float("nan")})
+        writer(2, {"reward/mean": 0.75})
+        assert "offline in" in tracker.location and "wandb sync" in tracker.location
+    # what it wrote: one offline run under RUN_DIR/wandb holding the options and metrics
+    (offline,) = (run_dir / "wandb").glob("offline-run-*-run-1")
+    data = (offline / "run-run-1.wandb").read_bytes()
+    for text in (b"rl-tests", b"my-team", b"grpo-lr1e-6", b"sweep-3", b"tiny", b"reward/mean"):
+        assert text in data, text
+    assert [r["step"] for r in read_metrics(run_dir)] == [1, 2]
+
+
+def test_mlflow_run_in_a_local_file_store_and_resumed(tmp_path, monkeypatch):
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    config = load_config(None, ["run.mlflow=true", "run.tensorboard=false",
+                                "run.trackers.mlflow.experiment=rl", "trainer.lr=3e-6",
+                                "run.trackers.mlflow.tags={team: post-training}"])
+    run_dir = tmp_path / "run"
+    with MetricsWriter(run_dir, config) as writer:
+        writer(1, {"reward/mean": 0.25, "pass@2": 0.5, "time/route_a->b@train": 0.1})
+    # a resumed run (the same run directory) continues the same MLflow run
+    with MetricsWriter(run_dir, config) as writer:
+        writer(2, {"reward/mean": 0.75})
+        location = writer.trackers[0].location
+    client = MlflowClient(tracking_uri=(run_dir / "mlruns").resolve().as_uri())
+    (run,) = client.search_runs([client.get_experiment_by_name("rl").experiment_id])
+    assert location.endswith(run.info.run_id) and run.info.status == "FINISHED"
+    assert run.info.run_name == "run" and run.data.tags["team"] == "post-training"
+    assert run.data.params["trainer.lr"] == "3e-06"
+    history = client.get_metric_history(run.info.run_id, "reward/mean")
+    assert [(m.step, m.value) for m in history] == [(1, 0.25), (2, 0.75)]
+    assert client.get_metric_history(run.info.run_id, "time/route_a-_b_train")[0].value == 0.1
+    saved = json.loads((run_dir / "mlflow_run.json").read_text())
+    assert saved["run_id"] == run.info.run_id
+
+
+def test_tracker_options_for_a_tracker_that_is_off_are_an_error():
+    from peerflow.plugins import load_plugins
+
+    config = load_config(None, ["run.trackers.wandb.project=rl", "run.trackers.mlflow.tags={a: b}"])
+    with pytest.raises(ConfigError) as info:
+        validate_config(config, load_plugins())
+    message = str(info.value)
+    assert "run.trackers.wandb sets project but run.wandb is false" in message
+    assert "run.trackers.mlflow sets tags but run.mlflow is false" in message
+    with pytest.raises(ConfigError, match=r"run.trackers.wandb.mode: 'offlin' is not one of"):
+        load_config(None, ["run.trackers.wandb.mode=offlin"])
