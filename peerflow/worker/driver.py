@@ -56,6 +56,7 @@ from peerflow.worker.metrics import (
     finish_metrics,
     record_batch_metrics,
 )
+from peerflow.worker.reward_watch import RewardWatch
 from peerflow.worker.runtime import WorkerRuntime
 from peerflow.worker.samples import write_step_samples
 
@@ -203,6 +204,7 @@ def drive(rt: WorkerRuntime, schedule: Schedule, stage: Any, *, resuming: bool =
         with stage(schedule.name), contextlib.closing(
                 schedule.steps(start_step, outputs.tracer)) as steps:
             since, signal = time.perf_counter(), SignalWatch()
+            reward_watch = RewardWatch.from_config(rt.config, rt.run_dir)
             for step, batch, metrics in steps:
                 # The loop's wall time, per step: this step and the previous step's driver
                 # work (metrics, hooks, checkpoint) — what a user waits for in the loop.
@@ -221,6 +223,7 @@ def drive(rt: WorkerRuntime, schedule: Schedule, stage: Any, *, resuming: bool =
                 extra = _call(hooks, "end_step", rt, step, reduced)
                 reduced.update(extra)
                 outputs.write(step, reduced, run, force=bool(extra))
+                reward_watch.check(step, reduced)  # a reward failing on everything stops
                 rt.pm.hook.peerflow_end_of_step(step=step, metrics=reduced, rank=rt.rank)
                 saved = should_checkpoint(step, run.checkpoint_every, run.steps)
                 if saved or (stop_now and stopping.cheap):
@@ -232,6 +235,7 @@ def drive(rt: WorkerRuntime, schedule: Schedule, stage: Any, *, resuming: bool =
                     schedule.stop()
         failed = False
         outputs.summarize(rt, rt.step, time.perf_counter() - began)
+        reward_watch.finish(reports=schedule.reports)
     finally:
         _call(hooks, "end", rt)
         outputs.close(failed=failed)
