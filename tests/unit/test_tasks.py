@@ -206,6 +206,9 @@ def test_chat_prompts_render_with_the_chat_template(tmp_path):
      r"line 2: byte b'\\xe9' at column 16 is not UTF-8\. Re-encode the file as UTF-8"),
     (b'{"prompt": "a", "answer": "1"}\n{"prompt": "b", "answer": }\n',
      r"line 2, column 27: not valid JSON .*Fix or delete that line"),
+    # a line cut short is named where it ends (column 1 of a next line, before)
+    (b'{"prompt": "a", "answer": "1"}\r\n{"prompt": "b", "answer": "2"\r\n',
+     r"line 2, column 30: not valid JSON \(Expecting ',' delimiter\)"),
     (b"", r"the dataset is empty \(no rows\); add at least one row"),
     (b"\n\n", r"the dataset is empty"),
     (b'["prompt", "answer"]\n', r"line 1: is a JSON list, not an object"),

@@ -53,11 +53,11 @@ def _read_jsonl(path: Path) -> list[tuple[int, dict[str, Any]]]:
                 ) from None
             if not line.strip():
                 continue
-            try:
-                row = json.loads(line)
+            try:  # without its line break, a line cut short is named at its end, not at
+                row = json.loads(line.rstrip("\r\n"))  # column 1 of a next line
             except json.JSONDecodeError as exc:
                 raise ConfigError(
-                    f"{path}: line {number}, column {exc.colno}: not valid JSON ({exc.msg}); "
+                    f"{path}: line {number}, column {exc.pos + 1}: not valid JSON ({exc.msg}); "
                     "every line of a .jsonl file must be one JSON object. Fix or delete "
                     "that line."
                 ) from None
