@@ -10,8 +10,9 @@ def add_parser(subparsers: Any) -> None:
     """Adds the `report` subcommand."""
     parser = subparsers.add_parser(
         "report", help="render a run's metrics as PNG plots",
-        description="Plot reward, response length, KL, throughput, step-time breakdown and "
-        "(async runs) staleness/overlap from RUN_DIR/metrics.jsonl.",
+        description="Plot reward (with its components and spread), response length, KL, "
+        "throughput, step-time breakdown and (async runs) staleness/overlap from "
+        "RUN_DIR/metrics.jsonl; metrics that never changed are listed, not plotted.",
     )
     parser.add_argument("run_dir", metavar="RUN_DIR", help="run directory with metrics.jsonl")
     parser.add_argument("--out", metavar="DIR", help="output folder (default RUN_DIR/report)")
@@ -45,4 +46,8 @@ def run(args: argparse.Namespace) -> int:
             m = summary["metrics"][name]
             print(f"{name}: first 5 steps {m['first_mean']:.4g}, last 5 steps "
                   f"{m['last_mean']:.4g}")
+    constants = summary.get("constant", {})
+    if constants:
+        print("constant (not plotted): " + ", ".join(f"{k}={v:.4g}"
+                                                    for k, v in sorted(constants.items())))
     return 0

@@ -1,10 +1,16 @@
 """Renders a run's `metrics.jsonl` as PNG plots (matplotlib, Agg backend).
 
 One figure per topic; a topic is drawn only when the run logged at least one of its
-metrics (names in `peerflow.outputs.metrics`):
+metrics (names in `peerflow.outputs.metrics`), and a panel only when its metric changed
+during the run (a constant, such as the learning rate without a schedule, is listed in
+`summary.json` under `constant` instead):
 
 * `reward.png` — `reward/mean` with its min–max band, `score/mean`, `eval/greedy/reward`,
   `eval/sampled/reward`;
+* `reward_components.png` — one panel per reward (`reward/<name>/mean`), when the task
+  has several;
+* `reward_spread.png` — `reward/std` and `reward/frac_zero_std` (share of prompt groups
+  whose answers all got one reward: no learning signal for a group-relative estimator);
 * `response_length.png` — `response_length/*`;
 * `kl.png` — `kl/*`;
 * `throughput.png` — `throughput/*`; `weight_sync.png` — `weight_sync/*` (or `sync/*`);
@@ -13,13 +19,17 @@ metrics (names in `peerflow.outputs.metrics`):
 * `off_policy.png` — `off_policy/*`: importance weights `π_prox / π_behav` (mean, max,
   fraction truncated or masked) of the decoupled-PPO correction;
 * `mismatch.png` — `mismatch/*`: rollout-vs-trainer log-prob mismatch on the sampled
-  tokens (mean and max |Δ log-prob|, KL(π_rollout ‖ π_trainer));
+  tokens (mean and max |Δ log-prob|, KL(π_rollout ‖ π_trainer)), on a log scale that
+  reaches 1 (a symmetric one for `mismatch/kl_k1`, which can be negative), so that
+  round-off noise of 1e-13 stays at the bottom instead of filling the panel;
 * `dapo.png` — `overlong/*`, `dynamic_sampling/*`;
 * `staleness.png`, `overlap.png` — `staleness/*`; `overlap/*`, `idle/*`, `queue/*`;
 * `eval.png` — `eval/*` (held-out evaluation: rewards, pass@k), one marker per evaluation.
 
-`summary.json` records, per metric, the first and last value and the means of the first
-and last five logged steps (the learning-curve check of the quickstart).
+`summary.json` records the number of training steps logged (the evaluation before the
+first step, `step: 0`, is not one), the constant metrics, and, per metric, the first and
+last value and the means of the first and last five logged values (the learning-curve
+check of the quickstart).
 """
 
 from __future__ import annotations
@@ -34,8 +44,15 @@ from peerflow.outputs.metrics import read_metrics
 
 REPORT_DIR = "report"
 
-#: (file stem, title, metric prefixes) of the simple line-plot figures.
+#: `reward/<name>/mean` names that are not a reward's own score.
+NOT_COMPONENTS = frozenset({"mean", "std", "min", "max", "frac_zero_std"})
+#: Figures whose metrics share a log y axis.
+LOG_SCALE = frozenset({"mismatch"})
+
+#: (file stem, title, metric prefixes or exact names) of the line-plot figures.
 LINE_FIGURES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    ("reward_components", "Reward components (each reward's own score)", ()),
+    ("reward_spread", "Reward spread within a step", ("reward/std", "reward/frac_zero_std")),
     ("response_length", "Response length (tokens)", ("response_length/",)),
     ("kl", "KL to the reference model", ("kl/",)),
     ("throughput", "Throughput", ("throughput/",)),
@@ -77,11 +94,41 @@ def _names(records: Sequence[dict[str, Any]], prefixes: Sequence[str]) -> list[s
     return sorted(found)
 
 
+def _components(records: Sequence[dict[str, Any]]) -> list[str]:
+    """`reward/<name>/mean` of every reward, when the task has more than one."""
+    names = [n for n in _names(records, ("reward/",)) if n.count("/") == 2
+             and n.endswith("/mean") and n.split("/")[1] not in NOT_COMPONENTS]
+    return names if len(names) > 1 else []
+
+
+def constant(records: Sequence[dict[str, Any]], name: str) -> bool:
+    """Whether `name` kept one value over every step that logged it."""
+    return len(set(_series(records, name)[1])) <= 1
+
+
+def figure_panels(records: Sequence[dict[str, Any]]) -> dict[str, list[str]]:
+    """The line figures to draw and the metric of each of their panels, by file stem.
+
+    A panel per metric that changed during the run; a figure without one is left out.
+    """
+    figures = {}
+    for stem, _, prefixes in LINE_FIGURES:
+        names = _components(records) if stem == "reward_components" else _names(records,
+                                                                                 prefixes)
+        names = [name for name in names if not constant(records, name)]
+        if names:
+            figures[stem] = names
+    return figures
+
+
 def summarize(records: Sequence[dict[str, Any]], window: int = 5) -> dict[str, Any]:
-    """Per metric: `first`, `last`, `first_mean`/`last_mean` over `window` logged steps."""
+    """Training steps logged, constant metrics, and each metric's first and last values.
+
+    Per metric: `first`, `last`, and `first_mean`/`last_mean` over `window` logged values.
+    """
     names = sorted({k for r in records for k in r if k != "step"})
-    summary: dict[str, Any] = {"steps": len(records)}
-    metrics = {}
+    summary: dict[str, Any] = {"steps": len({int(r["step"]) for r in records if r["step"]})}
+    metrics, constants = {}, {}
     for name in names:
         _, values = _series(records, name)
         if values:
@@ -90,7 +137,10 @@ def summarize(records: Sequence[dict[str, Any]], window: int = 5) -> dict[str, A
                 "first_mean": sum(values[:window]) / len(values[:window]),
                 "last_mean": sum(values[-window:]) / len(values[-window:]),
             }
+            if len(values) > 1 and len(set(values)) == 1:
+                constants[name] = values[0]
     summary["metrics"] = metrics
+    summary["constant"] = constants
     return summary
 
 
@@ -132,15 +182,16 @@ def render_report(
         _plot_reward(ax, records, smooth)
         save(fig, "reward")
 
-    for stem, title, prefixes in LINE_FIGURES:
-        names = _names(records, prefixes)
-        if not names:
-            continue
+    titles = {stem: title for stem, title, _ in LINE_FIGURES}
+    for stem, names in figure_panels(records).items():
+        title = titles[stem]
         fig, axes = plt.subplots(len(names), 1, figsize=(7, 2.2 * len(names) + 0.6),
                                  sharex=True, squeeze=False)
         for ax, name in zip(axes[:, 0], names):
             s, v = _series(records, name)
             ax.plot(s, _smooth(v, smooth), marker="o" if name.startswith("eval/") else None)
+            if stem in LOG_SCALE:
+                _log_scale(ax, v)
             ax.set_ylabel(name, fontsize=8)
             ax.grid(alpha=0.3)
         axes[0, 0].set_title(title)
@@ -175,6 +226,18 @@ def _plot_reward(ax: Any, records: Sequence[dict[str, Any]], smooth: int) -> Non
     ax.set(title="Reward", xlabel="step", ylabel="reward")
     ax.legend()
     ax.grid(alpha=0.3)
+
+
+def _log_scale(ax: Any, values: Sequence[float]) -> None:
+    """A log y axis reaching at least 1 (symmetric log when a value is 0 or negative)."""
+    top = max(1.0, max(abs(v) for v in values) * 2)
+    positive = [v for v in values if v > 0]
+    if len(positive) == len(values):
+        ax.set_yscale("log")
+        ax.set_ylim(min(positive) / 2, top)
+    else:
+        ax.set_yscale("symlog", linthresh=1e-8)
+        ax.set_ylim(-top if min(values) < 0 else 0.0, top)
 
 
 def _plot_step_time(ax: Any, records: Sequence[dict[str, Any]], phases: list[str]) -> None:
