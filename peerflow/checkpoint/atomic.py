@@ -4,7 +4,8 @@
 temporary is flushed to disk and renamed onto `final` (`os.replace`, atomic on POSIX), so a
 crash never leaves a half-written file under its final name. On an exception the
 temporary is removed and `final` is untouched. Every checkpoint, config, metrics rewrite,
-trace and cached model goes through it.
+trace and cached model goes through it. A line appended to a JSONL file goes through
+`append_line`: whole or absent. Their `OSError`s name the file they were writing.
 """
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ def atomic_path(final: str | Path) -> Iterator[Path]:
         final: Where the file or directory must appear; its parent is created if missing.
 
     Raises:
-        OSError: the rename failed (e.g. `final` is a non-empty directory); the temporary
-            is removed first.
+        OSError: the write or the rename failed (e.g. a full disk, or `final` is a
+            non-empty directory), naming `final`; the temporary is removed first.
     """
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -46,12 +47,56 @@ def atomic_path(final: str | Path) -> Iterator[Path]:
         yield tmp
         _fsync(tmp)
         os.replace(tmp, final)
-    except BaseException:
+    except BaseException as exc:
         if tmp.is_dir():
             shutil.rmtree(tmp, ignore_errors=True)
         else:
             tmp.unlink(missing_ok=True)
+        if isinstance(exc, OSError) and exc.errno and exc.filename in (None, str(tmp)):
+            raise with_path(OSError(exc.errno, exc.strerror), final) from exc
         raise
+
+
+def append_line(path: str | Path, line: str, *, fd: int | None = None) -> None:
+    """Appends one line to `path`, whole or not at all (JSONL files in the run directory).
+
+    The line is written with `O_APPEND`; if the write fails part way (a full disk), the
+    file is cut back to its size before the write, so a reader never meets half a line.
+
+    Args:
+        path: The file (created if missing).
+        line: The text; a newline is added.
+        fd: An open `O_APPEND` descriptor of `path` to write through (default: open it).
+
+    Raises:
+        OSError: the write failed; its message names `path`.
+    """
+    data = (line.rstrip("\n") + "\n").encode("utf-8")
+    own = fd is None
+    try:
+        if own:
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        before = os.fstat(fd).st_size
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, before)  # shrinking needs no space
+            raise
+        finally:
+            if own:
+                os.close(fd)
+    except OSError as exc:
+        raise with_path(exc, path) from None
+
+
+def with_path(exc: OSError, path: str | Path) -> OSError:
+    """`exc` naming `path` (writes report `[Errno 28] No space left on device` alone)."""
+    if exc.filename is not None:
+        return exc
+    return type(exc)(exc.errno, f"{exc.strerror or exc} (writing {path})", str(path))
 
 
 def write_text_atomic(path: str | Path, text: str) -> Path:

@@ -7,6 +7,12 @@ dtype, the task, the algorithm, the workflow, the parallel layout rules and the 
 `check_resume` compares it with the config a resume would run, before anything is loaded
 or written, and refuses every difference, naming the key and both values.
 
+It also records the size and SHA-256 of the dataset and of every file a reward is loaded
+from (`peerflow.checkpoint.inputs`). A changed dataset is refused like any other
+fingerprinted key (`--allow-change task` continues on the new data); a changed reward
+file is not refused: the resume reports it in one line and appends it to
+`RUN_DIR/changes.jsonl`.
+
 Everything else — `run.steps`, `trainer.lr`, sampling temperature, timeouts, logging,
 checkpoint cadence — may change on a resume with a plain `--set`. A fingerprinted key
 may change only when the resume names it in `--allow-change KEY` (a key or a section
@@ -16,16 +22,23 @@ the saved weights could not load into another shape.
 
 from __future__ import annotations
 
+import datetime as dt
 import hashlib
 import json
-from collections.abc import Iterator, Mapping, Sequence
+import sys
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from peerflow.checkpoint.atomic import write_json_atomic
+from peerflow.checkpoint.atomic import append_line, write_json_atomic
+from peerflow.checkpoint.inputs import DATA_PREFIX, REWARD_PREFIX, input_facts
 from peerflow.errors import ConfigError
 
 FINGERPRINT = "fingerprint.json"
+#: Where a resume records what changed without being refused (reward files).
+CHANGES = "changes.jsonl"
+#: Keys of input files, which runs recorded since 2026-11-27 only.
+INPUTS = (DATA_PREFIX, REWARD_PREFIX)
 #: Dotted keys (or sections) a checkpoint depends on.
 FINGERPRINTED = (
     "seed", "model", "task", "algorithm", "workflow", "rollout.layout", "trainer.layout",
@@ -80,9 +93,11 @@ def fingerprint(config: Any) -> dict[str, Any]:
     """Returns the fingerprint of a `RunConfig`: dotted key → value, sorted by key."""
     from peerflow.config import unstructure
 
-    flat = {k: v for k, v in _flatten(unstructure(config)) if _under(k, FINGERPRINTED)}
+    plain = unstructure(config)
+    flat = {k: v for k, v in _flatten(plain) if _under(k, FINGERPRINTED)}
     if config.model.path and Path(config.model.path).expanduser().is_dir():
         flat.update(_model_dir_facts(Path(config.model.path).expanduser()))
+    flat.update(input_facts(plain))
     return dict(sorted(flat.items()))
 
 
@@ -103,13 +118,16 @@ def recorded_fingerprint(run_dir: str | Path) -> dict[str, Any] | None:
     return None
 
 
-def check_resume(run_dir: str | Path, config: Any, allow_change: Sequence[str] = ()) -> None:
+def check_resume(run_dir: str | Path, config: Any, allow_change: Sequence[str] = (),
+                 report: Callable[[str], None] | None = None) -> None:
     """Refuses a resume whose config differs from the run's in a fingerprinted key.
 
     Args:
         run_dir: The run directory being resumed.
         config: The `RunConfig` the resume would run.
         allow_change: Keys or sections (`--allow-change`) that may differ.
+        report: Where the one line about changed reward files goes (default: stderr);
+            they are also appended to `RUN_DIR/changes.jsonl`.
 
     Raises:
         ConfigError: a fingerprinted key differs and is not allowed to (each named with
@@ -130,7 +148,11 @@ def check_resume(run_dir: str | Path, config: Any, allow_change: Sequence[str] =
     differ = [(key, recorded.get(key, missing), now.get(key, missing))
               for key in sorted(set(recorded) | set(now))
               if recorded.get(key, missing) != now.get(key, missing)
-              and not _under(key, allow_change)]
+              and not (key not in recorded and key.startswith(INPUTS))]  # older runs
+    rewards = [d for d in differ if d[0].startswith(REWARD_PREFIX)]
+    differ = [d for d in differ if d not in rewards and not _under(d[0], allow_change)]
+    if rewards and not differ:
+        _record_reward_changes(Path(run_dir), rewards, report)
     if not differ:
         return
 
@@ -139,10 +161,27 @@ def check_resume(run_dir: str | Path, config: Any, allow_change: Sequence[str] =
 
     lines = "\n".join(f"  {key}: run has {show(old)}, resume has {show(new)}"
                       for key, old, new in differ)
+    data = sorted({key[len(DATA_PREFIX):].rsplit(".", 1)[0] for key, *_ in differ
+                   if key.startswith(DATA_PREFIX)})
+    hint = (f"The dataset changed (task.options {', '.join(data)}): the run's sampler "
+            "position and RNG state would index other rows. Resume with the original data, "
+            "or add `--allow-change task` to continue on the changed data.\n" if data else "")
     raise ConfigError(
         f"--resume {str(run_dir)!r}: the config differs from the run's in settings a "
-        f"checkpoint depends on ({Path(run_dir) / FINGERPRINT}):\n{lines}\n"
+        f"checkpoint depends on ({Path(run_dir) / FINGERPRINT}):\n{lines}\n{hint}"
         "Resume with the run's own settings (drop those --set overrides), or start a fresh "
         "run. To change a setting other than the model's architecture, dtype or tokenizer "
         "on purpose, add `--allow-change KEY` for it (e.g. --allow-change algorithm.kl.coef)."
     )
+
+
+def _record_reward_changes(run_dir: Path, changes: list[tuple[str, Any, Any]],
+                           report: Callable[[str], None] | None) -> None:
+    """Reports changed reward files in one line and appends them to `changes.jsonl`."""
+    files = sorted({key[len(REWARD_PREFIX):].rsplit(".", 1)[0] for key, *_ in changes})
+    line = (f"peerflow train: reward file{'s' if len(files) > 1 else ''} changed since the "
+            f"run's last start: {', '.join(files)} (recorded in {run_dir / CHANGES})")
+    record = {"time": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+              "changed": {key: {"run": old, "resume": new} for key, old, new in changes}}
+    append_line(run_dir / CHANGES, json.dumps(record, default=str))
+    (report or (lambda text: print(text, file=sys.stderr, flush=True)))(line)
