@@ -1,4 +1,4 @@
-"""`peerflow config validate|show FILE [--set k=v …]`."""
+"""`peerflow config validate|show FILE [--set k=v …]` and `peerflow config reference`."""
 
 from __future__ import annotations
 
@@ -53,6 +53,11 @@ def add_parser(subparsers: Any) -> None:
     show = sub.add_parser("show", help="print the resolved config (defaults filled in)")
     add_config_arguments(show)
     show.set_defaults(func=run_show)
+    reference = sub.add_parser(
+        "reference", help="print every config key (type, default, meaning) as Markdown",
+        description="Print the config reference (docs/config.md) generated from the config "
+        "classes and the options classes of the built-in engines, tasks and algorithms.")
+    reference.set_defaults(func=run_reference)
 
 
 def run_validate(args: argparse.Namespace) -> int:
@@ -67,4 +72,13 @@ def run_show(args: argparse.Namespace) -> int:
     from peerflow.config import dump_config
 
     print(dump_config(load_validated(args)), end="")
+    return 0
+
+
+def run_reference(args: argparse.Namespace) -> int:
+    """Prints the config reference as Markdown."""
+    from peerflow.config.reference import render
+    from peerflow.plugins import get_plugin_manager
+
+    print(render(get_plugin_manager()), end="")
     return 0
