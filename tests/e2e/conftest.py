@@ -82,10 +82,13 @@ def quickstart_run(tmp_path_factory) -> Path:
 
     test_quickstart checks its outputs and test_resume takes it as the uninterrupted run:
     a session-scoped run does not see the function-scoped model cache, so it sets it.
+    What the command printed (stdout, then stderr) is kept beside the run directory, in
+    `terminal.txt`.
     """
     run_dir = tmp_path_factory.mktemp("quickstart-run") / "run"
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("PEERFLOW_MODEL_CACHE",
                      str(tmp_path_factory.getbasetemp() / "model-cache"))
-        run_train([QUICKSTART, "--nprocs", "2", "--run-dir", str(run_dir)], SHARED_RUN)
+        proc = run_train([QUICKSTART, "--nprocs", "2", "--run-dir", str(run_dir)], SHARED_RUN)
+    (run_dir.parent / "terminal.txt").write_text(proc.stdout + proc.stderr)
     return run_dir

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -22,10 +23,18 @@ def test_eval_before_every_k_and_at_the_end(tmp_path, quickstart, tiny, metrics_
     from peerflow.outputs.report import render_report
 
     run_dir = tmp_path / "run"
-    peerflow_train([quickstart, "--nprocs", "2", "--run-dir", str(run_dir)],
-                   [*tiny, "run.steps=3", *EVAL])
+    proc = peerflow_train([quickstart, "--nprocs", "2", "--run-dir", str(run_dir)],
+                          [*tiny, "run.steps=3", *EVAL])
     lines = metrics_of(run_dir)
     assert [m["step"] for m in lines] == [0, 1, 2, 3]
+    # each evaluation prints its line; the summary gives the first and the last
+    printed = [line for line in proc.stderr.splitlines() if line.startswith("eval ")]
+    assert [line.split()[1] for line in printed] == ["0/3", "2/3", "3/3"], proc.stderr
+    for line in printed:
+        assert re.fullmatch(r"eval \d/3  greedy [\d.e-]+  sampled [\d.e-]+  pass@1 [\d.e-]+  "
+                            r"pass@2 [\d.e-]+  len [\d.e-]+", line), line
+    assert re.search(r"eval +greedy reward [\d.e-]+ → [\d.e-]+, sampled reward [\d.e-]+ → "
+                     r"[\d.e-]+, pass@2 [\d.e-]+ \(step 0 → 3\)", proc.stderr), proc.stderr
     evaluated = {m["step"]: m for m in lines if "eval/greedy/reward" in m}
     assert sorted(evaluated) == [0, 2, 3]
     for m in evaluated.values():
