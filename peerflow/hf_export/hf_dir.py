@@ -70,6 +70,17 @@ def unique_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: t.detach() for n, t in model.state_dict().items() if n in names}
 
 
+def _own_storage(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` as safetensors saves it: a copy where it views a larger buffer.
+
+    safetensors refuses such views; DeepSpeed's `zero_to_fp32` returns them (one flat
+    buffer per parameter group).
+    """
+    if tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size():
+        return tensor.contiguous()
+    return tensor.clone(memory_format=torch.contiguous_format)
+
+
 def _readable(paths: Any) -> None:
     """Gives files the permissions the umask allows (safetensors writes owner-only ones)."""
     mask = os.umask(0)
@@ -106,8 +117,8 @@ def write_model_dir(out_dir: str | Path, tensors: Mapping[str, torch.Tensor], *,
     dtypes = {t.dtype for t in tensors.values() if t.is_floating_point()}
     if len(dtypes) == 1:
         config.dtype = next(iter(dtypes))
-    save_torch_state_dict(dict(tensors), out, max_shard_size=max_shard_size,
-                          metadata={"format": "pt"})
+    save_torch_state_dict({n: _own_storage(t) for n, t in tensors.items()}, out,
+                          max_shard_size=max_shard_size, metadata={"format": "pt"})
     _readable(out.glob("*.safetensors"))
     config.save_pretrained(out)
     if generation_config is not None:

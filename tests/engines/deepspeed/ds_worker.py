@@ -2,8 +2,9 @@
 
 For ZeRO stages 1, 2 and 3: log-probs, one train step on this rank's slice, the weights it
 owns after the step (through `weight_sources`/`materialize`, bucket by bucket), and a
-checkpoint round trip (step 2 after `load_checkpoint` equals step 2 without it), and a
-one-layer model refusing the two-layer checkpoint.
+checkpoint round trip (step 2 after `load_checkpoint` equals step 2 without it) with the
+log-probs at the checkpoint (for `peerflow export`), and a one-layer model refusing the
+two-layer checkpoint.
 Writes `rank{R}.pt` into the output directory.
 """
 
@@ -59,6 +60,7 @@ def main() -> None:
         logprobs = engine.forward_logprobs(batch)
         metrics = engine.train_step(batch, nll_loss)
         after_one = owned(engine)
+        logprobs_one = engine.forward_logprobs(batch).values  # what the checkpoint scores
         ckpt = os.path.join(out_dir, f"ckpt{stage}")
         engine.save_checkpoint(ckpt)
         engine.train_step(batch, nll_loss)
@@ -69,6 +71,7 @@ def main() -> None:
         resumed = owned(engine)
         results[stage] = {
             "logprobs": logprobs.values, "metrics": metrics, "after_one": after_one,
+            "logprobs_one": logprobs_one,
             "after_two": after_two, "resumed": resumed, "version_loaded": version_loaded,
             "specs": engine.weight_sources(), "shares_prompts": engine.shares_prompts,
         }

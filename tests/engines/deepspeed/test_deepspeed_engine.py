@@ -10,7 +10,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
-from tests.engines.deepspeed.trainlib import build_model, full_batch, reference  # noqa: E402
+from tests.engines.deepspeed.trainlib import (  # noqa: E402
+    build_model,
+    export_checkpoint,
+    full_batch,
+    hf_logprobs,
+    reference,
+)
 from tests.helpers.gloo import run_script  # noqa: E402
 
 pytest.importorskip("deepspeed")
@@ -24,10 +30,16 @@ def tiny(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def ranks(tiny, tmp_path_factory) -> list[dict]:
+def run_dir(tiny, tmp_path_factory) -> Path:
+    """The workers' output: `rank{R}.pt` and the checkpoints `ckpt{stage}` (after one step)."""
     out = tmp_path_factory.mktemp("ds-run")
     run_script(WORKER, tiny, str(out))
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks(run_dir) -> list[dict]:
+    return [torch.load(run_dir / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 
 @pytest.fixture(scope="module")
@@ -136,3 +148,23 @@ def test_checkpoint_of_a_smaller_model_is_refused(ranks):
 def test_native_config_is_validated_by_deepspeed(ranks):
     message = ranks[0]["bad_passthrough"]
     assert message is not None and "not_a_deepspeed_key" in message
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("stage", STAGES)
+def test_exported_checkpoint_loads_in_transformers_with_the_trainers_logprobs(
+        ranks, run_dir, tiny, tmp_path, stage):
+    from peerflow.adapters.deepspeed.engine import DeepSpeedTrainEngine
+
+    out = export_checkpoint(DeepSpeedTrainEngine, str(run_dir / f"ckpt{stage}"), tiny,
+                            str(tmp_path / "model"))
+    trainer = torch.cat([ranks[0][stage]["logprobs_one"], ranks[1][stage]["logprobs_one"]])
+    diff = (hf_logprobs(out, full_batch()) - trainer).abs().max().item()
+    assert diff < 1e-5, f"ZeRO-{stage} export: log-probs differ from the trainer's by {diff}"
+    from safetensors.torch import load_file
+
+    saved = load_file(str(Path(out) / "model.safetensors"))
+    owned = {**ranks[0][stage]["after_one"], **ranks[1][stage]["after_one"]}
+    assert set(saved) == set(owned), "tied lm_head written once, under the embedding's name"
+    for name, tensor in owned.items():
+        torch.testing.assert_close(saved[name], tensor, atol=0, rtol=0, msg=name)

@@ -134,6 +134,36 @@ def reference(model_path: str) -> dict:
             "loss": float(loss.detach()), "entropy": float(entropy.detach())}
 
 
+def hf_logprobs(model_dir: str, batch) -> torch.Tensor:
+    """Log-probs at `TEMPERATURE` of `batch`'s responses under the HF model in `model_dir`
+    (loaded with `AutoModelForCausalLM.from_pretrained`, as saved)."""
+    from transformers import AutoModelForCausalLM
+
+    from peerflow.training import pad_inputs
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    inputs = pad_inputs(batch)
+    with torch.no_grad():
+        logits = model(input_ids=inputs.input_ids, attention_mask=inputs.attention_mask,
+                       position_ids=inputs.position_ids).logits.float()
+    log_pi = torch.log_softmax(logits / TEMPERATURE, -1)
+    return inputs.gather(log_pi.gather(-1, inputs.target_ids[..., None])[..., 0]).values
+
+
+def export_checkpoint(engine_cls, ckpt: str, model_path: str, out_dir: str, **options) -> str:
+    """Writes an engine checkpoint as a HF model directory the way `peerflow export` does
+    (the adapter's `saved_shards`, assembled, written with the source model's config)."""
+    from transformers import AutoConfig
+
+    from peerflow.hf_export import assemble_hf_tensors, write_model_dir
+
+    shards = engine_cls.saved_shards(ckpt, model_path=model_path,
+                                     options=engine_cls.options_class(**options))
+    write_model_dir(out_dir, assemble_hf_tensors(shards),
+                    config=AutoConfig.from_pretrained(model_path))
+    return out_dir
+
+
 def optim_settings():
     """The `OptimSettings` the workers use."""
     from peerflow.engines import OptimSettings

@@ -2,7 +2,8 @@
 
 argv: OUT_DIR then JSON `[[name, family, model_path, tp, pp], ...]`. For every case:
 log-probs, one train step, this rank's exported shards after the step (specs + tensors),
-and for the first tp and pp cases a checkpoint round trip. With `fsdp` in a case name the
+and for the first tp and pp cases a checkpoint round trip (with the log-probs at the
+checkpoint, for `peerflow export`). With `fsdp` in a case name the
 same log-probs are also taken from the `fsdp` trainer on the same weights. A one-layer
 copy of the dp case's model must refuse that case's checkpoint. Writes `rank{R}.pt`.
 """
@@ -65,6 +66,7 @@ def main() -> None:
         if kind not in checkpointed:
             checkpointed.add(kind)
             ckpt = os.path.join(out_dir, f"ckpt-{name}")
+            result["logprobs_one"] = engine.forward_logprobs(batch).values  # for the export
             engine.save_checkpoint(ckpt)
             engine.train_step(batch, trainlib.nll_loss)
             two = exported(engine)

@@ -16,7 +16,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
-from tests.engines.deepspeed.trainlib import build_model, dumps, reference  # noqa: E402
+from tests.engines.deepspeed.trainlib import (  # noqa: E402
+    build_model,
+    dumps,
+    export_checkpoint,
+    full_batch,
+    hf_logprobs,
+    reference,
+)
 from tests.helpers.gloo import run_script  # noqa: E402
 
 pytest.importorskip("megatron.core")
@@ -47,11 +54,17 @@ def refs(models) -> dict[str, dict]:
 
 
 @pytest.fixture(scope="module")
-def ranks(models, tmp_path_factory) -> list[dict]:
+def run_dir(models, tmp_path_factory) -> Path:
+    """The workers' output: `rank{R}.pt` and the checkpoints `ckpt-{case}` (after one step)."""
     out = tmp_path_factory.mktemp("mg-run")
     cases = [[name, fam, models[fam], tp, pp] for name, fam, tp, pp in CASES]
     run_script(WORKER, str(out), dumps(cases), timeout=540)
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks(run_dir) -> list[dict]:
+    return [torch.load(run_dir / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 
 def _case(name: str) -> tuple[str, int, int]:
@@ -156,3 +169,25 @@ def test_checkpoint_of_a_smaller_model_is_refused(ranks):
     for rank in ranks:
         message = rank["smaller_refused"]
         assert message is not None and "not in the model:" in message and ".1." in message
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", ["llama-tp2", "llama-pp2", "llama-dp2-fsdp"])
+def test_exported_checkpoint_loads_in_transformers_with_the_trainers_logprobs(
+        ranks, run_dir, models, refs, tmp_path, name):
+    from peerflow.adapters.megatron.engine import MegatronTrainEngine
+
+    family, _, _ = _case(name)
+    out = export_checkpoint(MegatronTrainEngine, str(run_dir / f"ckpt-{name}"), models[family],
+                            str(tmp_path / "model"))
+    diff = (hf_logprobs(out, full_batch()) - _logprobs(ranks, name, "logprobs_one")).abs().max()
+    assert diff.item() < LOGPROB_TOL, f"{name} export: |HF - megatron| = {diff.item()}"
+    from safetensors.torch import load_file
+
+    saved = load_file(str(Path(out) / "model.safetensors"))
+    assert set(saved) == set(refs[family]["state"]), "padding dropped, tied head written once"
+    for spec, tensor in [item for rank in ranks for item in rank[name]["exported"]]:
+        for piece in spec.pieces:  # the trainer's own shards after the step, piece by piece
+            torch.testing.assert_close(saved[piece.name][piece.global_box.slices()],
+                                       tensor[piece.local_box.slices()], atol=0, rtol=0,
+                                       msg=f"{name} {piece.name}")
