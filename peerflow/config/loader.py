@@ -10,6 +10,7 @@ from typing import Any
 import attrs
 import yaml
 
+from peerflow.config.paths import resolve_paths
 from peerflow.config.schema import RunConfig
 from peerflow.config.structure import apply_override, structure, unstructure
 from peerflow.config.tracking import tracker_problems
@@ -18,6 +19,9 @@ from peerflow.errors import ConfigError, PeerFlowError
 
 def load_raw(path: str | Path | None, overrides: Sequence[str] = ()) -> dict[str, Any]:
     """Reads a YAML file (or starts empty) and applies `--set` overrides.
+
+    Relative paths become absolute: the file's from its directory, the overrides' from
+    the working directory (`peerflow.config.paths`).
 
     Raises:
         ConfigError: the file is missing, is not YAML, or is not a mapping.
@@ -33,10 +37,10 @@ def load_raw(path: str | Path | None, overrides: Sequence[str] = ()) -> dict[str
             raise ConfigError(f"{path}: not valid YAML: {exc}") from None
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of sections.")
-        data = loaded or {}
+        data = resolve_paths(loaded or {}, path.parent)
     for assignment in overrides:
         apply_override(data, assignment)
-    return data
+    return resolve_paths(data, Path.cwd())
 
 
 def load_config(path: str | Path | None, overrides: Sequence[str] = (), *,
