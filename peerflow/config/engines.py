@@ -163,6 +163,14 @@ class TrainerConfig:
     """Mixed precision: compute in bfloat16, parameters and optimiser state stay in
     `model.dtype`. `auto`: bfloat16 on an accelerator that supports it (CUDA: Ampere or
     newer), float32 on the CPU (`peerflow.distributed.devices.resolve_bf16`)."""
+    padding_free: bool | Literal["auto"] = "auto"
+    """Padding-free micro-batches (a micro-batch's samples in one row, no padding; planned
+    by real tokens): `auto` turns them on where the model's attention keeps packed samples
+    apart (sdpa, eager, flex, flash-attention; the rank log says), `true` requires it,
+    `false` pads. fsdp and deepspeed; megatron pads (docs/training.md)."""
+    activation_checkpointing: bool = False
+    """Recompute each transformer block's activations in backward: less activation
+    memory for about 30 % more compute (fsdp, deepspeed)."""
     layout: LayoutConfig = attrs.Factory(LayoutConfig)
     """Parallel layout of the trainer role."""
     lora: LoraConfig | None = None
@@ -190,6 +198,8 @@ class TrainerConfig:
             grad_clip=self.grad_clip, micro_batch_tokens=self.micro_batch_tokens,
             mini_batches=self.mini_batches, bf16=self.bf16, lr_schedule=self.lr_schedule,
             warmup_steps=warmup, total_steps=total, min_lr_ratio=self.min_lr_ratio,
+            padding_free=self.padding_free,
+            activation_checkpointing=self.activation_checkpointing,
         )
 
 

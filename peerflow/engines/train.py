@@ -88,6 +88,12 @@ class OptimSettings:
     allowed with `constant` only)."""
     min_lr_ratio: float = 0.0
     """Floor of `linear` and `cosine`, as a fraction of `lr`."""
+    padding_free: bool | Literal["auto"] = False
+    """Padding-free micro-batches: `auto` (where the attention supports them), `True`,
+    `False` (`peerflow.training.packing`); a run's `trainer.padding_free` defaults to
+    `auto`, an engine built directly pads unless told."""
+    activation_checkpointing: bool = False
+    """Recompute each block's activations in backward (less memory, ~30 % more compute)."""
 
 
 class LossFunction(Protocol):

@@ -51,6 +51,7 @@ from peerflow.training.inputs import PaddedInputs, gather_results, pad_inputs
 from peerflow.training.logprobs import VocabShard, token_entropy, token_logprobs
 from peerflow.training.metrics import StepTally
 from peerflow.training.microbatch import plan_micro_batches, split_mini_batches
+from peerflow.training.packing import packed_inputs
 from peerflow.training.shared_prompts import (
     SharedPromptInputs,
     shared_prompt_inputs,
@@ -96,6 +97,10 @@ class CausalLMTrainEngine(TrainEngine, abc.ABC):
     """`forward_micro` passes `inputs.position_ids` and a 4D `inputs.attention_mask_as(...)`
     to the model, so the samples of one prompt can share a row
     (`peerflow.training.shared_prompts`) instead of each running the prompt."""
+    padding_free: bool = False
+    """Micro-batches are one row of their samples without padding, planned by real tokens
+    (`peerflow.training.packing`): `forward_micro` passes `inputs.position_ids` and
+    `inputs.attention_mask_as(...)`, which is `None` unless prompts are shared."""
 
     def __init__(self, context: EngineContext, options: object, optim: OptimSettings) -> None:
         """Stores the settings with `optim.bf16` resolved for `context.device`.
@@ -153,7 +158,8 @@ class CausalLMTrainEngine(TrainEngine, abc.ABC):
 
         With `shares_prompts` the units planned are the rows of samples with the same
         prompt (their tokens counted with the prompt once, each row within the budget;
-        `shared_prompt_units`), laid out one row per unit.
+        `shared_prompt_units`), laid out one row per unit. With `padding_free` the units
+        of a micro-batch are concatenated into one row and planned by real tokens.
         """
         lengths = batch.token_count().tolist() if len(batch) else []
         units = [[i] for i in range(len(batch))]
@@ -161,7 +167,10 @@ class CausalLMTrainEngine(TrainEngine, abc.ABC):
         if self.shares_prompts and len(batch):
             units, lengths = shared_prompt_units(batch, self.optim.micro_batch_tokens)
             layout = shared_prompt_inputs
-        plan = plan_micro_batches(lengths, self.optim.micro_batch_tokens, self.dp_group)
+        if self.padding_free:
+            layout = partial(packed_inputs, share_prompts=self.shares_prompts)
+        plan = plan_micro_batches(lengths, self.optim.micro_batch_tokens, self.dp_group,
+                                  packed=self.padding_free)
         plan = [[i for unit in bin_ for i in units[unit]] for bin_ in plan]
         return [self.build_micro_batch(batch, indices, k == len(plan) - 1, layout)
                 for k, indices in enumerate(plan)]

@@ -8,6 +8,9 @@ that run collectives inside every forward and backward (FSDP, ZeRO) need every d
 run the same number of micro-batches: the ranks agree on the largest count, and a rank
 that needs fewer splits its costliest micro-batches (or runs empty filler passes).
 
+A padding-free micro-batch (`peerflow.training.packing`) costs its real tokens only:
+`pack_real_tokens` fills micro-batches up to the budget, largest samples first.
+
 Pipeline schedules exchange activations of one shape per call instead;
 `fixed_shape_micro_batches` plans those.
 """
@@ -93,15 +96,49 @@ def _cheapest_cuts(longest_first: list[int], budget: int, overhead: int) -> list
     return cuts
 
 
-def split_to_count(bins: list[list[int]], lengths: Sequence[int], count: int) -> list[list[int]]:
+def pack_real_tokens(lengths: Sequence[int], budget: int) -> list[list[int]]:
+    """Packs sample indices into micro-batches of at most `budget` real tokens.
+
+    For padding-free micro-batches, which cost the sum of their samples' tokens: first
+    fit, longest samples first (few micro-batches, each nearly full); a sample longer
+    than the budget gets a micro-batch of its own.
+
+    Raises:
+        ValueError: `budget` is below 1.
+    """
+    if budget < 1:
+        raise ValueError(
+            f"micro_batch_tokens={budget}: must be at least 1; set trainer.micro_batch_tokens."
+        )
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        k = next((k for k, free in enumerate(room) if free >= lengths[i]), None)
+        if k is None:
+            bins.append([i])
+            room.append(budget - lengths[i])
+        else:
+            bins[k].append(i)
+            room[k] -= lengths[i]
+    return bins
+
+
+def split_to_count(bins: list[list[int]], lengths: Sequence[int], count: int, *,
+                   packed: bool = False) -> list[list[int]]:
     """Splits the costliest micro-batches in half until there are `count` of them.
 
-    Micro-batches of one sample cannot split; empty ones pad the list up to `count`.
+    A micro-batch costs `count * longest` tokens, or the sum of its tokens when
+    `packed` (padding-free). Micro-batches of one sample cannot split; empty ones pad
+    the list up to `count`.
     """
     bins = [list(b) for b in bins]
+
+    def cost(b: list[int]) -> int:
+        sizes = [lengths[i] for i in b]
+        return sum(sizes) if packed else len(b) * max(sizes, default=0)
+
     while len(bins) < count:
-        costs = [len(b) * max((lengths[i] for i in b), default=0) if len(b) > 1 else -1
-                 for b in bins]
+        costs = [cost(b) if len(b) > 1 else -1 for b in bins]
         if not bins or max(costs) < 0:
             bins.append([])
             continue
@@ -115,20 +152,24 @@ def plan_micro_batches(
     lengths: Sequence[int],
     budget: int,
     group: object | None = None,
+    *,
+    packed: bool = False,
 ) -> list[list[int]]:
     """Token-balanced micro-batches, as many on this rank as on every rank of `group`.
 
     Args:
         lengths: Tokens (prompt + response) of each local sample.
-        budget: Padded-token budget of one micro-batch.
+        budget: Token budget of one micro-batch: padded tokens, or real ones when
+            `packed` (padding-free micro-batches).
         group: The data-parallel group (collective on all its ranks), or `None`.
+        packed: Plan padding-free micro-batches (`pack_real_tokens`).
 
     Returns:
         The same number (at least one) of index lists on every rank; some may be empty.
     """
-    bins = pack_by_tokens(lengths, budget)
+    bins = pack_real_tokens(lengths, budget) if packed else pack_by_tokens(lengths, budget)
     count = all_reduce_max(max(len(bins), 1), group)
-    return split_to_count(bins, lengths, count)
+    return split_to_count(bins, lengths, count, packed=packed)
 
 
 def fixed_shape_micro_batches(lengths: Sequence[int],

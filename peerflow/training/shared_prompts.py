@@ -33,16 +33,18 @@ log = logging.getLogger("peerflow.training")
 
 @attrs.frozen(kw_only=True)
 class SharedPromptInputs:
-    """One micro-batch laid out one row per distinct prompt (see the module docstring).
+    """One micro-batch laid out in rows of segments (a prompt, then its answers).
 
-    Offers what the training toolkit reads from `PaddedInputs`: `input_ids`,
-    `position_ids`, `attention_mask`, `logits_to_keep`, `samples`, `gather` and
-    `response_targets`.
+    One row per distinct prompt (see the module docstring), or every segment in one row
+    (padding-free, `peerflow.training.packing`). Offers what the training toolkit reads
+    from `PaddedInputs`: `input_ids`, `position_ids`, `attention_mask`, `logits_to_keep`,
+    `samples`, `gather` and `response_targets`.
     """
 
     input_ids: torch.Tensor  # [R, L] int64, right-padded with 0
     position_ids: torch.Tensor  # [R, L] int64
-    allowed: torch.Tensor  # [R, L, L] bool: query position may attend to key position
+    allowed: torch.Tensor | None  # [R, L, L] bool: query position may attend to key position
+    """`None`: no mask; the attention keeps to each sample from `position_ids` alone."""
     positions: torch.Tensor  # [T] flat index (row * L + position) predicting each response token
     targets: torch.Tensor  # [T] the response tokens, sample after sample
     offsets: torch.Tensor  # [samples + 1] into `positions` / `targets`
@@ -51,15 +53,20 @@ class SharedPromptInputs:
     samples: int
 
     @property
-    def attention_mask(self) -> torch.Tensor:
+    def attention_mask(self) -> torch.Tensor | None:
         """`[R, 1, L, L]` additive float32 mask (0 where allowed), transformers' custom 4D mask.
 
         Use `attention_mask_as(dtype)` for a model computing in another dtype.
         """
         return self.attention_mask_as(torch.float32)
 
-    def attention_mask_as(self, dtype: torch.dtype) -> torch.Tensor:
-        """The additive 4D mask in `dtype` (the dtype the model's attention computes in)."""
+    def attention_mask_as(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """The additive 4D mask in `dtype` (the dtype the model's attention computes in).
+
+        `None` without `allowed` (padding-free samples: the position ids delimit them).
+        """
+        if self.allowed is None:
+            return None
         mask = torch.zeros(self.allowed.shape, dtype=dtype, device=self.allowed.device)
         return mask.masked_fill_(~self.allowed, torch.finfo(dtype).min)[:, None]
 
@@ -160,62 +167,94 @@ def shared_prompt_inputs(batch: Batch) -> SharedPromptInputs:
     Raises:
         ValueError: A sample has no prompt token (nothing predicts its first token).
     """
+    groups = shared_prompt_groups(prompt_tuples(batch)) if len(batch) else []
+    return segment_inputs(batch, [[group] for group in groups], masked=True)
+
+
+def segment_inputs(batch: Batch, rows: Sequence[Sequence[Sequence[int]]], *,
+                   masked: bool) -> SharedPromptInputs:
+    """Lays out `batch` as `rows` of segments, each a prompt then its samples' answers.
+
+    A segment (a list of sample indices with one prompt) is `[prompt, answer_1, …]`;
+    position ids count the prompt from 0 and restart after it for every answer, so a
+    segment of one sample is numbered like its own sequence. Segments follow each other
+    in a row, rows are right-padded.
+
+    Args:
+        batch: The micro-batch's samples.
+        rows: Each row's segments; every sample in exactly one segment.
+        masked: Build the `[R, L, L]` mask keeping answers and segments apart. Without
+            it (`allowed=None`) no mask is passed: each segment must be one sample, and
+            the model's attention confines itself to each from the position ids
+            (padding-free, `peerflow.training.packing`).
+
+    Raises:
+        ValueError: A sample has no prompt token (nothing predicts its first token).
+    """
     if len(batch) == 0:
         one = torch.zeros(1, 1, dtype=torch.int64)
         empty = torch.zeros(0, dtype=torch.int64)
         return SharedPromptInputs(
-            input_ids=one, position_ids=one, allowed=torch.ones(1, 1, 1, dtype=torch.bool),
+            input_ids=one, position_ids=one,
+            allowed=torch.ones(1, 1, 1, dtype=torch.bool) if masked else None,
             positions=empty, targets=empty, offsets=torch.zeros(1, dtype=torch.int64),
             first_scored=0, samples=0)
-    prompts = prompt_tuples(batch)
+    prompts = batch.ragged("prompt_ids").rows()
     responses = [row.to(torch.int64) for row in batch.ragged("response_ids").rows()]
     sizes = batch.ragged("response_ids").lengths.tolist()
     for i, prompt in enumerate(prompts):
-        if not prompt:
+        if not len(prompt):
             raise ValueError(
                 f"sample {int(batch.sample_id[i])} has an empty prompt_ids; a causal LM "
                 "needs at least one prompt token to predict the first response token.")
-    groups = shared_prompt_groups(prompts)
-    width = max(len(prompts[g[0]]) + sum(sizes[i] for i in g) for g in groups)
-    input_ids = torch.zeros(len(groups), width, dtype=torch.int64)
-    position_ids = torch.zeros(len(groups), width, dtype=torch.int64)
-    segment = torch.full((len(groups), width), -2, dtype=torch.int64)  # -1 prompt, k answer k
+    width = max(sum(len(prompts[g[0]]) + sum(sizes[i] for i in g) for g in row)
+                for row in rows)
+    input_ids = torch.zeros(len(rows), width, dtype=torch.int64)
+    position_ids = torch.zeros(len(rows), width, dtype=torch.int64)
+    segment = torch.full((len(rows), width), -1, dtype=torch.int64)  # segment index, -1 pad
+    part = torch.full((len(rows), width), -1, dtype=torch.int64)  # -1 prompt, k answer k
     where: list[torch.Tensor] = [torch.empty(0, dtype=torch.int64)] * len(batch)
     steps = torch.arange(width)
-    for r, group in enumerate(groups):
-        prompt = prompts[group[0]]
-        head = len(prompt)
-        input_ids[r, :head] = torch.tensor(prompt)
-        position_ids[r, :head] = steps[:head]
-        segment[r, :head] = -1
-        start = head
-        for k, i in enumerate(group):
-            n = sizes[i]
-            input_ids[r, start:start + n] = responses[i]
-            position_ids[r, start:start + n] = steps[head:head + n]
-            segment[r, start:start + n] = k
-            # Token j is predicted at the prompt's last position (j = 0), else at j - 1.
-            own = steps[start - 1:start + n - 1] + r * width
-            own[:1] = r * width + head - 1
-            where[i] = own
-            start += n
+    first_scored, count = width, 0
+    for r, row in enumerate(rows):
+        start = 0
+        for group in row:
+            prompt = prompts[group[0]]
+            head = len(prompt)
+            input_ids[r, start:start + head] = prompt
+            position_ids[r, start:start + head] = steps[:head]
+            segment[r, start:start + head + sum(sizes[i] for i in group)] = count
+            prompt_end = start + head
+            first_scored = min(first_scored, prompt_end - 1)
+            start = prompt_end
+            for k, i in enumerate(group):
+                n = sizes[i]
+                input_ids[r, start:start + n] = responses[i]
+                position_ids[r, start:start + n] = steps[head:head + n]
+                part[r, start:start + n] = k
+                # Token j is predicted at the prompt's last position (j = 0), else at j - 1.
+                own = steps[start - 1:start + n - 1] + r * width
+                own[:1] = r * width + prompt_end - 1
+                where[i] = own
+                start += n
+            count += 1
     return SharedPromptInputs(
-        input_ids=input_ids, position_ids=position_ids, allowed=_segment_mask(segment),
+        input_ids=input_ids, position_ids=position_ids,
+        allowed=_segment_mask(segment, part) if masked else None,
         positions=torch.cat(where), targets=torch.cat(responses),
-        offsets=offsets_from_lengths(sizes),
-        first_scored=min(len(prompts[g[0]]) - 1 for g in groups),
+        offsets=offsets_from_lengths(sizes), first_scored=first_scored,
         samples=len(batch))
 
 
-def _segment_mask(segment: torch.Tensor) -> torch.Tensor:
-    """`[R, L, L]`: causal, and an answer sees the prompt (-1) and itself only.
+def _segment_mask(segment: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
+    """`[R, L, L]`: causal, within a segment, an answer sees the prompt (-1) and itself.
 
-    Padding (-2) attends to itself only, so no row of the mask is empty.
+    Padding (segment -1) attends to itself only, so no row of the mask is empty.
     """
     width = segment.shape[1]
     causal = torch.ones(width, width, dtype=torch.bool).tril()
-    query, key = segment[:, :, None], segment[:, None, :]
-    same = (query == key) & (query != -2)
-    sees_prompt = (key == -1) & (query >= 0)
-    pad_self = (query == -2) & torch.eye(width, dtype=torch.bool)
-    return (causal & (same | sees_prompt)) | pad_self
+    same_segment = (segment[:, :, None] == segment[:, None, :]) & (segment[:, :, None] >= 0)
+    query, key = part[:, :, None], part[:, None, :]
+    sees = same_segment & ((query == key) | (key == -1))
+    pad_self = (segment[:, :, None] < 0) & torch.eye(width, dtype=torch.bool)
+    return (causal & sees) | pad_self

@@ -168,6 +168,35 @@ def test_a_micro_batch_crosses_to_the_device_whole(device, tiny_model):
     assert {t.device for t in tensors} == {device}
 
 
+@pytest.mark.parametrize("share_prompts", [True, False], ids=["shared", "own-rows"])
+def test_padding_free_step_on_the_device_equals_the_padded_one(device, tiny_model,
+                                                               share_prompts):
+    """Padding-free micro-batches: the packed row, its position ids and (shared prompts)
+    its mask cross with the micro-batch; the step equals the padded one."""
+    from peerflow.adapters.fsdp.engine import FSDPTrainEngine, FSDPTrainOptions
+    from peerflow.engines import EngineContext
+    from peerflow.layout import ParallelLayout
+    from tests.engines.test_padding_free import TEMPERATURE, make_batch, one_step, optim
+
+    context = EngineContext(model_path=tiny_model, layout=ParallelLayout(),
+                            device=str(device), temperature=TEMPERATURE)
+    steps = []
+    for padding_free in (False, True):
+        engine = FSDPTrainEngine(context, FSDPTrainOptions(share_prompts=share_prompts),
+                                 optim(padding_free))
+        batch = make_batch(engine.model.config.vocab_size)
+        micro = engine.plan_micro_batches(batch)[0]
+        inputs = [micro.inputs.input_ids, micro.inputs.position_ids, micro.batch.sample_id]
+        assert {t.device for t in inputs} == {device}
+        step = one_step(engine, batch)
+        assert step["logprobs"].device.type == "cpu"  # gathered back to the host
+        steps.append(step)
+    padded, packed = steps
+    torch.testing.assert_close(packed["logprobs"], padded["logprobs"], atol=2e-5, rtol=1e-5)
+    for key in ("loss", "grad_norm"):
+        assert packed["metrics"][key] == pytest.approx(padded["metrics"][key], rel=1e-4)
+
+
 @pytest.fixture(scope="module")
 def distributed_sites() -> dict[str, str | None]:
     return run_sites()

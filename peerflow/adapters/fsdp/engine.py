@@ -48,6 +48,7 @@ from peerflow.training import (
     lora,
     torch_dtype,
 )
+from peerflow.training.packing import resolve_padding_free
 from peerflow.training.shared_prompts import takes_custom_masks
 
 
@@ -127,7 +128,8 @@ class FSDPTrainEngine(CausalLMTrainEngine):
             self.model = lora.apply_lora(self.model, context.lora)
         self.shares_prompts = self.options.share_prompts and not self.options.value_head \
             and takes_custom_masks(self.model)
-        if self.options.gradient_checkpointing:
+        self.padding_free = resolve_padding_free(self.optim.padding_free, self.model, self.name)
+        if self.options.gradient_checkpointing or self.optim.activation_checkpointing:
             target = self.model.model if self.options.value_head else self.model
             target.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False}
@@ -194,7 +196,8 @@ class FSDPTrainEngine(CausalLMTrainEngine):
         ids, mask = inputs.input_ids, inputs.attention_mask_as(self._compute_dtype)
         with self._autocast():
             if self.options.value_head:
-                return self.model(input_ids=ids, attention_mask=mask)
+                return self.model(input_ids=ids, attention_mask=mask,
+                                  position_ids=inputs.position_ids)
             return self.model(input_ids=ids, attention_mask=mask,
                               position_ids=inputs.position_ids,
                               use_cache=False, logits_to_keep=inputs.logits_to_keep).logits

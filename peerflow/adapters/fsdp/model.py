@@ -31,9 +31,12 @@ class ValueModel(nn.Module):
         self.config = backbone.config
         self._no_split_modules = getattr(backbone, "_no_split_modules", None)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Returns `[batch, seq]` values, one per position."""
-        hidden = self.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        # No cache: transformers reads packed samples from position ids only without one.
+        hidden = self.model(input_ids=input_ids, attention_mask=attention_mask,
+                            position_ids=position_ids, use_cache=False).last_hidden_state
         return self.score(hidden.to(self.score.weight.dtype)).squeeze(-1)
 
 

@@ -24,6 +24,7 @@ all-reduces the tied embedding between the first and last stage. On GPU
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from collections.abc import Iterator, Sequence
 from functools import partial
@@ -69,6 +70,25 @@ from peerflow.training import (
     pad_to_shape,
     torch_dtype,
 )
+
+
+def _say_padding(optim: OptimSettings) -> None:
+    """Says that megatron pads: `trainer.padding_free: true` is refused, `auto` logged.
+
+    Megatron's own packed-sequence path (THD layout) needs Transformer Engine's attention,
+    which is not wired up here.
+
+    Raises:
+        ConfigError: `trainer.padding_free` is `true`.
+    """
+    if optim.padding_free is True:
+        raise ConfigError(
+            "trainer.padding_free=true: the megatron trainer runs padded micro-batches of "
+            "one shape (its pipeline schedules exchange fixed-shape activations); set "
+            "trainer.padding_free: auto (or false), or use trainer.backend fsdp/deepspeed.")
+    logging.getLogger("peerflow.training").info(
+        "megatron: padded micro-batches of one shape (trainer.padding_free=%s applies to "
+        "fsdp and deepspeed only).", str(optim.padding_free).lower())
 
 
 def _ensure_distributed(context: EngineContext) -> None:
@@ -140,6 +160,7 @@ class MegatronTrainEngine(MegatronCheckpoints, CausalLMTrainEngine):
         options = options or MegatronOptions()
         super().__init__(context, options, optim)
         self.ensure_installed()
+        _say_padding(optim)
         import torch.distributed as dist
         from transformers import AutoConfig
 
