@@ -15,7 +15,8 @@ Loop on every rollout rank (each is its own dp replica; no rollout peer is consu
    that also carries this rank's activity for the step.
 
 It ends when it has sealed `run.steps` steps, then sends `STOP` and waits for the
-trainers' `STOP` on the weight channel.
+trainers' `STOP` on the weight channel. Between requests (never inside a generate call)
+it hands the loaded weight version to `after_weights` (held-out evaluation).
 """
 
 from __future__ import annotations
@@ -94,6 +95,8 @@ class RolloutStreamer:
     """A tracer with `span(name, **args)` (`peerflow.outputs.Tracer`), or `None`."""
     pending: list[Any] = attrs.field(factory=list)
     """Draws to admit before new ones (resumed holes)."""
+    after_weights: Callable[[int], None] | None = None
+    """Called with the engine's weight version between requests (`None`: nothing)."""
     _groups: dict[int, Batch] = attrs.field(factory=dict, init=False)
     _calls_in_step: dict[int, int] = attrs.field(factory=dict, init=False)
     _weight_load_s: float = attrs.field(default=0.0, init=False)
@@ -148,6 +151,7 @@ class RolloutStreamer:
         try:
             while self.scheduler.sealed_steps() < self.steps and not self.weights.stopped:
                 self.apply_weights()
+                self._after_weights()
                 draws = self._admit()
                 if not draws:
                     with self._span("wait (staleness bound)"), self.activity.track("idle"):
@@ -164,6 +168,11 @@ class RolloutStreamer:
         self.sender.flush()
         while not self.weights.stopped:  # drain weights until the trainers are done
             self.apply_weights(wait=0.5)
+            self._after_weights()
+
+    def _after_weights(self) -> None:
+        if self.after_weights is not None:
+            self.after_weights(self.engine.weight_version)
 
     def _generate(self, draws: list[Any]) -> None:
         open_step = self.scheduler.sealed_steps()

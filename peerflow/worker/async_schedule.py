@@ -7,7 +7,8 @@ channel and returns, driving the run's `WeightSyncService` (`rt.weight_sync`):
 
 * on rollout ranks a `RolloutSchedule`: `RolloutStreamer` generates (phase `generate`),
   runs the `per_group` nodes on each finished group and streams it to a trainer; it
-  reports no steps (the trainers do);
+  reports no steps (the trainers do), but meets the trainers' evaluation (the driver's
+  `EvalHook`) with the weights of each step it is due after;
 * on trainer ranks a `TrainerSchedule`: `TrainerStreamer` runs the `per_micro_batch`
   nodes as micro-batches fill and the `per_step` nodes on each whole step, pushes new
   weights asynchronously, and yields every finished step to the driver, which reduces
@@ -45,12 +46,22 @@ class StreamLink:
     timeout: float = 60.0
 
 
-def streaming_schedule(rt: WorkerRuntime, program: RankProgram, stage: Any) -> Any:
-    """Returns this rank's streaming schedule (call on every rank: it is collective)."""
+def streaming_schedule(rt: WorkerRuntime, program: RankProgram, stage: Any,
+                       evaluation: Any = None) -> Any:
+    """Returns this rank's streaming schedule (call on every rank: it is collective).
+
+    Args:
+        rt: This rank's runtime.
+        program: This rank's program.
+        stage: `peerflow.distributed.stage`.
+        evaluation: The driver's `EvalHook`, which rollout ranks call when they have
+            loaded a step's weights (trainer ranks get it from the driver).
+    """
     timeout = rt.config.runtime.peer_wait_timeout
     link = StreamLink(service=rt.weight_sync, timeout=timeout)
     if "rollout" in rt.engines:
-        return RolloutSchedule(rt=rt, program=program, link=link, stage=stage)
+        return RolloutSchedule(rt=rt, program=program, link=link, stage=stage,
+                               evaluation=evaluation)
     return TrainerSchedule(rt=rt, program=program, link=link, stage=stage)
 
 
@@ -80,6 +91,10 @@ class RolloutSchedule:
     reports: bool = False
     pending: list[Any] = attrs.field(factory=list)
     """Draws to generate before new ones (prompts in flight at the checkpoint)."""
+    evaluation: Any = None
+    """The driver's `EvalHook` (`end_step(rt, step, metrics)`), or `None`."""
+    _evaluated: int = attrs.field(default=0, init=False)
+    """The newest weight version handed to `evaluation` (or the step the run starts at)."""
 
     def restore(self, resumed: Any) -> None:
         """Replays the prompt stream past what the trainers have trained."""
@@ -97,8 +112,20 @@ class RolloutSchedule:
 
     def steps(self, start_step: int, tracer: Any) -> Iterator[tuple[int, Batch, StepMetrics]]:
         """Streams groups until the trainers stop its streams; yields nothing."""
+        self._evaluated = start_step  # the driver's `begin` evaluated the start
         self._streamer(start_step, tracer).run()
         yield from ()
+
+    def _after_weights(self, version: int) -> None:
+        """Evaluates after step `version` when due, as the trainers' driver does then.
+
+        A trainer pushes a step's weights before its driver evaluates that step, and
+        pushes no newer ones until the evaluation (a collective over every rank) is done,
+        so each due version is loaded here before any newer one.
+        """
+        if self.evaluation is not None and version > self._evaluated:
+            self._evaluated = version
+            self.evaluation.end_step(self.rt, version, {})
 
     def _streamer(self, start_step: int, tracer: Any) -> Any:
         from peerflow.streaming.assignment import TokenBalancer
@@ -140,6 +167,7 @@ class RolloutSchedule:
             steps=cfg.run.steps, rank=rt.rank,
             prompts_per_call=runtime.async_prompts_per_call,
             heartbeat_s=max(link.timeout / 6, 0.5), spans=tracer, pending=self.pending,
+            after_weights=self._after_weights,
         )
 
 

@@ -13,9 +13,13 @@ same `RewardSet` the reward node uses. Metrics:
   (2021), `1 - C(n - c, k) / C(n, k)`, averaged over prompts;
 * `eval/prompts`.
 
-`EvalHook` runs it from the run driver (lockstep schedules) before the first step, every
-`run.eval_every` steps and after the last step; `peerflow eval` calls it once on a
-checkpoint.
+`EvalHook` runs it from the run driver before the first step, every `run.eval_every`
+steps and after the last step; `peerflow eval` calls it once on a checkpoint. In async
+mode the trainer ranks call it from the driver after the step, and the rollout ranks —
+which host the rollout engine and report no steps — from their streaming schedule once
+they have loaded that step's weights (`RolloutSchedule`): the same collective, met by
+every rank, on the weights the step produced. There a step is evaluated only when its
+weights are pushed (every `weight_sync.every` steps, and the last).
 """
 
 from __future__ import annotations
@@ -42,9 +46,16 @@ def pass_at_k(n: int, correct: int, k: int) -> float:
 
 
 def eval_due(config: Any, step: int) -> bool:
-    """Whether the sync driver evaluates after `step` (0: before the first step)."""
-    every = config.run.eval_every
-    return bool(every) and (step % every == 0 or step == config.run.steps)
+    """Whether the run evaluates after `step` (0: before the first step).
+
+    In async mode only steps whose weights reach the rollout ranks count (every
+    `weight_sync.every` steps, and the last), since those ranks evaluate them.
+    """
+    every, last = config.run.eval_every, config.run.steps
+    if not every or (step % every and step != last):
+        return False
+    pushed = max(config.weight_sync.every, 1)
+    return config.runtime.mode != "async" or step % pushed == 0 or step == last
 
 
 def _draws(rt: WorkerRuntime) -> list[Draw]:

@@ -226,14 +226,20 @@ def _weight_sync(rt: WorkerRuntime) -> Any:
 
 
 def _train(rt: WorkerRuntime, program: RankProgram, stage: Any, *, resuming: bool) -> None:
-    """Runs this rank's schedule under the run driver: lockstep (sync) or streaming (async)."""
+    """Runs this rank's schedule under the run driver: lockstep (sync) or streaming (async).
+
+    Held-out evaluation (`EvalHook`) is collective over every rank: the driver calls it on
+    every rank of a lockstep run and on the trainer ranks of an async one, whose rollout
+    ranks call it from their streaming schedule.
+    """
+    evaluation = EvalHook(stage=stage)
     if rt.config.runtime.mode == "async":
         from peerflow.worker.async_schedule import streaming_schedule
 
-        drive(rt, streaming_schedule(rt, program, stage), stage, resuming=resuming)
-    else:  # held-out evaluation is collective over every rank: lockstep runs only
-        drive(rt, LockstepSchedule(rt=rt, program=program, stage=stage), stage,
-              resuming=resuming, hooks=[EvalHook(stage=stage)])
+        schedule = streaming_schedule(rt, program, stage, evaluation=evaluation)
+    else:
+        schedule = LockstepSchedule(rt=rt, program=program, stage=stage)
+    drive(rt, schedule, stage, resuming=resuming, hooks=[evaluation])
 
 
 def run_eval_worker(config_path: str, overrides: list[str], run_dir: str,

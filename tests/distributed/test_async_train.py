@@ -75,22 +75,33 @@ def metrics(run_dir):
 
 
 def test_zero_staleness_matches_sync_and_bounds_hold(tmp_path):
-    # a large learning rate makes later steps' samples depend on the pushed weights
-    steps = ["run.steps=3", "trainer.lr=0.05"]
+    # a large learning rate makes later steps' samples depend on the pushed weights;
+    # evaluation runs in both modes through the driver's EvalHook (async: the rollout rank
+    # evaluates each due step's pushed weights), so its metrics match too
+    steps = ["run.steps=3", "trainer.lr=0.05", "run.eval_every=2", "eval.max_prompts=4",
+             "eval.n=2"]
     assert run_single([*SMALL, *steps, "runtime.nprocs=1"], tmp_path / "sync") == 0
     codes = run_workers([*SMALL, *steps, *SPLIT, "runtime.mode=async", "runtime.max_staleness=0"],
                         tmp_path / "async0")
     assert codes == [0, 0]
     sync, async0 = metrics(tmp_path / "sync"), metrics(tmp_path / "async0")
-    assert [m["step"] for m in async0] == [1, 2, 3]
+    assert [m["step"] for m in async0] == [0, 1, 2, 3]
+    evaluated = [m["step"] for m in async0 if "eval/greedy/reward" in m]
+    assert evaluated == [0, 2, 3] == [m["step"] for m in sync if "eval/greedy/reward" in m]
+    assert all(m["eval/prompts"] == 4 and "eval/pass@2" in m for m in async0 if m["step"] in
+               evaluated)
+    assert (tmp_path / "async0" / "samples" / "eval_step_2.jsonl").is_file()
     compared = 0
-    for s, a in zip(sync, async0):
+    for s, a in zip(sync[1:], async0[1:]):
         assert a["staleness/max"] == 0 and a["samples"] == 16
         for key, value in s.items():
             if key in a and not key.startswith(NOT_LEARNING):
                 assert math.isclose(a[key], value, rel_tol=1e-4, abs_tol=1e-6), (key, value, a[key])
                 compared += 1
     assert compared >= 3 * 10
+    for s, a in zip(sync, async0):  # the evaluations, the initial model's included
+        for key in (k for k in s if k.startswith("eval/")):
+            assert math.isclose(a[key], s[key], rel_tol=1e-4, abs_tol=1e-6), (key, s[key], a)
     assert {"reward/mean", "actor/loss", "actor/grad_norm"} <= set(async0[-1])
 
 
