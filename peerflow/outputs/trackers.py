@@ -114,8 +114,8 @@ class WandbTracker:
         """The run's URL, or its offline directory and the `wandb sync` command."""
         if self.run.settings.mode == "offline":
             offline = Path(self.run.dir).parent
-            return f"offline in {offline} (upload: wandb sync {offline})"
-        return self.run.url or str(self.run.dir)
+            return f"W&B offline in {offline} (upload: wandb sync {offline})"
+        return f"W&B {self.run.url or self.run.dir}"
 
 
 def _flatten(plain: Any, prefix: str = "") -> dict[str, str]:
@@ -189,7 +189,7 @@ class MlflowTracker:
     @property
     def location(self) -> str:
         """The tracking URI, experiment and run id."""
-        return f"{self.uri}, experiment {self.experiment_id}, run {self.run_id}"
+        return f"MLflow {self.uri}, experiment {self.experiment_id}, run {self.run_id}"
 
 
 def open_trackers(run_dir: Path, config: Any = None, *, tensorboard: bool | None = None,
