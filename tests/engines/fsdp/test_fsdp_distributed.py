@@ -139,6 +139,30 @@ def test_checkpoint_from_two_ranks_loads_on_one(run, reference, tiny_model):
     assert all(m.abs().sum() > 0 for m in moments)
 
 
+def test_exported_checkpoint_loads_in_transformers_with_the_trainers_logprobs(
+        run, tiny_model, tmp_path):
+    """`peerflow export`'s reading of a dp- or tp-sharded checkpoint (DTensor boxes, norms
+    replicated on the tp peers)."""
+    from safetensors.torch import load_file
+
+    from peerflow.adapters.fsdp.engine import FSDPTrainEngine
+    from tests.engines.deepspeed.trainlib import TEMPERATURE, export_checkpoint, hf_logprobs
+
+    mode, ranks, ckpt = run
+    out = export_checkpoint(FSDPTrainEngine, ckpt, tiny_model, str(tmp_path / "model"))
+    saved = load_file(f"{out}/model.safetensors")
+    full = assemble([r["specs"] for r in ranks], [r["shards"] for r in ranks])
+    assert set(saved) == set(full)
+    for name, tensor in full.items():
+        torch.testing.assert_close(saved[name], tensor, atol=0, rtol=0, msg=name)
+    trainer = FSDPTrainEngine(EngineContext(model_path=tiny_model, layout=ParallelLayout(),
+                                            temperature=TEMPERATURE), None, OptimSettings(**OPTIM))
+    trainer.load_checkpoint(ckpt)
+    batch, _ = make_batch(tiny_model)  # sampled answers of ragged lengths
+    diff = (hf_logprobs(out, batch) - trainer.forward_logprobs(batch).values).abs().max()
+    assert diff.item() < 1e-5, f"{mode} export: |HF - trainer| = {diff.item()}"
+
+
 def test_declared_shard_layout_equals_the_engines_specs(run, tiny_model):
     from transformers import AutoConfig
 
