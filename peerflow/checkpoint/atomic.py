@@ -96,7 +96,7 @@ def with_path(exc: OSError, path: str | Path) -> OSError:
     """`exc` naming `path` (writes report `[Errno 28] No space left on device` alone)."""
     if exc.filename is not None:
         return exc
-    return type(exc)(exc.errno, f"{exc.strerror or exc} (writing {path})", str(path))
+    return type(exc)(exc.errno, exc.strerror or str(exc), str(path))
 
 
 def write_text_atomic(path: str | Path, text: str) -> Path:

@@ -11,7 +11,7 @@ from pathlib import Path
 import attrs
 
 from peerflow.distributed.init import free_port
-from peerflow.distributed.ranklog import rank_log_path
+from peerflow.distributed.ranklog import log_unwritten, rank_log_path
 from peerflow.distributed.stop import LauncherStopHandler, read_stop, stop_reason
 from peerflow.errors import RunInterruptedError, WorkerFailedError
 from peerflow.launch.entry import WorkerCommand, worker_entry
@@ -34,7 +34,12 @@ def failure_message(store: FaultStore, failures: dict[int, object] | None = None
         lines.append(f"  rank {rank}: {how}")
     if not lines:
         lines.append("a worker failed (no failure record was published)")
-    if run_dir is not None:
+    unwritten = log_unwritten(store.store, record.rank) if record is not None else None
+    if run_dir is not None and record is not None and unwritten is not None:
+        lines.append(f"  rank {record.rank} could not write its log "
+                     f"{rank_log_path(run_dir, record.rank)} ({unwritten}); its full "
+                     "traceback is printed above, on this terminal (the worker's stderr)")
+    elif run_dir is not None:
         log = rank_log_path(run_dir, record.rank) if record is not None else None
         if log is not None and log.is_file():
             lines.append(f"  full traceback: {log}")

@@ -150,8 +150,8 @@ def worker_entry(
         sys.stderr.flush()
         os._exit(INTERRUPTED_EXIT)  # skip collective teardown with peers that are leaving
     except BaseException as exc:
-        append_to_rank_log(f"rank {ctx.rank} (host {ctx.host}, pid {os.getpid()}) raised:\n"
-                           + traceback.format_exc())
+        _log_error(ctx.rank, f"rank {ctx.rank} (host {ctx.host}, pid {os.getpid()}) raised:\n"
+                   + traceback.format_exc(), monitor)
         handle_failure(exc, monitor)
         raise
     finally:
@@ -159,3 +159,23 @@ def worker_entry(
     if stopped is not None:  # finished cleanly, but before run.steps
         append_to_rank_log(f"rank {ctx.rank}: {stopped.message('stop requested')}")
         sys.exit(INTERRUPTED_EXIT)
+
+
+def _log_error(rank: int, text: str, monitor: Any) -> None:
+    """Writes a failure to the rank log, or to stderr where it cannot (a full disk).
+
+    The launcher is told (`mark_log_unwritten`) so that its message points to stderr.
+    """
+    from peerflow.distributed.ranklog import (
+        append_to_rank_log,
+        current_rank_log,
+        mark_log_unwritten,
+    )
+
+    why = append_to_rank_log(text)
+    if why is None:
+        return
+    print(f"peerflow: rank {rank} could not write its log {current_rank_log()} ({why}); "
+          f"its error:\n{text}", file=sys.stderr, flush=True)
+    if monitor is not None:
+        mark_log_unwritten(monitor.store, rank, why)

@@ -57,10 +57,13 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from peerflow.checkpoint.atomic import append_line
 from peerflow.outputs.trackers import open_trackers
 
 METRICS_FILE = "metrics.jsonl"
@@ -107,7 +110,9 @@ class MetricsWriter(contextlib.AbstractContextManager["MetricsWriter"]):
         self.path = self.run_dir / METRICS_FILE
         self.trackers = open_trackers(self.run_dir, config, tensorboard=tensorboard,
                                       wandb=wandb, mlflow=mlflow)
-        self._file = self.path.open("a", encoding="utf-8")
+        # one O_APPEND write a line (`append_line`): a line is whole or absent
+        self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT,
+                                       0o644)
 
     def write(self, step: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
         """Appends one line (`step` first, then the metrics sorted by name) and mirrors it.
@@ -119,8 +124,9 @@ class MetricsWriter(contextlib.AbstractContextManager["MetricsWriter"]):
         for name in sorted(metrics):
             if name != "step":
                 record[name] = _scalar(metrics[name])
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        if self._fd is None:
+            raise ValueError(f"{self.path}: the metrics writer is closed.")
+        append_line(self.path, json.dumps(record), fd=self._fd)  # OSError names the file
         if self.trackers:
             scalars = {k: v for k, v in record.items() if k != "step" and v is not None}
             for tracker in self.trackers:
@@ -131,8 +137,9 @@ class MetricsWriter(contextlib.AbstractContextManager["MetricsWriter"]):
 
     def close(self, failed: bool = False) -> None:
         """Flushes and closes every sink (`failed`: the run ended in an error); idempotent."""
-        if not self._file.closed:
-            self._file.close()
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
         trackers, self.trackers = self.trackers, []
         for tracker in trackers:
             tracker.close(failed=failed)
@@ -160,17 +167,26 @@ def read_json_lines(path: Path, what: str, *, required: tuple[str, ...] = ()
                     ) -> list[dict[str, Any]]:
     """The JSON objects of a JSONL file, one a line (blank lines skipped).
 
+    A last line cut short (no newline; a writer older than `append_line` stopped by a
+    full disk or a kill) is skipped, with a note on stderr.
+
     Raises:
         ValueError: a line is not a JSON object, or lacks a `required` key (naming the
             file, the 1-based line number and what a `what` line must be).
     """
     records = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+    text = path.read_text(encoding="utf-8", errors="replace")
+    lines = text.splitlines()
+    for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         try:
             record = json.loads(line)
         except json.JSONDecodeError as exc:
+            if number == len(lines) and not text.endswith("\n"):
+                print(f"peerflow: {path}:{number}: skipping the last line, cut short "
+                      f"({len(line)} characters without an end).", file=sys.stderr)
+                break
             raise ValueError(f"{path}:{number}: not a JSON object ({exc}).") from None
         if not isinstance(record, dict) or any(key not in record for key in required):
             keys = f" with {', '.join(repr(k) for k in required)}" if required else ""

@@ -34,12 +34,12 @@ check of the quickstart).
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from peerflow.checkpoint.atomic import write_json_atomic
 from peerflow.outputs.metrics import read_metrics
 
 REPORT_DIR = "report"
@@ -205,7 +205,7 @@ def render_report(
         save(fig, "step_time")
 
     summary_path = out / "summary.json"
-    summary_path.write_text(json.dumps(summarize(records), indent=1, sort_keys=True))
+    write_json_atomic(summary_path, summarize(records))
     written.append(summary_path)
     return written
 

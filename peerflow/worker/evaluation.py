@@ -171,8 +171,6 @@ def _load_checkpoint(rt: WorkerRuntime, program: Any, checkpoint: str) -> int:
 def evaluate_checkpoint(rt: WorkerRuntime, program: Any, stage: Any,
                         checkpoint: str | None) -> dict[str, float]:
     """`peerflow eval`: loads `checkpoint`, evaluates, and (rank 0) writes `eval.json`."""
-    import json
-
     step = 0
     if checkpoint:
         with stage("load checkpoint"):
@@ -181,7 +179,9 @@ def evaluate_checkpoint(rt: WorkerRuntime, program: Any, stage: Any,
         metrics = evaluate(rt, step)
     if rt.rank == 0:
         record = {"checkpoint": checkpoint, "step": step, "metrics": metrics}
-        (rt.run_dir / "eval.json").write_text(json.dumps(record, indent=1, sort_keys=True))
+        from peerflow.checkpoint.atomic import write_json_atomic
+
+        write_json_atomic(rt.run_dir / "eval.json", record)
     return metrics
 
 
