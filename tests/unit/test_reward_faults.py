@@ -136,21 +136,31 @@ def test_reward_errors_are_appended_as_json_lines(tmp_path):
     assert last_reward_error(tmp_path, "r")["rank"] == 1
 
 
-def test_chat_prompts_without_a_chat_template_are_an_error_naming_the_fix():
+def test_chat_prompts_without_a_chat_template_are_an_error_naming_the_fix(
+        tmp_path, plugin_manager, tiny_model):
+    from transformers import AutoTokenizer
+
     from peerflow.agents.tools import render_prompt
-    from peerflow.contrib.tasks.tokenizer import train_char_tokenizer
+    from peerflow.launch.preflight import check_dataset
     from peerflow.worker.rollout import encode_prompt
 
-    tokenizer = train_char_tokenizer(["".join(map(chr, range(32, 127))) + "\n"])
-    tokenizer.chat_template = None
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    assert not tokenizer.chat_template
     chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1+2"}]
     with pytest.raises(ConfigError, match="no chat template.*chat_template.*text prompts"):
         encode_prompt(tokenizer, chat)
     assert encode_prompt(tokenizer, "1+2") == tokenizer("1+2")["input_ids"]
     # a text prompt with tools PeerFlow describes itself is still joined
     text = tokenizer.decode(render_prompt(tokenizer, [{"role": "user", "content": "1+2"}],
-                                          [{"name": "calc", "parameters": {}}]))
+                                          [{"name": "calc", "parameters": {}}]),
+                            skip_special_tokens=True)
     assert text.endswith("\n1+2") and "calc" in text
+    # `config validate` and `train` say so before any worker starts
+    (tmp_path / "rows.jsonl").write_text(json.dumps({"prompt": chat, "answer": "3"}) + "\n")
+    config = load_config(None, [f"model.path={tiny_model}", "task.name=dataset",
+                                f"task.options={{path: {tmp_path / 'rows.jsonl'}}}"])
+    (problem,) = check_dataset(config, plugin_manager)
+    assert "has no chat template" in problem and "model.path=" in problem
 
 
 def test_reward_watch_stops_after_steps_of_failing_on_everything(tmp_path):
