@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -35,8 +36,12 @@ def test_wandb_gets_project_entity_name_tags_group_from_the_config(tmp_path, mon
         writer(2, {"reward/mean": 0.75})
         assert "offline in" in tracker.location and "wandb sync" in tracker.location
     # what it wrote: one offline run under RUN_DIR/wandb holding the options and metrics
+    # (wandb's service process may still be writing it when `finish` returns)
     (offline,) = (run_dir / "wandb").glob("offline-run-*-run-1")
-    data = (offline / "run-run-1.wandb").read_bytes()
+    deadline = time.monotonic() + 60
+    while b"reward/mean" not in (data := (offline / "run-run-1.wandb").read_bytes()):
+        assert time.monotonic() < deadline, data
+        time.sleep(0.2)
     for text in (b"rl-tests", b"my-team", b"grpo-lr1e-6", b"sweep-3", b"tiny", b"reward/mean"):
         assert text in data, text
     assert [r["step"] for r in read_metrics(run_dir)] == [1, 2]
