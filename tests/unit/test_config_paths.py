@@ -22,6 +22,8 @@ task:
     - {fn: exact_match}
     - {fn: "peerflow.contrib.rewards:exact_match"}
     - {fn: /abs/rewards.py:other}
+workflow: {nodes: [{name: reward, options: {reward: my_rewards.py:score}}]}
+run: {trackers: {mlflow: {tracking_uri: mlruns}}}
 """
 
 
@@ -43,6 +45,9 @@ def test_paths_in_a_file_resolve_from_its_directory(tmp_path, monkeypatch):
     assert Path(path).resolve() == project / "my_rewards.py" and function == "score"
     assert (registered, module_fn) == ("exact_match", "peerflow.contrib.rewards:exact_match")
     assert absolute == "/abs/rewards.py:other"
+    node_reward = config.workflow.nodes[0].options["reward"]
+    assert Path(node_reward.rpartition(":")[0]).resolve() == project / "my_rewards.py"
+    assert Path(config.run.trackers.mlflow.tracking_uri).resolve() == project / "mlruns"
 
 
 def test_set_overrides_resolve_from_the_working_directory(tmp_path, monkeypatch):
