@@ -9,6 +9,7 @@
   checkpoint and export, as HF names are for full weights.
 * `BaseModelView` is the reference role of a LoRA run: the actor engine with its
   adapters switched off (peft's `disable_adapter()`), no second copy of the weights.
+* `adapter_layout(path, lora)` gives the adapter names and shapes without loading weights.
 * `base_fingerprint(path)` identifies the base weights an adapter checkpoint belongs to.
 * `check_lora` (a core `peerflow_validate_config` hook) refuses a `trainer.lora` run whose
   train or rollout backend does not declare `Capabilities.lora`, naming the reason.
@@ -79,6 +80,26 @@ def adapter_name(name: str) -> str:
 def adapter_parameters(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     """`(peft file name, live parameter)` of every adapter tensor of `model`, in order."""
     return [(adapter_name(n), p) for n, p in model.named_parameters() if is_adapter(n)]
+
+
+def adapter_layout(model_path: str | Path, lora: Any) -> tuple[dict[str, tuple[int, ...]], Any]:
+    """The adapter tensors peft puts on the model at `model_path`, without its weights.
+
+    Built on the meta device from the model's config, for engines that hold adapters
+    outside a peft model (vLLM's LoRA).
+
+    Returns:
+        `(shapes, peft_config)`: every adapter tensor's shape under peft's file names, and
+        the resolved `peft.LoraConfig` (`all-linear` replaced by the module names), the
+        `adapter_config.json` of an adapter directory.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_path)
+    with torch.device("meta"):
+        model = apply_lora(AutoModelForCausalLM.from_config(config), lora)
+    shapes = {name: tuple(p.shape) for name, p in adapter_parameters(model)}
+    return shapes, model.peft_config[ADAPTER]
 
 
 def peft_module(model: Any) -> Any:

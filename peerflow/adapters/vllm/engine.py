@@ -28,6 +28,7 @@ import torch
 from peerflow.adapters.vllm.channel import SharedBuffer
 from peerflow.adapters.vllm.cpu_weights import KEEP_CPU_WEIGHTS_ENV
 from peerflow.adapters.vllm.hooks import VLLMConformanceHooks
+from peerflow.adapters.vllm.lora import AdapterSlot
 from peerflow.adapters.vllm.options import VLLM_LOGPROBS_MODE, VLLMRolloutOptions
 from peerflow.capabilities import Capabilities
 from peerflow.engines import (
@@ -57,7 +58,7 @@ class VLLMRolloutEngine(VLLMConformanceHooks, TensorParallelRolloutEngine):
 
     name: ClassVar[str] = "vllm"
     capabilities: ClassVar[Capabilities] = attrs.evolve(
-        TensorParallelRolloutEngine.capabilities, sleep=_sleep_supported())
+        TensorParallelRolloutEngine.capabilities, sleep=_sleep_supported(), lora=True)
     options_class: ClassVar[type] = VLLMRolloutOptions
     options: VLLMRolloutOptions
     requires: ClassVar[tuple[str, ...]] = ("vllm",)
@@ -70,10 +71,16 @@ class VLLMRolloutEngine(VLLMConformanceHooks, TensorParallelRolloutEngine):
     def __init__(self, context: EngineContext, options: VLLMRolloutOptions | None = None) -> None:
         super().__init__(context, options)
         self._channel: SharedBuffer | None = None
+        self._adapters = None if context.lora is None else AdapterSlot(
+            context.model_path, context.lora, self.options.shm_dir, context.dtype)
         self.llm = self._start()
         tokenizer = self.llm.get_tokenizer()
         self._declare_targets(lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
-        self._check_targets_match_engine()
+        if self._adapters is not None:  # syncs carry the adapters only (`lora.py`)
+            self._targets = self._adapters.targets(replica=0)
+            self._by_name = {spec.local_name: spec for spec in self._targets}
+        else:
+            self._check_targets_match_engine()
 
     @property
     def tp_size(self) -> int:
@@ -110,6 +117,8 @@ class VLLMRolloutEngine(VLLMConformanceHooks, TensorParallelRolloutEngine):
             kwargs["enable_sleep_mode"] = True
         if opts.tensor_parallel_size > 1:
             kwargs["distributed_executor_backend"] = "mp"
+        if self._adapters is not None:
+            kwargs.update(self._adapters.engine_args())
         kwargs.update(opts.engine_args)
         self.llm_kwargs = dict(kwargs)
         """The `vllm.LLM` arguments vLLM was started with (benchmarks reuse them)."""
@@ -180,7 +189,8 @@ class VLLMRolloutEngine(VLLMConformanceHooks, TensorParallelRolloutEngine):
             self._vllm_sampling(sampling, None if sampling.seed is None else sampling.seed + i)
             for i in range(len(requests))
         ]
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        adapter = self._adapters.request if self._adapters is not None else None
+        outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=adapter)
         results = []
         for request, output in zip(requests, outputs):
             for sample in sorted(output.outputs, key=lambda c: c.index):
@@ -207,6 +217,11 @@ class VLLMRolloutEngine(VLLMConformanceHooks, TensorParallelRolloutEngine):
                 "begin_weight_update(version) first."
             )
         start = time.perf_counter()
+        if self._adapters is not None:
+            self._sync["bytes"] += self._adapters.stage(items)
+            self._sync["buckets"] += 1
+            self._sync["pack_s"] += time.perf_counter() - start
+            return
         entries = [(*self._check_item(spec, tensor), tensor) for spec, tensor in items]
         sync = self._sync
         sync["bytes"] += sum(t.numel() * t.element_size() for _, _, t in entries)
@@ -238,6 +253,12 @@ class VLLMRolloutEngine(VLLMConformanceHooks, TensorParallelRolloutEngine):
     def finish_weight_update(self) -> None:
         """Re-runs vLLM's post-load processing, publishes the version, resets the cache."""
         version = getattr(self, "_pending_version", self._weight_version)
+        if self._adapters is not None:  # a new LoRARequest; the base weights stay
+            start = time.perf_counter()
+            self._adapters.publish(self.llm, version)
+            self._sync["load_s"] += time.perf_counter() - start
+            TensorParallelRolloutEngine.finish_weight_update(self)
+            return
         process_s = self.llm.collective_rpc("peerflow_set_version", args=(version,))
         if self.options.enable_prefix_caching:
             self.llm.reset_prefix_cache()
@@ -283,6 +304,8 @@ class VLLMRolloutEngine(VLLMConformanceHooks, TensorParallelRolloutEngine):
         if self._channel is not None:
             self._channel.close()
             self._channel = None
+        if self._adapters is not None:
+            self._adapters.close()
 
 
 def _sampled_logprobs(sample: Any) -> list[float]:
