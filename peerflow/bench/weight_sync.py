@@ -15,6 +15,10 @@ runs):
   the engine's parameters plus its post-load processing (vLLM: repacking its CPU
   kernels from the new weights).
 
+With `--lora-rank R` each size is synced a second time with LoRA adapters of rank R
+(`trainer.lora`, all-linear): its figures sit under the size's `lora` key with
+`bytes_vs_full` and `total_s_vs_full`, measured in the same run as the full sync.
+
 After each sync the rollout engine generates once on the loaded weights (unless
 `--no-generate`): `generate_tokens_per_s` is reported beside the load time, never mixed
 with it. Prompts and answer cap follow `--shape` (quickstart: 16 prompts of 32 tokens, up
@@ -70,6 +74,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="registered weight transport (default: auto)")
     parser.add_argument("--rollout-option", action="append", default=[], metavar="KEY=VALUE",
                         help="rollout adapter option, e.g. executor=multiprocess (YAML value)")
+    parser.add_argument("--lora-rank", type=int, default=0, metavar="R",
+                        help="also sync LoRA adapters of rank R (all-linear, alpha 2R) on the "
+                        "same model and report them next to the full sync (default 0: off)")
 
 
 def _options(cls: Any, pairs: list[str]) -> Any:
@@ -84,7 +91,8 @@ def _options(cls: Any, pairs: list[str]) -> Any:
     return structure(cls.options_class, values, f"rollout.{cls.name}")
 
 
-def _measure(size: str, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+def _measure(size: str, args: argparse.Namespace, workdir: Path, lora: Any = None
+             ) -> dict[str, Any]:
     import torch
 
     from peerflow.engines import EngineContext, OptimSettings
@@ -100,7 +108,7 @@ def _measure(size: str, args: argparse.Namespace, workdir: Path) -> dict[str, An
     rollout_cls = pm.registry("rollout_engine").get(args.backend)
     train_cls.ensure_installed()
     rollout_cls.ensure_installed()
-    context = EngineContext(model_path=model, layout=ParallelLayout())
+    context = EngineContext(model_path=model, layout=ParallelLayout(), lora=lora)
     trainer = train_cls(context, train_cls.options_class(), OptimSettings())
     rollout = rollout_cls(context, _options(rollout_cls, args.rollout_option))
     try:
@@ -138,6 +146,19 @@ def _measure(size: str, args: argparse.Namespace, workdir: Path) -> dict[str, An
             # One process hosts both engines here, so rank 0 sends every byte.
             "bytes_sent_per_rank": {"0": runs[0]["bytes"]},
             "median_of": args.runs, "runs": runs}
+
+
+def _lora_next_to_full(full: dict[str, Any], size: str, args: argparse.Namespace,
+                       workdir: Path) -> dict[str, Any]:
+    """The same model's sync with LoRA adapters of `--lora-rank` (adapters only move)."""
+    from peerflow.config.lora import LoraConfig
+
+    lora = _measure(size, args, workdir, LoraConfig(rank=args.lora_rank,
+                                                    alpha=2.0 * args.lora_rank))
+    lora.pop("runs")
+    lora["bytes_vs_full"] = lora["bytes"] / full["bytes"]
+    lora["total_s_vs_full"] = lora["total_s"] / full["total_s"] if full["total_s"] else None
+    return lora
 
 
 def _generation(model: str, shape: str) -> tuple[list, Any]:
@@ -184,7 +205,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="peerflow-bench-sync-") as tmp:
         for size in sizes:
             results[size] = _measure(size, args, Path(tmp))
+            if args.lora_rank:
+                results[size]["lora"] = _lora_next_to_full(results[size], size, args, Path(tmp))
     return {"benchmark": "weight-sync", "shape": args.shape, "backend": args.backend,
-            "trainer": args.trainer,
+            "trainer": args.trainer, "lora_rank": args.lora_rank,
             "bucket_mb": args.bucket_mb, "median_of": args.runs, "sizes": results,
             "runs": {size: r["runs"] for size, r in results.items()}}
