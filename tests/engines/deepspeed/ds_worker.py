@@ -63,13 +63,15 @@ def main() -> None:
         logprobs_one = engine.forward_logprobs(batch).values  # what the checkpoint scores
         ckpt = os.path.join(out_dir, f"ckpt{stage}")
         engine.save_checkpoint(ckpt)
-        engine.train_step(batch, nll_loss)
+        two_lr = engine.train_step(batch, nll_loss)["lr"]
         after_two = owned(engine)
         engine.load_checkpoint(ckpt)
         version_loaded = engine.version
-        engine.train_step(batch, nll_loss)
+        resumed_lr = engine.train_step(batch, nll_loss)["lr"]
         resumed = owned(engine)
+        lrs = (metrics["lr"], two_lr, resumed_lr, engine.train_step(batch, nll_loss)["lr"])
         results[stage] = {
+            "lrs": lrs,
             "logprobs": logprobs.values, "metrics": metrics, "after_one": after_one,
             "logprobs_one": logprobs_one,
             "after_two": after_two, "resumed": resumed, "version_loaded": version_loaded,

@@ -11,6 +11,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from tests.engines.deepspeed.trainlib import (  # noqa: E402
+    SCHEDULE_LRS,
     build_model,
     export_checkpoint,
     full_batch,
@@ -135,6 +136,7 @@ def test_checkpoint_resume_is_exact(ranks, stage):
             torch.testing.assert_close(result["resumed"][name], tensor, atol=0, rtol=0)
         assert any(not torch.equal(t, result["after_one"][n])
                    for n, t in result["after_two"].items()), "step 2 changed nothing"
+        assert result["lrs"] == pytest.approx(SCHEDULE_LRS, rel=1e-12)  # schedule resumed
 
 
 @pytest.mark.distributed

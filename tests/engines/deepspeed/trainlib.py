@@ -14,7 +14,12 @@ import torch
 
 #: Adam with eps=1e-3 makes the post-step comparison about gradients, not about the
 #: float noise of near-zero gradients (see tests/engines/fsdp).
-OPTIM = {"lr": 0.01, "eps": 1e-3, "grad_clip": 0.0, "micro_batch_tokens": 24}
+#: A linear decay over 4 optimiser steps: the first step runs at `lr` (the one-process
+#: reference's), the checkpoint round trip must continue the schedule (`SCHEDULE_LRS`).
+OPTIM = {"lr": 0.01, "eps": 1e-3, "grad_clip": 0.0, "micro_batch_tokens": 24,
+         "lr_schedule": "linear", "total_steps": 4}
+#: The rates of steps 1, 2, 2 again after loading the step-1 checkpoint, and 3.
+SCHEDULE_LRS = (0.01, 0.0075, 0.0075, 0.005)
 SAMPLES = 8
 #: Sampling temperature the engines score at (not 1, so a missing division shows).
 TEMPERATURE = 0.7

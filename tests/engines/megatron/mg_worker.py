@@ -68,12 +68,14 @@ def main() -> None:
             ckpt = os.path.join(out_dir, f"ckpt-{name}")
             result["logprobs_one"] = engine.forward_logprobs(batch).values  # for the export
             engine.save_checkpoint(ckpt)
-            engine.train_step(batch, trainlib.nll_loss)
+            two_lr = engine.train_step(batch, trainlib.nll_loss)["lr"]
             two = exported(engine)
             engine.load_checkpoint(ckpt)
             result["version_loaded"] = engine.version
-            engine.train_step(batch, trainlib.nll_loss)
+            resumed_lr = engine.train_step(batch, trainlib.nll_loss)["lr"]
             result["resume"] = (two, exported(engine))
+            result["lrs"] = (result["metrics"]["lr"], two_lr, resumed_lr,
+                             engine.train_step(batch, trainlib.nll_loss)["lr"])
         engine.shutdown()
         if "fsdp" in name:
             result["fsdp_logprobs"] = fsdp_logprobs(model_path, batch, rank, world)

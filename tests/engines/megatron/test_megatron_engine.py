@@ -17,6 +17,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from tests.engines.deepspeed.trainlib import (  # noqa: E402
+    SCHEDULE_LRS,
     build_model,
     dumps,
     export_checkpoint,
@@ -162,6 +163,7 @@ def test_checkpoint_resume_is_exact(ranks, name):
         two, resumed = rank[name]["resume"]
         for (spec, a), (_, b) in zip(two, resumed):
             torch.testing.assert_close(b, a, atol=0, rtol=0, msg=spec.local_name)
+        assert rank[name]["lrs"] == pytest.approx(SCHEDULE_LRS, rel=1e-12)
 
 
 @pytest.mark.distributed
