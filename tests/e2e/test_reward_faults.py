@@ -7,8 +7,8 @@ import json
 
 import pytest
 
+from peerflow.errors import PeerFlowError
 from peerflow.worker.main import run_worker
-from peerflow.worker.reward_watch import RewardFailedError
 
 REWARDS = '''
 def always_raises(response, example):
@@ -34,26 +34,27 @@ def rewards(tmp_path, monkeypatch):
 
 def test_a_reward_failing_on_every_sample_stops_the_run(tmp_path, rewards, quickstart, tiny):
     run_dir = tmp_path / "run"
-    with pytest.raises(RewardFailedError) as info:
+    with pytest.raises(PeerFlowError) as info:  # it used to run to the end, exit 0
         run_worker(quickstart, [*tiny, "runtime.nprocs=1", "run.steps=4",
                                 "rollout.sampling.temperature=0.7",
-                                f"task.reward={rewards}:always_raises",
-                                "task.reward_limits.fatal_after_steps=2"], str(run_dir))
+                                f"task.reward={rewards}:always_raises"], str(run_dir))
     message = str(info.value)
-    assert ("reward 'always_raises' failed on every sample of the last 2 steps (up to step 2)"
+    assert type(info.value).__name__ == "RewardFailedError"
+    # task.reward_limits.fatal_after_steps: 3 by default
+    assert ("reward 'always_raises' failed on every sample of the last 3 steps (up to step 3)"
             in message)
     assert "Sample " in message and "KeyError: 'missing'" in message
     assert 'grader.py", line 3, in always_raises' in message  # the traceback
     steps = [json.loads(line)["step"] for line in open(run_dir / "metrics.jsonl")]
-    assert steps == [1, 2]  # stopped after step 2 of 4
+    assert steps == [1, 2, 3]  # stopped after step 3 of 4
     errors = [json.loads(line) for line in open(run_dir / "reward_errors.jsonl")]
-    assert len(errors) == 2 * 16 and {e["reward"] for e in errors} == {"always_raises"}
+    assert len(errors) == 3 * 16 and {e["reward"] for e in errors} == {"always_raises"}
 
 
 def test_reward_errors_are_kept_tallied_and_fail_the_run_past_the_share(tmp_path, rewards,
                                                                        quickstart, tiny):
     run_dir = tmp_path / "run"
-    with pytest.raises(RewardFailedError, match="max_failure_share=0.01"):
+    with pytest.raises(PeerFlowError, match="max_failure_share=0.01"):
         run_worker(quickstart, [*tiny, "runtime.nprocs=1", "rollout.sampling.temperature=0.7",
                                 "run.checkpoint_every=2", "task.reward_limits.workers=1",
                                 f"task.reward={rewards}:odd_lengths_raise",

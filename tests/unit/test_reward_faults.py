@@ -26,6 +26,10 @@ REWARDS = textwrap.dedent('''
         return [float(c.strip() == t) + step for c, t in zip(texts, ground_truth)]
 
 
+    def trl_plain(completions, ground_truth, **kwargs):
+        return [float(c == t) for c, t in zip(completions, ground_truth)]
+
+
     def trl_prompts(prompts, completions, **kwargs):
         """TRL's other common form; chat prompts give chat completions."""
         return [float(p[-1]["content"] in c[0]["content"]) if isinstance(p, list)
@@ -67,8 +71,12 @@ def _rewards(plugin_manager, *names, workers=0, **limits):
 @pytest.mark.parametrize("workers", [0, 2])
 def test_trl_style_rewards_get_dataset_columns_as_keyword_lists(reward_file, plugin_manager,
                                                                 workers):
+    _, plain = _rewards(plugin_manager, "trl_plain", workers=workers)
+    try:  # it used to get the examples as `ground_truth` and score 0
+        assert plain.score(["21", "8"], ROWS[:2]).total == [1.0, 0.0]
+    finally:
+        plain.close()
     _, rewards = _rewards(plugin_manager, "trl_truth", "trl_prompts", workers=workers)
-    assert all(c.shape.trl and c.shape.batched for c in rewards.components)
     chat = Example(prompt=[{"role": "user", "content": "3"}], answer="3", index=3,
                    metadata={"ground_truth": "3"})
     try:
@@ -82,6 +90,7 @@ def test_trl_style_rewards_get_dataset_columns_as_keyword_lists(reward_file, plu
     assert out.components["trl_prompts"] == [0.0, 0.0, 1.0, 1.0]
     assert out.metrics["reward/trl_truth/first_id"] == (5.0, 4)
     assert not any(out.failed) and not out.errors
+    assert all(c.shape.trl and c.shape.batched for c in rewards.components)
 
 
 def test_a_trl_keyword_that_is_no_column_is_refused_before_the_run(reward_file,
