@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 
+import attrs
 import torch
 import torch.distributed as dist
 
@@ -35,6 +36,13 @@ def main() -> None:
                            for n, p in engine.model.named_parameters()}
         out["fsdp"].append(step)
         engine.shutdown()
+    # Memory controls: bf16 compute, fp32 gradient reduction, CPU offload, checkpointing.
+    controls = FSDPTrainOptions(param_dtype="bfloat16", reduce_dtype="float32",
+                                cpu_offload=True)
+    engine = FSDPTrainEngine(context, controls, attrs.evolve(optim(True),
+                                                             activation_checkpointing=True))
+    out["fsdp_controls"] = one_step(engine, mine)
+    engine.shutdown()
     for padding_free in (False, True):
         engine = DeepSpeedTrainEngine(context, DeepSpeedOptions(zero_stage=3),
                                       optim(padding_free))

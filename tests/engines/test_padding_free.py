@@ -146,6 +146,11 @@ def test_fsdp2_and_zero3_padding_free_step_equals_padded_step(tmp_path, world):
         for name in ("fsdp", "deepspeed"):
             padded, packed = got[name]
             assert_same_step(padded, packed, (padded["weights"], packed["weights"]))
+            assert packed["metrics"]["memory/peak_rss_gib"] > 0
+        # bf16 compute (fp32 reduction, CPU offload, checkpointing): the fp32 step, roughly
+        controls, fp32 = got["fsdp_controls"]["metrics"], got["fsdp"][0]["metrics"]
+        for key in ("loss", "grad_norm"):
+            assert controls[key] == pytest.approx(fp32[key], rel=0.05), key
 
 
 def test_critic_values_padding_free_equal_padded(tiny_model):
@@ -161,3 +166,22 @@ def test_critic_values_padding_free_equal_padded(tiny_model):
         torch.nn.init.normal_(engine.model.score.weight)  # a zero head hides the backbone
         values.append(engine.forward_values(make_batch(engine.model.config.vocab_size)))
     torch.testing.assert_close(values[1].values, values[0].values, atol=2e-5, rtol=1e-5)
+
+
+def test_activation_checkpointing_gives_the_same_step(tiny_model):
+    import attrs
+
+    from peerflow import ParallelLayout
+    from peerflow.adapters.fsdp.engine import FSDPTrainEngine, FSDPTrainOptions
+    from peerflow.engines import EngineContext
+
+    context = EngineContext(model_path=tiny_model, layout=ParallelLayout(),
+                            temperature=TEMPERATURE)
+    steps = []
+    for checkpointing in (False, True):
+        settings = attrs.evolve(optim(True), activation_checkpointing=checkpointing)
+        engine = FSDPTrainEngine(context, FSDPTrainOptions(), settings)
+        assert engine.model.is_gradient_checkpointing is checkpointing
+        steps.append(one_step(engine, make_batch(engine.model.config.vocab_size))["metrics"])
+    for key in ("loss", "grad_norm", "entropy"):
+        assert steps[1][key] == pytest.approx(steps[0][key], rel=1e-5), key

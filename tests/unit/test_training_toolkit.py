@@ -236,7 +236,9 @@ def test_train_step_is_the_full_batch_gradient_whatever_the_micro_batches():
     whole, metrics = _train(micro_batch_tokens=1000)
     split, split_metrics = _train(micro_batch_tokens=6)
     torch.testing.assert_close(split.table.weight, whole.table.weight)
-    assert set(metrics) == {"tokens", "loss", "entropy", "grad_norm", "lr", "padded_tokens"}
+    assert set(metrics) == {"tokens", "loss", "entropy", "grad_norm", "lr", "padded_tokens",
+                            "memory/peak_rss_gib"}
+    assert 0 < metrics["memory/peak_rss_gib"] < 64  # this process's peak RSS in the step
     assert split_metrics["padded_tokens"] < metrics["padded_tokens"]  # one pass pads more
     for key in ("loss", "entropy", "grad_norm"):
         assert split_metrics[key] == pytest.approx(metrics[key], rel=1e-5)

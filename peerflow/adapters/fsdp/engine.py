@@ -18,8 +18,9 @@ those values with gradients in place of log-probs.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import attrs
 import torch
@@ -73,6 +74,15 @@ class FSDPTrainOptions:
     the same log-probs and gradients over fewer positions. Actors only (not `value_head`),
     and only under an attention backend that takes a custom 4D mask (`sdpa`, `eager`);
     under another (`flash_attention_2`) samples keep a row each, with a log line."""
+    param_dtype: Literal["bfloat16", "float32"] | None = None
+    """FSDP2 `MixedPrecisionPolicy.param_dtype` (sharded runs): the dtype blocks compute in;
+    `None`: bfloat16 under `trainer.bf16`, else the model's dtype."""
+    reduce_dtype: Literal["bfloat16", "float32"] | None = None
+    """FSDP2 `MixedPrecisionPolicy.reduce_dtype` (sharded runs): the dtype gradients are
+    reduce-scattered in; `None`: float32 under `trainer.bf16`, else `param_dtype`'s."""
+    cpu_offload: bool = False
+    """FSDP2 `CPUOffloadPolicy` (sharded runs): sharded parameters, gradients and the
+    optimiser step stay in host memory; each block is gathered to the device to compute."""
 
 
 class FSDPTrainEngine(CausalLMTrainEngine):
@@ -137,6 +147,10 @@ class FSDPTrainEngine(CausalLMTrainEngine):
         self.dp_group = None
         if self.distributed:
             self._shard(group)
+        elif self.options.cpu_offload or self.options.param_dtype or self.options.reduce_dtype:
+            warnings.warn("trainer.fsdp cpu_offload/param_dtype/reduce_dtype apply to sharded "
+                          "runs (dp*tp > 1); this one-process engine ignores them.",
+                          stacklevel=2)
         # The fused update is one kernel call over every parameter where torch's default
         # runs ~10 multi-tensor ops, each re-planned by DTensor's dispatcher every step.
         # Both group tensors across DTensor meshes, which tensor parallelism's mixed
@@ -162,12 +176,15 @@ class FSDPTrainEngine(CausalLMTrainEngine):
             dp_mesh = mesh["dp"]
             apply_tensor_parallel(self.model, mesh["tp"])
         self.dp_group = dp_mesh.get_group()
-        apply_fsdp(
-            self.model,
-            dp_mesh,
-            bf16=self.bf16,
-            reshard_after_forward=self.options.reshard_after_forward,
-        )
+        options = self.options
+        bf16 = torch.bfloat16 if self.bf16 else None
+        param_dtype = getattr(torch, options.param_dtype) if options.param_dtype else bf16
+        reduce_dtype = getattr(torch, options.reduce_dtype) if options.reduce_dtype \
+            else torch.float32 if self.bf16 else None
+        apply_fsdp(self.model, dp_mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                   cpu_offload=options.cpu_offload,
+                   reshard_after_forward=options.reshard_after_forward)
+        self._compute_dtype = param_dtype or self._compute_dtype
 
     # -- what the training toolkit needs ---------------------------------------------------
 

@@ -111,16 +111,31 @@ def apply_tensor_parallel(module: nn.Module, tp_mesh: Any) -> None:
         parallelize_module(block, tp_mesh, {k: styles[v]() for k, v in TP_PLAN.items()})
 
 
-def apply_fsdp(module: nn.Module, dp_mesh: Any, *, bf16: bool, reshard_after_forward: bool):
-    """Shards every block, then the root, with FSDP2 over `dp_mesh` (in place)."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+def apply_fsdp(module: nn.Module, dp_mesh: Any, *, param_dtype: torch.dtype | None,
+               reduce_dtype: torch.dtype | None, cpu_offload: bool,
+               reshard_after_forward: bool) -> None:
+    """Shards every block, then the root, with FSDP2 over `dp_mesh` (in place).
 
-    policy = MixedPrecisionPolicy(
-        param_dtype=torch.bfloat16 if bf16 else None,
-        reduce_dtype=torch.float32 if bf16 else None,
-    )
+    Args:
+        module: The model.
+        dp_mesh: The data-parallel mesh.
+        param_dtype: `MixedPrecisionPolicy.param_dtype`: the dtype gathered parameters
+            compute in (`None`: the parameters' own).
+        reduce_dtype: `MixedPrecisionPolicy.reduce_dtype`: the dtype gradients are
+            reduce-scattered in (`None`: `param_dtype`'s).
+        cpu_offload: Keep sharded parameters, gradients and the optimiser step on the
+            host (`CPUOffloadPolicy`), gathered to the device for each block.
+        reshard_after_forward: Free gathered parameters after forward.
+    """
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    extra: dict[str, Any] = {}
+    if cpu_offload:
+        pin = dp_mesh.device_type == "cuda"
+        extra["offload_policy"] = CPUOffloadPolicy(pin_memory=pin)
     for block in block_modules(module):
-        fully_shard(
-            block, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward
-        )
-    fully_shard(module, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+        fully_shard(block, mesh=dp_mesh, mp_policy=policy,
+                    reshard_after_forward=reshard_after_forward, **extra)
+    fully_shard(module, mesh=dp_mesh, mp_policy=policy,
+                reshard_after_forward=reshard_after_forward, **extra)
