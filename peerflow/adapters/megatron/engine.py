@@ -190,7 +190,11 @@ class MegatronTrainEngine(MegatronCheckpoints, CausalLMTrainEngine):
         self.dp_rank = ps.get_data_parallel_rank()
         self.dp_group = ps.get_data_parallel_group()
         self.device = torch.device(context.device)
-        dtype = torch.bfloat16 if self.optim.bf16 else torch_dtype(context.dtype)
+        # bfloat16 parameters keep float32 main copies only in Megatron's distributed
+        # optimizer; `auto` takes them there alone (AdamW on bfloat16 weights loses small
+        # updates), `true` forces them.
+        bf16 = self.optim.bf16 and (optim.bf16 is True or options.use_distributed_optimizer)
+        dtype = torch.bfloat16 if bf16 else torch_dtype(context.dtype)
         self.dtype = dtype
 
         self.hf_config = AutoConfig.from_pretrained(context.model_path)
