@@ -193,6 +193,9 @@ def export(run_dir: str | Path, out_dir: str | Path, *, step: int | None = None,
         raise ConfigError(f"{run_dir} is not a run directory (no config.yaml); give the "
                           "directory `peerflow train` wrote (--run-dir).")
     config = load_config(run_dir / "config.yaml")
+    if getattr(config.trainer, "lora", None) is not None:
+        raise ConfigError(f"{run_dir} trained LoRA adapters (trainer.lora); its checkpoints "
+                          "hold the adapters only, which this export does not write yet.")
     info = choose_checkpoint(run_dir, step, log)
     role_dir = info.path / ROLE
     if not role_dir.is_dir():
