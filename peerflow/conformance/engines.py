@@ -32,7 +32,8 @@ def world_group() -> Any:
     return dist.group.WORLD
 
 
-def build_engine(profile: AdapterProfile, model_dir: str, *, device: str | None = None) -> Any:
+def build_engine(profile: AdapterProfile, model_dir: str, *, device: str | None = None,
+                 lora: Any = None) -> Any:
     """Builds a one-rank engine of `profile` on `model_dir` (the adapter's hook wins).
 
     Args:
@@ -40,16 +41,18 @@ def build_engine(profile: AdapterProfile, model_dir: str, *, device: str | None 
         model_dir: The tiny checkpoint.
         device: Where the engine computes; this rank's accelerator when there is one
             (`peerflow.distributed.devices.rank_device`), else the CPU.
+        lora: `trainer.lora` settings (`EngineContext.lora`) for the LoRA layer; the
+            adapter's `conformance_engine` hook builds engines without adapters only.
     """
     from peerflow.distributed.devices import rank_device
 
     device = str(rank_device()) if device is None else device
     hook = profile.hook("conformance_engine")
-    if hook is not None:
+    if hook is not None and lora is None:
         return hook(model_dir, device=device)
     group = world_group()
     context = EngineContext(model_path=model_dir, layout=ParallelLayout(), rank=0,
-                            dtype="float32", device=device, process_group=group)
+                            dtype="float32", device=device, process_group=group, lora=lora)
     options = profile.cls.options_class()
     if profile.kind == "train":
         return profile.cls(context, options, OptimSettings())

@@ -13,12 +13,15 @@ Layers, selectable with `-m "peerflow_layer(…)"`-free `-k l0_`, `-k l2_`, …:
    (rollout adapters also from every registered trainer layout);
 3. the real engine: declared layout equals the engine's, bit-exact load/export read back
    around the adapter, corrupt-then-restore, log-probs against a plain HF model;
+   LoRA (`layer_lora`, `-k lora`): with `Capabilities.lora`, adapter-only syncs and
+   training against transformers + peft;
 4. GPU-only checks (marked `gpu`).
 """
 
 from __future__ import annotations
 
 from peerflow.conformance.layer3_rollout import Layer3RolloutEngine
+from peerflow.conformance.layer_lora import LayerLora
 from peerflow.conformance.layers import (
     Layer0Surface,
     Layer1Layouts,
@@ -29,14 +32,14 @@ from peerflow.conformance.layers_engine import Layer3TrainEngine, Layer4Gpu
 
 
 class RolloutAdapterSuite(Layer0Surface, Layer1Layouts, Layer2RoundTrip, Layer2FromTrainers,
-                          Layer3RolloutEngine, Layer4Gpu):
+                          Layer3RolloutEngine, LayerLora, Layer4Gpu):
     """Every layer for a `peerflow.RolloutEngine` adapter (its shards are destinations)."""
 
     suite_kind = "rollout"
 
 
 class TrainAdapterSuite(Layer0Surface, Layer1Layouts, Layer2RoundTrip, Layer3TrainEngine,
-                        Layer4Gpu):
+                        LayerLora, Layer4Gpu):
     """Every layer for a `peerflow.TrainEngine` adapter (its shards are sources)."""
 
     suite_kind = "train"

@@ -43,6 +43,20 @@ class VLLMConformanceHooks:
         return dict(engine.llm.collective_rpc("peerflow_read_params")[0])
 
     @classmethod
+    def conformance_read_adapters(cls, engine: Any) -> dict[str, torch.Tensor]:
+        """The adapter tensors vLLM serves now: the directory of its live `LoRARequest`.
+
+        vLLM loads that directory itself (its LoRA manager re-lays the tensors out per
+        module and tp worker); the LoRA layer's log-prob check covers that last hop.
+        """
+        from safetensors.torch import load_file
+
+        request = engine._adapters.request if engine._adapters is not None else None
+        if request is None:
+            return {}
+        return load_file(f"{request.lora_path}/adapter_model.safetensors")
+
+    @classmethod
     def conformance_scribble(cls, engine: Any) -> None:
         """Overwrites every vLLM parameter with a constant, inside vLLM's workers."""
         engine.llm.collective_rpc("peerflow_fill", args=(0.0123,))
