@@ -59,7 +59,7 @@ import json
 import math
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -134,6 +134,12 @@ class MetricsWriter(contextlib.AbstractContextManager["MetricsWriter"]):
         return record
 
     __call__ = write
+
+    def log_samples(self, step: int, records: Sequence[Mapping[str, Any]], kind: str) -> None:
+        """Mirrors the samples of `step` (`kind`: `train` or `eval`) to every tracker."""
+        if records:
+            for tracker in self.trackers:
+                tracker.log_samples(step, records, kind)
 
     def close(self, failed: bool = False) -> None:
         """Flushes and closes every sink (`failed`: the run ended in an error); idempotent."""

@@ -1,8 +1,10 @@
 """Metric trackers beside `metrics.jsonl`: TensorBoard, Weights & Biases, MLflow.
 
 Every tracker implements one small interface (`Tracker`): `log(step, record)` gets each
-record `metrics.jsonl` gets (its `null`s left out), `close(failed)` ends the run there,
-and `location` says where to look (the end-of-run summary prints it). `open_trackers`
+record `metrics.jsonl` gets (its `null`s left out), `log_samples(step, records, kind)`
+the samples `RUN_DIR/samples/` gets (a table: TensorBoard text, a W&B table, an MLflow
+artifact), `close(failed)` ends the run there, and `location` says where to look (the
+end-of-run summary prints it). `open_trackers`
 opens the ones `run.tensorboard`, `run.wandb` and `run.mlflow` switch on, with the
 options of `run.trackers` (`peerflow.config.tracking`). A switched-on tracker whose
 package is missing is refused with the install command (`peerflow config validate`
@@ -16,7 +18,7 @@ import os
 import re
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -28,6 +30,21 @@ TENSORBOARD_DIR = "tb"
 TENSORBOARD_FLUSH_S = 5
 #: Where an MLflow run's id is kept, so that a resumed run continues the same MLflow run.
 MLFLOW_RUN_FILE = "mlflow_run.json"
+#: Sample fields the trackers show, in this order (`peerflow.outputs.samples`).
+SAMPLE_COLUMNS = ("step", "mode", "sample_id", "group_id", "reward", "advantage",
+                  "finish_reason", "response_tokens", "num_turns", "prompt", "response",
+                  "components")
+
+
+def sample_table(records: Sequence[Mapping[str, Any]]) -> tuple[list[str], list[list[Any]]]:
+    """The columns the records have (of `SAMPLE_COLUMNS`) and one row per record.
+
+    `components` (each reward's score) is written as a JSON object in one cell.
+    """
+    columns = [c for c in SAMPLE_COLUMNS if any(c in r for r in records)]
+    rows = [[json.dumps(r.get(c)) if c == "components" else r.get(c) for c in columns]
+            for r in records]
+    return columns, rows
 
 
 class Tracker(Protocol):
@@ -38,6 +55,9 @@ class Tracker(Protocol):
 
     def log(self, step: int, record: Mapping[str, float | int]) -> None:
         """Records one step's scalars (no `step` key, no `None` values)."""
+
+    def log_samples(self, step: int, records: Sequence[Mapping[str, Any]], kind: str) -> None:
+        """Records the samples of `step` as a table (`kind`: `train` or `eval`)."""
 
     def close(self, failed: bool = False) -> None:
         """Flushes and ends the run here (`failed`: the run ended with an error)."""
@@ -73,6 +93,19 @@ class TensorBoardTracker:
                                  for name, value in record.items()])
         self._writer.add_summary(summary, global_step=step)
 
+    def log_samples(self, step: int, records: Sequence[Mapping[str, Any]], kind: str) -> None:
+        """Writes the samples as a Markdown table (TensorBoard's Text tab, `samples/<kind>`)."""
+        from torch.utils.tensorboard.summary import text
+
+        columns, rows = sample_table(records)
+
+        def cell(value: Any) -> str:
+            return str(value).replace("|", "\\|").replace("\n", "<br>")
+
+        table = [" | ".join(columns), " | ".join("---" for _ in columns)]
+        table += [" | ".join(cell(v) for v in row) for row in rows]
+        self._writer.add_summary(text(f"samples/{kind}", "\n".join(table)), global_step=step)
+
     def close(self, failed: bool = False) -> None:
         """Writes the pending events."""
         self._writer.close()
@@ -104,6 +137,13 @@ class WandbTracker:
     def log(self, step: int, record: Mapping[str, float | int]) -> None:
         """Logs the step's scalars at `step`."""
         self.run.log(dict(record), step=step)
+
+    def log_samples(self, step: int, records: Sequence[Mapping[str, Any]], kind: str) -> None:
+        """Logs the samples as a `wandb.Table` under `samples/<kind>`."""
+        import wandb
+
+        columns, rows = sample_table(records)
+        self.run.log({f"samples/{kind}": wandb.Table(columns=columns, data=rows)}, step=step)
 
     def close(self, failed: bool = False) -> None:
         """Finishes the W&B run (exit code 1 when the run failed)."""
@@ -181,6 +221,11 @@ class MlflowTracker:
                    for k, v in record.items()]
         for start in range(0, len(metrics), 1000):
             self.client.log_batch(self.run_id, metrics=metrics[start:start + 1000])
+
+    def log_samples(self, step: int, records: Sequence[Mapping[str, Any]], kind: str) -> None:
+        """Logs the samples as the artifact `samples/<kind>_step_<step>.jsonl`."""
+        text = "".join(json.dumps(dict(r), ensure_ascii=False) + "\n" for r in records)
+        self.client.log_text(self.run_id, text, f"samples/{kind}_step_{step}.jsonl")
 
     def close(self, failed: bool = False) -> None:
         """Marks the MLflow run finished (or failed)."""

@@ -140,6 +140,18 @@ class RunOutputs:
         if self.writer is not None and (due or force):
             self.writer.write(step, metrics)
         self.progress.update(step, metrics, line=due or force)
+        if self.writer is not None and any(name.startswith("eval/") for name in metrics):
+            from peerflow.outputs.samples import read_samples
+
+            with contextlib.suppress(FileNotFoundError):  # evaluation wrote its samples
+                self.mirror_samples(step, read_samples(self.writer.run_dir, step,
+                                                       evaluation=True)[1], kind="eval")
+
+    def mirror_samples(self, step: int, records: list[dict[str, Any]], kind: str = "train"
+                       ) -> None:
+        """Hands the samples the reporting rank wrote to the trackers (a table each)."""
+        if self.writer is not None:
+            self.writer.log_samples(step, records, kind)
 
     def summarize(self, rt: WorkerRuntime, step: int, seconds: float) -> None:
         """Prints the end-of-run summary on the reporting rank (`console.run_summary`)."""
@@ -213,8 +225,8 @@ def drive(rt: WorkerRuntime, schedule: Schedule, stage: Any, *, resuming: bool =
                 since = now
                 rt.step = step
                 record_batch_metrics(batch, metrics)
-                write_step_samples(rt, step, batch, group=schedule.group,
-                                   reports=schedule.reports)
+                outputs.mirror_samples(step, write_step_samples(
+                    rt, step, batch, group=schedule.group, reports=schedule.reports))
                 stopping.offer(metrics)
                 reduced = finish_metrics(exchange.reduce(metrics), step)
                 if schedule.reports:

@@ -120,19 +120,24 @@ def gather_records(records: list[dict[str, Any]], group: Any = None) -> list[lis
 
 
 def write_step_samples(rt: WorkerRuntime, step: int, batch: Batch, *, group: Any,
-                       reports: bool) -> None:
+                       reports: bool) -> list[dict[str, Any]]:
     """Writes `run.samples_per_step` samples of `step` (collective over `group`).
 
     Every rank of `group` calls it after each step; the reporting rank writes
     `samples/step_N.jsonl`. Does nothing when `run.samples_per_step` is 0.
+
+    Returns:
+        On the reporting rank, the records written (for the trackers); else none.
     """
     limit = rt.config.run.samples_per_step
     if not limit:
-        return
+        return []
     mine = sample_records(batch, rt.tokenizer, step, limit=limit)
     merged = merge_records(gather_records(mine, group), limit)
-    if reports:
-        write_samples(rt.run_dir, step, merged)
+    if not reports:
+        return []
+    write_samples(rt.run_dir, step, merged)
+    return merged
 
 
 def write_eval_samples(rt: WorkerRuntime, step: int,

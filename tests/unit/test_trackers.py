@@ -11,6 +11,15 @@ from peerflow.config import load_config, validate_config
 from peerflow.errors import ConfigError
 from peerflow.outputs import MetricsWriter, read_metrics
 
+#: Two samples as `peerflow.worker.samples` writes them (one with a `|` and a line break).
+SAMPLES = [
+    {"step": 1, "sample_id": 0, "group_id": 0, "prompt": "12>", "response": "21|x\ny",
+     "reward": 1.0, "components": {"acc": 1.0}, "advantage": 0.5, "finish_reason": "stop",
+     "response_tokens": 3},
+    {"step": 1, "sample_id": 1, "group_id": 0, "prompt": "12>", "response": "11",
+     "reward": 0.0, "components": {"acc": 0.0}, "advantage": -0.5, "finish_reason": "length",
+     "response_tokens": 4},
+]
 WANDB = ["run.wandb=true", "run.tensorboard=false", "run.trackers.wandb.project=rl-tests",
          "run.trackers.wandb.entity=my-team", "run.trackers.wandb.name=grpo-lr1e-6",
          "run.trackers.wandb.tags=[grpo, tiny]", "run.trackers.wandb.group=sweep-3",
@@ -32,6 +41,7 @@ def test_wandb_gets_project_entity_name_tags_group_from_the_config(tmp_path, mon
             "rl-tests", "my-team", "grpo-lr1e-6", "sweep-3")
         assert tuple(run.tags) == ("grpo", "tiny") and run.id == "run-1"
         assert run.config["trainer"]["lr"] == config.trainer.lr  # the resolved config
+        writer.log_samples(1, SAMPLES, "train")
         writer(1, {"reward/mean": 0.25, "actor/grad_norm": float("nan")})
         writer(2, {"reward/mean": 0.75})
         assert "offline in" in tracker.location and "wandb sync" in tracker.location
@@ -42,7 +52,8 @@ def test_wandb_gets_project_entity_name_tags_group_from_the_config(tmp_path, mon
     while b"reward/mean" not in (data := (offline / "run-run-1.wandb").read_bytes()):
         assert time.monotonic() < deadline, data
         time.sleep(0.2)
-    for text in (b"rl-tests", b"my-team", b"grpo-lr1e-6", b"sweep-3", b"tiny", b"reward/mean"):
+    for text in (b"rl-tests", b"my-team", b"grpo-lr1e-6", b"sweep-3", b"tiny", b"reward/mean",
+                 b"samples/train"):
         assert text in data, text
     assert [r["step"] for r in read_metrics(run_dir)] == [1, 2]
 
@@ -57,6 +68,7 @@ def test_mlflow_run_in_a_local_file_store_and_resumed(tmp_path, monkeypatch):
                                 "run.trackers.mlflow.tags={team: post-training}"])
     run_dir = tmp_path / "run"
     with MetricsWriter(run_dir, config) as writer:
+        writer.log_samples(1, SAMPLES, "train")
         writer(1, {"reward/mean": 0.25, "pass@2": 0.5, "time/route_a->b@train": 0.1})
     # a resumed run (the same run directory) continues the same MLflow run
     with MetricsWriter(run_dir, config) as writer:
@@ -70,6 +82,8 @@ def test_mlflow_run_in_a_local_file_store_and_resumed(tmp_path, monkeypatch):
     history = client.get_metric_history(run.info.run_id, "reward/mean")
     assert [(m.step, m.value) for m in history] == [(1, 0.25), (2, 0.75)]
     assert client.get_metric_history(run.info.run_id, "time/route_a-_b_train")[0].value == 0.1
+    (artifact,) = client.list_artifacts(run.info.run_id, "samples")
+    assert artifact.path == "samples/train_step_1.jsonl"
     saved = json.loads((run_dir / "mlflow_run.json").read_text())
     assert saved["run_id"] == run.info.run_id
 
@@ -85,3 +99,20 @@ def test_tracker_options_for_a_tracker_that_is_off_are_an_error():
     assert "run.trackers.mlflow sets tags but run.mlflow is false" in message
     with pytest.raises(ConfigError, match=r"run.trackers.wandb.mode: 'offlin' is not one of"):
         load_config(None, ["run.trackers.wandb.mode=offlin"])
+
+
+def test_tensorboard_gets_the_samples_as_a_text_table(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    with MetricsWriter(tmp_path) as writer:
+        writer.log_samples(1, SAMPLES, "train")
+        writer.log_samples(1, [], "eval")  # nothing to show: nothing written
+    acc = EventAccumulator(str(tmp_path / "tb"), size_guidance={"tensors": 0})
+    acc.Reload()
+    assert acc.Tags()["tensors"] == ["samples/train/text_summary"]
+    (event,) = acc.Tensors("samples/train/text_summary")
+    table = event.tensor_proto.string_val[0].decode().splitlines()
+    assert table[0] == ("step | sample_id | group_id | reward | advantage | finish_reason | "
+                        "response_tokens | prompt | response | components")
+    assert table[2].startswith("1 | 0 | 0 | 1.0 | 0.5 | stop | 3 | 12> | 21\\|x<br>y | ")
+    assert event.step == 1 and len(table) == 4
