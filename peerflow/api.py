@@ -4,7 +4,10 @@ Both run the same launcher as the CLI (`peerflow train` / `peerflow eval`): the 
 validated here, before any worker starts, then worker processes are spawned (or, under
 `torchrun`, this process is one). A reward given as a Python function must be importable
 by those processes — a top-level function of a module or a `.py` file; a lambda, a nested
-function or one typed into a notebook is refused with the fix. `peerflow.export` writes a
+function or one typed into a notebook is refused with the fix. A script needs no
+`if __name__ == "__main__":` guard unless it defines its own reward function (then the
+call is refused, naming the line to indent); standard input (`python - <<EOF`) and
+notebooks work too (`peerflow.launch.mainguard`). `peerflow.export` writes a
 run's checkpoint as a Hugging Face model directory (`peerflow export`).
 
     import peerflow
@@ -17,9 +20,10 @@ run's checkpoint as a Hugging Face model directory (`peerflow export`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import tempfile
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -75,18 +79,43 @@ def _name(config: ConfigSource) -> str:
 
 
 def _prepare(config: ConfigSource, overrides: Any, reward_fn: RewardSource | None,
-             nprocs: int | None) -> tuple[str, list[str], Any]:
+             nprocs: int | None, call: str) -> tuple[str, list[str], Any]:
     """Returns `(config path, overrides, validated RunConfig)`.
 
-    Validates before any directory or process is created, as the CLI does.
+    Validates before any directory or process is created, as the CLI does; first of all
+    refuses a top-level call in a script that defines its own reward
+    (`peerflow.launch.mainguard`), since loading the reward would run the call again.
     """
+    from peerflow.checkpoint.inputs import reward_refs
     from peerflow.cli.train_cmd import check_config
+    from peerflow.config import load_config, unstructure
+    from peerflow.launch.mainguard import check_main_guard
 
     extra = _overrides(overrides) + _reward_overrides(reward_fn)
     if nprocs is not None:
         extra.append(f"runtime.nprocs={nprocs}")
     config_path = _config_path(config)
+    check_main_guard(reward_refs(unstructure(load_config(config_path, extra))), call)
     return config_path, extra, check_config(config_path, extra)
+
+
+@contextlib.contextmanager
+def _run_dir(run_dir: str | Path | None, name: str) -> Iterator[Path]:
+    """The run directory, locked while the run uses it.
+
+    One this call created is removed if the run left it empty (it failed first).
+    """
+    from peerflow.outputs import RunLock, create_run_dir
+
+    path = create_run_dir(run_dir, name=name)
+    fresh = run_dir is None or not any(path.iterdir())
+    try:
+        with RunLock(path):
+            yield path
+    except BaseException:
+        if fresh and path.is_dir() and not any(path.iterdir()):
+            path.rmdir()
+        raise
 
 
 def train(config: ConfigSource, overrides: Mapping[str, Any] | Sequence[str] | None = None,
@@ -108,14 +137,14 @@ def train(config: ConfigSource, overrides: Mapping[str, Any] | Sequence[str] | N
         WorkerFailedError: a worker died or raised.
     """
     from peerflow.launch import launch
-    from peerflow.outputs import create_run_dir
 
-    config_path, extra, settings = _prepare(config, overrides, reward_fn, nprocs)
-    path = create_run_dir(run_dir, name=_name(config))
-    launch(config_path=config_path, overrides=extra, run_dir=str(path),
-           nprocs=settings.runtime.nprocs, launcher=launcher,
-           fault_timeout=settings.runtime.fault_timeout,
-           wait_timeout=settings.runtime.peer_wait_timeout)
+    config_path, extra, settings = _prepare(config, overrides, reward_fn, nprocs,
+                                            "peerflow.train()")
+    with _run_dir(run_dir, _name(config)) as path:
+        launch(config_path=config_path, overrides=extra, run_dir=str(path),
+               nprocs=settings.runtime.nprocs, launcher=launcher,
+               fault_timeout=settings.runtime.fault_timeout,
+               wait_timeout=settings.runtime.peer_wait_timeout)
     return path
 
 
@@ -135,19 +164,19 @@ def evaluate(config: ConfigSource, checkpoint: str | Path | None = None,
         launcher: `elastic` or `ray`.
     """
     from peerflow.launch import launch
-    from peerflow.outputs import create_run_dir
 
     if checkpoint is not None and not Path(checkpoint).expanduser().is_dir():
         raise ConfigError(f"--checkpoint {str(checkpoint)!r} is not a directory; give a run "
                           "directory or one of its checkpoints/step_* directories.")
-    config_path, extra, settings = _prepare(config, overrides, reward_fn, nprocs)
-    path = create_run_dir(out_dir, name=f"eval-{_name(config)}")
-    launch(config_path=config_path, overrides=extra, run_dir=str(path),
-           resume=str(Path(checkpoint).resolve()) if checkpoint is not None else None,
-           nprocs=settings.runtime.nprocs, launcher=launcher,
-           fault_timeout=settings.runtime.fault_timeout,
-           wait_timeout=settings.runtime.peer_wait_timeout,
-           entry="peerflow.worker.main:run_eval_worker")
+    config_path, extra, settings = _prepare(config, overrides, reward_fn, nprocs,
+                                            "peerflow.evaluate()")
+    with _run_dir(out_dir, f"eval-{_name(config)}") as path:
+        launch(config_path=config_path, overrides=extra, run_dir=str(path),
+               resume=str(Path(checkpoint).resolve()) if checkpoint is not None else None,
+               nprocs=settings.runtime.nprocs, launcher=launcher,
+               fault_timeout=settings.runtime.fault_timeout,
+               wait_timeout=settings.runtime.peer_wait_timeout,
+               entry="peerflow.worker.main:run_eval_worker")
     return json.loads((path / "eval.json").read_text())
 
 

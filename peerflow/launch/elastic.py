@@ -16,6 +16,7 @@ from peerflow.distributed.stop import LauncherStopHandler, read_stop, stop_reaso
 from peerflow.errors import RunInterruptedError, WorkerFailedError
 from peerflow.launch.entry import WorkerCommand, worker_entry
 from peerflow.launch.lifeline import LAUNCHER_PID_ENV
+from peerflow.launch.mainguard import main_module_hidden
 from peerflow.launch.warm import environment_changes, start_warm_server
 from peerflow.launch.watch import FaultStore
 
@@ -112,7 +113,8 @@ def launch_elastic(command: WorkerCommand, *, nprocs: int) -> None:
     try:
         if warm:  # after store.export(): workers see the store's address
             command = attrs.evolve(command, environ=environment_changes())
-        elastic_launch(config, worker_entry)(*command.args())
+        with main_module_hidden():  # workers need nothing of the caller's script
+            elastic_launch(config, worker_entry)(*command.args())
     except (KeyboardInterrupt, SignalException):
         raise RunInterruptedError(f"interrupted ({stopper.reason or 'Ctrl-C'}); every "
                                   "worker was stopped at once") from None

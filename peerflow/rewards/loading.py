@@ -223,11 +223,12 @@ def callable_target(fn: Callable[..., Any], key: str = "reward_fn") -> str:
     module = sys.modules.get(module_name)
     if module_name == "__main__" or module_name.startswith("peerflow_reward_"):
         path = getattr(module, "__file__", None)
-        if not path:
+        if not path or not Path(path).is_file():  # a notebook, a REPL or `python -`
             raise RewardLoadError(
-                f"{key}: {qualname!r} is defined in an interactive session (notebook or "
-                "REPL), which worker processes cannot import; move it into a .py file and "
-                "pass 'path/to/file.py:" + qualname + "' or the imported function."
+                f"{key}: {qualname!r} is defined in an interactive session (notebook, "
+                "REPL or standard input), which worker processes cannot import; move it "
+                "into a .py file and pass 'path/to/file.py:" + qualname + "' or the "
+                "imported function."
             )
         return f"{Path(path).resolve()}:{qualname}"
     return f"{module_name}:{qualname}"
