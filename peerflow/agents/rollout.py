@@ -37,6 +37,7 @@ import torch
 from peerflow.agents.concurrent import Outcome, run_with_limits
 from peerflow.agents.environment import Environment, StepResult, Turn
 from peerflow.agents.render import TurnRenderer
+from peerflow.algorithms.base import dataset_row
 from peerflow.batch import LOSS_MASK, Batch, RaggedField
 from peerflow.engines import GenerationRequest, RolloutEngine, SamplingParams
 from peerflow.streaming.versions import TOKEN_VERSIONS, token_versions
@@ -183,7 +184,7 @@ class AgentRollout:
                into: list[Trajectory]) -> None:
         """Creates `n` episodes per draw into `into` (so they are closed whatever happens)."""
         for draw in draws:
-            row = getattr(draw.example, "index", "?")
+            row = dataset_row(draw.example)
             group: list[Trajectory] = []
             try:
                 for k in range(n):
@@ -193,13 +194,13 @@ class AgentRollout:
                 prompts = [first_prompt(tokenizer, t.env) for t in group]
             except Exception as exc:
                 raise RuntimeError(
-                    f"environment {self.env_cls.name!r} could not start an episode for dataset "
-                    f"row {row} ({type(exc).__name__}: {exc}); its __init__, initial_prompt() "
+                    f"environment {self.env_cls.name!r} could not start an episode for "
+                    f"{row} ({type(exc).__name__}: {exc}); its __init__, initial_prompt() "
                     "and tool_schemas() must work for every example of the task.") from exc
             if any(p != prompts[0] for p in prompts):
                 raise RuntimeError(
-                    f"environment {self.env_cls.name!r} gave the {n} trajectories of dataset "
-                    f"row {row} different first prompts; a group's trajectories answer one "
+                    f"environment {self.env_cls.name!r} gave the {n} trajectories of "
+                    f"{row} different first prompts; a group's trajectories answer one "
                     "prompt (GRPO compares them), so initial_prompt() must depend on the "
                     "example only — randomise later turns."
                 )

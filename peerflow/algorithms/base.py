@@ -67,6 +67,12 @@ class Example:
     rewards inside their `example` dict."""
 
 
+def dataset_row(example: Any) -> str:
+    """How a message names an example's (or an index's) row: `dataset row N`, from 1."""
+    index = example if isinstance(example, int) else getattr(example, "index", None)
+    return f"dataset row {index + 1}" if isinstance(index, int) else "dataset row ?"
+
+
 class _Component:
     name: ClassVar[str]
     options_class: ClassVar[type] = NoOptions

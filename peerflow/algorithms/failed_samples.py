@@ -54,6 +54,7 @@ from typing import Any
 
 import torch
 
+from peerflow.algorithms.base import dataset_row
 from peerflow.batch import Batch, RaggedField
 
 #: `finish_reason`s of trajectories the environment failed (not the model's doing).
@@ -121,10 +122,10 @@ def _log_new_kinds(batch: Batch, faults: torch.Tensor, policy: str) -> None:
             _logged_kinds.add(kind)
         example = batch["example"][i] if "example" in batch else None
         log.warning(
-            "environment error (%s) in sample %d, dataset row %s: %s — "
+            "environment error (%s) in sample %d, %s: %s — "
             "rollout.agent.on_env_error=%s %s; later errors of this kind are only counted "
             "(metric agent/env_errors).", kind, int(batch.sample_id[i]),
-            getattr(example, "index", "?"), text or "(no text)", policy,
+            dataset_row(example), text or "(no text)", policy,
             {"drop_group": "leaves its whole group out of training",
              "mask": "leaves this trajectory out of training and of its group's baseline",
              "train": "trains on it anyway"}[policy])

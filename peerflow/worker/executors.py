@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch
 
+from peerflow.algorithms.base import dataset_row
 from peerflow.batch import Batch
 from peerflow.distributed import describe_stage
 from peerflow.worker.metrics import StepMetrics
@@ -140,7 +141,7 @@ def _samples(batch: Batch) -> str:
     if not len(batch) or "example" not in batch:
         return f"sample_id {shown}"
     first = batch["example"][0]
-    return (f"sample_id {shown}; first: dataset row {getattr(first, 'index', '?')}, prompt "
+    return (f"sample_id {shown}; first: {dataset_row(first)}, prompt "
             f"{str(getattr(first, 'prompt', ''))[:60]!r}")
 
 

@@ -22,6 +22,7 @@ from typing import Any
 
 import attrs
 
+from peerflow.algorithms.base import dataset_row
 from peerflow.errors import PeerFlowError
 
 log = logging.getLogger("peerflow.worker")
@@ -80,7 +81,7 @@ class RewardWatch:
         error = last_reward_error(self.run_dir, name)
         steps = self._streaks[name]
         where = ("" if error is None else
-                 f" Sample {error['sample_id']} (dataset row {error['prompt_index']}): "
+                 f" Sample {error['sample_id']} ({dataset_row(error['prompt_index'])}): "
                  f"{error['message']}\n{error.get('traceback') or '(no traceback)'}")
         return (f"reward {name!r} failed on every sample of the last {steps} steps (up to "
                 f"step {step}), so the run would learn nothing from it; stopping.{where}\n"

@@ -295,6 +295,6 @@ def test_an_environment_that_cannot_start_names_itself_and_closes_the_others(eng
             closed.append(self.example.prompt)
 
     with pytest.raises(RuntimeError, match=r"environment 'echo-test' could not start an "
-                                           r"episode for dataset row 1 \(KeyError"):
+                                           r"episode for dataset row 2 \(KeyError"):
         _driver(Fragile)(engine, engine.tokenizer, _draws(), _sampling())
     assert closed == ["12>", "12>"]

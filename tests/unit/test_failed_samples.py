@@ -267,7 +267,7 @@ def test_the_first_error_of_each_kind_is_logged_once(batch, caplog, monkeypatch)
     assert len(lines) == 1
     assert "env_error: flaky-calculator-test.step raised ConnectionError" in lines[0]
     assert "sandbox pool unreachable (connection refused)" in lines[0]
-    assert "sample 1, dataset row 0" in lines[0] and "whole group" in lines[0]
+    assert "sample 1, dataset row 1" in lines[0] and "whole group" in lines[0]
 
 
 def test_an_unknown_policy_is_refused_with_the_choices(batch):

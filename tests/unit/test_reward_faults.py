@@ -189,7 +189,7 @@ def test_reward_watch_stops_after_steps_of_failing_on_everything(tmp_path):
         watch.check(4, everything)
     message = str(info.value)
     assert "'grader' failed on every sample of the last 2 steps" in message
-    assert "Sample 7 (dataset row 3): KeyError: 'x'" in message and 'grader.py", line 4' in message
+    assert "Sample 7 (dataset row 4): KeyError: 'x'" in message and 'grader.py", line 4' in message
     assert "fatal_after_steps" in message
 
 

@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 import attrs
 
 from peerflow.agents.environment import Environment, StepResult, Turn
+from peerflow.algorithms.base import dataset_row
 
 
 @attrs.frozen(kw_only=True)
@@ -48,7 +49,7 @@ class RetryEnvironment(Environment):
             time.sleep(self.options.step_delay_s)
         every = self.options.broken_every
         if every and self.example.index % every == 0:
-            raise ConnectionError(f"sandbox for dataset row {self.example.index} is down")
+            raise ConnectionError(f"sandbox for {dataset_row(self.example)} is down")
         if turn.text.strip() == str(self.example.answer):
             self.solved_at = turn.index
             return StepResult(reward=1.0, done=True)
