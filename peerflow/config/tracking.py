@@ -28,16 +28,18 @@ PACKAGES = {"wandb": ("wandb", "wandb"), "mlflow": ("mlflow", "mlflow")}
 class WandbOptions:
     """Weights & Biases (`pip install 'peerflow[wandb]'`), used when `run.wandb` is true."""
 
-    project: str = "peerflow"
-    """W&B project the run is logged to."""
+    project: str | None = None
+    """W&B project the run is logged to (default: `$WANDB_PROJECT`, else `peerflow`)."""
     entity: str | None = None
-    """W&B team or user owning the project (default: the logged-in user's default)."""
+    """W&B team or user owning the project (default: `$WANDB_ENTITY`, else the logged-in
+    user's default)."""
     name: str | None = None
-    """Display name of the run (default: the run directory's name)."""
+    """Display name of the run (default: `$WANDB_NAME`, else the run directory's name)."""
     group: str | None = None
-    """Group the run belongs to (runs of one sweep or experiment, shown together)."""
+    """Group the run belongs to, runs of one sweep or experiment shown together (default:
+    `$WANDB_RUN_GROUP`)."""
     tags: tuple[str, ...] = ()
-    """Tags of the run."""
+    """Tags of the run (default: `$WANDB_TAGS`, comma-separated)."""
     notes: str | None = None
     """A longer description of the run."""
     mode: Literal["online", "offline", "disabled"] | None = None

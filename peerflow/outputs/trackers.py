@@ -128,11 +128,13 @@ class WandbTracker:
     def __init__(self, run_dir: Path, options: Any, config: Any = None) -> None:
         import wandb
 
+        # options left unset fall back to W&B's environment variables (WANDB_PROJECT, …)
         self.run = wandb.init(
-            project=options.project, entity=options.entity, group=options.group,
-            name=options.name or run_dir.name, tags=list(options.tags), notes=options.notes,
-            mode=options.mode, dir=str(run_dir), config=config, resume="allow",
-            id=re.sub(r"[^\w.-]", "-", run_dir.name))
+            project=options.project or os.environ.get("WANDB_PROJECT") or "peerflow",
+            entity=options.entity, group=options.group, tags=list(options.tags) or None,
+            name=options.name or os.environ.get("WANDB_NAME") or run_dir.name,
+            notes=options.notes, mode=options.mode, dir=str(run_dir), config=config,
+            resume="allow", id=re.sub(r"[^\w.-]", "-", run_dir.name))
 
     def log(self, step: int, record: Mapping[str, float | int]) -> None:
         """Logs the step's scalars at `step`."""

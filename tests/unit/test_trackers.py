@@ -56,6 +56,11 @@ def test_wandb_gets_project_entity_name_tags_group_from_the_config(tmp_path, mon
                  b"samples/train"):
         assert text in data, text
     assert [r["step"] for r in read_metrics(run_dir)] == [1, 2]
+    # options left unset come from W&B's environment variables, as TRL users set them
+    monkeypatch.setenv("WANDB_PROJECT", "from-env")
+    with MetricsWriter(tmp_path / "run-2", load_config(None, WANDB[:2] + WANDB[-1:])) as writer:
+        run = writer.trackers[0].run
+        assert (run.project, run.name, run.group) == ("from-env", "run-2", "")
 
 
 def test_mlflow_run_in_a_local_file_store_and_resumed(tmp_path, monkeypatch):
