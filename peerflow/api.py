@@ -105,12 +105,16 @@ def _run_dir(run_dir: str | Path | None, name: str) -> Iterator[Path]:
 
     One this call created is removed if the run left it empty (it failed first).
     """
+    import os
+
+    from peerflow.launch import in_distributed_env
     from peerflow.outputs import RunLock, create_run_dir
 
+    fresh = run_dir is None or not Path(run_dir).expanduser().exists()
     path = create_run_dir(run_dir, name=name)
-    fresh = run_dir is None or not any(path.iterdir())
+    lead = not in_distributed_env() or os.environ.get("RANK") == "0"  # one lock a run
     try:
-        with RunLock(path):
+        with RunLock(path) if lead else contextlib.nullcontext():
             yield path
     except BaseException:
         if fresh and path.is_dir() and not any(path.iterdir()):
