@@ -16,7 +16,10 @@ cannot run it; the reason is in the figures) or anything else (failed).
   train / weight-sync seconds and tokens (from the run's `metrics.jsonl`), the train MFU
   (6 x parameters x tokens / train seconds / the device's dense bf16 peak,
   `PEAK_BF16_TFLOPS`; null with the reason for a device not in the table) and the peak
-  GPU memory (`torch.cuda.max_memory_allocated`).
+  GPU memory (`torch.cuda.max_memory_allocated`);
+* `bench-train` — `peerflow bench train` on realsize's model (built by realsize, found by
+  key): one fsdp bf16 step padded vs padding-free, tokens/s, padding fraction, peak
+  memory and MFU.
 """
 
 from __future__ import annotations
@@ -27,6 +30,26 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+
+def _bench_mfu() -> Any:
+    """`peerflow/bench/mfu.py` (no dependencies), loaded by path.
+
+    The kit's dry run and its first checks run before PeerFlow is installed.
+    """
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "peerflow" / "bench" / "mfu.py"
+    spec = importlib.util.spec_from_file_location("peerflow_bench_mfu", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+#: The MFU figures are `peerflow bench train`'s (one table of device peaks).
+_MFU = _bench_mfu()
+PEAK_BF16_TFLOPS, peak_bf16_tflops, train_mfu = (
+    _MFU.PEAK_BF16_TFLOPS, _MFU.peak_bf16_tflops, _MFU.train_mfu)
 
 #: Where check programs print their figures: one line `GPU_VALIDATE_FIGURES {json}`.
 FIGURES_PREFIX = "GPU_VALIDATE_FIGURES "
@@ -235,39 +258,6 @@ def check_ipc_pair() -> None:
     emit(figures, 0 if same else 1)
 
 
-#: Dense bf16 peak of a device, TFLOPS, by the name `torch.cuda.get_device_name` gives
-#: (NVIDIA datasheets: H100 SXM and H200 SXM both 989). Other variants (H100 PCIe, NVL)
-#: differ and are left out: their MFU is reported as null with the reason.
-PEAK_BF16_TFLOPS = {"H100 SXM": 989.0, "H200": 989.0}
-
-
-def peak_bf16_tflops(device: str) -> tuple[float | None, str]:
-    """(peak dense bf16 TFLOPS, table key) of a device name, or (None, why not)."""
-    name = device.upper()
-    if any(v in name for v in ("PCIE", "NVL")):
-        return None, f"no bf16 peak for {device!r} in PEAK_BF16_TFLOPS (a PCIe/NVL variant)"
-    if "H200" in name:
-        return PEAK_BF16_TFLOPS["H200"], "H200"
-    if "H100" in name and ("SXM" in name or "HBM3" in name):
-        return PEAK_BF16_TFLOPS["H100 SXM"], "H100 SXM"
-    return None, f"no bf16 peak for {device!r} in PEAK_BF16_TFLOPS"
-
-
-def train_mfu(params: int, tokens: float, seconds: float, device: str
-              ) -> tuple[float | None, str]:
-    """Model FLOPs utilisation of a train step: 6 x parameters x tokens / seconds / peak.
-
-    Returns (MFU in [0, 1] or None, the peak's table key or why there is no figure). The
-    6·N·T count leaves out attention's own FLOPs (a few % at ~1.5 k tokens).
-    """
-    peak, why = peak_bf16_tflops(device)
-    if peak is None:
-        return None, why
-    if seconds <= 0 or tokens <= 0 or params <= 0:
-        return None, f"no train time or tokens (seconds={seconds}, tokens={tokens})"
-    return 6.0 * params * tokens / seconds / (peak * 1e12), why
-
-
 def count_parameters(model_dir: Path) -> int:
     """Parameters in a model directory's `*.safetensors` headers (tied weights once)."""
     total = 0
@@ -322,6 +312,45 @@ def realsize_figures(rows: list[dict[str, Any]], params: int, device: str,
     return figures
 
 
+def realsize_model(out: Path) -> str:
+    """The random Qwen2.5-1.5B-shaped model under `out` (built once, then found by key)."""
+    from peerflow.bench.shapes import build_model
+
+    hidden, inter, layers, heads, kv, vocab = QWEN25_15B
+    return build_model(out / "model", {
+        "hidden_size": hidden, "intermediate_size": inter, "num_layers": layers,
+        "num_heads": heads, "num_kv_heads": kv, "vocab_size": vocab, "reserved_tokens": 0,
+        "initializer_range": 0.02, "max_position_embeddings": 2048})
+
+
+def check_bench_train() -> None:
+    """`peerflow bench train` (fsdp, bf16) on realsize's model: padded vs padding-free.
+
+    16 samples (2 prompts of 512 tokens, 8 long-tailed answers each up to 1024 tokens),
+    median of 3 steps per layout: tokens/s, padding fraction, peak memory, MFU.
+    """
+    import argparse
+
+    import torch
+
+    from peerflow.bench import train as bench
+
+    if not torch.cuda.is_available():
+        emit({"reason": "no CUDA device"}, UNSUPPORTED_EXIT)
+    out = Path(os.environ.get("OUT") or "runs/gpu-validate") / "realsize"
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    result = bench.run(parser.parse_args([
+        "--shape", "realistic", "--model", realsize_model(out), "--dtype", "bfloat16",
+        "--bf16", "--prompts", "2", "--group-size", "8", "--prompt-tokens", "512",
+        "--max-tokens", "1024", "--repeats", "3"]))
+    figures = {key: result[key] for key in ("device", "parameters", "real_tokens", "speedup")}
+    for name, layout in result["layouts"].items():
+        figures[name] = {key: layout.get(key) for key in (
+            "step_s", "tokens_per_s", "padding_fraction", "peak_memory_gib", "mfu")}
+    emit(figures)
+
+
 def check_realsize() -> None:
     """`peerflow train` on the Qwen2.5-1.5B shape; figures from its metrics.jsonl.
 
@@ -329,17 +358,12 @@ def check_realsize() -> None:
     """
     import torch
 
-    from peerflow.bench.shapes import build_model
     from peerflow.worker.main import run_worker
 
     if not torch.cuda.is_available():
         emit({"reason": "no CUDA device"}, UNSUPPORTED_EXIT)
     out = Path(os.environ.get("OUT") or "runs/gpu-validate") / "realsize"
-    hidden, inter, layers, heads, kv, vocab = QWEN25_15B
-    model = build_model(out / "model", {
-        "hidden_size": hidden, "intermediate_size": inter, "num_layers": layers,
-        "num_heads": heads, "num_kv_heads": kv, "vocab_size": vocab, "reserved_tokens": 0,
-        "initializer_range": 0.02, "max_position_embeddings": 2048})
+    model = realsize_model(out)
     overrides = [f"model.path={model}", "model.builder=null", "model.dtype=bfloat16",
                  "task.options={digits: 500}", "rollout.sampling.max_tokens=1024",
                  "rollout.sampling.n=4", "run.prompts_per_step=2", "run.steps=2",
@@ -361,7 +385,7 @@ def check_realsize() -> None:
 
 
 CHECKS = {"env": check_env, "nccl-pair": check_nccl_pair, "ipc-pair": check_ipc_pair,
-          "realsize": check_realsize}
+          "realsize": check_realsize, "bench-train": check_bench_train}
 
 if __name__ == "__main__":
     if len(sys.argv) != 2 or sys.argv[1] not in CHECKS:

@@ -130,7 +130,11 @@ def plan_checks(out: Path) -> list[Check]:
         Check("realsize", "a Qwen2.5-1.5B-shaped model (random weights, bf16): generate / "
               "train / weight-sync seconds, train MFU, peak GPU memory, ~512-token prompts "
               "and ~1024-token answers", 240, [checks, "realsize"], "R", phase=1),
-        # phase 2: alone on the CPUs (CPU-only; 8 processes want 8 idle cores)
+        # phase 2: the CPUs (8 processes want 8 idle cores) and the GPU's one process
+        Check("bench_train", "`peerflow bench train` on realsize's Qwen2.5-1.5B-shaped "
+              "model (fsdp, bf16): padded vs padding-free tokens/s, padding fraction, peak "
+              "memory, MFU (median of 3 steps each)", 60,
+              [checks, "bench-train"], "T", phase=2),
         Check("bench_coordinator", "peer-to-peer vs centralized data routing at 2, 4 and 8 "
               "processes with a core per process (`peerflow bench coordinator`)", 60,
               ["-m", "peerflow", "bench", "coordinator", "--nprocs", "2,4,8", "--runs", "7",

@@ -21,6 +21,7 @@ BENCHMARKS: dict[str, str] = {
     "rollout": "rollout",
     "weight-sync": "weight_sync",
     "async": "async_stream",
+    "train": "train",
 }
 
 
