@@ -129,26 +129,38 @@ class MetricsWriter(contextlib.AbstractContextManager["MetricsWriter"]):
         append_line(self.path, json.dumps(record), fd=self._fd)  # OSError names the file
         if self.trackers:
             scalars = {k: v for k, v in record.items() if k != "step" and v is not None}
-            for tracker in self.trackers:
-                tracker.log(step, scalars)
+            self._to_trackers("log", step, scalars)
         return record
+
+    def _to_trackers(self, method: str, *args: Any) -> None:
+        """Calls `method` on every tracker; one that raises is dropped, saying so.
+
+        A tracker server going away must not end a run whose metrics `metrics.jsonl`
+        keeps anyway.
+        """
+        for tracker in list(self.trackers):
+            try:
+                getattr(tracker, method)(*args)
+            except Exception as exc:  # noqa: BLE001 - any tracker or network error
+                self.trackers.remove(tracker)
+                print(f"peerflow: the {tracker.name} tracker failed ({type(exc).__name__}: "
+                      f"{exc}); it gets nothing more this run, metrics.jsonl keeps every "
+                      "step.", file=sys.stderr, flush=True)
 
     __call__ = write
 
     def log_samples(self, step: int, records: Sequence[Mapping[str, Any]], kind: str) -> None:
         """Mirrors the samples of `step` (`kind`: `train` or `eval`) to every tracker."""
         if records:
-            for tracker in self.trackers:
-                tracker.log_samples(step, records, kind)
+            self._to_trackers("log_samples", step, records, kind)
 
     def close(self, failed: bool = False) -> None:
         """Flushes and closes every sink (`failed`: the run ended in an error); idempotent."""
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
-        trackers, self.trackers = self.trackers, []
-        for tracker in trackers:
-            tracker.close(failed=failed)
+        self._to_trackers("close", failed)
+        self.trackers = []
 
     def __exit__(self, exc_type: object, *exc: object) -> None:
         self.close(failed=exc_type is not None)

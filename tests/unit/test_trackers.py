@@ -121,3 +121,21 @@ def test_tensorboard_gets_the_samples_as_a_text_table(tmp_path):
                         "response_tokens | prompt | response | components")
     assert table[2].startswith("1 | 0 | 0 | 1.0 | 0.5 | stop | 3 | 12> | 21\\|x<br>y | ")
     assert event.step == 1 and len(table) == 4
+
+
+def test_a_failing_tracker_is_dropped_and_the_run_goes_on(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("mlflow")
+    import shutil
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    config = load_config(None, ["run.mlflow=true", "run.tensorboard=false"])
+    with MetricsWriter(tmp_path, config) as writer:
+        writer(1, {"reward/mean": 0.25})
+        shutil.rmtree(tmp_path / "mlruns")  # the tracking store goes away mid-run
+        writer(2, {"reward/mean": 0.5})
+        writer.log_samples(2, SAMPLES, "train")
+        assert writer.trackers == []
+    err = capsys.readouterr().err
+    assert "the mlflow tracker failed (" in err and "mlruns' does not exist" in err
+    assert "metrics.jsonl keeps every step" in err
+    assert [r["reward/mean"] for r in read_metrics(tmp_path)] == [0.25, 0.5]
