@@ -143,6 +143,20 @@ def _init_worker(memory_bytes: int) -> None:
         resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
 
 
+def user_traceback(text: str) -> str:
+    """A reward's traceback from its own first frame on (pebble's and PeerFlow's left out)."""
+    import pebble
+
+    import peerflow
+
+    ours = tuple(os.path.dirname(m.__file__) for m in (pebble, peerflow))
+    lines = text.rstrip().splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith('  File "') and not line[len('  File "'):].startswith(ours):
+            return "\n".join([lines[0], *lines[i:]])
+    return "\n".join(lines)
+
+
 def failed(exc: BaseException, timeout_s: float, memory_mb: int) -> Outcome:
     """The `Outcome` of a call that raised `exc` (as the pool reports it)."""
     from pebble import ProcessExpired
@@ -156,7 +170,7 @@ def failed(exc: BaseException, timeout_s: float, memory_mb: int) -> Outcome:
         return Outcome(status="error", message=f"the reward process died (exit code "
                        f"{exc.exitcode}; memory limit {memory_mb} MiB)")
     return Outcome(status="error", message=f"{type(exc).__name__}: {exc}",
-                   traceback=str(getattr(exc, "traceback", "") or ""))
+                   traceback=user_traceback(str(getattr(exc, "traceback", "") or "")))
 
 
 @attrs.define(eq=False)

@@ -23,7 +23,14 @@ from typing import Any
 import attrs
 
 from peerflow.rewards.loading import RewardShape
-from peerflow.rewards.pool import Outcome, RewardPool, call_reward, failed, to_outcome
+from peerflow.rewards.pool import (
+    Outcome,
+    RewardPool,
+    call_reward,
+    failed,
+    to_outcome,
+    user_traceback,
+)
 
 log = logging.getLogger("peerflow.rewards")
 
@@ -274,7 +281,7 @@ class _Batch:
 
 def _failure(exc: Exception) -> Outcome:
     return Outcome(status="error", message=f"{type(exc).__name__}: {exc}",
-                   traceback=traceback.format_exc())
+                   traceback=user_traceback(traceback.format_exc()))
 
 
 def _call_ref(ref: str, batched: bool | None, batch: _Batch, indices: list[int]
