@@ -1,7 +1,7 @@
 """`peerflow export RUN_DIR OUT_DIR`: a run's checkpoint as a Hugging Face model directory.
 
     peerflow export RUN_DIR OUT_DIR [--step N] [--dtype auto|float32|bfloat16|float16]
-                                    [--max-shard-size 5GB]
+                                    [--max-shard-size 5GB] [--lora adapter|merged]
 
 The newest checkpoint that verifies (or `--step N`), from any train adapter and layout,
 written as safetensors (sharded with an index past `--max-shard-size`), config,
@@ -35,6 +35,9 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--dtype", choices=DTYPES, default="auto",
                         help="dtype of the written weights (default auto: as the checkpoint "
                         "holds them)")
+    parser.add_argument("--lora", choices=("adapter", "merged"), default="adapter",
+                        help="a trainer.lora run: write the adapter in peft's format "
+                        "(default) or the base model with the adapters merged in")
     parser.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
                         help="largest safetensors file before the weights are split into "
                         "shards with an index (default 5GB)")
@@ -47,9 +50,14 @@ def run(args: argparse.Namespace) -> int:
 
     size = int(args.max_shard_size) if args.max_shard_size.isdigit() else args.max_shard_size
     result = export(args.run_dir, args.out_dir, step=args.step, dtype=args.dtype,
-                    max_shard_size=size)
+                    max_shard_size=size, lora=args.lora)
     print(f"exported step {result.step} of {args.run_dir} ({result.backend} checkpoint, "
           f"{result.parameters:,} parameters, {result.dtype}) to {result.out_dir}")
+    if (result.out_dir / "adapter_config.json").is_file():
+        print(f"a LoRA adapter (peft): PeftModel.from_pretrained(base_model, "
+              f"{str(result.out_dir)!r}), or vllm serve BASE --enable-lora --lora-modules "
+              f"policy={result.out_dir}")
+        return 0
     print(f"load it with AutoModelForCausalLM.from_pretrained({str(result.out_dir)!r}), or "
           f"serve it: vllm serve {result.out_dir}")
     return 0

@@ -161,7 +161,7 @@ def _model_files(model_path: str) -> dict[str, Any]:
 
 def export(run_dir: str | Path, out_dir: str | Path, *, step: int | None = None,
            dtype: str = "auto", max_shard_size: int | str = "5GB",
-           log: Callable[[str], None] = print) -> Exported:
+           log: Callable[[str], None] = print, lora: str = "adapter") -> Exported:
     """Writes a run's checkpoint as a Hugging Face model directory.
 
     Args:
@@ -171,6 +171,8 @@ def export(run_dir: str | Path, out_dir: str | Path, *, step: int | None = None,
         dtype: `auto` (as the checkpoint holds them), `float32`, `bfloat16` or `float16`.
         max_shard_size: Largest safetensors file before the weights are split (`"5GB"`).
         log: Where checkpoints skipped for failing verification are reported.
+        lora: A `trainer.lora` run's export: `adapter` (peft's format) or `merged` (the
+            base model with the adapters merged in); see `peerflow.hf_export.lora`.
 
     Returns:
         What was written.
@@ -193,9 +195,6 @@ def export(run_dir: str | Path, out_dir: str | Path, *, step: int | None = None,
         raise ConfigError(f"{run_dir} is not a run directory (no config.yaml); give the "
                           "directory `peerflow train` wrote (--run-dir).")
     config = load_config(run_dir / "config.yaml")
-    if getattr(config.trainer, "lora", None) is not None:
-        raise ConfigError(f"{run_dir} trained LoRA adapters (trainer.lora); its checkpoints "
-                          "hold the adapters only, which this export does not write yet.")
     info = choose_checkpoint(run_dir, step, log)
     role_dir = info.path / ROLE
     if not role_dir.is_dir():
@@ -207,7 +206,15 @@ def export(run_dir: str | Path, out_dir: str | Path, *, step: int | None = None,
     tmp = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        write_model_dir(tmp, tensors, max_shard_size=max_shard_size, **_model_files(model_path))
+        if config.trainer.lora is None:
+            write_model_dir(tmp, tensors, max_shard_size=max_shard_size,
+                            **_model_files(model_path))
+        else:
+            from peerflow.hf_export.lora import write_lora
+
+            tensors = write_lora(tmp, tensors, lora=config.trainer.lora, model_path=model_path,
+                                 mode=lora, files=_model_files(model_path),
+                                 max_shard_size=max_shard_size)
         result = Exported(out_dir=out_dir, step=info.step, checkpoint=info.path,
                           backend=config.trainer.backend,
                           dtype=str(next(iter(tensors.values())).dtype).removeprefix("torch."),

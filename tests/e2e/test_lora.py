@@ -36,6 +36,32 @@ def test_sync_run_trains_and_syncs_adapters_only(tmp_path, quickstart, tiny, met
         with safe_open(str(actor / f"model-rank{rank}.safetensors"), "pt") as saved:
             names = list(saved.keys())
         assert names and all(".lora_A." in n or ".lora_B." in n for n in names)
+    _check_exports(run_dir, tmp_path)
+
+
+def _check_exports(run_dir, tmp_path):
+    """`peerflow export` writes the adapter (peft) and the merged model; they agree."""
+    import json
+
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from peerflow.hf_export import export
+
+    export(run_dir, tmp_path / "adapter")
+    export(run_dir, tmp_path / "merged", lora="merged")
+    base = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())[
+        "base_model_name_or_path"]
+    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base),
+                                        str(tmp_path / "adapter"))
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    ids = torch.tensor([[3, 4, 5, 6, 7]])
+    with torch.no_grad():
+        want, got = adapted(ids).logits, merged(ids).logits
+        base_logits = AutoModelForCausalLM.from_pretrained(base)(ids).logits
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    assert (want - base_logits).abs().max() > 1e-3  # the trained adapters are in them
 
 
 def test_async_agent_run_with_adapters(tmp_path, quickstart, tiny, metrics_of,
