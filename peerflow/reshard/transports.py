@@ -8,8 +8,9 @@
   one wake-up per receiver (the coordinator's `ShmRoute`, on a route of its own). The sender writes
   and returns; the receiver maps the segment. Over gloo, a push that the receiver drains
   while it generates costs the sender's gloo thread ~15 ms of CPU per 2 MB on a 2-core
-  machine — CPU the trainer's step then lacks (docs/benchmarks.md, "Async overhead,
-  second pass"); `auto` picks `shm` whenever every rank of the group shares the host.
+  machine — CPU the trainer's step then lacks (measured 2026-11-23: "Async overhead,
+  second pass" in `git log -p docs/benchmarks.md`); `auto` picks `shm` whenever every
+  rank of the group shares the host.
 * `torch_broadcast` — one `broadcast` per sending rank and bucket (what trainer → many
   rollout ranks weight pushes use with NCCL); every rank of the group takes part.
 * `cuda_ipc` — same-host GPU: the sender exports a CUDA handle of the packed bucket over

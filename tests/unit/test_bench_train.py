@@ -23,3 +23,17 @@ def test_bench_train_reports_both_layouts(tmp_path):
         assert figures["tokens_per_s"] == result["real_tokens"] / figures["step_s"]
         assert figures["peak_memory_gib"] > 0 and figures["mfu"] is None
     assert result["speedup"] == padded["step_s"] / packed["step_s"]
+
+
+def test_benchmark_page_stays_a_reference():
+    """docs/benchmarks.md: under 300 lines, and every `peerflow bench NAME` it names
+    exists."""
+    import re
+    from pathlib import Path
+
+    from peerflow.cli.bench_cmd import BENCHMARKS
+
+    page = (Path(__file__).resolve().parents[2] / "docs" / "benchmarks.md").read_text()
+    assert len(page.splitlines()) < 300
+    named = set(re.findall(r"peerflow bench ([a-z0-9-]+)", page))
+    assert named and named <= set(BENCHMARKS), named - set(BENCHMARKS)
