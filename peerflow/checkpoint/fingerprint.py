@@ -42,7 +42,7 @@ INPUTS = (DATA_PREFIX, REWARD_PREFIX)
 #: Dotted keys (or sections) a checkpoint depends on.
 FINGERPRINTED = (
     "seed", "model", "task", "algorithm", "workflow", "rollout.layout", "trainer.layout",
-    "trainer.backend", "rollout.sampling.n", "runtime.nprocs", "runtime.mode",
+    "trainer.backend", "trainer.lora", "rollout.sampling.n", "runtime.nprocs", "runtime.mode",
     "runtime.placement", "run.prompts_per_step",
 )
 #: Sections no `--allow-change` can release: the weights would not load.
@@ -94,7 +94,8 @@ def fingerprint(config: Any) -> dict[str, Any]:
     from peerflow.config import unstructure
 
     plain = unstructure(config)
-    flat = {k: v for k, v in _flatten(plain) if _under(k, FINGERPRINTED)}
+    flat = {k: v for k, v in _flatten(plain) if _under(k, FINGERPRINTED)
+            and not (k == "trainer.lora" and v is None)}  # full fine-tuning: as before LoRA
     if config.model.path and Path(config.model.path).expanduser().is_dir():
         flat.update(_model_dir_facts(Path(config.model.path).expanduser()))
     flat.update(input_facts(plain))

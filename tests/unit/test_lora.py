@@ -140,3 +140,14 @@ def test_checkpoint_holds_adapters_and_refuses_another_base(tmp_path, tiny_model
     other = build_tiny_model(tmp_path / "other", seed=1)
     with pytest.raises(ConfigError, match="another base model"):
         _trainer(other).load_checkpoint(str(tmp_path / "ckpt"))
+
+
+
+def test_resume_refuses_other_adapters(tmp_path):
+    from peerflow.checkpoint.fingerprint import check_resume, write_fingerprint
+
+    write_fingerprint(tmp_path, load_config(None, ["trainer.lora.rank=4"]))
+    check_resume(tmp_path, load_config(None, ["trainer.lora.rank=4", "trainer.lr=0.1"]))
+    for other in (["trainer.lora.rank=8"], []):
+        with pytest.raises(ConfigError, match="trainer.lora"):
+            check_resume(tmp_path, load_config(None, other))
