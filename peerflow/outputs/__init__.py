@@ -1,9 +1,11 @@
-"""What a run writes: its directory, metrics, TensorBoard/W&B, checkpoints, traces, plots.
+"""What a run writes and prints: its directory, metrics, trackers, traces, lines, plots.
 
 * `create_run_dir`, `write_resolved_config`, `RunLock` — the run directory (`rundir`).
-* `MetricsWriter` — `metrics.jsonl` + TensorBoard + W&B; metric names in `metrics`.
+* `MetricsWriter` — `metrics.jsonl` + the trackers (TensorBoard, W&B, MLflow:
+  `trackers`); metric names in `metrics`.
 * `Tracer`, `span` — per-rank Chrome-trace timelines (`trace`).
-* `StepProgress` — the progress bar (`progress`).
+* `StepProgress` — the progress bar and the run's lines (`progress`); the step,
+  evaluation and end-of-run summary lines themselves (`console`).
 * `render_report` — PNG plots of a run (`report`), behind `peerflow report`.
 """
 
