@@ -9,6 +9,8 @@ Layout (what the other `peerflow.outputs` modules write)::
         torchrun_job         under torchrun: the job's `--rdzv-id` (a restart of the same job
                              may start again before the first checkpoint)
         metrics.jsonl        one JSON object per logged step (`step` + metrics)
+        reward_errors.jsonl  every (reward, sample) failure with its traceback, and
+        reward_errors.json   the end-of-run tally of them (`peerflow.outputs.reward_errors`)
         tb/                  TensorBoard events
         trace_rank{r}.json   Chrome-trace timeline of rank r (chrome://tracing, Perfetto)
         checkpoints/         see `peerflow.checkpoint.store`

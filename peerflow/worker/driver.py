@@ -14,7 +14,9 @@ schedules of async mode (`RolloutSchedule`, `TrainerSchedule`;
 3. for each step the schedule finishes: write `run.samples_per_step` of its samples
    (`samples/step_N.jsonl`, `peerflow.worker.samples`), reduce its metrics over the
    schedule's group, run
-   the driver hooks (`DriverHook.end_step`, e.g. evaluation), write the metrics, call the
+   the driver hooks (`DriverHook.end_step`, e.g. evaluation), write the metrics, watch
+   the rewards' failures (`RewardWatch`: stop when one fails on everything; a tally at
+   the end, non-zero past `task.reward_limits.max_failure_share`), call the
    plugins' `peerflow_end_of_step`, and checkpoint every `run.checkpoint_every` steps and
    at the end (`peerflow.checkpoint.save_step` on the schedule's ranks together, with
    `Schedule.state` and `Schedule.inflight` beside the engines);
