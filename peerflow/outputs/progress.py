@@ -90,7 +90,8 @@ class StepProgress(contextlib.AbstractContextManager["StepProgress"]):
                line: bool = True) -> None:
         """Marks `step` done; prints its line (when `line`) and its evaluation's line.
 
-        Step 0 (the evaluation before the first step) prints only its evaluation.
+        The evaluation before the first step (step 0, or the step a resumed run starts
+        from) prints only its evaluation line.
         """
         metrics = metrics or {}
         if step:
@@ -101,7 +102,7 @@ class StepProgress(contextlib.AbstractContextManager["StepProgress"]):
             reward = metrics.get("reward/mean")
             info = f"reward {reward:.3g}" if isinstance(reward, int | float) else ""
             self._progress.update(self._task, completed=step, info=info)
-        if line and step:
+        if line and step and any(not n.startswith("eval/") and n != "step" for n in metrics):
             self.print(step_line(step, self.total, metrics))
         if any(name.startswith("eval/") for name in metrics):
             self.print(eval_line(step, self.total, metrics))

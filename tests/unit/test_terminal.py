@@ -83,6 +83,9 @@ def test_progress_prints_step_eval_and_summary_lines(capsys):
         bar.print("summary")
     err = capsys.readouterr().err.splitlines()
     assert err == ["eval 0/4  greedy 0", step_line(2, 4, STEP), "eval 2/4  greedy 0.5", "summary"]
+    with StepProgress(9, start=5, live=False) as resumed:  # its first evaluation: no step line
+        resumed.update(5, {"step": 5, "eval/greedy/reward": 0.5})
+    assert capsys.readouterr().err.splitlines() == ["eval 5/9  greedy 0.5"]
     with StepProgress(2, live=True) as live:  # lines print above the rich bar
         live.update(1, STEP)
     assert step_line(1, 2, STEP) in capsys.readouterr().err
