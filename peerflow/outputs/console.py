@@ -148,7 +148,7 @@ def _eval_trend(records: Sequence[Mapping[str, Any]]) -> str | None:
 
 def run_summary(run_dir: str | Path, records: Sequence[Mapping[str, Any]], *, step: int,
                 total: int, seconds: float, mode: str, checkpoint: str | None = None,
-                trackers: Sequence[str] = ()) -> str:
+                trackers: Sequence[str] = (), start: int = 0) -> str:
     """The end-of-run summary: rewards, evaluation, where things are, what to run next.
 
     Args:
@@ -160,11 +160,13 @@ def run_summary(run_dir: str | Path, records: Sequence[Mapping[str, Any]], *, st
         mode: `sync` or `async`.
         checkpoint: The newest complete checkpoint's directory (`None`: none).
         trackers: Where each tracker shows the run (`Tracker.location`).
+        start: The step a resumed run started from (0: a fresh run).
     """
     run_dir = Path(run_dir)
     steps = f"{total} step{'s' if total != 1 else ''}"
     state = f"finished {steps}" if step >= total else f"stopped after step {step} of {steps}"
-    lines = [f"peerflow: run {state} in {_duration(seconds)} ({mode} mode): {run_dir}"]
+    since = f", resumed at step {start}" if start else ""
+    lines = [f"peerflow: run {state} in {_duration(seconds)} ({mode} mode{since}): {run_dir}"]
     rows = [("reward", _reward_trend(records)), ("eval", _eval_trend(records)),
             ("checkpoint", checkpoint or "none written (run.checkpoint_every)"),
             ("metrics", str(run_dir / "metrics.jsonl"))]

@@ -155,7 +155,7 @@ class RunOutputs:
         if self.writer is not None:
             self.writer.log_samples(step, records, kind)
 
-    def summarize(self, rt: WorkerRuntime, step: int, seconds: float) -> None:
+    def summarize(self, rt: WorkerRuntime, step: int, seconds: float, start: int) -> None:
         """Prints the end-of-run summary on the reporting rank (`console.run_summary`)."""
         if self.writer is None:
             return
@@ -168,7 +168,7 @@ class RunOutputs:
             rt.run_dir, read_metrics(self.writer.path), step=step, total=rt.config.run.steps,
             seconds=seconds, mode=rt.config.runtime.mode,
             checkpoint=str(found.path) if found is not None else None,
-            trackers=[t.location for t in self.writer.trackers]))
+            trackers=[t.location for t in self.writer.trackers], start=start))
 
     def close(self, failed: bool = False) -> None:
         """Flushes the timeline and closes the writer (`failed`: the run raised)."""
@@ -248,7 +248,7 @@ def drive(rt: WorkerRuntime, schedule: Schedule, stage: Any, *, resuming: bool =
                     stopping.publish(step, saved=saved)
                     schedule.stop()
         failed = False
-        outputs.summarize(rt, rt.step, time.perf_counter() - began)
+        outputs.summarize(rt, rt.step, time.perf_counter() - began, start_step)
         reward_watch.finish(reports=schedule.reports)
     finally:
         _call(hooks, "end", rt)

@@ -73,6 +73,10 @@ def test_run_summary_says_how_it_went_where_things_are_and_what_next(tmp_path):
     assert stopped.startswith("peerflow: run stopped after step 3 of 12 steps in 5.0 s")
     assert "checkpoint none written" in stopped and "peerflow export" not in stopped
     assert f"peerflow train --resume {tmp_path / 'other'}" in stopped
+    resumed = run_summary(tmp_path, _records(), step=12, total=12, seconds=5.0, mode="sync",
+                          start=6)
+    assert resumed.startswith("peerflow: run finished 12 steps in 5.0 s (sync mode, resumed "
+                              "at step 6): ")
 
 
 def test_progress_prints_step_eval_and_summary_lines(capsys):
