@@ -9,8 +9,9 @@ Every tracker gets the same records as `metrics.jsonl` (`peerflow.outputs.tracke
         wandb: {project: rl, entity: my-team, name: grpo-lr1e-6, tags: [grpo], group: sweep-3}
         mlflow: {tracking_uri: http://mlflow:5000, experiment: rl}
 
-Options given for a tracker that is switched off are an error (`tracker_problems`), so a
-W&B project cannot be set and then silently not used.
+A tracker switched on without its package is a `config validate` error
+(`tracker_problems`); options given for a tracker that is off are printed as a note when
+the run starts (`unused_options`), so a W&B project is not set and then silently unused.
 """
 
 from __future__ import annotations
@@ -83,20 +84,27 @@ def missing_package(name: str) -> str | None:
 
 
 def tracker_problems(run: Any) -> list[str]:
-    """Trackers on without their package, or with options but off: each naming the fix.
+    """Trackers switched on without their package: one message each, naming the install.
 
     Args:
-        run: The `RunSettings` (`run.wandb`, `run.mlflow`, `run.trackers`).
+        run: The `RunSettings` (`run.wandb`, `run.mlflow`).
     """
-    problems = [problem for name in PACKAGES
-                if getattr(run, name) and (problem := missing_package(name)) is not None]
+    return [problem for name in PACKAGES
+            if getattr(run, name) and (problem := missing_package(name)) is not None]
+
+
+def unused_options(run: Any) -> list[str]:
+    """Tracker options set for a tracker that is off: one note each, naming the switch.
+
+    A note, not an error: a resumed run may switch a tracker off while its saved config
+    still holds the options.
+    """
+    notes = []
     for name, default in (("wandb", WandbOptions()), ("mlflow", MlflowOptions())):
         options = getattr(run.trackers, name)
         if options != default and not getattr(run, name):
             changed = [f.name for f in attrs.fields(type(options))
                        if getattr(options, f.name) != getattr(default, f.name)]
-            problems.append(
-                f"run.trackers.{name} sets {', '.join(changed)} but run.{name} is false, so "
-                f"nothing would be logged there; set run.{name}: true, or drop "
-                f"run.trackers.{name}.")
-    return problems
+            notes.append(f"run.trackers.{name} sets {', '.join(changed)}, but run.{name} is "
+                         f"false: nothing goes there (set run.{name}: true to log there).")
+    return notes

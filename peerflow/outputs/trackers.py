@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from peerflow.config.tracking import TrackersConfig, missing_package
+from peerflow.config.tracking import TrackersConfig, missing_package, unused_options
 from peerflow.errors import ConfigError
 
 TENSORBOARD_DIR = "tb"
@@ -258,6 +258,9 @@ def open_trackers(run_dir: Path, config: Any = None, *, tensorboard: bool | None
         problem = missing_package(name) if wanted[name] else None
         if problem is not None:
             raise ConfigError(problem)
+    if settings is not None:
+        for note in unused_options(settings):
+            print(f"peerflow: {note}", file=sys.stderr, flush=True)
     plain = None
     if config is not None and (wanted["wandb"] or wanted["mlflow"]):
         from peerflow.config import unstructure

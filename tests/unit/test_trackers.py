@@ -93,15 +93,17 @@ def test_mlflow_run_in_a_local_file_store_and_resumed(tmp_path, monkeypatch):
     assert saved["run_id"] == run.info.run_id
 
 
-def test_tracker_options_for_a_tracker_that_is_off_are_an_error():
+def test_options_for_a_tracker_that_is_off_are_said_when_the_run_starts(tmp_path, capsys):
     from peerflow.plugins import load_plugins
 
-    config = load_config(None, ["run.trackers.wandb.project=rl", "run.trackers.mlflow.tags={a: b}"])
-    with pytest.raises(ConfigError) as info:
-        validate_config(config, load_plugins())
-    message = str(info.value)
-    assert "run.trackers.wandb sets project but run.wandb is false" in message
-    assert "run.trackers.mlflow sets tags but run.mlflow is false" in message
+    config = load_config(None, ["run.trackers.wandb.project=rl", "run.trackers.mlflow.tags={a: b}",
+                                "run.tensorboard=false"])
+    validate_config(config, load_plugins())  # not an error: a resume may switch one off
+    with MetricsWriter(tmp_path, config) as writer:
+        assert writer.trackers == []
+    err = capsys.readouterr().err
+    assert "run.trackers.wandb sets project, but run.wandb is false: nothing goes there" in err
+    assert "run.trackers.mlflow sets tags, but run.mlflow is false" in err
     with pytest.raises(ConfigError, match=r"run.trackers.wandb.mode: 'offlin' is not one of"):
         load_config(None, ["run.trackers.wandb.mode=offlin"])
 
