@@ -67,6 +67,19 @@ def apply_lora(model: torch.nn.Module, lora: Any) -> torch.nn.Module:
         ) from exc
 
 
+def rollout_model(model: torch.nn.Module, lora: Any
+                  ) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    """A rollout engine's model and the tensors a weight sync writes into.
+
+    Without `lora`: `model` and every parameter (HF names). With it: the peft model and its
+    adapter tensors only (peft's file names); the base weights never move.
+    """
+    if lora is None:
+        return model, dict(model.named_parameters())
+    model = apply_lora(model, lora)
+    return model, dict(adapter_parameters(model))
+
+
 def is_adapter(name: str) -> bool:
     """Whether a live parameter name is a LoRA adapter tensor."""
     return _ADAPTER_PARAM.search(name) is not None

@@ -117,9 +117,8 @@ class HFRolloutEngine(RolloutEngine):
         if self.options.attn_implementation:
             kwargs["attn_implementation"] = self.options.attn_implementation
         self.device = torch.device(context.device)
-        self.model = AutoModelForCausalLM.from_pretrained(context.model_path, **kwargs)
-        if context.lora is not None:  # peft applies the adapters; syncs move only them
-            self.model = lora.apply_lora(self.model, context.lora)
+        self.model, self._params = lora.rollout_model(  # with trainer.lora: peft's adapters
+            AutoModelForCausalLM.from_pretrained(context.model_path, **kwargs), context.lora)
         self.model.to(self.device).eval()
         self.model.requires_grad_(False)
         self.tokenizer = self._load_tokenizer(context.model_path)
@@ -128,8 +127,6 @@ class HFRolloutEngine(RolloutEngine):
         self.pad_token_id = int(
             pad if pad is not None else min(self.eos_token_ids, default=0)
         )
-        self._params = dict(lora.adapter_parameters(self.model) if context.lora is not None
-                            else self.model.named_parameters())
         self._generator = torch.Generator(self.device).manual_seed(
             context.seed * 1_000_003 + context.rank
         )
