@@ -165,9 +165,10 @@ class TrainerConfig:
     newer), float32 on the CPU (`peerflow.distributed.devices.resolve_bf16`)."""
     padding_free: bool | Literal["auto"] = "auto"
     """Padding-free micro-batches (a micro-batch's samples in one row, no padding; planned
-    by real tokens): `auto` turns them on where the model's attention keeps packed samples
-    apart (sdpa, eager, flex, flash-attention; the rank log says), `true` requires it,
-    `false` pads. fsdp and deepspeed; megatron pads (docs/training.md)."""
+    by real tokens): `auto` turns them on where attention follows the samples
+    (flash-attention's varlen kernels, flex attention), `true` also under sdpa/eager
+    (exact, but a dense T x T mask), `false` pads; the rank log says which. fsdp and
+    deepspeed; megatron pads (docs/training.md)."""
     activation_checkpointing: bool = False
     """Recompute each transformer block's activations in backward: less activation
     memory for about 30 % more compute (fsdp, deepspeed)."""

@@ -16,10 +16,15 @@ Shared prompts (`shares_prompts`) stay shared: a prompt's samples form one segme
 answer, which position ids alone cannot express, so those rows carry the explicit mask
 of `peerflow.training.shared_prompts` (segments and answers kept apart).
 
-`trainer.padding_free`: `auto` turns it on where the model's attention implementation
-confines attention to packed samples (said in the rank log), `true` requires it,
-`false` keeps padded micro-batches. Micro-batches are then planned by real tokens
-(`microbatch.pack_real_tokens`).
+What it costs depends on the attention implementation. Flash-attention's varlen kernels
+and flex attention's block mask compute each sample's own `L_i²` scores; `sdpa` and
+`eager` apply a dense `T × T` mask to the whole row, so a micro-batch of many samples
+pays `T²` attention where the padded layout pays `rows × L²` (on the realistic bench
+model on the CPU, a 4,300-token row of four samples took about twice the padded step's
+time). Hence `trainer.padding_free`: `auto` turns it on where attention follows the
+samples (`VARLEN_ATTENTION`), `true` also under `sdpa`/`eager` (exact, dense), `false`
+keeps padded micro-batches; the rank log says which. Padding-free micro-batches are
+planned by real tokens (`microbatch.pack_real_tokens`).
 """
 
 from __future__ import annotations
@@ -40,9 +45,10 @@ from peerflow.training.shared_prompts import (
 log = logging.getLogger("peerflow.training")
 
 #: transformers attention implementations that keep packed samples apart from their
-#: position ids (a block-diagonal mask, or flash-attention's variable-length kernels).
-PACKING_ATTENTION = frozenset({"sdpa", "eager", "flex_attention", "flash_attention_2",
-                               "flash_attention_3"})
+#: position ids at the cost of each sample's own scores (varlen kernels, a block mask).
+VARLEN_ATTENTION = frozenset({"flash_attention_2", "flash_attention_3", "flex_attention"})
+#: Those that keep them apart through a dense block-diagonal `T × T` mask.
+DENSE_PACKING_ATTENTION = frozenset({"sdpa", "eager"})
 
 #: Values of `trainer.padding_free`.
 SETTINGS = ("auto", True, False)
@@ -74,17 +80,20 @@ def resolve_padding_free(setting: bool | str, model: torch.nn.Module, engine: st
     if setting not in SETTINGS:
         raise ConfigError(f"trainer.padding_free={setting!r}: expected auto, true or false.")
     backend = attention_backend(model)
-    supported = backend in PACKING_ATTENTION and transformers_packs()
+    varlen = backend in VARLEN_ATTENTION or "flash" in str(backend)
+    supported = (varlen or backend in DENSE_PACKING_ATTENTION) and transformers_packs()
     if setting is True and not supported:
         raise ConfigError(
             f"trainer.padding_free=true but {engine}'s model runs attention {backend!r}, "
             f"which does not keep packed samples apart (supported: "
-            f"{sorted(PACKING_ATTENTION)} with transformers >= 4.53); set "
-            "trainer.padding_free: auto (or false), or load the model with one of those "
-            "(attn_implementation).")
-    on = supported and setting is not False
-    log.info("%s: padding-free micro-batches %s (trainer.padding_free=%s, attention %r).",
-             engine, "on" if on else "off", str(setting).lower(), backend)
+            f"{sorted(VARLEN_ATTENTION | DENSE_PACKING_ATTENTION)} with transformers >= "
+            "4.53); set trainer.padding_free: auto (or false), or load the model with one "
+            "of those (attn_implementation).")
+    on = supported and (setting is True or (setting == "auto" and varlen))
+    why = "" if on or not supported or setting is False else \
+        " — its dense T x T mask costs more than padding; true forces it"
+    log.info("%s: padding-free micro-batches %s (trainer.padding_free=%s, attention %r%s).",
+             engine, "on" if on else "off", str(setting).lower(), backend, why)
     return on
 
 

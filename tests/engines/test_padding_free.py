@@ -134,6 +134,13 @@ def test_padding_free_true_refuses_an_attention_that_would_mix_samples(tmp_path)
     with pytest.raises(ConfigError, match="padding_free: auto"):
         resolve_padding_free(True, model, "fsdp")
     assert resolve_padding_free("auto", model, "fsdp") is False
+    # auto: on where attention follows the samples, off under a dense mask; true forces it
+    for backend, auto in (("flash_attention_2", True), ("flex_attention", True),
+                          ("sdpa", False), ("eager", False)):
+        model.config._attn_implementation = backend
+        assert resolve_padding_free("auto", model, "fsdp") is auto, backend
+        assert resolve_padding_free(True, model, "fsdp") is True
+        assert resolve_padding_free(False, model, "fsdp") is False
 
 
 @pytest.mark.parametrize("world", [2])
