@@ -33,7 +33,7 @@ class Test{name}(LayerLora):
 def test_lora_mutants_are_caught_naming_the_tensor(tmp_path):
     source = SUITE.format(here=str(HERE), classes="".join(
         CLASS.format(name=n) for n in EXPECTED_LORA))
-    report = _run(tmp_path, source, "llama-tied")
+    report = _run(tmp_path, source, "qwen2-untied")
     by_class: dict[str, list[dict]] = {}
     for test in report["tests"]:
         by_class.setdefault(test["id"].split("::")[0].removeprefix("Test"), []).append(test)
