@@ -133,9 +133,11 @@ def build_device_module() -> types.ModuleType:
     module = types.ModuleType(f"torch.{DEVICE_TYPE}", __doc__)
     zero: Callable[..., int] = lambda device=None: 0  # noqa: E731
     nothing: Callable[..., None] = lambda *args, **kwargs: None  # noqa: E731
+    # No bfloat16 compute: autocast is a no-op here (it would run float32 next to
+    # bfloat16 masks), so `trainer.bf16: auto` resolves to float32 on this device.
     module.__dict__.update(
         is_available=lambda: True, is_initialized=lambda: True, _is_in_bad_fork=lambda: False,
-        _lazy_init=nothing, init=nothing, is_bf16_supported=lambda *args, **kwargs: True,
+        _lazy_init=nothing, init=nothing, is_bf16_supported=lambda *args, **kwargs: False,
         device_count=emulated_ordinals.device_count,
         current_device=emulated_ordinals.current_index, set_device=set_device,
         device=emulated_ordinals.device_index,
