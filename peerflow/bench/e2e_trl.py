@@ -154,8 +154,12 @@ def _grpo_config(config: Any, output_dir: Path, world: int) -> Any:
         # GRPOConfig turns recomputation on by default; PeerFlow's trainer recomputes only
         # when its engine option says so: the same work on both sides.
         gradient_checkpointing=bool(engine.get("gradient_checkpointing", False)),
-        lr_scheduler_type="constant",
-        warmup_steps=0,
+        # PeerFlow's schedule (peerflow.training.schedule) in transformers' names
+        lr_scheduler_type={"constant": "constant_with_warmup", "linear": "linear",
+                           "cosine": "cosine_with_min_lr"}[config.trainer.lr_schedule],
+        lr_scheduler_kwargs=({"min_lr_rate": config.trainer.min_lr_ratio}
+                             if config.trainer.lr_schedule == "cosine" else {}),
+        warmup_steps=config.trainer.optim_settings(steps=config.run.steps).warmup_steps,
         beta=config.algorithm.kl.coef,
         max_steps=config.run.steps,
         num_train_epochs=1,
