@@ -13,8 +13,8 @@ advantages, PPO's clipped loss at T = 0.7. The same batch is stepped with
 * `padding_fraction`: the share of those positions that are padding (a prompt's
   samples share one copy of it in both layouts, so the unique tokens are the
   padding-free layout's positions);
-* `peak_memory_gib`: the step's peak (`memory/peak_device_gib` on an accelerator,
-  `memory/peak_rss_gib` — the process's resident set — on the CPU);
+* `peak_memory_gib`: the step's peak (device memory on an accelerator, the process's
+  resident set on the CPU: `peerflow.training.memory`, as a run's `memory/peak_*`);
 * `mfu` (CUDA only): 6 x parameters x unique tokens / `step_s` / the device's dense bf16
   peak (`peerflow.bench.mfu`; null with the reason for a device not in its table).
 
@@ -154,6 +154,7 @@ def _measure(model: str, batch: Any, args: argparse.Namespace, *,
              padding_free: bool) -> dict[str, Any]:
     """Warm-up step, then `--repeats` timed steps of one layout."""
     from peerflow.algorithms.losses import PPOClip
+    from peerflow.training.memory import GIB, peak_bytes, reset_peak
 
     engine = _engine(model, args, padding_free=padding_free)
     loss = PPOClip()
@@ -161,13 +162,14 @@ def _measure(model: str, batch: Any, args: argparse.Namespace, *,
     times, positions, peaks = [], 0, []
     for k in range(args.repeats + 1):
         _sync(engine.device)
+        reset_peak(engine.device)
         start = time.perf_counter()
         metrics = engine.train_step(batch, loss)
         _sync(engine.device)
         if k:
             times.append(time.perf_counter() - start)
         positions += int(metrics["padded_tokens"])
-        peaks += [v for key, v in metrics.items() if key.startswith("memory/peak_")]
+        peaks.append(peak_bytes(engine.device) / GIB)
     device = torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" \
         else str(engine.device)
     engine.shutdown()

@@ -46,10 +46,9 @@ from peerflow.batch import Batch, RaggedField
 from peerflow.distributed.devices import resolve_bf16
 from peerflow.engines.base import EngineContext
 from peerflow.engines.train import LossFunction, OptimSettings, TrainEngine
-from peerflow.training.collectives import all_reduce_max, global_counts
+from peerflow.training.collectives import global_counts
 from peerflow.training.inputs import PaddedInputs, gather_results, pad_inputs
 from peerflow.training.logprobs import VocabShard, token_entropy, token_logprobs
-from peerflow.training.memory import GIB, metric_name, peak_bytes, reset_peak
 from peerflow.training.metrics import StepTally
 from peerflow.training.microbatch import plan_micro_batches, split_mini_batches
 from peerflow.training.packing import packed_inputs
@@ -269,11 +268,9 @@ class CausalLMTrainEngine(TrainEngine, abc.ABC):
         counts it is given) over micro-batches and dp-ranks, then clipped by the global
         norm. A mini-batch with no trained token on any rank (every sample left out) is
         skipped with a warning: no forward, no optimizer step. Returns the metrics of
-        `peerflow.training.metrics`, and the step's peak memory over the dp-ranks
-        (`peerflow.training.memory`).
+        `peerflow.training.metrics`.
         """
         self.set_training(True)
-        reset_peak(self.device)
         tally = StepTally()
         for indices in split_mini_batches(len(batch), self.optim.mini_batches):
             mini = batch.select(indices)
@@ -291,11 +288,8 @@ class CausalLMTrainEngine(TrainEngine, abc.ABC):
             lr = self.current_lr()  # the rate this step applies; a schedule moves it after
             tally.add_optimizer_step(self.optimizer_step(), lr=lr)
         self.version += 1
-        metrics = tally.summary(group=self.dp_group, lr=self.current_lr(),
-                                share=self.share_from_last_stage)
-        metrics[metric_name(self.device)] = \
-            all_reduce_max(peak_bytes(self.device), self.dp_group) / GIB
-        return metrics
+        return tally.summary(group=self.dp_group, lr=self.current_lr(),
+                             share=self.share_from_last_stage)
 
     def _objective(self, loss: LossFunction, tally: StepTally, tokens: int, samples: int,
                    micro: MicroBatch, output: torch.Tensor) -> torch.Tensor:

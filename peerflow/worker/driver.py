@@ -50,6 +50,7 @@ from peerflow.checkpoint import (
     truncate_metrics,
 )
 from peerflow.errors import ConfigError
+from peerflow.training.memory import rank_device, record_peak, reset_peak
 from peerflow.worker.graceful_stop import GracefulStop
 from peerflow.worker.metrics import (
     MetricsExchange,
@@ -218,12 +219,15 @@ def drive(rt: WorkerRuntime, schedule: Schedule, stage: Any, *, resuming: bool =
         with stage(schedule.name), contextlib.closing(
                 schedule.steps(start_step, outputs.tracer)) as steps:
             since, signal = time.perf_counter(), SignalWatch()
+            device = rank_device()
+            reset_peak(device)
             reward_watch = RewardWatch.from_config(rt.config, rt.run_dir)
             for step, batch, metrics in steps:
                 # The loop's wall time, per step: this step and the previous step's driver
                 # work (metrics, hooks, checkpoint) — what a user waits for in the loop.
                 now = time.perf_counter()
                 metrics.max("time/iteration", now - since)
+                record_peak(metrics, device)  # memory/peak_*_gib, max over ranks
                 since = now
                 rt.step = step
                 record_batch_metrics(batch, metrics)

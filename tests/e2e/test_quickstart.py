@@ -24,6 +24,7 @@ def test_quickstart_two_processes(quickstart_run, metrics_of):
                       "step"):
             assert m[f"time/{phase}"] >= 0
         assert m["time/iteration"] >= m["time/step"]  # the loop's span holds the step
+        assert 0 < m["memory/peak_rss_gib"] < 64  # the step's peak, largest over ranks
         assert "time/old_logprob" not in m  # on-policy: the fast path skips that forward
         assert m["mismatch/abs_max"] < 1e-4  # rollout and trainer agree at the same weights
         assert 0 < m["off_policy/is_weight_mean"] < 2

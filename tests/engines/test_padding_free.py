@@ -153,7 +153,6 @@ def test_fsdp2_and_zero3_padding_free_step_equals_padded_step(tmp_path, world):
         for name in ("fsdp", "deepspeed"):
             padded, packed = got[name]
             assert_same_step(padded, packed, (padded["weights"], packed["weights"]))
-            assert packed["metrics"]["memory/peak_rss_gib"] > 0
         # bf16 compute (fp32 reduction, CPU offload, checkpointing): the fp32 step, roughly
         controls, fp32 = got["fsdp_controls"]["metrics"], got["fsdp"][0]["metrics"]
         for key in ("loss", "grad_norm"):
