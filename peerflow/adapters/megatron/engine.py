@@ -49,6 +49,7 @@ from peerflow.adapters.megatron.optim import (
     build_lr_schedulers,
     build_optimizer,
     clip_and_step,
+    param_dtype,
 )
 from peerflow.adapters.megatron.options import MegatronOptions
 from peerflow.adapters.megatron.weights import covered_names, import_hf_weights
@@ -68,7 +69,6 @@ from peerflow.training import (
     fixed_shape_micro_batches,
     pad_inputs,
     pad_to_shape,
-    torch_dtype,
 )
 
 
@@ -190,13 +190,7 @@ class MegatronTrainEngine(MegatronCheckpoints, CausalLMTrainEngine):
         self.dp_rank = ps.get_data_parallel_rank()
         self.dp_group = ps.get_data_parallel_group()
         self.device = torch.device(context.device)
-        # bfloat16 parameters keep float32 main copies only in Megatron's distributed
-        # optimizer; `auto` takes them there alone (AdamW on bfloat16 weights loses small
-        # updates), `true` forces them.
-        bf16 = self.optim.bf16 and (optim.bf16 is True or options.use_distributed_optimizer)
-        dtype = torch.bfloat16 if bf16 else torch_dtype(context.dtype)
-        self.dtype = dtype
-
+        self.dtype = dtype = param_dtype(self.optim.bf16, optim.bf16, options, context.dtype)
         self.hf_config = AutoConfig.from_pretrained(context.model_path)
         self.shape = check_supported(self.hf_config)
         layout.check_divides("query groups (num_key_value_heads)", self.shape.num_kv_heads)

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from peerflow.engines import OptimSettings
-from peerflow.training import build_adamw, build_lr_scheduler
+from peerflow.training import build_adamw, build_lr_scheduler, torch_dtype
 
 
 def build_optimizer(model: Any, module: torch.nn.Module, optim: OptimSettings, *,
@@ -39,6 +39,24 @@ def build_optimizer(model: Any, module: torch.nn.Module, optim: OptimSettings, *
         )
         return get_megatron_optimizer(config, [model])
     return build_adamw(module.parameters(), optim)
+
+
+def param_dtype(bf16: bool, setting: bool | str, options: Any, dtype: str) -> torch.dtype:
+    """The dtype Megatron builds its parameters in.
+
+    Megatron's bfloat16 means bfloat16 parameters, whose float32 main copies only its
+    distributed optimizer keeps: `trainer.bf16: auto` takes them there alone (AdamW on
+    bfloat16 weights loses small updates), `true` forces them.
+
+    Args:
+        bf16: `trainer.bf16` resolved for the device (`resolve_bf16`).
+        setting: `trainer.bf16` as configured (`auto`, `True`, `False`).
+        options: The engine's `MegatronOptions`.
+        dtype: `model.dtype`, used otherwise.
+    """
+    if bf16 and (setting is True or options.use_distributed_optimizer):
+        return torch.bfloat16
+    return torch_dtype(dtype)
 
 
 def build_lr_schedulers(optimizer: Any, optim: OptimSettings) -> list[Any]:
