@@ -61,3 +61,14 @@ def test_every_example_sets_its_own_learning_rate(path):
     on the default."""
     raw = yaml.safe_load(path.read_text())
     assert "lr" in (raw.get("trainer") or {}), f"{path.name}: set trainer.lr explicitly"
+
+
+def test_megatron_takes_bf16_auto_only_with_float32_main_parameters():
+    from peerflow.adapters.megatron.optim import param_dtype
+    from peerflow.adapters.megatron.options import MegatronOptions
+
+    plain, distributed = MegatronOptions(), MegatronOptions(use_distributed_optimizer=True)
+    assert param_dtype(True, "auto", plain, "float32") == torch.float32
+    assert param_dtype(True, "auto", distributed, "float32") == torch.bfloat16
+    assert param_dtype(True, True, plain, "float32") == torch.bfloat16  # forced
+    assert param_dtype(False, "auto", distributed, "float32") == torch.float32  # the CPU
