@@ -75,6 +75,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--activation-checkpointing", action="store_true",
                         help="trainer.activation_checkpointing: true")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--lora-rank", type=int, default=0, metavar="R",
+                        help="train LoRA adapters of rank R (trainer.lora, all-linear, alpha "
+                        "2R) instead of every weight; compare peak_memory_gib with a run "
+                        "without it (default 0: full fine-tuning)")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -102,6 +106,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "real_tokens": real, "unique_tokens": int(unique),
         "answer_lengths": length_stats(answer_lengths, _shape(args)[2]),
         "settings": {"micro_batch_tokens": args.micro_batch_tokens, "dtype": args.dtype,
+                     "lora_rank": args.lora_rank,
                      "bf16": args.bf16, "activation_checkpointing": args.activation_checkpointing,
                      "temperature": TEMPERATURE},
         "layouts": layouts,
@@ -185,9 +190,14 @@ def _engine(model: str, args: argparse.Namespace, *, padding_free: bool) -> Any:
     from peerflow.plugins import get_plugin_manager
 
     cls = get_plugin_manager().registry("train_engine").get(args.trainer)
+    lora = None
+    if args.lora_rank:
+        from peerflow.config.lora import LoraConfig
+
+        lora = LoraConfig(rank=args.lora_rank, alpha=2.0 * args.lora_rank)
     context = EngineContext(model_path=model, layout=ParallelLayout(), dtype=args.dtype,
                             temperature=TEMPERATURE, device=str(rank_device()),
-                            seed=args.seed)
+                            seed=args.seed, lora=lora)
     optim = OptimSettings(lr=1e-5, micro_batch_tokens=args.micro_batch_tokens,
                           bf16=args.bf16, padding_free=padding_free,
                           activation_checkpointing=args.activation_checkpointing)
