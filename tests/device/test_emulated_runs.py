@@ -4,7 +4,7 @@ Each run sets `PEERFLOW_EMULATE_ACCELERATOR=1`: every worker computes on `emu:<r
 and its process groups carry host tensors over gloo and device tensors over the emulated
 NCCL, which refuses host tensors as NCCL does. These are the paths that died on the H200
 (start-up, the first `train_actor`), for every train adapter, both schedules, split
-placement (a coordinator route between roles) and a multi-turn agent. Sampling is at
+placement (a coordinator route between roles), a multi-turn agent and LoRA adapters. Sampling is at
 T = 0.7; the fsdp run must reproduce the CPU run's numbers.
 """
 
@@ -39,6 +39,7 @@ RUNS = {
     "split_sync": [QUICKSTART, *SPLIT],
     "async": [QUICKSTART, *SPLIT, "runtime.mode=async"],
     "agent": [GUESS_NUMBER, "rollout.sampling.temperature=0.7"],
+    "lora": [QUICKSTART, "trainer.lora.rank=4", "algorithm.kl.coef=0.1", "trainer.lr=0.05"],
 }
 
 
