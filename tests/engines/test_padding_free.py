@@ -191,3 +191,17 @@ def test_activation_checkpointing_gives_the_same_step(tiny_model):
         steps.append(one_step(engine, make_batch(engine.model.config.vocab_size))["metrics"])
     for key in ("loss", "grad_norm", "entropy"):
         assert steps[1][key] == pytest.approx(steps[0][key], rel=1e-5), key
+
+
+def test_megatron_pads_and_says_so():
+    import attrs
+
+    from peerflow.adapters.megatron.engine import _say_padding
+    from peerflow.errors import ConfigError
+
+    _say_padding(optim(False))
+    _say_padding(attrs.evolve(optim(False), padding_free="auto"))
+    with pytest.raises(ConfigError, match="padding_free: auto"):
+        _say_padding(optim(True))
+    with pytest.raises(ConfigError, match="activation_checkpointing=true"):
+        _say_padding(attrs.evolve(optim(False), activation_checkpointing=True))

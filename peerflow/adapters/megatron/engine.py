@@ -79,8 +79,14 @@ def _say_padding(optim: OptimSettings) -> None:
     which is not wired up here.
 
     Raises:
-        ConfigError: `trainer.padding_free` is `true`.
+        ConfigError: `trainer.padding_free` is `true`, or `trainer.activation_checkpointing`
+            (Megatron's recompute is not wired up either).
     """
+    if optim.activation_checkpointing:
+        raise ConfigError(
+            "trainer.activation_checkpointing=true: the megatron trainer does not wire up "
+            "Megatron's activation recompute; set it to false, or use trainer.backend "
+            "fsdp/deepspeed.")
     if optim.padding_free is True:
         raise ConfigError(
             "trainer.padding_free=true: the megatron trainer runs padded micro-batches of "
