@@ -14,14 +14,17 @@ LORA = ["trainer.lora.rank=4", "trainer.lora.alpha=8", "rollout.sampling.tempera
         "trainer.lr=0.05", "algorithm.kl.coef=0.1"]
 
 
+@pytest.mark.parametrize("layout", ["dp2", "tp2"])
 def test_sync_run_trains_and_syncs_adapters_only(tmp_path, quickstart, tiny, metrics_of,
-                                                 peerflow_train, quickstart_run):
+                                                 peerflow_train, quickstart_run, layout):
+    """fsdp dp2 (FSDP2 shards of every adapter), or tp2 (each adapter split with its base
+    layer: B with a column-parallel projection, A with a row-parallel one)."""
     from safetensors import safe_open
 
     run_dir = tmp_path / "run"
     peerflow_train([quickstart, "--nprocs", "2", "--run-dir", str(run_dir)],
                    [*tiny, *LORA, "run.steps=3", "rollout.sampling.n=8",
-                    "run.checkpoint_every=3"])
+                    "run.checkpoint_every=3", f"trainer.layout.{layout[:2]}=2"])
     rows = metrics_of(run_dir)
     full_sync = metrics_of(quickstart_run)[0]["weight_sync/bytes"]
     assert [m["step"] for m in rows] == [1, 2, 3]
@@ -36,7 +39,8 @@ def test_sync_run_trains_and_syncs_adapters_only(tmp_path, quickstart, tiny, met
         with safe_open(str(actor / f"model-rank{rank}.safetensors"), "pt") as saved:
             names = list(saved.keys())
         assert names and all(".lora_A." in n or ".lora_B." in n for n in names)
-    _check_exports(run_dir, tmp_path)
+    if layout == "dp2":
+        _check_exports(run_dir, tmp_path)
 
 
 def _check_exports(run_dir, tmp_path):

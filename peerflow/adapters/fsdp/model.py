@@ -108,7 +108,25 @@ def apply_tensor_parallel(module: nn.Module, tp_mesh: Any) -> None:
                 f"fsdp tensor parallelism supports Llama-shaped blocks; "
                 f"{type(block).__name__} has no {missing}. Use trainer.layout.tp=1."
             )
-        parallelize_module(block, tp_mesh, {k: styles[v]() for k, v in TP_PLAN.items()})
+        plan = {}
+        for name, style in TP_PLAN.items():
+            plan.update(_lora_aware(name, style, submodules[name]))
+        parallelize_module(block, tp_mesh, {k: styles[v]() for k, v in plan.items()})
+
+
+def _lora_aware(name: str, style: str, module: nn.Module) -> dict[str, str]:
+    """The tp plan of one projection; a peft LoRA layer splits with its base layer.
+
+    Column-parallel: the base layer and `B` split their outputs (the adapter's update is
+    added to the base's output shard), `A` is replicated. Row-parallel: the base layer and
+    `A` split their inputs (each output all-reduced), `B` is replicated. DTensor reduces
+    the replicated factor's gradient where it is partial.
+    """
+    if not hasattr(module, "base_layer"):
+        return {name: style}
+    split = "lora_B" if style == "colwise" else "lora_A"
+    return {f"{name}.base_layer": style,
+            **{f"{name}.{split}.{adapter}": style for adapter in getattr(module, split)}}
 
 
 def apply_fsdp(module: nn.Module, dp_mesh: Any, *, param_dtype: torch.dtype | None,
