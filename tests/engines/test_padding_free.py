@@ -205,3 +205,14 @@ def test_megatron_pads_and_says_so():
         _say_padding(optim(True))
     with pytest.raises(ConfigError, match="activation_checkpointing=true"):
         _say_padding(attrs.evolve(optim(False), activation_checkpointing=True))
+
+
+def test_padding_free_plan_budgets_real_tokens():
+    from peerflow.training.microbatch import plan_micro_batches, split_to_count
+
+    lengths = [300, 20, 5, 250, 40, 1000, 60]
+    plan = plan_micro_batches(lengths, 400, packed=True)
+    assert plan == [[5], [0, 6, 4], [3, 1, 2]]  # first fit, longest first; 1000 alone
+    assert all(sum(lengths[i] for i in b) <= 400 for b in plan if len(b) > 1)
+    more = split_to_count(plan, lengths, 4, packed=True)  # a rank with fewer splits the
+    assert more == [[5], [0], [6, 4], [3, 1, 2]]  # most real tokens (400 > 275)
