@@ -19,7 +19,9 @@ advantages, PPO's clipped loss at T = 0.7. The same batch is stepped with
   peak (`peerflow.bench.mfu`; null with the reason for a device not in its table).
 
 `speedup` is padding-free over padded tokens/s. `--activation-checkpointing` and `--bf16`
-measure the memory controls on the same batch.
+measure the memory controls on the same batch; `--attn-implementation` (fsdp) the
+attention the model is loaded with (padding-free costs `T²` under sdpa, `Σ L_i²` under
+flash-attention).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import tempfile
 import time
 from typing import Any
 
+import attrs
 import torch
 
 from peerflow.bench.mfu import train_mfu
@@ -74,6 +77,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bf16", action="store_true", help="trainer.bf16: true")
     parser.add_argument("--activation-checkpointing", action="store_true",
                         help="trainer.activation_checkpointing: true")
+    parser.add_argument("--attn-implementation",
+                        help="transformers attention (fsdp: sdpa, eager, flash_attention_2, …)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--lora-rank", type=int, default=0, metavar="R",
                         help="train LoRA adapters of rank R (trainer.lora, all-linear, alpha "
@@ -106,6 +111,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "real_tokens": real, "unique_tokens": int(unique),
         "answer_lengths": length_stats(answer_lengths, _shape(args)[2]),
         "settings": {"micro_batch_tokens": args.micro_batch_tokens, "dtype": args.dtype,
+                     "attn_implementation": args.attn_implementation or "default",
                      "lora_rank": args.lora_rank,
                      "bf16": args.bf16, "activation_checkpointing": args.activation_checkpointing,
                      "temperature": TEMPERATURE},
@@ -201,7 +207,13 @@ def _engine(model: str, args: argparse.Namespace, *, padding_free: bool) -> Any:
     optim = OptimSettings(lr=1e-5, micro_batch_tokens=args.micro_batch_tokens,
                           bf16=args.bf16, padding_free=padding_free,
                           activation_checkpointing=args.activation_checkpointing)
-    return cls(context, cls.options_class(), optim)
+    options: dict[str, Any] = {}
+    if args.attn_implementation:
+        if "attn_implementation" not in attrs.fields_dict(cls.options_class):
+            raise SystemExit(f"--attn-implementation: the {args.trainer} trainer has no "
+                             "attn_implementation option; leave it out.")
+        options["attn_implementation"] = args.attn_implementation
+    return cls(context, cls.options_class(**options), optim)
 
 
 def _sync(device: torch.device) -> None:
