@@ -146,8 +146,20 @@ class BaseModelView:
 
     def forward_logprobs(self, batch: Any) -> Any:
         """The base model's log-probs of `batch` (collective like the actor's)."""
-        with adapters_disabled(self.actor.model):
+        with adapters_disabled(self._model()):
             return self.actor.forward_logprobs(batch)
+
+    def _model(self) -> Any:
+        """The actor's module: `model` (fsdp), or its framework engine.
+
+        DeepSpeed's `engine`, whose `.module` is the peft model.
+        """
+        for attribute in ("model", "engine"):
+            found = getattr(self.actor, attribute, None)
+            if found is not None:
+                return found
+        raise RuntimeError(f"{type(self.actor).__name__} exposes no `model` or `engine`; the "
+                           "LoRA reference cannot switch its adapters off.")
 
     def shutdown(self) -> None:
         """Nothing of its own to release: the actor owns the model."""

@@ -14,17 +14,24 @@ LORA = ["trainer.lora.rank=4", "trainer.lora.alpha=8", "rollout.sampling.tempera
         "trainer.lr=0.05", "algorithm.kl.coef=0.1"]
 
 
-@pytest.mark.parametrize("layout", ["dp2", "tp2"])
+TRAINERS = {
+    "fsdp_dp2": ["trainer.layout.dp=2"],  # FSDP2 shards of every adapter
+    "fsdp_tp2": ["trainer.layout.tp=2"],  # adapters split with their base layers
+    "deepspeed_zero3": ["trainer.backend=deepspeed", "trainer.deepspeed.zero_stage=3"],
+}
+
+
+@pytest.mark.parametrize("trainer", sorted(TRAINERS))
 def test_sync_run_trains_and_syncs_adapters_only(tmp_path, quickstart, tiny, metrics_of,
-                                                 peerflow_train, quickstart_run, layout):
-    """fsdp dp2 (FSDP2 shards of every adapter), or tp2 (each adapter split with its base
-    layer: B with a column-parallel projection, A with a row-parallel one)."""
+                                                 peerflow_train, quickstart_run, trainer):
     from safetensors import safe_open
 
+    if trainer.startswith("deepspeed"):
+        pytest.importorskip("deepspeed")
     run_dir = tmp_path / "run"
     peerflow_train([quickstart, "--nprocs", "2", "--run-dir", str(run_dir)],
                    [*tiny, *LORA, "run.steps=3", "rollout.sampling.n=8",
-                    "run.checkpoint_every=3", f"trainer.layout.{layout[:2]}=2"])
+                    "run.checkpoint_every=3", *TRAINERS[trainer]])
     rows = metrics_of(run_dir)
     full_sync = metrics_of(quickstart_run)[0]["weight_sync/bytes"]
     assert [m["step"] for m in rows] == [1, 2, 3]
@@ -34,13 +41,13 @@ def test_sync_run_trains_and_syncs_adapters_only(tmp_path, quickstart, tiny, met
         assert 0 < row["weight_sync/bytes"] < full_sync / 4
     # the reference is the base model: the trained adapters move the policy away from it
     assert rows[0]["kl/mean"] < 1e-9 < 1e-4 < rows[-1]["kl/mean"]
-    actor = run_dir / "checkpoints" / "step_000003" / "actor"
-    for rank in (0, 1):
-        with safe_open(str(actor / f"model-rank{rank}.safetensors"), "pt") as saved:
-            names = list(saved.keys())
-        assert names and all(".lora_A." in n or ".lora_B." in n for n in names)
-    if layout == "dp2":
-        _check_exports(run_dir, tmp_path)
+    if trainer.startswith("fsdp"):
+        actor = run_dir / "checkpoints" / "step_000003" / "actor"
+        for rank in (0, 1):
+            with safe_open(str(actor / f"model-rank{rank}.safetensors"), "pt") as saved:
+                names = list(saved.keys())
+            assert names and all(".lora_A." in n or ".lora_B." in n for n in names)
+    _check_exports(run_dir, tmp_path)
 
 
 def _check_exports(run_dir, tmp_path):

@@ -75,6 +75,7 @@ class DeepSpeedCheckpoints:
 
         meta = read_engine_meta(directory, META, "DeepSpeed")
         state = get_fp32_state_dict_from_zero_checkpoint(directory, tag=meta["tag"])
+        state = {lora.adapter_name(n): t for n, t in state.items()}  # peft's live names
         shapes = meta["shapes"]
         return [SavedShard(source=0, read=lambda name=name: state[name],
                            spec=ShardSpec.of_slice(name, shapes[name]))
