@@ -9,10 +9,12 @@
   checkpoint and export, as HF names are for full weights.
 * `BaseModelView` is the reference role of a LoRA run: the actor engine with its
   adapters switched off (peft's `disable_adapter()`), no second copy of the weights.
+* `rollout_model(model, lora)` is a rollout engine's model and the tensors a sync writes.
 * `adapter_layout(path, lora)` gives the adapter names and shapes without loading weights.
 * `base_fingerprint(path)` identifies the base weights an adapter checkpoint belongs to.
-* `check_lora` (a core `peerflow_validate_config` hook) refuses a `trainer.lora` run whose
-  train or rollout backend does not declare `Capabilities.lora`, naming the reason.
+* Its `peerflow_validate_config` hook (this module is a core plugin) refuses a
+  `trainer.lora` run whose train or rollout backend does not declare `Capabilities.lora`,
+  naming the reason (`lora_refusal`).
 
 peft is imported inside the functions: `import peerflow` does not import it.
 """
