@@ -92,9 +92,17 @@ def resolve_padding_free(setting: bool | str, model: torch.nn.Module, engine: st
     on = supported and (setting is True or (setting == "auto" and varlen))
     why = "" if on or not supported or setting is False else \
         " — its dense T x T mask costs more than padding; true forces it"
-    log.info("%s: padding-free micro-batches %s (trainer.padding_free=%s, attention %r%s).",
-             engine, "on" if on else "off", str(setting).lower(), backend, why)
+    say_in_rank_log(f"{engine}: padding-free micro-batches {'on' if on else 'off'} "
+        f"(trainer.padding_free={str(setting).lower()}, attention {backend!r}{why}).")
     return on
+
+
+def say_in_rank_log(line: str) -> None:
+    """Writes `line` to this rank's log (`logs/rank<R>.log` of a run) and the logger."""
+    from peerflow.distributed.ranklog import append_to_rank_log
+
+    append_to_rank_log(line)
+    log.info("%s", line)
 
 
 def packed_inputs(batch: Batch, *, share_prompts: bool) -> SharedPromptInputs:

@@ -39,6 +39,8 @@ def test_quickstart_two_processes(quickstart_run, metrics_of):
     for step in (2, 4):
         assert (run_dir / "checkpoints" / f"step_00000{step}" / "MANIFEST.json").is_file()
     assert (run_dir / "fingerprint.json").is_file()
+    # the rank log says which micro-batches the trainer runs (sdpa: padded, and why)
+    assert "padding-free micro-batches off" in (run_dir / "logs" / "rank0.log").read_text()
     assert not (run_dir / "run.lock").exists()  # released when the run ends
 
 

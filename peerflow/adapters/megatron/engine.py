@@ -24,7 +24,6 @@ all-reduces the tied embedding between the first and last stage. On GPU
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 from collections.abc import Iterator, Sequence
 from functools import partial
@@ -70,6 +69,7 @@ from peerflow.training import (
     pad_inputs,
     pad_to_shape,
 )
+from peerflow.training.packing import say_in_rank_log
 
 
 def _say_padding(optim: OptimSettings) -> None:
@@ -92,9 +92,8 @@ def _say_padding(optim: OptimSettings) -> None:
             "trainer.padding_free=true: the megatron trainer runs padded micro-batches of "
             "one shape (its pipeline schedules exchange fixed-shape activations); set "
             "trainer.padding_free: auto (or false), or use trainer.backend fsdp/deepspeed.")
-    logging.getLogger("peerflow.training").info(
-        "megatron: padded micro-batches of one shape (trainer.padding_free=%s applies to "
-        "fsdp and deepspeed only).", str(optim.padding_free).lower())
+    say_in_rank_log(f"megatron: padded micro-batches of one shape (trainer.padding_free="
+        f"{str(optim.padding_free).lower()} applies to fsdp and deepspeed only).")
 
 
 def _ensure_distributed(context: EngineContext) -> None:
