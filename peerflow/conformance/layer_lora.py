@@ -16,6 +16,7 @@ out of the engine (`materialize`).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -55,11 +56,9 @@ def oracle_logprobs(model_dir: str, lora: LoraConfig, adapters: Mapping[str, tor
                     rows: Sequence[tuple[Sequence[int], Sequence[int]]],
                     temperature: float) -> list[torch.Tensor]:
     """`log_softmax(logits / T)` of each response token under transformers + peft."""
-    from peft import get_peft_model, set_peft_model_state_dict
-    from transformers import AutoModelForCausalLM
+    from peft import set_peft_model_state_dict
 
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
-                           lora.to_peft()).eval()
+    model = _oracle_model(model_dir, lora)
     result = set_peft_model_state_dict(model, dict(adapters))
     unexpected = getattr(result, "unexpected_keys", [])
     if unexpected:
@@ -88,6 +87,16 @@ def read_adapters(profile: Any, engine: Any) -> dict[str, torch.Tensor]:
         return dict(hook(engine))
     return {adapter_name(n): t for n, t in read_weights(profile, engine).items()
             if is_adapter(n)}
+
+
+@functools.lru_cache(maxsize=4)
+def _oracle_model(model_dir: str, lora: LoraConfig) -> Any:
+    """The oracle model: the checkpoint under peft (built once; each use sets every adapter)."""
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return get_peft_model(base, lora.to_peft()).eval()
 
 
 def _sample(engine: Any, seed: int = 3) -> tuple[list[torch.Tensor], list[tuple]]:
