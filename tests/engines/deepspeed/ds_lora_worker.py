@@ -2,7 +2,8 @@
 
 For ZeRO stages 1, 2 and 3 with `trainer.lora`: what `weight_sources` lists, the adapters
 before and after one train step on this rank's slice (through `materialize`), the
-optimiser state this rank holds, and a checkpoint round trip. Writes `rank{R}.pt`.
+optimiser state this rank holds, the reference view's (adapters off) log-probs, and a
+checkpoint round trip. Writes `rank{R}.pt`.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ def main() -> None:
     from peerflow.adapters.deepspeed.options import DeepSpeedOptions
     from peerflow.engines import EngineContext, OptimSettings
     from peerflow.layout import ParallelLayout
+    from peerflow.training.lora import BaseModelView
 
     torch.set_num_threads(1)
     model_path, out_dir = sys.argv[1], sys.argv[2]
@@ -44,12 +46,15 @@ def main() -> None:
         before = owned(engine)
         engine.train_step(batch, nll_loss)
         after = owned(engine)
+        adapted = engine.forward_logprobs(batch).values
+        base = BaseModelView(engine).forward_logprobs(batch).values  # the KL reference
         ckpt = os.path.join(out_dir, f"ckpt{stage}")
         engine.save_checkpoint(ckpt)
         engine.train_step(batch, nll_loss)
         engine.load_checkpoint(ckpt)
         results[stage] = {
             "names": [s.local_name for s in engine.weight_sources()],
+            "adapted": adapted, "base": base,
             "before": before, "after": after, "reloaded": owned(engine),
             "optimiser_elements": optimiser_elements(engine),
             "trainable": sorted(n for n, p in engine._module.named_parameters()

@@ -34,10 +34,15 @@ def tiny(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def ranks(tiny, tmp_path_factory) -> list[dict]:
+def out_dir(tiny, tmp_path_factory):
     out = tmp_path_factory.mktemp("ds-lora-run")
     run_script(WORKER, tiny, str(out))
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks(out_dir) -> list[dict]:
+    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 
 def _merged(ranks: list[dict], stage: int, key: str) -> dict[str, torch.Tensor]:
@@ -72,3 +77,25 @@ def test_zero_trains_adapters_like_the_reference(ranks, tiny, stage):
     reloaded = _merged(ranks, stage, "reloaded")
     for name in names:
         assert torch.equal(reloaded[name], after[name]), name
+
+
+@pytest.mark.parametrize("stage", (1, 3))
+def test_reference_view_and_export_read_the_adapters(ranks, out_dir, tiny, stage):
+    """The KL reference (adapters off) scores like the base model; `peerflow export`
+    reads the saved adapters back under peft's names."""
+    from peerflow.adapters.deepspeed.engine import DeepSpeedTrainEngine
+    from peerflow.adapters.deepspeed.options import DeepSpeedOptions
+    from peerflow.hf_export.assemble import assemble_hf_tensors
+    from tests.engines.deepspeed.trainlib import dp_slice, hf_logprobs
+
+    for rank, result in enumerate(ranks):
+        base = hf_logprobs(tiny, dp_slice(full_batch(), rank, 2)).to(result[stage]["base"])
+        torch.testing.assert_close(result[stage]["base"], base, atol=1e-5, rtol=0)
+        assert (result[stage]["adapted"] - base).abs().max() > 1e-3
+    shards = DeepSpeedTrainEngine.saved_shards(str(out_dir / f"ckpt{stage}"), model_path=tiny,
+                                               options=DeepSpeedOptions(zero_stage=stage))
+    saved = assemble_hf_tensors(shards)
+    after = _merged(ranks, stage, "after")
+    assert sorted(saved) == sorted(after)
+    for name, tensor in after.items():
+        torch.testing.assert_close(saved[name], tensor, atol=0, rtol=0)
