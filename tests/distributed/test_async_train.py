@@ -24,7 +24,7 @@ SMALL = [
 SPLIT = ["runtime.placement=split", "rollout.layout.dp=1", "trainer.layout.dp=1"]
 #: Metrics that measure time or the async machinery itself, not learning.
 NOT_LEARNING = ("time/", "throughput/", "sync/", "idle/", "overlap/", "queue/", "staleness/",
-                "rollout/")
+                "rollout/", "memory/")
 
 
 def _worker(rank, world, port, overrides, run_dir, resume):

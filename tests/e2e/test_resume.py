@@ -10,9 +10,9 @@ import pytest
 
 pytestmark = pytest.mark.distributed
 
-#: Wall-clock and CPU-time measurements differ between any two runs; everything else must
-#: not.
-TIMING_PREFIXES = ("time/", "throughput/", "weight_sync/", "coordinator/")
+#: Wall-clock, CPU-time and memory measurements differ between any two runs; everything
+#: else must not.
+TIMING_PREFIXES = ("time/", "throughput/", "weight_sync/", "coordinator/", "memory/")
 
 
 def _comparable(line: dict) -> dict:
