@@ -32,10 +32,9 @@ import random
 import statistics
 import tempfile
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
-import torch
 
 from peerflow.bench.mfu import train_mfu
 from peerflow.bench.shapes import (
@@ -55,6 +54,9 @@ EOS_RATE = 1 / 128
 #: `--shape quickstart`'s model: small enough for a smoke run on a busy CPU.
 QUICKSTART_MODEL = {"hidden_size": 64, "intermediate_size": 128, "num_layers": 2,
                     "num_heads": 4, "num_kv_heads": 2}
+if TYPE_CHECKING:
+    import torch
+
 LAYOUTS = {"padded": False, "padding_free": True}
 
 
@@ -138,6 +140,7 @@ def _model_overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 def _batch(model: str, args: argparse.Namespace) -> tuple[Any, list[int]]:
     """The GRPO-shaped batch (see the module docstring) and its answer lengths."""
+    import torch
     from transformers import AutoConfig
 
     from peerflow.batch import Batch, RaggedField
@@ -164,6 +167,8 @@ def _batch(model: str, args: argparse.Namespace) -> tuple[Any, list[int]]:
 def _measure(model: str, batch: Any, args: argparse.Namespace, *,
              padding_free: bool) -> dict[str, Any]:
     """Warm-up step, then `--repeats` timed steps of one layout."""
+    import torch
+
     from peerflow.algorithms.losses import PPOClip
     from peerflow.training.memory import GIB, peak_bytes, reset_peak
 
@@ -217,12 +222,15 @@ def _engine(model: str, args: argparse.Namespace, *, padding_free: bool) -> Any:
 
 
 def _sync(device: torch.device) -> None:
+    import torch
+
     if device.type != "cpu":
         torch.accelerator.synchronize(device)
 
 
 def _parameter_count(model: str) -> int:
     """Parameters of the model at `model` (built on the meta device, tied weights once)."""
+    import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     with torch.device("meta"):
@@ -231,6 +239,8 @@ def _parameter_count(model: str) -> int:
 
 
 def _mfu(params: int, tokens: float, seconds: float, device: str) -> dict[str, Any]:
+    import torch
+
     if not torch.cuda.is_available():
         return {"mfu": None, "mfu_reason": "MFU is measured on a CUDA device only"}
     mfu, why = train_mfu(params, tokens, seconds, device)

@@ -7,18 +7,29 @@
 * `write_model_dir`, `unique_tensors` — the one HF directory writer (`export`, `sft`).
 """
 
-from peerflow.hf_export.assemble import assemble_hf_tensors
-from peerflow.hf_export.hf_dir import DEFAULT_SHARD_SIZE, unique_tensors, write_model_dir
-from peerflow.hf_export.run import DTYPES, Exported, checkpoint_tensors, choose_checkpoint, export
+from __future__ import annotations
 
-__all__ = [
-    "DEFAULT_SHARD_SIZE",
-    "DTYPES",
-    "Exported",
-    "assemble_hf_tensors",
-    "checkpoint_tensors",
-    "choose_checkpoint",
-    "export",
-    "unique_tensors",
-    "write_model_dir",
-]
+import importlib
+from typing import Any
+
+#: Public name → submodule that defines it; imported on first use, so building the
+#: command line (`peerflow export --help`) does not import torch.
+_EXPORTS = {
+    "assemble_hf_tensors": "assemble",
+    "DEFAULT_SHARD_SIZE": "hf_dir",
+    "unique_tensors": "hf_dir",
+    "write_model_dir": "hf_dir",
+    "DTYPES": "run",
+    "Exported": "run",
+    "checkpoint_tensors": "run",
+    "choose_checkpoint": "run",
+    "export": "run",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
