@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -112,6 +113,9 @@ class EngineBase:
     """The name users select the engine by (`rollout.backend: <name>`)."""
     capabilities: ClassVar[Capabilities] = Capabilities()
     """Optional abilities; see `Capabilities`."""
+    unsupported: ClassVar[Mapping[str, str]] = {}
+    """Why the engine lacks a capability users ask for, by `Capabilities` field name
+    (`{"lora": "…"}`): said in the error of a run that needs it."""
     options_class: ClassVar[type] = NoOptions
     """attrs class of the adapter's own options (`rollout.<name>: {...}` in the config)."""
     requires: ClassVar[tuple[str, ...]] = ()

@@ -36,14 +36,6 @@ from peerflow.plugins.hookspecs import hookimpl
 #: peft's adapter name inside the live module; peft's files drop it from tensor names.
 ADAPTER = "default"
 _ADAPTER_PARAM = re.compile(r"\.(lora_(?:embedding_)?[AB])\." + ADAPTER + r"(?=\.|$)")
-#: Why an engine without the capability cannot train or apply adapters, by backend.
-_WHY_NOT = {
-    "megatron": "megatron-core 0.16 has no LoRA of its own and no maintained library "
-                "here adds one (NVIDIA's Megatron-Bridge PEFT needs megatron-core >= 0.17, "
-                "Python >= 3.12 and CUDA)",
-    "sglang": "SGLang cannot be installed or exercised on these CPU machines, so its LoRA "
-              "API is not wired yet",
-}
 
 
 def apply_lora(model: torch.nn.Module, lora: Any) -> torch.nn.Module:
@@ -216,7 +208,7 @@ def lora_refusal(kind: str, cls: type, backend: str, usable: list[str]) -> str |
     if cls.capabilities.lora:
         return None
     side = "trainer" if kind == "train_engine" else "rollout"
-    why = _WHY_NOT.get(backend, f"{cls.__name__} does not declare Capabilities.lora")
+    why = cls.unsupported.get("lora") or f"{cls.__name__} does not declare Capabilities.lora"
     verb = "train" if side == "trainer" else "apply"
     return (f"trainer.lora: {side}.backend={backend!r} cannot {verb} LoRA adapters: {why}. "
             f"Use {side}.backend {' or '.join(usable) or '(none installed)'}, or remove "

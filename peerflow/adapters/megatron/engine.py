@@ -156,6 +156,9 @@ class MegatronTrainEngine(MegatronCheckpoints, CausalLMTrainEngine):
     name = "megatron"
     capabilities = Capabilities(tensor_parallel=True, pipeline_parallel=True,
                                 checkpoint=True)
+    unsupported = {"lora": "megatron-core 0.16 has no LoRA of its own and no maintained "
+                           "library here adds one (NVIDIA's Megatron-Bridge PEFT needs "
+                           "megatron-core >= 0.17, Python >= 3.12 and CUDA)"}
     options_class = MegatronOptions
     requires = ("megatron.core",)
     install_hint = "pip install 'peerflow[megatron]' (megatron-core>=0.16.1)"
