@@ -176,7 +176,7 @@ def test_padding_free_step_on_the_device_equals_the_padded_one(device, tiny_mode
     from peerflow.adapters.fsdp.engine import FSDPTrainEngine, FSDPTrainOptions
     from peerflow.engines import EngineContext
     from peerflow.layout import ParallelLayout
-    from tests.engines.test_padding_free import TEMPERATURE, make_batch, one_step, optim
+    from tests.engines.fsdp.test_padding_free import TEMPERATURE, make_batch, one_step, optim
 
     context = EngineContext(model_path=tiny_model, layout=ParallelLayout(),
                             device=str(device), temperature=TEMPERATURE)

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from tests.engines.deepspeed.ds_worker import owned
 from tests.engines.deepspeed.trainlib import TEMPERATURE, dp_slice, full_batch, nll_loss
-from tests.unit.test_lora import LORA
+from tests.unit.test_lora_toolkit import LORA
 
 
 def optimiser_elements(engine) -> int:

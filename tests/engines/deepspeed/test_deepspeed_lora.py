@@ -54,7 +54,7 @@ def test_zero_trains_adapters_like_the_reference(ranks, tiny, stage):
     from peerflow import ParallelLayout
     from peerflow.adapters.fsdp.engine import FSDPTrainEngine
     from peerflow.engines import EngineContext, OptimSettings
-    from tests.unit.test_lora import LORA
+    from tests.unit.test_lora_toolkit import LORA
 
     names = ranks[0][stage]["names"]
     assert names == ranks[1][stage]["names"] and len(names) == 12

@@ -24,7 +24,7 @@ def test_adapter_sync_serves_the_trained_adapter(vllm_tiny_model):
     from peerflow.engines import EngineContext, OptimSettings
     from peerflow.reshard.service import WeightSyncService
     from tests.engines.fsdp.fsdp_testlib import nll_loss, to_batch
-    from tests.unit.test_lora import LORA
+    from tests.unit.test_lora_toolkit import LORA
 
     context = EngineContext(model_path=vllm_tiny_model, layout=ParallelLayout(), lora=LORA,
                             temperature=T)

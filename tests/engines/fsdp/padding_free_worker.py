@@ -9,7 +9,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from tests.engines.test_padding_free import TEMPERATURE, make_batch, one_step, optim
+from tests.engines.fsdp.test_padding_free import TEMPERATURE, make_batch, one_step, optim
 
 
 def main() -> None:

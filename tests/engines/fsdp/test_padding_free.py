@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from tests.engines.deepspeed.trainlib import build_model  # noqa: E402
 from tests.helpers.gloo import run_script  # noqa: E402
