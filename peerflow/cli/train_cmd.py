@@ -118,7 +118,8 @@ def check_run_dir(
     A resume of a run that stopped before its first checkpoint starts it again from step
     0 in place (same fingerprint required; unfinished checkpoint directories removed), so
     `peerflow train --resume RUN_DIR` is the one command that retries any run. A resume
-    whose newest checkpoint already reaches `run.steps` has nothing to do (`done_at`).
+    whose newest verified checkpoint already reaches `run.steps` has nothing to do
+    (`done_at`).
 
     Args:
         run_dir: The run directory (locked by the caller).
@@ -132,7 +133,7 @@ def check_run_dir(
     Raises:
         ConfigError: naming the directory, or each differing key with both values.
     """
-    from peerflow.checkpoint import newest_complete
+    from peerflow.checkpoint import newest_complete, newest_verified
     from peerflow.checkpoint.fingerprint import check_resume
 
     found = newest_complete(run_dir)
@@ -142,7 +143,11 @@ def check_run_dir(
             _restart_in_place(run_dir, "--resume: the run stopped before its first checkpoint")
             return RunPlan(resume=None)
         if config.run.steps <= found.step:
-            return RunPlan(resume=str(run_dir), done_at=found.step)
+            # nothing to run only if that checkpoint loads: a newest one that fails
+            # verification is skipped by the workers, who say so and train on from an older
+            done = newest_verified(run_dir, report=lambda _: None)
+            if done is not None and config.run.steps <= done.step:
+                return RunPlan(resume=str(run_dir), done_at=done.step)
         return RunPlan(resume=str(run_dir))
     if allow_change:
         raise ConfigError("--allow-change only applies to --resume RUN_DIR; drop it.")

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 import peerflow.launch
+from peerflow.checkpoint.manifest import write_manifest
 from peerflow.cli import main
 from peerflow.cli.train_cmd import resume_hint
 from peerflow.config import load_config
@@ -44,8 +45,10 @@ def launches(monkeypatch):
 def _checkpoint(run_dir: Path, step: int, *, finished: bool = True) -> Path:
     path = run_dir / "checkpoints" / f"step_{step:06d}"
     path.mkdir(parents=True)
-    if finished:
-        (path / "MANIFEST.json").write_text("{}")
+    if finished:  # a saved (verifiable) checkpoint: one payload file and its manifest
+        (path / "actor").mkdir()
+        (path / "actor" / "state.json").write_text("{}")
+        write_manifest(path, step=step)
     return path
 
 
