@@ -14,6 +14,7 @@ import textwrap
 import pytest
 
 from peerflow.outputs import MetricsWriter, read_metrics
+from tests.helpers.procs import launcher_env
 
 pytestmark = pytest.mark.distributed
 
@@ -57,11 +58,7 @@ def test_a_full_disk_names_the_file_keeps_whole_lines_and_says_where_the_log_is(
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (tmp_path / "diskprog.py").write_text(PROGRAM)
-    env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-               GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
-    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "PEERFLOW_FAULT_STORE",
-                "PEERFLOW_LAUNCHER_PID"):
-        env.pop(key, None)
+    env = launcher_env(tmp_path)
     proc = subprocess.run([sys.executable, "-c", LAUNCHER, str(run_dir)], env=env,
                           capture_output=True, text=True, timeout=300)
     err = proc.stderr

@@ -4,7 +4,6 @@ within about a second, quietly, and the run lock refuses a resume until they are
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -16,6 +15,7 @@ import pytest
 from peerflow.distributed.procs import process_gone
 from peerflow.errors import ConfigError
 from peerflow.outputs import RunLock
+from tests.helpers.procs import launcher_env
 
 pytestmark = pytest.mark.distributed
 
@@ -57,11 +57,7 @@ def test_workers_exit_when_the_launcher_is_killed_and_the_lock_waits_for_them(tm
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (tmp_path / "lifeprog.py").write_text(PROGRAM)
-    env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-               GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
-    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "PEERFLOW_FAULT_STORE",
-                "PEERFLOW_LAUNCHER_PID"):
-        env.pop(key, None)
+    env = launcher_env(tmp_path)
     err_path = tmp_path / "stderr.txt"
     with open(err_path, "w") as err:
         launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(run_dir)], env=env,

@@ -18,7 +18,7 @@ import pytest
 
 from peerflow.checkpoint import list_checkpoints, newest_complete
 from peerflow.distributed.init import free_port
-from tests.helpers.procs import process_gone
+from peerflow.distributed.procs import process_gone
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = str(ROOT / "examples" / "quickstart.yaml")

@@ -1,13 +1,20 @@
-"""Process helpers for tests that stop workers."""
+"""Process helpers for tests that start their own launcher."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
+#: Variables a launcher started by a test must not inherit from the test's own process.
+LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                    "PEERFLOW_FAULT_STORE", "PEERFLOW_LAUNCHER_PID")
 
-def process_gone(pid: int) -> bool:
-    """Whether a process has exited (a zombie awaiting its parent counts as gone)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return True
+
+def launcher_env(program_dir: Path) -> dict[str, str]:
+    """The environment of a test's launcher: `program_dir` importable, one thread, loopback
+    gloo, and none of the variables of an enclosing launch."""
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1",
+               PYTHONPATH=f"{program_dir}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    for key in LAUNCH_VARIABLES:
+        env.pop(key, None)
+    return env

@@ -23,7 +23,7 @@ import pytest
 from netns import Hosts, unavailable  # this folder's helper (pytest puts it on sys.path)
 
 from peerflow.checkpoint import CheckpointInfo, newest_complete
-from tests.helpers.procs import process_gone
+from peerflow.distributed.procs import process_gone
 
 ROOT = Path(__file__).resolve().parents[2]
 _NONE = CheckpointInfo(step=-1, path=Path("."))
