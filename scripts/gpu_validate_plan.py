@@ -59,12 +59,17 @@ def plan_checks(out: Path) -> list[Check]:
     """The checks, in lane order; run directories go under `out`.
 
     Phase 0 runs five lanes side by side (about 96-114 s for lanes A-C on the H200);
-    phase 1 is `realsize` alone (the GPU to itself); phase 2 the coordinator benchmark
-    alone (a core per process).
+    phase 1 is `realsize` alone (the GPU to itself); phase 2 the benchmarks (`bench
+    train` on the GPU, the coordinator's with a core per process).
     """
     runs = out / "runs"
-    q = str(runs / "quickstart-bf16")
     checks = "scripts/gpu_validate_checks.py"
+    return [*_lane_checks(runs, checks), *_checks_alone(out, checks)]
+
+
+def _lane_checks(runs: Path, checks: str) -> list[Check]:
+    """Phase 0: the five lanes (A-E) that run side by side."""
+    q = str(runs / "quickstart-bf16")
     return [
         # lane A: versions, the gpu-marked tests, conformance of the reference adapters
         Check("env", "torch sees the GPU; versions of torch, CUDA, NCCL, engines", 30,
@@ -126,6 +131,12 @@ def plan_checks(out: Path) -> list[Check]:
               _train(str(runs / "coordinator"), 3, *SPLIT,
                      "runtime.coordinator_transport=gloo", nprocs=2), "E",
               run_dir=str(runs / "coordinator")),
+    ]
+
+
+def _checks_alone(out: Path, checks: str) -> list[Check]:
+    """Phases 1 and 2: `realsize` with the GPU to itself, then the benchmarks."""
+    return [
         # phase 1: alone on the GPU
         Check("realsize", "a Qwen2.5-1.5B-shaped model (random weights, bf16): generate / "
               "train / weight-sync seconds, train MFU, peak GPU memory, ~512-token prompts "
