@@ -92,6 +92,37 @@ def check_coverage(specs: Specs, canonical: Mapping[str, tuple[int, ...]],
     return problems
 
 
+def check_replicas(specs: Specs, adapter: str = "the adapter") -> list[str]:
+    """Data several ranks hold has one replica-0 holder; every other copy has `replica > 0`.
+
+    Only replica 0 sends in a sync, so two replica-0 copies of one element make two
+    senders: the planner refuses such a layout as a source (a `ShardError` in layer 2 or
+    in the first sync back out of the engine). Both kinds of adapter must mark copies.
+    """
+    held: dict[str, list[tuple[int, ShardSpec, object]]] = {}
+    for rank, items in sorted(specs.items()):
+        for spec in items:
+            if spec.replica == 0:
+                for piece in spec.pieces:
+                    held.setdefault(piece.name, []).append((rank, spec, piece.global_box))
+    problems = []
+    for name, holders in held.items():
+        clash = next(((a, b) for i, a in enumerate(holders) for b in holders[i + 1:]
+                      if a[0] != b[0] and a[2].intersect(b[2]) is not None), None)
+        if clash is None:
+            continue
+        (rank_a, spec_a, box_a), (rank_b, spec_b, _) = clash
+        problems.append(
+            f"{name} {box_a}: ranks {rank_a} and {rank_b} both hold it as replica 0 "
+            f"(local {spec_a.local_name!r} and {spec_b.local_name!r}); only one copy may "
+            f"be replica 0. {adapter}.shard_layout must give every other copy `replica > "
+            "0` — the dp rank for a full copy per dp replica: hf_layout(hf_config, "
+            "RankCoords.of(layout, rank)) or vllm_layout(hf_config, RankCoords.of(layout, "
+            "rank)), or ShardSpec.of_slice(…, replica=layout.coord(rank).dp) — and "
+            "weight_targets()/weight_sources() must say the same")
+    return problems
+
+
 def compare(expected: Mapping[int, Mapping[str, torch.Tensor]],
             got: Mapping[int, Mapping[str, torch.Tensor]], specs: Specs,
             *, check_padding: bool = True) -> list[str]:
@@ -146,5 +177,5 @@ def numel(canonical: Mapping[str, tuple[int, ...]]) -> int:
     return sum(math.prod(s) for s in canonical.values())
 
 
-__all__ = ["canonical_specs", "check_coverage", "check_well_formed", "compare", "cut",
-           "layout_specs", "numel", "round_trip"]
+__all__ = ["canonical_specs", "check_coverage", "check_replicas", "check_well_formed",
+           "compare", "cut", "layout_specs", "numel", "round_trip"]

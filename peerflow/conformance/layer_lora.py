@@ -40,6 +40,8 @@ TEMPERATURE = 0.7
 #: The model the layer runs on (one: every test builds an engine; untied head, q/k/v
 #: biases). The unit tests of the built-in adapters cover Llama and Qwen2 with LoRA.
 LORA_MODELS = ("qwen2-untied",)
+#: The LoRA tests are their own group of layer 3: a LoRA failure skips only LoRA tests.
+lora_group = pytest.mark.peerflow_group("lora")
 
 
 def adapter_tensors(model_dir: str, lora: LoraConfig, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -133,6 +135,7 @@ class LayerLora(EngineLayerBase):
             pytest.skip("a rollout-adapter check")
 
     @layer3
+    @lora_group
     def test_l3_lora_adapters_arrive_bit_exact(self, profile, lora_engine, model_dir):
         """Adapter tensors synced through the adapter read back bit-exact, and only they."""
         self._rollout_only(profile)
@@ -153,6 +156,7 @@ class LayerLora(EngineLayerBase):
         _fail(wrong, f"{profile.name} LoRA adapters after a sync")
 
     @layer3
+    @lora_group
     def test_l3_lora_logprobs_match_adapted_model(self, profile, lora_engine, model_dir,
                                                   logprob_atol, request):
         """After an adapter sync, log-probs at T = 0.7 are the adapted model's (the oracle)."""
@@ -191,6 +195,7 @@ class LayerLora(EngineLayerBase):
         return "no single module's adapter differs; check how adapters combine"
 
     @layer3
+    @lora_group
     def test_l3_lora_trains_adapters_only(self, profile, lora_engine, model_dir, logprob_atol):
         """A train engine exports and trains peft's adapters only, and scores with them."""
         if profile.kind != "train":

@@ -19,6 +19,7 @@ from peerflow.conformance.base import (
 from peerflow.conformance.checks import (
     canonical_specs,
     check_coverage,
+    check_replicas,
     check_well_formed,
     layout_specs,
     round_trip,
@@ -140,13 +141,26 @@ class Layer1Layouts(SuiteBase):
               f"{layout_model} {layout_id(layout)} coverage")
 
     @layer1
+    def test_l1_copies_are_marked_as_replicas(self, profile, layout_model, layout, request):
+        """Data held by several ranks (dp replicas, tp copies) has one replica-0 holder.
+
+        Rollout adapters too: two rollout replicas both declaring `replica=0` pass every
+        other check here but cannot be the source of a sync (layer 2 would fail with a
+        `ShardError` in a trainer-layout test).
+        """
+        check_family(profile, layout_model)
+        check_layout(request, profile, layout)
+        specs = specs_or_skip(profile, layout_model, layout)
+        _fail(check_replicas(specs, profile.cls.__qualname__),
+              f"{profile.name} {layout_model} {layout_id(layout)} replicas")
+
+    @layer1
     def test_l1_layout_is_deterministic(self, profile, layout_model, layout, request):
         """`shard_layout` returns the same specs when called twice."""
         check_family(profile, layout_model)
         check_layout(request, profile, layout)
         assert specs_or_skip(profile, layout_model, layout) == \
             specs_or_skip(profile, layout_model, layout)
-
 
     @layer1
     def test_l1_declared_dtype_follows_the_argument(self, profile, layout_model, request):

@@ -5,8 +5,11 @@
 * Parametrises suite tests by the adapter's layouts and the suite's model matrix.
 * Applies the adapter's `conformance_xfail()` declarations as strict expected failures.
 * Deselects suite classes of the other kind (a rollout adapter skips the train suite).
-* Skips the rest of a layer of a suite class after its first failure, so one root cause
-  gives one failure (`--peerflow-all-failures` runs everything).
+* Skips the rest of a layer's group of a suite class after its first failure, so one root
+  cause gives one failure (`--peerflow-all-failures` runs everything). A group is the
+  core contract of a layer, or one optional part of it (`peerflow_group("lora")`,
+  `peerflow_group("generate")`): a failure in one group never skips another, so an
+  optional capability's failure leaves the core tests run and reported.
 * `--peerflow-table` prints a results table per layer and capability at the end;
   `--peerflow-report FILE` writes the same as JSON (what `peerflow conformance` uses).
 """
@@ -40,6 +43,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     """Registers the suite's markers and, when asked, the results collector."""
     config.addinivalue_line("markers", "peerflow_layer(n): PeerFlow conformance suite layer")
+    config.addinivalue_line("markers", "peerflow_group(name): a part of a conformance layer "
+                            "whose failures skip only that part (default: core)")
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU")
     if config.getoption("peerflow_table") or config.getoption("peerflow_report"):
         from peerflow.conformance.runner import ResultCollector
@@ -78,26 +83,37 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
         terminalreporter.write_line(line)
 
 
-def _layer_key(item: pytest.Item) -> tuple[type, int] | None:
+def suite_group(item: pytest.Item) -> str:
+    """The part of its layer a suite test belongs to: `core`, or its `peerflow_group`."""
+    marker = item.get_closest_marker("peerflow_group")
+    return str(marker.args[0]) if marker is not None else "core"
+
+
+def _layer_key(item: pytest.Item) -> tuple[type, int, str] | None:
     cls = getattr(item, "cls", None)
     marker = item.get_closest_marker("peerflow_layer")
     if cls is None or marker is None or not getattr(cls, "_peerflow_suite", False):
         return None
-    return cls, int(marker.args[0])
+    return cls, int(marker.args[0]), suite_group(item)
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    """Skips the rest of a layer after its first failure (unless --peerflow-all-failures)."""
+    """Skips the rest of a layer's group after its first failure.
+
+    Only tests of the same suite class, layer and group are skipped
+    (`--peerflow-all-failures` runs them all).
+    """
     key = _layer_key(item)
     first = item.config.stash.get(_FIRST_FAILURES, {}).get(key) if key else None
     if first is not None:
-        pytest.skip(f"layer {key[1]} already failed at {first}; fix that first (one root "
-                    "cause, one failure; --peerflow-all-failures runs the rest)")
+        part = "" if key[2] == "core" else f" ({key[2]})"
+        pytest.skip(f"layer {key[1]}{part} already failed at {first}; fix that first (one "
+                    "root cause, one failure; --peerflow-all-failures runs the rest)")
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
-    """Remembers the first real failure of each suite class and layer."""
+    """Remembers the first real failure of each suite class, layer and group."""
     report = yield
     key = _layer_key(item)
     if key is not None and report.failed and not hasattr(report, "wasxfail") and \

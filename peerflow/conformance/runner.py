@@ -26,18 +26,23 @@ class ResultCollector:
     def __init__(self) -> None:
         self.tests: dict[str, dict[str, Any]] = {}
         self.layers: dict[str, int] = {}
+        self.groups: dict[str, str] = {}
 
     def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
-        """Records each selected suite test's layer."""
+        """Records each selected suite test's layer and group (`core`, `lora`, …)."""
+        from peerflow.conformance.pytest_plugin import suite_group
+
         for item in items:
             marker = item.get_closest_marker("peerflow_layer")
             self.layers[item.nodeid] = int(marker.args[0]) if marker else -1
+            self.groups[item.nodeid] = suite_group(item)
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         """Folds one setup/call/teardown report into the test's record."""
         entry = self.tests.setdefault(report.nodeid, {
             "id": report.nodeid.split("::", 1)[-1], "layer": self.layers.get(report.nodeid, -1),
-            "outcome": "passed", "capability": "-", "message": "", "duration_s": 0.0})
+            "group": self.groups.get(report.nodeid, "core"), "outcome": "passed",
+            "capability": "-", "message": "", "duration_s": 0.0})
         entry["duration_s"] += report.duration
         for key, value in report.user_properties:
             if key == "capability" and entry["capability"] in ("-", "core"):
@@ -140,8 +145,8 @@ def format_report(report: dict[str, Any]) -> str:
         held = sum(t["outcome"] == "skipped" and "already failed at" in t["message"]
                    for t in report["tests"])
         if held:
-            lines.append(f"  ({held} more tests of the failed layers skipped; fix the failures "
-                         "above first)")
+            lines.append(f"  ({held} more tests of the same layer and group skipped; fix the "
+                         "failures above first — other groups ran)")
     lines.append("")
     lines.append(("PASSED" if report["passed"] else "FAILED") +
                  f" in {report['duration_s']:.1f} s")

@@ -117,15 +117,17 @@ def _packed_experts(shape: ModelShape, layer: int, dtype: str) -> list[tuple[Sha
 
 
 def hf_layout(config: Any, coords: RankCoords = ONE_RANK, *, shard_rank: int = 0,
-              shard_size: int = 1, packed_experts: bool = False, replica: int = 0,
+              shard_size: int = 1, packed_experts: bool = False, replica: int | None = None,
               dtype: str = "float32") -> list[ShardSpec]:
     """Returns the specs of an HF-named model held whole or as FSDP dim-0 shards.
 
     Args:
         config: HF config (object or dict) or `ModelShape`.
-        coords: This rank's pipeline stage (the first holds the embedding, the last the
+        coords: This rank's place, as `vllm_layout` takes it (`RankCoords.of(layout,
+            rank)`): its pipeline stage (the first holds the embedding, the last the
             final norm and LM head; with tied embeddings and `pp_size > 1` the last
-            stage's `lm_head.weight` is a replica of the embedding); tp/ep are not used.
+            stage's `lm_head.weight` is a replica of the embedding) and its dp rank (the
+            replica index of whole tensors); tp/ep are not used.
         shard_rank: This rank's index in the FSDP shard group.
         shard_size: FSDP shard group size (1: every tensor whole). Shards follow
             `torch.chunk` along dim 0 (packed experts: along the expert dimension), so
@@ -133,13 +135,17 @@ def hf_layout(config: Any, coords: RankCoords = ONE_RANK, *, shard_rank: int = 0
         packed_experts: Describe MoE experts as `transformers` ≥ 5 holds them
             (`mlp.experts.gate_up_proj` `[E, 2I, H]`, `mlp.experts.down_proj` `[E, H, I]`,
             as 2-D views `[E*2I, H]` and `[E*H, I]`) instead of one module per expert.
-        replica: Replica index of this rank's shards (HSDP replicate index; 0 sends).
+        replica: Replica index of this rank's tensors (0 sends). Default: with whole
+            tensors (`shard_size == 1`) `coords.dp_rank`, since every dp replica holds
+            the same tensors; with FSDP shards 0 (pass the HSDP replicate index).
         dtype: torch dtype name of the local tensors.
 
     Returns:
         One spec per local tensor, named as the module's `named_parameters()` names.
     """
     shape = ModelShape.from_hf_config(config)
+    if replica is None:
+        replica = coords.own_replica if shard_size == 1 else 0
     full: list[tuple[ShardSpec, int]] = []
     v_h = (shape.vocab_size, shape.hidden_size)
     if coords.pp_rank == 0:
