@@ -91,6 +91,9 @@ class Environment(abc.ABC):
     """What `rollout.agent.environment` selects this environment by."""
     options_class: ClassVar[type] = NoOptions
     """attrs class for `rollout.agent.options`, validated before any worker starts."""
+    runs_model_code: ClassVar[bool] = False
+    """Whether its episodes execute what the model wrote (through `peerflow.sandbox`):
+    then `config validate` checks that the run's sandbox can run here."""
 
     def __init__(self, example: Example, options: Any) -> None:
         self.example = example

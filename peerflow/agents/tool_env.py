@@ -31,7 +31,7 @@ from peerflow.agents.environment import Environment, Messages, StepResult, Turn
 from peerflow.agents.tool_calls import ToolCall, parse_tool_calls
 from peerflow.agents.tool_runner import ToolResult, run_tools
 from peerflow.agents.tools import Tool
-from peerflow.rewards.sandbox import SandboxLimits
+from peerflow.sandbox import SandboxLimits
 
 
 def _registered_tools(names: tuple[str, ...]) -> list[type[Tool]]:
@@ -82,6 +82,7 @@ class ToolEnvironment(Environment):
 
     name: ClassVar[str] = "tools"
     options_class: ClassVar[type] = ToolOptions
+    runs_model_code: ClassVar[bool] = True
     default_tools: ClassVar[tuple[type[Tool], ...]] = ()
     """Tools every episode of this class offers (subclasses set it)."""
 

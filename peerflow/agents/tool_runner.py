@@ -1,13 +1,14 @@
 """Running tool calls in the sandbox, many at once.
 
-Every call runs in its own `peerflow.rewards.sandbox.run_sandboxed` process — the same
-sandbox the `code` reward uses: a fresh temporary working directory, no network (its own
-network namespace where the kernel allows it, and an audit hook refusing sockets,
-subprocesses and writes outside the directory), an address-space limit and a wall-clock
-limit after which the process group is killed. The tool object is pickled into the
-child, which imports its class by module path (the parent's `sys.path` is handed over)
-and prints one JSON line with the result; the parent never unpickles what the child
-sends back.
+Every call runs in its own `peerflow.sandbox.run_sandboxed` process — the same sandbox
+the `code` reward uses (`sandbox.backend`; bubblewrap by default: its own namespaces, an
+unprivileged user, no network, a read-only view of only the interpreter), with an
+address-space limit and a wall-clock limit after which every process of the call is
+killed. The tool object is pickled into the child, which imports its class by module
+path: the tool's top-level package (and `peerflow`, for the `Tool` base) is made
+importable there read-only, with `sandbox.packages`; nothing else of this environment
+is. The child prints one JSON line with the result; the parent never unpickles what the
+child sends back.
 
 Calls are submitted to a shared thread pool (`MAX_CONCURRENT_TOOLS` threads, each waiting
 on one child process), so the tool calls of many trajectories are in flight at once and
@@ -19,9 +20,7 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 import pickle
-import sys
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -30,7 +29,7 @@ from typing import Any, Literal
 import attrs
 
 from peerflow.agents.tools import Tool
-from peerflow.rewards.sandbox import SandboxLimits, SandboxResult, run_sandboxed
+from peerflow.sandbox import SandboxLimits, SandboxResult, run_sandboxed
 
 #: Threads (hence sandboxed processes) running tool calls at once in one process.
 MAX_CONCURRENT_TOOLS = 64
@@ -41,7 +40,6 @@ MARKER = "@@peerflow-tool-result@@"
 RUNNER = r'''
 import base64, io, json, pickle, sys
 request = json.loads(sys.stdin.read())
-sys.path[:0] = request["paths"]
 out, sys.stdout = sys.stdout, io.StringIO()
 try:
     tool = pickle.loads(base64.b64decode(request["tool"]))
@@ -83,9 +81,9 @@ def _executor() -> ThreadPoolExecutor:
     return _EXECUTOR
 
 
-def _search_paths() -> list[str]:
-    """The parent's import path, absolute, so the child finds the tool's module."""
-    return [os.path.abspath(p or os.getcwd()) for p in sys.path if os.path.isdir(p or ".")]
+def _packages(tool: Tool) -> tuple[str, ...]:
+    """The top-level packages the child needs to unpickle `tool`: its own, and peerflow."""
+    return tuple(dict.fromkeys([type(tool).__module__.split(".")[0], "peerflow"]))
 
 
 def _result(name: str, run: SandboxResult, limits: SandboxLimits) -> ToolResult:
@@ -121,13 +119,13 @@ def run_tool(tool: Tool, arguments: dict[str, Any], limits: SandboxLimits) -> To
     """
     try:
         request = json.dumps({
-            "paths": _search_paths(), "arguments": arguments,
+            "arguments": arguments,
             "tool": base64.b64encode(pickle.dumps(tool)).decode()})
     except (TypeError, ValueError, pickle.PicklingError, AttributeError) as exc:
         return ToolResult(name=tool.name, status="error",
                           content=f"the call to {tool.name!r} cannot be sent to the sandbox: "
                           f"{type(exc).__name__}: {exc}")
-    return _result(tool.name, run_sandboxed(RUNNER, request, limits), limits)
+    return _result(tool.name, run_sandboxed(RUNNER, request, limits, _packages(tool)), limits)
 
 
 def run_tools(calls: Sequence[tuple[Tool, dict[str, Any]]],

@@ -84,6 +84,10 @@ class _Component:
 class RewardFunction(_Component, abc.ABC):
     """Scores decoded answers; runs on the ranks that host the `reward` node."""
 
+    runs_model_code: ClassVar[bool] = False
+    """Whether it executes what the model wrote (through `peerflow.sandbox`): then
+    `config validate` checks that the run's sandbox can run here."""
+
     @abc.abstractmethod
     def score(self, responses: Sequence[str], examples: Sequence[Example]) -> list[float]:
         """Returns one float per response.

@@ -9,8 +9,11 @@ the whole response. Tests come from the example's `tests` field, else its `answe
 * a string of Python (`assert add(1, 2) == 3`) run after the program.
 
 The score is the fraction of tests passed; `all_passed` is logged next to it. Each test
-runs in its own `run_sandboxed` call (no network, time and memory limits, a temporary
-directory removed afterwards; see `peerflow.rewards.sandbox`).
+runs in its own `run_sandboxed` call, in the run's sandbox (`sandbox.backend`; see
+`peerflow.sandbox` and the threat model in docs/rewards.md). A program the sandbox
+refuses to start (`SandboxUnavailableError`: no bubblewrap, a service that is down) is
+the infrastructure's fault: it raises, and is counted as a reward error, never scored as
+a wrong answer.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import json
 import re
 from typing import Any
 
-from peerflow.rewards.sandbox import SandboxLimits, run_sandboxed
+from peerflow.sandbox import SandboxLimits, run_sandboxed
 
 FENCE = re.compile(r"```(?:[A-Za-z0-9_+-]*)\n(.*?)```", re.DOTALL)
 

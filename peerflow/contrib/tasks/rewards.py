@@ -111,8 +111,9 @@ class MathReward(FunctionBackedReward):
 class CodeReward(FunctionBackedReward):
     """Fraction of the example's tests the answer's program passes, run sandboxed.
 
-    See `peerflow.rewards.code` (tests format) and `peerflow.rewards.sandbox` (isolation).
+    See `peerflow.rewards.code` (tests format) and `peerflow.sandbox` (isolation).
     """
 
     name: ClassVar[str] = "code"
+    runs_model_code: ClassVar[bool] = True
     function: ClassVar[str] = "peerflow.rewards.code:code_reward"
