@@ -1,10 +1,19 @@
-"""The hooks a PeerFlow plugin can implement.
+"""The hooks a PeerFlow plugin can implement, each written out with its contract.
 
 Registration hooks (`peerflow_register_*`) receive a `register` callback and call it
 once per class they provide; each class carries the `name` users select it by, and the
-registry owns naming and collision policy. Lifecycle hooks are called by the runtime on
-every rank where the event happens. Hooks evolve by gaining arguments (an
-implementation may accept fewer), never by renaming.
+registry (`peerflow.plugins.registry`) owns naming, base-class checks and collisions. They
+are called the first time a process looks a name up (the launcher while it validates the
+config, then every worker as it starts), at most once per process and plugin. Import the
+classes inside the hook, so listing plugins never imports an engine.
+
+Lifecycle hooks are called by the runtime on every rank where the event happens. Their
+arguments are typed `Any` where the class lives in a package that imports this one (the
+config, the engines): the docstring names the class.
+
+Hooks evolve by gaining arguments (an implementation may accept fewer, as pluggy allows),
+never by renaming. `tests/unit/test_hookspecs.py` checks that every registry kind has
+exactly one hook here and that every hook documents its arguments and return value.
 """
 
 from __future__ import annotations
@@ -14,39 +23,253 @@ from typing import Any
 
 import pluggy
 
-from peerflow.plugins.registry import KINDS, Kind
-
 PROJECT = "peerflow"
 
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
 
+#: The callback a registration hook receives: `register(cls)` adds one class.
+Register = Callable[[type], None]
 
-def _registration_hookspec(kind: Kind) -> Callable[[Any], None]:
-    """Returns the hookspec `kind.hook(register)` that fills the registry of `kind`."""
 
-    def hook(register: Any) -> None:
-        del register
-
-    base = f"\n            Each class subclasses `{kind.base}`." if kind.base else ""
-    hook.__name__ = hook.__qualname__ = kind.hook
-    hook.__doc__ = f"""Register {kind.label}s.
+@hookspec
+def peerflow_register_rollout_engines(register: Register) -> None:
+    """Register rollout (inference) engines, selected by `rollout.backend`.
 
     Args:
-        register: Call `register(cls)` for each class the plugin provides; the class's
-            `name` is what `{kind.config_key}` selects.{base}
+        register: Call `register(cls)` once per engine class. Each subclasses
+            `peerflow.engines.RolloutEngine` (or `TensorParallelRolloutEngine`) and sets
+            `name`, `capabilities` and, for an optional engine package, `requires` and
+            `install_hint`.
 
     Returns:
         Nothing; the return value is ignored.
 
-    Since: {kind.since}.
+    Example::
+
+        @hookimpl
+        def peerflow_register_rollout_engines(register):
+            from my_engine.engine import MyRollout  # lazily: listing never imports it
+            register(MyRollout)
+
+    Since: 0.1.
     """
-    return hookspec(hook)
 
 
-#: The registration hookspecs, one per `KINDS` entry (`peerflow_register_rollout_engines`,
-#: `peerflow_register_train_engines`, …): a new kind of registered class gets its hook here.
-globals().update({kind.hook: _registration_hookspec(kind) for kind in KINDS.values()})
+@hookspec
+def peerflow_register_train_engines(register: Register) -> None:
+    """Register training engines, selected by `trainer.backend`.
+
+    Args:
+        register: Call `register(cls)` once per engine class. Each subclasses
+            `peerflow.engines.TrainEngine` (usually through the training toolkit's
+            `peerflow.training.CausalLMTrainEngine`) and sets `name` and `capabilities`.
+
+    Returns:
+        Nothing; the return value is ignored.
+
+    Example::
+
+        @hookimpl
+        def peerflow_register_train_engines(register):
+            from my_trainer.engine import MyTrainer
+            register(MyTrainer)
+
+    Since: 0.1.
+    """
+
+
+@hookspec
+def peerflow_register_weight_transports(register: Register) -> None:
+    """Register weight transports, selected by `weight_sync.transport`.
+
+    Args:
+        register: Call `register(cls)` once per transport class. Each subclasses
+            `peerflow.reshard.WeightTransport` (`exchange` moves one bucket's bytes).
+
+    Returns:
+        Nothing; the return value is ignored.
+
+    Example::
+
+        @hookimpl
+        def peerflow_register_weight_transports(register):
+            from my_fabric.transport import RdmaTransport
+            register(RdmaTransport)
+
+    Since: 0.1.
+    """
+
+
+@hookspec
+def peerflow_register_rewards(register: Register) -> None:
+    """Register reward functions, selected by `task.reward` (or `task.rewards`).
+
+    Args:
+        register: Call `register(cls)` once per reward class. Each subclasses
+            `peerflow.algorithms.RewardFunction` (`score(responses, examples)`).
+
+    Returns:
+        Nothing; the return value is ignored.
+
+    Example::
+
+        @hookimpl
+        def peerflow_register_rewards(register):
+            register(EditSimilarityReward)  # contrib/example-plugin
+
+    Since: 0.1.
+    """
+
+
+@hookspec
+def peerflow_register_advantage_estimators(register: Register) -> None:
+    """Register advantage estimators, selected by `algorithm.advantage`.
+
+    Args:
+        register: Call `register(cls)` once per estimator class. Each subclasses
+            `peerflow.algorithms.AdvantageEstimator` (`compute(batch)`).
+
+    Returns:
+        Nothing; the return value is ignored.
+
+    Example::
+
+        @hookimpl
+        def peerflow_register_advantage_estimators(register):
+            register(OPOAdvantage)  # contrib/example-plugin
+
+    Since: 0.1.
+    """
+
+
+@hookspec
+def peerflow_register_policy_losses(register: Register) -> None:
+    """Register policy losses, selected by `algorithm.loss`.
+
+    Args:
+        register: Call `register(cls)` once per loss class. Each subclasses
+            `peerflow.algorithms.PolicyLoss` (called once per micro-batch).
+
+    Returns:
+        Nothing; the return value is ignored.
+
+    Example::
+
+        @hookimpl
+        def peerflow_register_policy_losses(register):
+            register(MyClippedLoss)
+
+    Since: 0.1.
+    """
+
+
+@hookspec
+def peerflow_register_tasks(register: Register) -> None:
+    """Register tasks (prompt datasets with their default reward), selected by `task.name`.
+
+    Args:
+        register: Call `register(cls)` once per task class. Each subclasses
+            `peerflow.algorithms.Task` (`examples(split, seed)`, `default_reward`).
+
+    Returns:
+        Nothing; the return value is ignored.
+
+    Example::
+
+        @hookimpl
+        def peerflow_register_tasks(register):
+            register(MyMathTask)
+
+    Since: 0.1.
+    """
+
+
+@hookspec
+def peerflow_register_nodes(register: Register) -> None:
+    """Register workflow node types, selected by `workflow.nodes[].kind`.
+
+    Args:
+        register: Call `register(cls)` once per node type. Each subclasses
+            `peerflow.workflow.NodeType` (its `role`, `inputs`, `outputs`, `phase` and
+            `run(batch, context)`).
+
+    Returns:
+        Nothing; the return value is ignored.
+
+    Example::
+
+        @hookimpl
+        def peerflow_register_nodes(register):
+            register(LengthPenaltyNode)
+
+    Since: 0.1.
+    """
+
+
+@hookspec
+def peerflow_register_samplers(register: Register) -> None:
+    """Register async-mode micro-batch samplers, selected by `runtime.sampler`.
+
+    Args:
+        register: Call `register(cls)` once per sampler class. Each subclasses
+            `peerflow.streaming.samplers.Sampler` (`select(pool, budget, final)`).
+
+    Returns:
+        Nothing; the return value is ignored.
+
+    Example::
+
+        @hookimpl
+        def peerflow_register_samplers(register):
+            register(OldestFirstSampler)
+
+    Since: 0.2.
+    """
+
+
+@hookspec
+def peerflow_register_environments(register: Register) -> None:
+    """Register agent environments, selected by `rollout.agent.environment`.
+
+    Args:
+        register: Call `register(cls)` once per environment class. Each subclasses
+            `peerflow.agents.Environment` (one instance per trajectory; see
+            docs/agents.md).
+
+    Returns:
+        Nothing; the return value is ignored.
+
+    Example::
+
+        @hookimpl
+        def peerflow_register_environments(register):
+            register(GuessNumber)
+
+    Since: 0.3.
+    """
+
+
+@hookspec
+def peerflow_register_tools(register: Register) -> None:
+    """Register agent tools, selected by `rollout.agent.options.tools`.
+
+    Args:
+        register: Call `register(cls)` once per tool class. Each subclasses
+            `peerflow.agents.tools.Tool` (`description`, a JSON-schema `parameters`,
+            `call(arguments)`), defined at module level of an importable module.
+
+    Returns:
+        Nothing; the return value is ignored.
+
+    Example::
+
+        @hookimpl
+        def peerflow_register_tools(register):
+            register(WordCount)
+
+    Since: 0.3.
+    """
 
 
 @hookspec
@@ -64,6 +287,13 @@ def peerflow_validate_config(config: Any, pm: Any) -> list[str] | None:
         The problems found, each naming the key and the fix; empty or `None` when the
         config is fine. Every implementation's problems are reported together.
 
+    Example::
+
+        @hookimpl
+        def peerflow_validate_config(config, pm):
+            if config.rollout.backend == "my-engine" and config.rollout.sampling.top_p < 1:
+                return ["rollout.sampling.top_p: my-engine cannot truncate; set it to 1.0"]
+
     Since: 0.2.
     """
 
@@ -80,12 +310,19 @@ def peerflow_before_weight_sync(version: int, role: str, rank: int) -> None:
     Returns:
         Nothing; the return value is ignored.
 
+    Example::
+
+        @hookimpl
+        def peerflow_before_weight_sync(version, role, rank):
+            print(f"rank {rank} ({role}): syncing version {version}")
+
     Since: 0.1.
     """
 
 
 @hookspec
-def peerflow_after_weight_sync(version: int, role: str, rank: int, stats: Any) -> None:
+def peerflow_after_weight_sync(version: int, role: str, rank: int,
+                               stats: Any) -> None:
     """Called on every rank taking part in a weight sync, after the new version is live.
 
     Args:
@@ -96,6 +333,12 @@ def peerflow_after_weight_sync(version: int, role: str, rank: int, stats: Any) -
 
     Returns:
         Nothing; the return value is ignored.
+
+    Example::
+
+        @hookimpl
+        def peerflow_after_weight_sync(version, stats):  # fewer arguments are fine
+            print(f"version {version}: {stats.bytes} bytes in {stats.wire_s:.2f} s")
 
     Since: 0.1.
     """
@@ -113,5 +356,15 @@ def peerflow_end_of_step(step: int, metrics: dict[str, float], rank: int) -> Non
     Returns:
         Nothing; the return value is ignored.
 
+    Example::
+
+        @hookimpl
+        def peerflow_end_of_step(step, metrics, rank):
+            if rank == 0:
+                print(step, metrics.get("reward/mean"))
+
     Since: 0.1.
     """
+
+
+__all__ = ["PROJECT", "Register", "hookimpl", "hookspec"]

@@ -30,8 +30,8 @@ ENTRY_POINT_GROUP = "peerflow"
 BUILTIN_DISTRIBUTION = "peerflow"
 #: Core modules that register their built-ins through the same hooks a plugin uses.
 CORE_PLUGINS = ("peerflow.streaming.samplers", "peerflow.planner.validate",
-                "peerflow.rewards.setup", "peerflow.worker.nodes", "peerflow.training.lora",
-                "peerflow.training.schedule")
+                "peerflow.rewards.setup", "peerflow.worker.nodes", "peerflow.training.schedule",
+                "peerflow.sandbox.validate")
 
 
 @attrs.frozen(kw_only=True)
@@ -210,6 +210,9 @@ class PluginManager:
                             traceback=traceback.format_exc(),
                         )
                     )
+        failed = tuple(str(error) for error in self.load_errors)
+        for registry in registries.values():
+            registry.load_errors = failed
         return registries
 
     def _skipped_note(self) -> str:

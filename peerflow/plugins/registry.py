@@ -12,7 +12,11 @@ from peerflow.errors import DuplicateNameError, UnknownNameError
 
 @attrs.frozen(kw_only=True)
 class Kind:
-    """One kind of registered class; `peerflow.plugins.hookspecs` makes its hook from it."""
+    """One kind of registered class and the hook that fills its registry.
+
+    Every kind has exactly one hookspec, written out in `peerflow.plugins.hookspecs`
+    under the name `hook` (`tests/unit/test_hookspecs.py` checks both ways).
+    """
 
     key: str
     """Registry key, e.g. `rollout_engine`."""
@@ -24,8 +28,6 @@ class Kind:
     """Where a config selects one, e.g. `rollout.backend`."""
     base: str
     """Dotted path of the base class every entry must subclass."""
-    since: str = "0.1"
-    """The PeerFlow version that added the hook."""
 
 
 KINDS: dict[str, Kind] = {
@@ -38,7 +40,8 @@ KINDS: dict[str, Kind] = {
              label="trainer backend", config_key="trainer.backend",
              base="peerflow.engines.TrainEngine"),
         Kind(key="weight_transport", hook="peerflow_register_weight_transports",
-             label="weight transport", config_key="weight_sync.transport", base=""),
+             label="weight transport", config_key="weight_sync.transport",
+             base="peerflow.reshard.WeightTransport"),
         Kind(key="reward", hook="peerflow_register_rewards", label="reward",
              config_key="task.reward", base="peerflow.algorithms.RewardFunction"),
         Kind(key="advantage_estimator", hook="peerflow_register_advantage_estimators",
@@ -51,12 +54,12 @@ KINDS: dict[str, Kind] = {
              config_key="task.name", base="peerflow.algorithms.Task"),
         Kind(key="node", hook="peerflow_register_nodes", label="workflow node type",
              config_key="workflow.nodes[].kind", base="peerflow.workflow.NodeType"),
-        Kind(key="sampler", hook="peerflow_register_samplers", label="sampler", since="0.2",
+        Kind(key="sampler", hook="peerflow_register_samplers", label="sampler",
              config_key="runtime.sampler", base="peerflow.streaming.samplers.Sampler"),
-        Kind(key="environment", hook="peerflow_register_environments", since="0.3",
+        Kind(key="environment", hook="peerflow_register_environments",
              label="agent environment", config_key="rollout.agent.environment",
              base="peerflow.agents.Environment"),
-        Kind(key="tool", hook="peerflow_register_tools", label="agent tool", since="0.3",
+        Kind(key="tool", hook="peerflow_register_tools", label="agent tool",
              config_key="rollout.agent.options.tools", base="peerflow.agents.tools.Tool"),
     )
 }
@@ -91,6 +94,9 @@ class Registry:
     skipped: str = ""
     """Why third-party entry points were not loaded (set by the plugin manager when
     `PEERFLOW_DISABLE_PLUGIN_AUTOLOAD` or `PEERFLOW_PLUGINS` kept some out), else empty."""
+    load_errors: tuple[str, ...] = ()
+    """The plugins that failed to load or to register, each as `distribution: entry point:
+    exception` (set by the plugin manager): what they would register is missing."""
 
     def register(self, cls: Any, *, plugin: str, distribution: str) -> None:
         """Adds `cls` under `cls.name`.
@@ -159,8 +165,14 @@ class Registry:
                 lines.append(f"  {known:<12} {status}  [{entry.distribution}]")
         else:
             lines.append(f"No {self.kind.label} is registered.")
-        lines.append(
-            "Third-party plugins are found through the `peerflow` entry-point group: "
-            "`pip install` the package that provides it, then check `peerflow plugins`."
-        )
+        if self.load_errors:
+            lines.append(f"{len(self.load_errors)} plugin(s) failed to load, so what they "
+                         "register is missing; fix or uninstall them (`peerflow plugins "
+                         "--verbose` shows the tracebacks):")
+            lines.extend(f"  {error}" for error in self.load_errors)
+        else:
+            lines.append(
+                "Third-party plugins are found through the `peerflow` entry-point group: "
+                "`pip install` the package that provides it, then check `peerflow plugins`."
+            )
         return "\n".join(lines)
