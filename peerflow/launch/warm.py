@@ -13,6 +13,14 @@ the launcher's own (config validation, plugin loading). A fork-server worker inh
 server's environment, not the launcher's at launch time: `environment_changes` gives what
 changed since the server started, and `worker_entry` applies it, so a worker sees what a
 spawned one would.
+
+The fork server is started by `python -c …`, which puts the working directory first on
+`sys.path`: run from the parent folder of a clone, it would import the clone's `peerflow/`
+folder (a namespace package, hiding the installed package's `__init__`) and every worker
+forked from it would inherit that module. The server therefore starts with
+`PYTHONSAFEPATH=1` (`python -P`), and its workers drop the variable again. Python 3.10 has
+no safe path: there, a launcher whose working directory holds a `peerflow` entry spawns its
+workers instead (a spawned worker takes the launcher's `sys.path`).
 """
 
 from __future__ import annotations
@@ -20,13 +28,24 @@ from __future__ import annotations
 import multiprocessing
 import multiprocessing.forkserver
 import os
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 #: The module whose import warms the fork server (`peerflow.launch.preload`).
 PRELOAD = "peerflow.launch.preload"
 #: The environment the fork server was started with (`None`: this process did not start it).
 _server_environ: dict[str, str] | None = None
+#: Set in the fork server's environment so that `python -c` leaves the working directory off
+#: `sys.path` (Python 3.11+).
+SAFE_PATH = {"PYTHONSAFEPATH": "1"}
+
+
+def _working_directory_shadows_peerflow() -> bool:
+    """Whether `import peerflow` from the working directory would find something there."""
+    cwd = Path.cwd()
+    return (cwd / "peerflow").is_dir() or (cwd / "peerflow.py").is_file()
 
 
 def start_warm_server() -> bool:
@@ -43,9 +62,16 @@ def start_warm_server() -> bool:
         server = multiprocessing.forkserver._forkserver  # noqa: SLF001 (the stdlib singleton)
         if server._forkserver_pid is not None:  # noqa: SLF001 another part of this process
             return False
+        if sys.version_info < (3, 11) and _working_directory_shadows_peerflow():
+            return False
         multiprocessing.set_forkserver_preload([PRELOAD])
-        _server_environ = dict(os.environ)
-        multiprocessing.forkserver.ensure_running()
+        _server_environ = dict(os.environ, **SAFE_PATH)
+        before = dict(os.environ)
+        os.environ.update(SAFE_PATH)
+        try:
+            multiprocessing.forkserver.ensure_running()
+        finally:
+            apply_environment_changes({name: before.get(name) for name in SAFE_PATH})
     return True
 
 
