@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
 
@@ -23,12 +24,15 @@ def load_validated(args: argparse.Namespace) -> Any:
     the checks against the installed plugins, in one `ConfigError`.
     """
     from peerflow.config import load_config, validate_config
+    from peerflow.config.extras import launcher_problem
     from peerflow.errors import ConfigError
     from peerflow.launch.preflight import preflight
     from peerflow.plugins import get_plugin_manager
 
     problems: list[str] = []
     config = load_config(args.config, args.overrides, problems=problems)
+    launcher = launcher_problem(getattr(args, "launcher", "elastic"))
+    problems += [launcher] if launcher else []
     pm = get_plugin_manager()
     try:
         validate_config(config, pm)
@@ -49,6 +53,8 @@ def add_parser(subparsers: Any) -> None:
     sub = parser.add_subparsers(dest="config_command", metavar="ACTION", required=True)
     validate = sub.add_parser("validate", help="exit non-zero with every problem found")
     add_config_arguments(validate)
+    validate.add_argument("--launcher", choices=("elastic", "ray"), default="elastic",
+                          help="also check what `peerflow train --launcher` needs (Ray)")
     validate.set_defaults(func=run_validate)
     show = sub.add_parser("show", help="print the resolved config (defaults filled in)")
     add_config_arguments(show)
@@ -62,7 +68,12 @@ def add_parser(subparsers: Any) -> None:
 
 def run_validate(args: argparse.Namespace) -> int:
     """Validates a config; prints `ok` or raises `ConfigError` (exit 1)."""
-    load_validated(args)
+    from peerflow.plugins import get_plugin_manager
+    from peerflow.sandbox.validate import fallback_notice
+
+    notice = fallback_notice(load_validated(args), get_plugin_manager())
+    if notice:
+        print(notice, file=sys.stderr)
     print(f"{args.config}: ok")
     return 0
 

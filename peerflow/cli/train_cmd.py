@@ -262,6 +262,10 @@ def run(args: argparse.Namespace) -> int:
         return _torchrun_worker(args, config_path, run_dir)
     if args.nprocs is not None and args.nprocs < 1:
         raise ConfigError(f"--nprocs {args.nprocs}: must be at least 1.")
+    from peerflow.config.extras import launcher_problem
+
+    if (problem := launcher_problem(args.launcher)) is not None:  # before any process
+        raise ConfigError(problem)
     overrides = list(args.overrides)
     if args.nprocs is not None:
         # Before validation: a split layout may only fit the --nprocs world size.

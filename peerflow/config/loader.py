@@ -10,10 +10,11 @@ from typing import Any
 import attrs
 import yaml
 
+from peerflow.config.extras import dependency_problems
 from peerflow.config.paths import resolve_paths
+from peerflow.config.refusals import capability_problems
 from peerflow.config.schema import RunConfig
 from peerflow.config.structure import apply_override, structure, unstructure
-from peerflow.config.tracking import tracker_problems
 from peerflow.errors import ConfigError, PeerFlowError
 
 
@@ -86,12 +87,6 @@ def _check_engine(pm: Any, kind: str, section: Any, key: str, problems: list[str
     cls = _check_name(pm, kind, section.backend, problems)
     if cls is None:
         return
-    missing = cls.missing_requirements()
-    if missing:
-        problems.append(
-            f"{key}.backend={section.backend!r} needs {', '.join(missing)}, which is not "
-            f"installed: {cls.install_hint}."
-        )
     try:
         structure_options(cls.options_class, section.engine_options.get(section.backend),
                           f"{key}.{section.backend}")
@@ -115,6 +110,10 @@ def _check_agent(pm: Any, agent: Any, problems: list[str]) -> None:
 def validate_config(config: RunConfig, pm: Any) -> None:
     """Checks every name and option section against the installed plugins.
 
+    Also refused here, before any process starts: a setting the selected engines cannot
+    do (`peerflow.config.refusals`, from their `Capabilities`) and one whose optional
+    library is not installed (`peerflow.config.extras`, naming the extra to install).
+
     Args:
         config: A structured config.
         pm: The `peerflow.plugins.PluginManager` of this process.
@@ -132,7 +131,7 @@ def validate_config(config: RunConfig, pm: Any) -> None:
         except ConfigError as exc:
             problems.append(str(exc))
     _check_agent(pm, config.rollout.agent, problems)
-    problems += tracker_problems(config.run)
+    problems += dependency_problems(config, pm) + capability_problems(config, pm)
     estimator = _check_name(pm, "advantage_estimator", config.algorithm.advantage, problems)
     loss = _check_name(pm, "policy_loss", config.algorithm.loss, problems)
     known = {c.name: c for c in (estimator, loss) if c is not None}

@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import attrs
+import torch
 
 from peerflow.capabilities import Capabilities
 from peerflow.errors import EngineNotInstalledError
 from peerflow.layout import ParallelLayout
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+    from peerflow.config.lora import LoraConfig
 
 
 def _module_exists(name: str) -> bool:
@@ -43,7 +48,9 @@ class NoOptions:
 class EngineContext:
     """What the runtime hands an engine when it builds it on a worker.
 
-    One context per engine instance; every rank of the engine's group gets its own.
+    One context per engine instance; every rank of the engine's group gets its own. The
+    runtime builds it (`peerflow.worker.runtime.WorkerRuntime.context`); conformance and
+    tests build one directly: `EngineContext(model_path=…, layout=ParallelLayout())`.
     """
 
     model_path: str
@@ -54,12 +61,14 @@ class EngineContext:
     """This process's global rank."""
     dtype: str = "float32"
     """Parameter dtype name (`float32`, `bfloat16`)."""
-    device: str = "cpu"
-    """torch device string for this rank (`cpu`, `cuda:0`)."""
+    device: torch.device = attrs.field(default=torch.device("cpu"), converter=torch.device)
+    """Where this rank's engine computes (`torch.device("cuda:0")`); a string given to the
+    constructor is converted. Read `device.type` and `device.index`, never the string."""
     seed: int = 0
     """Base random seed; engines derive per-rank streams from it."""
-    process_group: Any = None
-    """torch.distributed group of `layout.global_ranks`, or `None` for one process."""
+    process_group: ProcessGroup | None = None
+    """torch.distributed group of `layout.global_ranks` (host tensors over gloo, device
+    tensors over NCCL on a GPU), or `None` for one process."""
     run_dir: str | None = None
     """Run directory, for engines that write caches or logs of their own."""
     temperature: float = 1.0
@@ -67,9 +76,9 @@ class EngineContext:
     temperature`, > 0): train engines compute log-probs of `softmax(logits /
     temperature)`, the distribution the rollout sampled from. Rollout engines read
     `SamplingParams` instead."""
-    lora: Any = None
-    """The run's `peerflow.config.lora.LoraConfig` (`trainer.lora`), given to engines
-    that declare `Capabilities.lora`; `None`: full weights, no adapters."""
+    lora: LoraConfig | None = None
+    """The run's `trainer.lora` settings, given to engines that declare
+    `Capabilities.lora`; `None`: full weights, no adapters."""
 
 
 @attrs.frozen(kw_only=True)
@@ -112,10 +121,9 @@ class EngineBase:
     name: ClassVar[str]
     """The name users select the engine by (`rollout.backend: <name>`)."""
     capabilities: ClassVar[Capabilities] = Capabilities()
-    """Optional abilities; see `Capabilities`."""
-    unsupported: ClassVar[Mapping[str, str]] = {}
-    """Why the engine lacks a capability users ask for, by `Capabilities` field name
-    (`{"lora": "…"}`): said in the error of a run that needs it."""
+    """Optional abilities, and why the engine lacks those users may ask for
+    (`Capabilities.reasons`); `peerflow config validate` refuses a setting that needs one
+    the engine lacks. See `Capabilities`."""
     options_class: ClassVar[type] = NoOptions
     """attrs class of the adapter's own options (`rollout.<name>: {...}` in the config)."""
     requires: ClassVar[tuple[str, ...]] = ()

@@ -41,8 +41,8 @@ class TensorParallelRolloutEngine(RolloutEngine, abc.ABC):
     """
 
     capabilities: ClassVar[Capabilities] = Capabilities(
-        logprobs=True, stop_strings=True, tensor_parallel=True, shard_load=True,
-        in_place_weight_update=True, prefix_cache=True, multiprocess=True)
+        logprobs=True, stop_strings=True, tensor_parallel=True, in_place_weight_update=True,
+        multiprocess=True)
     """What every such engine supports; an adapter adds its own with `attrs.evolve`."""
     options: Any
 

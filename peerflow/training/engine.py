@@ -107,7 +107,7 @@ class CausalLMTrainEngine(TrainEngine, abc.ABC):
 
         `auto` goes through the device contract (`resolve_bf16`), so adapters read a bool.
         """
-        bf16 = resolve_bf16(optim.bf16, torch.device(context.device))
+        bf16 = resolve_bf16(optim.bf16, context.device)
         super().__init__(context, options, attrs.evolve(optim, bf16=bf16))
 
     # -- what adapters supply --------------------------------------------------------------

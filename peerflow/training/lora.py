@@ -12,9 +12,10 @@
 * `rollout_model(model, lora)` is a rollout engine's model and the tensors a sync writes.
 * `adapter_layout(path, lora)` gives the adapter names and shapes without loading weights.
 * `base_fingerprint(path)` identifies the base weights an adapter checkpoint belongs to.
-* Its `peerflow_validate_config` hook (this module is a core plugin) refuses a
-  `trainer.lora` run whose train or rollout backend does not declare `Capabilities.lora`,
-  naming the reason (`lora_refusal`).
+
+`peerflow config validate` refuses a `trainer.lora` run whose train or rollout backend
+does not declare `Capabilities.lora` (`peerflow.config.refusals`), or where peft is not
+installed (`peerflow.config.extras`).
 
 peft is imported inside the functions: `import peerflow` does not import it.
 """
@@ -30,8 +31,7 @@ from typing import Any
 
 import torch
 
-from peerflow.errors import ConfigError, UnknownNameError
-from peerflow.plugins.hookspecs import hookimpl
+from peerflow.errors import ConfigError
 
 #: peft's adapter name inside the live module; peft's files drop it from tensor names.
 ADAPTER = "default"
@@ -198,37 +198,3 @@ def check_base(saved: str | None, path: str | Path, where: str) -> None:
             f"{saved[:12]}…, the model at {path} is {current[:12]}…); resume with the "
             "model.path (or builder) the run started from."
         )
-
-
-def lora_refusal(kind: str, cls: type, backend: str, usable: list[str]) -> str | None:
-    """Why `cls` (registered as `backend`) cannot take part in a LoRA run, or `None`.
-
-    `usable` names the registered backends of that kind that declare `Capabilities.lora`.
-    """
-    if cls.capabilities.lora:
-        return None
-    side = "trainer" if kind == "train_engine" else "rollout"
-    why = cls.unsupported.get("lora") or f"{cls.__name__} does not declare Capabilities.lora"
-    verb = "train" if side == "trainer" else "apply"
-    return (f"trainer.lora: {side}.backend={backend!r} cannot {verb} LoRA adapters: {why}. "
-            f"Use {side}.backend {' or '.join(usable) or '(none installed)'}, or remove "
-            "trainer.lora to train every weight.")
-
-
-@hookimpl
-def peerflow_validate_config(config: Any, pm: Any) -> list[str]:
-    """`trainer.lora` needs train and rollout backends that declare `Capabilities.lora`."""
-    if config.trainer.lora is None:
-        return []
-    problems = []
-    for kind, section in (("train_engine", config.trainer), ("rollout_engine", config.rollout)):
-        try:
-            cls = pm.get(kind, section.backend)
-        except UnknownNameError:  # reported by the name check already
-            continue
-        registry = pm.registry(kind)
-        usable = [n for n in registry.names() if registry.get(n).capabilities.lora]
-        refusal = lora_refusal(kind, cls, section.backend, usable)
-        if refusal:
-            problems.append(refusal)
-    return problems

@@ -52,11 +52,12 @@ def test_config_parses_and_refuses_bad_values():
 
 def test_validate_refuses_engines_without_the_capability(plugin_manager):
     message = validation_error(plugin_manager, "trainer.lora.rank=4", "trainer.backend=megatron")
-    assert "trainer.backend='megatron' cannot train LoRA" in message
+    assert "trainer.lora: trainer.backend='megatron' does not declare Capabilities.lora" \
+        in message
     assert "megatron-core 0.16 has no LoRA" in message
-    assert "Use trainer.backend deepspeed or fsdp" in message
+    assert "use trainer.backend deepspeed or fsdp" in message
     message = validation_error(plugin_manager, "trainer.lora.rank=4", "rollout.backend=sglang")
-    assert "rollout.backend='sglang' cannot apply LoRA" in message
+    assert "rollout.backend='sglang' does not declare Capabilities.lora" in message
     validate_config(load_config(None, ["trainer.lora.rank=4"]), plugin_manager)
 
 

@@ -57,11 +57,11 @@ def _ensure_distributed(context: EngineContext) -> None:
 
     from peerflow.distributed.devices import group_backend
 
-    backend = group_backend(torch.device(context.device))
-    if not context.device.startswith("cuda"):
+    backend = group_backend(context.device)
+    if context.device.type != "cuda":
         _skip_shared_memory_all_reduce()
     # zero.Init reads LOCAL_RANK even when the caller started torch.distributed itself.
-    os.environ.setdefault("LOCAL_RANK", context.device.partition(":")[2] or "0")
+    os.environ.setdefault("LOCAL_RANK", str(context.device.index or 0))
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 20000))
@@ -98,7 +98,12 @@ class DeepSpeedTrainEngine(DeepSpeedCheckpoints, CausalLMTrainEngine):
     """Train engine backed by `deepspeed.initialize` (ZeRO stage from the options)."""
 
     name = "deepspeed"
-    capabilities = Capabilities(checkpoint=True, lora=True)
+    capabilities = Capabilities(
+        checkpoint=True, lora=True, padding_free=True, activation_checkpointing=True,
+        reasons={"tensor_parallel": "DeepSpeed ZeRO here is data parallel only; use "
+                                    "trainer.backend megatron for tensor parallelism",
+                 "pipeline_parallel": "DeepSpeed ZeRO here is data parallel only; use "
+                                      "trainer.backend megatron for pipeline parallelism"})
     options_class = DeepSpeedOptions
     requires = ("deepspeed",)
     install_hint = (
@@ -127,7 +132,7 @@ class DeepSpeedTrainEngine(DeepSpeedCheckpoints, CausalLMTrainEngine):
         self.dp_group = dist.group.WORLD
         self.dp_rank = dist.get_rank()
         self.dp_size = dist.get_world_size()
-        self.device = torch.device(context.device)
+        self.device = context.device
         dtype = torch_dtype(context.dtype)
         bf16 = self.optim.bf16 or dtype == torch.bfloat16
         self.ds_config = options.deepspeed_config(self.optim, bf16=bf16)

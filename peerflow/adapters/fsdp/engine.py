@@ -90,8 +90,8 @@ class FSDPTrainEngine(CausalLMTrainEngine):
 
     name: ClassVar[str] = "fsdp"
     capabilities: ClassVar[Capabilities] = Capabilities(
-        tensor_parallel=True, value_head=True, checkpoint=True, lora=True
-    )
+        tensor_parallel=True, value_head=True, checkpoint=True, lora=True, padding_free=True,
+        activation_checkpointing=True)
     options_class: ClassVar[type] = FSDPTrainOptions
 
     def __init__(
@@ -108,7 +108,7 @@ class FSDPTrainEngine(CausalLMTrainEngine):
                 f"trainer.backend 'fsdp' supports dp and tp only, but the layout is "
                 f"{layout.describe()}; set trainer.layout pp/ep to 1 or use megatron."
             )
-        self.device = torch.device(context.device)
+        self.device = context.device
         group = context.process_group
         self.distributed = group is not None and dist.get_world_size(group) > 1
         if self.distributed and dist.get_world_size(group) != layout.world_size:

@@ -98,8 +98,9 @@ class HFRolloutEngine(RolloutEngine):
 
     name: ClassVar[str] = "hf"
     capabilities: ClassVar[Capabilities] = Capabilities(
-        logprobs=True, stop_strings=True, in_place_weight_update=True, lora=True
-    )
+        logprobs=True, stop_strings=True, in_place_weight_update=True, lora=True,
+        reasons={"tensor_parallel": "the hf engine holds a full model per rank; use vllm or "
+                                    "sglang for tensor-parallel inference"})
     options_class: ClassVar[type] = HFRolloutOptions
 
     def __init__(self, context: EngineContext, options: HFRolloutOptions | None = None) -> None:
@@ -116,7 +117,7 @@ class HFRolloutEngine(RolloutEngine):
         kwargs: dict[str, Any] = {"dtype": torch_dtype(context.dtype)}
         if self.options.attn_implementation:
             kwargs["attn_implementation"] = self.options.attn_implementation
-        self.device = torch.device(context.device)
+        self.device = context.device
         self.model, self._params = lora.rollout_model(  # with trainer.lora: peft's adapters
             AutoModelForCausalLM.from_pretrained(context.model_path, **kwargs), context.lora)
         self.model.to(self.device).eval()

@@ -122,9 +122,9 @@ def _target_causal_mask(sq: int) -> torch.Tensor:  # [sq, sq] bool, True above t
     return torch.triu(torch.ones(sq, sq, dtype=torch.bool, device=_TARGET[0]), diagonal=1)
 
 
-def needs_redirects(device: str) -> bool:
+def needs_redirects(device: torch.device) -> bool:
     """Whether the adapter must redirect Megatron's CUDA calls (a device other than CUDA)."""
-    return torch.device(device).type != "cuda"
+    return device.type != "cuda"
 
 
 def enable_redirects(device: str | torch.device = "cpu") -> int:

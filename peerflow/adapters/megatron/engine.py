@@ -73,25 +73,11 @@ from peerflow.training.packing import say_in_rank_log
 
 
 def _say_padding(optim: OptimSettings) -> None:
-    """Says that megatron pads: `trainer.padding_free: true` is refused, `auto` logged.
+    """Says in the rank log that megatron pads, whatever `trainer.padding_free` says.
 
-    Megatron's own packed-sequence path (THD layout) needs Transformer Engine's attention,
-    which is not wired up here.
-
-    Raises:
-        ConfigError: `trainer.padding_free` is `true`, or `trainer.activation_checkpointing`
-            (Megatron's recompute is not wired up either).
+    `trainer.padding_free: true` and `trainer.activation_checkpointing` are refused at
+    `config validate` (`Capabilities.reasons` of this engine).
     """
-    if optim.activation_checkpointing:
-        raise ConfigError(
-            "trainer.activation_checkpointing=true: the megatron trainer does not wire up "
-            "Megatron's activation recompute; set it to false, or use trainer.backend "
-            "fsdp/deepspeed.")
-    if optim.padding_free is True:
-        raise ConfigError(
-            "trainer.padding_free=true: the megatron trainer runs padded micro-batches of "
-            "one shape (its pipeline schedules exchange fixed-shape activations); set "
-            "trainer.padding_free: auto (or false), or use trainer.backend fsdp/deepspeed.")
     say_in_rank_log(f"megatron: padded micro-batches of one shape (trainer.padding_free="
         f"{str(optim.padding_free).lower()} applies to fsdp and deepspeed only).")
 
@@ -106,7 +92,7 @@ def _ensure_distributed(context: EngineContext) -> None:
         return
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 20000))
-    dist.init_process_group(group_backend(torch.device(context.device)),
+    dist.init_process_group(group_backend(context.device),
                             rank=int(os.environ.get("RANK", 0)),
                             world_size=int(os.environ.get("WORLD_SIZE", 1)))
 
@@ -154,11 +140,18 @@ class MegatronTrainEngine(MegatronCheckpoints, CausalLMTrainEngine):
     """Train engine backed by Megatron-core `GPTModel` (TP, PP, DP from the layout)."""
 
     name = "megatron"
-    capabilities = Capabilities(tensor_parallel=True, pipeline_parallel=True,
-                                checkpoint=True)
-    unsupported = {"lora": "megatron-core 0.16 has no LoRA of its own and no maintained "
-                           "library here adds one (NVIDIA's Megatron-Bridge PEFT needs "
-                           "megatron-core >= 0.17, Python >= 3.12 and CUDA)"}
+    capabilities = Capabilities(
+        tensor_parallel=True, pipeline_parallel=True, checkpoint=True,
+        reasons={
+            "lora": "megatron-core 0.16 has no LoRA of its own and no maintained library "
+                    "here adds one (NVIDIA's Megatron-Bridge PEFT needs megatron-core >= "
+                    "0.17, Python >= 3.12 and CUDA)",
+            "padding_free": "the megatron trainer runs padded micro-batches of one shape "
+                            "(its pipeline schedules exchange fixed-shape activations; "
+                            "Megatron's packed THD path needs Transformer Engine)",
+            "activation_checkpointing": "the megatron trainer does not wire up Megatron's "
+                                        "activation recompute",
+        })
     options_class = MegatronOptions
     requires = ("megatron.core",)
     install_hint = "pip install 'peerflow[megatron]' (megatron-core>=0.16.1)"
@@ -178,7 +171,7 @@ class MegatronTrainEngine(MegatronCheckpoints, CausalLMTrainEngine):
                 f"trainer.backend=megatron got layout {layout.describe()}; expert and context "
                 "parallelism are not wired up; use ep=1 and cp=1."
             )
-        on_gpu = context.device.startswith("cuda")
+        on_gpu = context.device.type == "cuda"
         if options.use_distributed_optimizer and not on_gpu:
             raise ConfigError(
                 "trainer.megatron.use_distributed_optimizer=true needs a CUDA device "
@@ -197,7 +190,7 @@ class MegatronTrainEngine(MegatronCheckpoints, CausalLMTrainEngine):
         self.pp_rank = ps.get_pipeline_model_parallel_rank()
         self.dp_rank = ps.get_data_parallel_rank()
         self.dp_group = ps.get_data_parallel_group()
-        self.device = torch.device(context.device)
+        self.device = context.device
         self.dtype = dtype = param_dtype(self.optim.bf16, optim.bf16, options, context.dtype)
         self.hf_config = AutoConfig.from_pretrained(context.model_path)
         self.shape = check_supported(self.hf_config)

@@ -61,10 +61,9 @@ class SGLangRolloutEngine(TensorParallelRolloutEngine):
 
     name: ClassVar[str] = "sglang"
     capabilities: ClassVar[Capabilities] = attrs.evolve(
-        TensorParallelRolloutEngine.capabilities, sleep=True, gpu_only=True)
-    unsupported: ClassVar[dict[str, str]] = {
-        "lora": "SGLang cannot be installed or exercised on these CPU machines, so its LoRA "
-                "API is not wired yet"}
+        TensorParallelRolloutEngine.capabilities, sleep=True, gpu_only=True,
+        reasons={"lora": "SGLang cannot be installed or exercised on these CPU machines, so "
+                         "its LoRA API is not wired yet"})
     options_class: ClassVar[type] = SGLangRolloutOptions
     options: SGLangRolloutOptions
     requires: ClassVar[tuple[str, ...]] = ("sglang",)

@@ -6,7 +6,7 @@ in place through vLLM's supported extension points: a worker extension class
 `LLM.collective_rpc`. The engine's local tensors are vLLM's own parameters (fused
 `qkv_proj` / `gate_up_proj`, padded vocabulary, tp slices), described by
 `peerflow.models.vllm.vllm_layout`; a sync writes exactly those tensors, bucket by bucket,
-so no process ever holds a full HF tensor (`Capabilities.shard_load`).
+so no process ever holds a full HF tensor.
 
 With `rollout.vllm.tensor_parallel_size > 1` vLLM drives its tp workers itself from the
 one rank that hosts the engine; `weight_targets()` then lists every tp worker's shards,
@@ -91,7 +91,7 @@ class VLLMRolloutEngine(VLLMConformanceHooks, TensorParallelRolloutEngine):
 
     def _start(self) -> Any:
         opts = self.options
-        if self.context.device.startswith("cpu") or not torch.cuda.is_available():
+        if self.context.device.type == "cpu" or not torch.cuda.is_available():
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(opts.cpu_kvcache_space_gib)
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = opts.cpu_threads_bind
         os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")

@@ -34,8 +34,9 @@ def test_registered_through_entry_point(plugin_manager):
 
 def test_declares_gpu_only_and_its_abilities():
     caps = SGLangRolloutEngine.capabilities
-    assert caps.gpu_only and caps.sleep and caps.in_place_weight_update and caps.shard_load
-    assert caps.logprobs and caps.stop_strings and caps.prefix_cache
+    assert caps.gpu_only and caps.sleep and caps.in_place_weight_update
+    assert caps.logprobs and caps.stop_strings and caps.multiprocess
+    assert not caps.lora and "LoRA API is not wired" in caps.reasons["lora"]
     assert SGLangRolloutEngine.requires == ("sglang",)
 
 

