@@ -45,7 +45,7 @@ class Dial(Tool):
     def call(self, arguments: dict[str, Any]) -> str:
         import socket
 
-        socket.create_connection(("127.0.0.1", 9), timeout=2)
+        socket.create_connection(("127.0.0.1", int(arguments.get("port", 9))), timeout=2)
         return "connected"
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 
 import pytest
 
@@ -13,7 +14,7 @@ from peerflow.agents.tool_env import ToolEnvironment, ToolError, ToolOptions
 from peerflow.agents.tool_runner import run_tool, run_tools
 from peerflow.agents.tools import render_prompt
 from peerflow.algorithms.base import Example
-from peerflow.rewards.sandbox import SandboxLimits
+from peerflow.sandbox import SandboxLimits
 from tests.helpers.agent_tools import Chatty, Dial, Hog, Hold, Raises
 
 LIMITS = SandboxLimits(timeout_s=30.0, memory_mb=512)
@@ -105,9 +106,16 @@ def test_a_tool_over_its_memory_limit_fails_with_memory_error():
     assert "256 MiB" in result.content
 
 
-def test_a_tool_cannot_open_network_connections():
-    result = run_tool(Dial(), {}, LIMITS)
-    assert result.status == "error" and "PermissionError: sandbox: socket" in result.content
+def test_a_tool_cannot_reach_a_server_on_this_machine():
+    server = socket.create_server(("127.0.0.1", 0))
+    server.settimeout(0.5)
+    try:
+        result = run_tool(Dial(), {"port": server.getsockname()[1]}, LIMITS)
+        with pytest.raises(TimeoutError):
+            server.accept()
+    finally:
+        server.close()
+    assert result.status == "error" and "connected" not in result.content
 
 
 def test_slow_tools_run_at_the_same_time():
