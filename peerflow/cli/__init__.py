@@ -19,6 +19,7 @@ from peerflow.errors import PeerFlowError
 COMMANDS = [
     "train_cmd", "eval_cmd", "checkpoints_cmd", "plugins_cmd", "config_cmd", "plan_cmd",
     "bench_cmd", "report_cmd", "samples_cmd", "export_cmd", "sft_cmd", "conformance_cmd",
+    "sandbox_cmd",
 ]
 
 

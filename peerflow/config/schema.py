@@ -9,6 +9,7 @@ import attrs
 from peerflow.config.engines import RolloutConfig, TrainerConfig, WeightSyncConfig
 from peerflow.config.tracking import TrackersConfig
 from peerflow.config.workflow import WorkflowConfig
+from peerflow.sandbox.config import SandboxConfig
 
 
 @attrs.frozen(kw_only=True)
@@ -330,3 +331,5 @@ class RunConfig:
     run: RunSettings = attrs.Factory(RunSettings)
     eval: EvalConfig = attrs.Factory(EvalConfig)
     """What `run.eval_every` and `peerflow eval` score."""
+    sandbox: SandboxConfig = attrs.Factory(SandboxConfig)
+    """Where model-written code runs (the `code` reward, agent tools)."""
