@@ -113,6 +113,11 @@ class SuiteBase:
         return AdapterProfile.of(adapter)
 
     @pytest.fixture
-    def logprob_atol(self) -> float:
-        """Largest absolute log-prob difference accepted against the reference model."""
-        return 1e-4
+    def logprob_atol(self) -> float | None:
+        """Largest absolute log-prob difference accepted against the reference model.
+
+        `None` (the default) derives it from the reference's own spread across float64
+        and two float32 kernel paths (`peerflow.conformance.tolerance`); override with a
+        float to fix it.
+        """
+        return None

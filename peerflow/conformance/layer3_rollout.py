@@ -27,6 +27,7 @@ from peerflow.conformance.reference import (
     load_checkpoint_tensors,
     reference_logprobs,
 )
+from peerflow.conformance.tolerance import derive
 from peerflow.conformance.trainers import trainer_layouts
 from peerflow.engines import GenerationRequest, RolloutEngine, SamplingParams
 from peerflow.models import hf_parameters
@@ -233,14 +234,19 @@ class Layer3RolloutEngine(EngineLayerBase):
             "sync to version 5; report ((0, self.weight_version),), the version the tokens "
             "came from")
         got = _logprobs(results)
-        worst = gap(got, reference_logprobs(config, new, rows, temperature))
-        if worst <= logprob_atol:
+        want, tolerance = derive(lambda dtype, attn: reference_logprobs(
+            config, new, rows, temperature, dtype=dtype, attn_implementation=attn),
+            logprob_atol)
+        worst = gap(got, want)
+        request.node.user_properties.append(("logprob_gap", f"{worst:.2e}"))
+        if worst <= tolerance.atol:
             return
+        atol = tolerance.atol
         what = (f"{profile.name} {engine_model}: log-probs at temperature {temperature} differ "
                 f"from log_softmax(logits / T) of the reference model by {worst:.2e} > "
-                f"{logprob_atol:.0e} after a sync")
-        if temperature != 1.0 and gap(got, reference_logprobs(config, new, rows)) <= \
-                logprob_atol:
+                f"{tolerance.explain()}, after a sync")
+        if temperature != 1.0 and gap(got, reference_logprobs(
+                config, new, rows, dtype=torch.float64)) <= atol:
             pytest.fail(f"{what}; they equal the untempered log_softmax(logits). "
                         f"{profile.cls.__qualname__}.generate must return log-probs of the "
                         "sampling distribution, log_softmax(logits / T) before top-k/top-p (vLLM: "
@@ -253,5 +259,5 @@ class Layer3RolloutEngine(EngineLayerBase):
             results, rows = sample(engine, 1.0)
             return rows, _logprobs(results)
 
-        pytest.fail(f"{what}.\n  {diagnose(probe, config, new, specs, atol=logprob_atol)}",
+        pytest.fail(f"{what}.\n  {diagnose(probe, config, new, specs, atol=atol)}",
                     pytrace=False)

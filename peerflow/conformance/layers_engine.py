@@ -21,6 +21,7 @@ from peerflow.conformance.reference import (
     load_checkpoint_tensors,
     reference_logprobs,
 )
+from peerflow.conformance.tolerance import derive
 from peerflow.layout import ParallelLayout
 from peerflow.models import hf_parameters
 from peerflow.reshard import sync_weights
@@ -145,14 +146,17 @@ class Layer3TrainEngine(EngineLayerBase):
                           "response_ids": RaggedField.from_tensors(
                               [torch.tensor(r) for _, r in rows])})
         got = engine.forward_logprobs(batch).rows()
-        want = reference_logprobs(config, load_checkpoint_tensors(model_dir), rows,
-                                  temperature)
+        tensors = load_checkpoint_tensors(model_dir)
+        want, tolerance = derive(lambda dtype, attn: reference_logprobs(
+            config, tensors, rows, temperature, dtype=dtype, attn_implementation=attn),
+            logprob_atol)
         for i, (g, w) in enumerate(zip(got, want)):
             worst = float((g.double() - w).abs().max())
-            assert worst <= logprob_atol, (
+            assert worst <= tolerance.atol, (
                 f"sample {i}: log-probs differ from log_softmax(logits / {temperature}) of "
-                f"the reference model by {worst:.2e}; {profile.cls.__qualname__}."
-                "forward_logprobs must divide the logits by EngineContext.temperature")
+                f"the reference model by {worst:.2e} > {tolerance.explain()}; "
+                f"{profile.cls.__qualname__}.forward_logprobs must divide the logits by "
+                "EngineContext.temperature")
 
 
 class Layer4Gpu(SuiteBase):

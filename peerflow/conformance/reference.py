@@ -79,7 +79,8 @@ def load_checkpoint_tensors(model_dir: str) -> dict[str, torch.Tensor]:
 
 def reference_logprobs(config: Any, tensors: Mapping[str, torch.Tensor],
                        rows: Sequence[tuple[Sequence[int], Sequence[int]]],
-                       temperature: float = 1.0) -> list[torch.Tensor]:
+                       temperature: float = 1.0, *, dtype: torch.dtype = torch.float32,
+                       attn_implementation: str | None = None) -> list[torch.Tensor]:
     """`log_softmax(logits / temperature)` of each response token under a plain HF model.
 
     The `RolloutEngine.generate` log-prob contract (temperature 0 counts as 1).
@@ -89,13 +90,18 @@ def reference_logprobs(config: Any, tensors: Mapping[str, torch.Tensor],
         tensors: Full HF tensors to load (canonical names; tied head omitted).
         rows: `(prompt_ids, response_ids)` pairs.
         temperature: Sampling temperature the log-probs refer to.
+        dtype: Precision the reference computes in (`peerflow.conformance.tolerance`
+            scores in float64 and float32 to derive its tolerance).
+        attn_implementation: transformers' attention kernel (`eager`, `sdpa`); default
+            transformers' choice.
 
     Returns:
         One float64 tensor `[len(response_ids)]` per row.
     """
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_config(config).to(torch.float32).eval()
+    kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    model = AutoModelForCausalLM.from_config(config, **kwargs).to(dtype).eval()
     missing, _ = model.load_state_dict(dict(tensors), strict=False)
     missing = [m for m in missing if not (m == "lm_head.weight" and config.tie_word_embeddings)]
     if missing:
@@ -104,7 +110,7 @@ def reference_logprobs(config: Any, tensors: Mapping[str, torch.Tensor],
     with torch.no_grad():
         for prompt, response in rows:
             ids = torch.tensor([list(prompt) + list(response)])
-            logits = model(input_ids=ids).logits[0].double()
+            logits = model(input_ids=ids).logits[0].to(torch.float64)
             logp = torch.log_softmax(logits / (temperature or 1.0), dim=-1)
             start = len(prompt)
             targets = ids[0, start:]
