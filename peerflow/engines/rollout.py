@@ -9,19 +9,46 @@ extensions + `collective_rpc` for in-place weight loading, `reset_prefix_cache`,
 Call order on the ranks that host the engine (all ranks of its group, SPMD — every tp/pp
 peer of one dp replica makes the same calls with the same arguments, like vLLM's
 `external_launcher` executor; an engine that drives its own tp workers is hosted on one
-rank per replica and declares `Capabilities.multiprocess`):
+rank per replica and declares `Capabilities.multiprocess`, usually by subclassing
+`peerflow.engines.TensorParallelRolloutEngine`):
 
-1. `__init__(context, options)` — build the engine, load `context.model_path`.
-2. `weight_targets()` — once; the runtime plans weight syncs against these specs.
+1. `__init__(context, options)` — build the engine, load `context.model_path` in
+   `context.dtype` on `context.device`. Call `super().__init__(context, options)` first:
+   it stores both and sets `weight_version` to 0.
+2. `weight_targets()` — once; the weight-sync service (`peerflow.reshard.service`) plans
+   every sync against these specs.
 3. Repeatedly, in any order:
-   * `generate(requests, sampling)`;
-   * a weight sync: `begin_weight_update(version)`, then `load_weights(items)` once per
-     bucket, then `finish_weight_update()` (resets caches and publishes `version`);
-   * with `Capabilities.sleep` (colocated placement time-shares the accelerator, in the
-     order of verl's hybrid engine): `sleep()` after generating; before the next
-     generation `wake(tags=("weights",))`, a weight sync, `wake(tags=("kv_cache",))`;
-   * with `Capabilities.partial_rollout`: `pause()` … (a weight sync) … `resume()`.
-4. `shutdown()`.
+   * `generate(requests, sampling)` — the rollout driver (`peerflow.rollout`), once per
+     batch or chunk of prompts;
+   * a weight sync, driven by the weight-sync service on every rank of the group:
+     `begin_weight_update(version)`, then per bucket `weight_buffers(specs)` (optional
+     zero-copy path) and `load_weights(items)`, then `finish_weight_update()` (resets
+     caches and publishes `version`);
+   * with `Capabilities.sleep`, when the engine is colocated with a trainer
+     (`peerflow.reshard.time_share`, in the order of verl's hybrid engine): `sleep()` after
+     generating; before the next generation `wake(("weights",))`, a weight sync,
+     `wake(("kv_cache",))`.
+4. `shutdown()` — by the worker when the run ends or fails.
+
+Override rules: `__init__`, `begin_weight_update` and `finish_weight_update` must call
+`super()`: the base class records the pending version in `begin_weight_update` and
+publishes it in `finish_weight_update` (without them samples keep the old
+`weight_version`, or the sync fails on the missing pending version). Every other
+method is yours. Optional methods have defaults that are never called unless the matching
+capability is declared: `sleep`/`wake` (`Capabilities.sleep`), `pause`/`resume`
+(`Capabilities.partial_rollout`; the runtime does not call them yet: `runtime.partial_rollout`
+chunks `generate` calls on every engine, `peerflow.streaming.partial`), `weight_buffers`
+(always called; `None` means "stage a copy"). The conformance suite additionally looks up
+classmethods of the engine class (`shard_layout`, `conformance_*`); see
+`peerflow/conformance/README.md`.
+
+Refusing what the engine cannot do, before any process starts: leave the capability
+`False` in `capabilities` and say why in `Capabilities.reasons` (`peerflow config
+validate` refuses the settings that need it); for a setting no capability covers (e.g.
+`rollout.sampling.top_p < 1` on an engine without truncation) implement the
+`peerflow_validate_config` hook in the plugin and return the problem. `generate` still
+raises `peerflow.errors.ConfigError` naming the setting and the fix when it gets such a
+request (benchmarks, tests), and never samples another distribution instead.
 
 Log-probs (`GenerationResult.logprobs`), the one contract every engine and the trainer
 share: for each generated token t, `log_softmax(logits / T)[t]`, where `logits` are the
@@ -146,7 +173,12 @@ class RolloutEngine(EngineBase, abc.ABC):
         """Returns the specs of every tensor this rank holds and wants filled by a sync."""
 
     def begin_weight_update(self, version: int) -> None:
-        """Prepares to receive weights of `version` (called on every rank of the group)."""
+        """Prepares to receive weights of `version` (called on every rank of the group).
+
+        Called by the weight-sync service before the first bucket. An override (to pause
+        a scheduler, clear per-sync timers) must call `super().begin_weight_update(version)`,
+        which records the version `finish_weight_update` publishes.
+        """
         self._pending_version = version
 
     @abc.abstractmethod
@@ -176,6 +208,7 @@ class RolloutEngine(EngineBase, abc.ABC):
     def finish_weight_update(self) -> None:
         """Publishes the pending version; engines reset prefix caches here.
 
+        Called by the weight-sync service after the last bucket, on every rank of the group.
         An override must call `super().finish_weight_update()`, which is what advances
         `weight_version`; without it samples keep the old version.
         """
@@ -188,31 +221,47 @@ class RolloutEngine(EngineBase, abc.ABC):
         )
 
     def sleep(self) -> None:
-        """Releases accelerator memory: weights and KV cache (needs `Capabilities.sleep`)."""
+        """Releases accelerator memory: weights and KV cache (needs `Capabilities.sleep`).
+
+        Called after generating by colocated placement (`peerflow.reshard.time_share`),
+        so the trainer can use the memory.
+        """
         raise self._unsupported("sleep")
 
     def wake(self, tags: Sequence[str] | None = None) -> None:
         """Restores what `sleep` released (needs `Capabilities.sleep`).
 
+        Called by colocated placement before the next weight sync or generation, always
+        with `tags`: `("weights",)`, then the sync loads new weights into them, then
+        `("kv_cache",)`, so the two are never both allocated beside stale buffers. An
+        engine that cannot restore the parts separately restores everything on the first
+        call and treats the later one as a no-op.
+
         Args:
-            tags: What to restore: `"weights"`, `"kv_cache"`, or both (`None`). The
-                runtime wakes the weights first, loads new ones into them, then wakes the
-                KV cache, so the two are never both allocated beside stale buffers.
-                Engines written before `tags` existed may declare `wake(self)`; the
-                runtime then wakes them whole, once, before loading.
+            tags: What to restore: `"weights"`, `"kv_cache"`, or both; `None` means both.
         """
         raise self._unsupported("sleep")
 
     def pause(self) -> None:
-        """Stops generation between tokens so weights can change (`partial_rollout`)."""
+        """Stops generation between tokens so weights can change (`partial_rollout`).
+
+        Reserved for engines that pause in-flight requests themselves; the runtime does not
+        call it yet (see the module docstring).
+        """
         raise self._unsupported("partial_rollout")
 
     def resume(self) -> None:
-        """Continues paused requests under the new weights (`partial_rollout`)."""
+        """Continues paused requests under the new weights (`partial_rollout`).
+
+        Reserved, like `pause`.
+        """
         raise self._unsupported("partial_rollout")
 
     def shutdown(self) -> None:
-        """Releases the engine's processes and memory. Safe to call twice."""
+        """Releases the engine's processes and memory. Safe to call twice.
+
+        Called by the worker when the run ends or fails (also by benchmarks and tests).
+        """
 
 
 __all__ = [

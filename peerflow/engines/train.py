@@ -17,7 +17,25 @@ Call order on the ranks that host the engine (all ranks of its group, SPMD):
 5. With `Capabilities.checkpoint`: `save_checkpoint(dir)` / `load_checkpoint(dir)` on all
    ranks; the classmethod `saved_shards(dir, ...)` describes what such a directory holds
    as pieces of HF tensors, without building the engine (`peerflow export` reads it).
-6. `shutdown()`.
+6. `shutdown()` — by the worker when the run ends or fails.
+
+Who calls what: `forward_logprobs` — the `ref_logprob` and `old_logprob` nodes;
+`train_step` — the `train_actor`/`train_critic` nodes; `forward_values` — the `values`
+node of the PPO graph, only with `Capabilities.value_head`; `weight_sources`/`materialize`
+— the weight-sync service (`peerflow.reshard.service`); `save_checkpoint` — the run
+driver's checkpoint cadence (`peerflow.checkpoint.api`), `load_checkpoint` — resume and
+`peerflow eval`, both only with `Capabilities.checkpoint`; `saved_shards` — `peerflow
+export` (`peerflow.hf_export`), in a plain process.
+
+Override rules: `__init__` calls `super().__init__(context, options, optim)` first (it
+stores the three and sets `version` to 0); `train_step` increments `version` once per
+call. Optional methods (`forward_values`, `save_checkpoint`, `load_checkpoint`,
+`saved_shards`) raise `NotImplementedError` naming the capability, and the runtime never
+calls them on an engine that does not declare it. A subclass of
+`peerflow.training.CausalLMTrainEngine` (the base an author builds on) sets `self.device`
+and `self.dp_group` and implements `forward_micro`, `optimizer_step`, `set_training`,
+`weight_sources` and `materialize` (`backward_micro` when its framework does not use plain
+autograd); the toolkit supplies `forward_logprobs`, `forward_values` and `train_step`.
 
 Batches given to the engine carry ragged `prompt_ids` and `response_ids` fields; every tp/pp
 peer of one dp-rank receives the same samples.
@@ -47,53 +65,15 @@ from __future__ import annotations
 import abc
 import contextlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 import attrs
 import torch
 
 from peerflow.batch import Batch, RaggedField
 from peerflow.engines.base import EngineBase, EngineContext
+from peerflow.engines.settings import OptimSettings
 from peerflow.shard import ShardSpec
-
-
-@attrs.frozen(kw_only=True)
-class OptimSettings:
-    """Optimiser and step settings shared by every train engine."""
-
-    lr: float = 1e-5
-    """AdamW learning rate."""
-    betas: tuple[float, float] = (0.9, 0.999)
-    """AdamW betas."""
-    eps: float = 1e-8
-    """AdamW epsilon."""
-    weight_decay: float = 0.0
-    """AdamW decoupled weight decay."""
-    grad_clip: float = 1.0
-    """Global gradient-norm clip (0 disables)."""
-    micro_batch_tokens: int = 4096
-    """Most tokens in one micro-batch; micro-batches are packed to balance tokens."""
-    mini_batches: int = 1
-    """Optimiser steps per `train_step` call (PPO mini-batches)."""
-    bf16: bool | Literal["auto"] = False
-    """Compute in bfloat16 (parameters and optimiser state stay in `EngineContext.dtype`);
-    `auto`: where the device supports it (`peerflow.distributed.devices.resolve_bf16`)."""
-    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
-    """How the learning rate moves over optimiser steps after the warm-up
-    (`peerflow.training.schedule`)."""
-    warmup_steps: int = 0
-    """Optimiser steps of linear warm-up from 0 to `lr`."""
-    total_steps: int = 0
-    """Optimiser steps of the whole run (`linear` and `cosine` decay over them; 0: unknown,
-    allowed with `constant` only)."""
-    min_lr_ratio: float = 0.0
-    """Floor of `linear` and `cosine`, as a fraction of `lr`."""
-    padding_free: bool | Literal["auto"] = False
-    """Padding-free micro-batches: `auto` (where the attention supports them), `True`,
-    `False` (`peerflow.training.packing`); a run's `trainer.padding_free` defaults to
-    `auto`, an engine built directly pads unless told."""
-    activation_checkpointing: bool = False
-    """Recompute each block's activations in backward (less memory, ~30 % more compute)."""
 
 
 class LossFunction(Protocol):

@@ -8,15 +8,14 @@ engine declares `Capabilities.sleep` and shares its devices with the trainer:
    `wake(tags=("kv_cache",))` — the KV cache is never allocated beside stale buffers;
 3. generate (a step without a sync first wakes whatever still sleeps).
 
-An engine whose `wake` takes no `tags` (written before tags existed) is woken whole,
-once, before loading — the way pluggy calls a hook implementation that accepts fewer
-arguments.
+`wake` has one signature, `wake(tags)`, and is always called with the tags; an engine
+that cannot restore the parts separately restores everything on the first call
+(`peerflow.engines.RolloutEngine.wake`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import inspect
 from collections.abc import Iterator, Sequence
 
 import attrs
@@ -45,13 +44,9 @@ class TimeSharing:
             self.asleep = {WEIGHTS, KV_CACHE}
 
     def wake(self, tags: Sequence[str]) -> None:
-        """Wakes the named parts that sleep (everything, for an engine without tags)."""
+        """Wakes the named parts that sleep."""
         wanted = [t for t in tags if t in self.asleep]
         if not wanted:
             return
-        if "tags" in inspect.signature(self.rollout.wake).parameters:
-            self.rollout.wake(tags=tuple(wanted))
-            self.asleep -= set(wanted)
-        else:
-            self.rollout.wake()
-            self.asleep.clear()
+        self.rollout.wake(tuple(wanted))
+        self.asleep -= set(wanted)

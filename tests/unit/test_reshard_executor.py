@@ -187,7 +187,7 @@ def test_streaming_pack_transfer_apply_snapshots_each_version_in_one_process():
 
 
 class SleepyRollout(TensorRollout):
-    """Declares `Capabilities.sleep` and records the calls (tags optional or not)."""
+    """Declares `Capabilities.sleep` and records the calls."""
 
     name = "test-sleepy-rollout"
     capabilities = Capabilities(sleep=True)
@@ -202,20 +202,8 @@ class SleepyRollout(TensorRollout):
         self.calls.append("load")
 
 
-class OldSleepyRollout(SleepyRollout):
-    """An engine written before `wake` took tags."""
-
-    name = "test-old-sleepy-rollout"
-
-    def wake(self):
-        self.calls.append(("wake", ()))
-
-
-@pytest.mark.parametrize("cls,woken", [
-    (SleepyRollout, [("wake", ("weights",)), "load", ("wake", ("kv_cache",))]),
-    (OldSleepyRollout, [("wake", ()), "load"]),
-])
-def test_colocated_time_sharing_follows_the_hybrid_engine_order(cls, woken):
+def test_colocated_time_sharing_follows_the_hybrid_engine_order():
+    cls, woken = SleepyRollout, [("wake", ("weights",)), "load", ("wake", ("kv_cache",))]
     src = [ShardSpec.of_slice("w", (4, 4))]
     trainer = TensorTrainer(src, {"w": torch.ones(4, 4)})
     rollout = cls(src)
