@@ -22,6 +22,7 @@ BENCHMARKS: dict[str, str] = {
     "weight-sync": "weight_sync",
     "async": "async_stream",
     "train": "train",
+    "sandbox": "sandbox",
 }
 
 
