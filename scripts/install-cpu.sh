@@ -26,4 +26,17 @@ if [[ ",$extras," == *",test,"* ]]; then
     site="$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
     rm -rf "$site/tests" "$site/scripts"
 fi
+# Model-written code (the `code` reward, agent tools) runs under bubblewrap
+# (docs/rewards.md): installed here where we may (root with apt, as on CI); elsewhere
+# `peerflow config validate` names the fix when a task needs it.
+if ! command -v bwrap >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        apt-get install -y -q bubblewrap >/dev/null 2>&1 \
+            || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q bubblewrap >/dev/null 2>&1; } \
+            || echo "warning: could not install bubblewrap with apt-get; see docs/rewards.md" >&2
+    else
+        echo "note: bubblewrap (bwrap) is not installed; the code sandbox needs it" \
+             "(apt-get/dnf install bubblewrap; docs/rewards.md)" >&2
+    fi
+fi
 echo "PeerFlow installed in .venv ($(.venv/bin/peerflow --version))"
