@@ -135,7 +135,6 @@ def _grpo_config(config: Any, output_dir: Path, world: int) -> Any:
     from trl import GRPOConfig
 
     sampling = config.rollout.sampling
-    engine = config.trainer.engine_options.get(config.trainer.backend) or {}
     return GRPOConfig(
         output_dir=str(output_dir),
         per_device_train_batch_size=config.run.prompts_per_step * sampling.n // world,
@@ -152,8 +151,8 @@ def _grpo_config(config: Any, output_dir: Path, world: int) -> Any:
         weight_decay=config.trainer.weight_decay,
         max_grad_norm=config.trainer.grad_clip,
         # GRPOConfig turns recomputation on by default; PeerFlow's trainer recomputes only
-        # when its engine option says so: the same work on both sides.
-        gradient_checkpointing=bool(engine.get("gradient_checkpointing", False)),
+        # under trainer.activation_checkpointing: the same work on both sides.
+        gradient_checkpointing=config.trainer.activation_checkpointing,
         # PeerFlow's schedule (peerflow.training.schedule) in transformers' names
         lr_scheduler_type={"constant": "constant_with_warmup", "linear": "linear",
                            "cosine": "cosine_with_min_lr"}[config.trainer.lr_schedule],

@@ -128,50 +128,16 @@ class RolloutConfig:
 
 
 @attrs.frozen(kw_only=True)
-class TrainerConfig:
-    """The training engine. `trainer.<backend>: {...}` holds that adapter's options."""
+class TrainerConfig(OptimSettings):
+    """The training engine. `trainer.<backend>: {...}` holds that adapter's options.
+
+    Every optimiser and step setting (`lr`, `micro_batch_tokens`, `bf16`, …) is a field of
+    `peerflow.engines.OptimSettings`, written once there with its default; this class adds
+    what selects and places the engine.
+    """
 
     backend: str = "fsdp"
     """Registered trainer backend: fsdp, deepspeed, megatron, or a plugin's name."""
-    lr: float = attrs.field(default=1e-6, validator=attrs.validators.gt(0.0))
-    """Peak AdamW learning rate. 1e-6 (TRL's and verl's RL default) is safe for a
-    pretrained model; tiny models trained from scratch need far more (the examples set
-    1e-3)."""
-    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
-    """The learning rate after the warm-up, over optimiser steps (`run.steps` x
-    `mini_batches`): `constant`, or `linear` / `cosine` decay to `min_lr_ratio` x `lr`
-    at the run's last step (docs/training.md)."""
-    warmup_steps: int = attrs.field(default=0, validator=attrs.validators.ge(0))
-    """Optimiser steps of linear warm-up to `lr` (0: none)."""
-    warmup_ratio: float = attrs.field(default=0.0, validator=[attrs.validators.ge(0.0),
-                                                              attrs.validators.lt(1.0)])
-    """Warm-up as a share of the run's optimiser steps, instead of `warmup_steps`."""
-    min_lr_ratio: float = attrs.field(default=0.0, validator=[attrs.validators.ge(0.0),
-                                                              attrs.validators.le(1.0)])
-    """Floor of `linear` and `cosine`, a fraction of `lr` (their warm-up starts there)."""
-    weight_decay: float = 0.0
-    """AdamW decoupled weight decay."""
-    betas: tuple[float, float] = (0.9, 0.999)
-    """AdamW betas."""
-    grad_clip: float = attrs.field(default=1.0, validator=attrs.validators.ge(0.0))
-    """Clip the global gradient norm to this before every optimiser step; 0 disables."""
-    micro_batch_tokens: int = 8192
-    """Token budget of one micro-batch (token-balanced packing)."""
-    mini_batches: int = 1
-    """Optimiser steps per training step (PPO mini-batches)."""
-    bf16: bool | Literal["auto"] = "auto"
-    """Mixed precision: compute in bfloat16, parameters and optimiser state stay in
-    `model.dtype`. `auto`: bfloat16 on an accelerator that supports it (CUDA: Ampere or
-    newer), float32 on the CPU (`peerflow.distributed.devices.resolve_bf16`)."""
-    padding_free: bool | Literal["auto"] = "auto"
-    """Padding-free micro-batches (a micro-batch's samples in one row, no padding; planned
-    by real tokens): `auto` turns them on where attention follows the samples
-    (flash-attention's varlen kernels, flex attention), `true` also under sdpa/eager
-    (exact, but a dense T x T mask), `false` pads; the rank log says which. fsdp and
-    deepspeed; megatron pads (docs/training.md)."""
-    activation_checkpointing: bool = False
-    """Recompute each transformer block's activations in backward: less activation
-    memory for about 30 % more compute (fsdp, deepspeed)."""
     layout: LayoutConfig = attrs.Factory(LayoutConfig)
     """Parallel layout of the trainer role."""
     lora: LoraConfig | None = None
@@ -180,28 +146,14 @@ class TrainerConfig:
     engine_options: dict[str, dict[str, Any]] = _section_field()
     """Per-backend option sections, keyed by backend name (validated when selected)."""
 
-    def __attrs_post_init__(self) -> None:
-        if self.warmup_steps and self.warmup_ratio:
-            raise ValueError(f"trainer.warmup_steps={self.warmup_steps} and trainer.warmup_ratio="
-                             f"{self.warmup_ratio}: set one of them, not both.")
-
     def optim_settings(self, steps: int = 0) -> OptimSettings:
-        """Returns the engine-facing optimiser settings.
+        """Returns the engine-facing settings of a run of `steps` steps (`OptimSettings.for_run`).
 
         Args:
             steps: The run's training steps (`run.steps`); the schedule counts
                 `steps * mini_batches` optimiser steps. 0: unknown (constant only).
         """
-        total = steps * self.mini_batches
-        warmup = self.warmup_steps or round(self.warmup_ratio * total)
-        return OptimSettings(
-            lr=self.lr, betas=self.betas, weight_decay=self.weight_decay,
-            grad_clip=self.grad_clip, micro_batch_tokens=self.micro_batch_tokens,
-            mini_batches=self.mini_batches, bf16=self.bf16, lr_schedule=self.lr_schedule,
-            warmup_steps=warmup, total_steps=total, min_lr_ratio=self.min_lr_ratio,
-            padding_free=self.padding_free,
-            activation_checkpointing=self.activation_checkpointing,
-        )
+        return self.for_run(steps)
 
 
 @attrs.frozen(kw_only=True)

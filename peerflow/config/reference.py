@@ -18,6 +18,8 @@ from typing import Any
 
 import attrs
 
+from peerflow.engines.settings import DERIVED
+
 #: What a reference lists besides `RunConfig`: plugin kind, where its options live.
 OPTION_SECTIONS = (
     ("train_engine", "trainer.{name}"),
@@ -99,7 +101,7 @@ def walk(cls: type, prefix: str) -> Iterator[tuple[str, type, list[tuple[str, st
     hints = typing.get_type_hints(cls)
     rows, nested = [], []
     for field in attrs.fields(cls):
-        if field.metadata.get("peerflow_sections"):
+        if field.metadata.get("peerflow_sections") or field.metadata.get(DERIVED):
             continue
         key = f"{prefix}.{field.name}" if prefix else field.name
         annotation, doc = docs.get(field.name, (_type_name(hints[field.name]), ""))

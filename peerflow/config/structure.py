@@ -17,6 +17,7 @@ from typing import Any
 import attrs
 import yaml
 
+from peerflow.engines.settings import DERIVED
 from peerflow.errors import ConfigError
 
 #: Field metadata key: unknown keys of the class are collected into this dict field
@@ -158,7 +159,12 @@ def structure(cls: type, data: Any, path: str = "", *,
     for key, value in data.items():
         key = str(key)
         sub = f"{path}.{key}" if path else key
-        if key in fields and key != sections_field:
+        if key in fields and fields[key].metadata.get(DERIVED):
+            found.append(f"{sub}: not a setting; the runtime derives it from "
+                         f"{fields[key].metadata[DERIVED]} (remove it).")
+        elif key in getattr(cls, "renamed_keys", {}):
+            found.append(f"{sub}: renamed; {cls.renamed_keys[key]}")
+        elif key in fields and key != sections_field:
             try:
                 kwargs[key] = _convert(value, hints[key], sub, problems)
             except ConfigError as exc:
@@ -166,7 +172,8 @@ def structure(cls: type, data: Any, path: str = "", *,
         elif sections_field is not None and isinstance(value, Mapping | None):
             sections[key] = dict(value or {})
         else:
-            known = [n for n in fields if n != sections_field]
+            known = [n for n, f in fields.items()
+                     if n != sections_field and not f.metadata.get(DERIVED)]
             close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
             hint = f" Did you mean {close[0]!r}?" if close else ""
             found.append(
@@ -218,6 +225,8 @@ def unstructure(obj: Any) -> Any:
     if attrs.has(type(obj)):
         out: dict[str, Any] = {}
         for f in attrs.fields(type(obj)):
+            if f.metadata.get(DERIVED):
+                continue
             value = unstructure(getattr(obj, f.name))
             if f.metadata.get(SECTIONS):
                 out.update(value)

@@ -54,8 +54,8 @@ def build_engine(profile: AdapterProfile, model_dir: str, *, device: str | None 
     context = EngineContext(model_path=model_dir, layout=ParallelLayout(), rank=0,
                             dtype="float32", device=device, process_group=group, lora=lora)
     options = profile.cls.options_class()
-    if profile.kind == "train":
-        return profile.cls(context, options, OptimSettings())
+    if profile.kind == "train":  # float32 compute, padded: the reference's arithmetic
+        return profile.cls(context, options, OptimSettings(bf16=False, padding_free=False))
     return profile.cls(context, options)
 
 

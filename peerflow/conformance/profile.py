@@ -22,7 +22,8 @@ optional classmethods on the engine class, all with defaults:
 `conformance_engine(model_path, *, device="cpu") -> engine`
     Builds a one-rank engine on a tiny model directory for layer 3; default
     `cls(EngineContext(model_path=…, layout=ParallelLayout(), …), cls.options_class())`
-    (train engines also get `OptimSettings()` and a one-process gloo group).
+    (train engines also get `OptimSettings(bf16=False, padding_free=False)` and a
+    one-process gloo group).
 `conformance_read_weights(engine) -> dict[str, torch.Tensor]`
     The engine's own parameters by local name, read by a path that bypasses the
     adapter's `load_weights`/`materialize` (e.g. the engine's module `named_parameters()`

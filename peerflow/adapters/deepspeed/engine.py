@@ -155,7 +155,7 @@ class DeepSpeedTrainEngine(DeepSpeedCheckpoints, CausalLMTrainEngine):
                                                          dtype=torch.float32)
         if context.lora is not None:
             model = lora.apply_lora(model, context.lora)
-        if options.gradient_checkpointing or optim.activation_checkpointing:
+        if optim.activation_checkpointing:
             model.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False

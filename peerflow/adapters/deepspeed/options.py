@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
 
@@ -55,12 +55,15 @@ class DeepSpeedOptions:
     offload_optimizer`, `zero_optimization.reduce_bucket_size`, `bf16`, `comms_logger`).
     """
 
+    renamed_keys: ClassVar[dict[str, str]] = {
+        "gradient_checkpointing": "set trainer.activation_checkpointing: true instead (one "
+                                  "knob for every train backend)."}
+    """Keys this section once had, and what replaced them (said by `config validate`)."""
+
     zero_stage: int = attrs.field(default=2, validator=_check_stage)
     """ZeRO stage: 1 partitions optimiser state, 2 also gradients, 3 also parameters."""
     config: dict[str, Any] = attrs.field(factory=dict, validator=_check_config)
     """Native DeepSpeed config keys merged over the generated config (pass-through)."""
-    gradient_checkpointing: bool = False
-    """Recompute activations in backward (HF `gradient_checkpointing_enable`)."""
     share_prompts: bool = True
     """Run a prompt once for all its samples in a micro-batch, as `trainer.fsdp.share_prompts`
     does (docs/training.md, "Shared prompts"); off under an attention backend that takes no

@@ -57,11 +57,14 @@ from peerflow.training.shared_prompts import takes_custom_masks
 class FSDPTrainOptions:
     """Options of the `fsdp` train engine (`trainer.fsdp: {...}`)."""
 
+    renamed_keys: ClassVar[dict[str, str]] = {
+        "gradient_checkpointing": "set trainer.activation_checkpointing: true instead (one "
+                                  "knob for every train backend)."}
+    """Keys this section once had, and what replaced them (said by `config validate`)."""
+
     value_head: bool = False
     """Build a critic: the backbone plus a scalar value head (PPO's `values` and
     `train_critic` nodes); `forward_values` then works and `forward_logprobs` does not."""
-    gradient_checkpointing: bool = False
-    """Recompute block activations in backward (less memory, ~30% more compute)."""
     reshard_after_forward: bool = True
     """FSDP2: free gathered parameters after forward (ZeRO-3 style); `False` keeps them
     until backward (ZeRO-2 style, more memory, one all-gather less per micro-batch); a
@@ -139,7 +142,7 @@ class FSDPTrainEngine(CausalLMTrainEngine):
         self.shares_prompts = self.options.share_prompts and not self.options.value_head \
             and takes_custom_masks(self.model)
         self.padding_free = resolve_padding_free(self.optim.padding_free, self.model, self.name)
-        if self.options.gradient_checkpointing or self.optim.activation_checkpointing:
+        if self.optim.activation_checkpointing:
             target = self.model.model if self.options.value_head else self.model
             target.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False}

@@ -158,8 +158,8 @@ def test_critic_values_and_value_training(tiny_model, batch):
         _engine(tiny_model).forward_values(batch)
 
 
-def test_bf16_and_gradient_checkpointing_train(tiny_model, batch):
-    engine = _engine(tiny_model, OptimSettings(lr=1e-2, bf16=True), gradient_checkpointing=True)
+def test_bf16_and_activation_checkpointing_train(tiny_model, batch):
+    engine = _engine(tiny_model, OptimSettings(lr=1e-2, bf16=True, activation_checkpointing=True))
     exact = _engine(tiny_model).forward_logprobs(batch)
     approx = engine.forward_logprobs(batch)
     assert approx.values.dtype == torch.float32

@@ -193,18 +193,17 @@ def test_activation_checkpointing_gives_the_same_step(tiny_model):
         assert steps[1][key] == pytest.approx(steps[0][key], rel=1e-5), key
 
 
-def test_megatron_pads_and_says_so():
-    import attrs
-
+def test_megatron_pads_and_says_so(plugin_manager):
     from peerflow.adapters.megatron.engine import _say_padding
-    from peerflow.errors import ConfigError
+    from tests.helpers.configs import validation_error
 
-    _say_padding(optim(False))
-    _say_padding(attrs.evolve(optim(False), padding_free="auto"))
-    with pytest.raises(ConfigError, match="padding_free: auto"):
-        _say_padding(optim(True))
-    with pytest.raises(ConfigError, match="activation_checkpointing=true"):
-        _say_padding(attrs.evolve(optim(False), activation_checkpointing=True))
+    _say_padding(optim(True))  # only says so: what it cannot do is refused at validate
+    message = validation_error(plugin_manager, "trainer.backend=megatron",
+                               "trainer.padding_free=true",
+                               "trainer.activation_checkpointing=true")
+    assert "trainer.padding_free=true: trainer.backend='megatron' does not declare" in message
+    assert "Fix: set trainer.padding_free: auto" in message
+    assert "trainer.activation_checkpointing=true: trainer.backend='megatron'" in message
 
 
 def test_padding_free_plan_budgets_real_tokens():
