@@ -4,7 +4,8 @@ Runs layers 1–3 (llama models, single layout) over each class of `mutants.py` 
 pytest subprocess and reads the JSON report: every mutant must fail, and its failure
 messages must contain what `mutants.EXPECTED` lists (the parameter or method, and the
 fix); the correct `HFFused` must pass. The same subprocess runs the authors' guide
-example engine (`minimal_engine.py`), registered as a plugin, through every layer.
+example engine (`minimal`, shipped in `contrib/example-plugin`), registered through its
+plugin module, through every layer.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import pytest
 from mutants import EXPECTED, EXPECTED_VLLM  # noqa: I001  (tests/conformance is on sys.path)
 
 HERE = Path(__file__).parent
+#: The example plugin distribution (not installed in the test environment).
+EXAMPLE_PLUGIN = HERE.parents[1] / "contrib" / "example-plugin"
 
 SUITE = '''
 import sys
@@ -37,16 +40,17 @@ class Test{name}(Layer1Layouts, Layer2RoundTrip, Layer2FromTrainers, Layer3Rollo
 
 MINIMAL = '''
 import sys
-sys.path.insert(0, {here!r})
-import minimal_engine
+sys.path.insert(0, {example!r})
+from peerflow_example_plugin import plugin
+from peerflow_example_plugin.engine import MinimalRollout
 from peerflow.plugins import get_plugin_manager
 from peerflow.conformance import RolloutAdapterSuite
 
-get_plugin_manager().register(minimal_engine, "minimal-example")
+get_plugin_manager().register(plugin, "example")  # its entry point's name
 
 
 class TestMinimal(RolloutAdapterSuite):
-    adapter_class = minimal_engine.MinimalRollout
+    adapter_class = MinimalRollout
 '''
 
 
@@ -70,7 +74,7 @@ def suite_report(tmp_path_factory) -> dict[str, list[dict]]:
     minimal example engine (every layer but 4): its JSON report's tests, by class name."""
     names = ["HFFused", *EXPECTED]
     source = SUITE.format(here=str(HERE), classes="".join(
-        CLASS.format(name=n) for n in names)) + MINIMAL.format(here=str(HERE))
+        CLASS.format(name=n) for n in names)) + MINIMAL.format(example=str(EXAMPLE_PLUGIN))
     report = _run(tmp_path_factory.mktemp("suite"), source,
                   "(TestMinimal and not l4_) or (not TestMinimal and llama and (single or l3_))")
     by_class: dict[str, list[dict]] = {}

@@ -36,7 +36,8 @@ def test_example_plugin_is_listed_selectable_and_removable(installed_example_plu
     assert "example" in plugins
     example = plugins["example"]
     assert example["distribution"] == "peerflow-example-plugin"
-    assert example["registered"] == {"advantage_estimator": ["opo"], "reward": ["edit-similarity"]}
+    assert example["registered"] == {"advantage_estimator": ["opo"], "reward": ["edit-similarity"],
+                                     "rollout_engine": ["minimal"]}
     config = tmp_path / "run.yaml"
     config.write_text("algorithm:\n  advantage: opo\n")
     result = run_peerflow("config", "validate", str(config), "--set", "task.reward=edit-similarity")
@@ -71,3 +72,34 @@ def test_example_plugin_algorithms_compute_real_values():
     assert advantages.row(0).tolist() == [0.75]
     assert advantages.row(1).tolist() == [-0.25] * 3
     assert advantages.row(2).tolist() == [0.0, 0.0]
+
+
+@pytest.fixture
+def example_plugin(plugin_manager):
+    """The example plugin registered from its source folder (as its entry point would)."""
+    sys.path.insert(0, str(PLUGIN))
+    try:
+        from peerflow_example_plugin import plugin
+    finally:
+        sys.path.remove(str(PLUGIN))
+    plugin_manager.register(plugin, "example", distribution="peerflow-example-plugin")
+    return plugin_manager
+
+
+def test_example_plugin_ships_the_worked_example_engine(example_plugin):
+    from peerflow.engines import RolloutEngine
+
+    engine = example_plugin.get("rollout_engine", "minimal")
+    assert issubclass(engine, RolloutEngine)
+    assert engine.__module__ == "peerflow_example_plugin.engine"
+    assert example_plugin.registry("rollout_engine").entries["minimal"].distribution == \
+        "peerflow-example-plugin"
+
+
+def test_example_engine_refuses_truncated_sampling_at_validation(example_plugin):
+    from tests.helpers.configs import validation_error
+
+    message = validation_error(example_plugin, "rollout.backend=minimal",
+                               "rollout.sampling.top_p=0.9")
+    assert "rollout.sampling.top_p=0.9: rollout.backend=minimal" in message
+    assert "set rollout.sampling.top_p=1.0" in message

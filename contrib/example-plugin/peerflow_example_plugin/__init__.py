@@ -1,1 +1,1 @@
-"""An example third-party PeerFlow plugin: one reward and one advantage estimator."""
+"""An example third-party PeerFlow plugin: a rollout engine, a reward and an estimator."""
