@@ -164,3 +164,14 @@ def test_config_validate_names_the_fix_where_bwrap_is_missing(tmp_path):
                             capture_output=True, text=True, env=env, timeout=300)
     assert warned.returncode == 0, warned.stderr
     assert "warning: sandbox.backend=audit-hook" in warned.stderr and "ok" in warned.stdout
+
+
+def test_serve_refuses_to_expose_code_execution_without_a_token():
+    import argparse
+
+    from peerflow.cli.sandbox_cmd import run_serve
+    from peerflow.errors import ConfigError
+
+    args = argparse.Namespace(host="0.0.0.0", port=0, backend="bubblewrap", token_env=None)
+    with pytest.raises(ConfigError, match="--token-env"):
+        run_serve(args)
