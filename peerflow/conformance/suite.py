@@ -13,6 +13,8 @@ Layers, selectable with `-m "peerflow_layer(…)"`-free `-k l0_`, `-k l2_`, …:
    (rollout adapters also from every registered trainer layout);
 3. the real engine: declared layout equals the engine's, bit-exact load/export read back
    around the adapter, corrupt-then-restore, log-probs against a plain HF model;
+   generate contract (`layer_generate`, `-k generate`): result order, finish reasons,
+   EOS, stop tokens and strings, greedy, seeds, top-k/top-p, torch's global RNG;
    LoRA (`layer_lora`, `-k lora`): with `Capabilities.lora`, adapter-only syncs and
    training against transformers + peft;
 4. GPU-only checks (marked `gpu`).
@@ -21,6 +23,7 @@ Layers, selectable with `-m "peerflow_layer(…)"`-free `-k l0_`, `-k l2_`, …:
 from __future__ import annotations
 
 from peerflow.conformance.layer3_rollout import Layer3RolloutEngine
+from peerflow.conformance.layer_generate import LayerGenerate
 from peerflow.conformance.layer_lora import LayerLora
 from peerflow.conformance.layers import (
     Layer0Surface,
@@ -32,7 +35,7 @@ from peerflow.conformance.layers_engine import Layer3TrainEngine, Layer4Gpu
 
 
 class RolloutAdapterSuite(Layer0Surface, Layer1Layouts, Layer2RoundTrip, Layer2FromTrainers,
-                          Layer3RolloutEngine, LayerLora, Layer4Gpu):
+                          Layer3RolloutEngine, LayerGenerate, LayerLora, Layer4Gpu):
     """Every layer for a `peerflow.RolloutEngine` adapter (its shards are destinations)."""
 
     suite_kind = "rollout"

