@@ -199,13 +199,7 @@ class WorkerRuntime:
             return cls(self.context(role, process_group, cfg.trainer.lora), options)
         cls = self.pm.get("train_engine", cfg.trainer.backend)
         section = dict(cfg.trainer.engine_options.get(cfg.trainer.backend) or {})
-        if role == "critic":
-            if not cls.capabilities.value_head:
-                raise ConfigError(
-                    f"trainer.backend={cfg.trainer.backend!r} cannot act as a critic (it does "
-                    "not declare Capabilities.value_head); the PPO graph's `values` and "
-                    "`train_critic` nodes need one. Use a backend that does, e.g. fsdp."
-                )
+        if role == "critic":  # Capabilities.value_head: checked by config validate
             if attrs.has(cls.options_class) and "value_head" in attrs.fields_dict(
                     cls.options_class):
                 section["value_head"] = True
