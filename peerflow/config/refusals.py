@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 import attrs
 
-from peerflow.errors import ConfigError, UnknownNameError
+from peerflow.errors import UnknownNameError
 
 Side = Literal["rollout", "trainer"]
 _KINDS: dict[str, str] = {"rollout": "rollout_engine", "trainer": "train_engine"}
@@ -75,9 +75,11 @@ def _engine(pm: Any, side: Side, config: Any) -> type | None:
         return None
 
 
-def _able(pm: Any, side: Side, capability: str) -> list[str]:
+def _able(pm: Any, side: Side, capability: str) -> str:
+    """The installed backends of `side` that declare `capability`, as `a or b`."""
     registry = pm.registry(_KINDS[side])
-    return [n for n in registry.names() if getattr(registry.get(n).capabilities, capability)]
+    able = [n for n in registry.names() if getattr(registry.get(n).capabilities, capability)]
+    return " or ".join(able) or "(none installed declares it)"
 
 
 def refusal(demand: Demand, config: Any, pm: Any) -> str | None:
@@ -90,7 +92,7 @@ def refusal(demand: Demand, config: Any, pm: Any) -> str | None:
     able = _able(pm, demand.side, demand.capability)
     return (f"{demand.setting}{_show(value)}: {demand.side}.backend={backend!r} "
             f"{_lacks(cls, demand.capability)}. Fix: {demand.fix}, or use {demand.side}.backend "
-            f"{' or '.join(able) or '(none installed declares it)'}.")
+            f"{able}.")
 
 
 def _lacks(cls: type, capability: str) -> str:
@@ -121,29 +123,29 @@ def _multiprocess(config: Any, pm: Any) -> list[str]:
             f"degree in rollout.{backend} (e.g. rollout.vllm.tensor_parallel_size)."]
 
 
-def _critic(config: Any, pm: Any) -> list[str]:
-    """A workflow with a `critic` role needs a train engine that declares `value_head`."""
-    from peerflow.workflow.build import build_graph
+def critic_problems(config: Any, pm: Any, roles: set[str]) -> list[str]:
+    """A workflow with a `critic` role needs a train engine that declares `value_head`.
 
+    Args:
+        config: A structured `RunConfig`.
+        pm: The plugin manager.
+        roles: The roles of the workflow's nodes (the planner's graph check passes them).
+    """
     cls = _engine(pm, "trainer", config)
-    if cls is None or cls.capabilities.value_head:
-        return []
-    try:
-        roles = {node.role for node in build_graph(config, pm).nodes}
-    except ConfigError:  # reported by the workflow check
-        return []
-    if "critic" not in roles:
+    if "critic" not in roles or cls is None or cls.capabilities.value_head:
         return []
     able = _able(pm, "trainer", "value_head")
     return [f"workflow (role critic): trainer.backend={config.trainer.backend!r} "
             f"{_lacks(cls, 'value_head')}; the graph's `values` and `train_critic` nodes need "
-            "a critic. Fix: use "
-            f"trainer.backend {' or '.join(able) or '(none installed declares it)'}, or a "
-            "workflow without a critic (workflow.graph: grpo)."]
+            f"a critic. Fix: use trainer.backend {able}, or a workflow without a critic "
+            "(workflow.graph: grpo)."]
 
 
 def capability_problems(config: Any, pm: Any) -> list[str]:
     """Every setting of `config` the selected engines cannot run, one message each.
+
+    The workflow's needs (a critic) are checked with the graph, by the planner's
+    validation (`critic_problems`).
 
     Args:
         config: A structured `RunConfig`.
@@ -151,4 +153,4 @@ def capability_problems(config: Any, pm: Any) -> list[str]:
     """
     problems = [message for demand in DEMANDS
                 if (message := refusal(demand, config, pm)) is not None]
-    return problems + _multiprocess(config, pm) + _critic(config, pm)
+    return problems + _multiprocess(config, pm)

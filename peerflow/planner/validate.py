@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from peerflow.config.refusals import critic_problems
 from peerflow.errors import ConfigError
 from peerflow.plugins.hookspecs import hookimpl
 from peerflow.workflow.roles import ROLES
@@ -87,6 +88,8 @@ def validate_workflow(config: Any, pm: Any) -> list[str]:
     except ConfigError as exc:
         return str(exc).splitlines()
     fields = {f for n in graph.nodes for f in n.outputs}
+    if pm is not None:
+        problems += critic_problems(config, pm, {n.role for n in graph.nodes})
     registry = pm.registry("advantage_estimator") if pm is not None else None
     if registry is not None and config.algorithm.advantage in registry:
         estimator = registry.get(config.algorithm.advantage)

@@ -20,6 +20,7 @@ from peerflow.capabilities import Capabilities
 from peerflow.config import load_config
 from peerflow.config.extras import dependency_problems, launcher_problem
 from peerflow.config.refusals import DEMANDS, capability_problems
+from peerflow.engines.base import EngineBase
 from tests.helpers.configs import validation_error
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -80,8 +81,7 @@ def test_every_flag_is_read_and_the_unread_ones_are_gone():
     flags = set(Capabilities.flags())
     assert not flags & {"shard_load", "gathers_full_model", "prefix_cache"}
     assert {d.capability for d in DEMANDS} <= flags
-    assert not hasattr(__import__("peerflow.engines.base").engines.base.EngineBase,
-                       "unsupported")
+    assert not hasattr(EngineBase, "unsupported")  # reasons live in Capabilities
 
 
 def test_a_setting_the_engine_lacks_is_refused_naming_setting_reason_and_fix():
