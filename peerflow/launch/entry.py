@@ -124,6 +124,7 @@ def worker_entry(
     from peerflow.launch.warm import apply_environment_changes
     from peerflow.outputs.rundir import register_worker
 
+    check_installed_peerflow()
     apply_environment_changes(environ or {})
     torch.set_num_threads(max(1, torch_threads))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -159,6 +160,30 @@ def worker_entry(
     if stopped is not None:  # finished cleanly, but before run.steps
         append_to_rank_log(f"rank {ctx.rank}: {stopped.message('stop requested')}")
         sys.exit(INTERRUPTED_EXIT)
+
+
+def check_installed_peerflow() -> None:
+    """Raises when this process imported a `peerflow/` folder instead of the package.
+
+    A folder without `__init__.py` on `sys.path` before the installed package (the clone's
+    folder, when a worker was started from its parent with the working directory first on
+    `sys.path`: `torchrun -m`, a Ray worker) becomes a namespace package that hides the
+    real one's `__init__`; every plugin then fails to load. `peerflow train` starts its
+    workers so this does not happen (`peerflow.launch.warm`); other launchers are told.
+
+    Raises:
+        ImportError: naming the folder that was imported and the fix.
+    """
+    package = sys.modules.get("peerflow")
+    if package is None or getattr(package, "__file__", None) is not None:
+        return
+    folders = ", ".join(str(path) for path in getattr(package, "__path__", ()))
+    raise ImportError(
+        f"this worker imported the folder {folders} as `peerflow` instead of the installed "
+        "package (its working directory comes first on sys.path). Start the run from "
+        "another directory, or run `peerflow train` (its workers ignore the working "
+        "directory); under torchrun use `--no-python peerflow train …` instead of "
+        "`-m peerflow`.")
 
 
 def _log_error(rank: int, text: str, monitor: Any) -> None:

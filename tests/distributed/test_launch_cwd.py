@@ -10,6 +10,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import types
 
 import pytest
 
@@ -76,3 +77,15 @@ def test_workers_ignore_a_peerflow_folder_in_the_working_directory(tmp_path, sta
     assert proc.returncode == 0, proc.stderr[-4000:]
     installed = str(peerflow.__path__[0])
     assert [(run_dir / f"rank{r}").read_text() for r in range(2)] == [f"{installed} True"] * 2
+
+
+def test_a_worker_that_imported_a_folder_as_peerflow_says_so(monkeypatch, tmp_path) -> None:
+    """Other launchers (torchrun -m, Ray) may still put the working directory first."""
+    from peerflow.launch.entry import check_installed_peerflow
+
+    check_installed_peerflow()  # the real package: nothing to say
+    folder = types.ModuleType("peerflow")
+    folder.__path__ = [str(tmp_path / "peerflow")]  # a namespace package has no __file__
+    monkeypatch.setitem(sys.modules, "peerflow", folder)
+    with pytest.raises(ImportError, match=r"imported the folder .*peerflow as `peerflow`"):
+        check_installed_peerflow()
