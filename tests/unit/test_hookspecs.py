@@ -9,7 +9,11 @@ from __future__ import annotations
 
 import ast
 import inspect
+import json
 import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -69,3 +73,27 @@ def test_every_hook_documents_its_contract(name):
         assert f"{param}:" in doc, f"{name} does not document argument {param!r}"
     for section in ("Returns:", "Example::", "Since:"):
         assert section in doc, f"{name} lacks {section!r}"
+
+
+def test_pyright_resolves_every_hookspec_a_plugin_names(tmp_path):
+    """Go-to-definition from a plugin: pyright finds every hook in `hookspecs`."""
+    pyright = shutil.which("pyright", path=str(Path(sys.executable).parent))
+    if pyright is None:
+        pytest.skip("pyright is not installed (it is in the `test` extra)")
+    plugin = tmp_path / "my_plugin.py"
+    plugin.write_text(
+        "from peerflow.plugins import hookimpl\n"
+        f"from peerflow.plugins.hookspecs import {', '.join(WRITTEN_OUT)}, not_a_hook\n\n\n"
+        "@hookimpl\n"
+        "def peerflow_register_rollout_engines(register):\n"
+        "    del register\n")
+    site = tmp_path / ".venv" / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}"
+    (site / "site-packages").mkdir(parents=True)  # no packages: peerflow from the checkout
+    (tmp_path / "pyrightconfig.json").write_text(json.dumps({
+        "include": [plugin.name], "extraPaths": [str(Path(hookspecs.__file__).parents[2])],
+        "venvPath": str(tmp_path), "venv": ".venv", "typeCheckingMode": "off",
+        "reportAttributeAccessIssue": "error", "reportMissingImports": "error"}))
+    result = subprocess.run([pyright, "--outputjson", "-p", str(tmp_path / "pyrightconfig.json")],
+                            capture_output=True, text=True, timeout=300)
+    unknown = [d["message"] for d in json.loads(result.stdout)["generalDiagnostics"]]
+    assert unknown == ['"not_a_hook" is unknown import symbol'], unknown
