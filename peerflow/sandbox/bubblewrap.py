@@ -82,7 +82,8 @@ def _interpreter_binds() -> list[str]:
     hidden = {sysconfig.get_paths(vars={"base": prefix, "platbase": prefix})[key]
               for key in ("purelib", "platlib")}
     hidden |= {str(p) for p in Path(prefix, "lib").glob("python3*/dist-packages")}
-    hidden |= {str(p) for p in Path("/usr/lib").glob("python3*/dist-packages")}
+    for system in ("/usr/lib", "/usr/local/lib"):
+        hidden |= {str(p) for p in Path(system).glob("python3*/*-packages")}
     for path in sorted(hidden):
         if os.path.isdir(path):
             args += ["--tmpfs", path, "--remount-ro", path]
@@ -117,7 +118,11 @@ def _probe(extra: list[str]) -> str | None:
 
 @functools.cache
 def bwrap_unavailable() -> str | None:
-    """Why bubblewrap cannot sandbox here (naming the fix), or `None` when it can."""
+    """Why bubblewrap cannot sandbox here (naming the fix), or `None` when it can.
+
+    Checked by running a real program the way every program runs, so an old bubblewrap
+    that lacks an option, or an interpreter it cannot mount, is found here.
+    """
     if shutil.which("bwrap") is None:
         return f"bubblewrap (`bwrap`) is not installed: {INSTALL_HINT}."
     error = _probe([])
@@ -125,12 +130,21 @@ def bwrap_unavailable() -> str | None:
         return (f"bubblewrap is installed but cannot create its namespaces here ({error}): "
                 "allow user namespaces (`sysctl kernel.unprivileged_userns_clone=1`, or "
                 "run as root), or " + INSTALL_HINT.split(", or ", 1)[1] + ".")
+    try:
+        trial = _run("print('ok')", "", SandboxLimits(timeout_s=30.0), ())
+    except SandboxUnavailableError as exc:
+        return f"{exc} (bubblewrap >= 0.8 is needed); {INSTALL_HINT}."
+    if trial.stdout != "ok\n":
+        return (f"a trial program under bubblewrap printed {trial.stdout!r} "
+                f"({trial.stderr.strip()[-500:]!r}); {INSTALL_HINT}.")
     return None
 
 
-def bwrap_argv(box: Path, packages: Sequence[str], status_fd: int) -> list[str]:
+def bwrap_argv(program_fd: int, packages: Sequence[str], status_fd: int) -> list[str]:
     """The whole command line: bwrap's options, then the interpreter and its bootstrap.
 
+    The program is copied from `program_fd` into `/sandbox/main.py`, on a tmpfs of its
+    own (`TMP_BYTES`, like `/tmp`): nothing the program writes reaches the host's disk.
     bwrap writes `{"child-pid": N}` to `status_fd` once the sandbox is set up, which
     tells its own failures from the program's (whatever the program prints).
     """
@@ -142,7 +156,8 @@ def bwrap_argv(box: Path, packages: Sequence[str], status_fd: int) -> list[str]:
         "--cap-drop", "ALL", "--die-with-parent", "--new-session", "--hostname", "sandbox",
         *_root_binds(), *_interpreter_binds(), *_package_binds(packages),
         "--proc", "/proc", "--dev", "/dev", "--size", str(TMP_BYTES), "--tmpfs", "/tmp",
-        "--bind", str(box), "/sandbox", "--chdir", "/sandbox",
+        "--size", str(TMP_BYTES), "--tmpfs", "/sandbox",
+        "--file", str(program_fd), "/sandbox/main.py", "--chdir", "/sandbox",
         "--clearenv", "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "LANG", "C.UTF-8",
         "--setenv", "HOME", "/sandbox", "--setenv", "PYTHONHASHSEED", "0",
         "--", executable, "-I", "-S", "-B", "-c", BOOT,
@@ -162,28 +177,35 @@ class BubblewrapSandbox(Sandbox):
     def run(self, program: str, stdin: str = "", limits: SandboxLimits | None = None,
             packages: Sequence[str] = ()) -> SandboxResult:
         """Runs one program (see `Sandbox.run`)."""
-        limits = limits or SandboxLimits()
         why = bwrap_unavailable()
         if why is not None:
             raise SandboxUnavailableError(why)
-        workdir = fresh_workdir()
-        try:
-            box = workdir / "box"
-            box.mkdir()
-            (box / "main.py").write_text(program)
-            # inside, user 65534 maps to the caller: the directory is its own either way
-            with open(workdir / ".status", "wb") as status:
-                argv = bwrap_argv(box, packages, status.fileno())
-                outcome = run_process(argv, workdir, stdin, limits,
-                                      env={"PATH": "/usr/bin:/bin"}, pass_fds=[status.fileno()])
-            started = b"child-pid" in (workdir / ".status").read_bytes()
-        finally:
-            remove_workdir(workdir)
-        if not started and outcome.status != "timeout":
-            raise SandboxUnavailableError(f"bubblewrap failed to start the program: "
-                                          f"{outcome.stderr.strip()[-2000:]}")
-        return SandboxResult(
-            status=outcome.status, returncode=outcome.returncode, stdout=outcome.stdout,
-            stderr=outcome.stderr, network_isolated=True,
-            process_limit="cgroup" if outcome.cgroup else "none" if os.geteuid() == 0
-            else "rlimit")
+        return _run(program, stdin, limits or SandboxLimits(), packages)
+
+
+def _run(program: str, stdin: str, limits: SandboxLimits,
+         packages: Sequence[str]) -> SandboxResult:
+    """One program under bwrap (the host keeps only its stdin, outputs and bwrap's status).
+
+    Raises:
+        SandboxUnavailableError: when bwrap itself did not start the program.
+    """
+    workdir = fresh_workdir()
+    try:
+        (workdir / "main.py").write_text(program)
+        with open(workdir / "main.py", "rb") as source, \
+                open(workdir / ".status", "wb") as status:
+            fds = [source.fileno(), status.fileno()]
+            outcome = run_process(bwrap_argv(fds[0], packages, fds[1]), workdir, stdin, limits,
+                                  env={"PATH": "/usr/bin:/bin"}, pass_fds=fds)
+        started = b"child-pid" in (workdir / ".status").read_bytes()
+    finally:
+        remove_workdir(workdir)
+    if not started and outcome.status != "timeout":
+        raise SandboxUnavailableError(f"bubblewrap failed to start the program: "
+                                      f"{outcome.stderr.strip()[-2000:]}")
+    return SandboxResult(
+        status=outcome.status, returncode=outcome.returncode, stdout=outcome.stdout,
+        stderr=outcome.stderr, network_isolated=True,
+        process_limit="cgroup" if outcome.cgroup else "none" if os.geteuid() == 0
+        else "rlimit")
