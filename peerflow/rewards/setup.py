@@ -28,6 +28,15 @@ def reward_entries(task: Any, default: str | None) -> list[tuple[str, Any]]:
     return [("task.reward", RewardEntry(fn=name))] if name else []
 
 
+def selected_rewards(config: Any, pm: Any) -> list[tuple[str, Any]]:
+    """`reward_entries` of a run config, with its task's `default_reward` when it names none."""
+    registry = pm.registry("task")
+    default = None
+    if config.task.name in registry:
+        default = getattr(registry.get(config.task.name), "default_reward", None)
+    return reward_entries(config.task, default)
+
+
 def _component(key: str, entry: Any, pm: Any) -> RewardComponent:
     target = parse_target(entry.fn)
     name = entry.name or (entry.fn if target is None else target.function.rpartition(".")[2])
@@ -84,12 +93,8 @@ def check_rewards(config: Any, pm: Any) -> list[str]:
     if limits.memory_mb and limits.memory_mb < 256:
         problems.append(f"task.reward_limits.memory_mb={limits.memory_mb} is too small for a "
                         "Python process; give at least 256 (or 0 for no limit).")
-    registry = pm.registry("task")
-    default = None
-    if config.task.name in registry:
-        default = getattr(registry.get(config.task.name), "default_reward", None)
     names = []
-    for key, entry in reward_entries(config.task, default):
+    for key, entry in selected_rewards(config, pm):
         if parse_target(entry.fn) is None and entry.fn not in pm.registry("reward"):
             problems.append(pm.registry("reward").unknown_message(entry.fn) + (
                 " Or name a function: task.reward: path/to/rewards.py:function"))
@@ -114,13 +119,9 @@ def check_reward_columns(config: Any, pm: Any, example: Any) -> list[str]:
     from peerflow.rewards.scoring import example_record
     from peerflow.rewards.trl_style import PROVIDED, columns, missing_keywords
 
-    registry = pm.registry("task")
-    default = None
-    if config.task.name in registry:
-        default = getattr(registry.get(config.task.name), "default_reward", None)
     available = columns([example_record(example)])
     problems = []
-    for key, entry in reward_entries(config.task, default):
+    for key, entry in selected_rewards(config, pm):
         target = parse_target(entry.fn)
         if target is None:
             continue

@@ -25,14 +25,10 @@ FALLBACK_MISSES = (
 
 def model_code_runners(config: Any, pm: Any) -> list[str]:
     """The config keys whose component executes model-written code."""
-    from peerflow.rewards.setup import parse_target, reward_entries
+    from peerflow.rewards.setup import parse_target, selected_rewards
 
-    registry = pm.registry("task")
-    default = None
-    if config.task.name in registry:
-        default = getattr(registry.get(config.task.name), "default_reward", None)
     keys = []
-    for key, entry in reward_entries(config.task, default):
+    for key, entry in selected_rewards(config, pm):
         if parse_target(entry.fn) is None and entry.fn in pm.registry("reward"):
             if getattr(pm.get("reward", entry.fn), "runs_model_code", False):
                 keys.append(f"{key}={entry.fn}")
