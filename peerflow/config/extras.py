@@ -60,9 +60,34 @@ def launcher_problem(launcher: str) -> str | None:
     return missing_extra("--launcher ray", "ray", "ray", "or use the default --launcher elastic")
 
 
+def component_problems(config: Any, pm: Any) -> list[str]:
+    """The selected task and agent environment whose libraries are absent.
+
+    A task or environment class declares them as `requires` (top-level modules) and
+    `extra` (PeerFlow's extra that installs them), e.g. `reasoning-gym`'s
+    `requires = ("reasoning_gym",)`, `extra = "reasoning-gym"`.
+    """
+    selected = [("task.name", "task", config.task.name)]
+    if config.rollout.agent is not None:
+        selected.append(("rollout.agent.environment", "environment",
+                         config.rollout.agent.environment))
+    problems = []
+    for setting, kind, name in selected:
+        try:
+            cls = pm.get(kind, name)
+        except UnknownNameError:  # reported by the name check
+            continue
+        for module in getattr(cls, "requires", ()):
+            problem = missing_extra(f"{setting}={name!r}", module,
+                                    getattr(cls, "extra", name), f"or choose another {kind}")
+            problems += [problem] if problem else []
+    return problems
+
+
 def dependency_problems(config: Any, pm: Any) -> list[str]:
     """Every setting of `config` whose optional library is not installed, one message each."""
-    problems = engine_problems(config, pm) + tracker_problems(config.run)
+    problems = (engine_problems(config, pm) + tracker_problems(config.run)
+                + component_problems(config, pm))
     lora = config.trainer.lora and missing_extra(
         "trainer.lora", "peft", "lora", "or remove trainer.lora to train every weight")
     return problems + ([lora] if lora else [])

@@ -12,14 +12,18 @@ from peerflow.plugins import hookimpl
 
 @hookimpl
 def peerflow_register_tasks(register: Any) -> None:
-    """Registers reverse-digits, arithmetic, dataset, guess-number and tool-arithmetic."""
+    """Registers reverse-digits, arithmetic, dataset, guess-number, tool-arithmetic, reasoning-gym.
+
+    reasoning-gym's library is imported only when a run uses the task.
+    """
+    from peerflow.contrib.ecosystem.reasoning_gym import ReasoningGymTask
     from peerflow.contrib.tasks.dataset import DatasetTask
     from peerflow.contrib.tasks.generated import ArithmeticTask, ReverseDigitsTask
     from peerflow.contrib.tasks.guess_number import GuessNumberTask
     from peerflow.contrib.tasks.tool_arithmetic import ToolArithmeticTask
 
     for cls in (ReverseDigitsTask, ArithmeticTask, DatasetTask, GuessNumberTask,
-                ToolArithmeticTask):
+                ToolArithmeticTask, ReasoningGymTask):
         register(cls)
 
 
@@ -45,7 +49,8 @@ def peerflow_register_tools(register: Any) -> None:
 
 @hookimpl
 def peerflow_register_rewards(register: Any) -> None:
-    """Registers char_match, char_match_strict, exact_match, contains, math and code."""
+    """Registers char_match, char_match_strict, exact_match, contains, math, code, reasoning_gym."""
+    from peerflow.contrib.ecosystem.reasoning_gym import ReasoningGymReward
     from peerflow.contrib.tasks.rewards import (
         CharMatchReward,
         CodeReward,
@@ -56,5 +61,5 @@ def peerflow_register_rewards(register: Any) -> None:
     )
 
     for cls in (CharMatchReward, StrictCharMatchReward, ExactMatchReward, ContainsReward,
-                MathReward, CodeReward):
+                MathReward, CodeReward, ReasoningGymReward):
         register(cls)
