@@ -12,30 +12,34 @@ from peerflow.plugins import hookimpl
 
 @hookimpl
 def peerflow_register_tasks(register: Any) -> None:
-    """Registers reverse-digits, arithmetic, dataset, guess-number, tool-arithmetic, reasoning-gym.
+    """Registers the first-party tasks, reasoning-gym and textarena among them.
 
-    reasoning-gym's library is imported only when a run uses the task.
+    reverse-digits, arithmetic, dataset, guess-number, tool-arithmetic; the libraries of
+    reasoning-gym and textarena are imported only when a run uses them.
     """
     from peerflow.contrib.ecosystem.reasoning_gym import ReasoningGymTask
+    from peerflow.contrib.ecosystem.textarena import TextArenaTask
     from peerflow.contrib.tasks.dataset import DatasetTask
     from peerflow.contrib.tasks.generated import ArithmeticTask, ReverseDigitsTask
     from peerflow.contrib.tasks.guess_number import GuessNumberTask
     from peerflow.contrib.tasks.tool_arithmetic import ToolArithmeticTask
 
     for cls in (ReverseDigitsTask, ArithmeticTask, DatasetTask, GuessNumberTask,
-                ToolArithmeticTask, ReasoningGymTask):
+                ToolArithmeticTask, ReasoningGymTask, TextArenaTask):
         register(cls)
 
 
 @hookimpl
 def peerflow_register_environments(register: Any) -> None:
-    """Registers tools (any registered tools), guess-number, calculator-arithmetic, retry."""
+    """Registers tools, guess-number, calculator-arithmetic, retry and textarena."""
     from peerflow.agents.tool_env import ToolEnvironment
+    from peerflow.contrib.ecosystem.textarena import TextArenaEnvironment
     from peerflow.contrib.tasks.guess_number import GuessNumber
     from peerflow.contrib.tasks.retry import RetryEnvironment
     from peerflow.contrib.tasks.tool_arithmetic import CalculatorArithmetic
 
-    for cls in (ToolEnvironment, GuessNumber, CalculatorArithmetic, RetryEnvironment):
+    for cls in (ToolEnvironment, GuessNumber, CalculatorArithmetic, RetryEnvironment,
+                TextArenaEnvironment):
         register(cls)
 
 
