@@ -87,9 +87,9 @@ def _prepare(config: ConfigSource, overrides: Any, reward_fn: RewardSource | Non
     (`peerflow.launch.mainguard`), since loading the reward would run the call again.
     """
     from peerflow.checkpoint.inputs import reward_refs
-    from peerflow.cli.train_cmd import check_config
     from peerflow.config import load_config, unstructure
     from peerflow.launch.mainguard import check_main_guard
+    from peerflow.launch.preflight import check_config
 
     extra = _overrides(overrides) + _reward_overrides(reward_fn)
     if nprocs is not None:

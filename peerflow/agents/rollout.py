@@ -1,6 +1,6 @@
 """The multi-turn rollout driver: episodes of an environment, token in and token out.
 
-`AgentRollout` has the signature of `peerflow.worker.rollout.generate_batch`
+`AgentRollout` has the signature of `peerflow.rollout.generate.generate_batch`
 (`engine, tokenizer, draws, sampling -> Batch`), so the sync `generate` node and the async
 rollout loop run it unchanged when the config has a `rollout.agent` section. Per call:
 
@@ -40,9 +40,10 @@ from peerflow.agents.render import TurnRenderer
 from peerflow.algorithms.base import dataset_row
 from peerflow.batch import LOSS_MASK, Batch, RaggedField
 from peerflow.engines import GenerationRequest, RolloutEngine, SamplingParams
+from peerflow.rollout.generate import check_results
+from peerflow.rollout.prompts import encode_prompt
+from peerflow.rollout.sampler import Draw
 from peerflow.streaming.versions import TOKEN_VERSIONS, token_versions
-from peerflow.worker.rollout import check_results, encode_prompt
-from peerflow.worker.sampler import Draw
 
 
 @attrs.define(eq=False)

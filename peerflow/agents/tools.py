@@ -109,7 +109,7 @@ def render_prompt(tokenizer: Any, messages: Sequence[dict[str, str]],
     Returns:
         The prompt's token ids, ending with the generation prompt.
     """
-    from peerflow.worker.rollout import encode_prompt
+    from peerflow.rollout.prompts import encode_prompt
 
     messages = [dict(m) for m in messages]
     from_text = len(messages) == 1 and messages[0].get("role") == "user"

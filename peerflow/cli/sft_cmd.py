@@ -110,7 +110,7 @@ def supervised_warm_start(
 
     from peerflow.hf_export import unique_tensors, write_model_dir
     from peerflow.plugins import get_plugin_manager
-    from peerflow.worker.rollout import encode_prompt
+    from peerflow.rollout.prompts import encode_prompt
 
     torch.set_num_threads(config.runtime.torch_threads)
     torch.manual_seed(config.seed)
@@ -163,7 +163,7 @@ def _exact_match(model: Any, tokenizer: Any, task: Any, count: int) -> float:
     """Greedy exact match of the model's answers on the first `count` eval examples."""
     import torch
 
-    from peerflow.worker.rollout import encode_prompt
+    from peerflow.rollout.prompts import encode_prompt
 
     size = task.size("eval")
     count = min(count, size) if size is not None else count

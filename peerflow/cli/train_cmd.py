@@ -86,19 +86,6 @@ def resolve_paths(args: argparse.Namespace) -> tuple[str, str | None]:
     return args.config, args.run_dir
 
 
-def check_config(config_path: str, overrides: list[str]) -> Any:
-    """Validates the config and opens its model directory and dataset, before launch."""
-    from peerflow.config import load_config, validate_config
-    from peerflow.launch.preflight import preflight
-    from peerflow.plugins import load_plugins
-
-    config = load_config(config_path, overrides)
-    pm = load_plugins()
-    validate_config(config, pm)
-    preflight(config, pm)
-    return config
-
-
 @attrs.frozen(kw_only=True)
 class RunPlan:
     """What `peerflow train` does with a run directory that passed `check_run_dir`."""
@@ -185,6 +172,7 @@ def already_done(run_dir: Path, step: int, steps: int) -> str:
 def _torchrun_worker(args: argparse.Namespace, config_path: str, run_dir: str | None) -> int:
     from peerflow.checkpoint import newest_complete
     from peerflow.launch import launch
+    from peerflow.launch.preflight import check_config
     from peerflow.outputs.rundir import RunLock, record_torchrun_job, same_torchrun_job
 
     if run_dir is None:
@@ -255,6 +243,7 @@ def run(args: argparse.Namespace) -> int:
     checks take and leaves no process holding the caller's stdout.
     """
     from peerflow.launch import in_distributed_env, launch
+    from peerflow.launch.preflight import check_config
     from peerflow.outputs import RunLock, create_run_dir
 
     config_path, run_dir = resolve_paths(args)

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from peerflow.errors import ConfigError, PeerFlowError
+from peerflow.rollout.prompts import load_tokenizer
 
 #: Files of which a Hugging Face tokenizer needs at least one.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json",
@@ -45,26 +46,6 @@ def check_model_dir(path: str | Path) -> list[str]:
     return problems
 
 
-def load_tokenizer(path: str | Path) -> Any:
-    """Loads the tokenizer of a model directory.
-
-    Raises:
-        ConfigError: naming the directory, the files it has, and the fix.
-    """
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(str(path))
-    except Exception as exc:  # noqa: BLE001 - transformers raises many kinds here
-        present = sorted(p.name for p in Path(path).iterdir()) if Path(path).is_dir() else []
-        raise ConfigError(
-            f"model directory {str(path)!r}: its tokenizer does not load ({type(exc).__name__}: "
-            f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}); files there: "
-            f"{', '.join(present) or 'none'}. Save a complete tokenizer next to the weights: "
-            f"`AutoTokenizer.from_pretrained(SOURCE).save_pretrained({str(path)!r})`."
-        ) from None
-
-
 def check_dataset(config: Any, pm: Any) -> list[str]:
     """Problems opening the task's training data: its size and first example.
 
@@ -90,7 +71,7 @@ def check_dataset(config: Any, pm: Any) -> list[str]:
         return [f"task {config.task.name!r} (task.options {dict(config.task.options)}): "
                 f"opening the training data failed: {type(exc).__name__}: {exc}"]
     if config.model.path and isinstance(example.prompt, list):
-        from peerflow.worker.rollout import chat_template_problem
+        from peerflow.rollout.prompts import chat_template_problem
 
         try:  # a tokenizer that does not load is check_model_dir's to report
             tokenizer = load_tokenizer(config.model.path)
@@ -110,3 +91,29 @@ def preflight(config: Any, pm: Any) -> None:
     problems += check_dataset(config, pm)
     if problems:
         raise ConfigError("\n".join(problems))
+
+
+def check_config(config_path: str, overrides: list[str]) -> Any:
+    """Loads and validates a run's config, then opens its model directory and dataset.
+
+    What `peerflow train` and `peerflow.api.train` run before any process or directory
+    is created.
+
+    Args:
+        config_path: The YAML file.
+        overrides: `--set KEY=VALUE` overrides.
+
+    Returns:
+        The validated `RunConfig`.
+
+    Raises:
+        ConfigError: the config, its model directory or its data (every problem named).
+    """
+    from peerflow.config import load_config, validate_config
+    from peerflow.plugins import load_plugins
+
+    config = load_config(config_path, overrides)
+    pm = load_plugins()
+    validate_config(config, pm)
+    preflight(config, pm)
+    return config

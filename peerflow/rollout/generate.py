@@ -1,4 +1,4 @@
-"""Turning sampled answers into a `Batch`, and DAPO's dynamic-sampling refill.
+"""Turning sampled answers into a `Batch`: one generate call of single-turn rollout.
 
 `generate_batch` asks the rollout engine for `sampling.n` answers per prompt and packs
 them into a ragged batch whose ids are global: a prompt's `group_id` is its stream
@@ -14,54 +14,8 @@ import torch
 
 from peerflow.batch import Batch, RaggedField
 from peerflow.engines import GenerationRequest, GenerationResult, RolloutEngine, SamplingParams
-from peerflow.worker.sampler import Draw
-
-
-def chat_template_problem(tokenizer: Any, where: str) -> list[str]:
-    """Why chat prompts cannot be rendered with `tokenizer` (empty: they can).
-
-    Args:
-        tokenizer: A Hugging Face tokenizer.
-        where: Names the tokenizer in the message (`model.path='…'`).
-    """
-    if getattr(tokenizer, "chat_template", None):
-        return []
-    return [f"the task's prompts are chat messages, but the tokenizer of {where} has no chat "
-            "template to render them. Give the tokenizer one (`tok.chat_template = "
-            "AutoTokenizer.from_pretrained(INSTRUCT_MODEL).chat_template; "
-            "tok.save_pretrained(MODEL_DIR)`), use an instruct model's directory, or give "
-            "text prompts (a string prompt column, and no task.options.system_prompt)."]
-
-
-def encode_prompt(tokenizer: Any, prompt: str | list[dict[str, str]], *,
-                  join_untemplated: bool = False) -> list[int]:
-    """Returns the prompt's token ids, chat-templated when the tokenizer has a template.
-
-    `prompt` is text (sent as one user message) or a list of `{role, content}` messages,
-    rendered with `add_generation_prompt`. Without a chat template, text is tokenized as
-    it is and messages are refused (`ConfigError`, naming the fix) — unless
-    `join_untemplated`, for messages PeerFlow composed itself (a tool description before
-    a text prompt, `peerflow.agents.tools.render_prompt`): their contents are then
-    joined by newlines.
-
-    Raises:
-        ConfigError: chat messages, a tokenizer without a chat template and not
-            `join_untemplated`.
-    """
-    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-    if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                            tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return [int(i) for i in ids]
-    if not isinstance(prompt, str) and not join_untemplated:
-        from peerflow.errors import ConfigError
-
-        where = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
-        raise ConfigError(chat_template_problem(tokenizer, repr(where))[0])
-    text = prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in messages)
-    return [int(i) for i in tokenizer(text, add_special_tokens=True)["input_ids"]]
+from peerflow.rollout.prompts import encode_prompt
+from peerflow.rollout.sampler import Draw
 
 
 def step_seed(seed: int, step: int, dp_rank: int, attempt: int = 0) -> int:

@@ -128,13 +128,13 @@ class RolloutSchedule:
             self.evaluation.end_step(self.rt, version, {})
 
     def _streamer(self, start_step: int, tracer: Any) -> Any:
+        from peerflow.rollout.generate import step_seed
+        from peerflow.rollout.sampler import split_evenly
         from peerflow.streaming.assignment import TokenBalancer
         from peerflow.streaming.rollout_loop import RolloutStreamer, make_generate
         from peerflow.streaming.staleness import StalenessScheduler
         from peerflow.streaming.transport import DATA_TAG, WEIGHT_TAG, StreamReceiver, StreamSender
         from peerflow.streaming.weight_push import WeightReceiver
-        from peerflow.worker.rollout import step_seed
-        from peerflow.worker.sampler import split_evenly
 
         rt, cfg, link = self.rt, self.rt.config, self.link
         layout = self.program.layouts["rollout"]

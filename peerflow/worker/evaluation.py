@@ -31,8 +31,8 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from peerflow.engines import SamplingParams
+from peerflow.rollout.sampler import Draw
 from peerflow.worker.metrics import StepMetrics, all_reduce_metrics
-from peerflow.worker.sampler import Draw
 
 if TYPE_CHECKING:
     from peerflow.worker.runtime import WorkerRuntime

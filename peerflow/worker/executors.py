@@ -19,9 +19,9 @@ import torch
 from peerflow.algorithms.base import dataset_row
 from peerflow.batch import Batch
 from peerflow.distributed import describe_stage
+from peerflow.rollout.generate import group_count, step_seed
+from peerflow.rollout.sampler import split_evenly
 from peerflow.worker.metrics import StepMetrics
-from peerflow.worker.rollout import group_count, step_seed
-from peerflow.worker.sampler import split_evenly
 
 if TYPE_CHECKING:
     from peerflow.worker.runtime import WorkerRuntime

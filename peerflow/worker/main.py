@@ -23,12 +23,13 @@ from typing import Any
 import torch
 
 from peerflow.config import RunConfig, load_config, validate_config
+from peerflow.rollout.prompts import load_tokenizer
+from peerflow.rollout.sampler import ShardedPromptSampler
 from peerflow.worker.driver import drive
 from peerflow.worker.evaluation import EvalHook
 from peerflow.worker.loop import LockstepSchedule
 from peerflow.worker.program import RankProgram, program_from_plan, roles_sharing_prompts
 from peerflow.worker.runtime import WorkerRuntime, build_components, resolve_model_path
-from peerflow.worker.sampler import ShardedPromptSampler
 from peerflow.workflow.roles import engine_roles
 
 
@@ -148,7 +149,7 @@ def _start(
     if local_rank != 0:
         model_path = resolve_model_path(config, pm)
     components = build_components(config, pm)
-    tokenizer = _load_tokenizer(model_path)
+    tokenizer = load_tokenizer(model_path)
     data_layout = program.data_layout
     if rank in data_layout.global_ranks:
         dp_rank, dp_size = data_layout.dp_rank(rank), data_layout.dp
@@ -199,12 +200,6 @@ def _program(config: RunConfig, world_size: int, rank: int, pm: Any) -> RankProg
     return program_from_plan(plan, rank, mode=config.runtime.coordinator,
                              transport=config.runtime.coordinator_transport,
                              timeout=config.runtime.peer_wait_timeout)
-
-
-def _load_tokenizer(model_path: str) -> Any:
-    from peerflow.launch.preflight import load_tokenizer
-
-    return load_tokenizer(model_path)
 
 
 def _weight_sync(rt: WorkerRuntime) -> Any:

@@ -22,8 +22,8 @@ from peerflow.engines import EngineContext
 from peerflow.errors import ConfigError
 from peerflow.layout import ParallelLayout
 from peerflow.rewards import RewardSet, build_reward_set
-from peerflow.worker.rollout import generate_batch
-from peerflow.worker.sampler import ShardedPromptSampler
+from peerflow.rollout.generate import generate_batch
+from peerflow.rollout.sampler import ShardedPromptSampler
 from peerflow.workflow.roles import ROLES
 
 

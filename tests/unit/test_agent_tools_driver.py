@@ -17,7 +17,7 @@ from peerflow.agents.tool_env import ToolEnvironment, ToolOptions
 from peerflow.algorithms.base import Example
 from peerflow.config import AgentConfig
 from peerflow.engines import EngineContext
-from peerflow.worker.sampler import Draw
+from peerflow.rollout.sampler import Draw
 from tests.helpers.agent_tools import Hold, Raises
 
 CALLS = {

@@ -16,8 +16,8 @@ from peerflow.agents.rollout import LOSS_MASK, AgentRollout
 from peerflow.algorithms.base import Example
 from peerflow.config import AgentConfig
 from peerflow.engines import EngineContext
-from peerflow.worker.rollout import encode_prompt
-from peerflow.worker.sampler import Draw
+from peerflow.rollout.prompts import encode_prompt
+from peerflow.rollout.sampler import Draw
 from tests.unit.test_agents_rollout import Echo
 
 CHATML = (

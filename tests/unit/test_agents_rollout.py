@@ -14,8 +14,8 @@ from peerflow.agents.rollout import LOSS_MASK, AgentRollout
 from peerflow.algorithms.base import Example
 from peerflow.config import AgentConfig
 from peerflow.engines import EngineContext
+from peerflow.rollout.sampler import Draw
 from peerflow.streaming.versions import TOKEN_VERSIONS
-from peerflow.worker.sampler import Draw
 
 TEMPERATURE = 0.7
 PROMPTS = ["12>", "407>", "9>"]

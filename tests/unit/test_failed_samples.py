@@ -37,8 +37,8 @@ from peerflow.algorithms.setup import build_algorithm
 from peerflow.config import AgentConfig, AlgorithmConfig, structure
 from peerflow.contrib.tasks.tool_arithmetic import CalculatorArithmetic
 from peerflow.engines import EngineContext, OptimSettings
+from peerflow.rollout.sampler import Draw
 from peerflow.worker.metrics import StepMetrics, reduce_metrics
-from peerflow.worker.sampler import Draw
 
 TEMPERATURE = 0.8
 N = 3

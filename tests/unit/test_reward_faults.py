@@ -151,7 +151,7 @@ def test_chat_prompts_without_a_chat_template_are_an_error_naming_the_fix(
 
     from peerflow.agents.tools import render_prompt
     from peerflow.launch.preflight import check_dataset
-    from peerflow.worker.rollout import encode_prompt
+    from peerflow.rollout.prompts import encode_prompt
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     assert not tokenizer.chat_template

@@ -191,7 +191,7 @@ def test_save_to_disk_directories_and_their_splits(tmp_path):
 def test_chat_prompts_render_with_the_chat_template(tmp_path):
     from transformers import AutoTokenizer
 
-    from peerflow.worker.rollout import encode_prompt
+    from peerflow.rollout.prompts import encode_prompt
 
     path = ReverseDigitsTask.build_model({"hidden_size": 32, "intermediate_size": 64},
                                          str(tmp_path))

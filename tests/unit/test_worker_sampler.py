@@ -4,7 +4,7 @@ import pytest
 
 from peerflow.algorithms.base import Example
 from peerflow.errors import ConfigError
-from peerflow.worker.sampler import ShardedPromptSampler, split_evenly
+from peerflow.rollout.sampler import ShardedPromptSampler, split_evenly
 
 
 def finite(n):
