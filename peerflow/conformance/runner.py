@@ -117,6 +117,8 @@ def _table(tests: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for t in tests:
         capability = t["capability"] if t["capability"] != "-" else "surface" \
             if t["layer"] == 0 else "core"
+        if capability == "core" and t.get("group", "core") != "core":
+            capability = t["group"]  # the generate contract's own row
         rows.setdefault((t["layer"], capability), Counter())[t["outcome"]] += 1
     return [{"layer": layer, "capability": cap, **{k: c.get(k, 0) for k in OUTCOMES}}
             for (layer, cap), c in sorted(rows.items())]
