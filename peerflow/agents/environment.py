@@ -63,6 +63,9 @@ class Turn:
     """True when the turn hit its token limit instead of ending by itself."""
     index: int = 0
     """Which turn of the trajectory this is (0 for the first)."""
+    logprobs: tuple[float, ...] = attrs.field(default=(), converter=tuple)
+    """The sampling log-prob of each of `token_ids` (what an OpenAI-compatible endpoint
+    returns with `logprobs`)."""
 
 
 @attrs.frozen(kw_only=True)
@@ -102,6 +105,17 @@ class Environment(abc.ABC):
     def initial_prompt(self) -> str | Messages:
         """Returns the first prompt of the episode (default: the example's prompt)."""
         return self.example.prompt
+
+    def initial_prompt_ids(self, tokenizer: Any) -> list[int] | None:
+        """Returns the first prompt as token ids, or `None` to render `initial_prompt()`.
+
+        For environments whose first prompt arrives already tokenised (the policy
+        endpoint's calls, `peerflow.agents.endpoint`): the ids are used exactly as given.
+
+        Args:
+            tokenizer: The model's tokenizer.
+        """
+        return None
 
     def tool_schemas(self) -> list[dict[str, Any]]:
         """Returns the JSON schemas of the tools the model may call (default: none).

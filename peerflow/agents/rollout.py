@@ -96,6 +96,9 @@ class Trajectory:
 
 def first_prompt(tokenizer: Any, env: Environment) -> list[int]:
     """The token ids of an episode's first prompt, with the environment's tool schemas."""
+    ids = env.initial_prompt_ids(tokenizer)
+    if ids is not None:
+        return [int(i) for i in ids]
     prompt = env.initial_prompt()
     schemas = env.tool_schemas()
     if not schemas:
@@ -243,7 +246,7 @@ class AgentRollout:
             t.append(ids[:room], res.logprobs[:room], versions[:room], sampled=True)
             t.turns += 1
             cut = len(ids) > room or (res.finish_reason == "length" and room < per_turn)
-            t.last_turn = Turn(token_ids=ids[:room], index=turn,
+            t.last_turn = Turn(token_ids=ids[:room], index=turn, logprobs=res.logprobs[:room],
                                text=tokenizer.decode(ids[:room], skip_special_tokens=True),
                                truncated=cut or res.finish_reason == "length")
             if cut:
