@@ -98,6 +98,15 @@ class Capabilities:
     """A train engine that recomputes each block's activations in backward
     (`trainer.activation_checkpointing: true`)."""
 
+    routed_experts: bool = False
+    """A rollout engine that returns the experts a mixture-of-experts model routed every
+    token to (`GenerationResult.routed_experts`); `trainer.routing_replay: r3` needs it
+    (docs/moe.md)."""
+
+    routing_replay: bool = False
+    """A train engine whose MoE routers run under the toolkit's routing-replay controller
+    (`trainer.routing_replay: r2 | r3`; `CausalLMTrainEngine.attach_routing`)."""
+
     reasons: Mapping[str, str] = attrs.field(
         factory=dict, converter=dict, validator=_check_reasons, eq=False,
         hash=False)

@@ -37,6 +37,12 @@ class Demand:
     """What to change instead (besides picking a backend that can)."""
 
 
+def _replay(config: Any, *modes: str) -> str | None:
+    """`trainer.routing_replay` when it is one of `modes` (MoE routing replay)."""
+    mode = getattr(config.trainer, "routing_replay", "off")
+    return mode if mode in modes else None
+
+
 def _layout(side: Side, dim: str, capability: str) -> Demand:
     def asks(config: Any) -> Any:
         degree = getattr(getattr(config, side).layout, dim)
@@ -60,6 +66,12 @@ DEMANDS: tuple[Demand, ...] = (
            capability="activation_checkpointing",
            asks=lambda config: config.trainer.activation_checkpointing,
            fix="set trainer.activation_checkpointing: false"),
+    Demand(setting="trainer.routing_replay", side="trainer", capability="routing_replay",
+           asks=lambda config: _replay(config, "r2", "r3"),
+           fix="set trainer.routing_replay: off"),
+    Demand(setting="trainer.routing_replay", side="rollout", capability="routed_experts",
+           asks=lambda config: _replay(config, "r3"),
+           fix="set trainer.routing_replay: r2 (the trainer's own routes) or off"),
     *(Demand(setting="trainer.lora", side=side, capability="lora",
              asks=lambda config: config.trainer.lora,
              fix="remove trainer.lora to train every weight") for side in ("trainer", "rollout")),

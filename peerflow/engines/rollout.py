@@ -135,6 +135,11 @@ class GenerationResult:
     version_segments: tuple[tuple[int, int], ...] = attrs.field(default=(), converter=tuple)
     """`(first_token_index, weight_version)` for each run of tokens produced by one policy
     version; one entry unless weights changed mid-request (partial rollout)."""
+    routed_experts: torch.Tensor | None = attrs.field(default=None, eq=False)
+    """Mixture-of-experts models, engines with `Capabilities.routed_experts`: the experts
+    each prompt and answer token was routed to, int16 `[len(prompt) + len(token_ids),
+    layers, top_k]`, logical expert ids, -1 where there is no route (layers without a
+    router, the last sampled token, tokens the engine did not route). `None` otherwise."""
 
 
 class RolloutEngine(EngineBase, abc.ABC):

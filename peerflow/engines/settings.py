@@ -66,6 +66,16 @@ class OptimSettings:
     """Recompute each transformer block's activations in backward: less activation
     memory for about 30 % more compute (needs `Capabilities.activation_checkpointing`:
     fsdp, deepspeed)."""
+    routing_replay: Literal["off", "r2", "r3"] | Literal[False] = "off"
+    """Mixture-of-experts routing replay (docs/moe.md): `r3` forces the trainer's forwards
+    onto the experts the rollout engine chose (the batch's `routed_experts`; needs a rollout
+    engine with `Capabilities.routed_experts`), `r2` onto the trainer's own routes from
+    its old-log-prob pass, `off` routes natively. Gate weights always come from the live
+    router. A dense model refuses `r2`/`r3`. (YAML reads a bare `off` as `false`: both
+    mean off.)"""
+    router_aux_loss_coef: float = attrs.field(default=0.0, validator=validators.ge(0.0))
+    """Weight of the MoE load-balancing (Switch) loss added to the policy loss; 0 logs it
+    (`moe/aux_loss`) without training on it."""
     total_steps: int = attrs.field(default=0, validator=validators.ge(0),
                                    metadata={DERIVED: "run.steps x trainer.mini_batches"})
     """Optimiser steps of the whole run, filled in by the runtime from `run.steps` x

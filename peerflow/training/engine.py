@@ -52,6 +52,7 @@ from peerflow.training.logprobs import VocabShard, token_entropy, token_logprobs
 from peerflow.training.metrics import StepTally
 from peerflow.training.microbatch import plan_micro_batches, split_mini_batches
 from peerflow.training.packing import packed_inputs
+from peerflow.training.routing_replay import RoutingReplay, micro_batch_scope
 from peerflow.training.shared_prompts import (
     SharedPromptInputs,
     shared_prompt_inputs,
@@ -101,6 +102,8 @@ class CausalLMTrainEngine(TrainEngine, abc.ABC):
     """Micro-batches are one row of their samples without padding, planned by real tokens
     (`peerflow.training.packing`): `forward_micro` passes `inputs.position_ids` and
     `inputs.attention_mask_as(...)`, which is `None` unless prompts are shared."""
+    routing: RoutingReplay | None = None
+    """The MoE routing-replay controller (`attach_routing`); `None` for a dense model."""
 
     def __init__(self, context: EngineContext, options: object, optim: OptimSettings) -> None:
         """Stores the settings with `optim.bf16` resolved for `context.device`.
@@ -146,6 +149,17 @@ class CausalLMTrainEngine(TrainEngine, abc.ABC):
         """This rank's slice of a vocab-parallel output layer; `None` for full logits."""
         return None
 
+    def attach_routing(self, model: torch.nn.Module) -> None:
+        """Puts `model`'s MoE routers under the one routing-replay controller.
+
+        Adapters holding a `transformers` model call it once, before wrapping the model;
+        `optim.routing_replay` picks the mode. A dense model leaves `routing` `None`.
+        """
+        self.routing = RoutingReplay.attach(model, self.optim.routing_replay)
+
+    def _replaying(self) -> bool:
+        return self.routing is not None and self.routing.mode != "off"
+
     # -- hooks with defaults ---------------------------------------------------------------
 
     @property
@@ -164,13 +178,14 @@ class CausalLMTrainEngine(TrainEngine, abc.ABC):
         lengths = batch.token_count().tolist() if len(batch) else []
         units = [[i] for i in range(len(batch))]
         layout: Callable[[Batch], PaddedInputs | SharedPromptInputs] = pad_inputs
-        if self.shares_prompts and len(batch):
+        replay = self._replaying()  # routes are laid out on one padded row per sample
+        if self.shares_prompts and len(batch) and not replay:
             units, lengths = shared_prompt_units(batch, self.optim.micro_batch_tokens)
             layout = shared_prompt_inputs
-        if self.padding_free:
+        if self.padding_free and not replay:
             layout = partial(packed_inputs, share_prompts=self.shares_prompts)
         plan = plan_micro_batches(lengths, self.optim.micro_batch_tokens, self.dp_group,
-                                  packed=self.padding_free)
+                                  packed=self.padding_free and not replay)
         plan = [[i for unit in bin_ for i in units[unit]] for bin_ in plan]
         return [self.build_micro_batch(batch, indices, k == len(plan) - 1, layout)
                 for k, indices in enumerate(plan)]
@@ -188,11 +203,16 @@ class CausalLMTrainEngine(TrainEngine, abc.ABC):
                           inputs=layout(part).to(self.device), last=last)
 
     def run_micro_batches(self, micros: Sequence[MicroBatch], objective: Objective) -> None:
-        """Forward (and, with grad enabled, backward) of every micro-batch in order."""
+        """Forward (and, with grad enabled, backward) of every micro-batch in order.
+
+        Each micro-batch runs inside its routing-replay scope (MoE models), backward
+        included, so recomputed blocks replay the same routes.
+        """
         for micro in micros:
-            loss = objective(micro, self.forward_micro(micro))
-            if torch.is_grad_enabled():
-                self.backward_micro(loss, micro)
+            with micro_batch_scope(self.routing, micro):
+                loss = objective(micro, self.forward_micro(micro))
+                if torch.is_grad_enabled():
+                    self.backward_micro(loss, micro)
 
     def share_from_last_stage(self, value: object) -> object:
         """`value` from the last pipeline stage on every rank (identity without pp)."""
@@ -249,6 +269,8 @@ class CausalLMTrainEngine(TrainEngine, abc.ABC):
                 f"this {self.name} engine was built as a critic (value head); use "
                 "forward_values, or build another engine for log-probs."
             )
+        if self.routing is not None and self.routing.mode == "r2":
+            self.routing.clear_store()  # this pass records the routes the update replays
         return self._forward_no_grad(batch)
 
     def forward_values(self, batch: Batch) -> RaggedField:
@@ -288,8 +310,11 @@ class CausalLMTrainEngine(TrainEngine, abc.ABC):
             lr = self.current_lr()  # the rate this step applies; a schedule moves it after
             tally.add_optimizer_step(self.optimizer_step(), lr=lr)
         self.version += 1
-        return tally.summary(group=self.dp_group, lr=self.current_lr(),
-                             share=self.share_from_last_stage)
+        metrics = tally.summary(group=self.dp_group, lr=self.current_lr(),
+                                share=self.share_from_last_stage)
+        if self.routing is not None:
+            metrics.update(self.routing.step_metrics(batch))  # this rank's tokens
+        return metrics
 
     def _objective(self, loss: LossFunction, tally: StepTally, tokens: int, samples: int,
                    micro: MicroBatch, output: torch.Tensor) -> torch.Tensor:
@@ -301,6 +326,10 @@ class CausalLMTrainEngine(TrainEngine, abc.ABC):
         if entropy is not None:
             part.set("entropy", entropy)
         value, metrics = loss(values, part, global_tokens=tokens, global_samples=samples)
+        aux = self.routing.aux_loss() if self.routing is not None else None
+        if aux is not None and self.optim.router_aux_loss_coef > 0:
+            share = int(part.trained_lengths().sum()) / max(tokens, 1)  # sums to 1 per step
+            value = value + self.optim.router_aux_loss_coef * share * aux
         mask = part.loss_mask()
         trained_entropy = None if entropy is None else (
             entropy.values if mask is None else entropy.values[mask])

@@ -103,7 +103,10 @@ class DeepSpeedTrainEngine(DeepSpeedCheckpoints, CausalLMTrainEngine):
         reasons={"tensor_parallel": "DeepSpeed ZeRO here is data parallel only; use "
                                     "trainer.backend megatron for tensor parallelism",
                  "pipeline_parallel": "DeepSpeed ZeRO here is data parallel only; use "
-                                      "trainer.backend megatron for pipeline parallelism"})
+                                      "trainer.backend megatron for pipeline parallelism",
+                 "routing_replay": "the deepspeed adapter's weight export maps dense "
+                                   "families only, so no MoE model trains on it yet; use "
+                                   "trainer.backend fsdp (docs/moe.md)"})
     options_class = DeepSpeedOptions
     requires = ("deepspeed",)
     install_hint = (

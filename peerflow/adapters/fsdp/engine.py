@@ -94,7 +94,7 @@ class FSDPTrainEngine(CausalLMTrainEngine):
     name: ClassVar[str] = "fsdp"
     capabilities: ClassVar[Capabilities] = Capabilities(
         tensor_parallel=True, value_head=True, checkpoint=True, lora=True, padding_free=True,
-        activation_checkpointing=True)
+        activation_checkpointing=True, routing_replay=True)
     options_class: ClassVar[type] = FSDPTrainOptions
 
     def __init__(
@@ -137,6 +137,7 @@ class FSDPTrainEngine(CausalLMTrainEngine):
             dtype=torch_dtype(context.dtype),
             attn_implementation=self.options.attn_implementation,
         ).to(self.device)
+        self.attach_routing(self.model)  # MoE routers under the routing-replay controller
         if context.lora is not None and not self.options.value_head:
             self.model = lora.apply_lora(self.model, context.lora)
         self.shares_prompts = self.options.share_prompts and not self.options.value_head \

@@ -24,6 +24,7 @@ from typing import Any, ClassVar
 import attrs
 import torch
 
+from peerflow.adapters.hf.routes import GenerationRoutes
 from peerflow.adapters.hf.sampling import sample_next
 from peerflow.adapters.hf.stops import StopStringMatcher
 from peerflow.capabilities import Capabilities
@@ -86,6 +87,7 @@ class _Row:
     finish_reason: str = "length"
     done: bool = False
     stopped_on_string: bool = False
+    routes: list[torch.Tensor] = attrs.Factory(list)
 
 
 class HFRolloutEngine(RolloutEngine):
@@ -99,6 +101,7 @@ class HFRolloutEngine(RolloutEngine):
     name: ClassVar[str] = "hf"
     capabilities: ClassVar[Capabilities] = Capabilities(
         logprobs=True, stop_strings=True, in_place_weight_update=True, lora=True,
+        routed_experts=True,
         reasons={"tensor_parallel": "the hf engine holds a full model per rank; use vllm or "
                                     "sglang for tensor-parallel inference"})
     options_class: ClassVar[type] = HFRolloutOptions
@@ -118,8 +121,10 @@ class HFRolloutEngine(RolloutEngine):
         if self.options.attn_implementation:
             kwargs["attn_implementation"] = self.options.attn_implementation
         self.device = context.device
+        model = AutoModelForCausalLM.from_pretrained(context.model_path, **kwargs)
+        self._routes = GenerationRoutes(model)  # MoE: every token's experts, recorded
         self.model, self._params = lora.rollout_model(  # with trainer.lora: peft's adapters
-            AutoModelForCausalLM.from_pretrained(context.model_path, **kwargs), context.lora)
+            model, context.lora)
         self.model.to(self.device).eval()
         self.model.requires_grad_(False)
         self.tokenizer = self._load_tokenizer(context.model_path)
@@ -238,14 +243,19 @@ class HFRolloutEngine(RolloutEngine):
         cache = DynamicCache()
         active = list(range(len(rows)))
         for step in range(sampling.max_tokens):
-            logits = self.model(
-                input_ids=input_ids,
-                attention_mask=mask,
-                position_ids=positions,
-                past_key_values=cache,
-                use_cache=True,
-                logits_to_keep=1,
-            ).logits[:, -1]
+            with self._routes.call() as routes:
+                logits = self.model(
+                    input_ids=input_ids,
+                    attention_mask=mask,
+                    position_ids=positions,
+                    past_key_values=cache,
+                    use_cache=True,
+                    logits_to_keep=1,
+                ).logits[:, -1]
+            if step == 0:
+                self._routes.prefill(rows, routes, prompts, expand, width)
+            else:
+                self._routes.decode(rows, active, routes)
             if step == 0 and len(prompts) < len(rows):
                 index = torch.tensor(expand, device=self.device)
                 cache.batch_select_indices(index)
@@ -301,6 +311,7 @@ class HFRolloutEngine(RolloutEngine):
             logprobs=row.logprobs[:keep] if sampling.logprobs else (),
             finish_reason=row.finish_reason,
             version_segments=((0, self.weight_version),),
+            routed_experts=self._routes.result(row, keep),
         )
 
     # -- weights --------------------------------------------------------------------------

@@ -151,6 +151,10 @@ class MegatronTrainEngine(MegatronCheckpoints, CausalLMTrainEngine):
                             "Megatron's packed THD path needs Transformer Engine)",
             "activation_checkpointing": "the megatron trainer does not wire up Megatron's "
                                         "activation recompute",
+            "routing_replay": "the megatron adapter builds dense GPTModels only; Megatron's "
+                              "MoE and its moe_enable_routing_replay are not wired (docs/moe.md)",
+            "expert_parallel": "the megatron adapter builds dense GPTModels only; Megatron's "
+                               "MoE layers and expert parallelism are not wired (docs/moe.md)",
         })
     options_class = MegatronOptions
     requires = ("megatron.core",)

@@ -62,7 +62,9 @@ class SGLangRolloutEngine(TensorParallelRolloutEngine):
     name: ClassVar[str] = "sglang"
     capabilities: ClassVar[Capabilities] = attrs.evolve(
         TensorParallelRolloutEngine.capabilities, sleep=True, gpu_only=True,
-        reasons={"lora": "SGLang cannot be installed or exercised on these CPU machines, so "
+        reasons={"routed_experts": "SGLang's return_routed_experts is not wired: SGLang "
+                                   "cannot be installed or exercised on these CPU machines",
+                 "lora": "SGLang cannot be installed or exercised on these CPU machines, so "
                          "its LoRA API is not wired yet"})
     options_class: ClassVar[type] = SGLangRolloutOptions
     options: SGLangRolloutOptions

