@@ -3,9 +3,11 @@
 Registration hooks (`peerflow_register_*`) receive a `register` callback and call it
 once per class they provide; each class carries the `name` users select it by, and the
 registry (`peerflow.plugins.registry`) owns naming, base-class checks and collisions. They
-are called the first time a process looks a name up (the launcher while it validates the
-config, then every worker as it starts), at most once per process and plugin. Import the
-classes inside the hook, so listing plugins never imports an engine.
+are called when a process builds its registries — the first time it looks a name up (the
+launcher while it validates the config, then every worker as it starts), and again after
+a plugin is registered directly (`PluginManager.register`) — so a hook only calls
+`register`, with no other effect. Import the classes inside the hook, so listing plugins
+never imports an engine.
 
 Lifecycle hooks are called by the runtime on every rank where the event happens. Their
 arguments are typed `Any` where the class lives in a package that imports this one (the
