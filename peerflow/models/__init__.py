@@ -6,7 +6,8 @@ in the engine's parameter order; a rank's place in the tp/pp/ep/dp mesh is one
 
 * `hf_parameters(config)` — canonical HF tensors (name → shape), experts one by one.
 * `hf_layout(config, coords, shard_rank=, shard_size=, packed_experts=)` —
-  HF module names, whole or FSDP2 dim-0 shards.
+  HF module names, whole or FSDP2 dim-0 shards; whole tensors are replica
+  `coords.dp_rank`, as every builder takes replica indices from `coords`.
 * `tp_layout(config, coords)` — HF names under DTensor tensor parallelism.
 * `vllm_layout(config, coords)` / `sglang_layout` — stacked `qkv_proj` and
   `gate_up_proj`, padded vocab-parallel embedding and LM head, FusedMoE `w13`/`w2`.
