@@ -3,12 +3,15 @@
 The suite is a pytest suite shipped in `peerflow.conformance`; this command checks the
 name against the plugin registries, then runs pytest on it in a subprocess (so the core
 never imports the suite) with the suite's `--peerflow-table` / `--peerflow-report`
-options, and passes its output through.
+options, and passes its output through. `--emulate-device` runs that subprocess with
+`PEERFLOW_EMULATE_ACCELERATOR=1`, so the engine computes on the emulated accelerator
+(docs/device-emulation.md).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import tempfile
@@ -33,6 +36,10 @@ def add_parser(subparsers: Any) -> None:
                         help="only run tests matching this pytest -k expression")
     parser.add_argument("--pytest-arg", action="append", default=[], metavar="ARG",
                         help="extra argument passed to pytest (repeatable)")
+    parser.add_argument("--emulate-device", action="store_true",
+                        help="run on the emulated accelerator (peerflow.testing): a CPU device "
+                        "that refuses every host/device mix a GPU refuses, for authors "
+                        "without a GPU (docs/device-emulation.md)")
     parser.set_defaults(func=run)
 
 
@@ -57,5 +64,6 @@ def run(args: argparse.Namespace) -> int:
         if args.keyword:
             command += ["-k", args.keyword]
         command += list(args.pytest_arg)
-        result = subprocess.run(command, cwd=tmp, check=False)
+        env = dict(os.environ, PEERFLOW_EMULATE_ACCELERATOR="1") if args.emulate_device else None
+        result = subprocess.run(command, cwd=tmp, check=False, env=env)
     return 0 if result.returncode == 0 else 1

@@ -6,7 +6,8 @@ PeerFlow's device contract (docs/architecture.md, "Where tensors live"):
   coordinator, streaming and the advantage estimators touch live on the CPU.
 * **Device.** Engines compute on `rank_device()`: the accelerator this rank was given
   (`torch.accelerator`: CUDA, or any other backend torch knows, the emulated one of
-  `peerflow.testing` included), else the CPU. The training toolkit moves a micro-batch
+  `peerflow.testing` included, which torch loads as a device extension: this module never
+  imports it), else the CPU. The training toolkit moves a micro-batch
   onto it once and brings the results back once (`peerflow.training.engine`).
 * **Process groups.** Every group carries host tensors over gloo and device tensors over
   the device's collective backend (NCCL for CUDA): `group_backend()` names both, and
@@ -26,17 +27,9 @@ import torch
 #: The host: batches, metadata and collectives of host tensors.
 HOST = torch.device("cpu")
 
-#: Set to `1`, every PeerFlow process of a run computes on the emulated accelerator of
-#: `peerflow.testing.emulated_device` (tests of device code on a machine without a GPU).
-EMULATE_ENV = "PEERFLOW_EMULATE_ACCELERATOR"
-
 
 def accelerator_type() -> str | None:
     """The accelerator torch can use in this process (`"cuda"`, …), or `None`."""
-    if os.environ.get(EMULATE_ENV) == "1":
-        from peerflow.testing.emulated_device import install
-
-        install()
     accelerator = getattr(torch, "accelerator", None)
     if accelerator is None or not accelerator.is_available():
         return None

@@ -27,10 +27,12 @@ Parts (each its own module):
 * **DeepSpeed** (`emulated_deepspeed`): an accelerator for the device, set when DeepSpeed
   is installed.
 
-Use it in a process of its own: `install()` (or `install_from_env()` with
-`PEERFLOW_EMULATE_ACCELERATOR=1`) once, at start-up, before the process's first backward
-pass (autograd sizes its per-device worker threads then) and before any process group or
-DeepSpeed engine exists. It cannot be undone.
+Use it in a process of its own: with `PEERFLOW_EMULATE_ACCELERATOR=1` in the environment,
+torch's device-extension hook (`peerflow.testing.autoload`) installs it at the process's
+first `torch.accelerator` question; or call `install()` (`install_from_env()`) yourself
+once, at start-up, before the process's first backward pass (autograd sizes its per-device
+worker threads then) and before any process group or DeepSpeed engine exists. It cannot be
+undone. Nothing in PeerFlow's production code imports this package.
 
 Limits:
 
@@ -82,7 +84,7 @@ from typing import Any
 
 import torch
 
-from peerflow.distributed.devices import EMULATE_ENV
+from peerflow.testing.autoload import ENV_VAR
 from peerflow.testing.emulated_collectives import BACKEND_NAME, GROUP_BACKEND
 from peerflow.testing.emulated_ordinals import ENV_VAR as DEVICES_ENV_VAR
 from peerflow.testing.emulated_tensor import DEVICE_TYPE, EmulatedTensor, emulated_device
@@ -90,10 +92,6 @@ from peerflow.testing.emulated_tensor import DEVICE_TYPE, EmulatedTensor, emulat
 __all__ = ["BACKEND_NAME", "DEVICES_ENV_VAR", "DEVICE_TYPE", "ENV_VAR", "GROUP_BACKEND",
            "EmulatedTensor", "install", "install_from_env", "is_installed",
            "unsupported_reason"]
-
-#: Set to "1" to make `install_from_env()` install the emulation (worker processes); the
-#: device contract installs it where it first decides a device.
-ENV_VAR = EMULATE_ENV
 
 _lock = threading.Lock()
 _installed = False

@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from peerflow.distributed.devices import EMULATE_ENV
+from peerflow.testing.autoload import ENV_VAR as EMULATE_ENV
 
 EMULATED = os.environ.get(EMULATE_ENV) == "1"
 if EMULATED:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from peerflow.distributed.devices import EMULATE_ENV
+from peerflow.testing.autoload import ENV_VAR as EMULATE_ENV
 
 pytestmark = pytest.mark.distributed
 
@@ -115,10 +115,9 @@ def test_conformance_layer3_passes_on_the_emulated_device(tmp_path, adapter):
     if adapter != "fsdp":
         pytest.importorskip({"deepspeed": "deepspeed", "megatron": "megatron.core"}[adapter])
     report = tmp_path / "report.json"
-    env = dict(os.environ, **{EMULATE_ENV: "1"})
     proc = subprocess.run([sys.executable, "-m", "peerflow", "conformance", adapter, "-k", "l3",
-                           "--json", str(report)], capture_output=True, text=True, env=env,
-                          timeout=600, cwd=ROOT)
+                           "--emulate-device", "--json", str(report)], capture_output=True,
+                          text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     tests = json.loads(report.read_text())["tests"]
     outcomes = {t["id"].split("::")[-1]: t["outcome"] for t in tests}

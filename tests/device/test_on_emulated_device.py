@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from peerflow.distributed.devices import EMULATE_ENV
+from peerflow.testing.autoload import ENV_VAR as EMULATE_ENV
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
