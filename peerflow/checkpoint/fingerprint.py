@@ -23,7 +23,6 @@ the saved weights could not load into another shape.
 from __future__ import annotations
 
 import datetime as dt
-import hashlib
 import json
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -32,6 +31,7 @@ from typing import Any
 
 from peerflow.checkpoint.atomic import append_line, write_json_atomic
 from peerflow.checkpoint.inputs import DATA_PREFIX, REWARD_PREFIX, input_facts
+from peerflow.digests import sha256_files
 from peerflow.errors import ConfigError
 
 FINGERPRINT = "fingerprint.json"
@@ -78,14 +78,9 @@ def _model_dir_facts(path: Path) -> dict[str, Any]:
     if config.is_file():
         saved = json.loads(config.read_text())
         facts.update({f"model.architecture.{k}": saved[k] for k in ARCHITECTURE if k in saved})
-    digest = hashlib.sha256()
-    found = False
-    for name in TOKENIZER_FILES:
-        if (path / name).is_file():
-            found = True
-            digest.update(name.encode() + b"\0" + (path / name).read_bytes())
-    if found:
-        facts["tokenizer.sha256"] = digest.hexdigest()
+    tokenizer = [path / name for name in TOKENIZER_FILES if (path / name).is_file()]
+    if tokenizer:
+        facts["tokenizer.sha256"] = sha256_files(tokenizer, root=path)[1]
     return facts
 
 

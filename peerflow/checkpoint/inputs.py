@@ -16,11 +16,12 @@ run's fingerprint (`peerflow.checkpoint.fingerprint`):
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from peerflow.digests import sha256_files
 
 #: Key prefix of the dataset's facts (under `task`, so `--allow-change task` releases it).
 DATA_PREFIX = "task.data."
@@ -28,22 +29,16 @@ DATA_PREFIX = "task.data."
 REWARD_PREFIX = "reward_file."
 #: Words that mark a `task.options` entry as naming data.
 DATA_WORDS = ("path", "file", "data")
-_CHUNK = 1 << 20
 
 
 def file_facts(path: Path) -> dict[str, Any]:
-    """Size in bytes and SHA-256 of a file, or of every file under a directory."""
-    digest = hashlib.sha256()
-    size = 0
-    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
-    for file in files:
-        if path.is_dir():
-            digest.update(str(file.relative_to(path)).encode() + b"\0")
-        with open(file, "rb") as handle:
-            while chunk := handle.read(_CHUNK):
-                digest.update(chunk)
-                size += len(chunk)
-    return {"size": size, "sha256": digest.hexdigest()}
+    """Size in bytes and SHA-256 of a file, or of every file under a directory (by name)."""
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file())
+        size, sha256 = sha256_files(files, root=path)
+    else:
+        size, sha256 = sha256_files([path])
+    return {"size": size, "sha256": sha256}
 
 
 def _strings(value: Any) -> Iterator[str]:

@@ -8,7 +8,6 @@ truncated or changed since.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,7 @@ from typing import Any
 import attrs
 
 from peerflow.checkpoint.atomic import write_json_atomic
+from peerflow.digests import sha256_file
 
 MANIFEST = "MANIFEST.json"
 FORMAT = "peerflow-checkpoint/1"
@@ -29,11 +29,6 @@ class Verdict:
     """Whether every file the manifest lists is present with its size and checksum."""
     problem: str = ""
     """What is wrong, naming the file (empty when `ok`)."""
-
-
-def _digest(path: Path) -> str:
-    with open(path, "rb") as handle:
-        return hashlib.file_digest(handle, "sha256").hexdigest()
 
 
 def _payload_files(directory: Path) -> list[Path]:
@@ -56,7 +51,7 @@ def write_manifest(directory: str | Path, *, step: int) -> Path:
     """
     directory = Path(directory)
     files = {
-        str(p.relative_to(directory)): {"bytes": p.stat().st_size, "sha256": _digest(p)}
+        str(p.relative_to(directory)): {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
         for p in _payload_files(directory)
     }
     return write_json_atomic(directory / MANIFEST, {"format": FORMAT, "step": step,
@@ -90,6 +85,6 @@ def verify(directory: str | Path) -> Verdict:
         if size != want["bytes"]:
             return Verdict(ok=False, problem=f"{name} has {size} bytes, the manifest says "
                            f"{want['bytes']} (truncated or rewritten)")
-        if _digest(path) != want["sha256"]:
+        if sha256_file(path) != want["sha256"]:
             return Verdict(ok=False, problem=f"{name} fails its SHA-256 checksum")
     return Verdict(ok=True)

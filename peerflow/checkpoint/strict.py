@@ -25,6 +25,36 @@ def _names(names: Sequence[str]) -> str:
     return ", ".join(names[:SHOWN]) + more
 
 
+def shape_differences(
+    have: Mapping[str, Sequence[int]], want: Mapping[str, Sequence[int]], *,
+    have_name: str, want_name: str,
+) -> list[str]:
+    """How two name → shape maps differ, one phrase per kind of difference (empty: same).
+
+    Args:
+        have: The tensors found (name → shape).
+        want: The tensors expected (name → shape).
+        have_name: What `have` is called beside a shape (`saved`, `weights`).
+        want_name: What `want` is called (`model`, `architecture`).
+
+    Returns:
+        Up to three phrases, each listing a few names: shapes that differ, names only
+        `want` has ("only in the model"), names `want` lacks ("not in the model").
+    """
+    problems = []
+    wrong = [f"{n} {have_name} {list(have[n])}, {want_name} {list(want[n])}"
+             for n in sorted(set(have) & set(want)) if list(have[n]) != list(want[n])]
+    if wrong:
+        problems.append(f"shapes differ: {_names(wrong)}")
+    missing = sorted(set(want) - set(have))
+    if missing:
+        problems.append(f"only in the {want_name}: {_names(missing)}")
+    extra = sorted(set(have) - set(want))
+    if extra:
+        problems.append(f"not in the {want_name}: {_names(extra)}")
+    return problems
+
+
 def check_shapes(
     saved: Mapping[str, Sequence[int]], current: Mapping[str, Sequence[int]], *, where: str
 ) -> None:
@@ -38,17 +68,7 @@ def check_shapes(
     Raises:
         ConfigError: names or shapes differ; the message lists each difference.
     """
-    problems = []
-    wrong = [f"{n} saved {list(saved[n])}, model {list(current[n])}"
-             for n in sorted(set(saved) & set(current)) if list(saved[n]) != list(current[n])]
-    if wrong:
-        problems.append(f"shapes differ: {_names(wrong)}")
-    missing = sorted(set(current) - set(saved))
-    if missing:
-        problems.append(f"missing from the checkpoint: {_names(missing)}")
-    extra = sorted(set(saved) - set(current))
-    if extra:
-        problems.append(f"not in the model: {_names(extra)}")
+    problems = shape_differences(saved, current, have_name="saved", want_name="model")
     if problems:
         raise ConfigError(
             f"checkpoint {where} was saved from another model ({'; '.join(problems)}). "

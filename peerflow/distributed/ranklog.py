@@ -10,6 +10,7 @@ worker prints the traceback on its stderr and says so through the fault store
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from typing import Any
 from peerflow.distributed.stages import PREFIX
 
 _PATH: Path | None = None
+_log = logging.getLogger(__name__)
 
 
 def rank_log_path(run_dir: str | Path, rank: int) -> Path:
@@ -54,6 +56,12 @@ def append_to_rank_log(text: str) -> str | None:
     except OSError as exc:
         return f"{type(exc).__name__}: {exc.strerror or exc}"
     return None
+
+
+def say_in_rank_log(line: str) -> None:
+    """Writes a note (a choice the engine made) to this rank's log and to the logger."""
+    append_to_rank_log(line)
+    _log.info("%s", line)
 
 
 def mark_log_unwritten(store: Any, rank: int, why: str) -> None:

@@ -44,18 +44,11 @@ def expected_tensors(config: Any) -> dict[str, tuple[int, ...]]:
 
 
 def _check(tensors: Mapping[str, torch.Tensor], config: Any) -> None:
-    want = expected_tensors(config)
-    problems = []
-    missing = sorted(set(want) - set(tensors))
-    if missing:
-        problems.append(f"missing {missing[:4]}")
-    extra = sorted(set(tensors) - set(want))
-    if extra:
-        problems.append(f"not in the architecture {extra[:4]}")
-    wrong = [f"{n} {tuple(tensors[n].shape)} (config: {want[n]})"
-             for n in sorted(set(want) & set(tensors)) if tuple(tensors[n].shape) != want[n]]
-    if wrong:
-        problems.append(f"shapes differ: {wrong[:4]}")
+    from peerflow.checkpoint.strict import shape_differences
+
+    shapes = {name: tuple(t.shape) for name, t in tensors.items()}
+    problems = shape_differences(shapes, expected_tensors(config), have_name="weights",
+                                 want_name="architecture")
     if problems:
         raise ShardError(
             f"the weights do not fit {type(config).__name__} ({'; '.join(problems)}): the "

@@ -9,14 +9,13 @@ holds (`TrainEngine.saved_shards`: any layout â€” fsdp dp/tp, DeepSpeed ZeRO 1â€
 tp/pp), assembles whole HF tensors in this process (one full host copy of the model)
 and writes them with the config, the generation config and the tokenizer
 (`write_model_dir`). The directory is written beside `OUT_DIR` and renamed into place at
-the end, so a failed export leaves nothing behind; an `OUT_DIR` with files is refused.
+the end (`peerflow.checkpoint.atomic.atomic_path`, the one atomic writer), so a failed
+export leaves nothing behind; an `OUT_DIR` with files is refused.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -181,6 +180,7 @@ def export(run_dir: str | Path, out_dir: str | Path, *, step: int | None = None,
         ConfigError: not a run directory, no (such) verified checkpoint, `out_dir` not
             empty, an unknown dtype, or a model source that changed since the run.
     """
+    from peerflow.checkpoint.atomic import atomic_path
     from peerflow.config import load_config
     from peerflow.hf_export.hf_dir import write_model_dir
     from peerflow.plugins import get_plugin_manager
@@ -203,9 +203,7 @@ def export(run_dir: str | Path, out_dir: str | Path, *, step: int | None = None,
     _check_model_source(run_dir, config)
     model_path = resolve_model_path(config, get_plugin_manager())
     tensors = checkpoint_tensors(config, role_dir, model_path, dtype=dtype)
-    tmp = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
+    with atomic_path(out_dir) as tmp:
         if config.trainer.lora is None:
             write_model_dir(tmp, tensors, max_shard_size=max_shard_size,
                             **_model_files(model_path))
@@ -223,9 +221,4 @@ def export(run_dir: str | Path, out_dir: str | Path, *, step: int | None = None,
             {"run_dir": str(run_dir.resolve()), "step": result.step,
              "checkpoint": str(info.path.resolve()), "backend": result.backend,
              "dtype": result.dtype, "parameters": result.parameters}, indent=1) + "\n")
-        if out_dir.exists():
-            out_dir.rmdir()
-        tmp.rename(out_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return result

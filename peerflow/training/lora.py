@@ -23,7 +23,6 @@ peft is imported inside the functions: `import peerflow` does not import it.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -165,22 +164,14 @@ class BaseModelView:
 def base_fingerprint(path: str | Path) -> str:
     """A SHA-256 identifying the base weights at `path` (a Hugging Face directory).
 
-    Hashes every weight file's name, size, header and three 1 MiB samples (start, middle,
-    end), so another model of the same architecture (a fine-tuned one) differs, without
-    reading a 7B model's 14 GB.
+    `peerflow.digests.sampled_sha256` of every weight file: names, sizes and three 1 MiB
+    samples each, so another model of the same architecture (a fine-tuned one) differs,
+    without reading a 7B model's 14 GB.
     """
-    digest = hashlib.sha256()
-    files = sorted(p for p in Path(path).iterdir()
-                   if p.suffix in (".safetensors", ".bin", ".pt") and p.is_file())
-    chunk = 1 << 20
-    for file in files:
-        size = file.stat().st_size
-        digest.update(f"{file.name}:{size}".encode())
-        with file.open("rb") as handle:
-            for offset in sorted({0, max(0, size // 2 - chunk // 2), max(0, size - chunk)}):
-                handle.seek(offset)
-                digest.update(handle.read(chunk))
-    return digest.hexdigest()
+    from peerflow.digests import sampled_sha256
+
+    return sampled_sha256(sorted(p for p in Path(path).iterdir()
+                                 if p.suffix in (".safetensors", ".bin", ".pt") and p.is_file()))
 
 
 def check_base(saved: str | None, path: str | Path, where: str) -> None:

@@ -29,11 +29,10 @@ planned by real tokens (`microbatch.pack_real_tokens`).
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from peerflow.batch import Batch
+from peerflow.distributed.ranklog import say_in_rank_log
 from peerflow.errors import ConfigError
 from peerflow.training.shared_prompts import (
     SharedPromptInputs,
@@ -41,8 +40,6 @@ from peerflow.training.shared_prompts import (
     segment_inputs,
     shared_prompt_groups,
 )
-
-log = logging.getLogger("peerflow.training")
 
 #: transformers attention implementations that keep packed samples apart from their
 #: position ids at the cost of each sample's own scores (varlen kernels, a block mask).
@@ -95,14 +92,6 @@ def resolve_padding_free(setting: bool | str, model: torch.nn.Module, engine: st
     say_in_rank_log(f"{engine}: padding-free micro-batches {'on' if on else 'off'} "
         f"(trainer.padding_free={str(setting).lower()}, attention {backend!r}{why}).")
     return on
-
-
-def say_in_rank_log(line: str) -> None:
-    """Writes `line` to this rank's log (`logs/rank<R>.log` of a run) and the logger."""
-    from peerflow.distributed.ranklog import append_to_rank_log
-
-    append_to_rank_log(line)
-    log.info("%s", line)
 
 
 def packed_inputs(batch: Batch, *, share_prompts: bool) -> SharedPromptInputs:

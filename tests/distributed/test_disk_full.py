@@ -14,7 +14,7 @@ import textwrap
 import pytest
 
 from peerflow.outputs import MetricsWriter, read_metrics
-from tests.helpers.procs import launcher_env
+from tests.helpers.procs import program_launch
 
 pytestmark = pytest.mark.distributed
 
@@ -55,10 +55,7 @@ LAUNCHER = textwrap.dedent('''
 
 
 def test_a_full_disk_names_the_file_keeps_whole_lines_and_says_where_the_log_is(tmp_path):
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    (tmp_path / "diskprog.py").write_text(PROGRAM)
-    env = launcher_env(tmp_path)
+    run_dir, env = program_launch(tmp_path, "diskprog", PROGRAM)
     proc = subprocess.run([sys.executable, "-c", LAUNCHER, str(run_dir)], env=env,
                           capture_output=True, text=True, timeout=300)
     err = proc.stderr

@@ -15,7 +15,7 @@ import pytest
 from peerflow.distributed.procs import process_gone
 from peerflow.errors import ConfigError
 from peerflow.outputs import RunLock
-from tests.helpers.procs import launcher_env
+from tests.helpers.procs import program_launch
 
 pytestmark = pytest.mark.distributed
 
@@ -54,10 +54,7 @@ def _wait_for(predicate, timeout: float, what: str) -> None:
 
 
 def test_workers_exit_when_the_launcher_is_killed_and_the_lock_waits_for_them(tmp_path):
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    (tmp_path / "lifeprog.py").write_text(PROGRAM)
-    env = launcher_env(tmp_path)
+    run_dir, env = program_launch(tmp_path, "lifeprog", PROGRAM)
     err_path = tmp_path / "stderr.txt"
     with open(err_path, "w") as err:
         launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(run_dir)], env=env,

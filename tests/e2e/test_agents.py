@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import pytest
 
+from tests.helpers.configs import ASYNC_SPLIT_PAIR
+
 pytestmark = pytest.mark.distributed
 
 AGENT = ["rollout.agent.environment=retry", "rollout.agent.max_turns=3",
@@ -47,9 +49,8 @@ def test_async_agent_run_under_the_staleness_bound(tmp_path, quickstart, tiny, m
                                                    peerflow_train):
     run_dir = tmp_path / "run"
     peerflow_train([quickstart, "--nprocs", "2", "--run-dir", str(run_dir)],
-                   [*tiny, *AGENT, "run.steps=3", "runtime.mode=async",
-                    "runtime.max_staleness=1", "runtime.async_prompts_per_call=1",
-                    "runtime.placement=split", "rollout.layout.dp=1", "trainer.layout.dp=1",
+                   [*tiny, *AGENT, *ASYNC_SPLIT_PAIR, "run.steps=3",
+                    "runtime.async_prompts_per_call=1",
                     "trainer.lr=0.05", "rollout.agent.options.step_delay_s=0.05"])
     rows = metrics_of(run_dir)
     assert [m["step"] for m in rows] == [1, 2, 3]
@@ -82,9 +83,7 @@ def test_async_run_leaves_the_groups_of_a_broken_environment_out(
         tmp_path, quickstart, tiny, metrics_of, peerflow_train):
     run_dir = tmp_path / "run"
     peerflow_train([quickstart, "--nprocs", "2", "--run-dir", str(run_dir)],
-                   [*tiny, *AGENT, "run.steps=3", "runtime.mode=async",
-                    "runtime.max_staleness=1", "runtime.placement=split",
-                    "rollout.layout.dp=1", "trainer.layout.dp=1",
+                   [*tiny, *AGENT, *ASYNC_SPLIT_PAIR, "run.steps=3",
                     "rollout.agent.options.broken_every=2"])
     rows = metrics_of(run_dir)
     assert [m["step"] for m in rows] == [1, 2, 3]

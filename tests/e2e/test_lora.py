@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import pytest
 
+from tests.helpers.configs import ASYNC_SPLIT_PAIR
+
 pytestmark = pytest.mark.distributed
 
 LORA = ["trainer.lora.rank=4", "trainer.lora.alpha=8", "rollout.sampling.temperature=0.7",
@@ -75,9 +77,7 @@ def test_async_agent_run_with_adapters(tmp_path, quickstart, tiny, metrics_of,
                                          peerflow_train):
     run_dir = tmp_path / "run"
     peerflow_train([quickstart, "--nprocs", "2", "--run-dir", str(run_dir)],
-                   [*tiny, *LORA, "run.steps=3", "runtime.mode=async",
-                    "runtime.max_staleness=1", "runtime.placement=split",
-                    "rollout.layout.dp=1", "trainer.layout.dp=1",
+                   [*tiny, *LORA, *ASYNC_SPLIT_PAIR, "run.steps=3",
                     "rollout.agent.environment=retry", "rollout.agent.max_turns=2",
                     "rollout.agent.max_total_tokens=24", "rollout.sampling.n=8",
                     "rollout.agent.options.turn_discount=0.5",

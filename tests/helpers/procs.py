@@ -18,3 +18,16 @@ def launcher_env(program_dir: Path) -> dict[str, str]:
     for key in LAUNCH_VARIABLES:
         env.pop(key, None)
     return env
+
+
+def program_launch(tmp_path: Path, module: str, program: str) -> tuple[Path, dict[str, str]]:
+    """Writes `program` as `tmp_path/<module>.py` for a launcher's `entry="<module>:…"`.
+
+    Returns:
+        An empty run directory (`tmp_path/run`) and the launcher's environment
+        (`launcher_env`, with `tmp_path` importable).
+    """
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (tmp_path / f"{module}.py").write_text(program)
+    return run_dir, launcher_env(tmp_path)

@@ -47,8 +47,9 @@ def test_the_writer_refuses_weights_of_another_architecture(tmp_path):
     with pytest.raises(ShardError) as info:
         write_model_dir(tmp_path / "out", tensors, config=config)
     message = str(info.value)
-    assert "model.norm.weight (9,) (config: (8,))" in message
-    assert "missing ['model.layers.0." in message and "lm_head" not in message  # tied
+    assert "model.norm.weight weights [9], architecture [8]" in message
+    assert "only in the architecture: model.layers.0." in message
+    assert "lm_head" not in message  # tied
     assert not (tmp_path / "out").exists()
 
 

@@ -20,18 +20,12 @@ import peerflow.launch
 from peerflow.checkpoint.manifest import write_manifest
 from peerflow.cli import main
 from peerflow.cli.train_cmd import resume_hint
-from peerflow.config import load_config
-from peerflow.outputs import write_resolved_config
-
-ROOT = Path(__file__).resolve().parents[2]
-QUICKSTART = str(ROOT / "examples" / "quickstart.yaml")
+from tests.helpers.configs import QUICKSTART, started_run_dir
 
 
 @pytest.fixture
 def run_dir(tmp_path):
-    """A run directory as a started run leaves it: config.yaml and fingerprint.json."""
-    write_resolved_config(tmp_path, load_config(QUICKSTART))
-    return tmp_path
+    return started_run_dir(tmp_path)
 
 
 @pytest.fixture

@@ -10,7 +10,6 @@ import json
 import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -19,16 +18,12 @@ from peerflow.cli import main
 from peerflow.config import load_config
 from peerflow.errors import ConfigError
 from peerflow.outputs import RunLock, write_resolved_config
-
-ROOT = Path(__file__).resolve().parents[2]
-QUICKSTART = str(ROOT / "examples" / "quickstart.yaml")
+from tests.helpers.configs import QUICKSTART, started_run_dir
 
 
 @pytest.fixture
 def run_dir(tmp_path):
-    """A run directory as a started run leaves it: config.yaml and fingerprint.json."""
-    write_resolved_config(tmp_path, load_config(QUICKSTART))
-    return tmp_path
+    return started_run_dir(tmp_path)
 
 
 def test_resume_with_a_smaller_model_is_refused_naming_each_key(run_dir, capsys):

@@ -54,6 +54,7 @@ from peerflow.adapters.megatron.options import MegatronOptions
 from peerflow.adapters.megatron.weights import covered_names, import_hf_weights
 from peerflow.batch import Batch
 from peerflow.capabilities import Capabilities
+from peerflow.distributed.ranklog import say_in_rank_log
 from peerflow.engines import EngineContext, OptimSettings
 from peerflow.engines.train import tensors_of, yield_tensors
 from peerflow.errors import ConfigError, ShardError
@@ -69,7 +70,6 @@ from peerflow.training import (
     pad_inputs,
     pad_to_shape,
 )
-from peerflow.training.packing import say_in_rank_log
 
 
 def _say_padding(optim: OptimSettings) -> None:

@@ -9,13 +9,12 @@ checkpoint round trip. Writes `rank{R}.pt`.
 from __future__ import annotations
 
 import os
-import sys
 
 import torch
 import torch.distributed as dist
 
 from tests.engines.deepspeed.ds_worker import owned
-from tests.engines.deepspeed.trainlib import TEMPERATURE, dp_slice, full_batch, nll_loss
+from tests.engines.deepspeed.trainlib import nll_loss, start_gloo_rank
 from tests.unit.test_lora_toolkit import LORA
 
 
@@ -28,17 +27,10 @@ def optimiser_elements(engine) -> int:
 def main() -> None:
     from peerflow.adapters.deepspeed.engine import DeepSpeedTrainEngine
     from peerflow.adapters.deepspeed.options import DeepSpeedOptions
-    from peerflow.engines import EngineContext, OptimSettings
-    from peerflow.layout import ParallelLayout
+    from peerflow.engines import OptimSettings
     from peerflow.training.lora import BaseModelView
 
-    torch.set_num_threads(1)
-    model_path, out_dir = sys.argv[1], sys.argv[2]
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    batch = dp_slice(full_batch(), rank, world)
-    context = EngineContext(model_path=model_path, layout=ParallelLayout(dp=world), rank=rank,
-                            temperature=TEMPERATURE, lora=LORA)
+    _, out_dir, rank, world, batch, context = start_gloo_rank(lora=LORA)
     results: dict = {}
     for stage in (1, 2, 3):
         engine = DeepSpeedTrainEngine(context, DeepSpeedOptions(zero_stage=stage),

@@ -11,19 +11,16 @@ Writes `rank{R}.pt` into the output directory.
 from __future__ import annotations
 
 import os
-import sys
 
 import torch
 import torch.distributed as dist
 
 from tests.engines.deepspeed.trainlib import (
-    TEMPERATURE,
-    dp_slice,
-    full_batch,
     nll_loss,
     one_layer_copy,
     optim_settings,
     refused_load,
+    start_gloo_rank,
 )
 
 
@@ -46,13 +43,7 @@ def main() -> None:
     from peerflow.engines import EngineContext
     from peerflow.layout import ParallelLayout
 
-    torch.set_num_threads(1)
-    model_path, out_dir = sys.argv[1], sys.argv[2]
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    batch = dp_slice(full_batch(), rank, world)
-    context = EngineContext(model_path=model_path, layout=ParallelLayout(dp=world), rank=rank,
-                            temperature=TEMPERATURE)
+    model_path, out_dir, rank, world, batch, context = start_gloo_rank()
     results: dict = {}
     for stage in (1, 2, 3):
         engine = DeepSpeedTrainEngine(context, DeepSpeedOptions(zero_stage=stage),

@@ -12,35 +12,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from tests.engines.deepspeed.trainlib import (  # noqa: E402
     SCHEDULE_LRS,
-    build_model,
     export_checkpoint,
     full_batch,
     hf_logprobs,
     reference,
 )
-from tests.helpers.gloo import run_script  # noqa: E402
 
 pytest.importorskip("deepspeed")
 WORKER = Path(__file__).with_name("ds_worker.py")
 STAGES = (1, 2, 3)
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> str:
-    return build_model(tmp_path_factory.mktemp("ds-llama"), "llama", tied=True)
-
-
-@pytest.fixture(scope="module")
-def run_dir(tiny, tmp_path_factory) -> Path:
-    """The workers' output: `rank{R}.pt` and the checkpoints `ckpt{stage}` (after one step)."""
-    out = tmp_path_factory.mktemp("ds-run")
-    run_script(WORKER, tiny, str(out))
-    return out
-
-
-@pytest.fixture(scope="module")
-def ranks(run_dir) -> list[dict]:
-    return [torch.load(run_dir / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 
 @pytest.fixture(scope="module")

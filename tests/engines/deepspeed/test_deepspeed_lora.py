@@ -16,33 +16,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from tests.engines.deepspeed.trainlib import (  # noqa: E402
     TEMPERATURE,
-    build_model,
     full_batch,
     nll_loss,
 )
-from tests.helpers.gloo import run_script  # noqa: E402
 
 pytest.importorskip("deepspeed")
 pytest.importorskip("peft")
 pytestmark = pytest.mark.distributed
 WORKER = Path(__file__).with_name("ds_lora_worker.py")
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> str:
-    return build_model(tmp_path_factory.mktemp("ds-lora-llama"), "llama", tied=True)
-
-
-@pytest.fixture(scope="module")
-def out_dir(tiny, tmp_path_factory):
-    out = tmp_path_factory.mktemp("ds-lora-run")
-    run_script(WORKER, tiny, str(out))
-    return out
-
-
-@pytest.fixture(scope="module")
-def ranks(out_dir) -> list[dict]:
-    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 
 def _merged(ranks: list[dict], stage: int, key: str) -> dict[str, torch.Tensor]:
@@ -80,7 +61,7 @@ def test_zero_trains_adapters_like_the_reference(ranks, tiny, stage):
 
 
 @pytest.mark.parametrize("stage", (1, 3))
-def test_reference_view_and_export_read_the_adapters(ranks, out_dir, tiny, stage):
+def test_reference_view_and_export_read_the_adapters(ranks, run_dir, tiny, stage):
     """The KL reference (adapters off) scores like the base model; `peerflow export`
     reads the saved adapters back under peft's names."""
     from peerflow.adapters.deepspeed.engine import DeepSpeedTrainEngine
@@ -92,7 +73,7 @@ def test_reference_view_and_export_read_the_adapters(ranks, out_dir, tiny, stage
         base = hf_logprobs(tiny, dp_slice(full_batch(), rank, 2)).to(result[stage]["base"])
         torch.testing.assert_close(result[stage]["base"], base, atol=1e-5, rtol=0)
         assert (result[stage]["adapted"] - base).abs().max() > 1e-3
-    shards = DeepSpeedTrainEngine.saved_shards(str(out_dir / f"ckpt{stage}"), model_path=tiny,
+    shards = DeepSpeedTrainEngine.saved_shards(str(run_dir / f"ckpt{stage}"), model_path=tiny,
                                                options=DeepSpeedOptions(zero_stage=stage))
     saved = assemble_hf_tensors(shards)
     after = _merged(ranks, stage, "after")

@@ -100,6 +100,29 @@ def dp_slice(batch, dp_rank: int, dp_size: int):
     return batch.select(range(cut) if dp_rank == 0 else range(cut, len(batch)))
 
 
+def start_gloo_rank(**context_options):
+    """A worker script's start: `sys.argv` = MODEL_DIR OUT_DIR, gloo, this rank's batch.
+
+    Returns:
+        `(model_path, out_dir, rank, world, batch, context)`: the context is dp=world on
+        this rank at `TEMPERATURE`, with `context_options` (e.g. `lora=`) added.
+    """
+    import sys
+
+    import torch.distributed as dist
+
+    from peerflow.engines import EngineContext
+    from peerflow.layout import ParallelLayout
+
+    torch.set_num_threads(1)
+    model_path, out_dir = sys.argv[1], sys.argv[2]
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    context = EngineContext(model_path=model_path, layout=ParallelLayout(dp=world), rank=rank,
+                            temperature=TEMPERATURE, **context_options)
+    return model_path, out_dir, rank, world, dp_slice(full_batch(), rank, world), context
+
+
 def nll_loss(logprobs, batch, *, global_tokens, global_samples):
     """Token-mean negative log-likelihood of the trained tokens (`loss_mask`), normalised
     by the global trained-token count."""
