@@ -10,6 +10,7 @@ usable on their own.
 from peerflow.training.collectives import (
     all_reduce_max,
     all_reduce_sum,
+    check_layout_spans_world,
     global_counts,
 )
 from peerflow.training.dtypes import torch_dtype
@@ -36,6 +37,7 @@ __all__ = [
     "VocabShard",
     "all_reduce_max",
     "all_reduce_sum",
+    "check_layout_spans_world",
     "build_adamw",
     "build_lr_scheduler",
     "fixed_shape_micro_batches",

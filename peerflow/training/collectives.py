@@ -49,3 +49,26 @@ def global_counts(batch: Batch, group: object | None) -> tuple[int, int]:
     trained = batch.trained_lengths() if len(batch) else torch.zeros(0, dtype=torch.int64)
     summed = all_reduce_sum([int(trained.sum()), int((trained > 0).sum())], group)
     return int(summed[0]), int(summed[1])
+
+
+def check_layout_spans_world(layout: object, *, backend: str, why: str, fix: str) -> None:
+    """Raises unless a train engine's layout covers every process of the default group.
+
+    For engines whose parallel state is global (DeepSpeed's ZeRO partitions, Megatron's
+    parallel state): they cannot train on a subset of the ranks.
+
+    Args:
+        layout: The engine's `ParallelLayout`.
+        backend: The `trainer.backend` named in the error.
+        why: Why this engine needs every rank.
+        fix: What to change.
+
+    Raises:
+        ConfigError: `layout.world_size` is not the default group's size.
+    """
+    from peerflow.errors import ConfigError
+
+    world = dist.get_world_size()
+    if world != layout.world_size:
+        raise ConfigError(f"trainer.backend={backend}: the trainer layout {layout.describe()} "
+                          f"must span all {world} processes ({why}); {fix}.")

@@ -43,6 +43,7 @@ from peerflow.training import (
     MicroBatch,
     build_adamw,
     build_lr_scheduler,
+    check_layout_spans_world,
     lora,
     torch_dtype,
 )
@@ -126,12 +127,9 @@ class DeepSpeedTrainEngine(DeepSpeedCheckpoints, CausalLMTrainEngine):
         layout = context.layout
         check_layout(layout)
         _ensure_distributed(context)
-        if dist.get_world_size() != layout.world_size:
-            raise ConfigError(
-                f"trainer.backend=deepspeed: the trainer layout {layout.describe()} must span "
-                f"all {dist.get_world_size()} processes (ZeRO partitions over the default "
-                "group); give the trainer every rank or use trainer.backend=fsdp."
-            )
+        check_layout_spans_world(layout, backend="deepspeed",
+                                 why="ZeRO partitions over the default group",
+                                 fix="give the trainer every rank or use trainer.backend=fsdp")
         self.dp_group = dist.group.WORLD
         self.dp_rank = dist.get_rank()
         self.dp_size = dist.get_world_size()

@@ -66,6 +66,7 @@ from peerflow.training import (
     Objective,
     PaddedInputs,
     VocabShard,
+    check_layout_spans_world,
     fixed_shape_micro_batches,
     pad_inputs,
     pad_to_shape,
@@ -166,7 +167,6 @@ class MegatronTrainEngine(MegatronCheckpoints, CausalLMTrainEngine):
         super().__init__(context, options, optim)
         self.ensure_installed()
         _say_padding(optim)
-        import torch.distributed as dist
         from transformers import AutoConfig
 
         layout = context.layout
@@ -182,12 +182,9 @@ class MegatronTrainEngine(MegatronCheckpoints, CausalLMTrainEngine):
                 "(megatron-core's optimizers only accept CUDA tensors); set it to false on CPU."
             )
         _ensure_distributed(context)
-        if dist.get_world_size() != layout.world_size:
-            raise ConfigError(
-                f"trainer.backend=megatron: layout {layout.describe()} must span all "
-                f"{dist.get_world_size()} processes (Megatron's parallel state is global); "
-                "make dp*tp*pp equal the world size."
-            )
+        check_layout_spans_world(layout, backend="megatron",
+                                 why="Megatron's parallel state is global",
+                                 fix="make dp*tp*pp equal the world size")
         ps = _init_parallel_state(context)
         self.ps = ps
         self.tp_rank = ps.get_tensor_model_parallel_rank()
