@@ -31,7 +31,8 @@ def peerflow_register_tasks(register: Any) -> None:
 
 @hookimpl
 def peerflow_register_environments(register: Any) -> None:
-    """Registers tools, guess-number, calculator-arithmetic, retry and textarena."""
+    """Registers tools, guess-number, calculator-arithmetic, retry, textarena, agent-program."""
+    from peerflow.agents.endpoint.program import AgentProgram
     from peerflow.agents.tool_env import ToolEnvironment
     from peerflow.contrib.ecosystem.textarena import TextArenaEnvironment
     from peerflow.contrib.tasks.guess_number import GuessNumber
@@ -39,7 +40,7 @@ def peerflow_register_environments(register: Any) -> None:
     from peerflow.contrib.tasks.tool_arithmetic import CalculatorArithmetic
 
     for cls in (ToolEnvironment, GuessNumber, CalculatorArithmetic, RetryEnvironment,
-                TextArenaEnvironment):
+                TextArenaEnvironment, AgentProgram):
         register(cls)
 
 

@@ -1,0 +1,349 @@
+"""Agent programs: a user function runs each episode with an OpenAI client.
+
+PeerFlow trains on the calls it made.
+
+`rollout.agent.environment: agent-program` with `options.function: agent.py:run_episode`.
+Per trajectory, the function runs on its own thread as
+
+    run_episode(base_url=..., api_key=..., model=..., example={prompt, answer, ...})
+
+and talks to the policy endpoint (`peerflow.agents.endpoint.server`) under the episode's
+`base_url`. It returns the episode's reward (a float; a dict of named rewards, summed; or
+`None` to let the task's reward score the trajectory's text).
+
+This is an `Environment` of the one agent driver (`peerflow.agents.rollout`), turned
+inside out: a call's prompt is the driver's next input, and what the driver samples for it
+is the call's answer.
+
+* The first call is the first prompt (`initial_prompt_ids`): its token ids, exactly as the
+  endpoint rendered them. The `n` episodes of a group must start with the same call.
+* `step(turn)` answers the pending call with the turn the driver sampled (the engine's own
+  token ids, log-probs and text), then waits for the program's next move: another call
+  continues the trajectory when its prompt extends the one before exactly — the new chat
+  messages rendered as a continuation (`TurnRenderer`, never re-rendering earlier turns),
+  or the new tokens of a completion or generate call — and those tokens are the
+  observation (appended exactly, masked out of the loss); the program returning ends the
+  episode.
+* A call whose prompt does not extend the trajectory (the program rewrote an earlier turn,
+  or dropped history) ends the trajectory there: it is trained as recorded, its sample says
+  so (`agent/prefix_breaks` in `agent_info`), and that call is answered 409.
+* A trajectory a `rollout.agent` limit ends (max_turns, max_total_tokens) has its pending
+  call answered 503; the program's reward then still counts, or `cut_reward` when the
+  program raised on that answer.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import queue
+import threading
+import uuid
+from concurrent.futures import Future
+from typing import Any, ClassVar
+
+import attrs
+
+from peerflow.agents.endpoint.protocol import (
+    Call,
+    Reply,
+    chat_response,
+    completion_response,
+    error_body,
+    generate_response,
+    normal_message,
+)
+from peerflow.agents.environment import Environment, StepResult, Turn
+from peerflow.algorithms.base import Example
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` is a loopback address (or `localhost`)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _loadable(_: object, attribute: attrs.Attribute, value: str) -> None:
+    from peerflow.rewards.loading import load_function, parse_target
+
+    target = parse_target(value)
+    if target is None:
+        raise ValueError(f"rollout.agent.options.function={value!r}: name the agent function "
+                         "as path/to/agent.py:function or package.module:function.")
+    load_function(target, "rollout.agent.options.function")
+
+
+@attrs.frozen(kw_only=True)
+class AgentProgramOptions:
+    """`rollout.agent.options` of `agent-program`."""
+
+    function: str = attrs.field(validator=_loadable)
+    """`path/to/agent.py:run_episode` or `package.module:run_episode`."""
+    host: str = "127.0.0.1"
+    """Address the endpoint listens on; anything but loopback needs `token_env`."""
+    port: int = 0
+    """Port (0: a free one; each rollout process serves its own episodes)."""
+    token_env: str = ""
+    """Environment variable holding the bearer token; empty: a random token per run
+    process, handed to each episode as its `api_key`."""
+    model_name: str = "policy"
+    """The model id the endpoint serves (`/v1/models`, `model=` of each call)."""
+    wait_s: float = 120.0
+    """Seconds to wait for the program's next call (or its return)."""
+    cut_reward: float = 0.0
+    """Reward of an episode a `rollout.agent` limit cut whose program then raised."""
+
+    def __attrs_post_init__(self) -> None:
+        if not is_loopback(self.host) and not self.token_env:
+            raise ValueError(
+                f"rollout.agent.options.host={self.host!r} serves the policy beyond this "
+                "machine; set rollout.agent.options.token_env to an environment variable "
+                "holding a bearer token (or keep host 127.0.0.1).")
+        if self.token_env and not os.environ.get(self.token_env):
+            raise ValueError(f"rollout.agent.options.token_env={self.token_env!r}: that "
+                             "environment variable is not set (it holds the bearer token).")
+
+
+class AgentProgram(Environment):
+    """One episode of a user's OpenAI-client agent function, recorded token-exactly."""
+
+    name: ClassVar[str] = "agent-program"
+    options_class: ClassVar[type] = AgentProgramOptions
+    requires: ClassVar[tuple[str, ...]] = ("fastapi", "uvicorn")
+    extra: ClassVar[str] = "endpoint"
+
+    def __init__(self, example: Example, options: AgentProgramOptions) -> None:
+        super().__init__(example, options)
+        from peerflow.agents.endpoint.server import endpoint_for, new_token
+        from peerflow.rewards.loading import load_function, parse_target
+
+        token = os.environ[options.token_env] if options.token_env else _RUN_TOKEN.get(new_token)
+        self.endpoint = endpoint_for(options.host, options.port, token, options.model_name)
+        self.id = uuid.uuid4().hex
+        self.inbox: queue.Queue[tuple[str, Any, Future | None]] = queue.Queue()
+        self.pending: tuple[Call, Future] | None = None
+        self.sequence: list[int] = []
+        """The trajectory's tokens so far: first prompt, turns and observations."""
+        self.history: list[dict[str, Any]] | None = None
+        self.tools: tuple[dict[str, Any], ...] = ()
+        self.tokenizer: Any = None
+        self.outcome: tuple[str, Any] | None = None
+        self.cut = ""
+        self.endpoint.add(self.id, self)
+        fn = load_function(parse_target(options.function), "rollout.agent.options.function")
+        self.thread = threading.Thread(target=self._run, args=(fn, token), daemon=True,
+                                       name=f"agent-{self.id[:8]}")
+        self.thread.start()
+
+    def _run(self, fn: Any, token: str) -> None:
+        from peerflow.rewards.scoring import example_record
+
+        try:
+            value = fn(base_url=self.endpoint.base_url(self.id), api_key=token,
+                       model=self.options.model_name, example=example_record(self.example))
+        except BaseException as exc:  # noqa: BLE001 — reported by the driver's thread
+            self.inbox.put(("error", exc, None))
+        else:
+            self.inbox.put(("done", value, None))
+
+    def submit(self, call: Call) -> Future:
+        """Queues a call from the endpoint; the future gets `(status, body)`."""
+        future: Future = Future()
+        if self.cut:
+            future.set_result(self._refusal())
+        else:
+            self.inbox.put(("call", call, future))
+        return future
+
+    def _refusal(self) -> tuple[int, dict[str, Any]]:
+        if self.cut == "prefix":
+            return 409, error_body(
+                "this call's prompt does not extend the episode's trajectory (an earlier turn "
+                "was changed or dropped), so PeerFlow ended the trajectory before it: send "
+                "every earlier message back unchanged to keep training on one sequence.")
+        return 503, error_body("the episode's trajectory has ended (a rollout.agent limit: "
+                               "max_turns or max_total_tokens); return from the episode.")
+
+    def _next(self) -> tuple[str, Any, Future | None]:
+        try:
+            return self.inbox.get(timeout=self.options.wait_s)
+        except queue.Empty:
+            raise TimeoutError(f"the agent program made no call and did not return within "
+                               f"rollout.agent.options.wait_s={self.options.wait_s} s") from None
+
+    def initial_prompt_ids(self, tokenizer: Any) -> list[int]:
+        """Waits for the program's first call; its prompt's token ids start the trajectory."""
+        self.tokenizer = tokenizer
+        kind, value, future = self._next()
+        if kind != "call":
+            self.outcome = (kind, value)
+            raise RuntimeError("the agent program ended before calling the model: "
+                               f"{value!r}" if kind == "done" else
+                               f"the agent program raised {type(value).__name__}: {value}")
+        try:
+            ids = self._render(value)
+        except Exception as exc:
+            future.set_result((400, error_body(str(exc))))
+            raise
+        self.sequence, self.pending, self.tools = list(ids), (value, future), value.tools
+        self.history = list(value.messages) if value.kind == "chat" else None
+        return list(ids)
+
+    def initial_prompt(self) -> str:
+        """Unused: the first prompt comes from the program's first call."""
+        return ""
+
+    def step(self, turn: Turn) -> StepResult:
+        """Answers the pending call with `turn`; returns the program's next move."""
+        assert self.pending is not None, "step without a pending call"
+        call, future = self.pending
+        self.pending = None
+        reply = Reply(prompt_ids=tuple(self.sequence), token_ids=turn.token_ids,
+                      logprobs=turn.logprobs, text=turn.text,
+                      finish_reason="length" if turn.truncated else "stop")
+        future.set_result((200, self._respond(call, reply, turn.index)))
+        self.sequence += list(turn.token_ids)
+        kind, value, next_future = self._next()
+        if kind == "error":
+            self.outcome = (kind, value)
+            raise RuntimeError(f"the agent program raised {type(value).__name__}: {value}")
+        if kind == "done":
+            self.outcome = (kind, value)
+            return StepResult(done=True, info=_reward_info(value))
+        assert next_future is not None
+        try:
+            observation = self._extension(value, turn)
+        except Exception as exc:
+            next_future.set_result((400, error_body(f"{type(exc).__name__}: {exc}")))
+            raise
+        if observation is None:
+            self.cut = "prefix"
+            next_future.set_result(self._refusal())
+            return StepResult(done=True, info={"prefix_breaks": 1})
+        self.sequence += observation
+        self.pending = (value, next_future)
+        return StepResult(observation=observation)
+
+    def _render(self, call: Call) -> list[int]:
+        """A call's whole prompt as token ids (chat templated, text tokenised, ids as given)."""
+        if call.ids is not None:
+            return [int(i) for i in call.ids]
+        if call.text is not None:
+            return [int(i) for i in self.tokenizer(call.text, add_special_tokens=True)
+                    ["input_ids"]]
+        messages = [dict(m) for m in call.messages]
+        if call.tools:
+            from peerflow.agents.tools import render_prompt
+
+            return render_prompt(self.tokenizer, messages, list(call.tools))
+        from peerflow.rollout.prompts import encode_prompt
+
+        return encode_prompt(self.tokenizer, messages)
+
+    def _extension(self, call: Call, turn: Turn) -> list[int] | None:
+        """The tokens `call` adds after the trajectory, or `None` when it does not extend it."""
+        history = self.history
+        if (call.kind == "chat" and history is not None and call.tools == self.tools
+                and len(call.messages) > len(history)
+                and list(call.messages[:len(history)]) == history):
+            from peerflow.agents.render import TurnRenderer
+
+            new = [dict(m) for m in call.messages[len(history):]]
+            self.history = list(call.messages)
+            return TurnRenderer(self.tokenizer).observation(StepResult(observation=new),
+                                                            turn.token_ids)
+        ids = self._render(call)
+        if len(ids) > len(self.sequence) and ids[:len(self.sequence)] == self.sequence:
+            self.history = list(call.messages) if call.kind == "chat" else None
+            return ids[len(self.sequence):]
+        return None
+
+    def _respond(self, call: Call, reply: Reply, index: int) -> dict[str, Any]:
+        if call.kind == "completion":
+            return completion_response(call, reply, self.tokenizer)
+        if call.kind == "generate":
+            return generate_response(call, reply)
+        message, finish = _assistant_message(reply, bool(call.tools), index)
+        self.history = list(call.messages) + [normal_message(message)]
+        return chat_response(call, reply, message, finish, self.tokenizer)
+
+    def final_reward(self) -> float | None:
+        """The program's reward, once it returns.
+
+        A cut episode's pending call is answered 503 first, so the program can return.
+        """
+        if self.pending is not None:
+            self.cut = self.cut or "limit"
+            self.pending[1].set_result(self._refusal())
+            self.pending = None
+        while self.outcome is None:
+            kind, value, future = self._next()
+            if kind == "call":
+                self.cut = self.cut or "limit"
+                future.set_result(self._refusal())
+            else:
+                self.outcome = (kind, value)
+        kind, value = self.outcome
+        if kind == "error":
+            if self.cut:
+                return float(self.options.cut_reward)
+            raise RuntimeError(f"the agent program raised {type(value).__name__}: {value}")
+        if value is None:
+            return None
+        if isinstance(value, dict):
+            return float(sum(float(v) for v in value.values()))
+        return float(value)
+
+    def close(self) -> None:
+        """Stops routing calls to the episode; a call still waiting is answered 503."""
+        self.endpoint.remove(self.id)
+        self.cut = self.cut or "limit"
+        if self.pending is not None:
+            self.pending[1].set_result(self._refusal())
+            self.pending = None
+
+
+class _Once:
+    """A value made once per process (the run's random token)."""
+
+    def __init__(self) -> None:
+        self._value: str | None = None
+        self._lock = threading.Lock()
+
+    def get(self, make: Any) -> str:
+        with self._lock:
+            if self._value is None:
+                self._value = make()
+            return self._value
+
+
+_RUN_TOKEN = _Once()
+
+
+def _reward_info(value: Any) -> dict[str, float]:
+    """Named rewards a program returned, as `reward_<name>` numbers (metrics)."""
+    if not isinstance(value, dict):
+        return {}
+    return {f"reward_{k}": float(v) for k, v in value.items()}
+
+
+def _assistant_message(reply: Reply, tools: bool, index: int) -> tuple[dict[str, Any], str]:
+    """The chat message of a reply: its text, and its tool calls when tools were offered."""
+    if not tools:
+        return {"role": "assistant", "content": reply.text}, reply.finish_reason
+    import json
+
+    from peerflow.agents.tool_calls import parse_tool_calls, text_before_calls
+
+    calls = [c for c in parse_tool_calls(reply.text) if not c.error]
+    if not calls:
+        return {"role": "assistant", "content": reply.text}, reply.finish_reason
+    tool_calls = [{"id": f"call_{index}_{k}", "type": "function",
+                   "function": {"name": c.name, "arguments": json.dumps(c.arguments)}}
+                  for k, c in enumerate(calls)]
+    return ({"role": "assistant", "content": text_before_calls(reply.text),
+             "tool_calls": tool_calls}, "tool_calls")
