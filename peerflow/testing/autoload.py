@@ -27,9 +27,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-#: Set to "1" in a process's environment (a run's, a test's, `peerflow conformance
-#: --emulate-device`'s) to make every PeerFlow process of it compute on the emulated device.
-ENV_VAR = "PEERFLOW_EMULATE_ACCELERATOR"
+from peerflow.testing.env import ENV_VAR
 
 #: The `torch.accelerator` functions whose first call installs the emulation.
 TRIGGERS = ("is_available", "current_accelerator", "device_count")

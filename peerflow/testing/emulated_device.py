@@ -84,10 +84,10 @@ from typing import Any
 
 import torch
 
-from peerflow.testing.autoload import ENV_VAR
 from peerflow.testing.emulated_collectives import BACKEND_NAME, GROUP_BACKEND
 from peerflow.testing.emulated_ordinals import ENV_VAR as DEVICES_ENV_VAR
 from peerflow.testing.emulated_tensor import DEVICE_TYPE, EmulatedTensor, emulated_device
+from peerflow.testing.env import ENV_VAR
 
 __all__ = ["BACKEND_NAME", "DEVICES_ENV_VAR", "DEVICE_TYPE", "ENV_VAR", "GROUP_BACKEND",
            "EmulatedTensor", "install", "install_from_env", "is_installed",
