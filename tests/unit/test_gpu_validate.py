@@ -21,7 +21,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
-#: Every check the 2026-11-27 H200 run reported (shared/gpu-runs/2026-11-27-h200/README.md)
+#: Every check the 2026-11-27 H200 run reported (docs/gpu-validation.md, "Results")
 #: and the ones issue 32 added: the coordinator benchmark and four two-rank checks.
 H200_CHECKS = {"env", "conformance_hf", "conformance_fsdp", "conformance_deepspeed",
                "conformance_megatron", "gpu_tests", "nccl_pair", "cuda_ipc_pair",

@@ -1,4 +1,4 @@
-"""STYLE.md's size limits, checked on the source tree: small modules, short functions."""
+"""The size limits of docs/architecture.md ("Package layers"): small modules, short functions."""
 
 import ast
 from pathlib import Path
