@@ -97,8 +97,13 @@ def hf_parameters(config: Any) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def _packed_experts(shape: ModelShape, layer: int, dtype: str) -> list[tuple[ShardSpec, int]]:
-    """Specs (2-D views) of `transformers` ≥ 5 packed experts, with rows per expert."""
+def packed_expert_specs(shape: ModelShape, layer: int,
+                        dtype: str) -> list[tuple[ShardSpec, int]]:
+    """Specs (2-D views) of `transformers` ≥ 5 packed experts, with rows per expert.
+
+    Returns:
+        `[(gate_up_proj spec, 2 * I), (down_proj spec, H)]` of layer `layer`.
+    """
     p, i = f"model.layers.{layer}.mlp.experts.", shape.moe_intermediate_size
     params = layer_parameters(shape, layer)
     gate_up: list[Segment] = []
@@ -157,7 +162,7 @@ def hf_layout(config: Any, coords: RankCoords = ONE_RANK, *, shard_rank: int = 0
             params = {n: s for n, s in params.items() if not n.startswith(experts)}
         full.extend((whole(n, s, dtype=dtype), 1) for n, s in params.items())
         if packed_experts and shape.is_sparse(layer):
-            full.extend(_packed_experts(shape, layer, dtype))
+            full.extend(packed_expert_specs(shape, layer, dtype))
     if coords.pp_rank == coords.pp_size - 1:
         full.append((whole(FINAL_NORM, (shape.hidden_size,), dtype=dtype), 1))
         if not shape.tie_word_embeddings:

@@ -11,9 +11,11 @@ hold per tp rank:
   `tp_size // num_kv_heads` consecutive ranks (`QKVParallelLinear`).
 * `self_attn.o_proj.weight`, `mlp.down_proj.weight`: row-parallel (columns split).
 * `mlp.gate_up_proj.weight`: `[gate_r; up_r]`.
-* MoE (`FusedMoE`): router `mlp.gate.weight` replicated; `mlp.experts.w13_weight`
-  `[E_local, 2*I_r, H]` (per expert `[gate_r; up_r]`) and `mlp.experts.w2_weight`
-  `[E_local, H, I_r]`, described by their 2-D views `[E_local*2*I_r, H]` and
+* MoE (`FusedMoE`): router `mlp.gate.weight` replicated;
+  `mlp.experts.routed_experts.w13_weight` `[E_local, 2*I_r, H]` (per expert
+  `[gate_r; up_r]`) and `mlp.experts.routed_experts.w2_weight` `[E_local, H, I_r]`
+  (vLLM 0.32 holds them in `FusedMoE`'s `routed_experts` submodule; SGLang directly under
+  `mlp.experts.`), described by their 2-D views `[E_local*2*I_r, H]` and
   `[E_local*H, I_r]`. Experts split over `ep_size` ranks (contiguous blocks); each
   expert's width splits over `expert_tp_size` (default: `tp_size` without ep, else 1).
 * Norms, q/k norms and row-parallel biases are replicated.
@@ -55,6 +57,11 @@ STACKED = (
     ("gate_up_proj", "gate_proj", 0),
     ("gate_up_proj", "up_proj", 1),
 )
+
+#: Where vLLM (0.32) keeps FusedMoE's expert tensors, under `mlp.`.
+VLLM_EXPERTS = "experts.routed_experts."
+#: Where SGLang keeps them.
+SGLANG_EXPERTS = "experts."
 
 #: HF expert projection → (vLLM FusedMoE parameter, shard id).
 EXPERT_PARAMS = {"gate_proj": ("w13_weight", "w1"), "up_proj": ("w13_weight", "w3"),
@@ -146,7 +153,8 @@ def kv_heads_of_rank(shape: ModelShape, tp_rank: int, tp_size: int) -> range:
 
 
 def vllm_layout(config: Any, coords: RankCoords = ONE_RANK, *,
-                vocab_multiple: int = VOCAB_MULTIPLE, dtype: str = "float32") -> list[ShardSpec]:
+                vocab_multiple: int = VOCAB_MULTIPLE, dtype: str = "float32",
+                experts_prefix: str = VLLM_EXPERTS) -> list[ShardSpec]:
     """Returns the specs of one vLLM (or SGLang) rank's parameters, in module order.
 
     Args:
@@ -155,6 +163,8 @@ def vllm_layout(config: Any, coords: RankCoords = ONE_RANK, *,
             `ep_size == 1`, else 1.
         vocab_multiple: Vocabulary padding multiple (vLLM: 64).
         dtype: torch dtype name of the local tensors.
+        experts_prefix: Where the fused expert tensors live under `mlp.` (`VLLM_EXPERTS`,
+            `SGLANG_EXPERTS`).
 
     Raises:
         ConfigError: a degree does not divide heads, MLP width, experts or padded vocab.
@@ -176,7 +186,7 @@ def vllm_layout(config: Any, coords: RankCoords = ONE_RANK, *,
         specs.append(whole(f"{p}post_attention_layernorm.weight", (h,), dtype=dtype,
                            replica=rep))
         if shape.is_sparse(layer):
-            specs.extend(_moe(shape, layer, coords, dtype))
+            specs.extend(_moe(shape, layer, coords, dtype, experts_prefix))
             continue
         specs.extend(dense_mlp(shape, layer, mlp, fc1=f"{p}mlp.gate_up_proj",
                                fc2=f"{p}mlp.down_proj", dtype=dtype, rep=rep, own=own))
@@ -212,27 +222,29 @@ def _attention(shape: ModelShape, layer: int, heads: range, kv: range, kv_copy: 
     return specs
 
 
-def _moe(shape: ModelShape, layer: int, coords: RankCoords, dtype: str) -> list[ShardSpec]:
+def _moe(shape: ModelShape, layer: int, coords: RankCoords, dtype: str,
+         experts: str) -> list[ShardSpec]:
     h, i = shape.hidden_size, shape.moe_intermediate_size
-    experts, width, expert_rep = coords.expert_split(
+    held, width, expert_rep = coords.expert_split(
         shape, coords.tp_size if coords.ep_size == 1 else 1)
     p = f"model.layers.{layer}.mlp."
     w13: list[Segment] = []
     w2: list[Segment] = []
-    for e in experts:
+    for e in held:
         x = expert_prefix(layer, e)
         w13.append(rows_of(f"{x}gate_proj.weight", (i, h), width))
         w13.append(rows_of(f"{x}up_proj.weight", (i, h), width))
         w2.append(rows_of(f"{x}down_proj.weight", (h, i), range(h), cols=width))
     return [
         whole(f"{p}gate.weight", (shape.num_experts, h), dtype=dtype, replica=coords.tp_replica),
-        stack(f"{p}experts.w13_weight", w13, dtype=dtype, replica=expert_rep),
-        stack(f"{p}experts.w2_weight", w2, dtype=dtype, replica=expert_rep),
+        stack(f"{p}{experts}w13_weight", w13, dtype=dtype, replica=expert_rep),
+        stack(f"{p}{experts}w2_weight", w2, dtype=dtype, replica=expert_rep),
     ]
 
 
-#: SGLang uses vLLM's parameter names, stacking and vocabulary padding.
-sglang_layout = vllm_layout
+def sglang_layout(config: Any, coords: RankCoords = ONE_RANK, **options: Any) -> list[ShardSpec]:
+    """SGLang's layout: vLLM's names, stacking and padding, experts under `mlp.experts.`."""
+    return vllm_layout(config, coords, **{"experts_prefix": SGLANG_EXPERTS, **options})
 
 def tp_prefixed_layout(config: Any, tp_size: int, *,
                        builder: Callable[..., list[ShardSpec]] = vllm_layout,
@@ -273,7 +285,8 @@ def hf_to_vllm(name: str) -> tuple[str, str | int | tuple[str, int] | None]:
     match = _EXPERT.match(name)
     if match:
         param, shard = EXPERT_PARAMS[match.group(3)]
-        return f"{match.group(1)}.{param}", (shard, int(match.group(2)))
+        layer = match.group(1).removesuffix("experts")
+        return f"{layer}{VLLM_EXPERTS}{param}", (shard, int(match.group(2)))
     for fused, hf, shard_id in STACKED:
         if f".{hf}." in name:
             return name.replace(f".{hf}.", f".{fused}."), shard_id

@@ -201,7 +201,7 @@ def test_name_converters():
     assert hf_to_vllm("model.layers.3.self_attn.k_proj.weight") == (
         "model.layers.3.self_attn.qkv_proj.weight", "k")
     assert hf_to_vllm("model.layers.0.mlp.experts.2.up_proj.weight") == (
-        "model.layers.0.mlp.experts.w13_weight", ("w3", 2))
+        "model.layers.0.mlp.experts.routed_experts.w13_weight", ("w3", 2))
     assert hf_to_vllm("model.norm.weight") == ("model.norm.weight", None)
     assert vllm_to_hf("model.layers.1.self_attn.qkv_proj.weight", config) == tuple(
         f"model.layers.1.self_attn.{x}_proj.weight" for x in "qkv")

