@@ -303,8 +303,12 @@ class LayerGenerate(EngineLayerBase):
                 f"{'CUDA ' if cuda and not changed else ''}RNG state: it reseeds it "
                 "(torch.manual_seed) or samples from the default generator. A colocated "
                 "trainer draws from the same stream (dropout, data order), so its run then "
-                "depends on the rollout. Sample with a torch.Generator of the engine's own, "
-                "or wrap the engine's call in `with torch.random.fork_rng():`", pytrace=False)
+                "depends on the rollout. Sample with a torch.Generator of the engine's own; "
+                "a library that samples from the global generator runs on an RNG state of "
+                "the engine's own, swapped in around the call and saved back after it "
+                "(torch.random.fork_rng + torch.set_rng_state, as the vllm adapter's "
+                "EngineRandomState does; fork_rng alone would repeat the same draws every "
+                "call)", pytrace=False)
 
     @layer3
     @generate_group
