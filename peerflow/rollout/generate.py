@@ -16,6 +16,7 @@ from peerflow.batch import Batch, RaggedField
 from peerflow.engines import GenerationRequest, GenerationResult, RolloutEngine, SamplingParams
 from peerflow.rollout.prompts import encode_prompt
 from peerflow.rollout.sampler import Draw
+from peerflow.routes import ROUTES, routes_column
 
 
 def step_seed(seed: int, step: int, dp_rank: int, attempt: int = 0) -> int:
@@ -59,7 +60,8 @@ def generate_batch(
     """Samples `sampling.n` answers for each drawn prompt and packs them into a batch.
 
     Fields: `prompt_ids`, `response_ids` (ragged int64), `rollout_logprobs` (ragged
-    float32, the sampling policy's log-probs), `finish_reason` and `example` (objects).
+    float32, the sampling policy's log-probs), `finish_reason` and `example` (objects);
+    with a MoE model on an engine that returns routes, `routed_experts` (`peerflow.routes`).
     """
     if not draws:
         return Batch.empty()
@@ -82,6 +84,9 @@ def generate_batch(
                                                      torch.int64))
     batch.set("rollout_logprobs", RaggedField.from_lists([r.logprobs for r in results],
                                                          torch.float32))
+    routes = routes_column(results, [len(p) for _, p in owners])  # MoE engines' routes
+    if routes is not None:
+        batch.set(ROUTES, routes)
     batch.set_objects("finish_reason", [res.finish_reason for res in results])
     batch.set_objects("example", [d.example for d, _ in owners])
     return batch
