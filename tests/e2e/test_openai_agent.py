@@ -14,12 +14,18 @@ pytest.importorskip("openai")
 EXAMPLE = ROOT / "examples" / "openai_agent.yaml"
 
 
-def test_openai_agent_example_trains(tmp_path, metrics_of, peerflow_train):
+ASYNC = ["runtime.mode=async", "runtime.placement=split", "runtime.max_staleness=1"]
+
+
+@pytest.mark.parametrize("mode", ["sync", pytest.param("async", marks=pytest.mark.distributed)])
+def test_openai_agent_example_trains(tmp_path, metrics_of, peerflow_train, mode):
     from tests.helpers.chat_model import build_chat_model
 
     model = build_chat_model(tmp_path / "model")
     run_dir = tmp_path / "run"
-    peerflow_train([str(EXAMPLE), "--run-dir", str(run_dir)], [
+    nprocs = ["--nprocs", "2"] if mode == "async" else []
+    peerflow_train([str(EXAMPLE), "--run-dir", str(run_dir), *nprocs], [
+        *(ASYNC if mode == "async" else []),
         f"model.path={model}", "run.steps=2", "run.prompts_per_step=2",
         "rollout.sampling.n=4", "rollout.sampling.max_tokens=8", "run.trace=false",
         "run.tensorboard=false",
@@ -37,3 +43,5 @@ def test_openai_agent_example_trains(tmp_path, metrics_of, peerflow_train):
     # The samples hold the engine's own turns (the trainer's tokens), one row a trajectory.
     rows = [json.loads(line) for line in (run_dir / "samples" / "step_2.jsonl").open()]
     assert len(rows) == 8
+    if mode == "async":  # a trajectory spans at most max_staleness + 1 weight versions
+        assert all(1.0 <= m["agent/versions_max"] <= 2.0 for m in lines)
