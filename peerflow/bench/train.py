@@ -203,7 +203,7 @@ def _engine(model: str, args: argparse.Namespace, *, padding_free: bool) -> Any:
     cls = get_plugin_manager().registry("train_engine").get(args.trainer)
     lora = None
     if args.lora_rank:
-        from peerflow.config.lora import LoraConfig
+        from peerflow.engines.lora import LoraConfig
 
         lora = LoraConfig(rank=args.lora_rank, alpha=2.0 * args.lora_rank)
     context = EngineContext(model_path=model, layout=ParallelLayout(), dtype=args.dtype,

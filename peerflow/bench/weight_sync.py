@@ -151,7 +151,7 @@ def _measure(size: str, args: argparse.Namespace, workdir: Path, lora: Any = Non
 def _lora_next_to_full(full: dict[str, Any], size: str, args: argparse.Namespace,
                        workdir: Path) -> dict[str, Any]:
     """The same model's sync with LoRA adapters of `--lora-rank` (adapters only move)."""
-    from peerflow.config.lora import LoraConfig
+    from peerflow.engines.lora import LoraConfig
 
     lora = _measure(size, args, workdir, LoraConfig(rank=args.lora_rank,
                                                     alpha=2.0 * args.lora_rank))

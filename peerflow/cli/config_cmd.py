@@ -69,7 +69,7 @@ def add_parser(subparsers: Any) -> None:
 def run_validate(args: argparse.Namespace) -> int:
     """Validates a config; prints `ok` or raises `ConfigError` (exit 1)."""
     from peerflow.plugins import get_plugin_manager
-    from peerflow.sandbox.validate import fallback_notice
+    from peerflow.rewards.model_code import fallback_notice
 
     notice = fallback_notice(load_validated(args), get_plugin_manager())
     if notice:

@@ -6,9 +6,9 @@ from typing import Any, Literal
 
 import attrs
 
-from peerflow.config.lora import LoraConfig
 from peerflow.config.structure import SECTIONS
 from peerflow.engines import OptimSettings, SamplingParams
+from peerflow.engines.lora import LoraConfig
 from peerflow.layout import ParallelLayout
 
 

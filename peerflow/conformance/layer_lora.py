@@ -24,7 +24,6 @@ import pytest
 import torch
 
 from peerflow.batch import Batch, RaggedField
-from peerflow.config.lora import LoraConfig
 from peerflow.conformance.base import needs
 from peerflow.conformance.diagnose import gap
 from peerflow.conformance.engines import build_engine, read_weights
@@ -33,6 +32,7 @@ from peerflow.conformance.layers_engine import PROMPTS, EngineLayerBase, layer3
 from peerflow.conformance.reference import TensorSource
 from peerflow.conformance.tolerance import derive
 from peerflow.engines import GenerationRequest, SamplingParams
+from peerflow.engines.lora import LoraConfig
 from peerflow.reshard import sync_weights
 
 #: The adapters the layer syncs: every linear layer, scaling alpha / rank = 3.

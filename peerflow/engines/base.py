@@ -16,7 +16,7 @@ from peerflow.layout import ParallelLayout
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-    from peerflow.config.lora import LoraConfig
+    from peerflow.engines.lora import LoraConfig
 
 
 def _module_exists(name: str) -> bool:

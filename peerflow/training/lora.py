@@ -38,7 +38,7 @@ _ADAPTER_PARAM = re.compile(r"\.(lora_(?:embedding_)?[AB])\." + ADAPTER + r"(?=\
 
 
 def apply_lora(model: torch.nn.Module, lora: Any) -> torch.nn.Module:
-    """Wraps `model` with peft's LoRA of `lora` (a `peerflow.config.lora.LoraConfig`).
+    """Wraps `model` with peft's LoRA of `lora` (a `peerflow.engines.lora.LoraConfig`).
 
     The base weights are frozen (`requires_grad=False`); the adapters are trainable and
     start as peft initialises them (`A` random, `B` zero: the adapted model equals the

@@ -10,8 +10,8 @@ import torch
 
 from peerflow import GenerationRequest, ParallelLayout, SamplingParams
 from peerflow.config import load_config, validate_config
-from peerflow.config.lora import LoraConfig
 from peerflow.engines import EngineContext, OptimSettings
+from peerflow.engines.lora import LoraConfig
 from peerflow.errors import ConfigError
 from tests.engines.fsdp.fsdp_testlib import PROMPTS, make_batch, nll_loss, to_batch
 from tests.helpers.configs import validation_error

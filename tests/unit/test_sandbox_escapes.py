@@ -17,7 +17,7 @@ from peerflow.sandbox.config import SandboxConfig
 from peerflow.sandbox.escapes import ESCAPED, escape_programs, escape_targets, run_escape_suite
 from peerflow.sandbox.remote import RemoteSandbox
 from peerflow.sandbox.server import make_server, serve_in_thread
-from peerflow.sandbox.validate import FALLBACK_MISSES
+from peerflow.rewards.model_code import FALLBACK_MISSES
 
 needs_bwrap = pytest.mark.skipif(bwrap_unavailable() is not None,
                                  reason=f"{bwrap_unavailable()}")
@@ -129,7 +129,7 @@ def test_the_remote_seam_runs_the_suite_through_a_local_service():
 
 
 def test_validate_refuses_model_code_without_bubblewrap(plugin_manager, monkeypatch):
-    import peerflow.sandbox.validate as validate
+    import peerflow.rewards.model_code as validate
     from peerflow.errors import ConfigError
 
     missing = "bubblewrap (`bwrap`) is not installed: install bubblewrap (`apt-get install"

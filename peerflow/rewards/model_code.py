@@ -1,7 +1,8 @@
-"""`config validate`'s sandbox checks, before any process starts.
+"""Which parts of a run execute model-written code, and whether its sandbox can run here.
 
-A run that executes model-written code gets a sandbox that can run here, or is refused
-naming the fix.
+`config validate` (before any process starts) refuses a run whose reward or environment
+runs model-written code (`runs_model_code`) when `sandbox.backend` cannot run here, naming
+the fix; a run on the weaker fallback says so at start (`fallback_notice`).
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from peerflow.plugins.hookspecs import hookimpl
+from peerflow.rewards.setup import parse_target, selected_rewards
 from peerflow.sandbox.bubblewrap import bwrap_unavailable
 from peerflow.sandbox.local import package_paths
 
@@ -25,8 +27,6 @@ FALLBACK_MISSES = (
 
 def model_code_runners(config: Any, pm: Any) -> list[str]:
     """The config keys whose component executes model-written code."""
-    from peerflow.rewards.setup import parse_target, selected_rewards
-
     keys = []
     for key, entry in selected_rewards(config, pm):
         if parse_target(entry.fn) is None and entry.fn in pm.registry("reward"):
