@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import faulthandler
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +57,20 @@ def _environment(config: RunConfig | None = None) -> None:
     threads = config.runtime.torch_threads if config is not None else 1
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     torch.set_num_threads(threads)
+
+
+def _choose_sandbox(config: RunConfig, pm: Any, rank: int) -> None:
+    """Makes `config.sandbox` this worker's sandbox (and its reward pool's).
+
+    A run on the weaker fallback says so at start.
+    """
+    from peerflow.rewards.model_code import fallback_notice
+    from peerflow.sandbox import configure
+
+    configure(config.sandbox)
+    notice = fallback_notice(config, pm) if rank == 0 else None
+    if notice:
+        print(notice, file=sys.stderr, flush=True)
 
 
 def _rank_and_world() -> tuple[int, int]:
@@ -136,6 +151,7 @@ def _start(
 
     pm = load_plugins()
     validate_config(config, pm)
+    _choose_sandbox(config, pm, rank)
     program = _program(config, world_size, rank, pm)
     if rank == 0:
         from peerflow.outputs import write_resolved_config
