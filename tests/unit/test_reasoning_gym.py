@@ -35,6 +35,13 @@ def test_options_are_checked():
         structure_options(ReasoningGymOptions, {}, "task.options")
     with pytest.raises(ConfigError, match="Did you mean leg_counting"):
         structure_options(ReasoningGymOptions, {"dataset": "leg_countin"}, "task.options")
+    with pytest.raises(ConfigError, match="leg_counting has no option min_legs; its options: "
+                       "min_animals"):
+        structure_options(ReasoningGymOptions, {"dataset": "leg_counting",
+                                                "config": {"min_legs": 2}}, "task.options")
+    with pytest.raises(ConfigError, match="chain_sum refuses config"):
+        structure_options(ReasoningGymOptions, {"datasets": [
+            {"name": "chain_sum", "config": {"min_terms": 5, "max_terms": 2}}]}, "task.options")
     with pytest.raises(ConfigError, match="answer_format"):
         structure_options(ReasoningGymOptions, {"dataset": "chain_sum", "answer_format": "x"},
                           "task.options")

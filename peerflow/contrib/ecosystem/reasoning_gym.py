@@ -104,6 +104,40 @@ class ReasoningGymOptions:
         if bool(self.dataset) == bool(self.datasets):
             raise ValueError("task.options: set dataset (one reasoning-gym family, e.g. "
                              "leg_counting) or datasets (a weighted list), exactly one.")
+        families = [(self.dataset, self.config)] if self.dataset else [
+            (d.name, d.config) for d in self.datasets]
+        for name, config in families:
+            check_family_config(name, config)
+
+
+def check_family_config(name: str, config: dict[str, Any]) -> None:
+    """Builds the family's config class from `config` (when the library is installed).
+
+    Raises:
+        ValueError: an unknown option or a value the library's own `validate()` refuses.
+    """
+    import importlib.util
+
+    if importlib.util.find_spec(MODULE) is None:
+        return
+    import dataclasses
+
+    from reasoning_gym.factory import DATASETS
+
+    config_cls = DATASETS[name][1]
+    known = [f.name for f in dataclasses.fields(config_cls)] if dataclasses.is_dataclass(
+        config_cls) else []
+    unknown = sorted(set(config) - set(known)) if known else []
+    if unknown:
+        raise ValueError(f"reasoning-gym's {name} has no option {', '.join(unknown)}; its "
+                         f"options: {', '.join(k for k in known if k not in ('seed', 'size'))}.")
+    try:
+        built = config_cls(**config)
+        if hasattr(built, "validate"):
+            built.validate()
+    except (TypeError, ValueError, AssertionError) as exc:
+        raise ValueError(f"reasoning-gym's {name} refuses config {config}: "
+                         f"{type(exc).__name__}: {exc}") from exc
 
 
 def dataset_spec(options: ReasoningGymOptions, size: int, seed: int) -> dict[str, Any]:
