@@ -6,15 +6,22 @@ extensions + `collective_rpc` for in-place weight loading, `reset_prefix_cache`,
 `update_weights_from_tensor`, `update_weights_from_distributed`, `flush_cache`,
 `release_memory_occupation`/`resume_memory_occupation`) and Hugging Face `generate`.
 
+The same contract, with the randomness rules and a worked example, is written out for
+authors in docs/conformance.md ("The rollout engine contract") and CONTRIBUTING.md
+("Writing an engine adapter").
+
 Call order on the ranks that host the engine (all ranks of its group, SPMD — every tp/pp
 peer of one dp replica makes the same calls with the same arguments, like vLLM's
 `external_launcher` executor; an engine that drives its own tp workers is hosted on one
 rank per replica and declares `Capabilities.multiprocess`, usually by subclassing
 `peerflow.engines.TensorParallelRolloutEngine`):
 
-1. `__init__(context, options)` — build the engine, load `context.model_path` in
-   `context.dtype` on `context.device`. Call `super().__init__(context, options)` first:
-   it stores both and sets `weight_version` to 0.
+1. `__init__(context, options=None)` — build the engine, load `context.model_path` in
+   `context.dtype` on `context.device`. The runtime always passes `options`, an instance
+   of the class's `options_class` built from the config's `rollout.<name>` section
+   (`NoOptions()` when the engine has none); `None` (direct callers) means
+   `options_class()`. Call `super().__init__(context, options)` first: it stores both
+   and sets `weight_version` to 0.
 2. `weight_targets()` — once; the weight-sync service (`peerflow.reshard.service`) plans
    every sync against these specs.
 3. Repeatedly, in any order:
@@ -66,6 +73,16 @@ tokenizer's `eos_token_id` (lists allowed) — or at one of `SamplingParams.stop
 the EOS token is kept in `token_ids`. Padding is internal to an engine (results are never
 padded); engines that need a pad id take the tokenizer's `pad_token_id`, else the smallest
 EOS id. Nothing in PeerFlow's runtime depends on either id: prompts arrive as token ids.
+
+Sampling settings: `SamplingParams` define sampling completely. The sampling defaults of
+the checkpoint's `generation_config.json` (`top_k`, `top_p`, `temperature`,
+`repetition_penalty`, …) are ignored; only its `eos_token_id` is read.
+
+Randomness: torch's global RNG (and CUDA's) belongs to a colocated trainer; `generate`
+never draws from it nor reseeds it. With `SamplingParams.seed` the answers of a call
+depend only on the requests, the sampling settings and the weights; without it they come
+from a stream of the engine's own, seeded from `EngineContext.seed` and the rank's dp
+replica (`RankCoords.of(context.layout, context.rank).dp_rank`).
 """
 
 from __future__ import annotations
@@ -101,7 +118,10 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=tuple)
     """Extra token ids that end a sample (EOS always does)."""
     seed: int | None = None
-    """Seed for reproducible sampling; `None` draws from the engine's stream."""
+    """Seed of the whole call: the same requests, settings, weights and seed give the same
+    answers (the n samples of a request, and equal prompts, still differ). The runtime
+    passes one per generate call (from the run seed, step, dp rank and attempt); `None`
+    draws from the engine's own stream. Never torch's global RNG either way."""
     logprobs: bool = True
     """Return the log-probability of each sampled token."""
 
@@ -143,11 +163,21 @@ class GenerationResult:
 
 
 class RolloutEngine(EngineBase, abc.ABC):
-    """An inference engine that samples answers and accepts new weights in place."""
+    """An inference engine that samples answers and accepts new weights in place.
 
-    def __init__(self, context: EngineContext, options: object) -> None:
+    The contract (call order, override rules, log-probs, EOS, randomness, refusals) is in
+    this module's docstring and, for plugin authors, in docs/conformance.md ("The rollout
+    engine contract"); CONTRIBUTING.md walks through a complete engine.
+
+    Args:
+        context: Where and what to load, one per rank (`EngineContext`).
+        options: An instance of `options_class`; the runtime always passes one, built
+            from the config's `rollout.<name>` section. `None` means `options_class()`.
+    """
+
+    def __init__(self, context: EngineContext, options: object | None = None) -> None:
         self.context = context
-        self.options = options
+        self.options = options if options is not None else self.options_class()
         self._weight_version = 0
 
     @property
@@ -161,6 +191,11 @@ class RolloutEngine(EngineBase, abc.ABC):
     ) -> list[GenerationResult]:
         """Samples `sampling.n` answers for every request.
 
+        The whole contract — EOS ids, `finish_reason`, `SamplingParams.seed`, sampling from
+        an RNG of the engine's own, ignoring the checkpoint's generation defaults — is
+        written out in docs/conformance.md ("The rollout engine contract") and checked by
+        `peerflow conformance NAME -k generate`.
+
         Args:
             requests: Prompts; every rank of one replica passes the same list.
             sampling: Sampling settings shared by all requests.
@@ -171,6 +206,11 @@ class RolloutEngine(EngineBase, abc.ABC):
             (before top-k/top-p; see the module docstring). Requests and results are host
             values (token ids and log-probs as Python numbers): the engine moves its inputs
             to its device and its outputs back itself.
+
+        Raises:
+            ConfigError: A setting the engine cannot honour (`top_p`/`top_k` without
+                truncation, `stop` without `Capabilities.stop_strings`), naming it and
+                the fix; never sample another distribution instead.
         """
 
     @abc.abstractmethod

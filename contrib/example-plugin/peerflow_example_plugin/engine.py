@@ -67,7 +67,7 @@ class MinimalRollout(RolloutEngine):
         self.eos = eos_ids(context.model_path, self.model)
         # The engine's own stream, one per dp replica (tp/pp peers would sample alike):
         # torch's global RNG belongs to the trainer and is never touched here.
-        replica = context.layout.coord(context.rank).dp
+        replica = RankCoords.of(context.layout, context.rank).dp_rank
         self.generator = torch.Generator().manual_seed(context.seed + replica)
 
     def generate(self, requests: Sequence[GenerationRequest],

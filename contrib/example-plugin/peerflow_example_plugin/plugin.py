@@ -48,6 +48,6 @@ def peerflow_validate_config(config: Any) -> list[str]:
     sampling = config.rollout.sampling
     return [f"rollout.sampling.{key}={value}: rollout.backend=minimal samples from the full "
             f"tempered distribution; set rollout.sampling.{key}={off} (or pick a backend "
-            "that truncates, e.g. vllm)."
+            "that truncates, e.g. hf)."
             for key, value, off in (("top_p", sampling.top_p, 1.0), ("top_k", sampling.top_k, 0))
             if value != off]
