@@ -49,6 +49,7 @@ class _Stats:
 
     replayed: dict[int, int] = attrs.field(factory=dict)
     no_overlap: dict[int, int] = attrs.field(factory=dict)
+    differ: int = 0
     without_routes: int = 0
     routed_tokens: int = 0
     aux: list[float] = attrs.field(factory=list)
@@ -73,7 +74,7 @@ class RoutingReplay:
     _real: torch.Tensor | None = None
     _recorded: dict[int, torch.Tensor] | None = None
     _logits: dict[int, torch.Tensor] = attrs.field(factory=dict)
-    _layer_stats: dict[int, tuple[int, int, int]] = attrs.field(factory=dict)
+    _layer_stats: dict[int, tuple[int, int, int, int]] = attrs.field(factory=dict)
     _store: dict[int, torch.Tensor] = attrs.field(factory=dict)
     _stats: _Stats = attrs.field(factory=_Stats)
 
@@ -117,9 +118,10 @@ class RoutingReplay:
         if forced is not None:
             known = (forced >= 0).all(dim=-1)
             overlap = (native[:, :, None] == forced[:, None, :].long()).any(-1).any(-1)
+            differ = (native.sort(-1).values != forced.long().sort(-1).values).any(-1)
             # keyed by layer: a block recomputed in backward overwrites, never double-counts
             self._layer_stats[layer] = (int(known.sum()), int((known & ~overlap).sum()),
-                                        int((~known).sum()))
+                                        int((~known).sum()), int((known & differ).sum()))
         return logits, weights, indices
 
     # -- scopes the toolkit opens ----------------------------------------------------------
@@ -150,7 +152,8 @@ class RoutingReplay:
 
     def _commit(self) -> None:
         stats = self._stats
-        for layer, (known, missed, unknown) in self._layer_stats.items():
+        for layer, (known, missed, unknown, differ) in self._layer_stats.items():
+            stats.differ += differ
             stats.replayed[layer] = stats.replayed.get(layer, 0) + known
             stats.no_overlap[layer] = stats.no_overlap.get(layer, 0) + missed
             stats.without_routes += unknown
@@ -238,6 +241,8 @@ class RoutingReplay:
 
         * `moe/replay_no_overlap` — share of replayed tokens whose native top-k shares no
           expert with the replayed set (per layer: `…/layer_{L}`); 0 with nothing replayed;
+        * `moe/replay_changed` — share of replayed (token, layer) routes whose native top-k
+          set differs from the replayed one in at least one expert;
         * `moe/rows_without_routes` — share of routed tokens that routed natively for
           want of a route (-1) while replay was on;
         * `moe/aux_loss` — mean load-balancing loss of the step's forwards;
@@ -252,6 +257,7 @@ class RoutingReplay:
             out.update({f"moe/replay_no_overlap/layer_{layer}": stats.no_overlap[layer] / count
                         for layer, count in sorted(stats.replayed.items()) if count})
             out["moe/replay_no_overlap"] = sum(stats.no_overlap.values()) / replayed
+            out["moe/replay_changed"] = stats.differ / replayed
         if stats.routed_tokens and self.mode != "off":
             out["moe/rows_without_routes"] = stats.without_routes / stats.routed_tokens
         if stats.aux:
