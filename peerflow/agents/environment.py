@@ -85,6 +85,11 @@ class StepResult:
     """True when the episode is over; the driver then calls `close()`."""
     info: dict[str, Any] = attrs.field(factory=dict)
     """Anything worth logging (numbers become metrics `agent/<key>`)."""
+    restart: Sequence[int] | None = None
+    """Token ids of a new first prompt: the trajectory so far ends as a sample of its own
+    (`finish_reason` `restart`) and the episode goes on as a new sample of the same group
+    from these ids (its `agent_info` has `segment`: 1, 2, …). For inputs that do not
+    extend the sequence (the policy endpoint's calls that rewrite an earlier turn)."""
 
 
 class Environment(abc.ABC):

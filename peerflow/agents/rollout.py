@@ -23,7 +23,9 @@ rollout loop run it unchanged when the config has a `rollout.agent` section. Per
 Limits: `max_turns` (`finish_reason` `max_turns`), `max_total_tokens` after the prompt
 (`max_tokens`), `max_turn_tokens` per turn (the turn is `truncated`, the episode goes on),
 `max_observation_tokens` (the observation's end is dropped). An episode the environment
-ends has `finish_reason` `stop`.
+ends has `finish_reason` `stop`. An environment whose next input does not extend the
+sequence returns `StepResult.restart`: that sample ends (`restart`) and the episode goes
+on as a new sample of its group (`Trajectory.segment`), closed and rewarded once.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import torch
 
 from peerflow.agents.concurrent import Outcome, run_with_limits
 from peerflow.agents.environment import Environment, StepResult, Turn
+from peerflow.agents.metrics import FINISH_REASONS, record_episode_metrics  # noqa: F401 — re-exported
 from peerflow.agents.render import TurnRenderer
 from peerflow.algorithms.base import dataset_row
 from peerflow.batch import LOSS_MASK, Batch, RaggedField
@@ -71,6 +74,8 @@ class Trajectory:
     """`finish_reason` once the episode is over, empty while it is open."""
     error: str = ""
     last_turn: Turn | None = None
+    segment: int = 0
+    """Which sample of its episode this is (> 0 after a `StepResult.restart`)."""
 
     def end(self, reason: str, error: str = "") -> None:
         """Ends the episode (the first reason given wins)."""
@@ -176,13 +181,13 @@ class AgentRollout:
                 if turn:
                     between()
                 self._sample(engine, tokenizer, active, sampling, turn, chunk_tokens, between)
-                self._step([t for t in active if not t.finish], renderer, turn)
+                trajectories += self._step([t for t in active if not t.finish], renderer, turn)
             for t in trajectories:
                 t.end("max_turns")
             return _pack(trajectories, self._final_rewards(trajectories), sampling.n,
                          engine.weight_version)
         finally:  # closes run like steps: at once, each under the time limit, errors dropped
-            self._call_each(trajectories, lambda t: t.env.close())
+            self._call_each(_episodes(trajectories), lambda t: t.env.close())
 
     def _start(self, tokenizer: Any, draws: Sequence[Draw], n: int,
                into: list[Trajectory]) -> None:
@@ -252,8 +257,14 @@ class AgentRollout:
             if cut:
                 t.end("max_tokens")
 
-    def _step(self, trajectories: list[Trajectory], renderer: TurnRenderer, turn: int) -> None:
-        """Steps the environments at once and appends their observations."""
+    def _step(self, trajectories: list[Trajectory], renderer: TurnRenderer,
+              turn: int) -> list[Trajectory]:
+        """Steps the environments at once and appends their observations.
+
+        Returns:
+            The new samples episodes continue in (`StepResult.restart`).
+        """
+        restarted: list[Trajectory] = []
         outcomes = self._call_each(trajectories, lambda t: t.env.step(t.last_turn))
         for t, outcome in zip(trajectories, outcomes):
             if self._failed(t, "step", outcome):
@@ -267,8 +278,15 @@ class AgentRollout:
                 t.end("stop")
             elif turn + 1 >= self.settings.max_turns:
                 t.end("max_turns")
+            elif result.restart is not None:
+                t.end("restart")
+                restarted.append(Trajectory(draw=t.draw, index=t.index, env=t.env,
+                                            prompt=[int(i) for i in result.restart],
+                                            segment=t.segment + 1,
+                                            info={"segment": float(t.segment + 1)}))
             else:
                 self._observe(t, renderer, result)
+        return restarted
 
     def _observe(self, t: Trajectory, renderer: TurnRenderer, result: StepResult) -> None:
         try:
@@ -304,12 +322,28 @@ class AgentRollout:
         return not outcome.ok
 
     def _final_rewards(self, trajectories: list[Trajectory]) -> list[float]:
+        """Each episode's `final_reward()`, called once and shared by its samples."""
+        episodes = _episodes(trajectories)
+        by_env = {}
+        for last, outcome in zip(episodes,
+                                 self._call_each(episodes, lambda t: t.env.final_reward())):
+            by_env[id(last.env)] = outcome
         rewards = []
-        for t, outcome in zip(trajectories,
-                              self._call_each(trajectories, lambda t: t.env.final_reward())):
+        for t in trajectories:
+            outcome = by_env[id(t.env)]
             value = None if self._failed(t, "final_reward", outcome) else outcome.value
             rewards.append(float("nan") if value is None else float(value))
         return rewards
+
+
+def _episodes(trajectories: list[Trajectory]) -> list[Trajectory]:
+    """The last sample of each episode (one per environment)."""
+    return list({id(t.env): t for t in trajectories}.values())
+
+
+#: Sample ids of an episode's later samples (`StepResult.restart`): `segment` times this
+#: plus the first sample's id, so they never meet the dense ids of first samples.
+SEGMENT_STRIDE = 1 << 40
 
 
 def _pack(trajectories: list[Trajectory], final: list[float], n: int, version: int) -> Batch:
@@ -320,7 +354,8 @@ def _pack(trajectories: list[Trajectory], final: list[float], n: int, version: i
     ts = trajectories
     versions = [t.versions or [version] for t in ts]
     batch = Batch(
-        sample_id=torch.tensor([t.draw.position * n + t.index for t in ts]),
+        sample_id=torch.tensor([t.draw.position * n + t.index + t.segment * SEGMENT_STRIDE
+                                for t in ts]),
         group_id=torch.tensor([t.draw.position for t in ts]),
         weight_version=torch.tensor([min(v) for v in versions], dtype=torch.int64),
     )
@@ -337,42 +372,3 @@ def _pack(trajectories: list[Trajectory], final: list[float], n: int, version: i
     batch.set_objects("agent_info", [t.info for t in ts])
     batch.set_objects("example", [t.draw.example for t in ts])
     return batch
-
-
-#: Every `finish_reason` an episode can end with (metrics `agent/finish/<reason>`).
-FINISH_REASONS = ("stop", "max_turns", "max_tokens", "env_error", "env_timeout")
-
-
-def record_episode_metrics(batch: Batch, metrics: Any) -> None:
-    """Records `agent/*` metrics of a batch of episodes into a `StepMetrics`.
-
-    Turns, how episodes ended, environment failures (`agent/env_errors`: how many;
-    `agent/env_dropped_fraction`: the fraction of samples `rollout.agent.on_env_error`
-    left out of training), observation tokens, weight versions per trajectory
-    (`agent/versions_max`: most versions one trajectory's sampled tokens span), and the
-    per-trajectory mean of every number environments put in `StepResult.info`.
-    """
-    from peerflow.algorithms.failed_samples import ENV_EXCLUDED, env_faults
-
-    n = len(batch)
-    turns = batch["num_turns"].float()
-    metrics.mean("agent/turns_mean", float(turns.mean()), n)
-    metrics.max("agent/turns_max", float(turns.max()))
-    reasons = batch["finish_reason"]
-    for reason in FINISH_REASONS:
-        metrics.mean(f"agent/finish/{reason}", sum(r == reason for r in reasons) / n, n)
-    metrics.sum("agent/env_errors", float(env_faults(batch).sum()))
-    if ENV_EXCLUDED in batch:
-        metrics.mean("agent/env_dropped_fraction",
-                     float(batch[ENV_EXCLUDED].double().mean()), n)
-    mask = batch.ragged(LOSS_MASK)
-    metrics.sum("agent/observation_tokens", float((~mask.values).sum()))
-    turn_rewards = batch.ragged("token_rewards")
-    metrics.mean("agent/turn_reward_mean", float(turn_rewards.values.sum()) / n, n)
-    if TOKEN_VERSIONS in batch:
-        spans = [len(set(v[m].tolist())) for v, m in zip(batch.ragged(TOKEN_VERSIONS).rows(),
-                                                         mask.rows())]
-        metrics.max("agent/versions_max", float(max(spans, default=0)))
-    infos = batch["agent_info"] if "agent_info" in batch else []
-    for key in sorted({k for info in infos for k in info}):
-        metrics.mean(f"agent/{key}", sum(info.get(key, 0.0) for info in infos) / n, n)

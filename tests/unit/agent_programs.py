@@ -74,21 +74,19 @@ def completion_agent(base_url: str, api_key: str, model: str, example: dict[str,
 
 def rewriting_agent(base_url: str, api_key: str, model: str, example: dict[str, Any]
                     ) -> float:
-    """Rewrites its first answer before the second call: the trajectory cannot go on."""
-    from openai import ConflictError
-
+    """Rewrites its first answer before the second call: a new sample must start there."""
     client = _client(base_url, api_key)
     messages: list[dict[str, Any]] = [{"role": "user", "content": example["prompt"]}]
-    first = client.chat.completions.create(model=model, messages=messages)
+    first = client.chat.completions.create(model=model, messages=messages,
+                                           extra_body={"return_token_ids": True})
     messages += [{"role": "assistant", "content": "rewritten " + str(first.choices[0]
                                                                    .message.content)},
                  {"role": "user", "content": "again"}]
-    try:
-        client.chat.completions.create(model=model, messages=messages)
-    except ConflictError as exc:
-        with _LOCK:
-            RECORDS.append([{"conflict": str(exc)}])
-        return 0.25
+    second = client.chat.completions.create(model=model, messages=messages, logprobs=True,
+                                            extra_body={"return_token_ids": True})
+    with _LOCK:
+        RECORDS.append([{"prompt": r.prompt_token_ids, "ids": r.choices[0].token_ids}
+                        for r in (first, second)])
     return 1.0
 
 

@@ -155,12 +155,28 @@ def test_completion_and_token_in_generate_routes(engine):
     assert all(info["reward_format"] == 0.5 for info in batch["agent_info"])
 
 
-def test_a_rewritten_turn_ends_the_trajectory_and_says_so(engine):
+def test_a_rewritten_turn_starts_a_new_sample_and_says_so(engine, tok):
+    from peerflow.agents.rollout import SEGMENT_STRIDE
+
     batch = _run(engine, "rewriting_agent")
-    assert batch["num_turns"].tolist() == [1] * 4
-    assert all(info["prefix_breaks"] == 1 for info in batch["agent_info"])
-    assert batch["env_reward"].tolist() == [0.25] * 4
-    assert all("does not extend" in r[0]["conflict"] for r in agent_programs.RECORDS)
+    assert len(batch) == 8  # each of the 4 episodes is two samples
+    first, second = list(range(4)), list(range(4, 8))
+    assert [batch["finish_reason"][i] for i in first] == ["restart"] * 4
+    assert [batch["finish_reason"][i] for i in second] == ["stop"] * 4
+    assert all(batch["agent_info"][i]["prefix_breaks"] == 1 for i in first)
+    assert all(batch["agent_info"][i]["segment"] == 1 for i in second)
+    ids = batch.sample_id.tolist()
+    assert len(set(ids)) == 8 and [ids[i] - SEGMENT_STRIDE for i in second] == ids[:4]
+    assert batch.group_id.tolist() == [0, 0, 1, 1, 0, 0, 1, 1]  # same groups
+    assert batch["env_reward"].tolist() == [1.0] * 8
+    rows = _rows(batch)
+    for calls in agent_programs.RECORDS:
+        # the second call's whole prompt (re-rendered, with the rewrite) starts a sample
+        # whose first turn is exactly what the endpoint answered
+        assert any(p.tolist() == calls[1]["prompt"] and r.tolist() == calls[1]["ids"]
+                   for p, r, _, _ in rows)
+        assert any(p.tolist() == calls[0]["prompt"] and r.tolist() == calls[0]["ids"]
+                   for p, r, _, _ in rows)
 
 
 def test_a_driver_limit_answers_the_pending_call_503(engine):

@@ -25,8 +25,9 @@ is the call's answer.
   observation (appended exactly, masked out of the loss); the program returning ends the
   episode.
 * A call whose prompt does not extend the trajectory (the program rewrote an earlier turn,
-  or dropped history) ends the trajectory there: it is trained as recorded, its sample says
-  so (`agent/prefix_breaks` in `agent_info`), and that call is answered 409.
+  or dropped history) ends that sample (`finish_reason` `restart`, `prefix_breaks` in its
+  `agent_info`) and starts a new sample of the episode from the call's whole prompt
+  (`StepResult.restart`; its `agent_info` has `segment`); both get the episode's reward.
 * A trajectory a `rollout.agent` limit ends (max_turns, max_total_tokens) has its pending
   call answered 503; the program's reward then still counts, or `cut_reward` when the
   program raised on that answer.
@@ -160,11 +161,6 @@ class AgentProgram(Environment):
         return future
 
     def _refusal(self) -> tuple[int, dict[str, Any]]:
-        if self.cut == "prefix":
-            return 409, error_body(
-                "this call's prompt does not extend the episode's trajectory (an earlier turn "
-                "was changed or dropped), so PeerFlow ended the trajectory before it: send "
-                "every earlier message back unchanged to keep training on one sequence.")
         return 503, error_body("the episode's trajectory has ended (a rollout.agent limit: "
                                "max_turns or max_total_tokens); return from the episode.")
 
@@ -216,17 +212,18 @@ class AgentProgram(Environment):
             return StepResult(done=True, info=_reward_info(value))
         assert next_future is not None
         try:
-            observation = self._extension(value, turn)
+            extends, ids = self._extension(value, turn)
         except Exception as exc:
             next_future.set_result((400, error_body(f"{type(exc).__name__}: {exc}")))
             raise
-        if observation is None:
-            self.cut = "prefix"
-            next_future.set_result(self._refusal())
-            return StepResult(done=True, info={"prefix_breaks": 1})
-        self.sequence += observation
         self.pending = (value, next_future)
-        return StepResult(observation=observation)
+        if not extends:  # a new sample of this episode starts from the call's prompt
+            self.sequence = list(ids)
+            self.history = list(value.messages) if value.kind == "chat" else None
+            self.tools = value.tools
+            return StepResult(restart=ids, info={"prefix_breaks": 1})
+        self.sequence += ids
+        return StepResult(observation=ids)
 
     def _render(self, call: Call) -> list[int]:
         """A call's whole prompt as token ids (chat templated, text tokenised, ids as given)."""
@@ -244,8 +241,8 @@ class AgentProgram(Environment):
 
         return encode_prompt(self.tokenizer, messages)
 
-    def _extension(self, call: Call, turn: Turn) -> list[int] | None:
-        """The tokens `call` adds after the trajectory, or `None` when it does not extend it."""
+    def _extension(self, call: Call, turn: Turn) -> tuple[bool, list[int]]:
+        """Whether `call` extends the trajectory, with the tokens it adds (else its prompt's)."""
         history = self.history
         if (call.kind == "chat" and history is not None and call.tools == self.tools
                 and len(call.messages) > len(history)
@@ -254,13 +251,13 @@ class AgentProgram(Environment):
 
             new = [dict(m) for m in call.messages[len(history):]]
             self.history = list(call.messages)
-            return TurnRenderer(self.tokenizer).observation(StepResult(observation=new),
-                                                            turn.token_ids)
+            return True, TurnRenderer(self.tokenizer).observation(
+                StepResult(observation=new), turn.token_ids)
         ids = self._render(call)
         if len(ids) > len(self.sequence) and ids[:len(self.sequence)] == self.sequence:
             self.history = list(call.messages) if call.kind == "chat" else None
-            return ids[len(self.sequence):]
-        return None
+            return True, ids[len(self.sequence):]
+        return False, ids
 
     def _respond(self, call: Call, reply: Reply, index: int) -> dict[str, Any]:
         if call.kind == "completion":
