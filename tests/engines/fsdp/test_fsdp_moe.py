@@ -143,3 +143,30 @@ def test_weight_sync_moves_experts_one_by_one_bit_exact(moe_model, rollout):
     live = dict(engine.model.named_parameters())
     for name, param in trainer.model.named_parameters():
         assert torch.equal(live[name], param.detach()), name
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "gpt_oss"])
+def test_mixtral_and_gpt_oss_train_with_r3_and_sync_to_hf(arch, tmp_path):
+    from peerflow.adapters.hf.engine import HFRolloutEngine
+    from peerflow.reshard.service import WeightSyncService
+    from tests.engines.hf.tiny_models import build_tiny_model
+
+    path = build_tiny_model(tmp_path / arch, arch=arch, num_experts=4, top_k=2, seed=4)
+    engine = HFRolloutEngine(EngineContext(model_path=path, layout=ParallelLayout()))
+    requests = [GenerationRequest(request_id=i, prompt_ids=engine.tokenizer(p).input_ids)
+                for i, p in enumerate(PROMPTS[:4])]
+    results = engine.generate(requests, SamplingParams(n=2, max_tokens=8, seed=1,
+                                                       temperature=TEMPERATURE))
+    batch = to_batch(requests, results)
+    batch.set(ROUTES, routes_column(results, [len(requests[r.request_id].prompt_ids)
+                                              for r in results]))
+    trainer = _trainer(path, "r3", router_aux_loss_coef=0.01)
+    trainer.forward_logprobs(batch)
+    metrics = trainer.train_step(batch, nll_loss)
+    assert metrics["moe/replay_no_overlap"] == 0.0  # float32 on both sides
+    assert metrics["moe/aux_loss"] > 0
+    live = dict(engine.model.named_parameters())
+    assert any(not torch.equal(live[n], p.detach()) for n, p in trainer.model.named_parameters())
+    WeightSyncService.build(trainer, engine).sync(trainer.version)  # by module names
+    for name, param in trainer.model.named_parameters():
+        assert torch.equal(live[name], param.detach()), name
