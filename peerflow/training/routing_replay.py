@@ -74,7 +74,7 @@ class RoutingReplay:
     _real: torch.Tensor | None = None
     _recorded: dict[int, torch.Tensor] | None = None
     _logits: dict[int, torch.Tensor] = attrs.field(factory=dict)
-    _layer_stats: dict[int, tuple[int, int, int, int]] = attrs.field(factory=dict)
+    _layer_stats: dict[int, torch.Tensor] = attrs.field(factory=dict)
     _store: dict[int, torch.Tensor] = attrs.field(factory=dict)
     _stats: _Stats = attrs.field(factory=_Stats)
 
@@ -119,9 +119,10 @@ class RoutingReplay:
             known = (forced >= 0).all(dim=-1)
             overlap = (native[:, :, None] == forced[:, None, :].long()).any(-1).any(-1)
             differ = (native.sort(-1).values != forced.long().sort(-1).values).any(-1)
-            # keyed by layer: a block recomputed in backward overwrites, never double-counts
-            self._layer_stats[layer] = (int(known.sum()), int((known & ~overlap).sum()),
-                                        int((~known).sum()), int((known & differ).sum()))
+            # keyed by layer: a block recomputed in backward overwrites, never double-counts;
+            # counted on the device, read once per micro-batch
+            self._layer_stats[layer] = torch.stack([known.sum(), (known & ~overlap).sum(),
+                                                    (~known).sum(), (known & differ).sum()])
         return logits, weights, indices
 
     # -- scopes the toolkit opens ----------------------------------------------------------
@@ -152,7 +153,8 @@ class RoutingReplay:
 
     def _commit(self) -> None:
         stats = self._stats
-        for layer, (known, missed, unknown, differ) in self._layer_stats.items():
+        for layer, counts in self._layer_stats.items():
+            known, missed, unknown, differ = counts.tolist()
             stats.differ += differ
             stats.replayed[layer] = stats.replayed.get(layer, 0) + known
             stats.no_overlap[layer] = stats.no_overlap.get(layer, 0) + missed
