@@ -22,9 +22,9 @@ from peerflow.errors import ConfigError
 from peerflow.layout import ParallelLayout
 from peerflow.shard import Box, ShardSpec
 
-#: Model families whose transformers modules hold canonical HF tensors one to one
-#: (MoE families pack experts into 3-D tensors, which this reference engine does not map).
-FAMILIES = ("llama", "qwen2", "qwen3")
+#: Model families whose transformers modules map onto canonical HF tensors (Qwen3-MoE's
+#: packed experts by their 2-D views, experts one by one: `peerflow.models.packed_experts`).
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")
 
 
 def _chunk(total: int, parts: int, index: int) -> range:
@@ -44,12 +44,18 @@ def _split(spec: ShardSpec, dim: int, span: range, replica: int) -> ShardSpec:
                               local_name=spec.local_name, dtype=spec.dtype, replica=replica)
 
 
-def _dp_rows(spec: ShardSpec, dp: int, dp_rank: int) -> ShardSpec:
+def _dp_rows(spec: ShardSpec, dp: int, dp_rank: int, unit: int = 1) -> ShardSpec:
+    """FSDP2's dim-0 shard of `spec` on dp rank `dp_rank`.
+
+    A `torch.chunk` of `local_shape[0] // unit` items: rows, or the experts of a packed
+    expert tensor (`unit` rows each).
+    """
     from peerflow.models import restrict_rows
 
     if dp == 1:
         return spec
-    return restrict_rows(spec, _chunk(spec.local_shape[0], dp, dp_rank))
+    items = _chunk(spec.local_shape[0] // unit, dp, dp_rank)
+    return restrict_rows(spec, range(items.start * unit, items.stop * unit))
 
 
 def _tp_style(name: str) -> str | None:
@@ -81,6 +87,11 @@ def fsdp_shard_layout(
         raise ConfigError(
             f"the fsdp engine supports dp and tp only; layout {layout.describe()} is refused."
         )
+    if shape.num_experts and layout.tp > 1:
+        raise ConfigError(
+            f"the fsdp engine's tensor parallelism does not split MoE experts; layout "
+            f"{layout.describe()} is refused for {shape.family} (set trainer.layout.tp: 1)."
+        )
     coord = layout.coord(rank)
     tp = layout.tp
     for what, count in (("attention heads", shape.num_heads),
@@ -92,7 +103,7 @@ def fsdp_shard_layout(
                 "a tp that divides it."
             )
     specs = []
-    for spec in hf_layout(config, dtype=dtype):
+    for spec in hf_layout(config, dtype=dtype, packed_experts=bool(shape.num_experts)):
         style = _tp_style(spec.local_name) if tp > 1 else None
         if style == "colwise":
             spec = _split(spec, 0, _chunk(spec.local_shape[0], tp, coord.tp), 0)
@@ -100,5 +111,8 @@ def fsdp_shard_layout(
             spec = _split(spec, 1, _chunk(spec.local_shape[1], tp, coord.tp), 0)
         elif tp > 1:
             spec = _split(spec, 0, range(spec.local_shape[0]), coord.tp)
-        specs.append(_dp_rows(spec, layout.dp, coord.dp))
+        packed = shape.num_experts and spec.local_name.endswith(("experts.gate_up_proj",
+                                                                 "experts.down_proj"))
+        unit = spec.local_shape[0] // shape.num_experts if packed else 1
+        specs.append(_dp_rows(spec, layout.dp, coord.dp, unit))
     return specs

@@ -369,8 +369,11 @@ class HFRolloutEngine(RolloutEngine):
                      dtype: str = "float32") -> list[ShardSpec]:
         """What `weight_targets()` returns on `rank` of `layout`: every HF tensor, whole.
 
+        MoE families list transformers' packed experts by the canonical tensors of their
+        2-D views (`peerflow.models.packed_experts`).
+
         Raises:
-            ConfigError: The layout has tp/pp/ep > 1, or the model packs MoE experts.
+            ConfigError: The layout has tp/pp/ep > 1, or the family has no layout here.
         """
         from peerflow.models import ModelShape, hf_layout
 
@@ -382,15 +385,16 @@ class HFRolloutEngine(RolloutEngine):
         family = ModelShape.from_hf_config(hf_config).family
         if family not in cls.conformance_families():
             raise ConfigError(
-                f"the hf engine maps HF tensors one to one for {cls.conformance_families()}; "
-                f"model family {family!r} packs MoE experts, which its weight sync does not map."
+                f"the hf engine's declared layout covers {cls.conformance_families()}; model "
+                f"family {family!r} has no layout family in peerflow.models."
             )
-        return hf_layout(hf_config, replica=layout.coord(rank).dp, dtype=dtype)
+        return hf_layout(hf_config, replica=layout.coord(rank).dp, dtype=dtype,
+                         packed_experts=True)
 
     @classmethod
     def conformance_families(cls) -> tuple[str, ...]:
-        """Model families whose modules hold canonical HF tensors one to one."""
-        return ("llama", "qwen2", "qwen3")
+        """Model families whose modules' tensors map onto canonical HF tensors."""
+        return ("llama", "qwen2", "qwen3", "qwen3_moe")
 
     @classmethod
     def conformance_read_weights(cls, engine: HFRolloutEngine) -> dict[str, torch.Tensor]:
