@@ -60,12 +60,12 @@ def assemble(specs_per_rank, shards_per_rank) -> dict[str, torch.Tensor]:
             assert tuple(shard.shape) == spec.local_shape
             if spec.replica:
                 continue
-            (piece,) = spec.pieces
-            if piece.name not in full:
-                full[piece.name] = torch.zeros(piece.global_shape, dtype=shard.dtype)
-                written[piece.name] = torch.zeros(piece.global_shape, dtype=torch.int64)
-            full[piece.name][piece.global_box.slices()] = shard[piece.local_box.slices()]
-            written[piece.name][piece.global_box.slices()] += 1
+            for piece in spec.pieces:  # several for packed MoE experts, one per expert
+                if piece.name not in full:
+                    full[piece.name] = torch.zeros(piece.global_shape, dtype=shard.dtype)
+                    written[piece.name] = torch.zeros(piece.global_shape, dtype=torch.int64)
+                full[piece.name][piece.global_box.slices()] = shard[piece.local_box.slices()]
+                written[piece.name][piece.global_box.slices()] += 1
     for name, count in written.items():
         assert bool((count == 1).all()), f"{name}: elements written {count.unique().tolist()} times"
     return full
