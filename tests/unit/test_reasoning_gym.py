@@ -119,3 +119,20 @@ def test_missing_library_names_the_extra(monkeypatch, plugin_manager):
     text = "\n".join(dependency_problems(config, plugin_manager))
     assert ("task.name='reasoning-gym' needs the reasoning_gym package, which is not "
             "installed: pip install 'peerflow[reasoning-gym]'") in text
+
+
+def test_the_tiny_model_builder_covers_the_questions(tmp_path):
+    from transformers import AutoTokenizer
+
+    assert ReasoningGymTask.check_builder_options({"hidden_size": 32}) == []
+    assert ReasoningGymTask.check_builder_options({"hidden_sise": 32})
+    path = ReasoningGymTask.build_model({"hidden_size": 32, "intermediate_size": 64,
+                                         "num_layers": 1}, cache_dir=str(tmp_path))
+    tok = AutoTokenizer.from_pretrained(path)
+    task = _task(dataset="chain_sum", config={"max_terms": 2, "max_digits": 1},
+                 system_prompt="", answer_format="raw", train_size=4)
+    for example in task.examples("train", 0):
+        for text in (example.prompt, example.answer):
+            ids = tok(text, add_special_tokens=False)["input_ids"]
+            assert tok.unk_token_id not in ids
+            assert tok.decode(ids) == text

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Iterator
+import string
+from collections.abc import Iterator, Mapping
 from typing import Any, ClassVar
 
 import attrs
@@ -31,6 +32,8 @@ from peerflow.contrib.tasks.rewards import FunctionBackedReward
 MODULE, EXTRA = "reasoning_gym", "reasoning-gym"
 #: Where an example keeps what the reward needs (`Example.metadata` key).
 META_KEY = "reasoning_gym"
+#: The characters of the tiny model `model.builder: reasoning-gym` builds.
+ALPHABET = string.digits + string.ascii_letters + string.punctuation + " \n"
 
 
 def _positive(_: object, attribute: attrs.Attribute, value: int) -> None:
@@ -218,6 +221,30 @@ class ReasoningGymTask(Task):
         """Yields every item of `split` in index order."""
         for index in range(self.size(split)):
             yield self.example(split, index, seed)
+
+    @classmethod
+    def check_builder_options(cls, options: Mapping[str, Any]) -> list[str]:
+        """Validates `model.builder_options` against `TinyModelOptions`."""
+        from peerflow.contrib.tasks.tiny_model import options_from_mapping
+        from peerflow.errors import ConfigError
+
+        try:
+            options_from_mapping(options)
+        except ConfigError as exc:
+            return [str(exc)]
+        return []
+
+    @classmethod
+    def build_model(cls, options: Mapping[str, Any], cache_dir: str | None = None) -> str:
+        """A tiny Llama with a character tokenizer over printable ASCII (`model.builder`).
+
+        For CPU runs on families with short questions (`chain_sum`, `products` with one
+        digit): warm it up with `peerflow sft`, then train with GRPO (docs/environments.md).
+        """
+        from peerflow.contrib.tasks.tiny_model import build_tiny_model, options_from_mapping
+
+        return str(build_tiny_model("reasoning-gym", [ALPHABET], options_from_mapping(options),
+                                    cache_dir))
 
 
 def _split(split: str) -> str:
