@@ -197,6 +197,8 @@ def test_bearer_token_and_request_checks():
     auth = {"Authorization": "Bearer secret-token"}
     models = httpx.get(f"{root}/v1/models", headers=auth)
     assert models.json()["data"][0]["id"] == "policy"
+    outside = httpx.post(f"{root}/v1/chat/completions", json={}, headers=auth)
+    assert outside.status_code == 404 and "per episode" in outside.json()["error"]["message"]
     url = f"{root}/episodes/none/v1/chat/completions"
     body = {"model": "policy", "messages": [{"role": "user", "content": "hi"}]}
     assert httpx.post(url, json=body, headers=auth).status_code == 404

@@ -93,8 +93,9 @@ class AgentProgramOptions:
     process, handed to each episode as its `api_key`."""
     model_name: str = "policy"
     """The model id the endpoint serves (`/v1/models`, `model=` of each call)."""
-    wait_s: float = 120.0
-    """Seconds to wait for the program's next call (or its return)."""
+    wait_s: float = 25.0
+    """Seconds to wait for the program's next call (or its return); keep it below
+    `rollout.agent.step_timeout_s` (default 30)."""
     cut_reward: float = 0.0
     """Reward of an episode a `rollout.agent` limit cut whose program then raised."""
 

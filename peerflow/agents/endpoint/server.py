@@ -158,6 +158,13 @@ def build_app(endpoint: PolicyEndpoint) -> Any:
         status, body = await asyncio.wrap_future(episode.submit(call))
         return body if status == 200 else JSONResponse(body, status_code=status)
 
+    @app.post("/v1/chat/completions")
+    @app.post("/v1/completions")
+    @app.post("/inference/v1/generate")
+    async def outside_an_episode() -> Any:
+        return refuse(404, "calls are recorded per episode: use the base_url PeerFlow gave "
+                      "the episode (http://HOST:PORT/episodes/<id>/v1).")
+
     @app.post("/episodes/{episode_id}/v1/chat/completions")
     async def chat(episode_id: str, request: Request) -> Any:
         return await serve("chat", episode_id, await request.json())
