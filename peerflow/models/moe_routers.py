@@ -91,7 +91,7 @@ def route(router: torch.nn.Module, rule: RouterRule, hidden: torch.Tensor,
         `(logits [tokens, E], weights [tokens, k], indices [tokens, k], native [tokens, k])`:
         what the router's `forward` returns, plus the indices it would have chosen itself.
     """
-    hidden = hidden.reshape(-1, router.weight.shape[1])
+    hidden = hidden.reshape(-1, hidden.shape[-1])
     logits = F.linear(hidden, router.weight, getattr(router, "bias", None))
     k = router.top_k
     scores = F.softmax(logits, dtype=torch.float, dim=-1) if rule.softmax_first else logits

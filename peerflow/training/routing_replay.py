@@ -99,8 +99,9 @@ class RoutingReplay:
         layers = int(getattr(config, "num_hidden_layers", 0) or 0) or 1 + max(
             layer for layer, _, _ in routers)
         first = routers[0][2]
+        # the routers' own counts: a ZeRO-3-partitioned weight has no rows outside forward
         controller = cls(mode=mode, num_layers=layers, top_k=int(first.top_k),
-                         num_experts=int(first.weight.shape[0]),
+                         num_experts=int(first.num_experts),
                          sparse_layers=tuple(layer for layer, _, _ in routers))
         for layer, _, module in routers:
             module.forward = functools.partial(controller._route, layer, module, rule_of(module))

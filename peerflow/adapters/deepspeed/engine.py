@@ -18,6 +18,7 @@ DeepSpeed is imported inside methods only (see `EngineBase`).
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -37,6 +38,7 @@ from peerflow.capabilities import Capabilities
 from peerflow.engines import EngineContext, OptimSettings
 from peerflow.engines.train import tensors_of
 from peerflow.errors import ConfigError
+from peerflow.models.packed_experts import as_declared
 from peerflow.shard import ShardSpec
 from peerflow.training import (
     CausalLMTrainEngine,
@@ -95,19 +97,23 @@ def _no_init_weights() -> contextlib.AbstractContextManager:
     return no_init_weights()
 
 
+
+def _as_2d(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """A packed expert tensor's shape as its spec's 2-D view (`[E, R, C]` → `[E * R, C]`)."""
+    return shape if len(shape) <= 2 else (math.prod(shape[:-1]), shape[-1])
+
+
 class DeepSpeedTrainEngine(DeepSpeedCheckpoints, CausalLMTrainEngine):
     """Train engine backed by `deepspeed.initialize` (ZeRO stage from the options)."""
 
     name = "deepspeed"
     capabilities = Capabilities(
         checkpoint=True, lora=True, padding_free=True, activation_checkpointing=True,
+        routing_replay=True,
         reasons={"tensor_parallel": "DeepSpeed ZeRO here is data parallel only; use "
                                     "trainer.backend megatron for tensor parallelism",
                  "pipeline_parallel": "DeepSpeed ZeRO here is data parallel only; use "
-                                      "trainer.backend megatron for pipeline parallelism",
-                 "routing_replay": "the deepspeed adapter's weight export maps dense "
-                                   "families only, so no MoE model trains on it yet; use "
-                                   "trainer.backend fsdp (docs/moe.md)"})
+                                      "trainer.backend megatron for pipeline parallelism"})
     options_class = DeepSpeedOptions
     requires = ("deepspeed",)
     install_hint = (
@@ -154,6 +160,7 @@ class DeepSpeedTrainEngine(DeepSpeedCheckpoints, CausalLMTrainEngine):
         else:
             model = AutoModelForCausalLM.from_pretrained(context.model_path,
                                                          dtype=torch.float32)
+        self.attach_routing(model)  # MoE routers under the routing-replay controller
         if context.lora is not None:
             model = lora.apply_lora(model, context.lora)
         if optim.activation_checkpointing:
@@ -174,7 +181,7 @@ class DeepSpeedTrainEngine(DeepSpeedCheckpoints, CausalLMTrainEngine):
             self._specs = adapter_shard_layout(
                 {n: self._full_shape(p) for n, p in self._sync_params().items()}, layout,
                 dist.get_rank())
-        held = {n: self._full_shape(p) for n, p in self._sync_params().items()}
+        held = {n: _as_2d(self._full_shape(p)) for n, p in self._sync_params().items()}
         declared = {s.local_name: s.local_shape for s in self._specs}
         if held != declared:
             raise ConfigError(
@@ -270,9 +277,10 @@ class DeepSpeedTrainEngine(DeepSpeedCheckpoints, CausalLMTrainEngine):
             import deepspeed
 
             with deepspeed.zero.GatheredParameters(chosen, modifier_rank=None):
-                yield [p.data.detach() for p in chosen]
+                yield [as_declared(p.data.detach(), s) for p, s in zip(chosen, specs,
+                                                                       strict=True)]
         else:
-            yield [p.data.detach() for p in chosen]
+            yield [as_declared(p.data.detach(), s) for p, s in zip(chosen, specs, strict=True)]
 
     # ------------------------------------------------------- conformance hooks
     shard_layout = staticmethod(deepspeed_shard_layout)

@@ -10,15 +10,17 @@ from __future__ import annotations
 
 from typing import Any
 
+import attrs
+
 from peerflow.adapters.deepspeed.loading import owners_by_size
 from peerflow.errors import ConfigError
 from peerflow.layout import ParallelLayout
-from peerflow.models import ModelShape, hf_parameters
+from peerflow.models import ModelShape, hf_layout, hf_parameters
 from peerflow.shard import ShardSpec
 
-#: Dense HF families whose module names are the canonical names (MoE families pack experts
-#: differently in transformers 5, so their module names are not the canonical ones).
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+#: HF families whose module tensors map onto canonical names: dense ones one to one,
+#: Qwen3-MoE's packed experts by their 2-D views (`peerflow.models.packed_experts`).
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe")
 
 
 def check_layout(layout: ParallelLayout) -> None:
@@ -41,8 +43,12 @@ def deepspeed_shard_layout(hf_config: Any, layout: ParallelLayout, rank: int,
             f"trainer.backend=deepspeed: model_type {family!r} is not supported for weight "
             f"export; supported: {FAMILIES}."
         )
-    shapes = hf_parameters(hf_config)
     dp_rank, dp = layout.dp_rank(rank), layout.dp
+    if ModelShape.from_hf_config(hf_config).num_experts:
+        specs = hf_layout(hf_config, dtype=dtype, packed_experts=True)
+        owners = owners_by_size([(s.local_name, s.local_shape) for s in specs], dp)
+        return [attrs.evolve(s, replica=(dp_rank - owners[s.local_name]) % dp) for s in specs]
+    shapes = hf_parameters(hf_config)
     owners = owners_by_size(list(shapes.items()), dp)
     return [ShardSpec.of_slice(name, shape, dtype=dtype, replica=(dp_rank - owners[name]) % dp)
             for name, shape in shapes.items()]

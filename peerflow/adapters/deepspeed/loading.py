@@ -6,6 +6,7 @@ time and rank 0 copies the checkpoint tensor into it.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 import torch
@@ -35,7 +36,7 @@ def load_hf_weights(model: torch.nn.Module, model_path: str, *, partitioned: boo
 
         rank0 = dist.get_rank() == 0
     for name, param in model.named_parameters():
-        if name not in reader:
+        if name not in reader and not _has_experts(reader, name):
             if name == "lm_head.weight" and getattr(model.config, "tie_word_embeddings", False):
                 continue
             raise KeyError(
@@ -45,10 +46,38 @@ def load_hf_weights(model: torch.nn.Module, model_path: str, *, partitioned: boo
         if partitioned:
             with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
                 if rank0:
-                    param.data.copy_(reader.get(name))
+                    param.data.copy_(_read(reader, name))
         else:
             with torch.no_grad():
-                param.copy_(reader.get(name))
+                param.copy_(_read(reader, name))
+
+
+_PACKED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+
+
+def _has_experts(reader: SafetensorsReader, name: str) -> bool:
+    """Whether `name` is a packed expert tensor whose experts the checkpoint holds."""
+    match = _PACKED.match(name)
+    return match is not None and f"{match.group(1)}.0.down_proj.weight" in reader
+
+
+def _read(reader: SafetensorsReader, name: str) -> torch.Tensor:
+    """The checkpoint tensor `name`.
+
+    A transformers packed expert tensor is assembled from the checkpoint's experts, one by
+    one (`gate_up_proj` `[E, 2I, H]`: gate then up rows per expert; `down_proj` `[E, H, I]`).
+    """
+    if name in reader:
+        return reader.get(name)
+    match = _PACKED.match(name)
+    assert match is not None, name
+    prefix, experts = match.group(1), []
+    while f"{prefix}.{len(experts)}.down_proj.weight" in reader:
+        x = f"{prefix}.{len(experts)}."
+        experts.append(torch.cat([reader.get(f"{x}gate_proj.weight"),
+                                  reader.get(f"{x}up_proj.weight")])
+                       if match.group(2) == "gate_up_proj" else reader.get(f"{x}down_proj.weight"))
+    return torch.stack(experts)
 
 
 def owners_by_size(shapes: Sequence[tuple[str, tuple[int, ...]]], ranks: int) -> dict[str, int]:
