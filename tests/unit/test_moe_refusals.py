@@ -26,7 +26,7 @@ def test_replay_needs_a_trainer_under_the_controller(plugin_manager):
                      "trainer.routing_replay=r2")
     assert "trainer.routing_replay=r2: trainer.backend='megatron' does not declare " \
            "Capabilities.routing_replay: the megatron adapter builds dense GPTModels" in text
-    assert "use trainer.backend fsdp" in text
+    assert "use trainer.backend deepspeed or fsdp" in text
 
 
 def test_hf_rollout_and_fsdp_replay_pass(plugin_manager):
