@@ -303,6 +303,13 @@ class AgentProgram(Environment):
         if self.pending is not None:
             self.pending[1].set_result(self._refusal())
             self.pending = None
+        while True:  # calls that arrived after the last step: answered, never left waiting
+            try:
+                kind, _, future = self.inbox.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "call" and future is not None and not future.done():
+                future.set_result(self._refusal())
 
 
 class _Once:
