@@ -23,6 +23,7 @@ BENCHMARKS: dict[str, str] = {
     "async": "async_stream",
     "train": "train",
     "sandbox": "sandbox",
+    "moe": "moe",
 }
 
 

@@ -118,12 +118,14 @@ class RoutingReplay:
         self._logits[layer] = logits
         if forced is not None:
             known = (forced >= 0).all(dim=-1)
+            real = torch.ones_like(known) if self._real is None else self._real.reshape(-1).bool()
             overlap = (native[:, :, None] == forced[:, None, :].long()).any(-1).any(-1)
             differ = (native.sort(-1).values != forced.long().sort(-1).values).any(-1)
             # keyed by layer: a block recomputed in backward overwrites, never double-counts;
             # counted on the device, read once per micro-batch
             self._layer_stats[layer] = torch.stack([known.sum(), (known & ~overlap).sum(),
-                                                    (~known).sum(), (known & differ).sum()])
+                                                    (real & ~known).sum(),
+                                                    (known & differ).sum()])
         return logits, weights, indices
 
     # -- scopes the toolkit opens ----------------------------------------------------------
@@ -246,8 +248,8 @@ class RoutingReplay:
           expert with the replayed set (per layer: `…/layer_{L}`); 0 with nothing replayed;
         * `moe/replay_changed` — share of replayed (token, layer) routes whose native top-k
           set differs from the replayed one in at least one expert;
-        * `moe/rows_without_routes` — share of routed tokens that routed natively for
-          want of a route (-1) while replay was on;
+        * `moe/rows_without_routes` — share of routed (token, layer) pairs that routed
+          natively for want of a route (-1) while replay was on (padding not counted);
         * `moe/aux_loss` — mean load-balancing loss of the step's forwards;
         * `moe/load_violation` — mean over layers of `max load / mean load - 1`;
         * `moe/route_bytes` — bytes of `batch`'s routes field (when given and present).
