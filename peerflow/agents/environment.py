@@ -146,8 +146,11 @@ class Environment(abc.ABC):
         ruined with `done=True`, so it is scored and trained on.
         """
 
-    def final_reward(self) -> float | None:
+    def final_reward(self) -> float | dict[str, float] | None:
         """Returns the episode's outcome reward, or `None` to let the task's reward score it.
+
+        A dict of named rewards (a rubric's parts) is summed into the outcome; each also
+        becomes a reward component (`reward/<name>/mean`, shown in `peerflow samples`).
 
         Called once after the last turn. The default sums nothing and defers to the task's
         reward functions (which see the whole trajectory's text).

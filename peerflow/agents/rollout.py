@@ -184,7 +184,7 @@ class AgentRollout:
                 trajectories += self._step([t for t in active if not t.finish], renderer, turn)
             for t in trajectories:
                 t.end("max_turns")
-            return _pack(trajectories, self._final_rewards(trajectories), sampling.n,
+            return _pack(trajectories, *self._final_rewards(trajectories), sampling.n,
                          engine.weight_version)
         finally:  # closes run like steps: at once, each under the time limit, errors dropped
             self._call_each(_episodes(trajectories), lambda t: t.env.close())
@@ -321,19 +321,29 @@ class AgentRollout:
                 f"{outcome.error}")
         return not outcome.ok
 
-    def _final_rewards(self, trajectories: list[Trajectory]) -> list[float]:
-        """Each episode's `final_reward()`, called once and shared by its samples."""
+    def _final_rewards(self, trajectories: list[Trajectory]
+                       ) -> tuple[list[float], list[dict[str, float]]]:
+        """Each episode's `final_reward()`, called once and shared by its samples.
+
+        Returns:
+            The outcome reward of each sample (NaN: let the task's rewards score it), and
+            the named rewards it is the sum of (empty unless `final_reward` gave a dict).
+        """
         episodes = _episodes(trajectories)
         by_env = {}
         for last, outcome in zip(episodes,
                                  self._call_each(episodes, lambda t: t.env.final_reward())):
             by_env[id(last.env)] = outcome
-        rewards = []
+        rewards, named = [], []
         for t in trajectories:
             outcome = by_env[id(t.env)]
             value = None if self._failed(t, "final_reward", outcome) else outcome.value
+            parts = {str(k): float(v) for k, v in value.items()} if isinstance(value,
+                                                                                dict) else {}
+            value = sum(parts.values()) if isinstance(value, dict) else value
             rewards.append(float("nan") if value is None else float(value))
-        return rewards
+            named.append(parts)
+        return rewards, named
 
 
 def _episodes(trajectories: list[Trajectory]) -> list[Trajectory]:
@@ -341,12 +351,16 @@ def _episodes(trajectories: list[Trajectory]) -> list[Trajectory]:
     return list({id(t.env): t for t in trajectories}.values())
 
 
+#: Per sample: the named rewards `final_reward()` returned as a dict (their sum is the
+#: outcome); they join the reward components (`reward/<name>/mean`, the samples' table).
+ENV_REWARD_COMPONENTS = "env_reward_components"
 #: Sample ids of an episode's later samples (`StepResult.restart`): `segment` times this
 #: plus the first sample's id, so they never meet the dense ids of first samples.
 SEGMENT_STRIDE = 1 << 40
 
 
-def _pack(trajectories: list[Trajectory], final: list[float], n: int, version: int) -> Batch:
+def _pack(trajectories: list[Trajectory], final: list[float], named: list[dict[str, float]],
+          n: int, version: int) -> Batch:
     """Packs finished trajectories into a batch (ids as `generate_batch`'s)."""
     def ragged(rows: list[list[Any]], dtype: torch.dtype) -> RaggedField:
         return RaggedField.from_tensors([torch.tensor(r, dtype=dtype) for r in rows], dtype=dtype)
@@ -366,6 +380,7 @@ def _pack(trajectories: list[Trajectory], final: list[float], n: int, version: i
     batch.set(TOKEN_VERSIONS, ragged([t.versions for t in ts], torch.int64))
     batch.set("token_rewards", ragged([t.token_rewards for t in ts], torch.float32))
     batch.set("env_reward", torch.tensor(final, dtype=torch.float32))
+    batch.set_objects(ENV_REWARD_COMPONENTS, named)
     batch.set("num_turns", torch.tensor([t.turns for t in ts], dtype=torch.int64))
     batch.set_objects("finish_reason", [t.finish for t in ts])
     batch.set_objects("agent_error", [t.error for t in ts])

@@ -56,6 +56,7 @@ def score_texts(rewards: Any, batch: Batch, texts: list[str], *, step: int = 0,
     (`peerflow.rewards.trl_style`). Agent episodes (`env_reward` in the batch) keep their
     environment's outcome reward (`Environment.final_reward`) where it gave one (a task
     reward's failure on them then does not count); the task's rewards score the others.
+    Named rewards an environment returned join the components (NaN where it gave none).
     """
     context = {"completion_ids": [row.tolist() for row in batch.ragged("response_ids").rows()],
                "step": step, "steps": steps}
@@ -65,7 +66,15 @@ def score_texts(rewards: Any, batch: Batch, texts: list[str], *, step: int = 0,
     env = batch["env_reward"].tolist()
     total = [task if math.isnan(e) else e for task, e in zip(scores.total, env)]
     failed = [f and math.isnan(e) for f, e in zip(scores.failed, env)]
-    return attrs.evolve(scores, total=total, failed=failed)
+    components, means = dict(scores.components), dict(scores.metrics)
+    named = batch["env_reward_components"] if "env_reward_components" in batch else []
+    for name in sorted({k for row in named for k in row}):  # the environment's own rewards
+        values = [row.get(name, math.nan) for row in named]
+        given = [v for v in values if not math.isnan(v)]
+        components[name] = values
+        means[f"reward/{name}/mean"] = (sum(given) / len(given), len(given))
+    return attrs.evolve(scores, total=total, failed=failed, components=components,
+                        metrics=means)
 
 
 def _score(rt: WorkerRuntime, batch: Batch, node: Any = None,

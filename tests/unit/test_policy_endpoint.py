@@ -152,7 +152,21 @@ def test_completion_and_token_in_generate_routes(engine):
         prompt, response, _, mask = row
         assert 5 in response.tolist() and not all(mask.tolist())
     assert batch["env_reward"].tolist() == [1.5] * 4  # named rewards summed
-    assert all(info["reward_format"] == 0.5 for info in batch["agent_info"])
+    assert batch["env_reward_components"] == [{"format": 0.5, "length": 1.0}] * 4
+
+
+def test_named_rewards_join_the_reward_components(engine, plugin_manager):
+    from peerflow.rewards import build_reward_set
+    from peerflow.worker.executors import score_texts
+
+    batch = _run(engine, "completion_agent")
+    config = load_config(None, ["task.reward=exact_match", "task.reward_limits.workers=0"])
+    rewards = build_reward_set(config.task, plugin_manager, "exact_match")
+    scores = score_texts(rewards, batch, ["x"] * len(batch))
+    assert scores.total == [1.5] * 4  # the environment's outcome, not exact_match's 0
+    assert scores.components["format"] == [0.5] * 4
+    assert scores.components["length"] == [1.0] * 4
+    assert scores.metrics["reward/format/mean"] == (0.5, 4)
 
 
 def test_a_rewritten_turn_starts_a_new_sample_and_says_so(engine, tok):

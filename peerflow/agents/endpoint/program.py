@@ -8,8 +8,8 @@ Per trajectory, the function runs on its own thread as
     run_episode(base_url=..., api_key=..., model=..., example={prompt, answer, ...})
 
 and talks to the policy endpoint (`peerflow.agents.endpoint.server`) under the episode's
-`base_url`. It returns the episode's reward (a float; a dict of named rewards, summed; or
-`None` to let the task's reward score the trajectory's text).
+`base_url`. It returns the episode's reward (a float; a dict of named rewards, summed,
+each a reward component; or `None` to let the task's reward score the trajectory's text).
 
 This is an `Environment` of the one agent driver (`peerflow.agents.rollout`), turned
 inside out: a call's prompt is the driver's next input, and what the driver samples for it
@@ -210,7 +210,7 @@ class AgentProgram(Environment):
             raise RuntimeError(f"the agent program raised {type(value).__name__}: {value}")
         if kind == "done":
             self.outcome = (kind, value)
-            return StepResult(done=True, info=_reward_info(value))
+            return StepResult(done=True)
         assert next_future is not None
         try:
             extends, ids = self._extension(value, turn)
@@ -269,7 +269,7 @@ class AgentProgram(Environment):
         self.history = list(call.messages) + [normal_message(message)]
         return chat_response(call, reply, message, finish, self.tokenizer)
 
-    def final_reward(self) -> float | None:
+    def final_reward(self) -> float | dict[str, float] | None:
         """The program's reward, once it returns.
 
         A cut episode's pending call is answered 503 first, so the program can return.
@@ -290,10 +290,8 @@ class AgentProgram(Environment):
             if self.cut:
                 return float(self.options.cut_reward)
             raise RuntimeError(f"the agent program raised {type(value).__name__}: {value}")
-        if value is None:
-            return None
-        if isinstance(value, dict):
-            return float(sum(float(v) for v in value.values()))
+        if value is None or isinstance(value, dict):
+            return value  # named rewards: the driver sums them and keeps each as a component
         return float(value)
 
     def close(self) -> None:
@@ -327,13 +325,6 @@ class _Once:
 
 
 _RUN_TOKEN = _Once()
-
-
-def _reward_info(value: Any) -> dict[str, float]:
-    """Named rewards a program returned, as `reward_<name>` numbers (metrics)."""
-    if not isinstance(value, dict):
-        return {}
-    return {f"reward_{k}": float(v) for k, v in value.items()}
 
 
 def _assistant_message(reply: Reply, tools: bool, index: int) -> tuple[dict[str, Any], str]:
