@@ -154,8 +154,9 @@ class MegatronTrainEngine(MegatronCheckpoints, CausalLMTrainEngine):
                                         "activation recompute",
             "routing_replay": "the megatron adapter builds dense GPTModels only; Megatron's "
                               "MoE and its moe_enable_routing_replay are not wired (docs/moe.md)",
-            "expert_parallel": "the megatron adapter builds dense GPTModels only; Megatron's "
-                               "MoE layers and expert parallelism are not wired (docs/moe.md)",
+            "expert_parallel": "the megatron adapter builds dense GPTModels only; "
+                               "megatron-core's MoE runs at ep=2 on CPU over gloo, but the "
+                               "adapter does not build MoE layers yet (docs/moe.md)",
         })
     options_class = MegatronOptions
     requires = ("megatron.core",)
