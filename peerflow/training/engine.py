@@ -313,7 +313,7 @@ class CausalLMTrainEngine(TrainEngine, abc.ABC):
         metrics = tally.summary(group=self.dp_group, lr=self.current_lr(),
                                 share=self.share_from_last_stage)
         if self.routing is not None:
-            metrics.update(self.routing.step_metrics(batch))  # this rank's tokens
+            metrics.update(self.routing.step_metrics(batch, self.dp_group))
         return metrics
 
     def _objective(self, loss: LossFunction, tally: StepTally, tokens: int, samples: int,

@@ -241,34 +241,52 @@ class RoutingReplay:
 
     # -- metrics ---------------------------------------------------------------------------
 
-    def step_metrics(self, batch: Batch | None = None) -> dict[str, float]:
-        """The step's `moe/*` metrics (this rank's tokens), and resets the counters.
+    def step_metrics(self, batch: Batch | None = None,
+                     group: object | None = None) -> dict[str, float]:
+        """The step's `moe/*` metrics over the ranks of `group`, and resets the counters.
 
-        * `moe/replay_no_overlap` — share of replayed tokens whose native top-k shares no
-          expert with the replayed set (per layer: `…/layer_{L}`); 0 with nothing replayed;
-        * `moe/replay_changed` — share of replayed (token, layer) routes whose native top-k
-          set differs from the replayed one in at least one expert;
+        Collective over `group` (the dp group; `None`: this rank alone): counts are summed
+        over the ranks before the shares are taken.
+
+        * `moe/replay_no_overlap` — share of replayed (token, layer) routes whose native
+          top-k shares no expert with the replayed set (per layer: `…/layer_{L}`);
+        * `moe/replay_changed` — share of replayed routes whose native top-k set differs
+          from the replayed one in at least one expert;
         * `moe/rows_without_routes` — share of routed (token, layer) pairs that routed
           natively for want of a route (-1) while replay was on (padding not counted);
         * `moe/aux_loss` — mean load-balancing loss of the step's forwards;
         * `moe/load_violation` — mean over layers of `max load / mean load - 1`;
-        * `moe/route_bytes` — bytes of `batch`'s routes field (when given and present).
+        * `moe/route_bytes` — bytes of the routes field of `batch` (summed over ranks).
         """
-        stats, out = self._stats, {}
-        if batch is not None and ROUTES in batch:
-            out["moe/route_bytes"] = float(route_bytes(batch))
-        replayed = sum(stats.replayed.values())
-        if replayed:
-            out.update({f"moe/replay_no_overlap/layer_{layer}": stats.no_overlap[layer] / count
-                        for layer, count in sorted(stats.replayed.items()) if count})
-            out["moe/replay_no_overlap"] = sum(stats.no_overlap.values()) / replayed
-            out["moe/replay_changed"] = stats.differ / replayed
-        if stats.routed_tokens and self.mode != "off":
-            out["moe/rows_without_routes"] = stats.without_routes / stats.routed_tokens
-        if stats.aux:
-            out["moe/aux_loss"] = sum(stats.aux) / len(stats.aux)
-        if stats.violation:
-            means = [sum(v) / len(v) for v in stats.violation.values()]
+        from peerflow.training.collectives import all_reduce_sum
+
+        stats, layers = self._stats, self.sparse_layers
+        mine = [stats.replayed.get(layer, 0) for layer in layers]
+        mine += [stats.no_overlap.get(layer, 0) for layer in layers]
+        mine += [sum(v) for v in (stats.violation.get(layer, []) for layer in layers)]
+        mine += [len(stats.violation.get(layer, [])) for layer in layers]
+        mine += [stats.differ, stats.without_routes, stats.routed_tokens, sum(stats.aux),
+                 len(stats.aux), route_bytes(batch) if batch is not None else 0,
+                 int(batch is not None and ROUTES in batch)]
+        total = all_reduce_sum(mine, group)
+        n = len(layers)
+        replayed, missed = total[:n], total[n:2 * n]
+        violation, violations = total[2 * n:3 * n], total[3 * n:4 * n]
+        differ, without, routed, aux, auxes, nbytes, has_routes = total[4 * n:]
+        out: dict[str, float] = {}
+        if has_routes:
+            out["moe/route_bytes"] = nbytes
+        if sum(replayed):
+            out.update({f"moe/replay_no_overlap/layer_{layer}": m / r
+                        for layer, m, r in zip(layers, missed, replayed, strict=True) if r})
+            out["moe/replay_no_overlap"] = sum(missed) / sum(replayed)
+            out["moe/replay_changed"] = differ / sum(replayed)
+        if routed and self.mode != "off":
+            out["moe/rows_without_routes"] = without / routed
+        if auxes:
+            out["moe/aux_loss"] = aux / auxes
+        means = [v / c for v, c in zip(violation, violations, strict=True) if c]
+        if means:
             out["moe/load_violation"] = sum(means) / len(means)
         self._stats = _Stats()
         return out
