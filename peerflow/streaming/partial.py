@@ -13,6 +13,9 @@ prefix when a request continues (engines with a prefix cache make that cheap). E
 that pause in-flight requests themselves (`Capabilities.partial_rollout`) report their own
 segments inside a chunk; those are merged, offset by the chunk's start.
 
+A mixture-of-experts engine's `routed_experts` are merged the same way: tokens keep the
+routes of the weights they were fed under (`_merge_routes`).
+
 Stop strings are matched within a chunk; one spanning a chunk boundary is found only if
 the engine's tokenizer-level stop handling sees the whole string in the continuation.
 """
@@ -22,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import attrs
+import torch
 
 from peerflow.engines import GenerationRequest, GenerationResult, RolloutEngine, SamplingParams
 from peerflow.streaming.versions import append_segment
@@ -37,6 +41,7 @@ class _Answer:
     segments: tuple[tuple[int, int], ...] = ()
     finish_reason: str = "length"
     done: bool = False
+    routes: torch.Tensor | None = None  # [prompt + tokens, layers, k] (MoE engines)
 
 
 def _continue_seed(seed: int | None, chunk: int) -> int | None:
@@ -52,8 +57,22 @@ def _absorb(answer: _Answer, result: GenerationResult, version: int, limit: int)
         answer.segments = append_segment(answer.segments, start + offset, seg_version)
     answer.tokens += list(result.token_ids)
     answer.logprobs += list(result.logprobs)
+    answer.routes = _merge_routes(answer.routes, result.routed_experts)
     answer.finish_reason = result.finish_reason
     answer.done = result.finish_reason != "length" or len(answer.tokens) >= limit
+
+
+def _merge_routes(held: torch.Tensor | None, new: torch.Tensor | None) -> torch.Tensor | None:
+    """An answer's routes after a chunk (MoE engines that return `routed_experts`).
+
+    A continuation re-reads the prompt and every token so far, so its routes cover them
+    all: tokens fed in earlier chunks keep the routes of the weights they were fed under;
+    the previous last token (never fed before, -1) and the new tokens take this chunk's.
+    """
+    if held is None or new is None:
+        return new
+    fed = len(held) - 1
+    return torch.cat([held[:fed], new[fed:]])
 
 
 def generate_in_segments(
@@ -115,11 +134,14 @@ def generate_in_segments(
             answer = open_answers[res.request_id]
             room = limit - len(answer.tokens)
             if len(res.token_ids) > room:  # the shared budget overshot this answer
+                routes = res.routed_experts
                 res = attrs.evolve(
                     res,
                     token_ids=res.token_ids[:room],
                     logprobs=res.logprobs[:room],
                     finish_reason="length",
+                    routed_experts=None if routes is None else routes[
+                        : len(answer.prompt) + len(answer.tokens) + room],
                 )
             _absorb(answer, res, version, limit)
         chunk += 1
@@ -131,6 +153,7 @@ def generate_in_segments(
             logprobs=a.logprobs,
             finish_reason=a.finish_reason,
             version_segments=a.segments,
+            routed_experts=a.routes,
         )
         for a in answers
     ]
