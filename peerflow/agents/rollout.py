@@ -40,12 +40,14 @@ from peerflow.agents.concurrent import Outcome, run_with_limits
 from peerflow.agents.environment import Environment, StepResult, Turn
 from peerflow.agents.metrics import FINISH_REASONS, record_episode_metrics  # noqa: F401 — re-exported
 from peerflow.agents.render import TurnRenderer
+from peerflow.agents.routes import add_observation_routes, add_turn_routes, pack_routes
 from peerflow.algorithms.base import dataset_row
 from peerflow.batch import LOSS_MASK, Batch, RaggedField
 from peerflow.engines import GenerationRequest, RolloutEngine, SamplingParams
 from peerflow.rollout.generate import check_results
 from peerflow.rollout.prompts import encode_prompt
 from peerflow.rollout.sampler import Draw
+from peerflow.routes import ROUTES
 from peerflow.streaming.versions import TOKEN_VERSIONS, token_versions
 
 
@@ -76,6 +78,8 @@ class Trajectory:
     last_turn: Turn | None = None
     segment: int = 0
     """Which sample of its episode this is (> 0 after a `StepResult.restart`)."""
+    routes: list[Any] = attrs.field(factory=list)
+    """MoE engines: route rows per turn, or a count of -1 rows (`peerflow.agents.routes`)."""
 
     def end(self, reason: str, error: str = "") -> None:
         """Ends the episode (the first reason given wins)."""
@@ -248,6 +252,7 @@ class AgentRollout:
             room = min(per_turn, limit - len(t.tokens))
             ids = list(res.token_ids)
             versions = token_versions(res.version_segments, len(ids), version).tolist()
+            add_turn_routes(t, res.routed_experts, len(ids[:room]))
             t.append(ids[:room], res.logprobs[:room], versions[:room], sampled=True)
             t.turns += 1
             cut = len(ids) > room or (res.finish_reason == "length" and room < per_turn)
@@ -300,6 +305,7 @@ class AgentRollout:
             t.end("max_tokens")
             return
         last = t.versions[-1] if t.versions else 0
+        add_observation_routes(t, len(ids))
         t.append(ids, [0.0] * len(ids), [last] * len(ids), sampled=False)
 
     def _call_each(self, trajectories: list[Trajectory],
@@ -379,6 +385,9 @@ def _pack(trajectories: list[Trajectory], final: list[float], named: list[dict[s
     batch.set(LOSS_MASK, ragged([t.mask for t in ts], torch.bool))
     batch.set(TOKEN_VERSIONS, ragged([t.versions for t in ts], torch.int64))
     batch.set("token_rewards", ragged([t.token_rewards for t in ts], torch.float32))
+    routes = pack_routes(ts)  # MoE engines: prompt + response, -1 on observations
+    if routes is not None:
+        batch.set(ROUTES, routes)
     batch.set("env_reward", torch.tensor(final, dtype=torch.float32))
     batch.set_objects(ENV_REWARD_COMPONENTS, named)
     batch.set("num_turns", torch.tensor([t.turns for t in ts], dtype=torch.int64))
