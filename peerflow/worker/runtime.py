@@ -207,8 +207,10 @@ class WorkerRuntime:
             return _base_model_view(self.engines)
         options = _options(cls, section, f"trainer.{cfg.trainer.backend}")
         lora = cfg.trainer.lora if role == "actor" else None
-        return cls(self.context(role, process_group, lora), options,
-                   cfg.trainer.optim_settings(steps=cfg.run.steps))
+        optim = cfg.trainer.optim_settings(steps=cfg.run.steps)
+        if role != "actor":  # MoE routing replay is the actor's: ref and critic route natively
+            optim = attrs.evolve(optim, routing_replay="off")
+        return cls(self.context(role, process_group, lora), options, optim)
 
 
 def _base_model_view(engines: dict[str, Any]) -> Any:
