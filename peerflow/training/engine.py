@@ -269,9 +269,7 @@ class CausalLMTrainEngine(TrainEngine, abc.ABC):
                 f"this {self.name} engine was built as a critic (value head); use "
                 "forward_values, or build another engine for log-probs."
             )
-        if self.routing is not None and self.routing.mode == "r2":
-            self.routing.clear_store()  # this pass records the routes the update replays
-        return self._forward_no_grad(batch)
+        return self._forward_no_grad(batch)  # under r2 it records the routes train_step replays
 
     def forward_values(self, batch: Batch) -> RaggedField:
         """Per-response-token values (float32, no grad) of a critic."""
@@ -314,6 +312,7 @@ class CausalLMTrainEngine(TrainEngine, abc.ABC):
                                 share=self.share_from_last_stage)
         if self.routing is not None:
             metrics.update(self.routing.step_metrics(batch, self.dp_group))
+            self.routing.forget(batch.sample_id)  # r2: these samples' routes are spent
         return metrics
 
     def _objective(self, loss: LossFunction, tally: StepTally, tokens: int, samples: int,

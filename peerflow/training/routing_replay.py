@@ -235,9 +235,14 @@ class RoutingReplay:
             rows.append(row)
         return RaggedField.from_tensors(rows, dtype=torch.int16)
 
-    def clear_store(self) -> None:
-        """Forgets the r2 routes (after the step that replayed them)."""
-        self._store.clear()
+    def forget(self, sample_ids: torch.Tensor) -> None:
+        """Forgets the r2 routes of these samples (after the step that replayed them).
+
+        Only theirs: under async streaming the old-log-prob pass runs per micro-batch, and
+        samples of the next step may already be recorded.
+        """
+        for sample in sample_ids.tolist():
+            self._store.pop(int(sample), None)
 
     # -- metrics ---------------------------------------------------------------------------
 

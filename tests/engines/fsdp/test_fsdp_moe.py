@@ -113,10 +113,14 @@ def test_r2_replays_the_trainers_own_routes(moe_model, rollout):
     plain = Batch(sample_id=batch.sample_id, group_id=batch.group_id,
                   weight_version=batch.weight_version,
                   fields={k: v for k, v in batch.fields.items() if k != ROUTES})
-    trainer.forward_logprobs(plain)  # records the trainer's routes by sample id
+    half = len(plain) // 2  # old log-probs per micro-batch, as async streaming runs them
+    trainer.forward_logprobs(plain.select(range(half)))  # records routes by sample id
+    trainer.forward_logprobs(plain.select(range(half, len(plain))))
     metrics = trainer.train_step(plain, nll_loss)
     assert metrics["moe/replay_no_overlap"] == 0.0  # same weights, same routes
     assert metrics["moe/rows_without_routes"] == 0.0
+    metrics = trainer.train_step(plain, nll_loss)  # spent: a second update routes natively
+    assert metrics["moe/rows_without_routes"] == 1.0
 
 
 def test_r3_without_routes_fails_closed(moe_model, rollout):
