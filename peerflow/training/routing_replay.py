@@ -139,7 +139,8 @@ class RoutingReplay:
             forced: Expert ids per token of the forward (its `input_ids` flattened), on
                 the model's device; `None` routes natively.
             record: Keep the native routes (`recorded()`).
-            real: `[tokens]` bool, the non-padding tokens (aux loss and metrics).
+            real: Non-zero on the forward's non-padding tokens (`[B, L]` attention mask or
+                `[tokens]`), for the aux loss and metrics; `None`: every token.
         """
         if forced is not None and (forced.ndim != 3 or forced.shape[1:] != (self.num_layers,
                                                                             self.top_k)):
