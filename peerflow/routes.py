@@ -23,6 +23,9 @@ from peerflow.batch import Batch, RaggedField
 
 #: The batch field of routes: int16 `[tokens, layers, top_k]`, ragged per sample.
 ROUTES = "routed_experts"
+#: The trainer's own routes from its old-log-prob pass (`trainer.routing_replay: r2`), the
+#: same layout; set by `forward_logprobs`, so they travel with their samples to the update.
+OLD_ROUTES = "old_routed_experts"
 
 
 def routes_column(results: Sequence[Any], prompt_lengths: Sequence[int]) -> RaggedField | None:
@@ -64,8 +67,11 @@ def routes_column(results: Sequence[Any], prompt_lengths: Sequence[int]) -> Ragg
 
 
 def route_bytes(batch: Batch) -> int:
-    """Bytes of the batch's `ROUTES` field (values and offsets); 0 without one."""
-    if ROUTES not in batch:
-        return 0
-    field = batch.ragged(ROUTES)
-    return field.values.numel() * field.values.element_size() + field.offsets.numel() * 8
+    """Bytes of the batch's `ROUTES` and `OLD_ROUTES` fields (values and offsets)."""
+    total = 0
+    for name in (ROUTES, OLD_ROUTES):
+        if name in batch:
+            field = batch.ragged(name)
+            total += field.values.numel() * field.values.element_size() + \
+                field.offsets.numel() * 8
+    return total

@@ -46,6 +46,7 @@ from peerflow.batch import Batch, RaggedField
 from peerflow.distributed.devices import resolve_bf16
 from peerflow.engines.base import EngineContext
 from peerflow.engines.train import LossFunction, OptimSettings, TrainEngine
+from peerflow.routes import OLD_ROUTES
 from peerflow.training.collectives import global_counts
 from peerflow.training.inputs import PaddedInputs, gather_results, pad_inputs
 from peerflow.training.logprobs import VocabShard, token_entropy, token_logprobs
@@ -263,13 +264,19 @@ class CausalLMTrainEngine(TrainEngine, abc.ABC):
         """Log-probs at the sampling temperature (float32, no grad) of response tokens.
 
         Collective over the engine's group: every rank calls it (with its own samples).
+        Under `trainer.routing_replay: r2` it also adds the pass's routes to `batch`
+        (`peerflow.routes.OLD_ROUTES`), which the update then replays.
         """
         if self.produces_values:
             raise RuntimeError(
                 f"this {self.name} engine was built as a critic (value head); use "
                 "forward_values, or build another engine for log-probs."
             )
-        return self._forward_no_grad(batch)  # under r2 it records the routes train_step replays
+        logprobs = self._forward_no_grad(batch)
+        if self.routing is not None and self.routing.mode == "r2":
+            # the routes of this pass travel with their samples to the update that replays them
+            batch.set(OLD_ROUTES, self.routing.take(batch))
+        return logprobs
 
     def forward_values(self, batch: Batch) -> RaggedField:
         """Per-response-token values (float32, no grad) of a critic."""
@@ -312,7 +319,6 @@ class CausalLMTrainEngine(TrainEngine, abc.ABC):
                                 share=self.share_from_last_stage)
         if self.routing is not None:
             metrics.update(self.routing.step_metrics(batch, self.dp_group))
-            self.routing.forget(batch.sample_id)  # r2: these samples' routes are spent
         return metrics
 
     def _objective(self, loss: LossFunction, tally: StepTally, tokens: int, samples: int,

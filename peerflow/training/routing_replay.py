@@ -11,7 +11,8 @@ from the live router (`peerflow.models.moe_routers.route`), so the router keeps 
   logical expert ids, -1 where there is no route), replayed in the old-log-prob pass and
   in every update pass;
 * `r2` — the trainer's own routes, recorded in its old-log-prob pass
-  (`forward_logprobs`) by sample id and replayed in the update passes (`train_step`);
+  (`forward_logprobs`, which adds them to the batch as `OLD_ROUTES`, so they travel with
+  their samples wherever the coordinator sends them) and replayed in the update passes;
 * `off` — native routing; the load-balancing loss and its metrics still work.
 
 `RoutingReplay.attach(model, mode)` rebinds the `forward` of every router of a stock
@@ -36,7 +37,7 @@ import torch
 from peerflow.batch import Batch, RaggedField
 from peerflow.errors import ConfigError
 from peerflow.models.moe_routers import RouterRule, find_routers, route, rule_of
-from peerflow.routes import ROUTES, route_bytes
+from peerflow.routes import OLD_ROUTES, ROUTES, route_bytes
 
 #: Values of `trainer.routing_replay`.
 MODES = ("off", "r2", "r3")
@@ -221,29 +222,26 @@ class RoutingReplay:
     # -- r2 --------------------------------------------------------------------------------
 
     def store(self, sample_ids: torch.Tensor, routes: RaggedField) -> None:
-        """Keeps the trainer's own routes of these samples for the update passes (r2)."""
+        """Keeps the trainer's own routes of these samples until `take` (r2)."""
         values = routes.values.cpu()
         for i, sample in enumerate(sample_ids.tolist()):
             self._store[int(sample)] = values[int(routes.offsets[i]):int(routes.offsets[i + 1])]
 
-    def stored(self, batch: Batch, lengths: torch.Tensor) -> RaggedField:
-        """The stored routes of `batch`'s samples (all -1 for a sample without them)."""
-        rows = []
-        for sample, length in zip(batch.sample_id.tolist(), lengths.tolist(), strict=True):
-            row = self._store.get(int(sample))
-            if row is None or len(row) != length:
-                row = torch.full((length, self.num_layers, self.top_k), -1, dtype=torch.int16)
-            rows.append(row)
-        return RaggedField.from_tensors(rows, dtype=torch.int16)
+    def take(self, batch: Batch) -> RaggedField:
+        """The routes recorded for `batch`'s samples, in its order, and forgets them.
 
-    def forget(self, sample_ids: torch.Tensor) -> None:
-        """Forgets the r2 routes of these samples (after the step that replayed them).
-
-        Only theirs: under async streaming the old-log-prob pass runs per micro-batch, and
-        samples of the next step may already be recorded.
+        Raises:
+            KeyError: a sample has none (its pass did not run under `forcing(record=True)`).
         """
-        for sample in sample_ids.tolist():
-            self._store.pop(int(sample), None)
+        missing = [int(s) for s in batch.sample_id.tolist() if int(s) not in self._store]
+        if missing:
+            raise KeyError(f"no recorded routes for samples {missing[:5]}.")
+        rows = [self._store.pop(int(s)) for s in batch.sample_id.tolist()]
+        if not rows:
+            return RaggedField(values=torch.empty((0, self.num_layers, self.top_k),
+                                                  dtype=torch.int16),
+                               offsets=torch.zeros(1, dtype=torch.int64))
+        return RaggedField.from_tensors(rows, dtype=torch.int16)
 
     # -- metrics ---------------------------------------------------------------------------
 
@@ -357,7 +355,10 @@ def micro_batch_scope(controller: RoutingReplay | None, micro: Any) -> Iterator[
     """What the toolkit opens around one micro-batch's forward and backward.
 
     Under `r3` the batch's `ROUTES` are replayed; under `r2` a pass without gradient
-    records the trainer's own routes by sample id and a pass with gradient replays them;
+    records the trainer's own routes (`RoutingReplay.take` hands them to the batch) and a
+    pass with gradient replays the batch's `OLD_ROUTES` — a batch without them (no
+    old-log-prob pass ran: the planner drops it with one optimiser step per batch, whose
+    forward is then the first) routes natively;
     under `off` (and for a dense model, `controller is None`) routing is native.
 
     Raises:
@@ -377,11 +378,9 @@ def micro_batch_scope(controller: RoutingReplay | None, micro: Any) -> Iterator[
                 "Capabilities.routed_experts (hf), or set trainer.routing_replay: r2.")
         forced = routes_on_inputs(batch.ragged(ROUTES), inputs, num_layers=controller.num_layers,
                                   top_k=controller.top_k)
-    elif controller.mode == "r2" and torch.is_grad_enabled():
-        tokens = (inputs.prompt_lengths + inputs.response_lengths)[: inputs.samples].cpu()
-        stored = controller.stored(batch, tokens)
-        forced = routes_on_inputs(stored, inputs, num_layers=controller.num_layers,
-                                  top_k=controller.top_k)
+    elif controller.mode == "r2" and torch.is_grad_enabled() and OLD_ROUTES in batch:
+        forced = routes_on_inputs(batch.ragged(OLD_ROUTES), inputs,
+                                  num_layers=controller.num_layers, top_k=controller.top_k)
     elif controller.mode == "r2":
         record = True
     mask = getattr(inputs, "attention_mask", None)

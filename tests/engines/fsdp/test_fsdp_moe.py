@@ -14,7 +14,7 @@ import torch
 from peerflow import Batch, GenerationRequest, ParallelLayout, SamplingParams
 from peerflow.batch import RaggedField
 from peerflow.engines import EngineContext, OptimSettings
-from peerflow.routes import ROUTES, routes_column
+from peerflow.routes import OLD_ROUTES, ROUTES, routes_column
 from tests.engines.fsdp.fsdp_testlib import nll_loss, to_batch
 
 TEMPERATURE = 0.7
@@ -113,14 +113,22 @@ def test_r2_replays_the_trainers_own_routes(moe_model, rollout):
     plain = Batch(sample_id=batch.sample_id, group_id=batch.group_id,
                   weight_version=batch.weight_version,
                   fields={k: v for k, v in batch.fields.items() if k != ROUTES})
+    metrics = trainer.train_step(plain, nll_loss)  # no old-log-prob pass: nothing to replay
+    assert "moe/replay_changed" not in metrics and "moe/rows_without_routes" not in metrics
     half = len(plain) // 2  # old log-probs per micro-batch, as async streaming runs them
-    trainer.forward_logprobs(plain.select(range(half)))  # records routes by sample id
-    trainer.forward_logprobs(plain.select(range(half, len(plain))))
-    metrics = trainer.train_step(plain, nll_loss)
+    parts = [plain.select(range(half)), plain.select(range(half, len(plain)))]
+    for part in parts:
+        trainer.forward_logprobs(part)  # adds the pass's routes to the batch
+    # the coordinator may hand the samples to the update in another order: routes go along
+    joined = Batch.concat(parts[::-1])
+    assert joined.ragged(OLD_ROUTES).values.dtype == torch.int16
+    assert torch.equal(joined.ragged(OLD_ROUTES).lengths,
+                       joined.lengths("prompt_ids") + joined.lengths("response_ids"))
+    metrics = trainer.train_step(joined, nll_loss)
     assert metrics["moe/replay_no_overlap"] == 0.0  # same weights, same routes
-    assert metrics["moe/rows_without_routes"] == 0.0
-    metrics = trainer.train_step(plain, nll_loss)  # spent: a second update routes natively
-    assert metrics["moe/rows_without_routes"] == 1.0
+    assert metrics["moe/replay_changed"] == 0.0 and metrics["moe/rows_without_routes"] == 0.0
+    metrics = trainer.train_step(joined, nll_loss)  # a second epoch replays them again
+    assert metrics["moe/replay_changed"] > 0  # ... now that the weights have moved
 
 
 def test_r3_without_routes_fails_closed(moe_model, rollout):
