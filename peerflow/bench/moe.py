@@ -56,29 +56,29 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _model(args: argparse.Namespace) -> str:
-    from peerflow.contrib.tasks.tiny_model import TinyModelOptions, build_tiny_model
+    """The tiny Qwen3-MoE, from the one tiny-model builder (`bench.shapes.build_model`)."""
+    from peerflow.bench.shapes import build_model
 
-    options = TinyModelOptions(
-        model_type="qwen3_moe", hidden_size=args.hidden, intermediate_size=args.hidden * 4,
-        num_layers=args.layers, num_heads=2, num_kv_heads=2, num_experts=args.experts,
-        num_experts_per_tok=args.top_k, initializer_range=args.init, seed=args.seed,
-        max_position_embeddings=128)
-    corpus = ["0123456789+-=abcdefghijklmnopqrstuvwxyz .,!?"]
-    return str(build_tiny_model("bench-moe", corpus, options,
-                                cache_dir=tempfile.gettempdir() + "/peerflow-bench-moe"))
+    return build_model(tempfile.gettempdir() + "/peerflow-bench-moe", {
+        "model_type": "qwen3_moe", "hidden_size": args.hidden,
+        "intermediate_size": args.hidden * 4, "num_layers": args.layers, "num_heads": 2,
+        "num_kv_heads": 2, "num_experts": args.experts, "num_experts_per_tok": args.top_k,
+        "initializer_range": args.init, "seed": args.seed, "max_position_embeddings": 128,
+        "reserved_tokens": 0})
 
 
 def _sample(model: str, args: argparse.Namespace) -> tuple[Any, Any]:
     import torch
 
-    from peerflow.adapters.hf.engine import HFRolloutEngine
     from peerflow.batch import Batch, RaggedField
     from peerflow.engines import EngineContext, GenerationRequest, SamplingParams
     from peerflow.layout import ParallelLayout
+    from peerflow.plugins import get_plugin_manager
     from peerflow.routes import ROUTES, routes_column
 
-    engine = HFRolloutEngine(EngineContext(model_path=model, layout=ParallelLayout(),
-                                           dtype=args.rollout_dtype, seed=args.seed))
+    hf = get_plugin_manager().get("rollout_engine", "hf")
+    engine = hf(EngineContext(model_path=model, layout=ParallelLayout(),
+                              dtype=args.rollout_dtype, seed=args.seed))
     gen = torch.Generator().manual_seed(args.seed)
     vocab = engine.model.config.vocab_size
     requests = [GenerationRequest(request_id=i, prompt_ids=torch.randint(
