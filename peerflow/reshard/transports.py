@@ -86,7 +86,7 @@ class SharedMemoryTransport(WeightTransport):
         waits for every rank of the group to publish its host (every rank calls
         `exchange` for every bucket, so every rank gets here).
         """
-        if self.device != "cpu":
+        if torch.device(self.device).type != "cpu":
             return f"its buffers live on {self.device!r}, not in host memory"
         ranks = dist.get_process_group_ranks(self.group or dist.group.WORLD)
         return cached_shm_route(ranks, default_timeout(), namespace="weights:")

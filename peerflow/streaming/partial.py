@@ -75,6 +75,18 @@ def _merge_routes(held: torch.Tensor | None, new: torch.Tensor | None) -> torch.
     return torch.cat([held[:fed], new[fed:]])
 
 
+def _within_limit(res: GenerationResult, answer: _Answer, limit: int) -> GenerationResult:
+    """`res` cut to the room `answer` has left (the shared chunk budget may overshoot it)."""
+    room = limit - len(answer.tokens)
+    if len(res.token_ids) <= room:
+        return res
+    routes = res.routed_experts
+    return attrs.evolve(
+        res, token_ids=res.token_ids[:room], logprobs=res.logprobs[:room],
+        finish_reason="length", routed_experts=None if routes is None else routes[
+            : len(answer.prompt) + len(answer.tokens) + room])
+
+
 def generate_in_segments(
     engine: RolloutEngine,
     requests: Sequence[GenerationRequest],
@@ -132,18 +144,7 @@ def generate_in_segments(
         )
         for res in continued:
             answer = open_answers[res.request_id]
-            room = limit - len(answer.tokens)
-            if len(res.token_ids) > room:  # the shared budget overshot this answer
-                routes = res.routed_experts
-                res = attrs.evolve(
-                    res,
-                    token_ids=res.token_ids[:room],
-                    logprobs=res.logprobs[:room],
-                    finish_reason="length",
-                    routed_experts=None if routes is None else routes[
-                        : len(answer.prompt) + len(answer.tokens) + room],
-                )
-            _absorb(answer, res, version, limit)
+            _absorb(answer, _within_limit(res, answer, limit), version, limit)
         chunk += 1
     return [
         GenerationResult(

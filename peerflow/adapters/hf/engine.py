@@ -2,11 +2,8 @@
 
 The engine PeerFlow runs by default (the CPU quickstart): one full copy of the model per
 rank, all prompts × n samples decoded together in one batched loop under
-`torch.inference_mode()`. Prompts are left-padded so every row's newest token sits in the
-last column, and each prompt is prefilled once, its `DynamicCache` rows then repeated for
-its n samples (what vLLM's prefix cache gives parallel sampling). Rows that finish are
-dropped from the batch and the cache once a quarter of them are done, so the loop's cost
-follows the unfinished rows, and it stops as soon as every row is done.
+`torch.inference_mode()` (`peerflow.adapters.hf.decode`: each prompt prefilled once,
+finished rows dropped as they go).
 
 Log-probs follow the `RolloutEngine.generate` contract: `log_softmax(logits / T)` at the
 sampled token, before top-k/top-p truncation (see `peerflow.adapters.hf.sampling`).
@@ -24,8 +21,8 @@ from typing import Any, ClassVar
 import attrs
 import torch
 
+from peerflow.adapters.hf.decode import Decoding, Row, decode
 from peerflow.adapters.hf.routes import GenerationRoutes
-from peerflow.adapters.hf.sampling import sample_next
 from peerflow.adapters.hf.stops import StopStringMatcher
 from peerflow.capabilities import Capabilities
 from peerflow.engines import (
@@ -74,21 +71,6 @@ def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
         elif isinstance(value, list | tuple):
             ids.update(int(v) for v in value)
     return ids
-
-
-@attrs.define(eq=False)
-class _Row:
-    """One sequence being sampled: which request, which sample, what it produced."""
-
-    request_index: int
-    sample_index: int
-    prompt: tuple[int, ...]
-    tokens: list[int] = attrs.Factory(list)
-    logprobs: list[float] = attrs.Factory(list)
-    finish_reason: str = "length"
-    done: bool = False
-    stopped_on_string: bool = False
-    routes: list[torch.Tensor] = attrs.Factory(list)
 
 
 class HFRolloutEngine(RolloutEngine):
@@ -160,7 +142,7 @@ class HFRolloutEngine(RolloutEngine):
         """
         self._check_sampling(requests, sampling)
         rows = [
-            _Row(request_index=i, sample_index=j, prompt=req.prompt_ids)
+            Row(request_index=i, sample_index=j, prompt=req.prompt_ids)
             for i, req in enumerate(requests)
             for j in range(sampling.n)
         ]
@@ -174,7 +156,9 @@ class HFRolloutEngine(RolloutEngine):
         with torch.inference_mode():
             for start in range(0, len(order), size):
                 chunk = [rows[k] for k in order[start : start + size]]
-                self._decode(chunk, sampling, generator, stop_ids, matcher)
+                decode(self.model, chunk, Decoding(
+                    sampling=sampling, generator=generator, stop_ids=stop_ids, matcher=matcher,
+                    pad_token_id=self.pad_token_id, device=self.device, routes=self._routes))
         return [self._result(row, requests, sampling, matcher) for row in rows]
 
     def _check_sampling(
@@ -210,94 +194,9 @@ class HFRolloutEngine(RolloutEngine):
                     f"max_position_embeddings={limit}; shorten the prompt or lower max_tokens."
                 )
 
-    def _decode(
-        self,
-        rows: list[_Row],
-        sampling: SamplingParams,
-        generator: torch.Generator,
-        stop_ids: set[int],
-        matcher: StopStringMatcher | None,
-    ) -> None:
-        """Runs one batched prefill + decode loop over `rows` (filled in place).
-
-        The n samples of a prompt share one prefill: the prompt is encoded once and its
-        cache rows are repeated, as vLLM's prefix cache does for parallel sampling.
-        """
-        from transformers import DynamicCache
-
-        unique: dict[int, int] = {}
-        prompts: list[tuple[int, ...]] = []
-        expand: list[int] = []
-        for row in rows:
-            if row.request_index not in unique:
-                unique[row.request_index] = len(prompts)
-                prompts.append(row.prompt)
-            expand.append(unique[row.request_index])
-        width = max(len(p) for p in prompts)
-        input_ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(prompts), width), dtype=torch.long)
-        for i, prompt in enumerate(prompts):
-            input_ids[i, width - len(prompt) :] = torch.tensor(prompt)
-            mask[i, width - len(prompt) :] = 1
-        input_ids, mask = input_ids.to(self.device), mask.to(self.device)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        cache = DynamicCache()
-        active = list(range(len(rows)))
-        for step in range(sampling.max_tokens):
-            with self._routes.call() as routes:
-                logits = self.model(
-                    input_ids=input_ids,
-                    attention_mask=mask,
-                    position_ids=positions,
-                    past_key_values=cache,
-                    use_cache=True,
-                    logits_to_keep=1,
-                ).logits[:, -1]
-            if step == 0:
-                self._routes.prefill(rows, routes, prompts, expand, width)
-            else:
-                self._routes.decode(rows, active, routes)
-            if step == 0 and len(prompts) < len(rows):
-                index = torch.tensor(expand, device=self.device)
-                cache.batch_select_indices(index)
-                logits, mask, positions = logits[index], mask[index], positions[index]
-            tokens, logprobs = sample_next(
-                logits,
-                temperature=sampling.temperature,
-                top_k=sampling.top_k,
-                top_p=sampling.top_p,
-                generator=generator,
-            )
-            keep: list[int] = []
-            sampled = zip(tokens.tolist(), logprobs.tolist(), strict=True)
-            for i, (token, logprob) in enumerate(sampled):
-                row = rows[active[i]]
-                if row.done:
-                    continue
-                row.tokens.append(token)
-                row.logprobs.append(logprob)
-                if token in stop_ids:
-                    row.finish_reason, row.done = "stop", True
-                elif matcher is not None and matcher.hit(row.tokens):
-                    row.finish_reason, row.done, row.stopped_on_string = "stop", True, True
-                else:
-                    keep.append(i)
-            if not keep:
-                break
-            # Dropping finished rows copies the cache; worth it once a quarter are done.
-            # Until then they ride along (their samples are ignored).
-            if len(keep) <= 0.75 * len(active):
-                index = torch.tensor(keep, device=self.device)
-                cache.batch_select_indices(index)
-                tokens, mask, positions = tokens[index], mask[index], positions[index]
-                active = [active[i] for i in keep]
-            input_ids = tokens[:, None]
-            mask = torch.cat([mask, mask.new_ones((len(active), 1))], dim=1)
-            positions = positions[:, -1:] + 1
-
     def _result(
         self,
-        row: _Row,
+        row: Row,
         requests: Sequence[GenerationRequest],
         sampling: SamplingParams,
         matcher: StopStringMatcher | None,
