@@ -39,9 +39,10 @@ from peerflow.sandbox.local import fresh_workdir, package_paths, remove_workdir,
 
 #: Where the program's packages are mounted inside the sandbox.
 LIB = "/opt/peerflow-sandbox/lib"
-#: Runs the program as `__main__` with the packages on the path (no file of ours inside).
-BOOT = (f"import runpy, sys; sys.path[:0] = [{LIB!r}]; sys.argv = ['main.py']; "
-        "runpy.run_path('main.py', run_name='__main__')")
+#: Runs the program in `__main__` with the packages on the path (no file of ours inside;
+#: compiled and run directly: `runpy` alone costs ~30 ms of imports per program).
+BOOT = (f"import sys; sys.path[:0] = [{LIB!r}]; sys.argv = ['main.py']; del sys; "
+        "__file__ = 'main.py'; exec(compile(open('main.py', 'rb').read(), 'main.py', 'exec'))")
 INSTALL_HINT = ("install bubblewrap (`apt-get install bubblewrap`, `dnf install bubblewrap`; "
                 "`bash scripts/install-cpu.sh` does it where it runs as root with apt), or set "
                 "sandbox.backend=remote to send programs to a sandbox service; "
