@@ -10,6 +10,7 @@ import pytest
 from peerflow.algorithms.base import Example
 from peerflow.config import load_config, validate_config
 from peerflow.rewards import build_reward_set
+from peerflow.rewards.model_code import FALLBACK_MISSES
 from peerflow.sandbox import SandboxUnavailableError, configure
 from peerflow.sandbox.audit_hook import AuditHookSandbox
 from peerflow.sandbox.bubblewrap import BubblewrapSandbox, bwrap_unavailable
@@ -17,7 +18,6 @@ from peerflow.sandbox.config import SandboxConfig
 from peerflow.sandbox.escapes import ESCAPED, escape_programs, escape_targets, run_escape_suite
 from peerflow.sandbox.remote import RemoteSandbox
 from peerflow.sandbox.server import make_server, serve_in_thread
-from peerflow.rewards.model_code import FALLBACK_MISSES
 
 needs_bwrap = pytest.mark.skipif(bwrap_unavailable() is not None,
                                  reason=f"{bwrap_unavailable()}")
