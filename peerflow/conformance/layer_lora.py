@@ -29,7 +29,7 @@ from peerflow.conformance.diagnose import gap
 from peerflow.conformance.engines import build_engine, read_weights
 from peerflow.conformance.layers import _fail
 from peerflow.conformance.layers_engine import PROMPTS, EngineLayerBase, layer3
-from peerflow.conformance.reference import TensorSource
+from peerflow.conformance.reference import TensorSource, score_rows
 from peerflow.conformance.tolerance import derive
 from peerflow.engines import GenerationRequest, SamplingParams
 from peerflow.engines.lora import LoraConfig
@@ -71,16 +71,7 @@ def oracle_logprobs(model_dir: str, lora: LoraConfig, adapters: Mapping[str, tor
     unexpected = getattr(result, "unexpected_keys", [])
     if unexpected:
         raise KeyError(f"peft does not know adapter tensors {unexpected[:3]}")
-    out = []
-    with torch.no_grad():
-        for prompt, response in rows:
-            ids = torch.tensor([list(prompt) + list(response)])
-            logits = model(input_ids=ids).logits[0].to(torch.float64)
-            logp = torch.log_softmax(logits / temperature, -1)
-            start = len(prompt)
-            out.append(logp[start - 1:start - 1 + len(response)].gather(
-                1, ids[0, start:, None])[:, 0])
-    return out
+    return score_rows(model, rows, temperature)
 
 
 def read_adapters(profile: Any, engine: Any) -> dict[str, torch.Tensor]:

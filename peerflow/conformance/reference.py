@@ -106,6 +106,16 @@ def reference_logprobs(config: Any, tensors: Mapping[str, torch.Tensor],
     missing = [m for m in missing if not (m == "lm_head.weight" and config.tie_word_embeddings)]
     if missing:
         raise KeyError(f"reference model lacks tensors {missing[:3]}…")
+    return score_rows(model, rows, temperature)
+
+
+def score_rows(model: Any, rows: Sequence[tuple[Sequence[int], Sequence[int]]],
+               temperature: float) -> list[torch.Tensor]:
+    """Each row's response-token `log_softmax(logits / T)` under `model`, in float64.
+
+    Temperature 0 counts as 1 (the `RolloutEngine.generate` contract); one forward per
+    row, no padding, so nothing but the model's own numerics enters.
+    """
     out = []
     with torch.no_grad():
         for prompt, response in rows:

@@ -71,3 +71,33 @@ def build_chat_model(directory: Path) -> str:
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(directory)
     return str(directory)
+
+
+def build_chatml_llama(directory: Path, chat_template: str, max_positions: int | None = None,
+                       ) -> str:
+    """The engine tests' tiny Llama with `<|im_start|>`/`<|im_end|>` added and a template.
+
+    Args:
+        directory: Where it is saved.
+        chat_template: The tokenizer's chat template.
+        max_positions: A larger `max_position_embeddings` (room for long prompts).
+    """
+    import json
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tests.engines.hf.tiny_models import build_tiny_model
+
+    path = build_tiny_model(directory)
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.add_special_tokens({"additional_special_tokens": SPECIAL})
+    tok.chat_template = chat_template
+    model = AutoModelForCausalLM.from_pretrained(path)
+    model.resize_token_embeddings(len(tok), mean_resizing=False)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    if max_positions is not None:
+        config = Path(path) / "config.json"
+        config.write_text(json.dumps({**json.loads(config.read_text()),
+                                      "max_position_embeddings": max_positions}))
+    return path

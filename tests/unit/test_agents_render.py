@@ -31,19 +31,9 @@ CHATML = (
 @pytest.fixture(scope="module")
 def chat_model(tmp_path_factory) -> str:
     """The tiny Llama with `<|im_start|>`/`<|im_end|>` tokens and a ChatML template."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from tests.helpers.chat_model import build_chatml_llama
 
-    from tests.engines.hf.tiny_models import build_tiny_model
-
-    path = build_tiny_model(tmp_path_factory.mktemp("tiny-chat"))
-    tok = AutoTokenizer.from_pretrained(path)
-    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
-    tok.chat_template = CHATML
-    model = AutoModelForCausalLM.from_pretrained(path)
-    model.resize_token_embeddings(len(tok), mean_resizing=False)
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
+    return build_chatml_llama(tmp_path_factory.mktemp("tiny-chat"), CHATML)
 
 
 @pytest.fixture(scope="module")

@@ -34,25 +34,10 @@ def _options(function: str, **more) -> AgentProgramOptions:
 @pytest.fixture(scope="module")
 def chat_model(tmp_path_factory) -> str:
     """The tiny Llama with ChatML turns and room for a tool description (2048 positions)."""
-    import json
-    from pathlib import Path
+    from tests.helpers.chat_model import build_chatml_llama
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from tests.engines.hf.tiny_models import build_tiny_model
-
-    path = build_tiny_model(tmp_path_factory.mktemp("tiny-chat-long"))
-    tok = AutoTokenizer.from_pretrained(path)
-    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
-    tok.chat_template = CHATML
-    model = AutoModelForCausalLM.from_pretrained(path)
-    model.resize_token_embeddings(len(tok), mean_resizing=False)
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    config = Path(path) / "config.json"
-    config.write_text(json.dumps({**json.loads(config.read_text()),
-                                  "max_position_embeddings": 2048}))
-    return path
+    return build_chatml_llama(tmp_path_factory.mktemp("tiny-chat-long"), CHATML,
+                              max_positions=2048)
 
 
 @pytest.fixture(scope="module")

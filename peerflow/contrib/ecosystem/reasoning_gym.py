@@ -225,14 +225,9 @@ class ReasoningGymTask(Task):
     @classmethod
     def check_builder_options(cls, options: Mapping[str, Any]) -> list[str]:
         """Validates `model.builder_options` against `TinyModelOptions`."""
-        from peerflow.contrib.tasks.tiny_model import options_from_mapping
-        from peerflow.errors import ConfigError
+        from peerflow.contrib.tasks.tiny_model import builder_option_problems
 
-        try:
-            options_from_mapping(options)
-        except ConfigError as exc:
-            return [str(exc)]
-        return []
+        return builder_option_problems(options)
 
     @classmethod
     def build_model(cls, options: Mapping[str, Any], cache_dir: str | None = None) -> str:

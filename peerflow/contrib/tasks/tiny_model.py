@@ -222,3 +222,14 @@ def options_from_mapping(options: Mapping[str, Any]) -> TinyModelOptions:
     from peerflow.config.structure import structure
 
     return structure(TinyModelOptions, dict(options), "model.builder_options")
+
+
+def builder_option_problems(options: Mapping[str, Any]) -> list[str]:
+    """`options_from_mapping`'s complaint as a list (what `check_builder_options` returns)."""
+    from peerflow.errors import ConfigError
+
+    try:
+        options_from_mapping(options)
+    except ConfigError as exc:
+        return [str(exc)]
+    return []
