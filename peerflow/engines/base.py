@@ -96,17 +96,37 @@ class EngineInfo:
 
 @attrs.frozen(kw_only=True)
 class WeightSyncStats:
-    """Time and bytes of one weight sync, split by phase (seconds)."""
+    """Time and bytes of one weight sync on one rank, split by phase (seconds).
+
+    The phases add up to the sync as this rank sees it: `gather_s` (the trainer
+    materialises its source tensors, e.g. a ZeRO-3 gather or a fused-tensor split),
+    `pack_s` (regions copied into send buffers), `wire_s` (the transport), `load_s`
+    (unpacking and the rollout engine's `load_weights`). `pause_s` is apart from them:
+    the seconds the rollout engine on this rank could not generate because of this sync
+    (lockstep: the whole sync on a rollout rank; staged: only the switch at a step
+    boundary), 0 on a rank without a rollout engine.
+    """
 
     version: int
     plan_s: float = 0.0
+    gather_s: float = 0.0
     pack_s: float = 0.0
     wire_s: float = 0.0
     load_s: float = 0.0
+    pause_s: float = 0.0
+    """Seconds the rollout engine on this rank could not generate (see above)."""
     bytes: int = 0
+    """Bytes this rank sent (its copies to itself included) and received."""
+    wire_bytes: int = 0
+    """Bytes this rank handed the transport for other ranks (what crosses a link)."""
     buckets: int = 0
     peak_extra_bytes: int = 0
     """Most bytes the sync itself held at once on this rank (buffers, staged tensors)."""
+    senders: int = 0
+    """Source ranks that send bytes in the plan (every rank of the sync sees the same)."""
+    sender_share: float = 0.0
+    """The busiest sender's share of the plan's bytes (1.0: one rank sends everything;
+    `1 / senders` at best). The same on every rank."""
 
 
 class EngineBase:

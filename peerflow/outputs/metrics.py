@@ -44,8 +44,11 @@ Speed
     `time/<phase>` — seconds in each phase (`generate`, `reward`, `ref_logprob`,
     `old_logprob`, `values`, `advantage`, `train_actor`, `train_critic`, `sync_weights`,
     `checkpoint`, …), plotted as the step-time breakdown;
-    `weight_sync/plan_s`, `weight_sync/pack_s`, `weight_sync/wire_s`,
-    `weight_sync/load_s`, `weight_sync/bytes`.
+    `weight_sync/plan_s`, `weight_sync/gather_s`, `weight_sync/pack_s`,
+    `weight_sync/wire_s`, `weight_sync/load_s` (slowest rank per phase),
+    `weight_sync/pause_s` — seconds a rollout engine could not generate because of the
+    sync; `weight_sync/bytes`, `weight_sync/wire_bytes` (sent to other ranks);
+    `weight_sync/sender_share` — the busiest trainer rank's share of the bytes.
 Async mode
     `staleness/mean`, `staleness/max`, `staleness/<k>` (samples k versions old);
     `overlap/fraction` — share of wall time rollout and training ran at once;

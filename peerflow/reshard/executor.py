@@ -188,7 +188,8 @@ def run_plan(
                      meter, stats, my_sources, my_targets, arena)
     finally:
         arena.release()
-    return WeightSyncStats(version=version, peak_extra_bytes=meter.peak, **stats)
+    return WeightSyncStats(version=version, peak_extra_bytes=meter.peak,
+                           senders=plan.senders, sender_share=plan.sender_share, **stats)
 
 
 def _arena_bytes(buckets: Sequence[Bucket], routes: Sequence[BucketRoutes], rank: int,
@@ -216,8 +217,10 @@ def _run_buckets(plan: ReshardPlan, buckets: Sequence[Bucket],
         if specs and materialize is None:
             raise ShardError(f"rank {rank} holds source tensors {[s.local_name for s in specs]} "
                              "but was given no trainer to read them from.")
+        start = time.perf_counter()
         context = materialize(specs) if specs else contextlib.nullcontext([])
         with context as tensors:
+            stats["gather_s"] += time.perf_counter() - start
             sources = dict(zip((s.local_name for s in specs), tensors))
             for spec in specs:
                 if tuple(sources[spec.local_name].shape) != spec.local_shape:
@@ -341,6 +344,7 @@ def _run_bucket(bucket: Bucket, routes: BucketRoutes, rank: int, sources: dict[s
                                 for ts in routes.outgoing.values()))
     sends = pack_regions(routes.outgoing, sources, arena.take)
     stats["bytes"] += sum(buf.numel() for buf in sends.values())
+    stats["wire_bytes"] += sum(buf.numel() for buf in sends.values())
     stats["pack_s"] += time.perf_counter() - start
 
     start = time.perf_counter()

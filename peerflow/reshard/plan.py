@@ -17,6 +17,7 @@ Checks (each error names the parameter and the region):
 from __future__ import annotations
 
 import fnmatch
+import functools
 import itertools
 import math
 from collections.abc import Iterable, Mapping, Sequence
@@ -98,6 +99,25 @@ class ReshardPlan:
         """Bytes moved by the whole plan (source dtypes)."""
         return sum(t.numel * _itemsize(t.src_dtype) for t in self.transfers)
 
+    def sender_bytes(self) -> dict[int, int]:
+        """Bytes each source rank sends (its copies to itself included), by rank."""
+        out: dict[int, int] = {}
+        for t in self.transfers:
+            out[t.src_rank] = out.get(t.src_rank, 0) + t.numel * _itemsize(t.src_dtype)
+        return out
+
+    @property
+    def senders(self) -> int:
+        """Source ranks that send any bytes."""
+        return sum(1 for n in self.sender_bytes().values() if n)
+
+    @property
+    def sender_share(self) -> float:
+        """The busiest sender's share of the plan's bytes (0.0 for an empty plan)."""
+        per_rank = self.sender_bytes()
+        total = sum(per_rank.values())
+        return max(per_rank.values()) / total if total else 0.0
+
     def describe(self) -> str:
         """Returns a one-line summary (ranks, transfers, bytes)."""
         cross = sum(1 for t in self.transfers if t.src_rank != t.dst_rank)
@@ -114,10 +134,11 @@ def _by_name(specs: Mapping[int, Sequence[ShardSpec]], rank: int, name: str,
     raise KeyError(f"rank {rank} has no {what} tensor {name!r}")
 
 
+@functools.cache
 def _itemsize(dtype: str) -> int:
     import torch
 
-    return torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    return getattr(torch, dtype).itemsize
 
 
 def _as_rank_map(specs: RankSpecs | Sequence[ShardSpec], what: str) -> dict[int, tuple]:

@@ -221,6 +221,7 @@ class WeightSyncService:
         """
         roles = self._roles(trainer=True, rollout=True)
         self._fire_before(version, roles)
+        begin = time.perf_counter()
         self._wake((WEIGHTS,))
         if self.rollout is not None:
             self.rollout.begin_weight_update(version)
@@ -237,6 +238,8 @@ class WeightSyncService:
             self.rollout.finish_weight_update()
             stats = attrs.evolve(stats, load_s=stats.load_s + time.perf_counter() - finish)
         self._wake((KV_CACHE,))
+        if self.rollout is not None:  # lockstep: the rollout waits for the whole sync
+            stats = attrs.evolve(stats, pause_s=time.perf_counter() - begin)
         self._fire_after(version, roles, stats)
         return stats
 
@@ -255,19 +258,25 @@ class WeightSyncService:
         mine = {s.local_name: s for s in self.plan.sources.get(self.rank, ())}
         layouts = [self._outgoing(routes) for routes in self._routes]
         slot = self._slot(sum(packed_layout(ts)[1] for per in layouts for ts in per.values()))
-        sends = []
+        sends, gather_s = [], 0.0
         for bucket, per_peer in zip(self.buckets, layouts):
             specs = [mine[n] for n in bucket.source_tensors if n in mine]
             if not specs:
                 sends.append({})
                 continue
             assert self.trainer is not None
+            begin = time.perf_counter()
             with self.trainer.materialize(specs) as tensors:
+                gather_s += time.perf_counter() - begin
                 sources = dict(zip((s.local_name for s in specs), tensors))
                 sends.append(pack_regions(per_peer, sources, slot.take))
-        stats = WeightSyncStats(version=version, pack_s=time.perf_counter() - start,
-                                bytes=slot.cursor, buckets=len(self.buckets),
-                                peak_extra_bytes=self.meter.peak)
+        own = sum(buf.numel() for per in sends for peer, buf in per.items() if peer == self.rank)
+        stats = WeightSyncStats(version=version, gather_s=gather_s,
+                                pack_s=time.perf_counter() - start - gather_s,
+                                bytes=slot.cursor, wire_bytes=slot.cursor - own,
+                                buckets=len(self.buckets), peak_extra_bytes=self.meter.peak,
+                                senders=self.plan.senders,
+                                sender_share=self.plan.sender_share)
         self._fire_after(version, roles, stats)
         return VersionBytes(regions=tuple(sends), stats=stats)
 
@@ -321,8 +330,10 @@ class WeightSyncService:
             arena.release()
             self.discard(received)
         self.rollout.finish_weight_update()
-        stats = attrs.evolve(received.stats, load_s=time.perf_counter() - start,
-                             buckets=len(self.buckets), peak_extra_bytes=self.meter.peak)
+        load_s = time.perf_counter() - start
+        stats = attrs.evolve(received.stats, load_s=load_s, pause_s=load_s,
+                             buckets=len(self.buckets), peak_extra_bytes=self.meter.peak,
+                             senders=self.plan.senders, sender_share=self.plan.sender_share)
         self._fire_after(version, roles, stats)
         return stats
 

@@ -330,11 +330,13 @@ def run_sync_weights(rt: WorkerRuntime, node: Any, batch: Batch, metrics: StepMe
     start = time.perf_counter()
     stats = rt.sync_weights()
     metrics.max("weight_sync/total_s", time.perf_counter() - start)
-    for phase in ("plan_s", "pack_s", "wire_s", "load_s"):
+    for phase in ("plan_s", "gather_s", "pack_s", "wire_s", "load_s", "pause_s",
+                  "sender_share"):
         if hasattr(stats, phase):
             metrics.max(f"weight_sync/{phase}", float(getattr(stats, phase)))
-    if hasattr(stats, "bytes"):
-        metrics.sum("weight_sync/bytes", float(stats.bytes))
+    for total in ("bytes", "wire_bytes"):
+        if hasattr(stats, total):
+            metrics.sum(f"weight_sync/{total}", float(getattr(stats, total)))
     return batch
 
 
