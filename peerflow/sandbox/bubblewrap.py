@@ -58,8 +58,12 @@ def _interpreter() -> tuple[str, str]:
     return executable, os.path.realpath(sys.base_prefix)
 
 
-def _root_binds() -> list[str]:
-    """`/usr`, the top-level links into it (or the directories themselves), ld.so.cache."""
+@functools.cache
+def _root_binds() -> tuple[str, ...]:
+    """`/usr`, the top-level links into it (or the directories themselves), ld.so.cache.
+
+    Fixed for the life of the process, like `_interpreter_binds`: computed once.
+    """
     args = ["--ro-bind", "/usr", "/usr"]
     for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
         if os.path.islink(top):
@@ -68,10 +72,11 @@ def _root_binds() -> list[str]:
             args += ["--ro-bind", top, top]
     if os.path.isfile("/etc/ld.so.cache"):
         args += ["--ro-bind", "/etc/ld.so.cache", "/etc/ld.so.cache"]
-    return args
+    return tuple(args)
 
 
-def _interpreter_binds() -> list[str]:
+@functools.cache
+def _interpreter_binds() -> tuple[str, ...]:
     """The interpreter and its standard library; every site-packages hidden."""
     executable, prefix = _interpreter()
     args = []
@@ -88,7 +93,7 @@ def _interpreter_binds() -> list[str]:
     for path in sorted(hidden):
         if os.path.isdir(path):
             args += ["--tmpfs", path, "--remount-ro", path]
-    return args
+    return tuple(args)
 
 
 def _package_binds(packages: Sequence[str]) -> list[str]:
