@@ -128,7 +128,8 @@ class ShardSpec:
     """Local regions that hold no HF data (e.g. vocab padding); deliberately ignored."""
     replica: int = 0
     """Replica index among ranks holding identical data (dp or tp replicas of norms).
-    Only replica 0 sends during a sync; higher replicas receive or stay idle."""
+    Replica 0 is the one copy a checkpoint export reads; a weight sync shares the
+    sending among every replica (`peerflow.reshard.senders`)."""
 
     def __attrs_post_init__(self) -> None:
         for piece in self.pieces:

@@ -13,7 +13,9 @@ Call order on the ranks that host the engine (all ranks of its group, SPMD):
    `Capabilities.value_head`: `forward_values(batch)`.
 4. For each weight sync, per bucket: `with materialize(specs) as tensors:` on **every**
    rank of the group in the same order (it may run collectives, e.g. a ZeRO-3 gather of
-   exactly that bucket's parameters); only ranks owning a `replica == 0` piece send.
+   exactly that bucket's parameters); every rank holding a region may send it — the planner
+   shares the bytes among replicas (`peerflow.reshard.senders`), so replicas must hold
+   the same values.
 5. With `Capabilities.checkpoint`: `save_checkpoint(dir)` / `load_checkpoint(dir)` on all
    ranks; the classmethod `saved_shards(dir, ...)` describes what such a directory holds
    as pieces of HF tensors, without building the engine (`peerflow export` reads it).

@@ -44,7 +44,8 @@ def assemble_hf_tensors(shards: Sequence[SavedShard], *,
         sources.setdefault(shard.source, []).append(shard.spec)
         for piece in shard.spec.pieces:
             shapes.setdefault(piece.name, piece.global_shape)
-    plan = plan_reshard(sources, [ShardSpec.of_slice(n, s) for n, s in shapes.items()])
+    plan = plan_reshard(sources, [ShardSpec.of_slice(n, s) for n, s in shapes.items()],
+                        balance=False)  # read the fewest saved parts
     moves: dict[tuple[int, str], list[Transfer]] = {}
     for transfer in plan.transfers:
         moves.setdefault((transfer.src_rank, transfer.src_tensor), []).append(transfer)

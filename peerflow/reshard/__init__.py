@@ -1,7 +1,8 @@
 """Weight resharding: plan (pure, on metadata), bucket, move over a transport, load.
 
 * `plan_reshard(sources, destinations) -> ReshardPlan` — index-box intersection with
-  coverage checks (`peerflow.reshard.plan`).
+  coverage checks (`peerflow.reshard.plan`); regions several replicas hold are shared
+  among them, balancing bytes per sender (`peerflow.reshard.senders`).
 * `make_buckets(plan, bucket_bytes)` and `run_plan(...)` — the executor.
 * `WeightSyncService.build(trainer, rollout, ...)` — the run's one weight sync (plan,
   buckets, transport, memory meter): lockstep `sync(version)` and streaming

@@ -17,7 +17,6 @@ Checks (each error names the parameter and the region):
 from __future__ import annotations
 
 import fnmatch
-import functools
 import itertools
 import math
 from collections.abc import Iterable, Mapping, Sequence
@@ -25,6 +24,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import attrs
 
 from peerflow.errors import ShardError
+from peerflow.reshard.senders import assign_senders, cells, cuts, itemsize, route_piece
 from peerflow.shard import Box, ShardPiece, ShardSpec
 
 RankSpecs = Mapping[int, Sequence[ShardSpec]]
@@ -97,13 +97,13 @@ class ReshardPlan:
     @property
     def bytes(self) -> int:
         """Bytes moved by the whole plan (source dtypes)."""
-        return sum(t.numel * _itemsize(t.src_dtype) for t in self.transfers)
+        return sum(t.numel * itemsize(t.src_dtype) for t in self.transfers)
 
     def sender_bytes(self) -> dict[int, int]:
         """Bytes each source rank sends (its copies to itself included), by rank."""
         out: dict[int, int] = {}
         for t in self.transfers:
-            out[t.src_rank] = out.get(t.src_rank, 0) + t.numel * _itemsize(t.src_dtype)
+            out[t.src_rank] = out.get(t.src_rank, 0) + t.numel * itemsize(t.src_dtype)
         return out
 
     @property
@@ -134,13 +134,6 @@ def _by_name(specs: Mapping[int, Sequence[ShardSpec]], rank: int, name: str,
     raise KeyError(f"rank {rank} has no {what} tensor {name!r}")
 
 
-@functools.cache
-def _itemsize(dtype: str) -> int:
-    import torch
-
-    return getattr(torch, dtype).itemsize
-
-
 def _as_rank_map(specs: RankSpecs | Sequence[ShardSpec], what: str) -> dict[int, tuple]:
     if isinstance(specs, Mapping):
         out = {int(rank): tuple(s) for rank, s in specs.items()}
@@ -165,18 +158,22 @@ def plan_reshard(
     destinations: RankSpecs | Sequence[ShardSpec],
     *,
     ignore: Iterable[str] = (),
+    balance: bool = True,
 ) -> ReshardPlan:
     """Plans moving weights from source shards to destination shards.
 
     Args:
-        sources: Source specs by global rank (a plain sequence means rank 0). Only
-            `replica == 0` specs send what they hold; a spec with `replica > 0` is a
-            duplicate and sends only elements no replica-0 piece holds (the lowest
-            replica, then the lowest rank, wins) — e.g. the query rows of a vLLM
-            `qkv_proj` on a rank whose kv heads are replicas.
+        sources: Source specs by global rank (a plain sequence means rank 0). A spec
+            with `replica > 0` is a copy of elements a `replica == 0` piece may also
+            hold (data-parallel replicas; a vLLM `qkv_proj` whose kv heads are
+            replicated while its query rows are not).
         destinations: Destination specs by global rank (a plain sequence means rank 0).
         ignore: HF names or `fnmatch` patterns whose source elements may go unused (e.g.
             a trainer-only head the rollout engine does not hold).
+        balance: Every holder of a region may send it, chosen to balance the bytes per
+            sending rank (`peerflow.reshard.senders`): with replicated trainer ranks,
+            each sends its share. `False`: replica 0 sends what it holds and a replica
+            only what no replica 0 holds (reads the fewest sources; checkpoint export).
 
     Returns:
         The frozen plan.
@@ -218,22 +215,14 @@ def plan_reshard(
     for name in sorted(set(src_pieces) | set(dst_pieces)):
         _check_coverage(name, shapes[name][0], src_pieces.get(name, []),
                         dst_pieces.get(name, []), backups.get(name, []), ignore)
-    transfers: list[Transfer] = []
-    for rank, specs in sorted(dst.items()):
-        for spec in specs:
-            for piece in spec.pieces:
-                primary = src_pieces.get(piece.name, ())
-                for s_rank, s_spec, s_piece in primary:
-                    common = piece.global_box.intersect(s_piece.global_box)
-                    if common is not None:
-                        transfers.append(_transfer(common, s_rank, s_spec, s_piece, rank, spec,
-                                                   piece))
-                gaps = _gaps(piece.global_box, [p.global_box for _, _, p in primary],
-                             [p.global_box for _, _, p in backups.get(piece.name, ())])
-                for cell in gaps:
-                    s_rank, s_spec, s_piece = next(
-                        b for b in backups[piece.name] if b[2].global_box.intersect(cell) == cell)
-                    transfers.append(_transfer(cell, s_rank, s_spec, s_piece, rank, spec, piece))
+    routed = [(rank, spec, piece, cell, who)
+              for rank, specs in sorted(dst.items()) for spec in specs for piece in spec.pieces
+              for cell, who in route_piece(piece.global_box, rank,
+                                           src_pieces.get(piece.name, ()),
+                                           backups.get(piece.name, ()), balance=balance)]
+    chosen = assign_senders([(cell, who) for *_, cell, who in routed])
+    transfers = [_transfer(cell, *sender, rank, spec, piece)
+                 for (rank, spec, piece, cell, _), sender in zip(routed, chosen, strict=True)]
     return ReshardPlan(sources=src, destinations=dst, transfers=tuple(transfers), ignored=ignore)
 
 
@@ -251,7 +240,7 @@ def _gaps(box: Box, covering: Sequence[Box], extra: Sequence[Box] = ()) -> list[
     if sum(c.numel for c in clipped) == box.numel:
         return []
     extra = [c for b in extra if (c := box.intersect(b)) is not None]
-    return [cell for cell in _cells(_cuts(box.ends, clipped + extra + [box]))
+    return [cell for cell in cells(cuts(box.ends, clipped + extra + [box]))
             if cell.numel and cell.intersect(box) == cell and
             not any(cell.intersect(c) for c in clipped)]
 
@@ -282,22 +271,8 @@ def _check_tiles(rank: int, spec: ShardSpec) -> None:
         )
 
 
-def _cuts(shape: Sequence[int], boxes: Iterable[Box]) -> list[list[int]]:
-    cuts = [{0, n} for n in shape]
-    for box in boxes:
-        for d, (o, e) in enumerate(zip(box.offsets, box.ends)):
-            cuts[d].update((o, e))
-    return [sorted(c) for c in cuts]
-
-
-def _cells(cuts: list[list[int]]) -> Iterable[Box]:
-    spans = [list(zip(c[:-1], c[1:])) for c in cuts]
-    for combo in itertools.product(*spans):
-        yield Box(offsets=[a for a, _ in combo], sizes=[b - a for a, b in combo])
-
-
 def _uncovered(shape: Sequence[int], boxes: Sequence[Box]) -> list[Box]:
-    return [cell for cell in _cells(_cuts(shape, boxes))
+    return [cell for cell in cells(cuts(shape, boxes))
             if cell.numel and not any(cell.intersect(b) for b in boxes)]
 
 

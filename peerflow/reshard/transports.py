@@ -3,7 +3,7 @@
 * `inprocess` — colocated plans only: every transfer stays inside one process, so the
   executor copies regions directly and nothing crosses a process boundary.
 * `torch` — torch.distributed point-to-point (`isend`/`irecv`) on the plan's group: gloo
-  on CPU, NCCL on GPU. Only ranks owning a replica-0 source piece send.
+  on CPU, NCCL on GPU. Every rank the plan picks as a sender sends its regions.
 * `shm` — same-host CPU ranks: each bucket through one `/dev/shm` segment per sender and
   one wake-up per receiver (the coordinator's `ShmRoute`, on a route of its own). The sender writes
   and returns; the receiver maps the segment. Over gloo, a push that the receiver drains
