@@ -3,7 +3,8 @@
 `sha256_files` reads files in the order given, in 1 MiB chunks (a model's weights never
 sit in memory whole); with `root`, each file's path relative to it comes first, so a
 renamed file changes the digest. `sampled_sha256` identifies large weight files from
-their names, sizes and three samples each, without reading them whole.
+their names, sizes and three samples each, without reading them whole. `tensor_sha256`
+hashes one tensor's bytes (what a rollout engine's `checksums()` reports).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 #: Bytes read at a time, and the size of each sample of `sampled_sha256`.
 CHUNK = 1 << 20
@@ -60,3 +62,15 @@ def sampled_sha256(files: Iterable[Path]) -> str:
                 handle.seek(offset)
                 digest.update(handle.read(CHUNK))
     return digest.hexdigest()
+
+
+def tensor_sha256(tensor: Any) -> str:
+    """The SHA-256 of a tensor's bytes (hex), read on the host in its own dtype.
+
+    Args:
+        tensor: A `torch.Tensor` on any device (copied to the host, made contiguous).
+    """
+    import torch
+
+    data = tensor.detach().cpu().contiguous().view(torch.uint8)
+    return hashlib.sha256(data.numpy().tobytes()).hexdigest()

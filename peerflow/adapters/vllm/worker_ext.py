@@ -22,7 +22,6 @@ Tensors reach the worker in one of two ways:
 
 from __future__ import annotations
 
-import hashlib
 import os
 import time
 from collections.abc import Sequence
@@ -31,6 +30,7 @@ from typing import Any
 import torch
 
 from peerflow.adapters.vllm.cpu_weights import keep_live_weights
+from peerflow.digests import tensor_sha256
 
 keep_live_weights()
 
@@ -209,8 +209,7 @@ class PeerFlowWorkerExtension:
         params = self._peerflow_params()
         out = {}
         for name in names if names is not None else params:
-            data = params[name].detach().cpu().contiguous()
-            out[name] = hashlib.sha256(data.view(torch.uint8).numpy().tobytes()).hexdigest()
+            out[name] = tensor_sha256(params[name])
         return out
 
 

