@@ -51,27 +51,6 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _build_task(config: Any, pm: Any) -> Any:
-    from peerflow.config import structure_options
-
-    task_cls = pm.get("task", config.task.name)
-    return task_cls(structure_options(task_cls.options_class, config.task.options,
-                                      "task.options"))
-
-
-def _model_path(config: Any, pm: Any) -> str:
-    from peerflow.errors import ConfigError
-
-    if config.model.path:
-        if not Path(config.model.path).expanduser().is_dir():
-            raise ConfigError(f"model.path={config.model.path!r} is not a directory.")
-        return str(Path(config.model.path).expanduser())
-    if not config.model.builder:
-        raise ConfigError("peerflow sft needs model.path or model.builder in the config.")
-    return str(pm.get("task", config.model.builder).build_model(
-        dict(config.model.builder_options), None))
-
-
 def _collate(pairs: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[Any, Any, Any]:
     import torch
 
@@ -111,12 +90,13 @@ def supervised_warm_start(
     from peerflow.hf_export import unique_tensors, write_model_dir
     from peerflow.plugins import get_plugin_manager
     from peerflow.rollout.prompts import encode_prompt
+    from peerflow.worker.runtime import build_task, resolve_model_path
 
     torch.set_num_threads(config.runtime.torch_threads)
     torch.manual_seed(config.seed)
     pm = get_plugin_manager()
-    task = _build_task(config, pm)
-    source = _model_path(config, pm)
+    task = build_task(config, pm)
+    source = resolve_model_path(config, pm)
     tokenizer = AutoTokenizer.from_pretrained(source)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
     model.train()

@@ -235,6 +235,12 @@ def _device() -> str:
     return str(ctx.device if ctx is not None else rank_device())
 
 
+def build_task(config: RunConfig, pm: Any) -> Task:
+    """The task `task.name` names, built from `task.options` (workers and `peerflow sft`)."""
+    task_cls = pm.get("task", config.task.name)
+    return task_cls(_options(task_cls, config.task.options, "task.options"))
+
+
 def build_components(config: RunConfig, pm: Any) -> dict[str, Any]:
     """Instantiates the task and the algorithm named by the config.
 
@@ -242,11 +248,10 @@ def build_components(config: RunConfig, pm: Any) -> dict[str, Any]:
     """
     from peerflow.algorithms.setup import build_algorithm
 
-    task_cls = pm.get("task", config.task.name)
-    task = task_cls(_options(task_cls, config.task.options, "task.options"))
+    task = build_task(config, pm)
     algo = build_algorithm(config.algorithm, max_tokens=config.rollout.sampling.max_tokens,
                            plugin_manager=pm)
     kl_reward = algo.shape_rewards if algo.shapes_rewards else None
-    return {"task": task, "rewards": {}, "default_reward": task_cls.default_reward,
+    return {"task": task, "rewards": {}, "default_reward": type(task).default_reward,
             "estimator": algo.estimator, "policy_loss": algo.policy_loss,
             "value_loss": algo.value_loss, "kl_reward": kl_reward, "algorithm": algo}

@@ -37,4 +37,5 @@ def test_sft_without_a_model_is_a_clear_error(tmp_path, capsys):
     config = tmp_path / "run.yaml"
     config.write_text("task:\n  name: reverse-digits\n")
     assert main(["sft", str(config), "--out", str(tmp_path / "o"), "--steps", "1"]) == 1
-    assert "needs model.path or model.builder" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "set model.path to a local Hugging Face model directory, or model.builder" in err
