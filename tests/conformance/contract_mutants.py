@@ -12,7 +12,6 @@ import torch
 from mutants import HFWithLayout  # noqa: I001  (tests/conformance is on sys.path)
 
 from peerflow.layout import ParallelLayout
-from peerflow.models import hf_layout
 
 
 class IgnoresStopStrings(HFWithLayout):
@@ -39,11 +38,8 @@ class ReseedsGlobalRNG(HFWithLayout):
 
 
 class UnmarkedReplicas(HFWithLayout):
-    """A full model per dp rank, every copy declared as replica 0 (no `replica=`)."""
-
-    @classmethod
-    def shard_layout(cls, hf_config, layout, rank, dtype="float32"):
-        return hf_layout(hf_config, dtype=dtype)
+    """A full model per dp rank, every copy declared as replica 0: `HFWithLayout`'s
+    `shard_layout` gives `hf_layout` no rank coordinates (no `replica=`), run on dp=2."""
 
     @classmethod
     def conformance_layouts(cls):
