@@ -33,6 +33,7 @@ from peerflow.checkpoint.atomic import append_line, write_json_atomic
 from peerflow.checkpoint.inputs import DATA_PREFIX, REWARD_PREFIX, input_facts
 from peerflow.digests import sha256_files
 from peerflow.errors import ConfigError
+from peerflow.rollout.prompts import TOKENIZER_FILES
 
 FINGERPRINT = "fingerprint.json"
 #: Where a resume records what changed without being refused (reward files).
@@ -52,10 +53,6 @@ ARCHITECTURE = (
     "model_type", "architectures", "hidden_size", "intermediate_size", "num_hidden_layers",
     "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
     "tie_word_embeddings", "num_experts", "num_local_experts", "torch_dtype",
-)
-TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
-    "vocab.txt", "merges.txt", "tokenizer.model", "added_tokens.json",
 )
 
 

@@ -12,11 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from peerflow.errors import ConfigError, PeerFlowError
-from peerflow.rollout.prompts import load_tokenizer
-
-#: Files of which a Hugging Face tokenizer needs at least one.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json",
-                   "vocab.txt", "spiece.model")
+from peerflow.rollout.prompts import TOKENIZER_FILES, load_tokenizer
 
 
 def check_model_dir(path: str | Path) -> list[str]:
@@ -35,7 +31,7 @@ def check_model_dir(path: str | Path) -> list[str]:
                         "there with `model.save_pretrained(DIR)`.")
     if not any((path / name).is_file() for name in TOKENIZER_FILES):
         problems.append(
-            f"model directory {str(path)!r} has no tokenizer files (one of "
+            f"model directory {str(path)!r} has no tokenizer files (none of "
             f"{', '.join(TOKENIZER_FILES)}); save the tokenizer next to the weights: "
             f"`AutoTokenizer.from_pretrained(SOURCE).save_pretrained({str(path)!r})`.")
         return problems

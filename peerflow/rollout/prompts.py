@@ -2,7 +2,7 @@
 
 Shared by single-turn rollout (`peerflow.rollout.generate`), multi-turn episodes
 (`peerflow.agents`), supervised fine-tuning (`peerflow sft`) and the checks before launch
-(`peerflow.launch.preflight`).
+(`peerflow.launch.preflight`), and the run's fingerprint (`TOKENIZER_FILES`).
 """
 
 from __future__ import annotations
@@ -11,6 +11,14 @@ from pathlib import Path
 from typing import Any
 
 from peerflow.errors import ConfigError
+
+#: The files a Hugging Face tokenizer is saved as. A model directory needs at least one;
+#: the run's fingerprint hashes those present, in this order (new names go at the end, so
+#: recorded fingerprints stay valid).
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+    "vocab.txt", "merges.txt", "tokenizer.model", "added_tokens.json", "spiece.model",
+)
 
 
 def load_tokenizer(path: str | Path) -> Any:
