@@ -41,12 +41,16 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
 
 from peerflow.algorithms.base import Example
 from peerflow.engines.base import NoOptions
+
+if TYPE_CHECKING:
+    from peerflow.capabilities import Capabilities
+    from peerflow.engines import SamplingParams
 
 Messages = list[dict[str, str]]
 
@@ -66,6 +70,30 @@ class Turn:
     logprobs: tuple[float, ...] = attrs.field(default=(), converter=tuple)
     """The sampling log-prob of each of `token_ids` (what an OpenAI-compatible endpoint
     returns with `logprobs`)."""
+    alternatives: tuple[Turn, ...] = attrs.field(default=(), converter=tuple)
+    """The other answers sampled for the same input when `turn_settings()` asked for
+    `n > 1` choices (choices 1 … n-1; this turn is choice 0). Each is a sample of its own
+    (`finish_reason` `branch`) unless `StepResult.choice` continues the trajectory with it."""
+
+
+@attrs.frozen(kw_only=True)
+class TurnSettings:
+    """What an environment asks of the sampler for its next turn.
+
+    Always within the run's `rollout.sampling`: the temperature, top-p and top-k the
+    trainer's log-probs assume are never changed per turn.
+    """
+
+    n: int = 1
+    """Answers to sample for this input (choices; `Turn.alternatives`)."""
+    max_tokens: int | None = None
+    """Most tokens of the turn (at most `rollout.agent.max_turn_tokens`)."""
+    stop: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    """Stop strings added to the run's (the engine needs `Capabilities.stop_strings`)."""
+    stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=tuple)
+    """Token ids that end the turn, added to the run's."""
+    seed: int | None = None
+    """Seed of the engine call that samples the turn (`None`: the run's)."""
 
 
 @attrs.frozen(kw_only=True)
@@ -90,6 +118,9 @@ class StepResult:
     (`finish_reason` `restart`) and the episode goes on as a new sample of the same group
     from these ids (its `agent_info` has `segment`: 1, 2, …). For inputs that do not
     extend the sequence (the policy endpoint's calls that rewrite an earlier turn)."""
+    choice: int = 0
+    """Which answer the trajectory continues with: 0 for `turn`, k for
+    `turn.alternatives[k - 1]` (an agent that sampled `n` choices and went on with one)."""
 
 
 class Environment(abc.ABC):
@@ -121,6 +152,20 @@ class Environment(abc.ABC):
             tokenizer: The model's tokenizer.
         """
         return None
+
+    def prepare(self, sampling: SamplingParams, capabilities: Capabilities) -> None:
+        """Called once before the first prompt (default: nothing).
+
+        Args:
+            sampling: The run's sampling settings.
+            capabilities: The rollout engine's, for environments that check per-turn
+                requests against them (`turn_settings`).
+        """
+        return None
+
+    def turn_settings(self) -> TurnSettings:
+        """Returns what the next turn asks of the sampler (default: the run's settings)."""
+        return TurnSettings()
 
     def tool_schemas(self) -> list[dict[str, Any]]:
         """Returns the JSON schemas of the tools the model may call (default: none).

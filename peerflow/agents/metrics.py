@@ -8,7 +8,8 @@ from peerflow.batch import LOSS_MASK, Batch
 from peerflow.streaming.versions import TOKEN_VERSIONS
 
 #: Every `finish_reason` an episode can end with (metrics `agent/finish/<reason>`).
-FINISH_REASONS = ("stop", "max_turns", "max_tokens", "env_error", "env_timeout", "restart")
+FINISH_REASONS = ("stop", "max_turns", "max_tokens", "env_error", "env_timeout", "restart",
+                  "branch")
 
 
 def record_episode_metrics(batch: Batch, metrics: Any) -> None:

@@ -40,15 +40,15 @@ from peerflow.agents.concurrent import Outcome, run_with_limits
 from peerflow.agents.environment import Environment, StepResult, Turn
 from peerflow.agents.metrics import FINISH_REASONS, record_episode_metrics  # noqa: F401 — re-exported
 from peerflow.agents.render import TurnRenderer
-from peerflow.agents.routes import add_observation_routes, add_turn_routes, pack_routes
+from peerflow.agents.routes import add_observation_routes, pack_routes
+from peerflow.agents.turns import Segments, sample_turns, swap_answers
 from peerflow.algorithms.base import dataset_row
 from peerflow.batch import LOSS_MASK, Batch, RaggedField
-from peerflow.engines import GenerationRequest, RolloutEngine, SamplingParams
-from peerflow.rollout.generate import check_results
+from peerflow.engines import RolloutEngine, SamplingParams
 from peerflow.rollout.prompts import encode_prompt
 from peerflow.rollout.sampler import Draw
 from peerflow.routes import ROUTES
-from peerflow.streaming.versions import TOKEN_VERSIONS, token_versions
+from peerflow.streaming.versions import TOKEN_VERSIONS
 
 
 @attrs.define(eq=False)
@@ -80,6 +80,8 @@ class Trajectory:
     """Which sample of its episode this is (> 0 after a `StepResult.restart`)."""
     routes: list[Any] = attrs.field(factory=list)
     """MoE engines: route rows per turn, or a count of -1 rows (`peerflow.agents.routes`)."""
+    branches: list[Any] = attrs.field(factory=list)
+    """The samples the last turn's other choices made (`peerflow.agents.turns`)."""
 
     def end(self, reason: str, error: str = "") -> None:
         """Ends the episode (the first reason given wins)."""
@@ -116,12 +118,6 @@ def first_prompt(tokenizer: Any, env: Environment) -> list[int]:
 
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
     return render_prompt(tokenizer, messages, schemas)
-
-
-def _turn_seed(seed: int | None, turn: int) -> int | None:
-    if seed is None or turn == 0:
-        return seed
-    return (seed * 7919 + turn * 1_000_033) % (2**31 - 1)
 
 
 @attrs.define(eq=False)
@@ -176,16 +172,19 @@ class AgentRollout:
             return Batch.empty()
         renderer = TurnRenderer(tokenizer)
         trajectories: list[Trajectory] = []
+        segments = Segments()
         try:
-            self._start(tokenizer, draws, sampling.n, trajectories)
+            self._start(engine, tokenizer, draws, sampling, trajectories)
             for turn in range(self.settings.max_turns):
                 active = [t for t in trajectories if not t.finish]
                 if not active:
                     break
                 if turn:
                     between()
-                self._sample(engine, tokenizer, active, sampling, turn, chunk_tokens, between)
-                trajectories += self._step([t for t in active if not t.finish], renderer, turn)
+                trajectories += sample_turns(engine, tokenizer, active, sampling, turn,
+                                             self.settings, chunk_tokens, between, segments)
+                trajectories += self._step([t for t in active if not t.finish], renderer, turn,
+                                           segments)
             for t in trajectories:
                 t.end("max_turns")
             return _pack(trajectories, *self._final_rewards(trajectories), sampling.n,
@@ -193,77 +192,44 @@ class AgentRollout:
         finally:  # closes run like steps: at once, each under the time limit, errors dropped
             self._call_each(_episodes(trajectories), lambda t: t.env.close())
 
-    def _start(self, tokenizer: Any, draws: Sequence[Draw], n: int,
-               into: list[Trajectory]) -> None:
-        """Creates `n` episodes per draw into `into` (so they are closed whatever happens)."""
+    def _start(self, engine: RolloutEngine, tokenizer: Any, draws: Sequence[Draw],
+               sampling: SamplingParams, into: list[Trajectory]) -> None:
+        """Creates `sampling.n` episodes per draw into `into`; makes their first prompts.
+
+        Episodes go into `into` as they are made (so they are closed whatever happens);
+        their first prompts are made at once, each under `step_timeout_s`.
+
+        An episode whose first prompt fails (an agent program that raises, returns or
+        waits past `wait_s` before its first call) ends alone (`env_error`/`env_timeout`,
+        no tokens); an environment that cannot be constructed stops the batch.
+        """
         for draw in draws:
-            row = dataset_row(draw.example)
-            group: list[Trajectory] = []
             try:
-                for k in range(n):
+                for k in range(sampling.n):
                     env = self.env_cls(draw.example, self.env_options)
-                    group.append(Trajectory(draw=draw, index=k, env=env, prompt=[]))
-                    into.append(group[-1])
-                prompts = [first_prompt(tokenizer, t.env) for t in group]
+                    into.append(Trajectory(draw=draw, index=k, env=env, prompt=[]))
+                    env.prepare(sampling, engine.capabilities)
             except Exception as exc:
                 raise RuntimeError(
                     f"environment {self.env_cls.name!r} could not start an episode for "
-                    f"{row} ({type(exc).__name__}: {exc}); its __init__, initial_prompt() "
-                    "and tool_schemas() must work for every example of the task.") from exc
+                    f"{dataset_row(draw.example)} ({type(exc).__name__}: {exc}); its "
+                    "__init__ must work for every example of the task.") from exc
+        outcomes = self._call_each(into, lambda t: first_prompt(tokenizer, t.env))
+        for draw in draws:
+            group = [(t, o) for t, o in zip(into, outcomes) if t.draw is draw]
+            prompts = [o.value for t, o in group if not self._failed(t, "initial prompt", o)]
             if any(p != prompts[0] for p in prompts):
                 raise RuntimeError(
-                    f"environment {self.env_cls.name!r} gave the {n} trajectories of "
-                    f"{row} different first prompts; a group's trajectories answer one "
-                    "prompt (GRPO compares them), so initial_prompt() must depend on the "
-                    "example only — randomise later turns."
-                )
-            for t in group:
-                t.prompt = prompts[0]
-
-    def _sample(self, engine: RolloutEngine, tokenizer: Any, active: list[Trajectory],
-                sampling: SamplingParams, turn: int, chunk_tokens: int,
-                between: Callable[[], None]) -> None:
-        """Generates the next turn of every active trajectory in one engine call."""
-        limit = self.settings.max_total_tokens
-        per_turn = self.settings.max_turn_tokens or sampling.max_tokens
-        if turn == 0:
-            n = sampling.n
-            heads = active[::n]
-            requests = [GenerationRequest(request_id=i, prompt_ids=t.prompt)
-                        for i, t in enumerate(heads)]
-        else:
-            n = 1
-            requests = [GenerationRequest(request_id=i, prompt_ids=t.prompt + t.tokens)
-                        for i, t in enumerate(active)]
-        budget = max(min(per_turn, limit - len(t.tokens)) for t in active)
-        params = attrs.evolve(sampling, n=n, max_tokens=budget, seed=_turn_seed(sampling.seed,
-                                                                                turn))
-        version = engine.weight_version
-        if chunk_tokens > 0:
-            from peerflow.streaming.partial import generate_in_segments
-
-            results = generate_in_segments(engine, requests, params, chunk_tokens=chunk_tokens,
-                                           between_chunks=between)
-        else:
-            results = engine.generate(requests, params)
-        check_results(engine, results, len(requests), n)
-        for res in results:
-            t = active[res.request_id * n + res.index]
-            room = min(per_turn, limit - len(t.tokens))
-            ids = list(res.token_ids)
-            versions = token_versions(res.version_segments, len(ids), version).tolist()
-            add_turn_routes(t, res.routed_experts, len(ids[:room]))
-            t.append(ids[:room], res.logprobs[:room], versions[:room], sampled=True)
-            t.turns += 1
-            cut = len(ids) > room or (res.finish_reason == "length" and room < per_turn)
-            t.last_turn = Turn(token_ids=ids[:room], index=turn, logprobs=res.logprobs[:room],
-                               text=tokenizer.decode(ids[:room], skip_special_tokens=True),
-                               truncated=cut or res.finish_reason == "length")
-            if cut:
-                t.end("max_tokens")
+                    f"environment {self.env_cls.name!r} gave the {sampling.n} trajectories "
+                    f"of {dataset_row(draw.example)} different first prompts; a group's "
+                    "trajectories answer one prompt (GRPO compares them), so "
+                    "initial_prompt() must depend on the example only — randomise later "
+                    "turns.")
+            for t, _ in group:
+                t.prompt = list(prompts[0]) if prompts else _stand_in(tokenizer, draw)
 
     def _step(self, trajectories: list[Trajectory], renderer: TurnRenderer,
-              turn: int) -> list[Trajectory]:
+              turn: int, segments: Segments) -> list[Trajectory]:
         """Steps the environments at once and appends their observations.
 
         Returns:
@@ -275,6 +241,8 @@ class AgentRollout:
             if self._failed(t, "step", outcome):
                 continue
             result: StepResult = outcome.value
+            if result.choice:  # the episode went on with another of the turn's choices
+                swap_answers(t, t.branches[result.choice - 1])
             t.reward_turn(result.reward)
             for key, value in result.info.items():
                 if isinstance(value, int | float):
@@ -285,10 +253,10 @@ class AgentRollout:
                 t.end("max_turns")
             elif result.restart is not None:
                 t.end("restart")
+                segment = segments.next(t.env)
                 restarted.append(Trajectory(draw=t.draw, index=t.index, env=t.env,
                                             prompt=[int(i) for i in result.restart],
-                                            segment=t.segment + 1,
-                                            info={"segment": float(t.segment + 1)}))
+                                            segment=segment, info={"segment": float(segment)}))
             else:
                 self._observe(t, renderer, result)
         return restarted
@@ -350,6 +318,18 @@ class AgentRollout:
             rewards.append(float("nan") if value is None else float(value))
             named.append(parts)
         return rewards, named
+
+
+def _stand_in(tokenizer: Any, draw: Draw) -> list[int]:
+    """The prompt of a group none of whose episodes started.
+
+    The example's prompt as the task renders it; the samples carry no tokens and are left
+    out as environment errors.
+    """
+    try:
+        return encode_prompt(tokenizer, draw.example.prompt)
+    except Exception:  # noqa: BLE001 — any prompt will do for a sample with no tokens
+        return []
 
 
 def _episodes(trajectories: list[Trajectory]) -> list[Trajectory]:

@@ -105,3 +105,127 @@ def endless_agent(base_url: str, api_key: str, model: str, example: dict[str, An
             return 0.75
         messages += [{"role": "assistant", "content": response.choices[0].message.content},
                      {"role": "user", "content": "more"}]
+
+
+def _stream(client: Any, **request: Any) -> dict[str, Any]:
+    """One streamed call, rebuilt from its chunks as a client does."""
+    text, ids, logprobs, prompt, usage, finish = "", [], [], None, None, None
+    for chunk in client.create(stream=True, stream_options={"include_usage": True},
+                               logprobs=True, extra_body={"return_token_ids": True},
+                               **request):
+        prompt = prompt or getattr(chunk, "prompt_token_ids", None)
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            prompt = prompt or getattr(choice, "prompt_token_ids", None)
+            delta = getattr(choice, "delta", None)
+            text += (delta.content or "") if delta is not None else (choice.text or "")
+            ids += getattr(choice, "token_ids", None) or []
+            if choice.logprobs is not None:
+                logprobs += ([c.logprob for c in choice.logprobs.content] if delta is not None
+                             else list(choice.logprobs.token_logprobs))
+            finish = choice.finish_reason or finish
+    return {"prompt": prompt, "ids": ids, "logprobs": logprobs, "text": text,
+            "usage": usage.model_dump() if usage else None, "finish": finish}
+
+
+def stream_agent(base_url: str, api_key: str, model: str, example: dict[str, Any]) -> float:
+    """Two streamed chat turns, then a streamed completion continuing the token sequence."""
+    client = _client(base_url, api_key)
+    messages: list[dict[str, Any]] = [{"role": "user", "content": example["prompt"]}]
+    calls = []
+    for turn in range(2):
+        calls.append(_stream(client.chat.completions, model=model, messages=messages))
+        messages += [{"role": "assistant", "content": calls[-1]["text"]},
+                     {"role": "user", "content": f"again {turn}"}]
+    # The chat turn's text as a completion: the trajectory's tokens, then one more token.
+    sequence = calls[-1]["prompt"] + calls[-1]["ids"] + [5]
+    calls.append(_stream(client.completions, model=model, prompt=sequence))
+    with _LOCK:
+        RECORDS.append(calls)
+    return 1.0
+
+
+def choices_agent(base_url: str, api_key: str, model: str, example: dict[str, Any]) -> float:
+    """Asks for 3 choices, goes on with the last one, then one more turn."""
+    client = _client(base_url, api_key)
+    messages: list[dict[str, Any]] = [{"role": "user", "content": example["prompt"]}]
+    first = client.chat.completions.create(model=model, messages=messages, n=3, logprobs=True,
+                                           extra_body={"return_token_ids": True})
+    picked = first.choices[2]
+    messages += [{"role": "assistant", "content": picked.message.content},
+                 {"role": "user", "content": "and?"}]
+    second = client.chat.completions.create(model=model, messages=messages, logprobs=True,
+                                            extra_body={"return_token_ids": True})
+    with _LOCK:
+        RECORDS.append([{"prompt": first.prompt_token_ids, "ids": c.token_ids,
+                         "logprobs": [e.logprob for e in c.logprobs.content],
+                         "text": c.message.content} for c in first.choices]
+                       + [{"prompt": second.prompt_token_ids,
+                           "ids": second.choices[0].token_ids,
+                           "logprobs": [e.logprob for e in second.choices[0].logprobs.content],
+                           "usage": first.usage.completion_tokens}])
+    return 0.5
+
+
+def sampling_agent(base_url: str, api_key: str, model: str, example: dict[str, Any]) -> float:
+    """Sends settings the run must refuse (each answered 400), then ones it honours."""
+    from openai import BadRequestError
+
+    client = _client(base_url, api_key)
+    messages = [{"role": "user", "content": example["prompt"]}]
+    refused = []
+    for bad in ({"temperature": 0.5}, {"top_p": 0.9}, {"top_logprobs": 2, "logprobs": True},
+                {"presence_penalty": 0.5}, {"extra_body": {"min_p": 0.1}}):
+        try:
+            client.chat.completions.create(model=model, messages=messages, **bad)
+        except BadRequestError as exc:
+            refused.append(str(exc))
+    answer = client.chat.completions.create(
+        model=model, messages=messages, temperature=1.0, max_completion_tokens=2, seed=11,
+        stop=["zz"], logprobs=True,
+        extra_body={"return_token_ids": True, "top_k": -1, "repetition_penalty": 1.0})
+    choice = answer.choices[0]
+    with _LOCK:
+        RECORDS.append([{"prompt": answer.prompt_token_ids, "ids": choice.token_ids,
+                         "logprobs": [e.logprob for e in choice.logprobs.content],
+                         "finish": choice.finish_reason, "refused": refused}])
+    return 1.0
+
+
+_STARTS: dict[str, int] = {}
+
+
+def early_agent(base_url: str, api_key: str, model: str, example: dict[str, Any]) -> float:
+    """Some episodes fail before their first call: raise, return, or wait too long."""
+    import time
+
+    with _LOCK:
+        k = _STARTS[example["prompt"]] = _STARTS.get(example["prompt"], -1) + 1
+    fate = {("1+2=", 0): "return", ("ab", 0): "raise", ("ab", 1): "hang"}.get(
+        (example["prompt"], k))
+    if fate == "raise":
+        raise ValueError("no model for me")
+    if fate == "return":
+        return 1.0
+    if fate == "hang":
+        time.sleep(4.0)
+        return 1.0
+    client = _client(base_url, api_key)
+    client.chat.completions.create(model=model, messages=[{"role": "user",
+                                                           "content": example["prompt"]}])
+    return 0.25
+
+
+def session_agent(base_url: str, api_key: str, model: str, example: dict[str, Any]) -> float:
+    """Two chat turns on the plain /v1 routes, the episode named in X-Session-Id."""
+    from openai import OpenAI
+
+    root, episode = base_url.split("/episodes/")
+    client = OpenAI(base_url=f"{root}/v1", api_key=api_key, max_retries=0, timeout=120,
+                    default_headers={"X-Session-Id": episode.removesuffix("/v1")})
+    messages: list[dict[str, Any]] = [{"role": "user", "content": example["prompt"]}]
+    for _ in range(2):
+        answer = client.chat.completions.create(model=model, messages=messages)
+        messages += [{"role": "assistant", "content": answer.choices[0].message.content},
+                     {"role": "user", "content": "more"}]
+    return 1.0

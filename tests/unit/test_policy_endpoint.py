@@ -56,11 +56,11 @@ def engine(chat_model):
 
 
 def _run(engine, function: str, max_turns: int = 4, n: int = 2, seed: int = 7,
-         max_tokens: int = 6):
+         max_tokens: int = 6, wait_s: float = 60):
     agent_programs.RECORDS.clear()
     draws = [Draw(position=i, example=Example(prompt=p, index=i))
              for i, p in enumerate(PROMPTS)]
-    driver = AgentRollout(env_cls=AgentProgram, env_options=_options(function, wait_s=60),
+    driver = AgentRollout(env_cls=AgentProgram, env_options=_options(function, wait_s=wait_s),
                           settings=AgentConfig(environment="agent-program",
                                                max_turns=max_turns, max_total_tokens=400))
     return driver(engine, engine.tokenizer, draws,
@@ -201,9 +201,21 @@ def test_bearer_token_and_request_checks():
     url = f"{root}/episodes/none/v1/chat/completions"
     body = {"model": "policy", "messages": [{"role": "user", "content": "hi"}]}
     assert httpx.post(url, json=body, headers=auth).status_code == 404
-    for bad, text in (({"n": 2}, "n must be 1"), ({"stream": True}, "stream")):
+    for bad, text in (({"presence_penalty": 1.0}, "presence_penalty=1.0 is not supported"),
+                      ({"n": 0}, "at least 1 choice"), ({"best_of": 4}, "best_of"),
+                      ({"response_format": {"type": "json_object"}}, "structured output")):
         answer = httpx.post(url, json={**body, **bad}, headers=auth)
         assert answer.status_code == 400 and text in answer.json()["error"]["message"]
+    generate = f"{root}/episodes/none/inference/v1/generate"
+    answer = httpx.post(generate, json={"token_ids": [1], "stream": True}, headers=auth)
+    assert answer.status_code == 400 and "stream" in answer.json()["error"]["message"]
+    # session affinity: the episode is named by the route or the header, never two ways
+    mixed = httpx.post(url, json=body, headers={**auth, "X-Session-Id": "other"})
+    assert mixed.status_code == 400 and "names episodes" in mixed.json()["error"]["message"]
+    named = httpx.post(f"{root}/v1/chat/completions", json=body,
+                       headers={**auth, "X-Session-Id": "none"})
+    assert named.status_code == 404 and "no open episode 'none'" in named.json()["error"][
+        "message"]
 
 
 def test_non_loopback_without_a_token_is_refused_at_validate(plugin_manager):
@@ -233,3 +245,134 @@ def test_missing_server_libraries_name_the_extra(monkeypatch, plugin_manager):
     text = "\n".join(dependency_problems(config, plugin_manager))
     assert ("rollout.agent.environment='agent-program' needs the fastapi package, which is "
             "not installed: pip install 'peerflow[endpoint]'") in text
+
+
+class _Recording:
+    """The engine, with every generate call's requests and settings kept (a test spy)."""
+
+    def __init__(self, engine) -> None:
+        self.engine, self.calls = engine, []
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def generate(self, requests, sampling):
+        self.calls.append(([list(r.prompt_ids) for r in requests], sampling))
+        return self.engine.generate(requests, sampling)
+
+
+def test_streamed_calls_are_recorded_like_whole_ones(engine):
+    batch = _run(engine, "stream_agent", seed=3)
+    records = list(agent_programs.RECORDS)
+    assert len(batch) == 4 and batch["finish_reason"] == ["stop"] * 4
+    assert batch["num_turns"].tolist() == [3] * 4  # every rebuilt call extended the last
+    assert all(info.get("prefix_breaks", 0) == 0 for info in batch["agent_info"])
+    for row in _rows(batch):
+        assert sum(_matches(row, calls) for calls in records) >= 1
+    for calls in records:
+        for call in calls:  # the usage chunk, the finish chunk, one token id per chunk
+            assert call["usage"] == {"prompt_tokens": len(call["prompt"]),
+                                     "completion_tokens": len(call["ids"]),
+                                     "total_tokens": len(call["prompt"]) + len(call["ids"]),
+                                     "completion_tokens_details": None,
+                                     "prompt_tokens_details": None}
+            assert call["finish"] in ("stop", "length") and len(call["logprobs"]) == len(
+                call["ids"])
+
+
+def test_stream_deltas_concatenate_to_the_answer_text(tok):
+    from peerflow.agents.endpoint.stream import text_deltas
+
+    ids = tuple(tok("héllo wörld <|im_end|>", add_special_tokens=False)["input_ids"])
+    for skip in (True, False):
+        text = tok.decode(list(ids), skip_special_tokens=skip)
+        deltas = text_deltas(text, ids, tok, skip)
+        assert len(deltas) == len(ids) and "".join(deltas) == text
+        assert sum(bool(d) for d in deltas) > 1  # streamed, not one chunk at the end
+    content = tok.decode(list(ids[:3]), skip_special_tokens=True)  # a tool call's prefix
+    assert "".join(text_deltas(content, ids, tok, True)) == content
+
+
+def test_n_choices_each_become_a_sample_and_the_chosen_one_goes_on(engine):
+    from peerflow.agents.rollout import SEGMENT_STRIDE
+
+    batch = _run(engine, "choices_agent", seed=5)
+    records = list(agent_programs.RECORDS)
+    assert len(batch) == 12  # 4 episodes: the trajectory and 2 branches each
+    reasons = batch["finish_reason"]
+    assert sorted(reasons) == ["branch"] * 8 + ["stop"] * 4
+    rows = _rows(batch)
+    for calls in records:
+        choices, second = calls[:3], calls[3]
+        assert second["usage"] == sum(len(c["ids"]) for c in choices)
+        # the trajectory: choice 2, the observation, the second answer — token-exact
+        assert sum(_matches(row, [choices[2], second]) for row, r in zip(rows, reasons)
+                   if r == "stop") == 1
+        for branch in choices[:2]:  # the others: samples of their own, prompt + answer
+            assert any(r == "branch" and _matches(row, [branch]) for row, r in zip(rows,
+                                                                                  reasons))
+    ids = batch.sample_id.tolist()
+    assert len(set(ids)) == 12 and sum(i >= SEGMENT_STRIDE for i in ids) == 8
+    assert sorted(batch.group_id.tolist()) == [0] * 6 + [1] * 6
+    assert batch["env_reward"].tolist() == [0.5] * 12
+    assert all(batch["agent_info"][i]["branches"] == 1 for i, r in enumerate(reasons)
+               if r == "branch")
+
+
+def test_per_request_sampling_is_honoured_or_refused_by_name(engine):
+    spy = _Recording(engine)
+    batch = _run(spy, "sampling_agent", n=2)
+    (record,) = agent_programs.RECORDS[:1]
+    refused = record[0]["refused"]
+    assert len(refused) == 5
+    assert "rollout.sampling.temperature=1.0" in refused[0]
+    assert "rollout.sampling.top_p=1.0" in refused[1]
+    assert "top_logprobs=2" in refused[2] and "presence_penalty" in refused[3]
+    assert "min_p" in refused[4]
+    for row in _rows(batch):
+        assert sum(_matches(row, calls) for calls in agent_programs.RECORDS) >= 1
+        assert len(row[1]) <= 2  # max_completion_tokens
+    for calls in agent_programs.RECORDS:
+        assert calls[0]["finish"] == ("length" if len(calls[0]["ids"]) == 2 else "stop")
+    (prompts, sampling), = spy.calls  # one engine call: both groups' shared settings
+    assert sampling.seed == 11 and sampling.stop == ("zz",) and sampling.n == 2
+    assert sampling.max_tokens == 2 and sampling.temperature == 1.0
+    assert len(prompts) == 2
+
+
+def test_agent_failing_before_its_first_call_loses_only_its_episode(engine):
+    agent_programs._STARTS.clear()
+    batch = _run(engine, "early_agent", n=3, wait_s=2.0)
+    reasons, errors = batch["finish_reason"], batch["agent_error"]
+    assert sorted(reasons) == ["env_error"] * 3 + ["stop"] * 3
+    text = " | ".join(errors)
+    assert "raised ValueError: no model for me" in text
+    assert "ended before calling the model: 1.0" in text
+    assert "rollout.agent.options.wait_s=2.0" in text
+    for row, reason in zip(_rows(batch), reasons):
+        prompt, response, _, _ = row
+        assert len(prompt) > 0 and (len(response) == 0) == (reason == "env_error")
+    assert [r for r, e in zip(batch["env_reward"].tolist(), reasons) if e == "stop"] == [
+        0.25] * 3
+
+
+def test_session_affinity_routes_each_trajectory_to_its_engine(engine):
+    from peerflow.agents.endpoint.server import route_episode
+
+    assert route_episode("e1", None, {}) == ("e1", "")
+    assert route_episode(None, "e1", {}) == ("e1", "")
+    assert route_episode(None, None, {"session_id": "e1"}) == ("e1", "")
+    assert route_episode("e1", "e1", {"session_id": "e1"}) == ("e1", "")
+    assert route_episode("e1", "e2", {})[0] is None
+    assert route_episode(None, None, {})[1].startswith("calls are recorded per episode")
+    spy = _Recording(engine)
+    batch = _run(spy, "session_agent", max_turns=2)
+    assert batch["finish_reason"] == ["stop"] * 4 and batch["num_turns"].tolist() == [2] * 4
+    first, second = spy.calls
+    assert len(first[0]) == 2 and len(second[0]) == 4  # a group shares its first prompt
+    # every later turn of a trajectory was asked of the same engine with the earlier turn
+    # as its prefix: what vLLM's prefix cache reuses
+    for prompt, response, _, mask in _rows(batch):
+        m = mask.tolist()
+        start = m.index(True, m.index(False))  # the second turn's first sampled token
+        assert prompt.tolist() + response.tolist()[:start] in second[0]

@@ -54,7 +54,7 @@ from peerflow.agents.endpoint.protocol import (
     generate_response,
     normal_message,
 )
-from peerflow.agents.environment import Environment, StepResult, Turn
+from peerflow.agents.environment import Environment, StepResult, Turn, TurnSettings
 from peerflow.algorithms.base import Example
 
 
@@ -130,7 +130,10 @@ class AgentProgram(Environment):
         self.pending: tuple[Call, Future] | None = None
         self.sequence: list[int] = []
         """The trajectory's tokens so far: first prompt, turns and observations."""
-        self.history: list[dict[str, Any]] | None = None
+        self.histories: list[list[dict[str, Any]]] = []
+        """After a chat answer: the history each of its choices would make."""
+        self.run_sampling: Any = None
+        self.capabilities: Any = None
         self.tools: tuple[dict[str, Any], ...] = ()
         self.tokenizer: Any = None
         self.outcome: tuple[str, Any] | None = None
@@ -172,10 +175,36 @@ class AgentProgram(Environment):
             raise TimeoutError(f"the agent program made no call and did not return within "
                                f"rollout.agent.options.wait_s={self.options.wait_s} s") from None
 
+    def _next_move(self) -> tuple[str, Any, Future | None]:
+        """The program's next call this run can honour (others are answered 400), or end."""
+        from peerflow.agents.endpoint.sampling import refusal
+
+        while True:
+            kind, value, future = self._next()
+            problem = None if kind != "call" or self.run_sampling is None else refusal(
+                value.sampling, self.run_sampling, self.capabilities)
+            if problem is None:
+                return kind, value, future
+            future.set_result((400, error_body(problem)))
+
+    def prepare(self, sampling: Any, capabilities: Any) -> None:
+        """Keeps the run's sampling settings and the engine's capabilities.
+
+        Every call's own settings are checked against them when the driver takes the
+        call (`peerflow.agents.endpoint.sampling.refusal`).
+        """
+        self.run_sampling, self.capabilities = sampling, capabilities
+
+    def turn_settings(self) -> TurnSettings:
+        """The pending call's `n`, `max_tokens`, `stop` and `seed`, for the driver."""
+        if self.pending is None:
+            return TurnSettings()
+        return self.pending[0].sampling.turn_settings()
+
     def initial_prompt_ids(self, tokenizer: Any) -> list[int]:
         """Waits for the program's first call; its prompt's token ids start the trajectory."""
         self.tokenizer = tokenizer
-        kind, value, future = self._next()
+        kind, value, future = self._next_move()
         if kind != "call":
             self.outcome = (kind, value)
             raise RuntimeError("the agent program ended before calling the model: "
@@ -187,7 +216,7 @@ class AgentProgram(Environment):
             future.set_result((400, error_body(str(exc))))
             raise
         self.sequence, self.pending, self.tools = list(ids), (value, future), value.tools
-        self.history = list(value.messages) if value.kind == "chat" else None
+        self.histories = []
         return list(ids)
 
     def initial_prompt(self) -> str:
@@ -195,16 +224,19 @@ class AgentProgram(Environment):
         return ""
 
     def step(self, turn: Turn) -> StepResult:
-        """Answers the pending call with `turn`; returns the program's next move."""
+        """Answers the pending call with `turn` and its other choices; returns the next move.
+
+        The next move names the choice the program went on with (`StepResult.choice`).
+        """
         assert self.pending is not None, "step without a pending call"
         call, future = self.pending
         self.pending = None
-        reply = Reply(prompt_ids=tuple(self.sequence), token_ids=turn.token_ids,
-                      logprobs=turn.logprobs, text=turn.text,
-                      finish_reason="length" if turn.truncated else "stop")
-        future.set_result((200, self._respond(call, reply, turn.index)))
-        self.sequence += list(turn.token_ids)
-        kind, value, next_future = self._next()
+        choices = [turn, *turn.alternatives]
+        replies = [Reply(prompt_ids=tuple(self.sequence), token_ids=c.token_ids,
+                         logprobs=c.logprobs, text=self._text(call, c),
+                         finish_reason="length" if c.truncated else "stop") for c in choices]
+        future.set_result((200, self._respond(call, replies, turn.index)))
+        kind, value, next_future = self._next_move()
         if kind == "error":
             self.outcome = (kind, value)
             raise RuntimeError(f"the agent program raised {type(value).__name__}: {value}")
@@ -213,18 +245,22 @@ class AgentProgram(Environment):
             return StepResult(done=True)
         assert next_future is not None
         try:
-            extends, ids = self._extension(value, turn)
+            choice, ids = self._extension(value, choices)
         except Exception as exc:
             next_future.set_result((400, error_body(f"{type(exc).__name__}: {exc}")))
             raise
         self.pending = (value, next_future)
-        if not extends:  # a new sample of this episode starts from the call's prompt
+        if choice is None:  # a new sample of this episode starts from the call's prompt
             self.sequence = list(ids)
-            self.history = list(value.messages) if value.kind == "chat" else None
             self.tools = value.tools
             return StepResult(restart=ids, info={"prefix_breaks": 1})
-        self.sequence += ids
-        return StepResult(observation=ids)
+        self.sequence += list(choices[choice].token_ids) + ids
+        return StepResult(observation=ids, choice=choice)
+
+    def _text(self, call: Call, turn: Turn) -> str:
+        if call.skip_special_tokens:
+            return turn.text
+        return self.tokenizer.decode(list(turn.token_ids), skip_special_tokens=False)
 
     def _render(self, call: Call) -> list[int]:
         """A call's whole prompt as token ids (chat templated, text tokenised, ids as given)."""
@@ -242,32 +278,45 @@ class AgentProgram(Environment):
 
         return encode_prompt(self.tokenizer, messages)
 
-    def _extension(self, call: Call, turn: Turn) -> tuple[bool, list[int]]:
-        """Whether `call` extends the trajectory, with the tokens it adds (else its prompt's)."""
-        history = self.history
-        if (call.kind == "chat" and history is not None and call.tools == self.tools
-                and len(call.messages) > len(history)
-                and list(call.messages[:len(history)]) == history):
-            from peerflow.agents.render import TurnRenderer
+    def _extension(self, call: Call, choices: list[Turn]) -> tuple[int | None, list[int]]:
+        """Which choice `call` extends, with the tokens it adds; else `None` and its prompt.
 
-            new = [dict(m) for m in call.messages[len(history):]]
-            self.history = list(call.messages)
-            return True, TurnRenderer(self.tokenizer).observation(
-                StepResult(observation=new), turn.token_ids)
+        A chat call extends choice k when its messages start with the history that choice
+        made (only the new messages are rendered, as a continuation); any call extends it
+        when its whole prompt's tokens start with the trajectory's tokens and that answer.
+        """
+        for k, history in enumerate(self.histories):
+            if (call.kind == "chat" and call.tools == self.tools
+                    and len(call.messages) > len(history)
+                    and list(call.messages[:len(history)]) == history):
+                from peerflow.agents.render import TurnRenderer
+
+                new = [dict(m) for m in call.messages[len(history):]]
+                return k, TurnRenderer(self.tokenizer).observation(
+                    StepResult(observation=new), choices[k].token_ids)
         ids = self._render(call)
-        if len(ids) > len(self.sequence) and ids[:len(self.sequence)] == self.sequence:
-            self.history = list(call.messages) if call.kind == "chat" else None
-            return True, ids[len(self.sequence):]
-        return False, ids
+        for k, turn in enumerate(choices):
+            done = self.sequence + list(turn.token_ids)
+            if len(ids) > len(done) and ids[:len(done)] == done:
+                return k, ids[len(done):]
+        return None, ids
 
-    def _respond(self, call: Call, reply: Reply, index: int) -> dict[str, Any]:
+    def _respond(self, call: Call, replies: list[Reply], index: int) -> Any:
+        """The answer's body: a dict, or the list of chunks of a streamed one."""
+        from peerflow.agents.endpoint import stream
+
+        self.histories = []
         if call.kind == "completion":
-            return completion_response(call, reply, self.tokenizer)
+            if call.stream:
+                return stream.completion_chunks(call, replies, self.tokenizer)
+            return completion_response(call, replies, self.tokenizer)
         if call.kind == "generate":
-            return generate_response(call, reply)
-        message, finish = _assistant_message(reply, bool(call.tools), index)
-        self.history = list(call.messages) + [normal_message(message)]
-        return chat_response(call, reply, message, finish, self.tokenizer)
+            return generate_response(call, replies)
+        messages = [_assistant_message(r, bool(call.tools), index) for r in replies]
+        self.histories = [list(call.messages) + [normal_message(m)] for m, _ in messages]
+        if call.stream:
+            return stream.chat_chunks(call, replies, messages, self.tokenizer)
+        return chat_response(call, replies, messages, self.tokenizer)
 
     def final_reward(self) -> float | dict[str, float] | None:
         """The program's reward, once it returns.

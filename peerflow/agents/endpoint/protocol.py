@@ -5,9 +5,9 @@ clients send many); each becomes a `Call`: what the model is asked to continue. 
 are plain dicts in OpenAI's shapes, plus vLLM's token fields when `return_token_ids` is set
 (`prompt_token_ids`, `token_ids`), and log-probs when `logprobs` is set.
 
-Sampling settings in a request (`temperature`, `top_p`, `max_tokens`, …) are accepted and
-not used: during training the run's `rollout.sampling` applies (the trainer computes its
-log-probs at that temperature), and `rollout.agent.max_turn_tokens` bounds a turn.
+Sampling settings in a request are read by `peerflow.agents.endpoint.sampling` (what is
+honoured, what must equal the run's, what is refused); `stream: true` answers in OpenAI's
+server-sent-event chunks (`peerflow.agents.endpoint.stream`).
 """
 
 from __future__ import annotations
@@ -19,15 +19,19 @@ from typing import Any
 import attrs
 from pydantic import BaseModel, ConfigDict, Field
 
+from peerflow.agents.endpoint.sampling import RequestSampling, request_sampling
+
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str = ""
-    n: int = 1
     stream: bool = False
-    logprobs: bool | int | None = None
+    stream_options: dict[str, Any] | None = None
     return_token_ids: bool = False
+    return_tokens_as_token_ids: bool = False
+    skip_special_tokens: bool = True
+    session_id: str | None = None
 
 
 class ChatRequest(_Request):
@@ -63,9 +67,21 @@ class Call:
     """A completion's text prompt."""
     ids: tuple[int, ...] | None = None
     """A completion's or generate call's prompt token ids."""
-    logprobs: bool = False
+    sampling: RequestSampling = attrs.field(factory=RequestSampling)
     return_token_ids: bool = False
     model: str = ""
+    stream: bool = False
+    include_usage: bool = False
+    """`stream_options.include_usage`: a last chunk with the usage."""
+    token_id_pieces: bool = False
+    """vLLM's `return_tokens_as_token_ids`: log-prob tokens spelled `token_id:<id>`."""
+    skip_special_tokens: bool = True
+    """Whether answer text leaves special tokens out (vLLM's default, true)."""
+
+    @property
+    def logprobs(self) -> bool:
+        """Whether the answer carries each sampled token's log-prob."""
+        return self.sampling.logprobs
 
 
 def _text(content: Any) -> str:
@@ -98,16 +114,18 @@ def to_call(kind: str, body: _Request) -> Call:
     """The `Call` a validated request body asks for.
 
     Raises:
-        ValueError: `n` other than 1, or `stream` (each message names the fix).
+        ValueError: A setting the endpoint never honours (`sampling.request_sampling`), or
+            `stream` on the token-in generate route (each message names the fix).
     """
-    if body.n != 1:
-        raise ValueError("n must be 1: an episode is one trajectory; PeerFlow samples a "
-                         "group by running rollout.sampling.n episodes of each prompt.")
-    if body.stream:
-        raise ValueError("stream is not supported by the PeerFlow policy endpoint; send the "
-                         "request with stream=false.")
-    common = {"logprobs": bool(body.logprobs), "return_token_ids": body.return_token_ids,
-              "model": body.model}
+    raw = body.model_dump()
+    if body.stream and kind == "generate":
+        raise ValueError("stream is not supported on /inference/v1/generate (vLLM's token-in "
+                         "route answers whole); send stream=false or use /v1/completions.")
+    common = {"sampling": request_sampling(kind, raw), "return_token_ids": body.return_token_ids,
+              "model": body.model, "stream": body.stream,
+              "include_usage": bool((body.stream_options or {}).get("include_usage")),
+              "token_id_pieces": body.return_tokens_as_token_ids,
+              "skip_special_tokens": body.skip_special_tokens}
     if isinstance(body, ChatRequest):
         return Call(kind=kind, messages=tuple(normal_message(m) for m in body.messages),
                     tools=tuple(body.tools or ()), **common)
@@ -133,61 +151,89 @@ class Reply:
     weight_version: int = 0
 
 
-def _usage(reply: Reply) -> dict[str, int]:
-    prompt, completion = len(reply.prompt_ids), len(reply.token_ids)
+def usage(replies: list[Reply]) -> dict[str, int]:
+    """OpenAI's usage of one call: its prompt once, every choice's tokens."""
+    prompt = len(replies[0].prompt_ids)
+    completion = sum(len(r.token_ids) for r in replies)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion}
 
 
-def _pieces(tokenizer: Any, ids: tuple[int, ...]) -> list[str]:
+def pieces(call: Call, tokenizer: Any, ids: tuple[int, ...]) -> list[str]:
+    """Each token as log-prob entries name it (`token_id:<id>` when asked, vLLM's way)."""
+    if call.token_id_pieces:
+        return [f"token_id:{i}" for i in ids]
     return [tokenizer.decode([i], skip_special_tokens=False) for i in ids]
 
 
-def chat_response(call: Call, reply: Reply, message: dict[str, Any], finish: str,
+def chat_logprobs(call: Call, tokenizer: Any, ids: tuple[int, ...],
+                  logprobs: tuple[float, ...]) -> dict[str, Any]:
+    """A chat choice's `logprobs` (`content`: one entry per sampled token)."""
+    return {"content": [{"token": piece, "logprob": lp, "bytes": list(piece.encode()),
+                         "top_logprobs": []}
+                        for piece, lp in zip(pieces(call, tokenizer, ids), logprobs)]}
+
+
+def completion_logprobs(call: Call, tokenizer: Any, ids: tuple[int, ...],
+                        logprobs: tuple[float, ...], start: int = 0) -> dict[str, Any]:
+    """A completion choice's legacy `logprobs` (offsets from `start`)."""
+    names = pieces(call, tokenizer, ids)
+    offsets = [start + sum(len(p) for p in names[:k]) for k in range(len(names))]
+    return {"tokens": names, "token_logprobs": list(logprobs), "text_offset": offsets,
+            "top_logprobs": None}
+
+
+def chat_response(call: Call, replies: list[Reply], messages: list[tuple[dict[str, Any], str]],
                   tokenizer: Any) -> dict[str, Any]:
-    """An OpenAI `chat.completion` body (vLLM's `prompt_token_ids`/`token_ids` when asked)."""
-    choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": finish,
-                              "logprobs": None}
-    if call.logprobs:
-        choice["logprobs"] = {"content": [
-            {"token": piece, "logprob": lp, "bytes": list(piece.encode()), "top_logprobs": []}
-            for piece, lp in zip(_pieces(tokenizer, reply.token_ids), reply.logprobs)]}
+    """An OpenAI `chat.completion` body, one choice per reply.
+
+    vLLM's `prompt_token_ids` and each choice's `token_ids` when asked.
+    """
+    choices = []
+    for index, (reply, (message, finish)) in enumerate(zip(replies, messages)):
+        choice: dict[str, Any] = {"index": index, "message": message, "finish_reason": finish,
+                                  "logprobs": None}
+        if call.logprobs:
+            choice["logprobs"] = chat_logprobs(call, tokenizer, reply.token_ids, reply.logprobs)
+        if call.return_token_ids:
+            choice["token_ids"] = list(reply.token_ids)
+        choices.append(choice)
     body: dict[str, Any] = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
                             "created": int(time.time()), "model": call.model,
-                            "choices": [choice], "usage": _usage(reply)}
+                            "choices": choices, "usage": usage(replies)}
     if call.return_token_ids:
-        choice["token_ids"] = list(reply.token_ids)
-        body["prompt_token_ids"] = list(reply.prompt_ids)
+        body["prompt_token_ids"] = list(replies[0].prompt_ids)
     return body
 
 
-def completion_response(call: Call, reply: Reply, tokenizer: Any) -> dict[str, Any]:
-    """An OpenAI `text_completion` body (vLLM's token fields in the choice when asked)."""
-    choice: dict[str, Any] = {"index": 0, "text": reply.text,
-                              "finish_reason": reply.finish_reason, "logprobs": None}
-    if call.logprobs:
-        pieces = _pieces(tokenizer, reply.token_ids)
-        offsets = [sum(len(p) for p in pieces[:k]) for k in range(len(pieces))]
-        choice["logprobs"] = {"tokens": pieces, "token_logprobs": list(reply.logprobs),
-                              "text_offset": offsets, "top_logprobs": None}
-    if call.return_token_ids:
-        choice["token_ids"] = list(reply.token_ids)
-        choice["prompt_token_ids"] = list(reply.prompt_ids)
+def completion_response(call: Call, replies: list[Reply], tokenizer: Any) -> dict[str, Any]:
+    """An OpenAI `text_completion` body (vLLM's token fields in each choice when asked)."""
+    choices = []
+    for index, reply in enumerate(replies):
+        choice: dict[str, Any] = {"index": index, "text": reply.text,
+                                  "finish_reason": reply.finish_reason, "logprobs": None}
+        if call.logprobs:
+            choice["logprobs"] = completion_logprobs(call, tokenizer, reply.token_ids,
+                                                     reply.logprobs)
+        if call.return_token_ids:
+            choice["token_ids"] = list(reply.token_ids)
+            choice["prompt_token_ids"] = list(reply.prompt_ids)
+        choices.append(choice)
     return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
-            "created": int(time.time()), "model": call.model, "choices": [choice],
-            "usage": _usage(reply)}
+            "created": int(time.time()), "model": call.model, "choices": choices,
+            "usage": usage(replies)}
 
 
-def generate_response(call: Call, reply: Reply) -> dict[str, Any]:
+def generate_response(call: Call, replies: list[Reply]) -> dict[str, Any]:
     """The body of vLLM's `/inference/v1/generate`: token ids, log-probs, the prompt's ids."""
-    choice: dict[str, Any] = {"index": 0, "finish_reason": reply.finish_reason,
-                              "token_ids": list(reply.token_ids),
-                              "logprobs": {"content": [{"token_id": i, "logprob": lp}
-                                                       for i, lp in zip(reply.token_ids,
-                                                                        reply.logprobs)]}}
+    choices = [{"index": index, "finish_reason": reply.finish_reason,
+                "token_ids": list(reply.token_ids),
+                "logprobs": {"content": [{"token_id": i, "logprob": lp}
+                                         for i, lp in zip(reply.token_ids, reply.logprobs)]}}
+               for index, reply in enumerate(replies)]
     return {"request_id": f"gen-{uuid.uuid4().hex}", "model": call.model,
-            "choices": [choice], "prompt_token_ids": list(reply.prompt_ids),
-            "usage": _usage(reply)}
+            "choices": choices, "prompt_token_ids": list(replies[0].prompt_ids),
+            "usage": usage(replies)}
 
 
 def error_body(message: str, kind: str = "invalid_request_error") -> dict[str, Any]:

@@ -8,6 +8,13 @@ loopback port by default). An episode is reached under its own base URL,
 episode's inbox, where the agent driver picks it up (`peerflow.agents.endpoint.program`):
 the endpoint never calls an engine itself.
 
+Session affinity: an episode lives on the rollout process whose driver runs it, and its
+calls are routed by its id — in the route (`/episodes/<id>/v1/...`), or, for clients that
+keep one base URL, in an `X-Session-Id` header or a `session_id` body field on the plain
+`/v1/...` routes (`route_episode`). So every call of a trajectory reaches the one engine
+replica that generated its earlier turns, with the whole sequence as its prompt: vLLM's
+prefix cache reuses their KV blocks.
+
 Security: bound to 127.0.0.1 by default; every route needs `Authorization: Bearer
 <token>` (the run's token: random per process, or read from `token_env`); a missing or
 wrong token is answered 401. A non-loopback host without a token is refused when the
@@ -24,7 +31,7 @@ from typing import Any
 
 import attrs
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from peerflow.agents.endpoint.protocol import (
     ChatRequest,
@@ -116,6 +123,41 @@ def endpoint_for(host: str, port: int, token: str | None, model_name: str) -> Po
         return endpoint
 
 
+#: The header that names an episode on the plain `/v1/...` routes (session affinity).
+SESSION_HEADER = "x-session-id"
+
+
+def route_episode(route_id: str | None, header: str | None, body: dict[str, Any]
+                  ) -> tuple[str | None, str]:
+    """The episode a call belongs to: from its route, its `X-Session-Id`, or `session_id`.
+
+    Returns:
+        The episode id (`None` when the call names none), and why the call is refused
+        (empty when it is not): ids that disagree, or no id at all.
+    """
+    named = {v for v in (route_id, header, body.get("session_id")) if v}
+    if len(named) > 1:
+        return None, (f"the call names episodes {sorted(named)} (route, X-Session-Id header, "
+                      "session_id field): name one, the episode whose calls these are.")
+    if not named:
+        return None, ("calls are recorded per episode: use the base_url PeerFlow gave the "
+                      "episode (http://HOST:PORT/episodes/<id>/v1), or name the episode in "
+                      "an X-Session-Id header.")
+    return named.pop(), ""
+
+
+def _sse(events: list[dict[str, Any]]) -> Any:
+    """Server-sent events: each chunk, then `[DONE]`."""
+    import json
+
+    def lines() -> Any:
+        for event in events:
+            yield f"data: {json.dumps(event)}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(lines(), media_type="text/event-stream")
+
+
 def new_token() -> str:
     """A random bearer token (a run's own, when no `token_env` names one)."""
     return secrets.token_urlsafe(32)
@@ -143,9 +185,15 @@ def build_app(endpoint: PolicyEndpoint) -> Any:
     app.get("/v1/models")(models)
     app.get("/episodes/{episode_id}/v1/models")(models)
 
-    async def serve(kind: str, episode_id: str, raw: dict[str, Any]) -> Any:
+    async def serve(kind: str, route_id: str | None, request: Request) -> Any:
         schema = {"chat": ChatRequest, "completion": CompletionRequest,
                   "generate": GenerateRequest}[kind]
+        raw = await request.json()
+        if not isinstance(raw, dict):
+            return refuse(400, "the request body must be a JSON object.")
+        episode_id, problem = route_episode(route_id, request.headers.get(SESSION_HEADER), raw)
+        if problem:
+            return refuse(404 if route_id is None and episode_id is None else 400, problem)
         try:
             call = to_call(kind, schema.model_validate(raw))
         except ValueError as exc:  # pydantic's ValidationError is a ValueError
@@ -156,25 +204,24 @@ def build_app(endpoint: PolicyEndpoint) -> Any:
             return refuse(404, f"no open episode {episode_id!r} on this endpoint: use the "
                           "base_url PeerFlow gave the episode, while it runs.")
         status, body = await asyncio.wrap_future(episode.submit(call))
+        if status == 200 and isinstance(body, list):
+            return _sse(body)
         return body if status == 200 else JSONResponse(body, status_code=status)
 
-    @app.post("/v1/chat/completions")
-    @app.post("/v1/completions")
-    @app.post("/inference/v1/generate")
-    async def outside_an_episode() -> Any:
-        return refuse(404, "calls are recorded per episode: use the base_url PeerFlow gave "
-                      "the episode (http://HOST:PORT/episodes/<id>/v1).")
+    routes = {"chat": "/v1/chat/completions", "completion": "/v1/completions",
+              "generate": "/inference/v1/generate"}
+    def plain(kind: str) -> Any:
+        async def route(request: Request) -> Any:
+            return await serve(kind, None, request)
+        return route
 
-    @app.post("/episodes/{episode_id}/v1/chat/completions")
-    async def chat(episode_id: str, request: Request) -> Any:
-        return await serve("chat", episode_id, await request.json())
+    def scoped(kind: str) -> Any:
+        async def route(episode_id: str, request: Request) -> Any:
+            return await serve(kind, episode_id, request)
+        return route
 
-    @app.post("/episodes/{episode_id}/v1/completions")
-    async def completions(episode_id: str, request: Request) -> Any:
-        return await serve("completion", episode_id, await request.json())
-
-    @app.post("/episodes/{episode_id}/inference/v1/generate")
-    async def generate(episode_id: str, request: Request) -> Any:
-        return await serve("generate", episode_id, await request.json())
+    for kind, path in routes.items():
+        app.post(path)(plain(kind))
+        app.post(f"/episodes/{{episode_id}}{path}")(scoped(kind))
 
     return app
