@@ -34,7 +34,7 @@ def _first(mapping: dict[str, Any], keys: tuple[str, ...]) -> int | None:
 def model_shape(config: Any) -> tuple[dict[str, Any], str] | None:
     """Returns the model's config dict and where it came from, if it can be read cheaply."""
     if config.model.path:
-        path = Path(config.model.path).expanduser() / "config.json"
+        path = Path(config.model.path) / "config.json"
         if path.is_file():
             data = json.loads(path.read_text())
             return data.get("text_config", data), str(path)
