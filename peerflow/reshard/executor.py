@@ -36,6 +36,7 @@ import torch
 from peerflow.engines.base import WeightSyncStats
 from peerflow.errors import ShardError
 from peerflow.reshard.buckets import Bucket, itemsize
+from peerflow.reshard.deadline import exchange_bucket
 from peerflow.reshard.plan import ReshardPlan, Transfer
 from peerflow.reshard.transport import WeightTransport
 from peerflow.rounding import pad_to_multiple
@@ -148,6 +149,7 @@ def run_plan(
     buffers: Buffers | None = None,
     version: int = 0,
     routes: Sequence[BucketRoutes] | None = None,
+    arena: Arena | None = None,
 ) -> WeightSyncStats:
     """Runs every bucket of `plan` on this rank (call on every rank of the plan).
 
@@ -165,6 +167,9 @@ def run_plan(
         version: The weight version the returned stats are labelled with.
         routes: `bucket_routes(buckets, rank)`, when the caller keeps them between syncs
             (they depend on the plan only); computed here otherwise.
+        arena: A packing arena the caller keeps between syncs (a transport whose peers
+            map send buffers, `WeightTransport.keeps_buffers`); a fresh one, released at
+            the end, by default.
 
     Returns:
         This rank's time split (pack / wire / load), bytes it sent (local copies included)
@@ -172,6 +177,8 @@ def run_plan(
 
     Raises:
         ShardError: a materialised tensor's shape differs from its spec.
+        WorkerFailedError: a peer did not answer within the transport's deadline (names
+            the bucket, the transport and the ranks).
     """
     meter = meter or MemoryMeter()
     stats: Counter[str] = Counter()
@@ -180,14 +187,16 @@ def run_plan(
     routes = routes if routes is not None else bucket_routes(buckets, rank)
     # One arena per sync: a bucket's send buffers, then (once sent) its staged tensors.
     # Sized once for the largest bucket so no bucket reallocates (and re-faults) memory.
-    arena = Arena(meter=meter, device=device)
+    own = arena is None
+    arena = Arena(meter=meter, device=device) if own else arena
     arena.reserve_total(_arena_bytes(buckets, routes, rank, my_targets, stage=False))
     arena.stage_bytes = _arena_bytes(buckets, routes, rank, my_targets, stage=True)
     try:
         _run_buckets(plan, buckets, routes, rank, transport, materialize, load, buffers,
                      meter, stats, my_sources, my_targets, arena)
     finally:
-        arena.release()
+        if own:
+            arena.release()
     return WeightSyncStats(version=version, peak_extra_bytes=meter.peak,
                            senders=plan.senders, sender_share=plan.sender_share, **stats)
 
@@ -350,7 +359,7 @@ def _run_bucket(bucket: Bucket, routes: BucketRoutes, rank: int, sources: dict[s
     start = time.perf_counter()
     recv_sizes = {peer: packed_layout(ts)[1] for peer, ts in routes.incoming.items()}
     meter.reserve(sum(recv_sizes.values()))
-    received = transport.exchange(sends, recv_sizes, routes.routes)
+    received = exchange_bucket(transport, bucket.index, sends, recv_sizes, routes.routes)
     sends.clear()
     stats["wire_s"] += time.perf_counter() - start
 

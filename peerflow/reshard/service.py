@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from peerflow.engines import RolloutEngine, TrainEngine, WeightSyncStats
 from peerflow.reshard.buckets import Bucket, make_buckets
+from peerflow.reshard.deadline import exchange_bucket
 from peerflow.reshard.executor import (
     Arena,
     BucketRoutes,
@@ -159,6 +160,7 @@ class WeightSyncService:
     """Bytes the service holds now and at most (pack pool, received buffers, arenas)."""
     _pool: list[Arena] = attrs.field(factory=list, init=False)
     _packs: int = attrs.field(default=0, init=False)
+    _arena: Arena | None = attrs.field(default=None, init=False)
     _routes: tuple[BucketRoutes, ...] = attrs.field(init=False)
 
     @_routes.default
@@ -232,6 +234,7 @@ class WeightSyncService:
             load=self.rollout.load_weights if self.rollout is not None else None,
             buffers=self.rollout.weight_buffers if self.rollout is not None else None,
             device=self.device, meter=self.meter, version=version, routes=self._routes,
+            arena=self._kept_arena(),
         )
         if self.rollout is not None:
             finish = time.perf_counter()
@@ -295,7 +298,7 @@ class WeightSyncService:
             sends = dict(packed.regions[index]) if packed is not None else {}
             own = sends.pop(self.rank, None)
             sizes = {peer: packed_layout(ts)[1] for peer, ts in routes.incoming.items()}
-            got = self.transport.exchange(sends, sizes, routes.routes)
+            got = exchange_bucket(self.transport, index, sends, sizes, routes.routes)
             if own is not None:  # the pool slot is reused by a later pack
                 got[self.rank] = own.clone()
             nbytes += sum(buf.numel() for buf in got.values())
@@ -352,6 +355,14 @@ class WeightSyncService:
             self.time_share.wake(tags)
 
     # -- helpers ------------------------------------------------------------------------
+
+    def _kept_arena(self) -> Arena | None:
+        """The packing arena kept between syncs when peers map it (`keeps_buffers`)."""
+        if not self.transport.keeps_buffers:
+            return None
+        if self._arena is None:
+            self._arena = Arena(meter=self.meter, device=self.device)
+        return self._arena
 
     def _outgoing(self, routes: BucketRoutes) -> dict[int, list]:
         per_peer = dict(routes.outgoing)

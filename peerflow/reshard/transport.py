@@ -28,6 +28,12 @@ class WeightTransport(abc.ABC):
     """Name users select the transport by."""
     requires_cuda: ClassVar[bool] = False
     """The transport needs CUDA tensors (the executor packs buckets on the GPU)."""
+    keeps_buffers: ClassVar[bool] = False
+    """Peers map this rank's send buffers (CUDA IPC): the service keeps its packing
+    arena between syncs so the mapping stays valid and is made once."""
+    timeout: float | None = None
+    """Seconds one `exchange` may wait for its peers (`None`: `runtime.fault_timeout`,
+    via `peerflow.distributed.comm.default_timeout`); past it, `WorkerFailedError`."""
 
     def __init__(self, *, rank: int = 0, group: Any = None, device: str = "cpu") -> None:
         """Binds the transport to this rank.
@@ -49,6 +55,13 @@ class WeightTransport(abc.ABC):
             return f"weight transport {cls.name!r} needs a CUDA device and none is visible"
         return None
 
+    @property
+    def deadline_s(self) -> float:
+        """Seconds one `exchange` may wait for its peers (`timeout`, else the run's)."""
+        from peerflow.distributed.comm import default_timeout
+
+        return default_timeout() if self.timeout is None else float(self.timeout)
+
     @abc.abstractmethod
     def exchange(
         self,
@@ -66,6 +79,10 @@ class WeightTransport(abc.ABC):
 
         Returns:
             Peer rank → flat `uint8` buffer received from it (one per `recvs` entry).
+
+        Raises:
+            WorkerFailedError: a peer did not answer within `deadline_s` (name it; the
+                executor adds the bucket).
         """
 
 

@@ -13,9 +13,11 @@
   rank of the group shares the host.
 * `torch_broadcast` — one `broadcast` per sending rank and bucket (what trainer → many
   rollout ranks weight pushes use with NCCL); every rank of the group takes part.
-* `cuda_ipc` — same-host GPU: the sender exports a CUDA handle of the packed bucket over
-  the group (object p2p), the receiver copies from the mapped memory, then acknowledges.
+* `cuda_ipc` — same-host GPU (`peerflow.reshard.cuda_ipc`): each sender's buffer is
+  exported and mapped once, a bucket is a small header, one device copy and an ack.
   Declares `requires_cuda`; on a CPU machine it reports itself unavailable.
+
+Every wait has the transport's deadline (`peerflow.reshard.deadline`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from peerflow.coordinator.transport import cached_shm_route
 from peerflow.distributed.comm import default_timeout
 from peerflow.errors import ConfigError
 from peerflow.plugins import hookimpl
+from peerflow.reshard.cuda_ipc import CudaIpcTransport
+from peerflow.reshard.deadline import wait_peers
 from peerflow.reshard.transport import Route, WeightTransport
 
 
@@ -65,11 +69,12 @@ class TorchP2PTransport(WeightTransport):
         # Post in rank order on both sides so gloo pairs match without deadlock.
         for peer in sorted(set(sends) | set(recvs)):
             if peer in sends:
-                works.append(dist.isend(sends[peer], dst=peer, group=self.group))
+                works.append((peer, "send to",
+                              dist.isend(sends[peer], dst=peer, group=self.group)))
             if peer in out:
-                works.append(dist.irecv(out[peer], src=peer, group=self.group))
-        for work in works:
-            work.wait()
+                works.append((peer, "receive from",
+                              dist.irecv(out[peer], src=peer, group=self.group)))
+        wait_peers(works, rank=self.rank, transport=self.name, timeout=self.deadline_s)
         return out
 
 
@@ -100,7 +105,7 @@ class SharedMemoryTransport(WeightTransport):
                               "use weight_sync.transport='torch' (or 'auto').")
         received, _ = route.begin_call().exchange(
             ((peer, buf, buf.numel()) for peer, buf in sends.items()), dict(recvs), tag=0,
-            what=f"weight bucket on rank {self.rank}", timeout=default_timeout())
+            what=f"weight bucket on rank {self.rank}", timeout=self.deadline_s)
         return received
 
 
@@ -120,44 +125,14 @@ class TorchBroadcastTransport(WeightTransport):
                 buf = torch.cat([sends[d] for d, _ in mine]) if len(mine) > 1 else sends[mine[0][0]]
             else:
                 buf = torch.empty(total, dtype=torch.uint8, device=self.device)
-            dist.broadcast(buf, src=src, group=self.group)
+            work = dist.broadcast(buf, src=src, group=self.group, async_op=True)
+            wait_peers([(src, "receive the broadcast of", work)], rank=self.rank,
+                       transport=self.name, timeout=self.deadline_s)
             offset = 0
             for dst, n in mine:
                 if dst == self.rank:
                     out[src] = buf[offset:offset + n]
                 offset += n
-        return out
-
-
-class CudaIpcTransport(WeightTransport):
-    """Same-host GPU transfer through CUDA IPC handles exchanged over the group."""
-
-    name = "cuda_ipc"
-    requires_cuda = True
-
-    def exchange(self, sends: Mapping[int, torch.Tensor], recvs: Mapping[int, int],
-                 routes: Sequence[Route]) -> dict[int, torch.Tensor]:
-        """Sends IPC handles, receivers copy from mapped memory, then acknowledge."""
-        from torch.multiprocessing.reductions import reduce_tensor
-
-        out: dict[int, torch.Tensor] = {}
-        keep = []
-        for peer in sorted(set(sends) | set(recvs)):
-            # Blocking object p2p: the lower rank of a pair sends first, the higher receives.
-            steps = ("send", "recv") if self.rank < peer else ("recv", "send")
-            for step in steps:
-                if step == "send" and peer in sends:
-                    buf = sends[peer].to(self.device).contiguous()
-                    keep.append(buf)
-                    dist.send_object_list([reduce_tensor(buf)], dst=peer, group=self.group)
-                elif step == "recv" and peer in recvs:
-                    box: list = [None]
-                    dist.recv_object_list(box, src=peer, group=self.group)
-                    rebuild, args = box[0]
-                    out[peer] = rebuild(*args).clone()
-                    torch.cuda.synchronize()
-        # The sender may free its buffer only once every receiver has copied it.
-        dist.barrier(group=self.group)
         return out
 
 
