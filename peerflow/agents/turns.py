@@ -176,9 +176,8 @@ def _keep(
 ) -> list[Any]:
     """Appends choice 0 to `t`; the other choices become branch samples (returned)."""
     turn_room = min(per_turn, _settings(t).max_tokens or per_turn)
-    base = attrs.evolve(
-        t, **{name: _copy(getattr(t, name)) for name in _CONTENT}, info=dict(t.info)
-    )
+    base = t if len(choices) == 1 else attrs.evolve(  # the trajectory before this turn
+        t, **{name: _copy(getattr(t, name)) for name in _CONTENT}, info=dict(t.info))
     turns, branches = [], []
     for k, res in enumerate(choices):
         target = (
