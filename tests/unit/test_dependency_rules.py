@@ -4,10 +4,12 @@ Every package and top-level module of `peerflow/` has a tier; an import (at any 
 module, `TYPE_CHECKING` included) goes to the importer's own tier or a lower one; nothing
 in PeerFlow imports the satellites (adapters, contrib, conformance, bench, testing), which
 are reached through entry points, pytest, torch's device hook or the CLI by name; and the
-package import graph has no cycle.
+package import graph has no cycle. A module named in a string (for `importlib` later) is
+held to the same tiers, except in the files of `BY_NAME`, and must exist.
 """
 
 import ast
+import re
 from collections import defaultdict
 from pathlib import Path
 
@@ -42,6 +44,15 @@ TIERS = {
     "testing": 0, "adapters": 4, "conformance": 4, "contrib": 5, "bench": 7,
 }
 SATELLITES = ("adapters", "bench", "conformance", "contrib", "testing")
+#: The files that may name a higher tier's (or a satellite's) module in a string, and why.
+BY_NAME = {
+    "peerflow/plugins/manager.py": "loads the core's own registrations (CORE_PLUGINS) the way "
+    "it loads entry points",
+    "peerflow/plugins/registry.py": "checks each registered class against its contract "
+    "(Kind.base), imported when the first one registers",
+    "peerflow/cli/conformance_cmd.py": "runs the conformance suite under pytest",
+}
+_DOTTED = re.compile(r"^peerflow(\.[A-Za-z_]\w*)+(:[\w.]+)?$")
 
 
 def _imports(path: Path, top_level_only: bool = False) -> list[tuple[int, str]]:
@@ -115,6 +126,48 @@ def test_nothing_imports_a_satellite():
            for package, targets in sorted(edges.items())
            for target, places in sorted(targets.items()) if target in SATELLITES
            for where in places]
+    assert not bad, "\n".join(bad)
+
+
+def _named_in_strings(path: Path) -> list[tuple[int, str]]:
+    """`peerflow.…` module paths in string constants (not docstrings or logger names)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    skip = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
+            skip.add(id(node.value))  # docstrings and bare strings
+        elif isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "getLogger":
+            skip.update(id(arg) for arg in node.args)
+    return [(node.lineno, node.value.partition(":")[0]) for node in ast.walk(tree)
+            if isinstance(node, ast.Constant) and isinstance(node.value, str)
+            and id(node) not in skip and _DOTTED.match(node.value)]
+
+
+def _exists(dotted: str) -> bool:
+    """Whether `dotted` is a module of `peerflow/` or a name in one (`module.Class`)."""
+    parts = dotted.split(".")[1:]
+    for cut in range(len(parts), 0, -1):
+        base = PACKAGE.joinpath(*parts[:cut])
+        if base.with_suffix(".py").is_file() or (base / "__init__.py").is_file():
+            return cut >= len(parts) - 2  # at most `module.Class.attribute` beyond it
+    return False
+
+
+def test_modules_named_in_strings_follow_the_tiers_and_exist():
+    bad = []
+    for package in _packages():
+        for path in _sources(package):
+            where = str(path.relative_to(ROOT))
+            for line, dotted in _named_in_strings(path):
+                target = _package_of(dotted)
+                if target is None:
+                    continue  # a file name such as `peerflow.log`
+                if not _exists(dotted):
+                    bad.append(f"{where}:{line} names {dotted!r}, which does not exist")
+                elif (target != package and where not in BY_NAME
+                      and (target in SATELLITES or TIERS[target] > TIERS[package])):
+                    bad.append(f"{where}:{line} names peerflow.{target} (tier {TIERS[target]}) "
+                               f"from {package} (tier {TIERS[package]})")
     assert not bad, "\n".join(bad)
 
 
