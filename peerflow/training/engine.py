@@ -53,7 +53,8 @@ from peerflow.training.logprobs import VocabShard, token_entropy, token_logprobs
 from peerflow.training.metrics import StepTally
 from peerflow.training.microbatch import plan_micro_batches, split_mini_batches
 from peerflow.training.packing import packed_inputs
-from peerflow.training.routing_replay import RoutingReplay, micro_batch_scope
+from peerflow.training.replay_scope import micro_batch_scope
+from peerflow.training.routing_replay import RoutingReplay
 from peerflow.training.shared_prompts import (
     SharedPromptInputs,
     shared_prompt_inputs,

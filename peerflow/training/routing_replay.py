@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Iterator
-from typing import Any, Literal
+from typing import Literal
 
 import attrs
 import torch
@@ -37,11 +37,23 @@ import torch
 from peerflow.batch import Batch, RaggedField
 from peerflow.errors import ConfigError
 from peerflow.models.moe_routers import RouterRule, find_routers, route, rule_of
-from peerflow.routes import OLD_ROUTES, ROUTES, route_bytes
+from peerflow.routes import ROUTES, route_bytes
 
 #: Values of `trainer.routing_replay`.
 MODES = ("off", "r2", "r3")
 Mode = Literal["off", "r2", "r3"]
+
+
+def _checked_mode(mode: Mode | bool) -> Mode:
+    """`mode`, with YAML's bare `off` (read as `False`) as `off`.
+
+    Raises:
+        ConfigError: not one of `MODES`.
+    """
+    mode = "off" if mode is False else mode
+    if mode not in MODES:
+        raise ConfigError(f"trainer.routing_replay={mode!r}; choose one of {list(MODES)}.")
+    return mode
 
 
 @attrs.define(eq=False)
@@ -86,9 +98,7 @@ class RoutingReplay:
         Raises:
             ConfigError: `mode` is not one of `MODES`, or is `r2`/`r3` on a dense model.
         """
-        mode = "off" if mode is False else mode  # YAML reads a bare `off` as false
-        if mode not in MODES:
-            raise ConfigError(f"trainer.routing_replay={mode!r}; choose one of {list(MODES)}.")
+        mode = _checked_mode(mode)
         routers = list(find_routers(model))
         if not routers:
             if mode != "off":
@@ -108,12 +118,45 @@ class RoutingReplay:
             module.forward = functools.partial(controller._route, layer, module, rule_of(module))
         return controller
 
+    @classmethod
+    def hooked(cls, mode: Mode, *, num_layers: int, top_k: int, num_experts: int,
+               sparse_layers: tuple[int, ...]) -> RoutingReplay:
+        """A controller for routers an adapter hooks itself (Megatron's native replay hook).
+
+        The adapter's hook asks `forced_routes(layer)` which experts to use and reports
+        every routing with `observe(...)`; everything else (scopes, r2 store, aux loss,
+        metrics) is the same as for `attach`.
+
+        Raises:
+            ConfigError: `mode` is not one of `MODES`.
+        """
+        return cls(mode=_checked_mode(mode), num_layers=num_layers, top_k=top_k,
+                   num_experts=num_experts, sparse_layers=tuple(sparse_layers))
+
     # -- the rebound router ---------------------------------------------------------------
 
     def _route(self, layer: int, module: torch.nn.Module, rule: RouterRule,
                hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        forced = None if self._forced is None else self._forced[:, layer]
+        forced = self.forced_routes(layer)
         logits, weights, indices, native = route(module, rule, hidden, forced)
+        self.observe(layer, logits, native, forced)
+        return logits, weights, indices
+
+    def forced_routes(self, layer: int) -> torch.Tensor | None:
+        """The routes to force on `layer` in the open scope (`[tokens, top_k]`), or `None`."""
+        return None if self._forced is None else self._forced[:, layer]
+
+    def observe(self, layer: int, logits: torch.Tensor, native: torch.Tensor,
+                forced: torch.Tensor | None) -> None:
+        """Records one router's forward: its logits (aux loss), native top-k and replay stats.
+
+        Args:
+            layer: The decoder layer.
+            logits: Router logits `[tokens, experts]` (with gradient), tokens in the
+                order of the scope's routes (`input_ids` flattened).
+            native: The router's own top-k `[tokens, top_k]`.
+            forced: What `forced_routes(layer)` returned.
+        """
         if self._recorded is not None:
             self._recorded[layer] = native.detach()
         self._logits[layer] = logits
@@ -127,7 +170,6 @@ class RoutingReplay:
             self._layer_stats[layer] = torch.stack([known.sum(), (known & ~overlap).sum(),
                                                     (real & ~known).sum(),
                                                     (known & differ).sum()])
-        return logits, weights, indices
 
     # -- scopes the toolkit opens ----------------------------------------------------------
 
@@ -294,98 +336,3 @@ class RoutingReplay:
             out["moe/load_violation"] = sum(means) / len(means)
         self._stats = _Stats()
         return out
-
-
-def routes_on_inputs(routes: RaggedField, inputs: Any, *, num_layers: int,
-                     top_k: int) -> torch.Tensor:
-    """Lays a micro-batch's routes out like its `input_ids`, flattened: `[B * L, layers, k]`.
-
-    Args:
-        routes: Ragged routes, one row per real sample over its prompt + response tokens.
-        inputs: The micro-batch's `PaddedInputs` (right-padded rows, one per sample).
-        num_layers: Layers of the model.
-        top_k: Experts per token.
-
-    Raises:
-        ValueError: a sample's route count differs from its token count, or the inputs are
-            not one padded row per sample (padding-free or shared-prompt rows).
-    """
-    from peerflow.training.inputs import PaddedInputs
-
-    if not isinstance(inputs, PaddedInputs):
-        raise ValueError(
-            f"routing replay lays routes out on padded micro-batches, not {type(inputs).__name__}; "
-            "set trainer.padding_free: false and trainer.fsdp.share_prompts: false (or "
-            "trainer.routing_replay: off).")
-    rows, width = inputs.input_ids.shape
-    out = torch.full((rows, width, num_layers, top_k), -1, dtype=torch.int16,
-                     device=inputs.input_ids.device)
-    if inputs.samples:
-        tokens = (inputs.prompt_lengths + inputs.response_lengths)[: inputs.samples]
-        lengths = routes.lengths.to(tokens.device)
-        if not torch.equal(lengths, tokens):
-            bad = int((lengths != tokens).nonzero()[0, 0])
-            raise ValueError(
-                f"routes of sample {bad} of the micro-batch cover {int(lengths[bad])} tokens but "
-                f"it has {int(tokens[bad])} (prompt + response); the engine that recorded them "
-                "must return one route per token (-1 where it has none).")
-        if routes.values.shape[1:] != (num_layers, top_k):
-            raise ValueError(
-                f"routes have [layers, top_k] = {list(routes.values.shape[1:])} but the model has "
-                f"[{num_layers}, {top_k}]; they were recorded for another model.")
-        mask = inputs.attention_mask[: inputs.samples].bool()
-        out[: inputs.samples][mask] = routes.values.to(out.device, torch.int16)
-    return out.reshape(rows * width, num_layers, top_k)
-
-
-def routes_from_inputs(recorded: torch.Tensor, inputs: Any) -> RaggedField:
-    """The inverse of `routes_on_inputs`: one ragged row per real sample, on the host."""
-    rows, width = inputs.input_ids.shape
-    grid = recorded.reshape(rows, width, *recorded.shape[1:])[: inputs.samples]
-    mask = inputs.attention_mask[: inputs.samples].bool()
-    values = grid[mask].cpu()
-    tokens = (inputs.prompt_lengths + inputs.response_lengths)[: inputs.samples].cpu()
-    from peerflow.batch import offsets_from_lengths
-
-    return RaggedField(values=values, offsets=offsets_from_lengths(tokens))
-
-
-@contextlib.contextmanager
-def micro_batch_scope(controller: RoutingReplay | None, micro: Any) -> Iterator[None]:
-    """What the toolkit opens around one micro-batch's forward and backward.
-
-    Under `r3` the batch's `ROUTES` are replayed; under `r2` a pass without gradient
-    records the trainer's own routes (`RoutingReplay.take` hands them to the batch) and a
-    pass with gradient replays the batch's `OLD_ROUTES` — a batch without them (no
-    old-log-prob pass ran: the planner drops it with one optimiser step per batch, whose
-    forward is then the first) routes natively;
-    under `off` (and for a dense model, `controller is None`) routing is native.
-
-    Raises:
-        ValueError: `r3` and the micro-batch has no `ROUTES` field (the rollout engine did
-            not return routes).
-    """
-    if controller is None:
-        yield
-        return
-    inputs, batch = micro.inputs, micro.batch
-    forced, record = None, False
-    if controller.mode == "r3":
-        if ROUTES not in batch:
-            raise ValueError(
-                f"trainer.routing_replay: r3 replays the rollout engine's routes, but the batch "
-                f"has no {ROUTES!r} field; use a rollout backend that declares "
-                "Capabilities.routed_experts (hf), or set trainer.routing_replay: r2.")
-        forced = routes_on_inputs(batch.ragged(ROUTES), inputs, num_layers=controller.num_layers,
-                                  top_k=controller.top_k)
-    elif controller.mode == "r2" and torch.is_grad_enabled() and OLD_ROUTES in batch:
-        forced = routes_on_inputs(batch.ragged(OLD_ROUTES), inputs,
-                                  num_layers=controller.num_layers, top_k=controller.top_k)
-    elif controller.mode == "r2":
-        record = True
-    mask = getattr(inputs, "attention_mask", None)
-    real = mask if mask is not None and mask.shape == inputs.input_ids.shape else None
-    with controller.forcing(forced, record=record, real=real):
-        yield
-        if record and inputs.samples:
-            controller.store(batch.sample_id, routes_from_inputs(controller.recorded(), inputs))

@@ -21,12 +21,18 @@ def test_r3_needs_a_rollout_engine_that_returns_routes(plugin_manager):
     assert len(text.splitlines()) == 1
 
 
-def test_replay_needs_a_trainer_under_the_controller(plugin_manager):
-    text = _problems(plugin_manager, "rollout.backend=hf", "trainer.backend=megatron",
-                     "trainer.routing_replay=r2")
-    assert "trainer.routing_replay=r2: trainer.backend='megatron' does not declare " \
-           "Capabilities.routing_replay: the megatron adapter builds dense GPTModels" in text
-    assert "use trainer.backend deepspeed or fsdp" in text
+def test_expert_parallelism_needs_a_trainer_that_splits_experts(plugin_manager):
+    text = _problems(plugin_manager, "rollout.backend=hf", "trainer.backend=fsdp",
+                     "trainer.layout.ep=2")
+    assert "trainer.layout.ep=2: trainer.backend='fsdp' does not declare " \
+           "Capabilities.expert_parallel" in text
+    assert "Fix: set trainer.layout.ep: 1, or use trainer.backend megatron" in text
+
+
+def test_megatron_replays_and_splits_experts(plugin_manager):
+    for mode in ("off", "r2", "r3"):
+        assert _problems(plugin_manager, "rollout.backend=hf", "trainer.backend=megatron",
+                         f"trainer.routing_replay={mode}", "trainer.layout.ep=2") == ""
 
 
 def test_hf_rollout_and_fsdp_replay_pass(plugin_manager):

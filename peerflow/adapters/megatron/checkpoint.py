@@ -2,23 +2,27 @@
 
 Layout of a checkpoint directory:
 
-* `megatron_tp{t}_pp{p}.safetensors` — that rank's parameters under Megatron names;
+* `megatron_tp{t}_pp{p}.safetensors` — that rank's parameters under Megatron names
+  (`megatron_tp{t}_pp{p}_ep{e}` with expert parallelism: each ep rank's file holds its
+  own experts and, like every ep rank, the dense tensors);
 * `megatron_optim_tp{t}_pp{p}.pt` — the torch optimiser state of that model shard;
-* `peerflow_megatron.json` — weight version, the tp/pp/dp layout it was written with and
-  the vocabulary padding multiple.
+* `peerflow_megatron.json` — weight version, the tp/pp/ep/dp layout it was written with
+  and the vocabulary padding multiple.
 
 dp replicas hold identical shards, so only dp-rank 0 writes; every file is written
 atomically (`peerflow.checkpoint.atomic_path`). Loading needs the same tp and pp (the
 shards are Megatron's own) and is strict: every saved tensor must have exactly the name
 and shape of this model's (`peerflow.checkpoint.check_shapes`). Megatron's distributed
-optimizer (GPU) is saved with its own `state_dict`. `MegatronCheckpoints` gives the engine
-`save_checkpoint` / `load_checkpoint`, and `saved_shards` describes every (tp, pp) file
+optimizer (GPU) is saved with its own `state_dict`. Loading needs the same ep too.
+`MegatronCheckpoints` gives the engine `save_checkpoint` / `load_checkpoint`, and
+`saved_shards` describes every (tp, pp, ep) file
 as pieces of HF tensors (the same `megatron_layout` specs the weight sync uses) for
 `peerflow export`.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -49,7 +53,7 @@ class MegatronCheckpoints:
 
         os.makedirs(directory, exist_ok=True)
         layout = self.context.layout
-        tag = f"tp{self.tp_rank}_pp{self.pp_rank}"
+        tag = _tag(self.tp_rank, self.pp_rank, self.ep_rank, layout.ep)
         if self.dp_rank == 0:
             tensors = {n: p.detach().contiguous().clone()
                        for n, p in self.module.named_parameters()}
@@ -59,6 +63,7 @@ class MegatronCheckpoints:
                 torch.save(self.optimizer.state_dict(), tmp)
         if dist.get_rank() == min(layout.global_ranks):
             meta = {"version": self.version, "tp": layout.tp, "pp": layout.pp, "dp": layout.dp,
+                    "ep": layout.ep,
                     "vocab_multiple": self.options.vocab_multiple,
                     "lr_scheduler": [sched.state_dict() for sched in self.lr_schedulers]}
             write_json_atomic(os.path.join(directory, META), meta)
@@ -70,9 +75,9 @@ class MegatronCheckpoints:
 
         meta = read_engine_meta(directory, META, "Megatron")
         layout = self.context.layout
-        check_same_layout({"tp": meta["tp"], "pp": meta["pp"]},
-                          {"tp": layout.tp, "pp": layout.pp}, where=directory)
-        tag = f"tp{self.tp_rank}_pp{self.pp_rank}"
+        check_same_layout({"tp": meta["tp"], "pp": meta["pp"], "ep": meta.get("ep", 1)},
+                          {"tp": layout.tp, "pp": layout.pp, "ep": layout.ep}, where=directory)
+        tag = _tag(self.tp_rank, self.pp_rank, self.ep_rank, layout.ep)
         tensors = load_file(os.path.join(directory, f"megatron_{tag}.safetensors"))
         params = dict(self.module.named_parameters())
         check_shapes({n: list(t.shape) for n, t in tensors.items()},
@@ -90,22 +95,26 @@ class MegatronCheckpoints:
     @classmethod
     def saved_shards(cls, directory: str, *, model_path: str,
                      options: Any = None) -> list[SavedShard]:
-        """Every (tp, pp) file's tensors as pieces of HF tensors (dp replica 0's specs)."""
+        """Every (tp, pp, ep) file's tensors as pieces of HF tensors (dp replica 0's specs)."""
         from transformers import AutoConfig
 
         from peerflow.adapters.megatron.layout import megatron_shard_layout
         from peerflow.layout import ParallelLayout
 
         meta = read_engine_meta(directory, META, "Megatron")
-        layout = ParallelLayout(tp=meta["tp"], pp=meta["pp"], dp=meta["dp"])
+        ep = meta.get("ep", 1)
+        layout = ParallelLayout(tp=meta["tp"], pp=meta["pp"], dp=meta["dp"], ep=ep)
         multiple = meta.get("vocab_multiple", getattr(options, "vocab_multiple", 128))
         hf_config = AutoConfig.from_pretrained(model_path)
         shards = []
-        for tp in range(layout.tp):
-            for pp in range(layout.pp):
-                rank = layout.rank_at(tp=tp, pp=pp, dp=0)
-                path = os.path.join(directory, f"megatron_tp{tp}_pp{pp}.safetensors")
-                for spec in megatron_shard_layout(hf_config, layout, rank,
-                                                  vocab_multiple=multiple):
-                    shards.append(SavedShard.in_file(path, source=rank, spec=spec))
+        for tp, pp, e in itertools.product(range(layout.tp), range(layout.pp), range(ep)):
+            rank = layout.rank_at(tp=tp, pp=pp, ep=e, dp=0)
+            path = os.path.join(directory, f"megatron_{_tag(tp, pp, e, ep)}.safetensors")
+            for spec in megatron_shard_layout(hf_config, layout, rank, vocab_multiple=multiple):
+                shards.append(SavedShard.in_file(path, source=rank, spec=spec))
         return shards
+
+
+def _tag(tp: int, pp: int, ep_rank: int, ep: int) -> str:
+    """A shard file's tag: `tp{t}_pp{p}`, with `_ep{e}` under expert parallelism."""
+    return f"tp{tp}_pp{pp}" + (f"_ep{ep_rank}" if ep > 1 else "")

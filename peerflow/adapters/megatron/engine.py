@@ -24,7 +24,6 @@ all-reduces the tied embedding between the first and last stage. On GPU
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator, Sequence
 from functools import partial
 from typing import Any
@@ -32,11 +31,7 @@ from typing import Any
 import torch
 
 from peerflow.adapters.megatron.checkpoint import MegatronCheckpoints
-from peerflow.adapters.megatron.cpu import (
-    enable_redirects,
-    needs_redirects,
-    tensor_cuda_is_identity,
-)
+from peerflow.adapters.megatron.cpu import needs_redirects, tensor_cuda_is_identity
 from peerflow.adapters.megatron.layout import megatron_shard_layout
 from peerflow.adapters.megatron.model import (
     SUPPORTED_FAMILIES,
@@ -51,6 +46,13 @@ from peerflow.adapters.megatron.optim import (
     param_dtype,
 )
 from peerflow.adapters.megatron.options import MegatronOptions
+from peerflow.adapters.megatron.parallel import (
+    clip_group,
+    dp_group_and_rank,
+    ensure_distributed,
+    init_parallel_state,
+)
+from peerflow.adapters.megatron.routing import TokenOrder, hook_routers, release_routers
 from peerflow.adapters.megatron.weights import covered_names, import_hf_weights
 from peerflow.batch import Batch
 from peerflow.capabilities import Capabilities
@@ -71,6 +73,7 @@ from peerflow.training import (
     pad_inputs,
     pad_to_shape,
 )
+from peerflow.training.replay_scope import micro_batch_scope
 
 
 def _say_padding(optim: OptimSettings) -> None:
@@ -83,66 +86,13 @@ def _say_padding(optim: OptimSettings) -> None:
         f"{str(optim.padding_free).lower()} applies to fsdp and deepspeed only).")
 
 
-def _ensure_distributed(context: EngineContext) -> None:
-    """Starts torch.distributed for a standalone engine, with the contract's backends."""
-    import torch.distributed as dist
-
-    from peerflow.distributed.devices import group_backend
-
-    if dist.is_initialized():
-        return
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 20000))
-    dist.init_process_group(group_backend(context.device),
-                            rank=int(os.environ.get("RANK", 0)),
-                            world_size=int(os.environ.get("WORLD_SIZE", 1)))
-
-
-def _import_megatron() -> None:
-    """Imports the Megatron modules the engine calls (so the CPU redirect covers them)."""
-    import megatron.core.distributed  # noqa: F401
-    import megatron.core.models.gpt  # noqa: F401
-    import megatron.core.pipeline_parallel.schedules  # noqa: F401
-    import megatron.core.tensor_parallel  # noqa: F401
-
-
-def _init_parallel_state(context: EngineContext) -> Any:
-    """Megatron's parallel state for `context.layout` (redirects first, off CUDA).
-
-    Returns:
-        `megatron.core.parallel_state`, initialised and seeded.
-
-    Raises:
-        ConfigError: This process already runs Megatron with another tp/pp.
-    """
-    layout = context.layout
-    _import_megatron()
-    if needs_redirects(context.device):
-        enable_redirects(context.device)
-    from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-    if ps.model_parallel_is_initialized():
-        current = (ps.get_tensor_model_parallel_world_size(),
-                   ps.get_pipeline_model_parallel_world_size())
-        if current != (layout.tp, layout.pp):
-            raise ConfigError(
-                f"Megatron's parallel state is already initialised with another tp/pp than "
-                f"{layout.describe()}; one process hosts one Megatron layout."
-            )
-    else:
-        ps.initialize_model_parallel(tensor_model_parallel_size=layout.tp,
-                                     pipeline_model_parallel_size=layout.pp)
-    model_parallel_cuda_manual_seed(context.seed)
-    return ps
-
-
 class MegatronTrainEngine(MegatronCheckpoints, CausalLMTrainEngine):
     """Train engine backed by Megatron-core `GPTModel` (TP, PP, DP from the layout)."""
 
     name = "megatron"
     capabilities = Capabilities(
-        tensor_parallel=True, pipeline_parallel=True, checkpoint=True,
+        tensor_parallel=True, pipeline_parallel=True, checkpoint=True, expert_parallel=True,
+        routing_replay=True,
         reasons={
             "lora": "megatron-core 0.16 has no LoRA of its own and no maintained library "
                     "here adds one (NVIDIA's Megatron-Bridge PEFT needs megatron-core >= "
@@ -152,11 +102,6 @@ class MegatronTrainEngine(MegatronCheckpoints, CausalLMTrainEngine):
                             "Megatron's packed THD path needs Transformer Engine)",
             "activation_checkpointing": "the megatron trainer does not wire up Megatron's "
                                         "activation recompute",
-            "routing_replay": "the megatron adapter builds dense GPTModels only; Megatron's "
-                              "MoE and its moe_enable_routing_replay are not wired (docs/moe.md)",
-            "expert_parallel": "the megatron adapter builds dense GPTModels only; "
-                               "megatron-core's MoE runs at ep=2 on CPU over gloo, but the "
-                               "adapter does not build MoE layers yet (docs/moe.md)",
         })
     options_class = MegatronOptions
     requires = ("megatron.core",)
@@ -171,10 +116,10 @@ class MegatronTrainEngine(MegatronCheckpoints, CausalLMTrainEngine):
         from transformers import AutoConfig
 
         layout = context.layout
-        if layout.ep * layout.cp != 1:
+        if layout.cp != 1:
             raise ConfigError(
-                f"trainer.backend=megatron got layout {layout.describe()}; expert and context "
-                "parallelism are not wired up; use ep=1 and cp=1."
+                f"trainer.backend=megatron got layout {layout.describe()}; context "
+                "parallelism is not wired up; set trainer.layout.cp: 1."
             )
         on_gpu = context.device.type == "cuda"
         if options.use_distributed_optimizer and not on_gpu:
@@ -182,23 +127,24 @@ class MegatronTrainEngine(MegatronCheckpoints, CausalLMTrainEngine):
                 "trainer.megatron.use_distributed_optimizer=true needs a CUDA device "
                 "(megatron-core's optimizers only accept CUDA tensors); set it to false on CPU."
             )
-        _ensure_distributed(context)
+        ensure_distributed(context)
         check_layout_spans_world(layout, backend="megatron",
                                  why="Megatron's parallel state is global",
-                                 fix="make dp*tp*pp equal the world size")
-        ps = _init_parallel_state(context)
+                                 fix="make dp*tp*pp*ep equal the world size")
+        self.hf_config = AutoConfig.from_pretrained(context.model_path)
+        self.shape = check_supported(self.hf_config)
+        _check_moe_layout(self.shape, layout)
+        ps = init_parallel_state(context)
         self.ps = ps
         self.tp_rank = ps.get_tensor_model_parallel_rank()
         self.pp_rank = ps.get_pipeline_model_parallel_rank()
-        self.dp_rank = ps.get_data_parallel_rank()
-        self.dp_group = ps.get_data_parallel_group()
+        self.ep_rank = ps.get_expert_model_parallel_rank()
+        self.dp_group, self.dp_rank = dp_group_and_rank(ps)
         self.device = context.device
         self.dtype = dtype = param_dtype(self.optim.bf16, optim.bf16, options, context.dtype)
-        self.hf_config = AutoConfig.from_pretrained(context.model_path)
-        self.shape = check_supported(self.hf_config)
         layout.check_divides("query groups (num_key_value_heads)", self.shape.num_kv_heads)
         layout.check_divides("layers", self.shape.num_layers, dim="pp")
-        self.config = transformer_config(self.hf_config, tp=layout.tp, pp=layout.pp,
+        self.config = transformer_config(self.hf_config, tp=layout.tp, pp=layout.pp, ep=layout.ep,
                                          dtype=dtype, on_cpu=not on_gpu)
         self.is_first = ps.is_pipeline_first_stage()
         self.is_last_stage = ps.is_pipeline_last_stage()
@@ -207,6 +153,8 @@ class MegatronTrainEngine(MegatronCheckpoints, CausalLMTrainEngine):
                                     vocab_multiple=options.vocab_multiple,
                                     pre_process=self.is_first, post_process=self.is_last_stage)
         model.to(self.device)
+        self._order = TokenOrder()
+        self._attach_megatron_routing(model)
         self._specs = self._layout_specs()
         params = dict(model.named_parameters())
         if set(params) != covered_names(self._specs):
@@ -240,6 +188,22 @@ class MegatronTrainEngine(MegatronCheckpoints, CausalLMTrainEngine):
             self.vocab_local = model.shared_embedding_or_output_weight().shape[0]
 
     # ------------------------------------------------------------------ setup
+    def _attach_megatron_routing(self, model: Any) -> None:
+        """The one routing-replay controller over Megatron's routers (`routing.py`).
+
+        A dense model goes through `attach_routing`, which refuses `r2`/`r3` for it.
+        """
+        if not self.shape.num_experts:
+            self.attach_routing(model)
+            return
+        from peerflow.training.routing_replay import RoutingReplay
+
+        self.routing = RoutingReplay.hooked(
+            self.optim.routing_replay, num_layers=self.shape.num_layers,
+            top_k=int(self.config.moe_router_topk), num_experts=self.shape.num_experts,
+            sparse_layers=self.shape.sparse_layers)
+        hook_routers(model, self.routing, self._order, self.config)
+
     def _layout_specs(self) -> list[ShardSpec]:
         import torch.distributed as dist
 
@@ -247,10 +211,12 @@ class MegatronTrainEngine(MegatronCheckpoints, CausalLMTrainEngine):
                                       vocab_multiple=self.options.vocab_multiple,
                                       dtype=str(self.dtype).removeprefix("torch."))
         coord = self.context.layout.coord(dist.get_rank())
-        if (coord.tp, coord.pp, coord.dp) != (self.tp_rank, self.pp_rank, self.dp_rank):
+        mine = (self.tp_rank, self.pp_rank, self.dp_rank, self.ep_rank)
+        if (coord.tp, coord.pp, coord.dp, coord.ep) != mine:
             raise ConfigError(
                 f"Megatron placed rank {dist.get_rank()} at tp={self.tp_rank} pp={self.pp_rank} "
-                f"dp={self.dp_rank} but the layout says {coord}; the rank orders disagree."
+                f"dp={self.dp_rank} ep={self.ep_rank} but the layout says {coord}; the rank "
+                "orders disagree."
             )
         return specs
 
@@ -275,6 +241,7 @@ class MegatronTrainEngine(MegatronCheckpoints, CausalLMTrainEngine):
     def forward_micro(self, micro: MicroBatch) -> torch.Tensor:
         """This stage's output: vocab-parallel logits `[B, L, V / tp]` on the last stage."""
         ids = micro.inputs.input_ids
+        self._order.rows, self._order.width = ids.shape
         width = ids.shape[1]
         causal = torch.ones(width, width, dtype=torch.bool, device=ids.device).triu(1)
         return self.model(ids, micro.inputs.position_ids, causal[None, None])
@@ -282,17 +249,35 @@ class MegatronTrainEngine(MegatronCheckpoints, CausalLMTrainEngine):
     def run_micro_batches(self, micros: Sequence[MicroBatch], objective: Objective) -> None:
         """Megatron's schedule (1F1B with pp > 1) over `micros`; backward unless no-grad.
 
-        The objective runs on the last stage, inside the schedule's loss function.
+        The objective runs on the last stage, inside the schedule's loss function. An MoE
+        micro-batch's routing-replay scope (`micro_batch_scope`) opens before its forward
+        and closes after its objective (Megatron recomputes nothing in backward, so the
+        backward needs no routes). With `ep > 1` the loss is scaled by `1 / ep`: the ep
+        peers forward the same samples, and Megatron sums their gradients.
         """
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
+        scale = 1.0 / self.context.layout.ep
+
         def forward_step(data_iterator: Iterator, model: Any) -> tuple[torch.Tensor, Any]:
             micro = next(data_iterator)
-            return self.forward_micro(micro), partial(loss_step, micro)
+            scope = micro_batch_scope(self.routing, micro)
+            scope.__enter__()
+            try:
+                output = self.forward_micro(micro)
+            except BaseException:
+                scope.__exit__(None, None, None)
+                raise
+            return output, partial(loss_step, micro, scope)
 
-        def loss_step(micro: MicroBatch, output: torch.Tensor) -> tuple[Any, Any, dict]:
+        def loss_step(micro: MicroBatch, scope: Any, output: torch.Tensor
+                      ) -> tuple[Any, Any, dict]:
             tokens = micro.inputs.response_lengths.sum().to(torch.int)  # on the device
-            return objective(micro, output), tokens, {}
+            try:
+                value = objective(micro, output)
+            finally:
+                scope.__exit__(None, None, None)
+            return (value * scale if scale != 1.0 else value), tokens, {}
 
         rows, width = micros[0].inputs.input_ids.shape
         get_forward_backward_func()(
@@ -319,7 +304,8 @@ class MegatronTrainEngine(MegatronCheckpoints, CausalLMTrainEngine):
     def optimizer_step(self) -> float:
         """Clip over the model-parallel group, step, and step the lr schedule (`optim.py`)."""
         norm = clip_and_step(self.optimizer, self.module, self.optim.grad_clip,
-                             tp_rank=self.tp_rank, group=self.ps.get_model_parallel_group())
+                             tp_rank=self.tp_rank, ep_rank=self.ep_rank,
+                             group=clip_group(self.ps, self.context.layout.ep))
         for sched in self.lr_schedulers:
             sched.step()
         return norm
@@ -369,10 +355,33 @@ class MegatronTrainEngine(MegatronCheckpoints, CausalLMTrainEngine):
         """Releases the model and Megatron's parallel state (idempotent)."""
         if getattr(self, "model", None) is None:
             return
+        if self.routing is not None:
+            release_routers(self.module)
         self.model = self.module = self.optimizer = None
         self.lr_schedulers = []
         with contextlib.suppress(Exception):
             self.ps.destroy_model_parallel()
+
+
+def _check_moe_layout(shape: Any, layout: Any) -> None:
+    """An MoE model trains with tp = pp = 1 (ep splits its experts); `ep > 1` needs experts.
+
+    Raises:
+        ConfigError: naming the layout setting to change.
+    """
+    if not shape.num_experts:
+        if layout.ep > 1:
+            raise ConfigError(f"trainer.layout.ep={layout.ep}: the {shape.family} model has no "
+                              "experts to split; set trainer.layout.ep: 1.")
+        return
+    if layout.tp * layout.pp > 1:
+        raise ConfigError(
+            f"trainer.backend=megatron: the {shape.family} MoE model trains with tp=1 and pp=1 "
+            f"here (got {layout.describe()}); Megatron's MoE with tp > 1 needs sequence "
+            "parallelism and pp > 1 splits the routing-replay scope across stages, neither "
+            "wired. Set trainer.layout.tp: 1 and pp: 1 (trainer.layout.ep splits the experts)."
+        )
+    layout.check_divides("experts", shape.num_experts, dim="ep")
 
 
 def _finalize_without_token_scaling(model: list[Any], num_tokens: Any = None,

@@ -9,18 +9,41 @@ from peerflow.errors import ConfigError
 from peerflow.shard import ShardSpec
 
 
+def megatron_coords(layout: Any, rank: int) -> Any:
+    """The `RankCoords` of global rank `rank`: tp, pp, and the expert block of its ep rank.
+
+    Megatron's default rank order (tp fastest, then ep, then dp, then pp) is
+    `ParallelLayout`'s. The ep peers of one dp replica see the same samples (PeerFlow's
+    layout) and hold the same dense tensors, so for replica indices they count as extra
+    replicas of those (`dp * ep + ep_rank`: only ep rank 0 of dp replica 0 sends them);
+    their experts are distinct, replicated over dp only.
+    """
+    from peerflow.models import RankCoords
+
+    coord = layout.coord(rank)
+    return RankCoords(tp_rank=coord.tp, tp_size=layout.tp, pp_rank=coord.pp, pp_size=layout.pp,
+                      ep_rank=coord.ep, ep_size=layout.ep, dp_rank=coord.dp * layout.ep + coord.ep,
+                      expert_replica=coord.dp if layout.ep > 1 else None)
+
+
 def megatron_shard_layout(hf_config: Any, layout: Any, rank: int, *,
                           vocab_multiple: int = 128, dtype: str = "float32") -> list[ShardSpec]:
     """Returns the Megatron shards of global rank `rank` of `layout`.
 
-    Megatron's default rank order (tp fastest, then dp, then pp) is `ParallelLayout`'s.
+    Raises:
+        ConfigError: `cp > 1`, `ep > 1` for a dense model, or a split that does not divide.
     """
-    from peerflow.models import RankCoords, megatron_layout
+    from peerflow.models import megatron_layout
 
-    if layout.ep * layout.cp != 1:
-        raise ConfigError(f"trainer.backend=megatron: layout {layout.describe()} uses ep/cp, "
-                          "which the adapter does not wire up.")
+    if layout.cp != 1:
+        raise ConfigError(f"trainer.backend=megatron: layout {layout.describe()} uses cp, "
+                          "which the adapter does not wire up; set trainer.layout.cp: 1.")
     shape = check_supported(hf_config)
+    if layout.ep > 1 and not shape.num_experts:
+        raise ConfigError(f"trainer.layout.ep={layout.ep}: the {shape.family} model has no "
+                          "experts to split; set trainer.layout.ep: 1.")
     layout.check_divides("layers", shape.num_layers, dim="pp")
-    return megatron_layout(hf_config, RankCoords.of(layout, rank),
+    if shape.num_experts:
+        layout.check_divides("experts", shape.num_experts, dim="ep")
+    return megatron_layout(hf_config, megatron_coords(layout, rank),
                            vocab_multiple=vocab_multiple, dtype=dtype)

@@ -1,4 +1,4 @@
-"""Building a Megatron-core `GPTModel` from a Hugging Face config (Llama, Qwen2, Qwen3).
+"""Building a Megatron-core `GPTModel` from a Hugging Face config (Llama, Qwen2, Qwen3, Qwen3-MoE).
 
 The HF config maps onto Megatron's `TransformerConfig`: RMSNorm, SwiGLU (`gated_linear_unit`
 + SiLU), grouped-query attention (`num_query_groups`), rotary embeddings (non-interleaved,
@@ -6,6 +6,17 @@ HF's `rotate_half`), Qwen2's q/k/v biases and Qwen3's per-head q/k norms. The la
 Megatron's local (non-Transformer-Engine) spec, so parameter names are the ones
 `peerflow.models.megatron_layout(te_names=False)` describes. The vocabulary is padded to
 `vocab_multiple * tp` rows, as Megatron-LM does.
+
+Qwen3-MoE maps onto Megatron's own MoE layer: a `TopKRouter` (`mlp.router.weight`, the
+HF `mlp.gate.weight`), `SequentialMLP` experts (one SwiGLU `linear_fc1`/`linear_fc2` per
+expert, the HF experts one by one) split over `expert_model_parallel_size`, and the
+allgather token dispatcher (the one that runs over gloo on the CPU). HF's
+`norm_topk_prob` (softmax over all experts, top-k, renormalised) is Megatron's top-k of
+the logits with a softmax over the k chosen (`moe_router_pre_softmax=False`); without it,
+the top-k of the full softmax (`True`). Megatron's own aux loss stays off: the training
+toolkit's routing-replay controller computes the load-balancing loss from the router
+logits (`trainer.router_aux_loss_coef`), as for every trainer. Routers are built with
+`moe_enable_routing_replay`, the hook the controller drives (`routing.py`).
 """
 
 from __future__ import annotations
@@ -19,15 +30,24 @@ from peerflow.models import ModelShape, padded_vocab
 
 #: HF model types whose dense decoder maps onto `GPTModel` with the local layer spec.
 SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+#: MoE model types whose experts map onto Megatron's MoE layer (SequentialMLP experts).
+MOE_FAMILIES = ("qwen3_moe",)
 
 
 def check_supported(hf_config: Any) -> ModelShape:
     """Returns the model's `ModelShape`, raising `ConfigError` for what GPTModel cannot mirror."""
     shape = ModelShape.from_hf_config(hf_config)
-    if shape.family not in SUPPORTED_FAMILIES or shape.num_experts:
+    moe = shape.family in MOE_FAMILIES and shape.num_experts > 0
+    if not moe and (shape.family not in SUPPORTED_FAMILIES or shape.num_experts):
         raise ConfigError(
             f"trainer.backend=megatron: model_type {shape.family!r} is not supported; "
-            f"expected a dense model of {SUPPORTED_FAMILIES}."
+            f"expected a dense model of {SUPPORTED_FAMILIES} or an MoE model of {MOE_FAMILIES}."
+        )
+    if moe and len(shape.sparse_layers) != shape.num_layers:
+        raise ConfigError(
+            f"trainer.backend=megatron: the {shape.family} model has dense layers among its MoE "
+            f"layers (sparse: {list(shape.sparse_layers)}); the adapter maps every-layer-sparse "
+            "models only. Use decoder_sparse_step: 1 and mlp_only_layers: [], or the fsdp trainer."
         )
     scaling = getattr(hf_config, "rope_scaling", None) or {}
     rope_type = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
@@ -53,13 +73,41 @@ def rope_theta(hf_config: Any) -> float:
     return float(theta)
 
 
+def moe_settings(hf_config: Any, shape: ModelShape, ep: int) -> dict[str, Any]:
+    """Megatron's MoE fields for an MoE `hf_config` (empty for a dense model)."""
+    if not shape.num_experts:
+        return {}
+    return {
+        "num_moe_experts": shape.num_experts,
+        "moe_router_topk": int(hf_config.num_experts_per_tok),
+        "moe_ffn_hidden_size": shape.moe_intermediate_size,
+        "moe_router_pre_softmax": not bool(getattr(hf_config, "norm_topk_prob", False)),
+        "moe_token_dispatcher_type": "allgather",
+        "moe_grouped_gemm": False,
+        "moe_router_load_balancing_type": "none",
+        "moe_aux_loss_coeff": 0.0,
+        "moe_enable_routing_replay": True,
+        "expert_model_parallel_size": ep,
+    }
+
+
 def transformer_config(hf_config: Any, *, tp: int, pp: int, dtype: torch.dtype,
-                       on_cpu: bool) -> Any:
-    """Returns Megatron's `TransformerConfig` equivalent to `hf_config`."""
+                       on_cpu: bool, ep: int = 1) -> Any:
+    """Returns Megatron's `TransformerConfig` equivalent to `hf_config`.
+
+    Args:
+        hf_config: The HF config.
+        tp: Tensor-parallel size.
+        pp: Pipeline-parallel size.
+        dtype: Parameter dtype.
+        on_cpu: Initialise parameters on the CPU.
+        ep: Expert-parallel size (MoE models).
+    """
     from megatron.core.transformer import TransformerConfig
 
     shape = check_supported(hf_config)
     return TransformerConfig(
+        **moe_settings(hf_config, shape, ep),
         num_layers=shape.num_layers,
         hidden_size=shape.hidden_size,
         ffn_hidden_size=shape.intermediate_size,
@@ -100,7 +148,10 @@ def build_gpt_model(hf_config: Any, config: Any, *, tp: int, vocab_multiple: int
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     shape = check_supported(hf_config)
-    spec = get_gpt_layer_local_spec(qk_layernorm=shape.qk_norm, normalization="RMSNorm")
+    if shape.num_experts:
+        _define_missing_te_gemm()
+    spec = get_gpt_layer_local_spec(num_experts=shape.num_experts or None, moe_grouped_gemm=False,
+                                    qk_layernorm=shape.qk_norm, normalization="RMSNorm")
     return GPTModel(
         config=config,
         transformer_layer_spec=spec,
@@ -113,3 +164,15 @@ def build_gpt_model(hf_config: Any, config: Any, *, tp: int, vocab_multiple: int
         rotary_percent=1.0,
         rotary_base=rope_theta(hf_config),
     )
+
+
+def _define_missing_te_gemm() -> None:
+    """Defines `moe_utils.te_general_gemm = None` where megatron-core left it undefined.
+
+    megatron-core 0.16.1 without Transformer Engine never binds the name, yet the router's
+    gating reads it (`te_general_gemm is not None`); `None` selects its `torch.mm` path.
+    """
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None

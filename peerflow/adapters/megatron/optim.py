@@ -4,7 +4,9 @@ On CPU, megatron-core 0.16's optimizers refuse non-CUDA tensors, so a `torch.opt
 steps the parameters with the gradients Megatron's DDP wrapper reduced into
 `param.main_grad`. Clipping then needs the global norm over the model-parallel group,
 counting each tensor once: tp-replicated tensors (norms) only on tp rank 0, and the last
-stage's copy of a tied embedding (`shared`) not at all.
+stage's copy of a tied embedding (`shared`) not at all. With expert parallelism the norm
+is summed over tp × pp × ep: each ep rank's own experts (`allreduce=False` in Megatron)
+count everywhere, the tensors every ep rank holds alike only on ep rank 0.
 """
 
 from __future__ import annotations
@@ -72,7 +74,7 @@ def build_lr_schedulers(optimizer: Any, optim: OptimSettings) -> list[Any]:
 
 
 def clip_and_step(optimizer: Any, module: torch.nn.Module, grad_clip: float, *,
-                  tp_rank: int, group: Any) -> float:
+                  tp_rank: int, group: Any, ep_rank: int = 0) -> float:
     """Clips and applies the reduced gradients; returns the pre-clip global norm.
 
     Args:
@@ -80,7 +82,8 @@ def clip_and_step(optimizer: Any, module: torch.nn.Module, grad_clip: float, *,
         module: The bare `GPTModel`.
         grad_clip: Global norm limit (0 disables clipping).
         tp_rank: This rank's tensor-parallel index.
-        group: Megatron's model-parallel group (tp × pp) the norm is summed over.
+        group: The group the norm is summed over (tp × pp, × ep with experts split).
+        ep_rank: This rank's expert-parallel index.
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         _, norm, _ = optimizer.step()  # Megatron clips inside its own step
@@ -92,6 +95,7 @@ def clip_and_step(optimizer: Any, module: torch.nn.Module, grad_clip: float, *,
     for param in params:
         param.grad = param.main_grad.to(param.dtype)
         counted = getattr(param, "tensor_model_parallel", False) or tp_rank == 0
+        counted = counted and (ep_rank == 0 or not getattr(param, "allreduce", True))
         if counted and not getattr(param, "shared", False):
             square += param.grad.double().pow(2).sum()
     if dist.get_world_size(group) > 1:

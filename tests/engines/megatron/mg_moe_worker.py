@@ -1,0 +1,119 @@
+"""One gloo rank of `test_megatron_moe.py`: the megatron adapter on a tiny Qwen3-MoE.
+
+argv: OUT_DIR MODEL_DIR. Two cases on the 2 ranks, one after the other:
+
+* `ep2` — `ParallelLayout(ep=2)`: each rank holds 2 of the 4 experts of every layer and
+  both ranks see the same batch;
+* `dp2` — `ParallelLayout(dp=2)` (ep = 1): each rank holds every expert and half the batch.
+
+Per case: log-probs routed natively; r2 recording then r3 replay of those routes (must
+reproduce them bit for bit); r3 replay of the bf16 hf rollout's routes; one r3 train
+step (`moe/*` metrics); the exported shards after it; a weight sync to an hf rollout
+engine (dp = 2, one per rank) and its live weights; a checkpoint round trip. Writes
+`rank{R}.pt`, with the HF reference log-probs of the whole batch (`hf`).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from tests.engines.deepspeed import trainlib
+
+PROMPTS = ["12+3=", "abc", "hello world", "7-2=", "zz", "the answer is", "q", "99"]
+TEMPERATURE = 0.7
+
+
+def rollout_batch(model_path: str):
+    """8 prompts × 2 answers sampled by the hf engine in bfloat16, with its routes."""
+    from peerflow import GenerationRequest, ParallelLayout, SamplingParams
+    from peerflow.adapters.hf.engine import HFRolloutEngine
+    from peerflow.engines import EngineContext
+    from peerflow.routes import ROUTES, routes_column
+    from tests.engines.fsdp.fsdp_testlib import to_batch
+
+    engine = HFRolloutEngine(EngineContext(model_path=model_path, layout=ParallelLayout(),
+                                           dtype="bfloat16"))
+    requests = [GenerationRequest(request_id=i, prompt_ids=engine.tokenizer(p).input_ids)
+                for i, p in enumerate(PROMPTS)]
+    results = engine.generate(requests, SamplingParams(n=2, max_tokens=8, seed=3,
+                                                       temperature=TEMPERATURE))
+    batch = to_batch(requests, results)
+    batch.set(ROUTES, routes_column(results, [len(requests[r.request_id].prompt_ids)
+                                              for r in results]))
+    return batch
+
+
+def exported(engine) -> list:
+    out = []
+    for spec in engine.weight_sources():
+        with engine.materialize([spec]) as (tensor,):
+            out.append((spec, tensor.clone()))
+    return out
+
+
+def run_case(name: str, layout, model_path: str, full, out_dir: str) -> dict:
+    from peerflow.adapters.hf.engine import HFRolloutEngine
+    from peerflow.adapters.megatron.engine import MegatronTrainEngine
+    from peerflow.engines import EngineContext, OptimSettings
+    from peerflow.layout import ParallelLayout
+    from peerflow.reshard.service import WeightSyncService
+    from peerflow.routes import OLD_ROUTES, ROUTES
+    from tests.engines.fsdp.fsdp_testlib import nll_loss
+
+    rank = dist.get_rank()
+    dp = layout.coord(rank).dp
+    batch = full if layout.dp == 1 else full.select(range(dp * 8, dp * 8 + 8))
+    context = EngineContext(model_path=model_path, layout=layout, rank=rank,
+                            temperature=TEMPERATURE)
+    # no aux loss in the step (its value depends on how samples group into micro-batches,
+    # which differs between the cases); Adam's eps=1e-3 keeps near-zero gradients' float
+    # noise out of the ep2-vs-dp2 comparison of the stepped weights
+    optim = OptimSettings(lr=1e-2, eps=1e-3, micro_batch_tokens=64, routing_replay="r2")
+    engine = MegatronTrainEngine(context, None, optim)
+    result = {"native": engine.forward_logprobs(batch).values}  # r2 records the routes
+    own = batch.select(range(len(batch)))
+    own.set(ROUTES, batch.ragged(OLD_ROUTES))
+    engine.routing.mode = "r3"
+    result["own_routes"] = batch.ragged(OLD_ROUTES).values
+    result["replayed_own"] = engine.forward_logprobs(own).values
+    result["own_metrics"] = engine.routing.step_metrics(own, engine.dp_group)
+    result["replayed_rollout"] = engine.forward_logprobs(batch).values
+    result["metrics"] = engine.train_step(batch, nll_loss)
+    result["exported"] = exported(engine)
+    hf = HFRolloutEngine(EngineContext(model_path=model_path, layout=ParallelLayout(dp=2),
+                                       rank=rank))
+    WeightSyncService.build(engine, hf).sync(engine.version)
+    targets = hf.weight_targets()
+    result["hf"] = list(zip(targets, [t.clone() for t in hf.weight_buffers(targets)],
+                            strict=True))
+    ckpt = os.path.join(out_dir, f"ckpt-{name}")
+    engine.save_checkpoint(ckpt)
+    engine.train_step(batch, nll_loss)
+    engine.load_checkpoint(ckpt)
+    result["resumed"] = exported(engine)
+    result["version_loaded"] = engine.version
+    engine.shutdown()
+    return result
+
+
+def main() -> None:
+    from peerflow.layout import ParallelLayout
+
+    torch.set_num_threads(1)
+    out_dir, model_path = sys.argv[1], sys.argv[2]
+    dist.init_process_group("gloo")
+    full = rollout_batch(model_path)
+    results = {name: run_case(name, layout, model_path, full, out_dir)
+               for name, layout in (("ep2", ParallelLayout(ep=2)), ("dp2", ParallelLayout(dp=2)))}
+    trainlib.TEMPERATURE = TEMPERATURE
+    results["hf"] = trainlib.hf_logprobs(model_path, full)  # transformers' own forward
+    torch.save(results, os.path.join(out_dir, f"rank{dist.get_rank()}.pt"))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
