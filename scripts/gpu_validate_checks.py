@@ -7,9 +7,9 @@ cannot run it; the reason is in the figures) or anything else (failed).
 * `nccl-pair` — two processes on GPU 0 run the collectives the runtime uses over NCCL;
   NCCL refuses two ranks on one device ("Duplicate GPU detected"), which is then
   reported as unsupported with NCCL's message;
-* `ipc-pair` — two processes on GPU 0 move a Qwen2.5-1.5B-sized bf16 parameter set
-  through PeerFlow's `cuda_ipc` weight transport (handles exchanged over gloo), timed
-  plan / pack / wire / load and checked element for element;
+* `ipc-pair` — two processes on GPU 0 sync a Qwen2.5-1.5B-sized bf16 parameter set
+  through the run's weight-sync path over the `cuda_ipc` transport, cold and warm, in
+  GB/s against a goal of 500 (`gpu_validate_ipc`), checked bit for bit;
 * `realsize` — `peerflow train` on a random Llama with the Qwen2.5-1.5B shape
   (28 layers, hidden 1536, MLP 8960, 12 query / 2 key-value heads, vocabulary 151936),
   ~500-token prompts and 1024-token answers, bf16, one GPU: per step the generate /
@@ -156,106 +156,11 @@ def check_nccl_pair() -> None:
          UNSUPPORTED_EXIT if duplicate else 1)
 
 
-def _param_shapes() -> list[tuple[str, tuple[int, ...]]]:
-    hidden, inter, layers, heads, kv, vocab = QWEN25_15B
-    head = hidden // heads
-    shapes = [("model.embed_tokens.weight", (vocab, hidden))]
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        shapes += [(p + "self_attn.q_proj.weight", (hidden, hidden)),
-                   (p + "self_attn.k_proj.weight", (kv * head, hidden)),
-                   (p + "self_attn.v_proj.weight", (kv * head, hidden)),
-                   (p + "self_attn.o_proj.weight", (hidden, hidden)),
-                   (p + "mlp.gate_proj.weight", (inter, hidden)),
-                   (p + "mlp.up_proj.weight", (inter, hidden)),
-                   (p + "mlp.down_proj.weight", (hidden, inter))]
-    return shapes
-
-
-def _ipc_rank(rank: int, port: int, queue: Any, bucket_bytes: int) -> None:
-    import datetime
-
-    import torch
-    import torch.distributed as dist
-
-    from peerflow.reshard.transports import CudaIpcTransport
-
-    torch.cuda.set_device(0)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=2, timeout=datetime.timedelta(seconds=60))
-    start = time.perf_counter()
-    shapes = _param_shapes()
-    buckets: list[list[tuple[str, tuple[int, ...]]]] = [[]]
-    size = 0
-    for name, shape in shapes:  # plan: consecutive parameters up to bucket_bytes
-        nbytes = 2 * int(torch.Size(shape).numel())
-        if buckets[-1] and size + nbytes > bucket_bytes:
-            buckets.append([])
-            size = 0
-        buckets[-1].append((name, shape))
-        size += nbytes
-    plan_s = time.perf_counter() - start
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    params = {n: torch.randn(s, device="cuda", dtype=torch.bfloat16, generator=gen)
-              if rank == 0 else torch.empty(s, device="cuda", dtype=torch.bfloat16)
-              for n, s in shapes}
-    transport = CudaIpcTransport(rank=rank, group=None, device="cuda")
-    pack = wire = load = 0.0
-    for bucket in buckets:
-        numel = sum(int(torch.Size(s).numel()) for _, s in bucket)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        flat = (torch.cat([params[n].reshape(-1) for n, _ in bucket]) if rank == 0 else None)
-        torch.cuda.synchronize()
-        t1 = time.perf_counter()
-        got = transport.exchange({1: flat} if rank == 0 else {},
-                                 {0: numel} if rank == 1 else {}, [])
-        torch.cuda.synchronize()
-        t2 = time.perf_counter()
-        if rank == 1:
-            offset = 0
-            for name, shape in bucket:
-                n = int(torch.Size(shape).numel())
-                params[name].copy_(got[0][offset:offset + n].view(shape))
-                offset += n
-        torch.cuda.synchronize()
-        pack, wire, load = pack + t1 - t0, wire + t2 - t1, load + time.perf_counter() - t2
-    checksum = torch.stack([p.float().sum() for p in params.values()]).sum().item()
-    total = sum(2 * int(torch.Size(s).numel()) for _, s in shapes)
-    queue.put((rank, {"plan_s": plan_s, "pack_s": pack, "wire_s": wire, "load_s": load,
-                      "bytes": total, "buckets": len(buckets), "checksum": checksum}))
-    dist.barrier()
-    dist.destroy_process_group()
-
-
 def check_ipc_pair() -> None:
-    """CUDA-IPC weight transfer between two processes on one GPU, verified."""
-    import torch
-    import torch.multiprocessing as mp
+    """Colocated weight sync over `cuda_ipc`, two processes on one GPU (`gpu_validate_ipc`)."""
+    from gpu_validate_ipc import check_ipc_pair as run
 
-    from peerflow.distributed.init import free_port
-
-    if not torch.cuda.is_available():
-        emit({"reason": "no CUDA device"}, UNSUPPORTED_EXIT)
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_ipc_rank, args=(r, port, queue, 256 * 2**20))
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    results = dict(queue.get(timeout=120) for _ in range(2))
-    for p in procs:
-        p.join(timeout=30)
-    sender, receiver = results[0], results[1]
-    same = abs(sender["checksum"] - receiver["checksum"]) <= 1e-3 * abs(sender["checksum"])
-    figures = {"bytes": sender["bytes"], "buckets": sender["buckets"],
-               "plan_s": round(sender["plan_s"], 4), "pack_s": round(sender["pack_s"], 4),
-               "wire_s": round(max(sender["wire_s"], receiver["wire_s"]), 4),
-               "load_s": round(receiver["load_s"], 4), "identical": same}
-    figures["gb_per_s"] = round(sender["bytes"] / 1e9 / max(
-        figures["pack_s"] + figures["wire_s"] + figures["load_s"], 1e-9), 2)
-    emit(figures, 0 if same else 1)
+    run(emit, UNSUPPORTED_EXIT, QWEN25_15B)
 
 
 def count_parameters(model_dir: Path) -> int:

@@ -93,8 +93,9 @@ def _lane_checks(runs: Path, checks: str) -> list[Check]:
               _train(q, 45, resume=True), "B", requires=("quickstart_bf16",), run_dir=q),
         Check("nccl_pair", "the NCCL collectives the runtime uses, two processes on one GPU "
               "(or NCCL's reason why not)", 20, [checks, "nccl-pair"], "B", measured_s=9.0),
-        Check("cuda_ipc_pair", "the cuda_ipc weight transport between two processes on one "
-              "GPU, time split plan/pack/wire/load", 20, [checks, "ipc-pair"], "B",
+        Check("cuda_ipc_pair", "colocated weight sync over cuda_ipc, two processes on one "
+              "GPU: GB/s cold and warm against the 500 GB/s goal, time split "
+              "gather/pack/wire/load, bit for bit", 20, [checks, "ipc-pair"], "B",
               measured_s=10.4),
         # lane C: DeepSpeed, then async streaming with two ranks
         Check("deepspeed_zero3", "DeepSpeed ZeRO-3 trains the quickstart on one GPU", 60,
