@@ -298,3 +298,21 @@ def test_an_environment_that_cannot_start_names_itself_and_closes_the_others(eng
                                            r"episode for dataset row 2 \(KeyError"):
         _driver(Fragile)(engine, engine.tokenizer, _draws(), _sampling())
     assert closed == ["12>", "12>"]
+
+
+def test_a_first_prompt_that_fails_ends_only_its_episodes(engine):
+    class NoStart(Echo):
+        def initial_prompt(self):
+            if self.example.prompt == "407>":
+                raise ValueError("no prompt today")
+            return super().initial_prompt()
+
+    out = _driver(NoStart, max_turns=2)(engine, engine.tokenizer, _draws(), _sampling())
+    assert out["finish_reason"] == ["max_turns"] * 2 + ["env_error"] * 2 + ["max_turns"] * 2
+    assert out["agent_error"][2] == ("echo-test.initial prompt raised ValueError: no prompt "
+                                     "today")
+    prompts, responses = _rows(out, "prompt_ids"), _rows(out, "response_ids")
+    from peerflow.rollout.prompts import encode_prompt
+
+    assert prompts[2] == prompts[3] == encode_prompt(engine.tokenizer, "407>")  # stand-in
+    assert responses[2] == responses[3] == [] and all(responses[i] for i in (0, 1, 4, 5))
