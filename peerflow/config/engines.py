@@ -168,3 +168,11 @@ class WeightSyncConfig:
     """Sync after every this many optimiser steps."""
     mode: Literal["bucketed"] = "bucketed"
     """Sync strategy."""
+    encoding: Literal["auto", "full", "delta"] = "auto"
+    """`full`: every packed byte travels; `delta`: routes between ranks carry only the
+    words that changed since the receiver's copy, checked by checksums
+    (`peerflow.reshard.delta`); `auto`: `delta` on routes whose ranks are on different
+    hosts (the slow links), `full` on one host (shared memory, NVLink, CUDA IPC)."""
+    full_every: int = attrs.field(default=32, validator=attrs.validators.ge(0))
+    """With delta routes: a route travels whole every this many syncs (a periodic anchor;
+    0: only when a receiver's copy does not match the sender's)."""

@@ -127,6 +127,15 @@ class WeightSyncStats:
     sender_share: float = 0.0
     """The busiest sender's share of the plan's bytes (1.0: one rank sends everything;
     `1 / senders` at best). The same on every rank."""
+    changed_elements: int = 0
+    """Delta encoding (`weight_sync.encoding`), on a sending rank: diff words (one per
+    bf16 value) that differed from the receiver's copy, over the routes it diffed."""
+    compared_elements: int = 0
+    """Delta encoding, on a sending rank: diff words compared (changed share =
+    `changed_elements / compared_elements`)."""
+    full_sends: int = 0
+    """Delta encoding, on a sending rank: routes sent whole (first sync, periodic anchor,
+    a receiver holding another copy, or a diff no smaller than the region)."""
 
 
 class EngineBase:

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from peerflow.engines import RolloutEngine, TrainEngine, WeightSyncStats
 from peerflow.reshard.buckets import Bucket, make_buckets
 from peerflow.reshard.deadline import exchange_bucket
+from peerflow.reshard.delta import DEFAULT_FULL_EVERY, DeltaTransport, with_encoding
 from peerflow.reshard.executor import (
     Arena,
     BucketRoutes,
@@ -173,7 +174,8 @@ class WeightSyncService:
               transport: str | WeightTransport = "auto",
               bucket_bytes: int = DEFAULT_BUCKET_BYTES, group: Any = None,
               device: str | None = None, colocated: bool = False, plan: ReshardPlan | None = None,
-              ignore: tuple[str, ...] = ()) -> WeightSyncService:
+              ignore: tuple[str, ...] = (), encoding: str = "auto",
+              full_every: int = DEFAULT_FULL_EVERY) -> WeightSyncService:
         """Plans the sync and binds the transport (collective over `group` unless `plan`).
 
         Args:
@@ -190,9 +192,16 @@ class WeightSyncService:
                 sleeps while the trainer runs, when it declares `Capabilities.sleep`.
             plan: A plan made already (skips the collective planning step).
             ignore: HF names or patterns the rollout side deliberately does not take.
+            encoding: `full` sends every packed byte; `delta` sends routes between ranks
+                as changed words against the receiver's copy (`peerflow.reshard.delta`);
+                `auto` takes `delta` on the routes that cross hosts, `full` elsewhere
+                (collective: gathers every rank's host name).
+            full_every: `delta`: a route travels whole every this many syncs (0: only
+                when a receiver's copy does not match).
 
         Raises:
-            ConfigError: bad `bucket_bytes`, or the transport cannot run here.
+            ConfigError: bad `bucket_bytes`, `encoding` or `full_every`, or the transport
+                cannot run here.
             UnknownNameError: no transport of that name is registered.
         """
         if plan is None:
@@ -208,7 +217,10 @@ class WeightSyncService:
                 transport = make_transport(transport, rank=rank, group=group, device=device)
         time_share = (TimeSharing(rollout) if colocated and rollout is not None
                       and rollout.capabilities.sleep else None)
-        return cls(plan=plan, buckets=tuple(make_buckets(plan, bucket_bytes)),
+        buckets = tuple(make_buckets(plan, bucket_bytes))
+        transport = with_encoding(transport, plan, bucket_routes(buckets, rank),
+                                  encoding=encoding, full_every=full_every, group=group)
+        return cls(plan=plan, buckets=buckets,
                    transport=transport, rank=rank, trainer=trainer, rollout=rollout,
                    device=device, time_share=time_share)
 
@@ -228,6 +240,7 @@ class WeightSyncService:
         if self.rollout is not None:
             self.rollout.begin_weight_update(version)
         self.meter.peak = self.meter.current
+        self._begin_encoding(version)
         stats = run_plan(
             self.plan, self.buckets, rank=self.rank, transport=self.transport,
             materialize=self.trainer.materialize if self.trainer is not None else None,
@@ -236,6 +249,7 @@ class WeightSyncService:
             device=self.device, meter=self.meter, version=version, routes=self._routes,
             arena=self._kept_arena(),
         )
+        stats = self._encoding_stats(stats)
         if self.rollout is not None:
             finish = time.perf_counter()
             self.rollout.finish_weight_update()
@@ -294,6 +308,7 @@ class WeightSyncService:
         """
         start = time.perf_counter()
         received, nbytes = [], 0
+        self._begin_encoding(version)
         for index, routes in enumerate(self._routes):
             sends = dict(packed.regions[index]) if packed is not None else {}
             own = sends.pop(self.rank, None)
@@ -306,8 +321,8 @@ class WeightSyncService:
         if self.rollout is None:
             return None
         self.meter.reserve(nbytes)
-        return VersionBytes(regions=tuple(received), stats=WeightSyncStats(
-            version=version, wire_s=time.perf_counter() - start, bytes=nbytes))
+        return VersionBytes(regions=tuple(received), stats=self._encoding_stats(WeightSyncStats(
+            version=version, wire_s=time.perf_counter() - start, bytes=nbytes)))
 
     def apply(self, received: VersionBytes) -> WeightSyncStats:
         """Loads a received version into the rollout engine (between requests)."""
@@ -355,6 +370,16 @@ class WeightSyncService:
             self.time_share.wake(tags)
 
     # -- helpers ------------------------------------------------------------------------
+
+    def _begin_encoding(self, version: int) -> None:
+        if isinstance(self.transport, DeltaTransport):
+            self.transport.begin(version)
+
+    def _encoding_stats(self, stats: WeightSyncStats) -> WeightSyncStats:
+        """`stats` with the delta encoding's wire bytes and counts, when it runs."""
+        if not isinstance(self.transport, DeltaTransport):
+            return stats
+        return attrs.evolve(stats, **self.transport.counters)
 
     def _kept_arena(self) -> Arena | None:
         """The packing arena kept between syncs when peers map it (`keeps_buffers`)."""

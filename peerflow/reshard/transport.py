@@ -34,6 +34,10 @@ class WeightTransport(abc.ABC):
     timeout: float | None = None
     """Seconds one `exchange` may wait for its peers (`None`: `runtime.fault_timeout`,
     via `peerflow.distributed.comm.default_timeout`); past it, `WorkerFailedError`."""
+    needs_all_sizes: ClassVar[bool] = False
+    """`exchange` needs every route's byte count on every rank (a collective per sender):
+    it cannot carry delta routes, whose sizes only their two ends learn
+    (`peerflow.reshard.delta`)."""
 
     def __init__(self, *, rank: int = 0, group: Any = None, device: str = "cpu") -> None:
         """Binds the transport to this rank.

@@ -113,6 +113,7 @@ class TorchBroadcastTransport(WeightTransport):
     """One `broadcast` per sending rank: every rank of the group receives the bucket."""
 
     name = "torch_broadcast"
+    needs_all_sizes = True
 
     def exchange(self, sends: Mapping[int, torch.Tensor], recvs: Mapping[int, int],
                  routes: Sequence[Route]) -> dict[int, torch.Tensor]:

@@ -233,7 +233,8 @@ def _weight_sync(rt: WorkerRuntime) -> Any:
         group = new_group(timeout=runtime.peer_wait_timeout)
     return WeightSyncService.build(
         rt.engines.get("actor"), rt.engines.get("rollout"), transport=ws.transport,
-        bucket_bytes=ws.bucket_bytes, group=group, colocated=runtime.placement == "colocated")
+        bucket_bytes=ws.bucket_bytes, group=group, colocated=runtime.placement == "colocated",
+        encoding=ws.encoding, full_every=ws.full_every)
 
 
 def _train(rt: WorkerRuntime, program: RankProgram, stage: Any, *, resuming: bool) -> None:
