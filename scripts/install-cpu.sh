@@ -17,6 +17,16 @@ spec="."
 [ -n "$extras" ] && spec=".[${extras}]"
 .venv/bin/python -m pip install -q --disable-pip-version-check -c constraints-cpu.txt -e "$spec"
 .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+# OpenEnv and verifiers v0: installed without their declared requirements, which would
+# downgrade vLLM's mcp (verifiers 0.3 pins mcp<2; openai-agents websockets<17) or pull in
+# gradio (openenv-core's web UI); the openenv and verifiers extras carry what they import.
+if [[ ",$extras," == *",openenv,"* || ",$extras," == *",all-cpu,"* ]]; then
+    .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps openenv-core==0.3.0
+fi
+if [[ ",$extras," == *",verifiers,"* || ",$extras," == *",all-cpu,"* ]]; then
+    .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps verifiers==0.3.1 \
+        openai-agents==0.24.0
+fi
 if [[ ",$extras," == *",test,"* ]]; then
     # verl's core_algos is the reference of tests/parity. Its pinned dependencies
     # (transformers<5.11, tensordict<=0.10, ...) clash with ours, so it is installed without

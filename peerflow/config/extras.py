@@ -65,7 +65,8 @@ def component_problems(config: Any, pm: Any) -> list[str]:
 
     A task or environment class declares them as `requires` (top-level modules) and
     `extra` (PeerFlow's extra that installs them), e.g. `reasoning-gym`'s
-    `requires = ("reasoning_gym",)`, `extra = "reasoning-gym"`.
+    `requires = ("reasoning_gym",)`, `extra = "reasoning-gym"`; `install_hint`, when set,
+    replaces `pip install 'peerflow[extra]'` (OpenEnv and verifiers install in two steps).
     """
     selected = [("task.name", "task", config.task.name)]
     if config.rollout.agent is not None:
@@ -80,6 +81,10 @@ def component_problems(config: Any, pm: Any) -> list[str]:
         for module in getattr(cls, "requires", ()):
             problem = missing_extra(f"{setting}={name!r}", module,
                                     getattr(cls, "extra", name), f"or choose another {kind}")
+            hint = getattr(cls, "install_hint", "")
+            if problem and hint:  # a library installed in more than one step
+                problem = (f"{setting}={name!r} needs the {module} package, which is not "
+                           f"installed: {hint}.")
             problems += [problem] if problem else []
     return problems
 

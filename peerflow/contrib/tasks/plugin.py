@@ -12,35 +12,44 @@ from peerflow.plugins import hookimpl
 
 @hookimpl
 def peerflow_register_tasks(register: Any) -> None:
-    """Registers the first-party tasks, reasoning-gym and textarena among them.
+    """Registers the first-party tasks, reasoning-gym, textarena and verifiers among them.
 
     reverse-digits, arithmetic, dataset, guess-number, tool-arithmetic; the libraries of
-    reasoning-gym and textarena are imported only when a run uses them.
+    reasoning-gym, textarena and verifiers are imported only when a run uses them.
     """
     from peerflow.contrib.ecosystem.reasoning_gym import ReasoningGymTask
     from peerflow.contrib.ecosystem.textarena import TextArenaTask
+    from peerflow.contrib.ecosystem.verifiers import VerifiersTask
     from peerflow.contrib.tasks.dataset import DatasetTask
     from peerflow.contrib.tasks.generated import ArithmeticTask, ReverseDigitsTask
     from peerflow.contrib.tasks.guess_number import GuessNumberTask
     from peerflow.contrib.tasks.tool_arithmetic import ToolArithmeticTask
 
     for cls in (ReverseDigitsTask, ArithmeticTask, DatasetTask, GuessNumberTask,
-                ToolArithmeticTask, ReasoningGymTask, TextArenaTask):
+                ToolArithmeticTask, ReasoningGymTask, TextArenaTask, VerifiersTask):
         register(cls)
 
 
 @hookimpl
 def peerflow_register_environments(register: Any) -> None:
-    """Registers tools, guess-number, calculator-arithmetic, retry, textarena, agent-program."""
+    """Registers the first-party agent environments.
+
+    tools, guess-number, calculator-arithmetic, retry, textarena, agent-program, openenv,
+    environment-factory and verifiers.
+    """
     from peerflow.agents.endpoint.program import AgentProgram
     from peerflow.agents.tool_env import ToolEnvironment
+    from peerflow.contrib.ecosystem.openenv import OpenEnvEnvironment
     from peerflow.contrib.ecosystem.textarena import TextArenaEnvironment
+    from peerflow.contrib.ecosystem.tool_episodes import EnvironmentFactory
+    from peerflow.contrib.ecosystem.verifiers import VerifiersEnvironment
     from peerflow.contrib.tasks.guess_number import GuessNumber
     from peerflow.contrib.tasks.retry import RetryEnvironment
     from peerflow.contrib.tasks.tool_arithmetic import CalculatorArithmetic
 
     for cls in (ToolEnvironment, GuessNumber, CalculatorArithmetic, RetryEnvironment,
-                TextArenaEnvironment, AgentProgram):
+                TextArenaEnvironment, AgentProgram, OpenEnvEnvironment, EnvironmentFactory,
+                VerifiersEnvironment):
         register(cls)
 
 

@@ -1,0 +1,118 @@
+"""OpenEnv environments served by the run, and TRL-style `environment_factory` classes.
+
+Both run through the real multi-turn driver on the hf engine (tiny random chat model with
+a tool-calling template). A random model writes no tool calls, so the test environments
+replace the model's first turns with fixed ones (a `multiply` call, then the answer);
+everything else is real: the OpenEnv server on loopback (`create_app`, WebSocket
+sessions, MCP tools through fastmcp), the tool loop, the rendering, the rewards.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import attrs
+import pytest
+
+from peerflow import ParallelLayout, SamplingParams
+from peerflow.agents.rollout import ENV_REWARD_COMPONENTS, LOSS_MASK, AgentRollout
+from peerflow.algorithms.base import Example
+from peerflow.config import AgentConfig, load_config, structure_options
+from peerflow.config.extras import dependency_problems
+from peerflow.engines import EngineContext
+from peerflow.errors import ConfigError
+from peerflow.rollout.sampler import Draw
+
+pytest.importorskip("openenv")
+pytest.importorskip("fastmcp")
+
+from peerflow.contrib.ecosystem.openenv import OpenEnvEnvironment, OpenEnvOptions  # noqa: E402
+from peerflow.contrib.ecosystem.tool_episodes import (  # noqa: E402
+    EnvironmentFactory,
+    FactoryOptions,
+)
+
+SERVER = "tests.helpers.openenv_envs:MultiplyEnv"
+FACTORY = "tests.helpers.openenv_envs:MultiplyGame"
+CALL = '<tool_call>{"name": "multiply", "arguments": {"a": 6, "b": 7}}</tool_call>'
+
+
+def _scripted(cls):
+    """`cls` whose first turn is a `multiply` call and, for answer "42", second turn "42"."""
+
+    class Scripted(cls):
+        name = f"scripted-{cls.name}"
+
+        def step(self, turn):
+            script = [CALL, "42"] if self.example.answer == "42" else [CALL]
+            if turn.index < len(script):
+                turn = attrs.evolve(turn, text=script[turn.index])
+            return super().step(turn)
+
+    return Scripted
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    from peerflow.adapters.hf.engine import HFRolloutEngine
+    from tests.helpers.chat_model import build_chat_model
+
+    path = build_chat_model(tmp_path_factory.mktemp("chat"))
+    return HFRolloutEngine(EngineContext(model_path=path, layout=ParallelLayout(), seed=1))
+
+
+@pytest.mark.parametrize("cls,options", [
+    (OpenEnvEnvironment, OpenEnvOptions(server=SERVER, answer_tool="submit",
+                                        max_concurrent_envs=8)),
+    (EnvironmentFactory, FactoryOptions(factory=FACTORY, answer_tool="submit")),
+], ids=["openenv-served", "environment-factory"])
+def test_a_tool_game_runs_multi_turn_through_the_driver(engine, cls, options):
+    tok = engine.tokenizer
+    driver = AgentRollout(env_cls=_scripted(cls), env_options=options,
+                          settings=AgentConfig(environment=cls.name, max_turns=6,
+                                               max_total_tokens=1500))
+    draws = [Draw(position=i, example=Example(prompt="What is 6 times 7?", answer=a, index=i))
+             for i, a in enumerate(["42", "41"])]
+    batch = driver(engine, tok, draws, SamplingParams(n=2, temperature=1.0, max_tokens=6,
+                                                       seed=2))
+    name = options.reward_name
+    # "42": multiply, then the right answer (reward 1); "41": multiply, then three wrong
+    # answers through the submit tool, each answered, until the game ends (reward 0).
+    assert batch["num_turns"].tolist() == [2, 2, 4, 4]
+    assert batch["env_reward"].tolist() == [1.0, 1.0, 0.0, 0.0]
+    assert batch[ENV_REWARD_COMPONENTS] == [{name: 1.0}] * 2 + [{name: 0.0}] * 2
+    assert list(batch["finish_reason"]) == ["stop"] * 4
+    prompt = tok.decode(batch.ragged("prompt_ids").rows()[0].tolist())
+    assert '"name": "multiply"' in prompt and '"name": "submit"' in prompt  # tools offered
+    assert ("helper" in prompt) is False
+    for ids, mask, logprobs in zip(batch.ragged("response_ids").rows(),
+                                   batch.ragged(LOSS_MASK).rows(),
+                                   batch.ragged("rollout_logprobs").rows()):
+        observed = tok.decode(ids[~mask].tolist())
+        assert "<tool_response>\n42\n</tool_response>" in observed  # the result, masked
+        assert logprobs[~mask].abs().sum() == 0 and (logprobs[mask] < 0).all()
+    wrong = tok.decode(batch.ragged("response_ids").rows()[2][
+        ~batch.ragged(LOSS_MASK).rows()[2]].tolist())
+    assert "wrong, 2 tries left" in wrong and "wrong, 1 tries left" in wrong
+
+
+def test_options_are_checked(plugin_manager):
+    with pytest.raises(ConfigError, match="exactly one of rollout.agent.options.server"):
+        structure_options(OpenEnvOptions, {}, "rollout.agent.options")
+    with pytest.raises(ConfigError, match="openenv_envs' defines no function 'Nope'"):
+        structure_options(OpenEnvOptions, {"server": "tests.helpers.openenv_envs:Nope"},
+                          "rollout.agent.options")
+    assert set(plugin_manager.registry("environment").names()) >= {
+        "openenv", "environment-factory", "verifiers"}
+
+
+def test_missing_library_names_the_extra_and_the_install(monkeypatch, plugin_manager):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, package=None: (
+        None if name.split(".")[0] == "openenv" else real(name, package)))
+    config = load_config(None, ["rollout.agent.environment=openenv",
+                                "rollout.agent.options.url=http://127.0.0.1:1"])
+    text = "\n".join(dependency_problems(config, plugin_manager))
+    assert ("rollout.agent.environment='openenv' needs the openenv package, which is not "
+            "installed: pip install 'peerflow[openenv]' && pip install --no-deps "
+            "openenv-core==0.3.0") in text
