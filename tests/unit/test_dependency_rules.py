@@ -9,6 +9,7 @@ held to the same tiers, except in the files of `BY_NAME`, and must exist.
 """
 
 import ast
+import functools
 import re
 from collections import defaultdict
 from pathlib import Path
@@ -55,8 +56,14 @@ BY_NAME = {
 _DOTTED = re.compile(r"^peerflow(\.[A-Za-z_]\w*)+(:[\w.]+)?$")
 
 
+@functools.cache
+def _tree(path: Path) -> ast.Module:
+    """The parsed source (each file is parsed once for all the checks)."""
+    return ast.parse(path.read_text(), filename=str(path))
+
+
 def _imports(path: Path, top_level_only: bool = False) -> list[tuple[int, str]]:
-    tree = ast.parse(path.read_text(), filename=str(path))
+    tree = _tree(path)
     nodes = tree.body if top_level_only else list(ast.walk(tree))
     found = []
     for node in nodes:
@@ -89,6 +96,7 @@ def _sources(package: str) -> list[Path]:
     return sorted(folder.rglob("*.py")) if folder.is_dir() else [PACKAGE / f"{package}.py"]
 
 
+@functools.cache
 def _edges() -> dict[str, dict[str, list[str]]]:
     """importer package -> imported package -> the `file:line`s that import it."""
     edges: dict[str, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))
@@ -131,7 +139,7 @@ def test_nothing_imports_a_satellite():
 
 def _named_in_strings(path: Path) -> list[tuple[int, str]]:
     """`peerflow.…` module paths in string constants (not docstrings or logger names)."""
-    tree = ast.parse(path.read_text(), filename=str(path))
+    tree = _tree(path)
     skip = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
