@@ -24,6 +24,12 @@ After each sync the rollout engine generates once on the loaded weights (unless
 with it. Prompts and answer cap follow `--shape` (quickstart: 16 prompts of 32 tokens, up
 to 64 tokens; realistic: 8 prompts of 128 tokens, long-tailed answers up to 512).
 
+With `--split` the trainer and the rollout engine run in two processes started by
+`torchrun` (one machine, or two hosts), and the run compares `weight_sync.encoding: full`
+and `delta` side by side after real optimiser steps (bytes on the wire, the time split,
+the busiest sender's share and the share of changed bf16 values):
+`peerflow.bench.weight_sync_split`.
+
 Sizes (every model from the one bench builder, `peerflow.bench.shapes.build_model`):
 `quickstart` (the quickstart's hidden 128, 2 layers), `realistic` (the ~50 M-parameter
 bench model: hidden 768, 8 layers) and `500m` (hidden 1536, 16 layers, MLP 6144: ~553 M
@@ -60,8 +66,8 @@ SIZES: dict[str, tuple[int, int, int, int, int]] = {
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Adds the benchmark's options."""
-    parser.add_argument("--backend", "--rollout", dest="backend", default="vllm",
-                        help="rollout engine (default vllm)")
+    parser.add_argument("--backend", "--rollout", dest="backend", default=None,
+                        help="rollout engine (default vllm; hf with --split)")
     parser.add_argument("--trainer", default="fsdp", help="train engine (default fsdp)")
     add_shape_argument(parser)
     parser.add_argument("--sizes", help=f"comma-separated model sizes from {sorted(SIZES)} "
@@ -74,6 +80,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="registered weight transport (default: auto)")
     parser.add_argument("--rollout-option", action="append", default=[], metavar="KEY=VALUE",
                         help="rollout adapter option, e.g. executor=multiprocess (YAML value)")
+    parser.add_argument("--split", action="store_true",
+                        help="trainer and rollout in two torchrun processes (or hosts): full "
+                        "vs delta encoding side by side after real optimiser steps "
+                        "(peerflow.bench.weight_sync_split)")
+    parser.add_argument("--dtype", default="bfloat16",
+                        help="--split: both engines' dtype (default bfloat16)")
+    parser.add_argument("--lr", type=float, default=1e-6,
+                        help="--split: the trainer's learning rate (default 1e-6)")
+    parser.add_argument("--init-range", type=float, default=None,
+                        help="--split: initializer_range of the built model (default the "
+                        "bench model's 0.002; a pretrained model's weights are ~0.02)")
+    parser.add_argument("--prompts", type=int, help="--split: prompts per train step")
+    parser.add_argument("--group-size", type=int, default=8,
+                        help="--split: answers per prompt in the train step (default 8)")
+    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--lora-rank", type=int, default=0, metavar="R",
                         help="also sync LoRA adapters of rank R (all-linear, alpha 2R) on the "
                         "same model and report them next to the full sync (default 0: off)")
@@ -105,7 +126,7 @@ def _measure(size: str, args: argparse.Namespace, workdir: Path, lora: Any = Non
     requests, sampling = _generation(model, args.shape)
     pm = get_plugin_manager()
     train_cls = pm.registry("train_engine").get(args.trainer)
-    rollout_cls = pm.registry("rollout_engine").get(args.backend)
+    rollout_cls = pm.registry("rollout_engine").get(args.backend or "vllm")
     train_cls.ensure_installed()
     rollout_cls.ensure_installed()
     context = EngineContext(model_path=model, layout=ParallelLayout(), lora=lora)
@@ -195,6 +216,10 @@ def _parameters(plan: Any) -> int:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Measures every requested size and returns the JSON result."""
+    if args.split:
+        from peerflow.bench.weight_sync_split import run_split
+
+        return run_split(args, SIZES)
     sizes_arg = pick(args.sizes, args.shape, "quickstart,500m", "realistic")
     sizes = [s.strip() for s in sizes_arg.split(",") if s.strip()]
     unknown = [s for s in sizes if s not in SIZES]
@@ -207,7 +232,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             results[size] = _measure(size, args, Path(tmp))
             if args.lora_rank:
                 results[size]["lora"] = _lora_next_to_full(results[size], size, args, Path(tmp))
-    return {"benchmark": "weight-sync", "shape": args.shape, "backend": args.backend,
+    return {"benchmark": "weight-sync", "shape": args.shape, "backend": args.backend or "vllm",
             "trainer": args.trainer, "lora_rank": args.lora_rank,
             "bucket_mb": args.bucket_mb, "median_of": args.runs, "sizes": results,
             "runs": {size: r["runs"] for size, r in results.items()}}

@@ -139,6 +139,16 @@ class Hosts:
         """Takes host `i`'s link down (its processes live on, unreachable)."""
         _ip("-n", self.ns(i), "link", "set", "eth0", "down")
 
+    def limit_rate(self, i: int, rate: str) -> str | None:
+        """Caps what host `i` sends at `rate` (`tc` token bucket on its `eth0`, e.g.
+        `"1gbit"`); returns why it cannot (no `tc`, or the kernel lacks `sch_tbf`)."""
+        if shutil.which("tc") is None:
+            return "`tc` (iproute2) is not installed"
+        done = subprocess.run(["tc", "-n", self.ns(i), "qdisc", "replace", "dev", "eth0",
+                               "root", "tbf", "rate", rate, "burst", "256kb", "latency",
+                               "500ms"], capture_output=True, text=True)
+        return None if done.returncode == 0 else f"`tc qdisc … tbf` fails: {done.stderr.strip()}"
+
     def destroy(self) -> None:
         """Kills what the hosts still run and removes every namespace and link."""
         for i in range(self.count):
