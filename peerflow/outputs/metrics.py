@@ -48,7 +48,10 @@ Speed
     `weight_sync/wire_s`, `weight_sync/load_s` (slowest rank per phase),
     `weight_sync/pause_s` — seconds a rollout engine could not generate because of the
     sync; `weight_sync/bytes`, `weight_sync/wire_bytes` (sent to other ranks);
-    `weight_sync/sender_share` — the busiest trainer rank's share of the bytes.
+    `weight_sync/sender_share` — the busiest trainer rank's share of the bytes;
+    with delta routes (`weight_sync.encoding`) `weight_sync/changed_elements` over
+    `weight_sync/compared_elements` is the share of values that changed, and
+    `weight_sync/full_sends` counts the routes sent whole.
 Async mode
     `staleness/mean`, `staleness/max`, `staleness/<k>` (samples k versions old);
     `overlap/fraction` — share of wall time rollout and training ran at once;

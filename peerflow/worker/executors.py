@@ -334,7 +334,7 @@ def run_sync_weights(rt: WorkerRuntime, node: Any, batch: Batch, metrics: StepMe
                   "sender_share"):
         if hasattr(stats, phase):
             metrics.max(f"weight_sync/{phase}", float(getattr(stats, phase)))
-    for total in ("bytes", "wire_bytes"):
+    for total in ("bytes", "wire_bytes", "changed_elements", "compared_elements", "full_sends"):
         if hasattr(stats, total):
             metrics.sum(f"weight_sync/{total}", float(getattr(stats, total)))
     return batch
