@@ -11,14 +11,16 @@ engine's behaviour shows it. This module finds where, using nothing but syncs an
    model up to block k. The first block whose enabling makes the engine's log-probs
    leave the reference model's is the culprit (embeddings and LM head come first).
 2. **Hypotheses** inside that block: every reordering of the pieces of a fused local
-   tensor (what the engine may really store) and every swap of two same-shaped HF
-   tensors. A hypothesis that makes the reference model reproduce the engine names the
-   parameter, the region, and what the declared layout claimed.
+   tensor (what the engine may really store), every swap of two MoE experts (all their
+   tensors: a permuted expert order) and every swap of two same-shaped HF tensors (gate
+   and up of one expert first). A hypothesis that makes the reference model reproduce the
+   engine names the parameter, the region, and what the declared layout claimed.
 """
 
 from __future__ import annotations
 
 import itertools
+import re
 from collections.abc import Callable, Mapping, Sequence
 
 import attrs
@@ -126,9 +128,17 @@ def _as_engine_sees(weights: Mapping[str, torch.Tensor], declared: ShardSpec,
 
 def hypotheses(block: Block, specs: Sequence[ShardSpec], weights: Mapping[str, torch.Tensor],
                ) -> list[tuple[str, dict[str, torch.Tensor]]]:
-    """`(explanation, HF tensors the engine would compute with)` for likely layout bugs."""
-    out = []
+    """`(explanation, HF tensors the engine would compute with)` for likely layout bugs.
+
+    MoE mix-ups come first (two tensors of one expert, then two whole experts), then
+    reorderings of fused tensors, then swaps of any two same-shaped tensors.
+    """
     names = set(block.names)
+    pairs = [(a, b) for a, b in itertools.combinations(sorted(names), 2)
+             if a in weights and b in weights and weights[a].shape == weights[b].shape]
+    same_expert = [(a, b) for a, b in pairs if _same_expert(a, b)]
+    out = [_swap(weights, a, b) for a, b in same_expert]
+    out += _expert_swaps(names, specs, weights)
     for spec in specs:
         if not any(p.name in names for p in spec.pieces):
             continue
@@ -138,12 +148,53 @@ def hypotheses(block: Block, specs: Sequence[ShardSpec], weights: Mapping[str, t
                 f"but shard_layout declares {describe_pieces(spec)}. Fix the piece order in "
                 "shard_layout (or the engine's storage) so each declared region is the one the "
                 "model uses", _as_engine_sees(weights, spec, actual)))
-    for a, b in itertools.combinations(sorted(names), 2):
-        if a in weights and b in weights and weights[a].shape == weights[b].shape:
-            swapped = dict(weights)
-            swapped[a], swapped[b] = weights[b], weights[a]
-            out.append((f"the engine uses the data of {a} as {b} and the other way round; "
-                        "load_weights or shard_layout maps the two names crosswise", swapped))
+    out += [_swap(weights, a, b) for a, b in pairs if (a, b) not in same_expert]
+    return out
+
+
+def _swap(weights: Mapping[str, torch.Tensor], a: str,
+          b: str) -> tuple[str, dict[str, torch.Tensor]]:
+    swapped = dict(weights)
+    swapped[a], swapped[b] = weights[b], weights[a]
+    return (f"the engine uses the data of {a} as {b} and the other way round; "
+            "load_weights or shard_layout maps the two names crosswise", swapped)
+
+
+def _same_expert(a: str, b: str) -> bool:
+    ma, mb = _EXPERT.match(a), _EXPERT.match(b)
+    return bool(ma and mb and ma.group(1, 2) == mb.group(1, 2))
+
+
+_EXPERT = re.compile(r"^(model\.layers\.\d+\.\w+\.experts\.)(\d+)(\..+)$")
+
+
+def _expert_swaps(names: set[str], specs: Sequence[ShardSpec],
+                  weights: Mapping[str, torch.Tensor],
+                  ) -> list[tuple[str, dict[str, torch.Tensor]]]:
+    """Hypotheses that the engine holds two MoE experts of a layer in each other's place."""
+    experts: dict[tuple[str, int], list[str]] = {}
+    for name in sorted(names):
+        match = _EXPERT.match(name)
+        if match and name in weights:
+            experts.setdefault((match.group(1), int(match.group(2))), []).append(name)
+    out = []
+    for (pa, a), (pb, b) in itertools.combinations(sorted(experts), 2):
+        if pa != pb:
+            continue
+        swapped = dict(weights)
+        for name in experts[(pa, a)]:
+            other = f"{pa}{b}{name[len(pa) + len(str(a)):]}"
+            if other not in weights or weights[other].shape != weights[name].shape:
+                break
+            swapped[name], swapped[other] = weights[other], weights[name]
+        else:
+            held = sorted({s.local_name for s in specs for p in s.pieces
+                           if p.name in experts[(pa, a)]})
+            out.append((f"the engine computes expert {a} ({', '.join(experts[(pa, a)])}) with "
+                        f"expert {b}'s tensors and the other way round: local tensors {held} "
+                        "store the experts in another order than shard_layout declares. Fix "
+                        "the expert order of their pieces in shard_layout (or the engine's "
+                        "storage)", swapped))
     return out
 
 

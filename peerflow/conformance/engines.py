@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import tempfile
 from typing import Any
@@ -77,3 +78,16 @@ def scribble(profile: AdapterProfile, engine: Any) -> None:
     with torch.no_grad():
         for tensor in read_weights(profile, engine).values():
             tensor.fill_(-7.0)
+
+
+def as_declared(tensors: dict[str, torch.Tensor], specs: list) -> dict[str, torch.Tensor]:
+    """`tensors` viewed as their specs declare them (packed MoE experts: the 2-D view)."""
+    shapes = {s.local_name: tuple(s.local_shape) for s in specs}
+    out = {}
+    for name, tensor in tensors.items():
+        shape = shapes.get(name)
+        if shape is not None and tuple(tensor.shape) != shape and \
+                tensor.numel() == math.prod(shape):
+            tensor = tensor.reshape(shape)
+        out[name] = tensor
+    return out

@@ -16,7 +16,7 @@ import torch
 from peerflow.conformance.base import needs
 from peerflow.conformance.checks import compare
 from peerflow.conformance.diagnose import diagnose, gap
-from peerflow.conformance.engines import read_weights, scribble
+from peerflow.conformance.engines import as_declared, read_weights, scribble
 from peerflow.conformance.harness import run_threaded
 from peerflow.conformance.layers import _fail
 from peerflow.conformance.layers_engine import PROMPTS, EngineLayerBase, layer3, specs_equal
@@ -105,7 +105,7 @@ class Layer3RolloutEngine(EngineLayerBase):
 
     def _expect_exact(self, profile, engine, full, before, what):
         specs = list(engine.weight_targets())
-        got = read_weights(profile, engine)
+        got = as_declared(read_weights(profile, engine), specs)
         untouched = sorted(s.local_name for s in specs if s.local_name in before and
                            s.local_name in got and torch.equal(got[s.local_name],
                                                                 before[s.local_name]))

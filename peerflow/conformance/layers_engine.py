@@ -12,7 +12,7 @@ import torch
 from peerflow.batch import Batch, RaggedField
 from peerflow.conformance.base import SuiteBase, check_family
 from peerflow.conformance.checks import compare, round_trip
-from peerflow.conformance.engines import build_engine, read_weights
+from peerflow.conformance.engines import as_declared, build_engine, read_weights
 from peerflow.conformance.layers import _fail
 from peerflow.conformance.models import ENGINE_MODELS, LAYOUT_MODELS, hf_config, write_checkpoint
 from peerflow.conformance.oracle import shard_all
@@ -123,7 +123,7 @@ class Layer3TrainEngine(EngineLayerBase):
         """The engine's own tensors (read around the adapter) are what the specs say."""
         specs = list(engine.weight_sources())
         disk = load_checkpoint_tensors(model_dir)
-        got = {0: read_weights(profile, engine)}
+        got = {0: as_declared(read_weights(profile, engine), specs)}
         _fail(compare(shard_all({0: specs}, disk), got, {0: specs}, check_padding=False),
               f"{profile.name} {engine_model} memory vs declared shards")
 

@@ -4,7 +4,8 @@
 MQA, tied and untied embeddings, dense and MoE, biases and q/k norms — with shapes small
 enough that a few hundred reshards run in seconds. `ENGINE_MODELS` (layer 3) are real
 checkpoints written to disk with a character tokenizer, so engines load them like any
-Hugging Face model directory.
+Hugging Face model directory; `qwen3moe-untied` is the mixture-of-experts one (adapters
+not listing `qwen3_moe` in `conformance_families()` skip it).
 """
 
 from __future__ import annotations
@@ -46,6 +47,11 @@ ENGINE_MODELS: dict[str, dict[str, Any]] = {
     "llama-tied": dict(_ENGINE_BASE, model_type="llama", tie_word_embeddings=True),
     "qwen2-untied": dict(_ENGINE_BASE, model_type="qwen2", tie_word_embeddings=False),
     "qwen3-tied": dict(_ENGINE_BASE, model_type="qwen3", tie_word_embeddings=True),
+    # Every layer sparse; moe_intermediate_size differs from the expert count so the
+    # router and an expert's projections never share a shape.
+    "qwen3moe-untied": dict(_ENGINE_BASE, model_type="qwen3_moe", tie_word_embeddings=False,
+                            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                            decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True),
 }
 
 
@@ -86,7 +92,7 @@ def write_checkpoint(config: dict[str, Any], directory: str | Path, *, seed: int
     model = AutoModelForCausalLM.from_config(hf_config(config))
     with torch.no_grad():
         for p in model.parameters():
-            if p.ndim == 2:
+            if p.ndim >= 2:  # matrices and packed experts
                 p.normal_(0.0, 0.3)
     model.save_pretrained(str(directory))
     fast.save_pretrained(str(directory))

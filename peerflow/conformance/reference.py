@@ -101,12 +101,45 @@ def reference_logprobs(config: Any, tensors: Mapping[str, torch.Tensor],
     from transformers import AutoModelForCausalLM
 
     kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    if getattr(config, "num_experts", 0) or getattr(config, "num_local_experts", 0):
+        kwargs["experts_implementation"] = "eager"  # grouped_mm has no float64 kernel
     model = AutoModelForCausalLM.from_config(config, **kwargs).to(dtype).eval()
-    missing, _ = model.load_state_dict(dict(tensors), strict=False)
+    missing, _ = model.load_state_dict(module_tensors(model, tensors), strict=False)
     missing = [m for m in missing if not (m == "lm_head.weight" and config.tie_word_embeddings)]
     if missing:
         raise KeyError(f"reference model lacks tensors {missing[:3]}…")
     return score_rows(model, rows, temperature)
+
+
+def module_tensors(model: Any, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Canonical HF tensors as `model`'s own parameters: MoE experts packed as it holds them.
+
+    `transformers` ≥ 5 packs a layer's experts (`mlp.experts.gate_up_proj`, `down_proj`);
+    canonical tensors name them one by one. The packed tensors are cut from the canonical
+    ones by the layout `peerflow.models.hf_layout(…, packed_experts=True)` declares, so the
+    reference and the adapters read experts by the same rule. Dense models and families
+    without a layout in `peerflow.models` are returned as given.
+    """
+    from peerflow.conformance.oracle import cut
+    from peerflow.errors import ConfigError
+    from peerflow.models import ModelShape, hf_layout
+
+    out = dict(tensors)
+    try:
+        if not ModelShape.from_hf_config(model.config).num_experts:
+            return out
+    except ConfigError:
+        return out
+    params = dict(model.named_parameters())
+    for spec in hf_layout(model.config, packed_experts=True):
+        if spec.local_name in out or spec.local_name not in params:
+            continue
+        if any(p.name not in tensors for p in spec.pieces):
+            continue
+        out[spec.local_name] = cut(spec, tensors).view(params[spec.local_name].shape)
+        for piece in spec.pieces:
+            out.pop(piece.name, None)
+    return out
 
 
 def score_rows(model: Any, rows: Sequence[tuple[Sequence[int], Sequence[int]]],

@@ -11,6 +11,7 @@ import attrs
 
 from peerflow.capabilities import Capabilities
 from peerflow.engines import RolloutEngine, TrainEngine
+from peerflow.layout import ParallelLayout
 from peerflow.models import RankCoords, hf_layout, megatron_layout, tp_layout, vllm_layout
 from peerflow.shard import Box, ShardPiece, ShardSpec
 
@@ -27,6 +28,36 @@ class VllmStyleLayouts(RolloutEngine):
     name = "test-vllm-layouts"
     capabilities = PARALLEL
     shard_layout = _rank_layout(vllm_layout)
+
+
+class VllmStyleExpertLayouts(RolloutEngine):
+    """vLLM's FusedMoE layout (`w13`/`w2`) with experts split over `ep` ranks.
+
+    Each ep rank holds a contiguous block of experts (whole experts); attention, norms,
+    router and embeddings are held by every ep rank, so ep peers count as replicas of
+    them (the replica index folds ep into dp). With tp, each expert's width is split
+    only without ep (vLLM's default expert tp).
+    """
+
+    name = "test-vllm-expert-layouts"
+    capabilities = Capabilities(tensor_parallel=True, expert_parallel=True)
+
+    @classmethod
+    def shard_layout(cls, hf_config, layout, rank):
+        c = layout.coord(rank)
+        return vllm_layout(hf_config, RankCoords(
+            tp_rank=c.tp, tp_size=layout.tp, ep_rank=c.ep, ep_size=layout.ep,
+            dp_rank=c.dp * layout.ep + c.ep,
+            expert_replica=c.dp if layout.ep > 1 else None))
+
+    @classmethod
+    def conformance_layouts(cls):
+        return [ParallelLayout(), ParallelLayout(ep=2), ParallelLayout(ep=4),
+                ParallelLayout(tp=2), ParallelLayout(dp=2, ep=2)]
+
+    @classmethod
+    def conformance_families(cls):
+        return ("qwen3_moe",)
 
 
 class MegatronStyleLayouts(TrainEngine):

@@ -245,3 +245,66 @@ EXPECTED_VLLM = {
                        "VLLMUntempered.generate must return",
                        "logprobs_mode='processed_logprobs'"],
 }
+
+
+class HFMoE(HFRolloutEngine):
+    """`hf` on one rank whose `weight_targets()` is its declared `shard_layout` (MoE base)."""
+
+    @classmethod
+    def conformance_layouts(cls):
+        return [ParallelLayout()]
+
+    def weight_targets(self):
+        return self.shard_layout(self.model.config, self.context.layout, self.context.rank,
+                                 self.context.dtype)
+
+
+def _renamed(specs, local_name: str, swap: dict[str, str]):
+    """`specs` with the pieces of `local_name` declaring each other's HF tensors (`swap`)."""
+    out = []
+    for spec in specs:
+        if spec.local_name == local_name:
+            spec = attrs.evolve(spec, pieces=tuple(
+                attrs.evolve(p, name=swap.get(p.name, p.name)) for p in spec.pieces))
+        out.append(spec)
+    return out
+
+
+def _both_ways(pairs: dict[str, str]) -> dict[str, str]:
+    return {**pairs, **{b: a for a, b in pairs.items()}}
+
+
+class ExpertsPermuted(HFMoE):
+    """Declares layer 0's experts 0 and 1 in each other's place (packed gate_up and down)."""
+
+    @classmethod
+    def shard_layout(cls, hf_config, layout, rank, dtype="float32"):
+        specs = super().shard_layout(hf_config, layout, rank, dtype)
+        x = "model.layers.0.mlp.experts."
+        swap = _both_ways({f"{x}0.{p}.weight": f"{x}1.{p}.weight"
+                           for p in ("gate_proj", "up_proj", "down_proj")})
+        for tensor in ("gate_up_proj", "down_proj"):
+            specs = _renamed(specs, f"{x}{tensor}", swap)
+        return specs
+
+
+class ExpertGateUpSwapped(HFMoE):
+    """Declares expert 1 of layer 0 as `[up; gate]` for the `[gate; up]` it stores."""
+
+    @classmethod
+    def shard_layout(cls, hf_config, layout, rank, dtype="float32"):
+        x = "model.layers.0.mlp.experts."
+        return _renamed(super().shard_layout(hf_config, layout, rank, dtype),
+                        f"{x}gate_up_proj", _both_ways({f"{x}1.gate_proj.weight":
+                                                        f"{x}1.up_proj.weight"}))
+
+
+#: MoE mutants (layer 3 on the `qwen3moe-untied` engine model) → what their report says.
+EXPECTED_MOE = {
+    "ExpertsPermuted": ["layer 0 MLP", "the engine computes expert 0", "with expert 1's "
+                        "tensors", "'model.layers.0.mlp.experts.gate_up_proj'",
+                        "Fix the expert order"],
+    "ExpertGateUpSwapped": ["layer 0 MLP", "the engine uses the data of "
+                            "model.layers.0.mlp.experts.1.gate_proj.weight as "
+                            "model.layers.0.mlp.experts.1.up_proj.weight"],
+}

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from mutants import EXPECTED, EXPECTED_VLLM  # noqa: I001  (tests/conformance is on sys.path)
+from mutants import EXPECTED, EXPECTED_MOE, EXPECTED_VLLM  # noqa: I001  (tests/conformance is on sys.path)
 
 HERE = Path(__file__).parent
 #: The example plugin distribution (not installed in the test environment).
@@ -109,6 +109,21 @@ def test_vllm_mutant_with_untempered_logprobs_is_caught(tmp_path):
         text = "\n".join(t["message"] for t in report["tests"]
                          if name in t["id"] and t["outcome"] == "failed")
         assert all(w in text for w in wanted), (name, text)
+
+
+def test_moe_mutants_are_caught_naming_the_expert_tensors(tmp_path):
+    """Permuted experts and one expert's gate and up swapped load and read back bit-exact
+    (self-consistent), so only layer 3's log-prob check on the MoE engine model catches
+    them, naming the experts' tensors. (The correct layout passes every layer in
+    `test_builtin_adapters.py`, whose hf suite runs the same MoE models.)"""
+    report = _run(tmp_path, SUITE.format(here=str(HERE), classes="".join(
+        CLASS.format(name=n) for n in EXPECTED_MOE)), "qwen3moe and l3_logprobs")
+    for name, wanted in EXPECTED_MOE.items():
+        failed = [t for t in report["tests"] if t["id"].startswith(f"Test{name}::")
+                  and t["outcome"] == "failed"]
+        text = "\n".join(t["message"] for t in failed)
+        assert failed and all(w in text for w in wanted), (
+            name, [w for w in wanted if w not in text], text)
 
 
 def test_minimal_example_engine_passes_every_layer(suite_report):
