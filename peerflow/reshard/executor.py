@@ -28,13 +28,13 @@ import math
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import attrs
 import torch
 
 from peerflow.engines.base import WeightSyncStats
 from peerflow.errors import ShardError
+from peerflow.reshard.arena import ALIGN, Arena, MemoryMeter
 from peerflow.reshard.buckets import Bucket, itemsize
 from peerflow.reshard.deadline import exchange_bucket
 from peerflow.reshard.plan import ReshardPlan, Transfer
@@ -42,84 +42,9 @@ from peerflow.reshard.transport import WeightTransport
 from peerflow.rounding import pad_to_multiple
 from peerflow.shard import ShardSpec
 
-#: Byte alignment of regions inside packed buffers (so any dtype view is legal).
-ALIGN = 16
-
 Materialize = Callable[[Sequence[ShardSpec]], contextlib.AbstractContextManager[list[torch.Tensor]]]
 Load = Callable[[list[tuple[ShardSpec, torch.Tensor]]], None]
 Buffers = Callable[[Sequence[ShardSpec]], "list[torch.Tensor] | None"]
-
-
-@attrs.define(eq=False)
-class MemoryMeter:
-    """Counts bytes the executor allocates (buffers and destination tensors)."""
-
-    current: int = 0
-    peak: int = 0
-
-    def alloc(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Records `tensor` as allocated and returns it."""
-        self.current += tensor.numel() * tensor.element_size()
-        self.peak = max(self.peak, self.current)
-        return tensor
-
-    def free(self, tensor: torch.Tensor) -> None:
-        """Records `tensor` as released (the caller drops its last reference)."""
-        self.release(tensor.numel() * tensor.element_size())
-
-    def reserve(self, nbytes: int) -> None:
-        """Records `nbytes` allocated elsewhere on this rank's behalf (receive buffers)."""
-        self.current += nbytes
-        self.peak = max(self.peak, self.current)
-
-    def release(self, nbytes: int) -> None:
-        """Records `nbytes` released."""
-        self.current -= nbytes
-
-
-@attrs.define(eq=False)
-class Arena:
-    """One reusable byte buffer per sync, carved into a bucket's tensors.
-
-    Reusing it across buckets avoids allocating (and first-touching) fresh memory for
-    every bucket; it grows to the largest bucket and is released when the sync ends.
-    """
-
-    meter: MemoryMeter
-    device: Any = "cpu"
-    buffer: torch.Tensor | None = None
-    cursor: int = 0
-    stage_bytes: int = 0
-    """Size to grow to the first time a bucket stages tensors (its largest need)."""
-
-    def reset(self) -> None:
-        """Starts carving a new bucket from offset 0."""
-        self.cursor = 0
-
-    def reserve_total(self, nbytes: int) -> None:
-        """Makes room for `nbytes` in this bucket (grows the buffer when needed)."""
-        if nbytes <= 0:
-            return
-        have = 0 if self.buffer is None else self.buffer.numel()
-        if nbytes > have:
-            if self.buffer is not None:
-                self.meter.free(self.buffer)
-                self.buffer = None
-            self.buffer = self.meter.alloc(torch.empty(nbytes, dtype=torch.uint8,
-                                                       device=self.device))
-
-    def take(self, nbytes: int) -> torch.Tensor:
-        """Returns the next `nbytes` (16-byte aligned) of the buffer as `uint8`."""
-        assert self.buffer is not None
-        start = self.cursor
-        self.cursor += pad_to_multiple(nbytes, ALIGN)
-        return self.buffer[start:start + nbytes]
-
-    def release(self) -> None:
-        """Frees the buffer."""
-        if self.buffer is not None:
-            self.meter.free(self.buffer)
-            self.buffer = None
 
 
 def packed_layout(transfers: Sequence[Transfer]) -> tuple[list[int], int]:
@@ -210,7 +135,8 @@ def _arena_bytes(buckets: Sequence[Bucket], routes: Sequence[BucketRoutes], rank
                    for ts in route.outgoing.values())
         staged = sum(pad_to_multiple(math.prod(targets[n].local_shape)
                                      * itemsize(targets[n].dtype), ALIGN)
-                     for r, n in bucket.targets if r == rank) if stage else 0
+                     for r, n in bucket.targets
+                     if r == rank) if stage and bucket.part is None else 0
         need = max(need, send, staged)
     return need
 
@@ -221,26 +147,39 @@ def _run_buckets(plan: ReshardPlan, buckets: Sequence[Bucket],
                  buffers: Buffers | None, meter: MemoryMeter,
                  stats: Counter[str], my_sources: dict[str, ShardSpec],
                  my_targets: dict[str, ShardSpec], arena: Arena) -> None:
-    for bucket, route in zip(buckets, routes, strict=True):
-        specs = [my_sources[n] for n in bucket.source_tensors if n in my_sources]
-        if specs and materialize is None:
-            raise ShardError(f"rank {rank} holds source tensors {[s.local_name for s in specs]} "
-                             "but was given no trainer to read them from.")
-        start = time.perf_counter()
-        context = materialize(specs) if specs else contextlib.nullcontext([])
-        with context as tensors:
-            stats["gather_s"] += time.perf_counter() - start
-            sources = dict(zip((s.local_name for s in specs), tensors))
-            for spec in specs:
-                if tuple(sources[spec.local_name].shape) != spec.local_shape:
-                    raise ShardError(
-                        f"source tensor {spec.local_name!r} on rank {rank} has shape "
-                        f"{tuple(sources[spec.local_name].shape)} but its spec says "
-                        f"{spec.local_shape}; the engine's weight_sources() is wrong."
-                    )
+    sources: dict[str, torch.Tensor] = {}
+    with contextlib.ExitStack() as stack:
+        for bucket, route in zip(buckets, routes, strict=True):
+            if bucket.part is None or bucket.part[0] == 0:  # later slices: still materialised
+                stack.close()
+                sources = _materialize(bucket, rank, materialize, my_sources, stack, stats)
             _run_bucket(bucket, route, rank, sources, my_targets, transport, load, meter,
                         stats, buffers, arena)
-        stats["buckets"] += 1
+            stats["buckets"] += 1
+
+
+def _materialize(bucket: Bucket, rank: int, materialize: Materialize | None,
+                 my_sources: dict[str, ShardSpec], stack: contextlib.ExitStack,
+                 stats: Counter[str]) -> dict[str, torch.Tensor]:
+    """Enters `materialize` for the bucket's source tensors on this rank (into `stack`)."""
+    specs = [my_sources[n] for n in bucket.source_tensors if n in my_sources]
+    if not specs:
+        return {}
+    if materialize is None:
+        raise ShardError(f"rank {rank} holds source tensors {[s.local_name for s in specs]} "
+                         "but was given no trainer to read them from.")
+    start = time.perf_counter()
+    tensors = stack.enter_context(materialize(specs))
+    stats["gather_s"] += time.perf_counter() - start
+    sources = dict(zip((s.local_name for s in specs), tensors))
+    for spec in specs:
+        if tuple(sources[spec.local_name].shape) != spec.local_shape:
+            raise ShardError(
+                f"source tensor {spec.local_name!r} on rank {rank} has shape "
+                f"{tuple(sources[spec.local_name].shape)} but its spec says "
+                f"{spec.local_shape}; the engine's weight_sources() is wrong."
+            )
+    return sources
 
 
 @attrs.frozen
@@ -296,8 +235,13 @@ def pack_regions(per_peer: dict[int, list[Transfer]], sources: dict[str, torch.T
 
 
 def destination_tensors(names: Sequence[str], targets: dict[str, ShardSpec],
-                        buffers: Buffers | None, arena: Arena) -> dict[str, torch.Tensor]:
-    """The tensors a bucket fills on this rank: the engine's own, or staged in `arena`."""
+                        buffers: Buffers | None, arena: Arena, *, sliced: bool = False
+                        ) -> dict[str, torch.Tensor]:
+    """The tensors a bucket fills on this rank: the engine's own, or staged in `arena`.
+
+    `sliced`: the bucket is one slice of a tensor larger than a bucket; a staged copy is
+    then held across its slices (`Arena.hold`) instead of carved from the arena.
+    """
     views = buffers([targets[n] for n in names]) if buffers is not None and names else None
     out: dict[str, torch.Tensor] = {}
     if views is not None:
@@ -309,6 +253,8 @@ def destination_tensors(names: Sequence[str], targets: dict[str, ShardSpec],
         return out
     if not names:
         return out
+    if sliced:
+        return {name: arena.hold(targets[name]) for name in names}
     sizes = [math.prod(targets[n].local_shape) * itemsize(targets[n].dtype) for n in names]
     arena.reset()
     arena.reserve_total(max(sum(pad_to_multiple(n, ALIGN) for n in sizes), arena.stage_bytes))
@@ -365,7 +311,7 @@ def _run_bucket(bucket: Bucket, routes: BucketRoutes, rank: int, sources: dict[s
 
     start = time.perf_counter()
     mine = [n for r, n in bucket.targets if r == rank]
-    out = destination_tensors(mine, targets, buffers, arena)
+    out = destination_tensors(mine, targets, buffers, arena, sliced=bucket.part is not None)
     for t in routes.local:
         out[t.dst_tensor][t.dst_box.slices()].copy_(sources[t.src_tensor][t.src_box.slices()])
         stats["bytes"] += t.numel * itemsize(t.src_dtype)
@@ -373,9 +319,12 @@ def _run_bucket(bucket: Bucket, routes: BucketRoutes, rank: int, sources: dict[s
     stats["bytes"] += got
     meter.release(got)
     received.clear()
-    if mine:
-        if load is None:
-            raise ShardError(f"rank {rank} holds destination tensors but was given no "
-                             "rollout engine to load them into.")
-        load([(targets[name], out[name]) for name in mine])
+    if mine and load is None:
+        raise ShardError(f"rank {rank} holds destination tensors but was given no "
+                         "rollout engine to load them into.")
+    ready = [n for r, n in bucket.loads if r == rank]
+    if ready:
+        load([(targets[name], out[name]) for name in ready])
+        for name in ready:
+            arena.drop(name)
     stats["load_s"] += time.perf_counter() - start

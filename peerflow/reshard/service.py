@@ -341,9 +341,14 @@ class WeightSyncService:
                 per_peer = dict(routes.incoming)
                 if routes.local:
                     per_peer[self.rank] = routes.local
-                out = destination_tensors(names, targets, self.rollout.weight_buffers, arena)
+                out = destination_tensors(names, targets, self.rollout.weight_buffers, arena,
+                                          sliced=bucket.part is not None)
                 unpack_regions(per_peer, buffers, out, rank=self.rank, bucket=bucket.index)
-                self.rollout.load_weights([(targets[n], out[n]) for n in names])
+                ready = [n for r, n in bucket.loads if r == self.rank]
+                if ready:  # a tensor streamed in slices loads after its last one
+                    self.rollout.load_weights([(targets[n], out[n]) for n in ready])
+                    for name in ready:
+                        arena.drop(name)
         finally:
             arena.release()
             self.discard(received)

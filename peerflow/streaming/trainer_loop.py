@@ -196,6 +196,9 @@ class TrainerStreamer:
             extra["queue/rollout_in_flight"] = float(sum(r["in_flight"] for r in reports))
             extra["queue/rollout_finished"] = float(sum(r["finished"] for r in reports))
             extra["rollout/weight_load_s"] = max(r["weight_load_s"] for r in reports)
+            # Staged weights: the bytes arrived while the rollout generated; it stops only
+            # to apply them between requests, so its pause is the apply time.
+            extra["weight_sync/pause_s"] = extra["rollout/weight_load_s"]
             extra["rollout/skipped_versions"] = float(max(r["skipped_versions"] for r in reports))
         extra.update(staleness_metrics((step - batch.weight_version).tolist(), self.max_staleness))
         return extra

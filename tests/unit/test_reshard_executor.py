@@ -48,7 +48,7 @@ def test_colocated_sync_megatron_to_vllm_publishes_version_and_reports_phases():
     assert sorted(seen) == [(7, "actor", 7), (7, "rollout", 7)]
     for s in dst:
         assert torch.equal(rollout.params[s.local_name], cut(s, full)), s.local_name
-    assert stats.buckets == len(rollout.calls) > 1
+    assert stats.buckets >= len(rollout.calls) > 1  # a tensor streamed in slices loads once
     assert stats.bytes == sum(t.numel() * 4 for t in full.values())  # padding never moves
     assert min(stats.plan_s, stats.pack_s, stats.wire_s, stats.load_s) >= 0
     assert stats.wire_s > 0 and stats.load_s > 0
@@ -86,7 +86,7 @@ def test_buckets_respect_size_and_keep_tp_shards_together():
         assert b.nbytes <= max(4096, largest)
         names = {n for _, n in b.targets}
         assert all(sum(1 for _, n in b.targets if n == name) in (1, 2) for name in names)
-    assert sorted(t for b in buckets for t in b.targets) == sorted(
+    assert sorted(t for b in buckets for t in b.loads) == sorted(  # each loaded once
         (r, s.local_name) for r, specs in dst.items() for s in specs)
     with pytest.raises(ConfigError, match="bucket_bytes=0"):
         make_buckets(plan, 0)

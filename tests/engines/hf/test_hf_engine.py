@@ -228,6 +228,11 @@ def test_load_weights_updates_in_place_and_publishes_the_version(tiny_model, req
     after = engine.generate(requests_, SamplingParams(temperature=0, max_tokens=6))
     assert [r.token_ids for r in before] != [r.token_ids for r in after]
     assert all(r.version_segments == ((0, 7),) for r in after)
+    # Nothing computed under version 0 (a prompt's cached keys and values) is reused: the
+    # same prompts' log-probs are those of a fresh forward pass with the new weights.
+    for req, res in zip(requests_, after, strict=True):
+        fresh = _fresh_logprobs(engine.model, req.prompt_ids, res.token_ids)
+        assert float((torch.tensor(res.logprobs) - fresh).abs().max()) < 1e-4
 
 
 def test_bad_input_is_a_clear_error(engine, requests_):
