@@ -10,11 +10,24 @@ from typing import Any
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     """Adds the CONFIG argument and `--set` overrides shared by several commands."""
     parser.add_argument("config", metavar="CONFIG", help="run config YAML file")
+    add_override_argument(parser)
+
+
+def add_override_argument(parser: argparse.ArgumentParser) -> None:
+    """Adds `--set KEY=VALUE` (repeatable), read into `args.overrides`."""
     parser.add_argument(
         "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
         help="override a config value, typed by its field (repeatable), e.g. "
         "--set trainer.lr=1e-5 --set rollout.backend=vllm",
     )
+
+
+def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds `--nprocs` and `--launcher`, the options of commands that start workers."""
+    parser.add_argument("--nprocs", type=int, default=None,
+                        help="worker processes on this machine (default: runtime.nprocs)")
+    parser.add_argument("--launcher", choices=("elastic", "ray"), default="elastic",
+                        help="how workers are started on one machine (default: elastic)")
 
 
 def load_validated(args: argparse.Namespace) -> Any:

@@ -16,6 +16,8 @@ import argparse
 import json
 from typing import Any
 
+from peerflow.cli.config_cmd import add_config_arguments, add_worker_arguments
+
 
 def add_parser(subparsers: Any) -> None:
     """Adds the `eval` subcommand."""
@@ -24,18 +26,13 @@ def add_parser(subparsers: Any) -> None:
         description="Score the eval split (greedy and/or sampled, pass@k) with the run's "
         "rewards, once, on a checkpoint or the initial model.",
     )
-    parser.add_argument("config", help="run config YAML")
+    add_config_arguments(parser)
     parser.add_argument("--checkpoint", default=None, metavar="DIR",
                         help="a checkpoint directory, or a run directory (its newest "
                         "complete checkpoint); default: the initial model")
     parser.add_argument("--out", default=None, metavar="DIR",
                         help="where eval.json goes (default: a fresh runs/eval-<config>-...)")
-    parser.add_argument("--nprocs", type=int, default=None,
-                        help="worker processes on this machine (default: runtime.nprocs)")
-    parser.add_argument("--launcher", choices=("elastic", "ray"), default="elastic",
-                        help="how workers are started on one machine (default: elastic)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[],
-                        metavar="KEY=VALUE", help="override a config value (repeatable)")
+    add_worker_arguments(parser)
     parser.set_defaults(func=run)
 
 

@@ -26,6 +26,7 @@ from typing import Any
 
 import attrs
 
+from peerflow.cli.config_cmd import add_override_argument, add_worker_arguments
 from peerflow.errors import (
     INTERRUPTED_EXIT,
     ConfigError,
@@ -43,8 +44,7 @@ def add_parser(subparsers: Any) -> None:
     )
     parser.add_argument("config", nargs="?", help="run config YAML (optional with --resume: "
                         "the run directory's config.yaml is used)")
-    parser.add_argument("--nprocs", type=int, default=None,
-                        help="worker processes on this machine (default: runtime.nprocs)")
+    add_worker_arguments(parser)
     parser.add_argument("--run-dir", default=None,
                         help="output directory (default: a fresh runs/<config>-<UTC timestamp>)")
     parser.add_argument("--resume", metavar="RUN_DIR", default=None,
@@ -53,10 +53,7 @@ def add_parser(subparsers: Any) -> None:
                         metavar="KEY", help="with --resume: let this fingerprinted setting or "
                         "section (e.g. algorithm.kl.coef) differ from the run's (repeatable; "
                         "never the model architecture, dtype or tokenizer)")
-    parser.add_argument("--launcher", choices=("elastic", "ray"), default="elastic",
-                        help="how workers are started on one machine (default: elastic)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[],
-                        metavar="KEY=VALUE", help="override a config value (repeatable)")
+    add_override_argument(parser)
     parser.set_defaults(func=run)
 
 
