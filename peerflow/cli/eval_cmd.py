@@ -16,7 +16,7 @@ import argparse
 import json
 from typing import Any
 
-from peerflow.cli.config_cmd import add_config_arguments, add_worker_arguments
+from peerflow.cli.config_cmd import add_override_argument, add_worker_arguments
 
 
 def add_parser(subparsers: Any) -> None:
@@ -26,13 +26,14 @@ def add_parser(subparsers: Any) -> None:
         description="Score the eval split (greedy and/or sampled, pass@k) with the run's "
         "rewards, once, on a checkpoint or the initial model.",
     )
-    add_config_arguments(parser)
+    parser.add_argument("config", help="run config YAML")
     parser.add_argument("--checkpoint", default=None, metavar="DIR",
                         help="a checkpoint directory, or a run directory (its newest "
                         "complete checkpoint); default: the initial model")
     parser.add_argument("--out", default=None, metavar="DIR",
                         help="where eval.json goes (default: a fresh runs/eval-<config>-...)")
     add_worker_arguments(parser)
+    add_override_argument(parser)
     parser.set_defaults(func=run)
 
 
