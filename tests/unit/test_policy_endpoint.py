@@ -376,3 +376,39 @@ def test_session_affinity_routes_each_trajectory_to_its_engine(engine):
         m = mask.tolist()
         start = m.index(True, m.index(False))  # the second turn's first sampled token
         assert prompt.tolist() + response.tolist()[:start] in second[0]
+
+
+def test_streamed_tool_calls_parse_as_openai_chunks(tok):
+    from openai.types.chat import ChatCompletionChunk
+    from openai.types.completion import Completion
+
+    from peerflow.agents.endpoint.protocol import Call, Reply
+    from peerflow.agents.endpoint.sampling import RequestSampling
+    from peerflow.agents.endpoint.stream import chat_chunks, completion_chunks
+
+    text = 'ok <tool_call>{"name": "count", "arguments": {"text": "a"}}</tool_call>'
+    ids = tuple(tok(text, add_special_tokens=False)["input_ids"])
+    reply = Reply(prompt_ids=(1, 2), token_ids=ids, logprobs=(-0.5,) * len(ids), text=text,
+                  finish_reason="stop")
+    message = {"role": "assistant", "content": "ok ", "tool_calls": [
+        {"id": "call_0_0", "type": "function",
+         "function": {"name": "count", "arguments": '{"text": "a"}'}}]}
+    call = Call(kind="chat", sampling=RequestSampling(logprobs=True), return_token_ids=True,
+                model="policy", stream=True, include_usage=True)
+    events = chat_chunks(call, [reply, reply], [(message, "tool_calls")] * 2, tok)
+    chunks = [ChatCompletionChunk.model_validate(e) for e in events]
+    for index in (0, 1):
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == index]
+        assert "".join(c.delta.content or "" for c in mine) == "ok "
+        assert [t for c in mine for t in (getattr(c, "token_ids", None) or [])] == list(ids)
+        assert mine[-1].finish_reason == "tool_calls"
+        (calls,) = [c.delta.tool_calls for c in mine if c.delta.tool_calls]
+        assert calls[0].function.name == "count" and calls[0].id == "call_0_0"
+    assert chunks[0].prompt_token_ids == [1, 2]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 2 * len(ids)
+    plain = Call(kind="completion", sampling=RequestSampling(logprobs=True), stream=True)
+    pieces = completion_chunks(plain, [reply], tok)
+    assert "".join(p["choices"][0]["text"] for p in pieces) == text
+    offsets = [p["choices"][0]["logprobs"]["text_offset"][0] for p in pieces[:-1]]
+    assert offsets == sorted(offsets) and offsets[0] == 0
+    assert Completion.model_validate(pieces[-1]).choices[0].finish_reason == "stop"

@@ -23,7 +23,10 @@ is the call's answer.
   messages rendered as a continuation (`TurnRenderer`, never re-rendering earlier turns),
   or the new tokens of a completion or generate call — and those tokens are the
   observation (appended exactly, masked out of the loss); the program returning ends the
-  episode.
+  episode. With `n > 1` the call extends one of the choices (`StepResult.choice`); the
+  others are samples of their own (`branch`). A call's sampling settings are checked when
+  it is taken (`sampling.refusal`: 400 and wait for the next) and passed to the driver
+  (`turn_settings`).
 * A call whose prompt does not extend the trajectory (the program rewrote an earlier turn,
   or dropped history) ends that sample (`finish_reason` `restart`, `prefix_breaks` in its
   `agent_info`) and starts a new sample of the episode from the call's whole prompt
