@@ -412,3 +412,22 @@ def test_streamed_tool_calls_parse_as_openai_chunks(tok):
     offsets = [p["choices"][0]["logprobs"]["text_offset"][0] for p in pieces[:-1]]
     assert offsets == sorted(offsets) and offsets[0] == 0
     assert Completion.model_validate(pieces[-1]).choices[0].finish_reason == "stop"
+
+
+def test_sampling_refusals_name_the_setting_and_greedy_eval_accepts_them():
+    from peerflow.agents.endpoint.sampling import refusal, request_sampling
+    from peerflow.capabilities import Capabilities
+
+    caps = Capabilities(logprobs=True)
+    ask = request_sampling("chat", {"temperature": 0.7, "top_k": 5, "stop": "x"})
+    assert "rollout.sampling.temperature=1.0" in refusal(ask, SamplingParams(), caps)
+    assert "Capabilities.stop_strings" in refusal(
+        request_sampling("chat", {"stop": "x"}), SamplingParams(), caps)
+    greedy = SamplingParams(temperature=0.0)
+    assert "stop_strings" in refusal(ask, greedy, caps)  # what greedy does not excuse
+    assert refusal(ask, greedy, Capabilities(logprobs=True, stop_strings=True)) is None
+    generate = request_sampling("generate", {"sampling_params": {"max_tokens": 3, "n": 2,
+                                                                 "seed": 4}})
+    assert generate.turn_settings().n == 2 and generate.max_tokens == 3 and generate.logprobs
+    assert request_sampling("completion", {"logprobs": 1}).top_logprobs == 0
+    assert request_sampling("completion", {"logprobs": 3}).top_logprobs == 2

@@ -14,7 +14,9 @@ driver as the turn's `TurnSettings`:
   the new policy's log-probs at `rollout.sampling.temperature`, and the recorded
   log-probs are `log_softmax(logits / T)` at the temperature the engine sampled with, so a
   turn at another temperature (or truncation) would make the importance ratios compare
-  two different distributions; such a request gets 400 naming the run's value;
+  two different distributions; such a request gets 400 naming the run's value (during
+  the greedy evaluation pass, `eval.greedy`, nothing is trained: they are accepted and
+  decoding stays greedy);
 * refused: settings that change the sampled distribution in ways no rollout engine
   reports log-probs for (penalties, `logit_bias`, `min_p`, `min_tokens`, `ignore_eos`,
   beam search, `best_of`, `echo`, `suffix`, structured output), and `top_logprobs > 0`
@@ -132,6 +134,8 @@ def refusal(sampling: RequestSampling, run: Any, capabilities: Any) -> str | Non
     """
     why = ("the trainer computes log-probs at the run's settings, so a turn sampled "
            "otherwise would train on the wrong importance ratios")
+    if run.temperature == 0:  # greedy evaluation: nothing is trained, decoding stays greedy
+        sampling = attrs.evolve(sampling, temperature=None, top_p=None, top_k=None)
     if sampling.temperature is not None and sampling.temperature != run.temperature:
         return (f"temperature={sampling.temperature} differs from the run's "
                 f"rollout.sampling.temperature={run.temperature}: {why}. Send "
