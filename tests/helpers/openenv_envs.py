@@ -3,7 +3,8 @@
 `MultiplyEnv` is an OpenEnv MCP environment the run serves on loopback: two tools,
 `multiply(a, b)` and `submit(answer)`; a wrong answer gets "wrong" and the episode goes on
 (at most `TRIES` answers), the right one reward 1 and `done`. `MultiplyGame` is the same
-game as a TRL `environment_factory` class.
+game as a TRL `environment_factory` class; `EchoEnv` a non-MCP environment whose action is
+text.
 """
 
 from __future__ import annotations
@@ -11,8 +12,9 @@ from __future__ import annotations
 from typing import Any
 
 from fastmcp import FastMCP
+from openenv.core.env_server.interfaces import Environment
 from openenv.core.env_server.mcp_environment import MCPEnvironment
-from openenv.core.env_server.types import Observation, State
+from openenv.core.env_server.types import Action, Observation, State
 
 TRIES = 3
 
@@ -96,3 +98,50 @@ class MultiplyGame:
 
     def get_reward(self) -> float:
         return 1.0 if self.right else 0.0
+
+
+class ShapedMultiplyEnv(MultiplyEnv):
+    """`MultiplyEnv` whose lost games score by the last answer's length (shorter: more, up
+    to 0.5), so a random model's groups differ and GRPO has something to train on."""
+
+    async def step_async(self, action: Any, timeout_s: Any = None, **kwargs: Any) -> Any:
+        observation = await super().step_async(action, timeout_s=timeout_s, **kwargs)
+        if observation.done and observation.reward == 0.0:
+            answer = str(getattr(action, "arguments", {}).get("answer", ""))
+            observation.reward = 0.5 / (1 + len(answer))
+        return observation
+
+
+class EchoAction(Action):
+    """A text action."""
+
+    message: str
+
+
+class EchoObservation(Observation):
+    """What `EchoEnv` answers."""
+
+    echoed: str = ""
+
+
+class EchoEnv(Environment):
+    """A non-MCP environment: echoes each message upper-cased; reward 1 on "stop"."""
+
+    SUPPORTS_CONCURRENT_SESSIONS = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._state = State(episode_id="", step_count=0)
+
+    def reset(self, prompt: str = "", **kwargs: Any) -> EchoObservation:
+        return EchoObservation(echoed=f"ready: {prompt}", done=False, reward=None)
+
+    def step(self, action: EchoAction, timeout_s: Any = None, **kwargs: Any) -> EchoObservation:
+        self._state.step_count += 1
+        done = action.message.strip() == "stop"
+        return EchoObservation(echoed=action.message.upper(), done=done,
+                               reward=1.0 if done else 0.25)
+
+    @property
+    def state(self) -> State:
+        return self._state

@@ -96,6 +96,47 @@ def test_a_tool_game_runs_multi_turn_through_the_driver(engine, cls, options):
     assert "wrong, 2 tries left" in wrong and "wrong, 1 tries left" in wrong
 
 
+@pytest.fixture(scope="module")
+def own_server():
+    """An OpenEnv server the test starts itself (what `options.url` reaches)."""
+    import threading
+    import time
+
+    import uvicorn
+    from openenv.core.env_server import create_app
+
+    from tests.helpers.openenv_envs import EchoAction, EchoEnv, EchoObservation
+
+    app = create_app(EchoEnv, EchoAction, EchoObservation, env_name="echo",
+                     max_concurrent_envs=4)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.01)
+    yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+def test_a_running_server_is_reached_at_its_url_with_text_actions(own_server):
+    from peerflow.agents.environment import Turn
+
+    options = OpenEnvOptions(url=own_server, action_field="message",
+                             observation_field="echoed")
+    env = OpenEnvEnvironment(Example(prompt="Say stop.", answer="", index=0), options)
+    try:
+        assert env.tool_schemas() == []
+        assert env.initial_prompt() == [{"role": "user", "content": "Say stop."},
+                                        {"role": "user", "content": "ready: Say stop."}]
+        result = env.step(Turn(token_ids=[1], text="hello"))
+        assert result.observation == "HELLO" and not result.done
+        assert env.step(Turn(token_ids=[2], text="stop", index=1)).done
+        assert env.final_reward() == {"openenv": 1.25}  # the observations' rewards, summed
+    finally:
+        env.close()
+
+
 def test_options_are_checked(plugin_manager):
     with pytest.raises(ConfigError, match="exactly one of rollout.agent.options.server"):
         structure_options(OpenEnvOptions, {}, "rollout.agent.options")

@@ -46,7 +46,9 @@ INSTALL_HINT = ("pip install 'peerflow[openenv]' && pip install --no-deps openen
 
 
 def _loadable(_: object, attribute: attrs.Attribute, value: str) -> None:
-    if value:
+    import importlib.util
+
+    if value and all(importlib.util.find_spec(m) for m in MODULES):  # else: the extra named
         load_target(value, f"rollout.agent.options.{attribute.name}")
 
 
