@@ -175,8 +175,10 @@ class AgentProgram(Environment):
         try:
             return self.inbox.get(timeout=self.options.wait_s)
         except queue.Empty:
-            raise TimeoutError(f"the agent program made no call and did not return within "
-                               f"rollout.agent.options.wait_s={self.options.wait_s} s") from None
+            error = TimeoutError(f"the agent program made no call and did not return within "
+                                 f"rollout.agent.options.wait_s={self.options.wait_s} s")
+            self.outcome = self.outcome or ("error", error)  # final_reward waits no more
+            raise error from None
 
     def _next_move(self) -> tuple[str, Any, Future | None]:
         """The program's next call this run can honour (others are answered 400), or end."""
