@@ -37,6 +37,7 @@ from peerflow.adapters.megatron.model import (
     SUPPORTED_FAMILIES,
     build_gpt_model,
     check_supported,
+    mirror_padding_idx,
     transformer_config,
 )
 from peerflow.adapters.megatron.optim import (
@@ -153,6 +154,7 @@ class MegatronTrainEngine(MegatronCheckpoints, CausalLMTrainEngine):
                                     vocab_multiple=options.vocab_multiple,
                                     pre_process=self.is_first, post_process=self.is_last_stage)
         model.to(self.device)
+        mirror_padding_idx(model, self.hf_config)
         self._order = TokenOrder()
         self._attach_megatron_routing(model)
         self._specs = self._layout_specs()

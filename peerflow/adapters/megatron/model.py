@@ -176,3 +176,26 @@ def _define_missing_te_gemm() -> None:
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+
+
+def mirror_padding_idx(model: Any, hf_config: Any) -> None:
+    """Gives Megatron's word embedding the HF embedding's `padding_idx` gradient rule.
+
+    Transformers builds `nn.Embedding(vocab, hidden, padding_idx=pad_token_id)`: the pad
+    row (zeros at init) gets no gradient from the input lookup. Megatron's embedding has
+    no such rule, and a sampled pad token's zero embedding then gets the RMSNorm's
+    `1 / sqrt(eps)` gradient (hundreds, where every other row gets < 1). A hook on the
+    lookup's output zeroes the gradient of the positions that read the pad row, which is
+    exactly `padding_idx` (a tied output layer still trains the row, as in transformers).
+    """
+    pad = getattr(hf_config, "pad_token_id", None)
+    embedding = getattr(getattr(model, "embedding", None), "word_embeddings", None)
+    if pad is None or embedding is None or not 0 <= int(pad) < int(hf_config.vocab_size):
+        return
+
+    def hook(module: Any, args: tuple, output: torch.Tensor) -> None:
+        if output.requires_grad:
+            reads_pad = (args[0] == int(pad)).unsqueeze(-1)
+            output.register_hook(lambda grad: grad.masked_fill(reads_pad, 0))
+
+    embedding.register_forward_hook(hook)

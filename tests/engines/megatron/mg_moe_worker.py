@@ -8,7 +8,8 @@ argv: OUT_DIR MODEL_DIR. Two cases on the 2 ranks, one after the other:
 
 Per case: log-probs routed natively; r2 recording then r3 replay of those routes (must
 reproduce them bit for bit); r3 replay of the bf16 hf rollout's routes; one r3 train
-step (`moe/*` metrics); the exported shards after it; a weight sync to an hf rollout
+step (`moe/*` metrics; with ep = 1 also the fsdp trainer's gradient norm of that
+step, r3 included); the exported shards after it; a weight sync to an hf rollout
 engine (dp = 2, one per rank) and its live weights; a checkpoint round trip. Writes
 `rank{R}.pt`, with the HF reference log-probs of the whole batch (`hf`).
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 import os
 import sys
 
+import attrs
 import torch
 import torch.distributed as dist
 
@@ -44,7 +46,26 @@ def rollout_batch(model_path: str):
     batch = to_batch(requests, results)
     batch.set(ROUTES, routes_column(results, [len(requests[r.request_id].prompt_ids)
                                               for r in results]))
+    # a sampled pad token (the hf engine samples the whole vocabulary): transformers'
+    # `padding_idx` keeps its zero embedding out of the gradient, and so must Megatron
+    batch.ragged("response_ids").values[0] = engine.tokenizer.pad_token_id
     return batch
+
+
+def fsdp_grad_norm(model_path: str, batch, optim) -> float:
+    """The fsdp trainer's gradient norm of the same step (dp = 2, transformers modules)."""
+    from peerflow.adapters.fsdp.engine import FSDPTrainEngine
+    from peerflow.engines import EngineContext
+    from peerflow.layout import ParallelLayout
+    from tests.engines.fsdp.fsdp_testlib import nll_loss
+
+    context = EngineContext(model_path=model_path, layout=ParallelLayout(dp=2),
+                            rank=dist.get_rank(), process_group=dist.group.WORLD,
+                            temperature=TEMPERATURE)
+    engine = FSDPTrainEngine(context, FSDPTrainEngine.options_class(), optim)
+    norm = engine.train_step(batch, nll_loss)["grad_norm"]
+    engine.shutdown()
+    return norm
 
 
 def exported(engine) -> list:
@@ -83,6 +104,9 @@ def run_case(name: str, layout, model_path: str, full, out_dir: str) -> dict:
     result["own_metrics"] = engine.routing.step_metrics(own, engine.dp_group)
     result["replayed_rollout"] = engine.forward_logprobs(batch).values
     result["metrics"] = engine.train_step(batch, nll_loss)
+    if layout.ep == 1:
+        result["fsdp_grad_norm"] = fsdp_grad_norm(model_path, batch,
+                                                  attrs.evolve(optim, routing_replay="r3"))
     result["exported"] = exported(engine)
     hf = HFRolloutEngine(EngineContext(model_path=model_path, layout=ParallelLayout(dp=2),
                                        rank=rank))

@@ -74,6 +74,13 @@ def test_r3_train_step_logs_moe_metrics(ranks, case):
     assert metrics["moe/route_bytes"] > 0
 
 
+def test_gradient_equals_the_fsdp_trainers_with_a_sampled_pad_token(ranks):
+    """The batch holds a sampled pad token, whose zero embedding row transformers keeps
+    out of the gradient (`padding_idx`); Megatron's step has the same gradient norm."""
+    megatron = ranks[0]["dp2"]["metrics"]["grad_norm"]
+    assert megatron == pytest.approx(ranks[0]["dp2"]["fsdp_grad_norm"], rel=1e-5)
+
+
 def test_ep2_holds_half_the_experts_and_steps_like_ep1(ranks):
     experts = [{n for s, _ in r["ep2"]["exported"] for n in s.names if ".experts." in n}
                for r in ranks]
