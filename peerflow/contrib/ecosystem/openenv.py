@@ -78,6 +78,7 @@ class OpenEnvOptions(ToolEpisodeOptions):
     connect_timeout_s: float = 30.0
     """Seconds to wait for a session (the server's start included)."""
     reward_name: str = "openenv"
+    """The reward component the observations' rewards are summed into."""
 
     def __attrs_post_init__(self) -> None:
         if bool(self.server) == bool(self.url):

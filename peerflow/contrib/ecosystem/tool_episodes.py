@@ -175,6 +175,7 @@ class FactoryOptions(ToolEpisodeOptions):
     factory: str = attrs.field(validator=_loadable_class)
     """The class (TRL's `environment_factory`): `path/to/env.py:Cls` or `module:Cls`."""
     reward_name: str = "get_reward"
+    """The reward component `get_reward()` (or the summed rewards) is reported as."""
 
 
 def method_tools(instance: Any) -> dict[str, Any]:

@@ -177,6 +177,7 @@ class VerifiersOptions(AgentProgramOptions):
     """`rollout.agent.options` of `verifiers`: the policy endpoint's settings."""
 
     function: str = "peerflow.contrib.ecosystem.verifiers:run_episode"
+    """The agent function: the environment's `rollout` and `Rubric` (leave it as it is)."""
 
 
 class VerifiersEnvironment(AgentProgram):
