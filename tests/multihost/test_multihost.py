@@ -90,7 +90,9 @@ def _wait_for_checkpoint(run_dir: Path, procs: list[subprocess.Popen], step: int
         time.sleep(0.2)
 
 
-@pytest.mark.parametrize("fault", ["kill", "cut"])
+# The slow tier (`-m slow`, outside the default run): "cut", the torchrun restarts and the
+# Ray launcher take 30-70 s each; "kill" keeps the lost-host path in every run.
+@pytest.mark.parametrize("fault", ["kill", pytest.param("cut", marks=pytest.mark.slow)])
 def test_a_lost_host_stops_the_survivor_naming_it_then_resume_continues(
         hosts, tmp_path, fault) -> None:
     run = tmp_path / "run"
@@ -123,6 +125,7 @@ def test_a_lost_host_stops_the_survivor_naming_it_then_resume_continues(
     assert _steps(run)[-1] == target
 
 
+@pytest.mark.slow
 def test_torchrun_max_restarts_resumes_by_itself(hosts, tmp_path) -> None:
     """h1's worker is killed twice: before the first checkpoint (the restarted job starts
     again from step 0 in its own run directory, its earlier metrics dropped) and after
@@ -206,6 +209,7 @@ def _ray_cluster(hosts: Hosts) -> dict[str, str]:
     return dict(env, RAY_ADDRESS=head)
 
 
+@pytest.mark.slow
 def test_ray_launcher_across_hosts_names_a_lost_host(hosts, tmp_path) -> None:
     """`ray start` head and worker in two namespaces; `--launcher ray` spreads the ranks
     over both, trains, and after host 1 dies the driver exits naming it."""
