@@ -57,6 +57,20 @@ def load_environment(system_prompt: str = "Answer with a number."):
                             rubric=rubric)
 
 
+def load_multi_turn(**kwargs):
+    """A `MultiTurnEnv` that asks once more after each answer, for two turns."""
+    import verifiers as vf
+    from datasets import Dataset
+
+    class OnceMore(vf.MultiTurnEnv):
+        async def env_response(self, messages, state, **kwargs):
+            return [{"role": "user", "content": "Once more."}]
+
+    rows = [{"question": q, "answer": a} for q, a in QUESTIONS]
+    return OnceMore(dataset=Dataset.from_list(rows), max_turns=2,
+                    rubric=vf.Rubric(funcs=[has_digit], weights=[1.0]))
+
+
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     from peerflow.adapters.hf.engine import HFRolloutEngine
@@ -95,6 +109,29 @@ def test_a_single_turn_env_and_its_rubric_run_against_the_endpoint(engine):
         info = batch["agent_info"][k]
         assert info["verifiers/chars"] == chars(completion)
         assert info["verifiers/short"] == short(completion)
+
+
+def test_a_multi_turn_env_s_messages_are_observations_of_one_trajectory(engine):
+    task = VerifiersTask(VerifiersTaskOptions(
+        environment="tests.unit.test_verifiers:load_multi_turn"))
+    draws = [Draw(position=0, example=task.example("train", 0, seed=0))]
+    driver = AgentRollout(env_cls=VerifiersEnvironment, env_options=VerifiersOptions(wait_s=60),
+                          settings=AgentConfig(environment="verifiers", max_turns=4,
+                                               max_total_tokens=400))
+    tok = engine.tokenizer
+    batch = driver(engine, tok, draws, SamplingParams(n=2, temperature=1.0, max_tokens=6,
+                                                       seed=6))
+    assert batch["num_turns"].tolist() == [2, 2]  # the environment's max_turns
+    assert list(batch["finish_reason"]) == ["stop", "stop"]  # one sample: no prefix break
+    for k, (ids, mask) in enumerate(zip(batch.ragged("response_ids").rows(),
+                                        batch.ragged(LOSS_MASK).rows())):
+        ids, mask = ids.tolist(), mask.tolist()
+        observed = [i for i, m in zip(ids, mask) if not m]
+        assert "Once more." in tok.decode(observed)  # env_response, masked out
+        start = max(j for j in range(len(mask)) if not mask[j]) + 1  # the last turn
+        last = tok.decode(ids[start:], skip_special_tokens=True)
+        assert batch[ENV_REWARD_COMPONENTS][k] == {
+            "has_digit": has_digit([{"role": "assistant", "content": last}])}
 
 
 def test_task_options_are_checked():
