@@ -13,14 +13,15 @@ _EXPORTS = {
     "Environment": "peerflow.agents.environment",
     "StepResult": "peerflow.agents.environment",
     "Turn": "peerflow.agents.environment",
+    "TurnSettings": "peerflow.agents.environment",
     "Tool": "peerflow.agents.tools",
     "ToolEnvironment": "peerflow.agents.tool_env",
 }
 
-__all__ = ["Environment", "StepResult", "Tool", "ToolEnvironment", "Turn"]
+__all__ = ["Environment", "StepResult", "Tool", "ToolEnvironment", "Turn", "TurnSettings"]
 
 if TYPE_CHECKING:
-    from peerflow.agents.environment import Environment, StepResult, Turn
+    from peerflow.agents.environment import Environment, StepResult, Turn, TurnSettings
     from peerflow.agents.tool_env import ToolEnvironment
     from peerflow.agents.tools import Tool
 
