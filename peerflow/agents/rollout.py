@@ -241,6 +241,10 @@ class AgentRollout:
             if self._failed(t, "step", outcome):
                 continue
             result: StepResult = outcome.value
+            if not 0 <= result.choice <= len(t.branches):
+                t.end("env_error", f"{self.env_cls.name}.step chose answer {result.choice} "
+                      f"of a turn with {len(t.branches) + 1}")
+                continue
             if result.choice:  # the episode went on with another of the turn's choices
                 swap_answers(t, t.branches[result.choice - 1])
             t.reward_turn(result.reward)
