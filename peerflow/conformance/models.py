@@ -1,11 +1,12 @@
 """Tiny model shapes the suite tests layouts and engines with.
 
 `LAYOUT_MODELS` (layers 1–2) cover the matrix the issue asks for — GQA ratios 1, 4 and
-MQA, tied and untied embeddings, dense and MoE, biases and q/k norms — with shapes small
-enough that a few hundred reshards run in seconds. `ENGINE_MODELS` (layer 3) are real
-checkpoints written to disk with a character tokenizer, so engines load them like any
-Hugging Face model directory; `qwen3moe-untied` is the mixture-of-experts one (adapters
-not listing `qwen3_moe` in `conformance_families()` skip it).
+MQA, tied and untied embeddings, dense and MoE (Qwen3-MoE, Mixtral, GPT-OSS), biases and
+q/k norms — with shapes small enough that a few hundred reshards run in seconds.
+`ENGINE_MODELS` (layer 3) are real checkpoints written to disk with a character
+tokenizer, so engines load them like any Hugging Face model directory; `qwen3moe-untied`
+is the mixture-of-experts one (adapters not listing `qwen3_moe` in
+`conformance_families()` skip it).
 """
 
 from __future__ import annotations
@@ -32,6 +33,16 @@ LAYOUT_MODELS: dict[str, dict[str, Any]] = {
                                  num_key_value_heads=2, tie_word_embeddings=False,
                                  num_experts=4, moe_intermediate_size=8,
                                  decoder_sparse_step=1, num_experts_per_tok=2),
+    # Checkpoint names differ from the modules' (`block_sparse_moe`, w1/w3/w2).
+    "mixtral-gqa2-untied": dict(_BASE, model_type="mixtral", num_attention_heads=4,
+                                num_key_value_heads=2, tie_word_embeddings=False,
+                                num_local_experts=4, num_experts_per_tok=2,
+                                sliding_window=None),
+    # Packed biased experts in the checkpoint, attention sinks, biased attention.
+    "gptoss-gqa2-untied": dict(_BASE, model_type="gpt_oss", num_attention_heads=4,
+                               num_key_value_heads=2, tie_word_embeddings=False,
+                               num_local_experts=4, num_experts_per_tok=2,
+                               layer_types=["full_attention"] * 2, sliding_window=64),
 }
 
 CHARS = "0123456789+-=abcdefghijklmnopqrstuvwxyz .,!?\n"

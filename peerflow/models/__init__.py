@@ -16,12 +16,20 @@ in the engine's parameter order; a rank's place in the tp/pp/ep/dp mesh is one
 
 Name converters: `hf_to_vllm` / `vllm_to_hf`, `hf_to_megatron` / `megatron_to_hf`.
 `config` is a `transformers` config, its dict, or a `ModelShape`. Supported families:
-Llama (and Mistral-style), Qwen2, Qwen3, Qwen3-MoE (`peerflow.models.<family>` modules).
+Llama (and Mistral-style), Qwen2, Qwen3, Qwen3-MoE, Mixtral, GPT-OSS
+(`peerflow.models.<family>` modules; GPT-OSS has no vLLM/SGLang or Megatron layout).
 """
 
 from __future__ import annotations
 
-from peerflow.models import llama, qwen2, qwen3, qwen3_moe  # noqa: F401  (register families)
+from peerflow.models import (  # noqa: F401  (register families)
+    gpt_oss,
+    llama,
+    mixtral,
+    qwen2,
+    qwen3,
+    qwen3_moe,
+)
 from peerflow.models.common import (
     RankCoords,
     restrict_rows,

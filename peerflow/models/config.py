@@ -1,8 +1,9 @@
 """`ModelShape`: the facts about a Hugging Face model that shard layouts depend on.
 
 Built from a `transformers` config (or its `dict` form) by `ModelShape.from_hf_config`;
-the family modules (`llama`, `qwen2`, `qwen3`, `qwen3_moe`) say which optional tensors a
-family has (attention biases, q/k norms, MoE experts).
+the family modules (`llama`, `qwen2`, `qwen3`, `qwen3_moe`, `mixtral`, `gpt_oss`) say
+which optional tensors a family has (attention biases, q/k norms, MoE experts and how
+checkpoints name them).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from peerflow.errors import ConfigError
 
 @attrs.frozen(kw_only=True)
 class ModelShape:
-    """Shape facts of a decoder-only HF causal LM (Llama/Qwen2/Qwen3/Qwen3-MoE)."""
+    """Shape facts of a decoder-only HF causal LM (Llama/Qwen2/Qwen3/Qwen3-MoE/Mixtral/GPT-OSS)."""
 
     family: str
     """HF `model_type` (`llama`, `qwen2`, `qwen3`, `qwen3_moe`)."""
@@ -51,6 +52,17 @@ class ModelShape:
     """Width of one expert's MLP."""
     sparse_layers: tuple[int, ...] = attrs.field(default=(), converter=tuple)
     """Indices of the layers whose MLP is a mixture of experts."""
+    moe_block: str = "mlp"
+    """Checkpoint name of a sparse layer's MoE module (Mixtral: `block_sparse_moe`)."""
+    expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    """Checkpoint names of one expert's gate, up and down projections (Mixtral: `w1`,
+    `w3`, `w2`)."""
+    packed_experts: bool = False
+    """Checkpoints hold each layer's experts packed, as `transformers` does (GPT-OSS:
+    `mlp.experts.gate_up_proj` `[E, H, 2I]` with gate and up interleaved, biases, and a
+    biased `mlp.router`), not one tensor per expert."""
+    attn_sinks: bool = False
+    """Per-head attention sinks (`self_attn.sinks` `[num_heads]`, GPT-OSS)."""
 
     def __attrs_post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -77,6 +89,23 @@ class ModelShape:
     def is_sparse(self, layer: int) -> bool:
         """Whether layer `layer` has a MoE MLP."""
         return layer in self.sparse_layers
+
+    def router_name(self, layer: int) -> str:
+        """Checkpoint name of sparse layer `layer`'s router weight."""
+        router = "router" if self.packed_experts else "gate"
+        return f"model.layers.{layer}.{self.moe_block}.{router}.weight"
+
+    def expert_tensor(self, layer: int, expert: int, which: int) -> str:
+        """Checkpoint name of one expert's projection: `which` 0 gate, 1 up, 2 down.
+
+        Raises:
+            ConfigError: the family's checkpoints pack their experts (`packed_experts`).
+        """
+        if self.packed_experts:
+            raise ConfigError(f"model {self.family}: checkpoints hold experts packed; there is "
+                              "no per-expert tensor name.")
+        return (f"model.layers.{layer}.{self.moe_block}.experts.{expert}."
+                f"{self.expert_names[which]}.weight")
 
     @classmethod
     def from_hf_config(cls, config: Any) -> ModelShape:

@@ -61,15 +61,11 @@ def layer_parameters(shape: ModelShape, layer: int) -> dict[str, tuple[int, ...]
     if shape.qk_norm:
         out[f"{a}q_norm.weight"] = (shape.head_dim,)
         out[f"{a}k_norm.weight"] = (shape.head_dim,)
+    if shape.attn_sinks:
+        out[f"{a}sinks"] = (shape.num_heads,)
     out[f"{p}post_attention_layernorm.weight"] = (h,)
     if shape.is_sparse(layer):
-        i = shape.moe_intermediate_size
-        out[f"{p}mlp.gate.weight"] = (shape.num_experts, h)
-        for e in range(shape.num_experts):
-            x = expert_prefix(layer, e)
-            out[f"{x}gate_proj.weight"] = (i, h)
-            out[f"{x}up_proj.weight"] = (i, h)
-            out[f"{x}down_proj.weight"] = (h, i)
+        out.update(_moe_parameters(shape, layer))
     else:
         i = shape.intermediate_size
         for proj, dims in (("gate_proj", (i, h)), ("up_proj", (i, h)), ("down_proj", (h, i))):
@@ -79,6 +75,34 @@ def layer_parameters(shape: ModelShape, layer: int) -> dict[str, tuple[int, ...]
             out[f"{p}mlp.up_proj.bias"] = (i,)
             out[f"{p}mlp.down_proj.bias"] = (h,)
     return out
+
+
+def _moe_parameters(shape: ModelShape, layer: int) -> dict[str, tuple[int, ...]]:
+    """A sparse layer's router and experts, as its checkpoints name them."""
+    e, i, h = shape.num_experts, shape.moe_intermediate_size, shape.hidden_size
+    out = {shape.router_name(layer): (e, h)}
+    if shape.packed_experts:  # GPT-OSS: biased router, packed biased experts
+        x = f"model.layers.{layer}.{shape.moe_block}."
+        out[f"{x}router.bias"] = (e,)
+        out.update({f"{x}experts.gate_up_proj": (e, h, 2 * i),
+                    f"{x}experts.gate_up_proj_bias": (e, 2 * i),
+                    f"{x}experts.down_proj": (e, i, h), f"{x}experts.down_proj_bias": (e, h)})
+        return out
+    for expert in range(e):
+        for which, dims in enumerate(((i, h), (i, h), (h, i))):
+            out[shape.expert_tensor(layer, expert, which)] = dims
+    return out
+
+
+def module_name(shape: ModelShape, name: str) -> str:
+    """The `transformers` ≥ 5 module parameter holding checkpoint tensor `name` (non-expert).
+
+    Mixtral's checkpoints call the MoE module `block_sparse_moe`; `transformers` calls it
+    `mlp`. Every other name is the same.
+    """
+    if shape.moe_block != "mlp":
+        return name.replace(f".{shape.moe_block}.", ".mlp.", 1)
+    return name
 
 
 def hf_parameters(config: Any) -> dict[str, tuple[int, ...]]:
@@ -109,11 +133,10 @@ def packed_expert_specs(shape: ModelShape, layer: int,
     gate_up: list[Segment] = []
     down: list[Segment] = []
     for e in range(shape.num_experts):
-        x = expert_prefix(layer, e)
-        for proj in ("gate_proj", "up_proj"):
-            name = f"{x}{proj}.weight"
+        for which in (0, 1):
+            name = shape.expert_tensor(layer, e, which)
             gate_up.append(rows_of(name, params[name], range(i)))
-        name = f"{x}down_proj.weight"
+        name = shape.expert_tensor(layer, e, 2)
         down.append(rows_of(name, params[name], range(shape.hidden_size)))
     return [
         (stack(f"{p}gate_up_proj", gate_up, dtype=dtype), 2 * i),
@@ -137,9 +160,11 @@ def hf_layout(config: Any, coords: RankCoords = ONE_RANK, *, shard_rank: int = 0
         shard_size: FSDP shard group size (1: every tensor whole). Shards follow
             `torch.chunk` along dim 0 (packed experts: along the expert dimension), so
             trailing ranks may hold empty shards; those specs have no pieces.
-        packed_experts: Describe MoE experts as `transformers` ≥ 5 holds them
-            (`mlp.experts.gate_up_proj` `[E, 2I, H]`, `mlp.experts.down_proj` `[E, H, I]`,
-            as 2-D views `[E*2I, H]` and `[E*H, I]`) instead of one module per expert.
+        packed_experts: Name the tensors as `transformers` ≥ 5's modules do: experts
+            packed (`mlp.experts.gate_up_proj` `[E, 2I, H]`, `mlp.experts.down_proj`
+            `[E, H, I]`, as 2-D views `[E*2I, H]` and `[E*H, I]`) instead of one module
+            per expert, Mixtral's `block_sparse_moe` as `mlp`. GPT-OSS checkpoints already
+            hold the modules' tensors.
         replica: Replica index of this rank's tensors (0 sends). Default: with whole
             tensors (`shard_size == 1`) `coords.dp_rank`, since every dp replica holds
             the same tensors; with FSDP shards 0 (pass the HSDP replicate index).
@@ -157,11 +182,13 @@ def hf_layout(config: Any, coords: RankCoords = ONE_RANK, *, shard_rank: int = 0
         full.append((whole(EMBED, v_h, dtype=dtype), 1))
     for layer in coords.stage(shape):
         params = layer_parameters(shape, layer)
-        if packed_experts and shape.is_sparse(layer):
-            experts = f"model.layers.{layer}.mlp.experts."
+        pack = packed_experts and shape.is_sparse(layer) and not shape.packed_experts
+        if pack:
+            experts = f"model.layers.{layer}.{shape.moe_block}.experts."
             params = {n: s for n, s in params.items() if not n.startswith(experts)}
-        full.extend((whole(n, s, dtype=dtype), 1) for n, s in params.items())
-        if packed_experts and shape.is_sparse(layer):
+        full.extend((whole(n, s, dtype=dtype, local_name=module_name(shape, n)
+                           if packed_experts else None), 1) for n, s in params.items())
+        if pack:
             full.extend(packed_expert_specs(shape, layer, dtype))
     if coords.pp_rank == coords.pp_size - 1:
         full.append((whole(FINAL_NORM, (shape.hidden_size,), dtype=dtype), 1))
@@ -202,6 +229,10 @@ def row_split(name: str, shape: tuple[int, ...], rows: range, *, dtype: str,
     return stack(local_name or name, [seg], dtype=dtype)
 
 
+#: Mixtral's expert projections, by what they are.
+_MIXTRAL_LEAVES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
 def tp_layout(config: Any, coords: RankCoords, *, dtype: str = "float32") -> list[ShardSpec]:
     """Returns the specs of an HF-named model under DTensor tensor parallelism.
 
@@ -233,6 +264,7 @@ def tp_layout(config: Any, coords: RankCoords, *, dtype: str = "float32") -> lis
     for layer in coords.stage(shape):
         for name, dims in layer_parameters(shape, layer).items():
             leaf = name.rsplit(".", 2)[-2]
+            leaf = _MIXTRAL_LEAVES.get(leaf, leaf) if ".experts." in name else leaf
             kind = name.rsplit(".", 1)[-1]
             expert = ".mlp.experts." in name
             if leaf in ("q_proj", "k_proj", "v_proj"):

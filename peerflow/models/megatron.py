@@ -35,7 +35,7 @@ from peerflow.models.common import (
     whole,
 )
 from peerflow.models.config import ModelShape
-from peerflow.models.hf import col_split, expert_prefix
+from peerflow.models.hf import col_split
 from peerflow.models.vllm import dense_mlp, stage_ends
 from peerflow.rounding import pad_to_multiple
 from peerflow.shard import ShardSpec
@@ -126,21 +126,20 @@ def _moe(shape: ModelShape, layer: int, m: str, coords: RankCoords, grouped: boo
          dtype: str) -> list[ShardSpec]:
     h, i = shape.hidden_size, shape.moe_intermediate_size
     experts, width, expert_rep = coords.expert_split(shape, coords.tp_size)
-    specs = [whole(f"model.layers.{layer}.mlp.gate.weight", (shape.num_experts, h), dtype=dtype,
+    specs = [whole(shape.router_name(layer), (shape.num_experts, h), dtype=dtype,
                    replica=coords.tp_replica,
                    local_name=f"{m}mlp.router.weight")]
     for local, e in enumerate(experts):
-        x = expert_prefix(layer, e)
+        gate, up, down = (shape.expert_tensor(layer, e, which) for which in range(3))
         if grouped:
             fc1_name = f"{m}mlp.experts.linear_fc1.weight{local}"
             fc2_name = f"{m}mlp.experts.linear_fc2.weight{local}"
         else:
             fc1_name = f"{m}mlp.experts.local_experts.{local}.linear_fc1.weight"
             fc2_name = f"{m}mlp.experts.local_experts.{local}.linear_fc2.weight"
-        fc1 = [rows_of(f"{x}gate_proj.weight", (i, h), width),
-               rows_of(f"{x}up_proj.weight", (i, h), width)]
+        fc1 = [rows_of(gate, (i, h), width), rows_of(up, (i, h), width)]
         specs.append(stack(fc1_name, fc1, dtype=dtype, replica=expert_rep))
-        specs.append(col_split(f"{x}down_proj.weight", (h, i), width, dtype=dtype,
+        specs.append(col_split(down, (h, i), width, dtype=dtype,
                                replica=expert_rep, local_name=fc2_name))
     return specs
 

@@ -8,10 +8,10 @@ another `transformers` module understands. `canonical_expert_spec` turns such a 
 the whole tensor, or an FSDP2 dim-0 shard (a block of experts) — into the spec of its
 2-D view (`[E*2I, H]`, `[E*H, I]`) whose pieces are the canonical HF tensors, experts
 one by one (`model.layers.{L}.mlp.experts.{e}.gate_proj.weight`, …): what vLLM's fused
-`w13`/`w2` and Megatron's experts are planned against. `as_declared` views a live tensor
-as its spec says. Families without a canonical expert layout in `peerflow.models`
-(Mixtral and GPT-OSS) keep their module-named specs: they sync between `transformers`
-modules only.
+`w13`/`w2` and Megatron's experts are planned against (Mixtral's: `block_sparse_moe.
+experts.{e}.w1/w3/w2.weight`, and its router `mlp.gate.weight` is renamed to the
+checkpoint's `block_sparse_moe.gate.weight`). `as_declared` views a live tensor as its spec
+says. GPT-OSS checkpoints hold the modules' own packed tensors: nothing to convert.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from peerflow.models.hf import packed_expert_specs
 from peerflow.shard import ShardSpec
 
 _PACKED = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
+_ROUTER = re.compile(r"^model\.layers\.(\d+)\.mlp\.gate\.weight$")
 
 
 def canonical_expert_spec(config: Any, spec: ShardSpec) -> ShardSpec | None:
@@ -41,19 +42,26 @@ def canonical_expert_spec(config: Any, spec: ShardSpec) -> ShardSpec | None:
             dim-0 block of experts as FSDP2 shards it).
 
     Returns:
-        The spec of the local tensor's 2-D view, same local name and replica; `None` for
-        any other tensor, or a family without a canonical expert layout.
+        The spec of the local tensor's 2-D view, same local name and replica (a Mixtral
+        router: the same spec, its pieces named as the checkpoint does); `None` for any
+        other tensor, or a family whose checkpoints use the module names.
     """
     match = _PACKED.match(spec.local_name)
-    if match is None or len(spec.local_shape) != 3:
+    router = _ROUTER.match(spec.local_name)
+    if (match is None or len(spec.local_shape) != 3) and router is None:
         return None
     try:
         shape = ModelShape.from_hf_config(config)
     except ConfigError:
         return None
-    layer = int(match.group(1))
-    if not shape.is_sparse(layer):
+    layer = int((match or router).group(1))
+    if not shape.is_sparse(layer) or shape.packed_experts:
         return None
+    if router is not None:  # Mixtral: the module's `mlp.gate` is `block_sparse_moe.gate`
+        if shape.router_name(layer) == spec.local_name:
+            return None
+        return attrs.evolve(spec, pieces=tuple(attrs.evolve(p, name=shape.router_name(layer))
+                                               for p in spec.pieces))
     full, unit = packed_expert_specs(shape, layer, spec.dtype)[
         0 if match.group(2) == "gate_up_proj" else 1]
     first = spec.pieces[0].global_box.offsets[0] if spec.pieces else 0

@@ -31,6 +31,7 @@ from typing import Any
 
 import attrs
 
+from peerflow.errors import ConfigError
 from peerflow.models.common import (
     ONE_RANK,
     RankCoords,
@@ -42,7 +43,7 @@ from peerflow.models.common import (
     whole,
 )
 from peerflow.models.config import ModelShape
-from peerflow.models.hf import EMBED, FINAL_NORM, LM_HEAD, col_split, expert_prefix
+from peerflow.models.hf import EMBED, FINAL_NORM, LM_HEAD, col_split
 from peerflow.rounding import pad_to_multiple
 from peerflow.shard import ShardSpec
 
@@ -63,9 +64,39 @@ VLLM_EXPERTS = "experts.routed_experts."
 #: Where SGLang keeps them.
 SGLANG_EXPERTS = "experts."
 
-#: HF expert projection → (vLLM FusedMoE parameter, shard id).
+#: HF expert projection (Qwen-style and Mixtral names) → (vLLM FusedMoE parameter, shard id).
 EXPERT_PARAMS = {"gate_proj": ("w13_weight", "w1"), "up_proj": ("w13_weight", "w3"),
-                 "down_proj": ("w2_weight", "w2")}
+                 "down_proj": ("w2_weight", "w2"), "w1": ("w13_weight", "w1"),
+                 "w3": ("w13_weight", "w3"), "w2": ("w2_weight", "w2")}
+
+#: Why `vllm_layout` refuses GPT-OSS (`config validate` and the vllm adapter quote it).
+GPT_OSS_REFUSAL = (
+    "model_type {family!r}: vLLM holds GPT-OSS's experts transposed relative to the "
+    "checkpoint (its loader stores w13_weight = gate_up_proj.permute(0, 2, 1) and w2_weight "
+    "= down_proj.permute(0, 2, 1)), which PeerFlow's weight sync (box copies, no "
+    "transposes) cannot express, so trainer weights cannot reach it byte-exact; use "
+    "rollout.backend: hf for GPT-OSS.")
+
+
+def vllm_family_problem(model_type: str | None) -> str | None:
+    """Why vLLM cannot take a `model_type`'s weights from a trainer, or `None` if it can.
+
+    `None` too for an unknown `model_type` (`None`, or a model not built yet): the
+    engine then checks the live parameters against `vllm_layout` when it starts.
+    """
+    if model_type == "gpt_oss":
+        return GPT_OSS_REFUSAL.format(family=model_type)
+    return None
+
+
+def model_type_at(model_path: str | None) -> str | None:
+    """The `model_type` of the HF model directory `model_path` (`None` without config.json)."""
+    import json
+    from pathlib import Path
+
+    path = Path(model_path or "") / "config.json"
+    return json.loads(path.read_text()).get("model_type") if model_path and path.is_file() \
+        else None
 
 
 def vocab_shard(vocab: int, tp_rank: int, tp_size: int, multiple: int) -> tuple[range, int]:
@@ -167,9 +198,12 @@ def vllm_layout(config: Any, coords: RankCoords = ONE_RANK, *,
             `SGLANG_EXPERTS`).
 
     Raises:
-        ConfigError: a degree does not divide heads, MLP width, experts or padded vocab.
+        ConfigError: a degree does not divide heads, MLP width, experts or padded vocab;
+            a family whose experts vLLM holds transposed (GPT-OSS).
     """
     shape = ModelShape.from_hf_config(config)
+    if shape.packed_experts:
+        raise ConfigError(GPT_OSS_REFUSAL.format(family=shape.family))
     rep, own, h = coords.tp_replica, coords.own_replica, shape.hidden_size
     tp_rank, tp_size = coords.tp_rank, coords.tp_size
     heads = split_even(shape.num_heads, tp_size, tp_rank, what="attention heads")
@@ -227,16 +261,16 @@ def _moe(shape: ModelShape, layer: int, coords: RankCoords, dtype: str,
     h, i = shape.hidden_size, shape.moe_intermediate_size
     held, width, expert_rep = coords.expert_split(
         shape, coords.tp_size if coords.ep_size == 1 else 1)
-    p = f"model.layers.{layer}.mlp."
+    p = f"model.layers.{layer}.{shape.moe_block}."  # vLLM keeps the checkpoint's module name
     w13: list[Segment] = []
     w2: list[Segment] = []
     for e in held:
-        x = expert_prefix(layer, e)
-        w13.append(rows_of(f"{x}gate_proj.weight", (i, h), width))
-        w13.append(rows_of(f"{x}up_proj.weight", (i, h), width))
-        w2.append(rows_of(f"{x}down_proj.weight", (h, i), range(h), cols=width))
+        w13.append(rows_of(shape.expert_tensor(layer, e, 0), (i, h), width))
+        w13.append(rows_of(shape.expert_tensor(layer, e, 1), (i, h), width))
+        w2.append(rows_of(shape.expert_tensor(layer, e, 2), (h, i), range(h), cols=width))
     return [
-        whole(f"{p}gate.weight", (shape.num_experts, h), dtype=dtype, replica=coords.tp_replica),
+        whole(shape.router_name(layer), (shape.num_experts, h), dtype=dtype,
+              replica=coords.tp_replica),
         stack(f"{p}{experts}w13_weight", w13, dtype=dtype, replica=expert_rep),
         stack(f"{p}{experts}w2_weight", w2, dtype=dtype, replica=expert_rep),
     ]
@@ -271,8 +305,8 @@ def split_tp_prefix(local_name: str) -> tuple[int, str]:
     return 0, local_name
 
 
-_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)"
-                     r"\.weight$")
+_EXPERT = re.compile(r"^(model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.experts)\.(\d+)\."
+                     r"(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
 
 
 def hf_to_vllm(name: str) -> tuple[str, str | int | tuple[str, int] | None]:

@@ -57,7 +57,7 @@ class VllmStyleExpertLayouts(RolloutEngine):
 
     @classmethod
     def conformance_families(cls):
-        return ("qwen3_moe",)
+        return ("qwen3_moe", "mixtral")
 
 
 class MegatronStyleLayouts(TrainEngine):

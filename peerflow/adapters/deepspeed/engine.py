@@ -99,7 +99,10 @@ def _no_init_weights() -> contextlib.AbstractContextManager:
 
 
 def _as_2d(shape: tuple[int, ...]) -> tuple[int, ...]:
-    """A packed expert tensor's shape as its spec's 2-D view (`[E, R, C]` → `[E * R, C]`)."""
+    """A packed expert tensor's shape as its spec's 2-D view (`[E, R, C]` → `[E * R, C]`).
+
+    GPT-OSS's packed checkpoint tensors are declared whole instead.
+    """
     return shape if len(shape) <= 2 else (math.prod(shape[:-1]), shape[-1])
 
 
@@ -181,9 +184,10 @@ class DeepSpeedTrainEngine(DeepSpeedCheckpoints, CausalLMTrainEngine):
             self._specs = adapter_shard_layout(
                 {n: self._full_shape(p) for n, p in self._sync_params().items()}, layout,
                 dist.get_rank())
-        held = {n: _as_2d(self._full_shape(p)) for n, p in self._sync_params().items()}
+        held = {n: self._full_shape(p) for n, p in self._sync_params().items()}
         declared = {s.local_name: s.local_shape for s in self._specs}
-        if held != declared:
+        if held.keys() != declared.keys() or any(  # packed experts: whole or 2-D views
+                declared[n] not in (shape, _as_2d(shape)) for n, shape in held.items()):
             raise ConfigError(
                 f"{type(model).__name__} parameters differ from the canonical HF tensors of "
                 f"its config (only in the model: {sorted(held.keys() - declared.keys())[:3]}, "

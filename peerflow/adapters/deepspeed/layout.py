@@ -19,8 +19,9 @@ from peerflow.models import ModelShape, hf_layout, hf_parameters
 from peerflow.shard import ShardSpec
 
 #: HF families whose module tensors map onto canonical names: dense ones one to one,
-#: Qwen3-MoE's packed experts by their 2-D views (`peerflow.models.packed_experts`).
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe")
+#: Qwen3-MoE's and Mixtral's packed experts by their 2-D views, GPT-OSS's as the checkpoint
+#: holds them (`peerflow.models.packed_experts`).
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral", "gpt_oss")
 
 
 def check_layout(layout: ParallelLayout) -> None:

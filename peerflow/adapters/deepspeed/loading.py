@@ -6,12 +6,13 @@ time and rank 0 copies the checkpoint tensor into it.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 
 import torch
 
+from peerflow.models.packed_experts import canonical_expert_spec
 from peerflow.models.safetensors_reader import SafetensorsReader
+from peerflow.shard import ShardSpec
 
 
 def load_hf_weights(model: torch.nn.Module, model_path: str, *, partitioned: bool) -> None:
@@ -36,7 +37,8 @@ def load_hf_weights(model: torch.nn.Module, model_path: str, *, partitioned: boo
 
         rank0 = dist.get_rank() == 0
     for name, param in model.named_parameters():
-        if name not in reader and not _has_experts(reader, name):
+        spec = None if name in reader else _canonical(model, name, param)
+        if name not in reader and not _has_experts(reader, spec):
             if name == "lm_head.weight" and getattr(model.config, "tie_word_embeddings", False):
                 continue
             raise KeyError(
@@ -46,38 +48,42 @@ def load_hf_weights(model: torch.nn.Module, model_path: str, *, partitioned: boo
         if partitioned:
             with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
                 if rank0:
-                    param.data.copy_(_read(reader, name))
+                    param.data.copy_(_read(reader, name, spec, param.ds_shape))
         else:
             with torch.no_grad():
-                param.copy_(_read(reader, name))
+                param.copy_(_read(reader, name, spec, param.shape))
 
 
-_PACKED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+def _canonical(model: torch.nn.Module, name: str, param: torch.Tensor) -> ShardSpec | None:
+    """The checkpoint tensors a module parameter is cut from, when its name is not one.
 
-
-def _has_experts(reader: SafetensorsReader, name: str) -> bool:
-    """Whether `name` is a packed expert tensor whose experts the checkpoint holds."""
-    match = _PACKED.match(name)
-    return match is not None and f"{match.group(1)}.0.down_proj.weight" in reader
-
-
-def _read(reader: SafetensorsReader, name: str) -> torch.Tensor:
-    """The checkpoint tensor `name`.
-
-    A transformers packed expert tensor is assembled from the checkpoint's experts, one by
-    one (`gate_up_proj` `[E, 2I, H]`: gate then up rows per expert; `down_proj` `[E, H, I]`).
+    Packed experts (`mlp.experts.gate_up_proj` `[E, 2I, H]`: gate then up rows per
+    expert; `down_proj` `[E, H, I]`) are the experts' checkpoint tensors one by one, and
+    Mixtral's `mlp.gate` is the checkpoint's `block_sparse_moe.gate`
+    (`peerflow.models.packed_experts`); `None` for any other parameter.
     """
+    shape = tuple(getattr(param, "ds_shape", param.shape))  # ZeRO-3: the full shape
+    return canonical_expert_spec(model.config, ShardSpec.of_slice(name, shape))
+
+
+def _has_experts(reader: SafetensorsReader, spec: ShardSpec | None) -> bool:
+    """Whether the checkpoint holds every tensor `spec` is cut from."""
+    return spec is not None and all(p.name in reader for p in spec.pieces)
+
+
+def _read(reader: SafetensorsReader, name: str, spec: ShardSpec | None,
+          shape: Sequence[int]) -> torch.Tensor:
+    """The checkpoint tensor `name`, or the tensor of `shape` cut from `spec`'s pieces."""
     if name in reader:
         return reader.get(name)
-    match = _PACKED.match(name)
-    assert match is not None, name
-    prefix, experts = match.group(1), []
-    while f"{prefix}.{len(experts)}.down_proj.weight" in reader:
-        x = f"{prefix}.{len(experts)}."
-        experts.append(torch.cat([reader.get(f"{x}gate_proj.weight"),
-                                  reader.get(f"{x}up_proj.weight")])
-                       if match.group(2) == "gate_up_proj" else reader.get(f"{x}down_proj.weight"))
-    return torch.stack(experts)
+    assert spec is not None, name
+    out = None
+    for piece in spec.pieces:
+        tensor = reader.get(piece.name)
+        if out is None:
+            out = torch.empty(spec.local_shape, dtype=tensor.dtype)
+        out[piece.local_box.slices()] = tensor[piece.global_box.slices()]
+    return out.view(tuple(shape))
 
 
 def owners_by_size(shapes: Sequence[tuple[str, tuple[int, ...]]], ranks: int) -> dict[str, int]:

@@ -22,9 +22,10 @@ from peerflow.errors import ConfigError
 from peerflow.layout import ParallelLayout
 from peerflow.shard import Box, ShardSpec
 
-#: Model families whose transformers modules map onto canonical HF tensors (Qwen3-MoE's
-#: packed experts by their 2-D views, experts one by one: `peerflow.models.packed_experts`).
-FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")
+#: Model families whose transformers modules map onto canonical HF tensors (Qwen3-MoE's and
+#: Mixtral's packed experts by their 2-D views, experts one by one; GPT-OSS's packed experts
+#: as its checkpoints hold them: `peerflow.models.packed_experts`).
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gpt_oss")
 
 
 def _chunk(total: int, parts: int, index: int) -> range:

@@ -293,7 +293,7 @@ class HFRolloutEngine(RolloutEngine):
     @classmethod
     def conformance_families(cls) -> tuple[str, ...]:
         """Model families whose modules' tensors map onto canonical HF tensors."""
-        return ("llama", "qwen2", "qwen3", "qwen3_moe")
+        return ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gpt_oss")
 
     @classmethod
     def conformance_read_weights(cls, engine: HFRolloutEngine) -> dict[str, torch.Tensor]:

@@ -40,7 +40,7 @@ from peerflow.engines import (
 )
 from peerflow.engines.tp_rollout import TensorParallelRolloutEngine
 from peerflow.errors import ConfigError
-from peerflow.models.vllm import split_tp_prefix
+from peerflow.models.vllm import model_type_at, split_tp_prefix, vllm_family_problem
 from peerflow.shard import ShardSpec
 
 #: Dotted path vLLM resolves in each worker (`ParallelConfig.worker_extension_cls`).
@@ -110,6 +110,9 @@ class VLLMRolloutEngine(VLLMConformanceHooks, TensorParallelRolloutEngine):
 
     def __init__(self, context: EngineContext, options: VLLMRolloutOptions | None = None) -> None:
         super().__init__(context, options)
+        problem = vllm_family_problem(model_type_at(context.model_path))
+        if problem:  # before vLLM starts (config validate refuses it too)
+            raise ConfigError(f"rollout.backend=vllm: {problem}")
         self._channel: SharedBuffer | None = None
         self._adapters = None if context.lora is None else AdapterSlot(
             context.model_path, context.lora, self.options.shm_dir, context.dtype)

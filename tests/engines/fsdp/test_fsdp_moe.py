@@ -179,6 +179,6 @@ def test_mixtral_and_gpt_oss_train_with_r3_and_sync_to_hf(arch, tmp_path):
     assert metrics["moe/aux_loss"] > 0
     live = dict(engine.model.named_parameters())
     assert any(not torch.equal(live[n], p.detach()) for n, p in trainer.model.named_parameters())
-    WeightSyncService.build(trainer, engine).sync(trainer.version)  # by module names
+    WeightSyncService.build(trainer, engine).sync(trainer.version)  # by checkpoint names
     for name, param in trainer.model.named_parameters():
         assert torch.equal(live[name], param.detach()), name

