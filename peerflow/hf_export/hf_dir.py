@@ -5,7 +5,8 @@ A directory holds the weights as safetensors (one file, or shards of at most
 `save_torch_state_dict`), `config.json` (its `dtype` the weights'), `generation_config.json`
 when the source model has one, and the tokenizer with its chat template — what
 `AutoModelForCausalLM.from_pretrained` and `AutoTokenizer.from_pretrained` load. Tied
-tensors are written once, under the name `named_parameters()` gives them (the embedding).
+tensors are written once, under the name `named_parameters()` gives them (the embedding);
+MoE experts one by one, as `save_pretrained` writes them (`checkpoint_names`).
 
 Before writing, the tensors are checked against the architecture of `config` (built on
 the meta device, no memory): every parameter and persistent buffer present with its shape,
@@ -43,12 +44,40 @@ def expected_tensors(config: Any) -> dict[str, tuple[int, ...]]:
     return {name: tuple(t.shape) for name, t in state.items() if name not in every - kept}
 
 
+def checkpoint_names(config: Any, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`tensors` under the names `transformers`' own `save_pretrained` writes.
+
+    A `transformers` ≥ 5 MoE module packs its experts (`mlp.experts.gate_up_proj`
+    `[E, 2I, H]`, `down_proj` `[E, H, I]`); its checkpoints hold them one by one
+    (`mlp.experts.{e}.gate_proj.weight`, … ; Mixtral `block_sparse_moe.experts.{e}.w1/w3/w2`
+    and `block_sparse_moe.gate`), which `from_pretrained` packs on load and other engines
+    (vLLM) read. The split follows the layout `peerflow.models.packed_experts` declares for
+    the weight sync; tensors already under checkpoint names (a Megatron or DeepSpeed
+    export) and dense models pass unchanged. The pieces are views (saving copies them).
+    """
+    from peerflow.models.packed_experts import canonical_expert_spec
+    from peerflow.shard import ShardSpec
+
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors.items():
+        spec = canonical_expert_spec(config, ShardSpec.of_slice(name, tuple(tensor.shape)))
+        if spec is None:
+            out[name] = tensor
+            continue
+        local = tensor.reshape(spec.local_shape)
+        for piece in spec.pieces:
+            out[piece.name] = local[piece.local_box.slices()]
+    return out
+
+
 def _check(tensors: Mapping[str, torch.Tensor], config: Any) -> None:
     from peerflow.checkpoint.strict import shape_differences
 
     shapes = {name: tuple(t.shape) for name, t in tensors.items()}
-    problems = shape_differences(shapes, expected_tensors(config), have_name="weights",
-                                 want_name="architecture")
+    want = checkpoint_names(config, {n: torch.empty(s, device="meta")
+                                     for n, s in expected_tensors(config).items()})
+    problems = shape_differences(shapes, {n: tuple(t.shape) for n, t in want.items()},
+                                 have_name="weights", want_name="architecture")
     if problems:
         raise ShardError(
             f"the weights do not fit {type(config).__name__} ({'; '.join(problems)}): the "
@@ -90,7 +119,8 @@ def write_model_dir(out_dir: str | Path, tensors: Mapping[str, torch.Tensor], *,
     Args:
         out_dir: Directory to write into (created; existing files of the same names are
             replaced, so give a new or empty one).
-        tensors: HF name → tensor, every parameter once (`unique_tensors` for a live model).
+        tensors: HF name → tensor, every parameter once (`unique_tensors` for a live model);
+            module names (packed experts) or checkpoint names.
         config: The model's `transformers` config; its `dtype` is set to the tensors'.
         tokenizer: A `transformers` tokenizer to save beside (its chat template included).
         generation_config: A `GenerationConfig` to save, or `None`.
@@ -104,6 +134,7 @@ def write_model_dir(out_dir: str | Path, tensors: Mapping[str, torch.Tensor], *,
     """
     from huggingface_hub import save_torch_state_dict
 
+    tensors = checkpoint_names(config, tensors)
     _check(tensors, config)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
