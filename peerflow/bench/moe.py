@@ -1,12 +1,13 @@
 """Routing replay against a real rollout/trainer mismatch: the same batch scored off and r3.
 
-A tiny Qwen3-MoE (the tiny-model builder) samples a batch with the `hf` rollout engine in
-`--rollout-dtype` (bfloat16 by default) at `--temperature`, recording every token's
-experts. The train engine (`--trainer`, float32) then scores the same tokens twice, in one
-run: with native routing (`off`) and replaying the rollout's routes (`r3`). For each it
-reports the mean |rollout − trainer log-prob| of the sampled tokens, the KL estimate
-`mean(lp_rollout − lp_trainer)`, and the controller's agreement figures
-(`moe/replay_no_overlap`, `moe/replay_changed`). Deterministic for a seed; nothing is timed.
+A tiny Qwen3-MoE (the tiny-model builder; 6 layers by default) samples a batch with the
+`hf` rollout engine in `--rollout-dtype` (bfloat16 by default) at `--temperature`,
+recording every token's experts. The train engine (`--trainer`, float32) then scores the
+same tokens twice, in one run: with native routing (`off`) and replaying the rollout's
+routes (`r3`). For each it reports the mean |rollout − trainer log-prob| of the sampled
+tokens, the KL estimate `mean(lp_rollout − lp_trainer)`, and the controller's agreement
+figures (`moe/replay_no_overlap`, `moe/replay_changed`). Deterministic for a seed; nothing
+is timed.
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--experts", type=int, default=8, help="experts per layer (default 8)")
     parser.add_argument("--top-k", type=int, default=2, help="experts per token (default 2)")
     parser.add_argument("--hidden", type=int, default=64, help="hidden size (default 64)")
-    parser.add_argument("--layers", type=int, default=2, help="decoder layers (default 2)")
+    parser.add_argument("--layers", type=int, default=6,
+                        help="decoder layers (default 6: a flipped route disturbs every later "
+                        "layer, so depth is where routing mismatch shows; docs/benchmarks.md)")
     parser.add_argument("--prompts", type=int, default=32, help="prompts (default 32)")
     parser.add_argument("--n", type=int, default=4, help="answers per prompt (default 4)")
     parser.add_argument("--max-tokens", type=int, default=12, help="answer cap (default 12)")
