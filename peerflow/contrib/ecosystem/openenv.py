@@ -176,14 +176,21 @@ class OpenEnvEnvironment(ToolEpisode):
         url = options.url or _SERVERS.url(options)
         self.client = GenericEnvClient(base_url=url,
                                        connect_timeout_s=options.connect_timeout_s).sync()
-        self.client.connect()
-        record = {k: v for k, v in example_record(example).items()
-                  if isinstance(v, (str, int, float, bool, list, dict, type(None)))}
-        first = self.client.reset(**record)
-        self._observe(first)
-        self.opening = self._shown(first.observation) if options.action_field else ""
         self.schemas: list[dict[str, Any]] = []
-        if not options.action_field:
+        try:
+            self._start(example_record(example))
+        except BaseException:
+            self.client.close()  # the driver never closes an episode it could not create
+            raise
+
+    def _start(self, record: dict[str, Any]) -> None:
+        """Connects, resets with the example's plain fields and lists the tools."""
+        self.client.connect()
+        first = self.client.reset(**{k: v for k, v in record.items() if isinstance(
+            v, (str, int, float, bool, list, dict, type(None)))})
+        self._observe(first)
+        self.opening = self._shown(first.observation) if self.options.action_field else ""
+        if not self.options.action_field:
             listed = self.client.step({"type": "list_tools"}).observation.get("tools") or []
             self.schemas = [{"type": "function", "function": {
                 "name": t["name"], "description": t.get("description", ""),
