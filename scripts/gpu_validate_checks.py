@@ -19,7 +19,11 @@ cannot run it; the reason is in the figures) or anything else (failed).
   GPU memory (`torch.cuda.max_memory_allocated`);
 * `bench-train` — `peerflow bench train` on realsize's model (built by realsize, found by
   key): one fsdp bf16 step padded vs padding-free, tokens/s, padding fraction, peak
-  memory and MFU.
+  memory and MFU;
+* `moe-r3` — routing replay on the GPU (`peerflow bench moe --device cuda`): a tiny
+  Qwen3-MoE sampled by the hf engine in bf16 with its routes, scored by the fsdp trainer
+  with native routing and with r3; passes with agreement 1.0 under r3 and a smaller
+  rollout-vs-trainer log-prob difference than native routing.
 """
 
 from __future__ import annotations
@@ -289,8 +293,49 @@ def check_realsize() -> None:
     emit(figures)
 
 
+def moe_r3_figures(result: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+    """The `moe-r3` figures from a `peerflow bench moe` result, and whether they pass.
+
+    Passing: agreement 1.0 under r3 (no replayed route without an expert in common with
+    the trainer's own top-k) and a smaller mean |log-prob difference| than native routing.
+    """
+    off, r3 = result["off"], result["r3"]
+    agreement = 1.0 - float(r3["moe/replay_no_overlap"])
+    figures = {"device": result.get("device"), "model": result["model"],
+               "rollout_dtype": result["rollout"]["dtype"],
+               "sampled_tokens": result["sampled_tokens"], "agreement": agreement,
+               "replay_changed": r3["moe/replay_changed"],
+               "mean_abs_logprob_diff_off": off["mean_abs_logprob_diff"],
+               "mean_abs_logprob_diff_r3": r3["mean_abs_logprob_diff"],
+               "ratio_off_over_r3": result["abs_diff_ratio_off_over_r3"]}
+    passed = agreement == 1.0 and r3["mean_abs_logprob_diff"] < off["mean_abs_logprob_diff"]
+    return figures, passed
+
+
+def check_moe_r3() -> None:
+    """Routing replay on the GPU: `peerflow bench moe --device cuda`, agreement 1.0 under r3.
+
+    A tiny Qwen3-MoE: the hf engine samples in bf16 on the GPU recording routes; the fsdp
+    trainer (fp32, same GPU) scores the tokens with native routing and with r3.
+    """
+    import argparse
+
+    import torch
+
+    from peerflow.bench import moe as bench
+
+    if not torch.cuda.is_available():
+        emit({"reason": "no CUDA device"}, UNSUPPORTED_EXIT)
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    result = bench.run(parser.parse_args(["--device", "cuda", "--rollout-dtype", "bfloat16"]))
+    figures, passed = moe_r3_figures(result)
+    emit(figures, 0 if passed else 1)
+
+
 CHECKS = {"env": check_env, "nccl-pair": check_nccl_pair, "ipc-pair": check_ipc_pair,
-          "realsize": check_realsize, "bench-train": check_bench_train}
+          "realsize": check_realsize, "bench-train": check_bench_train,
+          "moe-r3": check_moe_r3}
 
 if __name__ == "__main__":
     if len(sys.argv) != 2 or sys.argv[1] not in CHECKS:

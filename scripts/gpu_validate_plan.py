@@ -132,6 +132,10 @@ def _lane_checks(runs: Path, checks: str) -> list[Check]:
               _train(str(runs / "coordinator"), 3, *SPLIT,
                      "runtime.coordinator_transport=gloo", nprocs=2), "E",
               run_dir=str(runs / "coordinator")),
+        Check("moe_r3", "routing replay on the GPU: a tiny Qwen3-MoE sampled by the hf "
+              "engine in bf16 (routes recorded), scored by the fsdp trainer with r3: "
+              "agreement 1.0, log-prob mismatch smaller than native routing", 60,
+              [checks, "moe-r3"], "E"),
     ]
 
 

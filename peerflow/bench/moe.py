@@ -35,6 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="sampling and scoring temperature (default 0.7)")
     parser.add_argument("--init", type=float, default=0.3,
                         help="initializer_range of the random model (default 0.3)")
+    parser.add_argument("--device", default="cpu",
+                        help="where both engines compute: cpu (default) or cuda")
     parser.add_argument("--seed", type=int, default=0)
 
 
@@ -47,6 +49,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                   "hidden": args.hidden, "layers": args.layers},
         "rollout": {"engine": "hf", "dtype": args.rollout_dtype,
                     "temperature": args.temperature},
+        "device": args.device,
         "trainer": {"engine": args.trainer, "dtype": "float32"},
         "samples": len(batch), "sampled_tokens": int(rollout_logprobs.values.numel()),
         "repetitions": 1,
@@ -81,7 +84,7 @@ def _sample(model: str, args: argparse.Namespace) -> tuple[Any, Any]:
 
     hf = get_plugin_manager().get("rollout_engine", "hf")
     engine = hf(EngineContext(model_path=model, layout=ParallelLayout(),
-                              dtype=args.rollout_dtype, seed=args.seed))
+                              dtype=args.rollout_dtype, seed=args.seed, device=args.device))
     gen = torch.Generator().manual_seed(args.seed)
     vocab = engine.model.config.vocab_size
     requests = [GenerationRequest(request_id=i, prompt_ids=torch.randint(
@@ -108,10 +111,10 @@ def _score(model: str, batch: Any, rollout: Any, mode: str,
 
     cls = get_plugin_manager().get("train_engine", args.trainer)
     context = EngineContext(model_path=model, layout=ParallelLayout(), seed=args.seed,
-                            temperature=args.temperature)
+                            temperature=args.temperature, device=args.device)
     trainer = cls(context, None, OptimSettings(routing_replay=mode))
     scored = trainer.forward_logprobs(batch)
-    diff = rollout.values - scored.values
+    diff = rollout.values - scored.values.to(rollout.values.device)
     figures = {"mean_abs_logprob_diff": float(diff.abs().mean()),
                "max_abs_logprob_diff": float(diff.abs().max()),
                "kl_k1": float(diff.mean())}

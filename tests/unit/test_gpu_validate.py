@@ -399,3 +399,23 @@ def test_a_prepared_folder_is_complete_and_fits() -> None:
     kit = _kit("gpu_validate_wheels")
     report = kit.check_wheel_folder(Path(os.environ["PEERFLOW_KIT_WHEELS"]))
     assert report["missing"] == {} and report["fits_transfer_limit"]
+
+
+def test_moe_r3_check_is_planned_and_passes_only_on_full_agreement(tmp_path) -> None:
+    """The `moe_r3` check runs `peerflow bench moe --device cuda`; its figures pass with
+    agreement 1.0 and r3 closer to the rollout than native routing, and fail otherwise."""
+    kit = _kit()
+    checks = {c.name: c for c in kit.plan_checks(tmp_path)}
+    assert checks["moe_r3"].argv[1:] == ["moe-r3"] and checks["moe_r3"].phase == 0
+    programs = _kit("gpu_validate_checks")
+    from peerflow.bench import moe
+
+    parser = __import__("argparse").ArgumentParser()
+    moe.add_arguments(parser)
+    args = parser.parse_args(["--device", "cpu", "--layers", "2", "--prompts", "8"])
+    result = moe.run(args)  # the bench on the CPU
+    figures, passed = programs.moe_r3_figures(result)
+    assert passed and figures["agreement"] == 1.0 and figures["device"] == "cpu"
+    assert figures["mean_abs_logprob_diff_r3"] < figures["mean_abs_logprob_diff_off"]
+    result["r3"]["moe/replay_no_overlap"] = 0.01  # one replayed route in 100 disjoint
+    assert programs.moe_r3_figures(result) == ({**figures, "agreement": 0.99}, False)
