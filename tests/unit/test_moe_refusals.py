@@ -39,3 +39,21 @@ def test_hf_rollout_and_fsdp_replay_pass(plugin_manager):
     for mode in ("off", "r2", "r3"):
         assert _problems(plugin_manager, "rollout.backend=hf", "trainer.backend=fsdp",
                          f"trainer.routing_replay={mode}") == ""
+
+
+def test_gpt_oss_on_vllm_is_refused_at_validate_naming_the_reason(plugin_manager):
+    from peerflow.config import validate_config
+    from peerflow.errors import ConfigError
+
+    for model_type, refused in (("gpt_oss", True), ("mixtral", False), ("qwen3_moe", False)):
+        config = load_config(None, ["rollout.backend=vllm", "model.builder=reverse-digits",
+                                    f"model.builder_options.model_type={model_type}"])
+        try:
+            validate_config(config, plugin_manager)
+            problems = ""
+        except ConfigError as exc:
+            problems = str(exc)
+        assert ("rollout.backend=vllm: model_type 'gpt_oss': vLLM holds GPT-OSS's experts "
+                "transposed" in problems) == refused, (model_type, problems)
+        if refused:
+            assert "use rollout.backend: hf for GPT-OSS" in problems
