@@ -9,10 +9,11 @@ a `barrier` over the whole group — so the wire time was handshakes, not bytes,
 wait had a deadline. Here:
 
 * **One export per buffer.** A sender exports the whole storage behind a bucket's packed
-  bytes once (`reduce_tensor` of the storage); the receiver maps it once and keeps the
-  mapping. The executor packs every bucket into the same arena (`Arena`, kept between
-  syncs when `keeps_buffers`), so a steady-state bucket costs one 24-byte header per peer
-  — offset and length inside the mapped storage — and one 8-byte acknowledgement back.
+  bytes once (torch's multiprocessing reduction: a CUDA IPC handle); the receiver maps
+  it once and keeps the mapping. The executor packs every bucket into the same arena
+  (`Arena`, kept between syncs when `keeps_buffers`), so a steady-state bucket costs
+  one 32-byte header per peer — slot, offset and length inside the mapped storage —
+  and one 8-byte acknowledgement back.
 * **One device copy.** The receiver copies its bytes out of the mapped memory with one
   `copy_` (device to device) per peer, then synchronises its current stream once for
   the bucket, not the device once per peer.
@@ -39,6 +40,18 @@ from peerflow.reshard.transport import Route, WeightTransport
 HEADER, EXPORT, ACK = 41, 42, 43
 #: Storages a receiver keeps mapped per sender (the streaming pack pool alternates two).
 SLOTS = 4
+
+
+def _export(whole: torch.Tensor) -> bytes:
+    """`whole` pickled by torch's multiprocessing reductions, never its bytes.
+
+    On a GPU that is a CUDA IPC handle; for host memory, the shared-memory file.
+    """
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing  # noqa: F401 - registers the reductions
+
+    return bytes(ForkingPickler.dumps(whole))
 
 
 def _storage_view(buf: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -71,7 +84,7 @@ class CudaIpcTransport(WeightTransport):
                  routes: Sequence[Route]) -> dict[int, torch.Tensor]:
         """Headers (and new exports) out, one device copy per received peer, acks back."""
         if sends:  # the packed bytes are complete before any peer reads them
-            torch.cuda.current_stream(torch.device(self.device)).synchronize()
+            self._synchronize()
         works, headers, hold = [], {}, []  # `hold`: host tensors alive until sent
         for peer in sorted(sends):
             header, export = self._describe(peer, sends[peer])
@@ -99,8 +112,6 @@ class CudaIpcTransport(WeightTransport):
 
     def _describe(self, peer: int, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The header for `buf` and, when `peer` has not mapped its storage yet, the export."""
-        from torch.multiprocessing.reductions import reduce_tensor
-
         whole, offset = _storage_view(buf)
         key = (whole.data_ptr(), whole.numel())
         slots = self._exported.setdefault(peer, [])
@@ -113,8 +124,7 @@ class CudaIpcTransport(WeightTransport):
         else:  # replace the slot exported longest ago
             slot = self._oldest[peer] = (self._oldest.get(peer, -1) + 1) % SLOTS
             slots[slot] = (key, whole)
-        export = torch.frombuffer(bytearray(pickle.dumps(reduce_tensor(whole))),
-                                  dtype=torch.uint8)
+        export = torch.frombuffer(bytearray(_export(whole)), dtype=torch.uint8)
         return self._header(slot, offset, buf, export.numel()), export
 
     @staticmethod
@@ -130,8 +140,7 @@ class CudaIpcTransport(WeightTransport):
                      dist.irecv(buf, src=peer, group=self.group, tag=EXPORT))
                     for peer, buf in sorted(exports.items())])
         for peer, buf in exports.items():
-            rebuild, args = pickle.loads(buf.numpy().tobytes())
-            self._mapped[(peer, int(headers[peer][0]))] = rebuild(*args)
+            self._mapped[(peer, int(headers[peer][0]))] = pickle.loads(buf.numpy().tobytes())
         out = {}
         for peer, header in headers.items():
             slot, offset, nbytes = (int(v) for v in header[:3])
@@ -142,8 +151,18 @@ class CudaIpcTransport(WeightTransport):
             out[peer].copy_(self._mapped[(peer, slot)][offset:offset + nbytes],
                             non_blocking=True)
         if out:  # the copies are done before the senders may overwrite their buffers
-            torch.cuda.current_stream(torch.device(self.device)).synchronize()
+            self._synchronize()
         return out
+
+    def _synchronize(self) -> None:
+        """Waits for this rank's current stream (host buffers: nothing to wait for).
+
+        On host memory the same protocol runs over shared-memory storages, which is how
+        the tests check it on a machine without a GPU.
+        """
+        device = torch.device(self.device)
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()
 
     def _wait(self, works: list) -> None:
         wait_peers(works, rank=self.rank, transport=self.name, timeout=self.deadline_s)

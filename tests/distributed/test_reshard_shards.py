@@ -66,7 +66,7 @@ def _silent_receiver_worker(rank: int, world: int) -> dict:
     full = arange_globals(hf_parameters(config))
     plan = plan_reshard({0: hf_layout(config)}, {1: vllm_layout(config)})
     if rank == 1:
-        time.sleep(2.5 * DEADLINE_S)  # alive, but not answering
+        time.sleep(1.5 * DEADLINE_S)  # alive past the deadline, but not answering
         return {}
     trainer = TensorTrainer(plan.sources[0], {s.local_name: cut(s, full)
                                               for s in plan.sources[0]})
@@ -87,3 +87,51 @@ def test_a_receiver_that_stops_answering_fails_the_sync_within_its_deadline():
     assert got["seconds"] < 3 * DEADLINE_S
     for part in ("bucket 0", "'torch'", "rank(s) [1]", "rank 0"):
         assert part in got["error"], (part, got["error"])
+
+
+def _ipc_protocol_worker(rank: int, world: int) -> dict:
+    """`cuda_ipc`'s protocol on host memory: exports once, slots, headers, acks."""
+    import contextlib
+
+    import torch
+    import torch.multiprocessing
+
+    from peerflow.conformance.oracle import arange_globals, cut
+    from peerflow.models import hf_layout, hf_parameters, vllm_layout
+    from peerflow.reshard import make_buckets, plan_reshard, run_plan
+    from peerflow.reshard.arena import Arena, MemoryMeter
+    from peerflow.reshard.cuda_ipc import CudaIpcTransport
+
+    torch.multiprocessing.set_sharing_strategy("file_system")  # storages by name, no fds
+    full = arange_globals(hf_parameters(CONFIG))
+    plan = plan_reshard({0: hf_layout(CONFIG)}, {1: vllm_layout(CONFIG)})
+    buckets = make_buckets(plan, 4096)
+    transport = CudaIpcTransport(rank=rank)
+    transport.timeout = 60
+    arena, exports, got = Arena(meter=MemoryMeter()), [], {}
+    # Host memory shares by copying unless it already lives in shared memory (device
+    # memory is mapped as it is): allocate the kept arena there.
+    arena.reserve_total(2 * plan.bytes)
+    arena.buffer.share_memory_()
+    sources = {s.local_name: cut(s, full) for s in plan.sources[0]}
+    targets = {s.local_name: torch.zeros(s.local_shape) for s in plan.destinations[1]}
+    for version in (1, 2, 3):
+        for name in sources:
+            sources[name].mul_(version)  # new weights every sync
+        run_plan(plan, buckets, rank=rank, transport=transport, arena=arena,
+                 materialize=(lambda ss: contextlib.nullcontext(
+                     [sources[s.local_name] for s in ss])) if rank == 0 else None,
+                 load=(lambda items: None) if rank == 1 else None,
+                 buffers=(lambda ss: [targets[s.local_name] for s in ss]) if rank == 1 else None)
+        exports.append(sum(len(v) for v in transport._exported.values()))
+        if rank == 1:
+            got[version] = all(torch.equal(targets[s.local_name], cut(s, sources))
+                               for s in plan.destinations[1])
+    return {"exports": exports, "correct": got, "buckets": len(buckets)}
+
+
+def test_cuda_ipc_protocol_maps_each_buffer_once_on_host_memory():
+    got = run_gloo(_ipc_protocol_worker, 2, timeout_s=60)
+    assert got[1]["correct"] == {1: True, 2: True, 3: True}
+    assert got[0]["buckets"] > 3
+    assert got[0]["exports"][-1] <= 2  # exported at most twice, not once per bucket
