@@ -21,13 +21,11 @@ from peerflow.batch import Batch
 from peerflow.distributed import describe_stage
 from peerflow.rollout.generate import group_count, step_seed
 from peerflow.rollout.sampler import split_evenly
-from peerflow.worker.metrics import StepMetrics
+from peerflow.worker.metrics import REWARD_COMPONENTS, StepMetrics
 
 if TYPE_CHECKING:
     from peerflow.worker.runtime import WorkerRuntime
 
-#: Object field: per sample, `{reward name: its unweighted score}` (set by reward nodes).
-REWARD_COMPONENTS = "reward_components"
 #: Object field: per sample, the names of the rewards that failed on it (set by reward
 #: nodes; counted into `reward/failed_samples` and `reward/<name>/failed`).
 REWARD_ERRORS = "reward_errors"
@@ -103,9 +101,11 @@ def _score(rt: WorkerRuntime, batch: Batch, node: Any = None,
 
         append_reward_errors(rt.run_dir, step, rt.rank, scores.errors)
     _add_failures(batch, scores)
-    if metrics is not None:
+    if metrics is not None:  # each reward's mean: `record_batch_metrics`, in both modes
+        means = {f"reward/{name}/mean" for name in scores.components}
         for name, (value, count) in scores.metrics.items():
-            metrics.mean(name, value, count)
+            if name not in means:
+                metrics.mean(name, value, count)
         for name, count in scores.counts.items():
             metrics.sum(name, count)
     outputs = tuple(getattr(node, "outputs", ()) or ("reward",))

@@ -188,10 +188,17 @@ def _layout(raw: dict[str, tuple[str, float, float]]) -> Layout:
     return tuple(sorted((name, how) for name, (how, _, _) in raw.items()))
 
 
+#: Object field: per sample, `{reward name: its unweighted score}` (set by reward nodes).
+REWARD_COMPONENTS = "reward_components"
+
+
 def record_batch_metrics(batch: Batch, metrics: StepMetrics) -> None:
     """Records reward, length and token-count metrics of this rank's samples.
 
-    `reward/failed_samples` counts the samples a reward failed on, and
+    `reward/<name>/mean` is each reward's mean over the samples it scored (NaN: an
+    environment's reward it did not give), read from the samples' `reward_components` —
+    here, on the trainer, so async runs (whose rewards run on the rollout ranks) log it
+    too. `reward/failed_samples` counts the samples a reward failed on, and
     `reward/<name>/failed` those each reward failed on (`peerflow.worker.reward_watch`).
 
     `response_length/*` counts the tokens the model generated (a multi-turn
@@ -207,6 +214,8 @@ def record_batch_metrics(batch: Batch, metrics: StepMetrics) -> None:
         metrics.mean("reward/_sq", float((reward**2).mean()), n)
         metrics.max("reward/max", float(reward.max()))
         metrics.min("reward/min", float(reward.min()))
+    if REWARD_COMPONENTS in batch:
+        _record_reward_components(batch[REWARD_COMPONENTS], metrics)
     if "score" in batch:
         metrics.mean("score/mean", float(batch["score"].float().mean()), n)
     if "response_ids" in batch:  # lengths count model tokens; tokens/* every token
@@ -230,6 +239,13 @@ def record_batch_metrics(batch: Batch, metrics: StepMetrics) -> None:
 
         record_episode_metrics(batch, metrics)
     metrics.sum("samples", n)
+
+
+def _record_reward_components(rows: list[dict[str, float]], metrics: StepMetrics) -> None:
+    for name in sorted({name for row in rows for name in row}):
+        given = [row[name] for row in rows if not math.isnan(row.get(name, math.nan))]
+        if given:
+            metrics.mean(f"reward/{name}/mean", sum(given) / len(given), len(given))
 
 
 def finish_metrics(reduced: dict[str, float], step: int) -> dict[str, float]:

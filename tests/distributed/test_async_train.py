@@ -24,7 +24,7 @@ SMALL = [
 SPLIT = ["runtime.placement=split", "rollout.layout.dp=1", "trainer.layout.dp=1"]
 #: Metrics that measure time or the async machinery itself, not learning.
 NOT_LEARNING = ("time/", "throughput/", "sync/", "idle/", "overlap/", "queue/", "staleness/",
-                "rollout/", "memory/")
+                "rollout/", "memory/", "weight_sync/")
 
 
 def _worker(rank, world, port, overrides, run_dir, resume):
@@ -103,6 +103,10 @@ def test_zero_staleness_matches_sync_and_bounds_hold(tmp_path):
         for key in (k for k in s if k.startswith("eval/")):
             assert math.isclose(a[key], s[key], rel_tol=1e-4, abs_tol=1e-6), (key, s[key], a)
     assert {"reward/mean", "actor/loss", "actor/grad_norm"} <= set(async0[-1])
+    # each reward's own mean: the rewards ran on the rollout rank, the trainer logs it
+    per_reward = {k for k in async0[-1] if k.startswith("reward/") and k.endswith("/mean")}
+    assert per_reward == {k for k in sync[-1] if k.startswith("reward/") and k.endswith("/mean")}
+    assert len(per_reward) >= 2, per_reward
 
 
 def test_async_run_respects_bound_loses_nothing_and_resumes(tmp_path):

@@ -43,3 +43,29 @@ def test_single_process_reduction_and_derived_metrics():
     assert out["reward/std"] == pytest.approx(0.5)
     assert out["throughput/tokens_per_s"] == pytest.approx(25.0)
     assert "reward/_sq" not in out
+
+
+def test_each_rewards_mean_comes_from_the_samples_components():
+    """Read on the trainer from the batch, so async runs (rewards on the rollout ranks)
+    log `reward/<name>/mean` too; NaN (an environment's reward it did not give) is left
+    out of its own mean and weights the cross-rank mean by the samples that have it."""
+    import math
+
+    import torch
+
+    from peerflow.batch import Batch
+    from peerflow.worker.metrics import REWARD_COMPONENTS, record_batch_metrics
+
+    ranks = []
+    for rows in ([{"acc": 1.0, "env": 0.5}, {"acc": 0.0, "env": math.nan}],
+                 [{"acc": 1.0, "env": 0.25}]):
+        n = len(rows)
+        batch = Batch(sample_id=range(n), group_id=[0] * n, weight_version=[0] * n)
+        batch.set("reward", torch.tensor([r["acc"] for r in rows]))
+        batch.set_objects(REWARD_COMPONENTS, rows)
+        metrics = StepMetrics()
+        record_batch_metrics(batch, metrics)
+        ranks.append(metrics.raw())
+    out = reduce_metrics(ranks)
+    assert out["reward/acc/mean"] == pytest.approx(2 / 3)
+    assert out["reward/env/mean"] == pytest.approx(0.375)
