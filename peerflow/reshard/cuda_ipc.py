@@ -86,20 +86,21 @@ class CudaIpcTransport(WeightTransport):
         if sends:  # the packed bytes are complete before any peer reads them
             self._synchronize()
         works, headers, hold = [], {}, []  # `hold`: host tensors alive until sent
+        handles = []  # waited beside the handle receives: two ranks may export to each other
         for peer in sorted(sends):
             header, export = self._describe(peer, sends[peer])
             hold += [header, export]
             works.append((peer, "send a bucket header to",
                           dist.isend(header, dst=peer, group=self.group, tag=HEADER)))
             if export is not None:
-                works.append((peer, "send a CUDA IPC handle to",
-                              dist.isend(export, dst=peer, group=self.group, tag=EXPORT)))
+                handles.append((peer, "send a CUDA IPC handle to",
+                                dist.isend(export, dst=peer, group=self.group, tag=EXPORT)))
         for peer in sorted(recvs):
             headers[peer] = torch.empty(4, dtype=torch.int64)
             works.append((peer, "receive a bucket header from",
                           dist.irecv(headers[peer], src=peer, group=self.group, tag=HEADER)))
         self._wait(works)
-        out = self._receive(headers, recvs)
+        out = self._receive(headers, recvs, handles)
         one, sink = torch.ones(1, dtype=torch.int64), torch.empty(len(sends), dtype=torch.int64)
         acks = [(peer, "send an acknowledgement to",
                  dist.isend(one, dst=peer, group=self.group, tag=ACK)) for peer in sorted(recvs)]
@@ -131,14 +132,17 @@ class CudaIpcTransport(WeightTransport):
     def _header(slot: int, offset: int, buf: torch.Tensor, export: int) -> torch.Tensor:
         return torch.tensor([slot, offset, buf.numel(), export], dtype=torch.int64)
 
-    def _receive(self, headers: dict[int, torch.Tensor], recvs: Mapping[int, int]
-                 ) -> dict[int, torch.Tensor]:
-        """Maps new exports, then copies every peer's bytes out of its mapped storage."""
+    def _receive(self, headers: dict[int, torch.Tensor], recvs: Mapping[int, int],
+                 handles: list) -> dict[int, torch.Tensor]:
+        """Maps new exports, then copies every peer's bytes out of its mapped storage.
+
+        `handles`: this rank's own export sends, waited for with the export receives.
+        """
         exports = {peer: torch.empty(int(h[3]), dtype=torch.uint8)
                    for peer, h in headers.items() if int(h[3])}
-        self._wait([(peer, "receive a CUDA IPC handle from",
-                     dist.irecv(buf, src=peer, group=self.group, tag=EXPORT))
-                    for peer, buf in sorted(exports.items())])
+        self._wait(handles + [(peer, "receive a CUDA IPC handle from",
+                               dist.irecv(buf, src=peer, group=self.group, tag=EXPORT))
+                              for peer, buf in sorted(exports.items())])
         for peer, buf in exports.items():
             self._mapped[(peer, int(headers[peer][0]))] = pickle.loads(buf.numpy().tobytes())
         out = {}

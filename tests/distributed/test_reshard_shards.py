@@ -89,22 +89,31 @@ def test_a_receiver_that_stops_answering_fails_the_sync_within_its_deadline():
         assert part in got["error"], (part, got["error"])
 
 
-def _ipc_protocol_worker(rank: int, world: int) -> dict:
-    """`cuda_ipc`'s protocol on host memory: exports once, slots, headers, acks."""
+def _ipc_protocol_worker(rank: int, world: int, colocated: bool = False) -> dict:
+    """`cuda_ipc`'s protocol on host memory: exports once, slots, headers, acks.
+
+    Split: rank 0 sends to rank 1. Colocated: FSDP shards to vLLM tp = 2 on both ranks,
+    so each rank exports to and maps from the other in the same bucket.
+    """
     import contextlib
 
     import torch
     import torch.multiprocessing
 
     from peerflow.conformance.oracle import arange_globals, cut
-    from peerflow.models import hf_layout, hf_parameters, vllm_layout
+    from peerflow.models import RankCoords, hf_layout, hf_parameters, vllm_layout
     from peerflow.reshard import make_buckets, plan_reshard, run_plan
     from peerflow.reshard.arena import Arena, MemoryMeter
     from peerflow.reshard.cuda_ipc import CudaIpcTransport
 
     torch.multiprocessing.set_sharing_strategy("file_system")  # storages by name, no fds
     full = arange_globals(hf_parameters(CONFIG))
-    plan = plan_reshard({0: hf_layout(CONFIG)}, {1: vllm_layout(CONFIG)})
+    if colocated:
+        plan = plan_reshard(
+            {r: hf_layout(CONFIG, shard_rank=r, shard_size=2) for r in range(2)},
+            {r: vllm_layout(CONFIG, RankCoords(tp_rank=r, tp_size=2)) for r in range(2)})
+    else:
+        plan = plan_reshard({0: hf_layout(CONFIG)}, {1: vllm_layout(CONFIG)})
     buckets = make_buckets(plan, 4096)
     transport = CudaIpcTransport(rank=rank)
     transport.timeout = 60
@@ -113,25 +122,34 @@ def _ipc_protocol_worker(rank: int, world: int) -> dict:
     # memory is mapped as it is): allocate the kept arena there.
     arena.reserve_total(2 * plan.bytes)
     arena.buffer.share_memory_()
-    sources = {s.local_name: cut(s, full) for s in plan.sources[0]}
-    targets = {s.local_name: torch.zeros(s.local_shape) for s in plan.destinations[1]}
+    sources = {s.local_name: cut(s, full).clone() for s in plan.sources.get(rank, ())}
+    targets = {s.local_name: torch.zeros(s.local_shape) for s in plan.destinations.get(rank, ())}
+    mine = plan.destinations.get(rank, ())
     for version in (1, 2, 3):
         for name in sources:
             sources[name].mul_(version)  # new weights every sync
+        full = {k: v * version for k, v in full.items()}
         run_plan(plan, buckets, rank=rank, transport=transport, arena=arena,
                  materialize=(lambda ss: contextlib.nullcontext(
-                     [sources[s.local_name] for s in ss])) if rank == 0 else None,
-                 load=(lambda items: None) if rank == 1 else None,
-                 buffers=(lambda ss: [targets[s.local_name] for s in ss]) if rank == 1 else None)
+                     [sources[s.local_name] for s in ss])) if sources else None,
+                 load=(lambda items: None) if mine else None,
+                 buffers=(lambda ss: [targets[s.local_name] for s in ss]) if mine else None)
         exports.append(sum(len(v) for v in transport._exported.values()))
-        if rank == 1:
-            got[version] = all(torch.equal(targets[s.local_name], cut(s, sources))
-                               for s in plan.destinations[1])
+        if mine:
+            got[version] = all(torch.equal(targets[s.local_name], cut(s, full)) for s in mine)
     return {"exports": exports, "correct": got, "buckets": len(buckets)}
 
 
-def test_cuda_ipc_protocol_maps_each_buffer_once_on_host_memory():
-    got = run_gloo(_ipc_protocol_worker, 2, timeout_s=60)
-    assert got[1]["correct"] == {1: True, 2: True, 3: True}
+def _ipc_colocated_worker(rank: int, world: int) -> dict:
+    return _ipc_protocol_worker(rank, world, colocated=True)
+
+
+@pytest.mark.parametrize("worker", [_ipc_protocol_worker, _ipc_colocated_worker],
+                         ids=["split", "colocated"])
+def test_cuda_ipc_protocol_maps_each_buffer_once_on_host_memory(worker):
+    got = run_gloo(worker, 2, timeout_s=60)
+    receivers = [r for r in got if got[r]["correct"]]
+    assert receivers and all(got[r]["correct"] == {1: True, 2: True, 3: True}
+                             for r in receivers)
     assert got[0]["buckets"] > 3
-    assert got[0]["exports"][-1] <= 2  # exported at most twice, not once per bucket
+    assert all(got[r]["exports"][-1] <= 2 for r in got)  # not once per bucket
