@@ -70,13 +70,15 @@ def _run(tmp_path, source: str, keyword: str) -> dict:
 
 @pytest.fixture(scope="module")
 def suite_report(tmp_path_factory) -> dict[str, list[dict]]:
-    """One suite run over `HFFused`, every mutant (llama, single layout, layer 3) and the
-    minimal example engine (every layer but 4): its JSON report's tests, by class name."""
-    names = ["HFFused", *EXPECTED]
+    """One suite run over `HFFused`, every mutant (llama, single layout, layer 3), the MoE
+    mutants (layer 3's log-probs on the MoE engine model) and the minimal example engine
+    (every layer but 4): its JSON report's tests, by class name."""
+    names = ["HFFused", *EXPECTED, *EXPECTED_MOE]
     source = SUITE.format(here=str(HERE), classes="".join(
         CLASS.format(name=n) for n in names)) + MINIMAL.format(example=str(EXAMPLE_PLUGIN))
     report = _run(tmp_path_factory.mktemp("suite"), source,
-                  "(TestMinimal and not l4_) or (not TestMinimal and llama and (single or l3_))")
+                  "(TestMinimal and not l4_) or (TestExpert and qwen3moe and l3_logprobs) or "
+                  "(not TestMinimal and not TestExpert and llama and (single or l3_))")
     by_class: dict[str, list[dict]] = {}
     for test in report["tests"]:
         by_class.setdefault(test["id"].split("::")[0].removeprefix("Test"), []).append(test)
@@ -111,16 +113,13 @@ def test_vllm_mutant_with_untempered_logprobs_is_caught(tmp_path):
         assert all(w in text for w in wanted), (name, text)
 
 
-def test_moe_mutants_are_caught_naming_the_expert_tensors(tmp_path):
+def test_moe_mutants_are_caught_naming_the_expert_tensors(suite_report):
     """Permuted experts and one expert's gate and up swapped load and read back bit-exact
     (self-consistent), so only layer 3's log-prob check on the MoE engine model catches
     them, naming the experts' tensors. (The correct layout passes every layer in
     `test_builtin_adapters.py`, whose hf suite runs the same MoE models.)"""
-    report = _run(tmp_path, SUITE.format(here=str(HERE), classes="".join(
-        CLASS.format(name=n) for n in EXPECTED_MOE)), "qwen3moe and l3_logprobs")
     for name, wanted in EXPECTED_MOE.items():
-        failed = [t for t in report["tests"] if t["id"].startswith(f"Test{name}::")
-                  and t["outcome"] == "failed"]
+        failed = [t for t in suite_report[name] if t["outcome"] == "failed"]
         text = "\n".join(t["message"] for t in failed)
         assert failed and all(w in text for w in wanted), (
             name, [w for w in wanted if w not in text], text)
