@@ -106,7 +106,7 @@ def test_process_groups_are_made_in_one_place():
     # the default group: the worker's, and standalone engines' (conformance, megatron
     # alone) with the contract's backends; the coordinator benchmark measures the host
     assert set(_calls(r"init_process_group\(")) == {
-        "peerflow/distributed/init.py", "peerflow/adapters/megatron/engine.py",
+        "peerflow/distributed/init.py", "peerflow/adapters/megatron/parallel.py",
         "peerflow/conformance/engines.py", "peerflow/bench/coordinator.py"}
 
 

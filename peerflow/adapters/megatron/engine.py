@@ -32,8 +32,9 @@ import torch
 
 from peerflow.adapters.megatron.checkpoint import MegatronCheckpoints
 from peerflow.adapters.megatron.cpu import needs_redirects, tensor_cuda_is_identity
-from peerflow.adapters.megatron.layout import megatron_shard_layout
+from peerflow.adapters.megatron.layout import check_moe_layout, megatron_shard_layout
 from peerflow.adapters.megatron.model import (
+    MOE_FAMILIES,
     SUPPORTED_FAMILIES,
     build_gpt_model,
     check_supported,
@@ -134,7 +135,7 @@ class MegatronTrainEngine(MegatronCheckpoints, CausalLMTrainEngine):
                                  fix="make dp*tp*pp*ep equal the world size")
         self.hf_config = AutoConfig.from_pretrained(context.model_path)
         self.shape = check_supported(self.hf_config)
-        _check_moe_layout(self.shape, layout)
+        check_moe_layout(self.shape, layout)
         ps = init_parallel_state(context)
         self.ps = ps
         self.tp_rank = ps.get_tensor_model_parallel_rank()
@@ -337,16 +338,16 @@ class MegatronTrainEngine(MegatronCheckpoints, CausalLMTrainEngine):
 
     @classmethod
     def conformance_layouts(cls) -> list[Any]:
-        """TP 1/2 × PP 1/2, and dp 2."""
+        """TP 1/2 × PP 1/2, dp 2, and ep 2 (MoE models; dense ones refuse it)."""
         from peerflow.layout import ParallelLayout
 
         return [ParallelLayout(), ParallelLayout(tp=2), ParallelLayout(pp=2),
-                ParallelLayout(tp=2, pp=2), ParallelLayout(dp=2)]
+                ParallelLayout(tp=2, pp=2), ParallelLayout(dp=2), ParallelLayout(ep=2)]
 
     @classmethod
     def conformance_families(cls) -> tuple[str, ...]:
-        """Dense families `GPTModel` mirrors."""
-        return SUPPORTED_FAMILIES
+        """Dense families `GPTModel` mirrors, and the MoE families of Megatron's MoE layer."""
+        return SUPPORTED_FAMILIES + MOE_FAMILIES
 
     @classmethod
     def conformance_read_weights(cls, engine: MegatronTrainEngine) -> dict[str, torch.Tensor]:
@@ -363,27 +364,6 @@ class MegatronTrainEngine(MegatronCheckpoints, CausalLMTrainEngine):
         self.lr_schedulers = []
         with contextlib.suppress(Exception):
             self.ps.destroy_model_parallel()
-
-
-def _check_moe_layout(shape: Any, layout: Any) -> None:
-    """An MoE model trains with tp = pp = 1 (ep splits its experts); `ep > 1` needs experts.
-
-    Raises:
-        ConfigError: naming the layout setting to change.
-    """
-    if not shape.num_experts:
-        if layout.ep > 1:
-            raise ConfigError(f"trainer.layout.ep={layout.ep}: the {shape.family} model has no "
-                              "experts to split; set trainer.layout.ep: 1.")
-        return
-    if layout.tp * layout.pp > 1:
-        raise ConfigError(
-            f"trainer.backend=megatron: the {shape.family} MoE model trains with tp=1 and pp=1 "
-            f"here (got {layout.describe()}); Megatron's MoE with tp > 1 needs sequence "
-            "parallelism and pp > 1 splits the routing-replay scope across stages, neither "
-            "wired. Set trainer.layout.tp: 1 and pp: 1 (trainer.layout.ep splits the experts)."
-        )
-    layout.check_divides("experts", shape.num_experts, dim="ep")
 
 
 def _finalize_without_token_scaling(model: list[Any], num_tokens: Any = None,

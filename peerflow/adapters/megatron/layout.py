@@ -26,12 +26,34 @@ def megatron_coords(layout: Any, rank: int) -> Any:
                       expert_replica=coord.dp if layout.ep > 1 else None)
 
 
+def check_moe_layout(shape: Any, layout: Any) -> None:
+    """An MoE model trains with tp = pp = 1 (ep splits its experts); `ep > 1` needs experts.
+
+    Raises:
+        ConfigError: naming the layout setting to change.
+    """
+    if not shape.num_experts:
+        if layout.ep > 1:
+            raise ConfigError(f"trainer.layout.ep={layout.ep}: the {shape.family} model has no "
+                              "experts to split; set trainer.layout.ep: 1.")
+        return
+    if layout.tp * layout.pp > 1:
+        raise ConfigError(
+            f"trainer.backend=megatron: the {shape.family} MoE model trains with tp=1 and pp=1 "
+            f"here (got {layout.describe()}); Megatron's MoE with tp > 1 needs sequence "
+            "parallelism and pp > 1 splits the routing-replay scope across stages, neither "
+            "wired. Set trainer.layout.tp: 1 and pp: 1 (trainer.layout.ep splits the experts)."
+        )
+    layout.check_divides("experts", shape.num_experts, dim="ep")
+
+
 def megatron_shard_layout(hf_config: Any, layout: Any, rank: int, *,
                           vocab_multiple: int = 128, dtype: str = "float32") -> list[ShardSpec]:
     """Returns the Megatron shards of global rank `rank` of `layout`.
 
     Raises:
-        ConfigError: `cp > 1`, `ep > 1` for a dense model, or a split that does not divide.
+        ConfigError: `cp > 1`, a layout `check_moe_layout` refuses, or a split that does
+            not divide.
     """
     from peerflow.models import megatron_layout
 
@@ -39,11 +61,7 @@ def megatron_shard_layout(hf_config: Any, layout: Any, rank: int, *,
         raise ConfigError(f"trainer.backend=megatron: layout {layout.describe()} uses cp, "
                           "which the adapter does not wire up; set trainer.layout.cp: 1.")
     shape = check_supported(hf_config)
-    if layout.ep > 1 and not shape.num_experts:
-        raise ConfigError(f"trainer.layout.ep={layout.ep}: the {shape.family} model has no "
-                          "experts to split; set trainer.layout.ep: 1.")
+    check_moe_layout(shape, layout)
     layout.check_divides("layers", shape.num_layers, dim="pp")
-    if shape.num_experts:
-        layout.check_divides("experts", shape.num_experts, dim="ep")
     return megatron_layout(hf_config, megatron_coords(layout, rank),
                            vocab_multiple=vocab_multiple, dtype=dtype)
