@@ -50,7 +50,11 @@ class TokenOrder:
         return tensor.reshape(self.rows, self.width, *tail).transpose(0, 1).reshape(-1, *tail)
 
 
-def _replay_class() -> type:
+def controlled_replay_class() -> type:
+    """`ControlledReplay`: megatron-core's `RouterReplay` driven by the controller.
+
+    Built on call, so megatron-core is imported only when the engine is.
+    """
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
     class ControlledReplay(RouterReplay):
@@ -94,7 +98,7 @@ def hook_routers(module: torch.nn.Module, controller: RoutingReplay, order: Toke
     from megatron.core.transformer.moe.router import TopKRouter
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
-    cls = _replay_class()
+    cls = controlled_replay_class()
     hooked = 0
     for router in module.modules():
         if not isinstance(router, TopKRouter) or router.router_replay is None:
