@@ -19,7 +19,8 @@ from typing import Any
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Adds the benchmark's options."""
-    parser.add_argument("--trainer", default="fsdp", help="train engine (fsdp, deepspeed)")
+    parser.add_argument("--trainer", default="fsdp",
+                        help="train engine (fsdp, deepspeed, megatron)")
     parser.add_argument("--rollout-dtype", default="bfloat16",
                         help="dtype of the hf rollout engine (default bfloat16)")
     parser.add_argument("--experts", type=int, default=8, help="experts per layer (default 8)")
