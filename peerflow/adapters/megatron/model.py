@@ -1,4 +1,4 @@
-"""Building a Megatron-core `GPTModel` from a Hugging Face config (Llama, Qwen2, Qwen3, Qwen3-MoE).
+"""Building a Megatron-core `GPTModel` from a HF config (Llama, Qwen2, Qwen3, Qwen3-MoE, Mixtral).
 
 The HF config maps onto Megatron's `TransformerConfig`: RMSNorm, SwiGLU (`gated_linear_unit`
 + SiLU), grouped-query attention (`num_query_groups`), rotary embeddings (non-interleaved,
@@ -7,16 +7,18 @@ Megatron's local (non-Transformer-Engine) spec, so parameter names are the ones
 `peerflow.models.megatron_layout(te_names=False)` describes. The vocabulary is padded to
 `vocab_multiple * tp` rows, as Megatron-LM does.
 
-Qwen3-MoE maps onto Megatron's own MoE layer: a `TopKRouter` (`mlp.router.weight`, the
-HF `mlp.gate.weight`), `SequentialMLP` experts (one SwiGLU `linear_fc1`/`linear_fc2` per
-expert, the HF experts one by one) split over `expert_model_parallel_size`, and the
-allgather token dispatcher (the one that runs over gloo on the CPU). HF's
-`norm_topk_prob` (softmax over all experts, top-k, renormalised) is Megatron's top-k of
-the logits with a softmax over the k chosen (`moe_router_pre_softmax=False`); without it,
-the top-k of the full softmax (`True`). Megatron's own aux loss stays off: the training
-toolkit's routing-replay controller computes the load-balancing loss from the router
-logits (`trainer.router_aux_loss_coef`), as for every trainer. Routers are built with
-`moe_enable_routing_replay`, the hook the controller drives (`routing.py`).
+Qwen3-MoE and Mixtral map onto Megatron's own MoE layer: a `TopKRouter`
+(`mlp.router.weight`, the checkpoint's `mlp.gate` / `block_sparse_moe.gate`),
+`SequentialMLP` experts (one SwiGLU `linear_fc1`/`linear_fc2` per expert, the checkpoint's
+experts one by one) split over `expert_model_parallel_size`, and the allgather token
+dispatcher (the one that runs over gloo on the CPU). A renormalised top-k (Qwen3-MoE's
+`norm_topk_prob`, Mixtral always: softmax over all experts, top-k, renormalised) is
+Megatron's top-k of the logits with a softmax over the k chosen
+(`moe_router_pre_softmax=False`); without it, the top-k of the full softmax (`True`).
+Megatron's own aux loss stays off: the training toolkit's routing-replay controller
+computes the load-balancing loss from the router logits (`trainer.router_aux_loss_coef`),
+as for every trainer. Routers are built with `moe_enable_routing_replay`, the hook the
+controller drives (`routing.py`).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from peerflow.models import ModelShape, padded_vocab
 #: HF model types whose dense decoder maps onto `GPTModel` with the local layer spec.
 SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 #: MoE model types whose experts map onto Megatron's MoE layer (SequentialMLP experts).
-MOE_FAMILIES = ("qwen3_moe",)
+MOE_FAMILIES = ("qwen3_moe", "mixtral")
 
 
 def check_supported(hf_config: Any) -> ModelShape:
@@ -42,6 +44,13 @@ def check_supported(hf_config: Any) -> ModelShape:
         raise ConfigError(
             f"trainer.backend=megatron: model_type {shape.family!r} is not supported; "
             f"expected a dense model of {SUPPORTED_FAMILIES} or an MoE model of {MOE_FAMILIES}."
+        )
+    window = getattr(hf_config, "sliding_window", None)
+    if moe and window is not None and getattr(hf_config, "use_sliding_window", True):
+        raise ConfigError(
+            f"trainer.backend=megatron: the {shape.family} model has sliding_window={window}; "
+            "Megatron's attention here is full causal attention. Use a model with "
+            "sliding_window: null, or the fsdp trainer."
         )
     if moe and len(shape.sparse_layers) != shape.num_layers:
         raise ConfigError(
@@ -73,6 +82,11 @@ def rope_theta(hf_config: Any) -> float:
     return float(theta)
 
 
+def renormalises(hf_config: Any, shape: ModelShape) -> bool:
+    """Whether the router renormalises its top-k weights (Mixtral always; Qwen by config)."""
+    return shape.family == "mixtral" or bool(getattr(hf_config, "norm_topk_prob", False))
+
+
 def moe_settings(hf_config: Any, shape: ModelShape, ep: int) -> dict[str, Any]:
     """Megatron's MoE fields for an MoE `hf_config` (empty for a dense model)."""
     if not shape.num_experts:
@@ -81,7 +95,7 @@ def moe_settings(hf_config: Any, shape: ModelShape, ep: int) -> dict[str, Any]:
         "num_moe_experts": shape.num_experts,
         "moe_router_topk": int(hf_config.num_experts_per_tok),
         "moe_ffn_hidden_size": shape.moe_intermediate_size,
-        "moe_router_pre_softmax": not bool(getattr(hf_config, "norm_topk_prob", False)),
+        "moe_router_pre_softmax": not renormalises(hf_config, shape),
         "moe_token_dispatcher_type": "allgather",
         "moe_grouped_gemm": False,
         "moe_router_load_balancing_type": "none",

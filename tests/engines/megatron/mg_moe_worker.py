@@ -1,17 +1,20 @@
 """One gloo rank of `test_megatron_moe.py`: the megatron adapter on a tiny Qwen3-MoE.
 
-argv: OUT_DIR MODEL_DIR. Two cases on the 2 ranks, one after the other:
+argv: OUT_DIR QWEN3_MOE_DIR MIXTRAL_DIR. Three cases on the 2 ranks, one after another:
 
-* `ep2` — `ParallelLayout(ep=2)`: each rank holds 2 of the 4 experts of every layer and
-  both ranks see the same batch;
-* `dp2` — `ParallelLayout(dp=2)` (ep = 1): each rank holds every expert and half the batch.
+* `ep2` — Qwen3-MoE, `ParallelLayout(ep=2)`: each rank holds 2 of the 4 experts of every
+  layer and both ranks see the same batch;
+* `dp2` — Qwen3-MoE, `ParallelLayout(dp=2)` (ep = 1): each rank holds every expert and
+  half the batch;
+* `mixtral-ep2` — Mixtral (checkpoint names `block_sparse_moe.experts.{e}.w1/w3/w2`),
+  `ParallelLayout(ep=2)`.
 
 Per case: log-probs routed natively; r2 recording then r3 replay of those routes (must
 reproduce them bit for bit); r3 replay of the bf16 hf rollout's routes; one r3 train
 step (`moe/*` metrics; with ep = 1 also the fsdp trainer's gradient norm of that
 step, r3 included); the exported shards after it; a weight sync to an hf rollout
 engine (dp = 2, one per rank) and its live weights; a checkpoint round trip. Writes
-`rank{R}.pt`, with the HF reference log-probs of the whole batch (`hf`).
+`rank{R}.pt`, with the HF reference log-probs of each model's batch (`hf`, `hf-mixtral`).
 """
 
 from __future__ import annotations
@@ -128,13 +131,16 @@ def main() -> None:
     from peerflow.layout import ParallelLayout
 
     torch.set_num_threads(1)
-    out_dir, model_path = sys.argv[1], sys.argv[2]
+    out_dir, model_path, mixtral = sys.argv[1], sys.argv[2], sys.argv[3]
     dist.init_process_group("gloo")
-    full = rollout_batch(model_path)
+    full, mixtral_batch = rollout_batch(model_path), rollout_batch(mixtral)
     results = {name: run_case(name, layout, model_path, full, out_dir)
                for name, layout in (("ep2", ParallelLayout(ep=2)), ("dp2", ParallelLayout(dp=2)))}
+    results["mixtral-ep2"] = run_case("mixtral-ep2", ParallelLayout(ep=2), mixtral,
+                                      mixtral_batch, out_dir)
     trainlib.TEMPERATURE = TEMPERATURE
     results["hf"] = trainlib.hf_logprobs(model_path, full)  # transformers' own forward
+    results["hf-mixtral"] = trainlib.hf_logprobs(mixtral, mixtral_batch)
     torch.save(results, os.path.join(out_dir, f"rank{dist.get_rank()}.pt"))
     dist.destroy_process_group()
 

@@ -1,7 +1,8 @@
-"""The megatron adapter on a tiny Qwen3-MoE: expert parallelism 2 over gloo, routing replay.
+"""The megatron adapter on tiny Qwen3-MoE and Mixtral: expert parallelism 2, routing replay.
 
 One two-rank run (`mg_moe_worker.py`) builds Megatron's MoE `GPTModel` from the HF
-checkpoint with `ep = 2` (experts split 2 + 2) and with `ep = 1, dp = 2`, and checks
+checkpoint with `ep = 2` (experts split 2 + 2) and with `ep = 1, dp = 2` (Mixtral: ep = 2,
+from its `block_sparse_moe` checkpoint names), and checks
 against a one-process HF reference: native log-probs equal HF's, replaying the trainer's
 own recorded routes (r2 → r3) reproduces them bit for bit, replaying the bf16 rollout's
 routes changes them, the r3 train step and its `moe/*` metrics, the weights after the
@@ -26,6 +27,9 @@ pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.distributed
 WORKER = Path(__file__).with_name("mg_moe_worker.py")
 CASES = ("ep2", "dp2")
+#: Every case: Qwen3-MoE at ep = 2 and dp = 2, Mixtral at ep = 2.
+ALL = (*CASES, "mixtral-ep2")
+HF = {"ep2": "hf", "dp2": "hf", "mixtral-ep2": "hf-mixtral"}
 #: float32 Megatron vs transformers (other kernels, token order): measured ~1e-5.
 LOGPROB_TOL = 1e-4
 
@@ -40,23 +44,31 @@ def model(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def ranks(model, tmp_path_factory) -> list[dict]:
+def mixtral(tmp_path_factory) -> str:
+    from tests.engines.hf.tiny_models import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("mg-mixtral"), arch="mixtral",
+                            num_experts=4, top_k=2, seed=4)
+
+
+@pytest.fixture(scope="module")
+def ranks(model, mixtral, tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("mg-moe-run")
-    run_script(WORKER, str(out), model, timeout=400)
+    run_script(WORKER, str(out), model, mixtral, timeout=400)
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 
 def _joined(ranks: list[dict], case: str, key: str) -> torch.Tensor:
-    if case == "dp2":
+    if case == "dp2":  # dp rank 0 then 1
         return torch.cat([ranks[0][case][key], ranks[1][case][key]])
     assert torch.equal(ranks[0][case][key], ranks[1][case][key])  # ep peers: same samples
     return ranks[0][case][key]
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", ALL)
 def test_native_logprobs_equal_hf_and_own_routes_replay_bit_exact(ranks, case):
     native = _joined(ranks, case, "native")
-    torch.testing.assert_close(native, ranks[0]["hf"], atol=LOGPROB_TOL, rtol=0)
+    torch.testing.assert_close(native, ranks[0][HF[case]], atol=LOGPROB_TOL, rtol=0)
     assert torch.equal(_joined(ranks, case, "replayed_own"), native)
     metrics = ranks[0][case]["own_metrics"]
     assert metrics["moe/replay_changed"] == 0.0 and metrics["moe/replay_no_overlap"] == 0.0
@@ -64,7 +76,7 @@ def test_native_logprobs_equal_hf_and_own_routes_replay_bit_exact(ranks, case):
     assert not torch.equal(_joined(ranks, case, "replayed_rollout"), native)
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", ALL)
 def test_r3_train_step_logs_moe_metrics(ranks, case):
     metrics = ranks[0][case]["metrics"]
     assert metrics == ranks[1][case]["metrics"] or case == "dp2"
@@ -97,7 +109,7 @@ def test_ep2_holds_half_the_experts_and_steps_like_ep1(ranks):
         torch.testing.assert_close(ep2[name], dp2[name], atol=1e-5, rtol=0, msg=name)
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", ALL)
 def test_weight_sync_to_hf_is_byte_exact(ranks, case):
     def trained(r: dict) -> tuple[list, list]:
         return [s for s, _ in r[case]["exported"]], [t for _, t in r[case]["exported"]]
@@ -118,7 +130,7 @@ def attr_replica0(spec):
     return attrs.evolve(spec, replica=0)
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", ALL)
 def test_checkpoint_round_trip_restores_every_shard(ranks, case):
     for r in ranks:
         assert r[case]["version_loaded"] == 1
