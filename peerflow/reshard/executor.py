@@ -152,16 +152,20 @@ def _run_buckets(plan: ReshardPlan, buckets: Sequence[Bucket],
         for bucket, route in zip(buckets, routes, strict=True):
             if bucket.part is None or bucket.part[0] == 0:  # later slices: still materialised
                 stack.close()
-                sources = _materialize(bucket, rank, materialize, my_sources, stack, stats)
+                sources = materialize_sources(bucket, rank, materialize, my_sources, stack, stats)
             _run_bucket(bucket, route, rank, sources, my_targets, transport, load, meter,
                         stats, buffers, arena)
             stats["buckets"] += 1
 
 
-def _materialize(bucket: Bucket, rank: int, materialize: Materialize | None,
+def materialize_sources(bucket: Bucket, rank: int, materialize: Materialize | None,
                  my_sources: dict[str, ShardSpec], stack: contextlib.ExitStack,
                  stats: Counter[str]) -> dict[str, torch.Tensor]:
-    """Enters `materialize` for the bucket's source tensors on this rank (into `stack`)."""
+    """Enters `materialize` for the bucket's source tensors on this rank (into `stack`).
+
+    Slices of one tensor list the same sources: the caller enters them at the first
+    slice and keeps `stack` open until the last (`Bucket.part`).
+    """
     specs = [my_sources[n] for n in bucket.source_tensors if n in my_sources]
     if not specs:
         return {}

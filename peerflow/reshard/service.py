@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections import Counter
 from typing import Any
 
 import attrs
@@ -42,6 +43,7 @@ from peerflow.reshard.executor import (
     MemoryMeter,
     bucket_routes,
     destination_tensors,
+    materialize_sources,
     pack_regions,
     packed_layout,
     run_plan,
@@ -221,18 +223,15 @@ class WeightSyncService:
         mine = {s.local_name: s for s in self.plan.sources.get(self.rank, ())}
         layouts = [self._outgoing(routes) for routes in self._routes]
         slot = self._slot(sum(packed_layout(ts)[1] for per in layouts for ts in per.values()))
-        sends, gather_s = [], 0.0
-        for bucket, per_peer in zip(self.buckets, layouts):
-            specs = [mine[n] for n in bucket.source_tensors if n in mine]
-            if not specs:
-                sends.append({})
-                continue
-            assert self.trainer is not None
-            begin = time.perf_counter()
-            with self.trainer.materialize(specs) as tensors:
-                gather_s += time.perf_counter() - begin
-                sources = dict(zip((s.local_name for s in specs), tensors))
+        sends, counts, sources = [], Counter(), {}
+        read = self.trainer.materialize if self.trainer is not None else None
+        with contextlib.ExitStack() as stack:
+            for bucket, per_peer in zip(self.buckets, layouts):
+                if bucket.part is None or bucket.part[0] == 0:  # slices: read once
+                    stack.close()
+                    sources = materialize_sources(bucket, self.rank, read, mine, stack, counts)
                 sends.append(pack_regions(per_peer, sources, slot.take))
+        gather_s = counts["gather_s"]
         own = sum(buf.numel() for per in sends for peer, buf in per.items() if peer == self.rank)
         stats = WeightSyncStats(version=version, gather_s=gather_s,
                                 pack_s=time.perf_counter() - start - gather_s,

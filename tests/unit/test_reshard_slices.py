@@ -48,7 +48,7 @@ def test_a_large_tensor_moves_within_two_buckets_of_extra_memory(engine):
     assert stats[1].peak_extra_bytes <= staged + 2 * BUCKET
 
 
-def test_the_sources_are_materialised_once_for_all_slices():
+def test_the_sources_are_materialised_once_for_all_slices_in_both_schedules():
     spec = ShardSpec.of_slice("w", SHAPE)
     plan = plan_reshard({0: [spec]}, {0: [spec]})  # colocated: one process holds both
     trainer = TensorTrainer([spec], {"w": FULL["w"]})
@@ -57,3 +57,7 @@ def test_the_sources_are_materialised_once_for_all_slices():
                                       transport="inprocess")
     service.sync(1)
     assert trainer.materialized == [["w"]] and torch.equal(rollout.params["w"], FULL["w"])
+    trainer.tensors["w"] = FULL["w"] * 2  # streaming: pack, transfer, apply
+    service.apply(service.transfer(service.pack(2), 2))
+    assert trainer.materialized == [["w"], ["w"]] and rollout.calls == [1, 1]
+    assert torch.equal(rollout.params["w"], FULL["w"] * 2) and rollout.weight_version == 2
