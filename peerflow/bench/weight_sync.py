@@ -94,6 +94,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts", type=int, help="--split: prompts per train step")
     parser.add_argument("--group-size", type=int, default=8,
                         help="--split: answers per prompt in the train step (default 8)")
+    parser.add_argument("--prompt-tokens", type=int,
+                        help="--split: tokens per prompt in the train step (shape's)")
+    parser.add_argument("--max-tokens", type=int,
+                        help="--split: answer cap in the train step (shape's)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--lora-rank", type=int, default=0, metavar="R",
                         help="also sync LoRA adapters of rank R (all-linear, alpha 2R) on the "

@@ -59,8 +59,8 @@ def run_split(args: argparse.Namespace, sizes: dict[str, tuple]) -> dict[str, An
             raise SystemExit("--split needs exactly two processes (trainer, rollout).")
         with tempfile.TemporaryDirectory(prefix="peerflow-bench-split-") as tmp:
             rows = _measure(names[0], sizes[names[0]], args, Path(tmp), dist.get_rank())
-        gathered: list[Any] = [None, None]
-        dist.all_gather_object(gathered, rows)
+            gathered: list[Any] = [None, None]
+            dist.all_gather_object(gathered, rows)  # rank 1 may read rank 0's model until here
     finally:
         dist.destroy_process_group()
     if gathered[0]["rank"] != 0:
@@ -108,6 +108,7 @@ def _measure(size: str, shape: tuple, args: argparse.Namespace, workdir: Path,
     if rank:
         model = shared[0] if Path(shared[0], "config.json").is_file() \
             else build_model(workdir / size, options)
+    parameters = _count(model)
     trainer, rollout = _engines(model, args, rank)
     services = {encoding: WeightSyncService.build(
         trainer, rollout, transport=args.transport or "torch", encoding=encoding,
@@ -142,14 +143,15 @@ def _measure(size: str, shape: tuple, args: argparse.Namespace, workdir: Path,
         if engine is not None:
             engine.shutdown()
     return {"rank": rank, "runs": runs, "bit_identical": identical, "step_s": step_s,
-            "delta_held_bytes": held, "parameters": _count(model),
+            "delta_held_bytes": held, "parameters": parameters,
             "auto_encoding": auto_encoding}
 
 
 def _batch_args(args: argparse.Namespace) -> argparse.Namespace:
     """The options `peerflow bench train`'s batch builder reads (shape defaults)."""
-    return argparse.Namespace(shape=args.shape, prompts=args.prompts, prompt_tokens=None,
-                              max_tokens=None, group_size=args.group_size, seed=args.seed)
+    return argparse.Namespace(shape=args.shape, prompts=args.prompts,
+                              prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens,
+                              group_size=args.group_size, seed=args.seed)
 
 
 def _digest(rollout: Any) -> tuple | None:
@@ -158,7 +160,7 @@ def _digest(rollout: Any) -> tuple | None:
         return None
     import torch
 
-    from peerflow.reshard.delta import region_checksum
+    from peerflow.reshard.delta_codec import region_checksum
 
     return tuple(tuple(int(v) for v in region_checksum(
         p.detach().contiguous().view(-1).view(torch.uint8)))
@@ -201,6 +203,9 @@ def _report(size: str, args: argparse.Namespace, trainer: dict[str, Any],
         out[encoding] = row
     full, delta = out["full"], out["delta"]
     return {"benchmark": "weight-sync", "split": True, "size": size,
+            "train_batch": {"prompts": args.prompts, "group_size": args.group_size,
+                            "prompt_tokens": args.prompt_tokens,
+                            "max_tokens": args.max_tokens},
             "parameters": trainer["parameters"], "dtype": args.dtype, "lr": args.lr,
             "trainer": args.trainer, "backend": args.backend or "hf",
             "transport": args.transport or "torch", "bucket_mb": args.bucket_mb,

@@ -40,10 +40,10 @@ import torch
 
 from peerflow.errors import ConfigError, ShardError
 from peerflow.reshard.buckets import itemsize
+from peerflow.reshard.delta_codec import apply_delta, encode_delta, region_checksum
 from peerflow.reshard.executor import BucketRoutes, packed_layout
 from peerflow.reshard.plan import ReshardPlan, Transfer
 from peerflow.reshard.transport import Route, WeightTransport
-from peerflow.rounding import pad_to_multiple
 
 #: `weight_sync.encoding` values.
 ENCODINGS = ("auto", "full", "delta")
@@ -52,28 +52,6 @@ DEFAULT_FULL_EVERY = 32
 #: Header fields before the per-region checksums (int64 each).
 _HEAD = ("mode", "tag", "version", "payload", "changed", "words")
 _WHOLE, _DELTA = 0, 1
-_WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_CHUNK = 1 << 22
-
-
-def region_checksum(region: torch.Tensor) -> torch.Tensor:
-    """Two int64 sums of a flat `uint8` region's words: plain and position-weighted.
-
-    Integer sums wrap alike on every device and in every order, so a CPU and a GPU
-    rank agree; the weighted sum catches misplaced words.
-    """
-    n = region.numel()
-    size = next(s for s in (8, 4, 2, 1) if n % s == 0)
-    words = region.view(_WORDS[size])
-    out = torch.zeros(2, dtype=torch.int64, device=region.device)
-    for start in range(0, words.numel(), _CHUNK):
-        chunk = words[start : start + _CHUNK].to(torch.int64)
-        index = torch.arange(
-            start + 1, start + 1 + chunk.numel(), dtype=torch.int64, device=region.device
-        )
-        out[0] += chunk.sum()
-        out[1] += (chunk * index).sum()
-    return out
 
 
 def _checksums(buf: torch.Tensor, transfers: Sequence[Transfer]) -> torch.Tensor:
@@ -88,42 +66,6 @@ def _checksums(buf: torch.Tensor, transfers: Sequence[Transfer]) -> torch.Tensor
 def _word(transfers: Sequence[Transfer]) -> int:
     """Diff word size of a route: its smallest element size (one bf16 value = one word)."""
     return min(itemsize(t.src_dtype) for t in transfers)
-
-
-def encode_delta(
-    new: torch.Tensor, base: torch.Tensor, word: int
-) -> tuple[torch.Tensor | None, int, int]:
-    """Changed words of `new` against `base` (flat `uint8`, same size), on their device.
-
-    Returns:
-        `(payload, changed, words)`: the changed words' indices, then their values, as
-        `uint8` (`None` when that is no smaller than `new`); the changed words; the
-        words compared.
-    """
-    dtype = _WORDS[word]
-    a, b = new.view(dtype), base.view(dtype)
-    index = torch.nonzero(a != b).squeeze(1)
-    changed, words = index.numel(), a.numel()
-    index_dtype = torch.int32 if words < 2**31 else torch.int64
-    index_size = torch.empty(0, dtype=index_dtype).element_size()
-    index_bytes = pad_to_multiple(changed * index_size, 16)
-    size = index_bytes + changed * word
-    if size >= new.numel():
-        return None, changed, words
-    payload = torch.empty(size, dtype=torch.uint8, device=new.device)
-    payload[: changed * index_size].view(index_dtype).copy_(index)
-    payload[index_bytes:].view(dtype).copy_(a[index])
-    return payload, changed, words
-
-
-def apply_delta(base: torch.Tensor, payload: torch.Tensor, changed: int, word: int) -> None:
-    """Writes an `encode_delta` payload into `base` (flat `uint8`) in place."""
-    dtype = _WORDS[word]
-    index_dtype = torch.int32 if base.numel() // word < 2**31 else torch.int64
-    index_size = torch.empty(0, dtype=index_dtype).element_size()
-    index_bytes = pad_to_multiple(changed * index_size, 16)
-    index = payload[: changed * index_size].view(index_dtype).long()
-    base.view(dtype)[index] = payload[index_bytes : index_bytes + changed * word].view(dtype)
 
 
 @attrs.define(eq=False)
@@ -191,9 +133,13 @@ class DeltaTransport(WeightTransport):
         self.counters: dict[str, int] = {}
         self.begin(0)
 
-    def begin(self, version: int) -> None:
-        """Starts a sync of `version`: the next `exchange` is bucket 0; counters reset."""
-        self.version, self._next = version, 0
+    def begin(self, version: int, *, keep: bool = True) -> None:
+        """Starts a sync of `version`: the next `exchange` is bucket 0; counters reset.
+
+        `keep=False` (lockstep: each bucket is unpacked before the next sync) returns the
+        rebuilt copies themselves instead of fresh ones.
+        """
+        self.version, self._next, self.keep = version, 0, keep
         self.counters = dict.fromkeys(
             ("wire_bytes", "changed_elements", "compared_elements", "full_sends"), 0
         )
@@ -324,7 +270,7 @@ class DeltaTransport(WeightTransport):
                 f"{'delta' if header.mode == _DELTA else 'whole'}); the next sync "
                 "sends this bucket whole."
             )
-        return copy.buffer.clone()
+        return copy.buffer.clone() if self.keep else copy.buffer
 
 
 def delta_pairs(plan: ReshardPlan, encoding: str, group: Any = None) -> set[tuple[int, int]]:

@@ -188,7 +188,7 @@ class WeightSyncService:
         if self.rollout is not None:
             self.rollout.begin_weight_update(version)
         self.meter.peak = self.meter.current
-        self._begin_encoding(version)
+        self._begin_encoding(version, keep=False)  # unpacked before the next sync
         stats = run_plan(
             self.plan, self.buckets, rank=self.rank, transport=self.transport,
             materialize=self.trainer.materialize if self.trainer is not None else None,
@@ -321,9 +321,9 @@ class WeightSyncService:
 
     # -- helpers ------------------------------------------------------------------------
 
-    def _begin_encoding(self, version: int) -> None:
+    def _begin_encoding(self, version: int, *, keep: bool = True) -> None:
         if isinstance(self.transport, DeltaTransport):
-            self.transport.begin(version)
+            self.transport.begin(version, keep=keep)
 
     def _encoding_stats(self, stats: WeightSyncStats) -> WeightSyncStats:
         """`stats` with the delta encoding's wire bytes and counts, when it runs."""
