@@ -163,6 +163,8 @@ def _ipc_rank(rank: int, port: int, queue: Any, bucket_bytes: int, dims: tuple) 
         queue.put((rank, sync_rank(rank, device="cuda", transport="cuda_ipc",
                                    shapes=param_shapes(dims), bucket_bytes=bucket_bytes)))
         dist.barrier()
+    except Exception as exc:  # noqa: BLE001 - reported by the parent as the reason
+        queue.put((rank, {"error": f"{type(exc).__name__}: {str(exc)[:600]}"}))
     finally:
         dist.destroy_process_group()
 
@@ -189,7 +191,18 @@ def check_ipc_pair(emit: Any, unsupported: int, dims: tuple) -> None:
              for r in range(2)]
     for p in procs:
         p.start()
-    results = dict(queue.get(timeout=120) for _ in range(2))
+    results: dict[int, Any] = {}
+    try:
+        for _ in range(2):
+            rank, value = queue.get(timeout=120)
+            results[rank] = value
+    except Exception:  # noqa: BLE001 - a rank died or hung: reported below
+        pass
     for p in procs:
         p.join(timeout=30)
+        if p.is_alive():
+            p.kill()
+    errors = [f"rank {r}: {v['error']}" for r, v in sorted(results.items()) if "error" in v]
+    if errors or len(results) < 2:
+        emit({"reason": "; ".join(errors) or "a rank did not report within 120 s"}, 1)
     emit(*ipc_figures(results[0], results[1]))
