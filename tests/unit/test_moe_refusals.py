@@ -57,3 +57,27 @@ def test_gpt_oss_on_vllm_is_refused_at_validate_naming_the_reason(plugin_manager
                 "transposed" in problems) == refused, (model_type, problems)
         if refused:
             assert "use rollout.backend: hf for GPT-OSS" in problems
+
+
+def test_megatron_refuses_at_validate_what_it_cannot_build(plugin_manager):
+    from peerflow.config import validate_config
+    from peerflow.errors import ConfigError
+
+    def problems(model_type: str, *overrides: str) -> str:
+        config = load_config(None, ["trainer.backend=megatron", "model.builder=reverse-digits",
+                                    f"model.builder_options.model_type={model_type}",
+                                    *overrides])
+        try:
+            validate_config(config, plugin_manager)
+        except ConfigError as exc:
+            return str(exc)
+        return ""
+
+    assert problems("qwen3_moe", "trainer.layout.ep=2") == ""
+    assert problems("mixtral") == ""
+    text = problems("qwen3_moe", "trainer.layout.tp=2")
+    assert "trainer.layout tp=2 pp=1: the megatron trainer runs qwen3_moe MoE models with " \
+           "tp=1 and pp=1" in text and "Fix: set trainer.layout.tp: 1 and pp: 1" in text
+    assert "model_type 'gpt_oss' is not mapped onto Megatron's GPTModel" in problems("gpt_oss")
+    assert "trainer.layout.ep=2: the llama model has no experts to split" in \
+        problems("llama", "trainer.layout.ep=2")

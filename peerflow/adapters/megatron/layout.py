@@ -47,6 +47,35 @@ def check_moe_layout(shape: Any, layout: Any) -> None:
     layout.check_divides("experts", shape.num_experts, dim="ep")
 
 
+def family_problems(family: str | None, layout: Any) -> list[str]:
+    """What `config validate` refuses for a `model_type` and `trainer.layout` on megatron.
+
+    The same rules as `check_supported` and `check_moe_layout`, from the model type alone
+    (the engine re-checks the full config when it builds the model). `None` (a builder
+    without a `model_type` option) is left to the engine.
+    """
+    from peerflow.adapters.megatron.model import MOE_FAMILIES, SUPPORTED_FAMILIES
+
+    if family is None:
+        return []
+    if family not in SUPPORTED_FAMILIES + MOE_FAMILIES:
+        return [f"trainer.backend=megatron: model_type {family!r} is not mapped onto "
+                f"Megatron's GPTModel (dense: {list(SUPPORTED_FAMILIES)}; MoE: "
+                f"{list(MOE_FAMILIES)}). Fix: use trainer.backend fsdp or deepspeed."]
+    if family not in MOE_FAMILIES:
+        if layout.ep > 1:
+            return [f"trainer.layout.ep={layout.ep}: the {family} model has no experts to "
+                    "split. Fix: set trainer.layout.ep: 1."]
+        return []
+    if layout.tp * layout.pp > 1:
+        return [f"trainer.layout tp={layout.tp} pp={layout.pp}: the megatron trainer runs "
+                f"{family} MoE models with tp=1 and pp=1 (Megatron's MoE with tp > 1 needs "
+                "sequence parallelism; pp > 1 would split the routing-replay scope across "
+                "stages). Fix: set trainer.layout.tp: 1 and pp: 1; trainer.layout.ep splits "
+                "the experts."]
+    return []
+
+
 def megatron_shard_layout(hf_config: Any, layout: Any, rank: int, *,
                           vocab_multiple: int = 128, dtype: str = "float32") -> list[ShardSpec]:
     """Returns the Megatron shards of global rank `rank` of `layout`.
