@@ -42,9 +42,22 @@ def _copy_from_and_resize(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
     return dst.resize_(src.shape).copy_(src)
 
 
-#: Backend-only operators (no CPU kernel: a backend's copies): what they do on the values.
+def _histc(values: torch.Tensor, bins: int = 100, min: float = 0, max: float = 0
+           ) -> torch.Tensor:
+    """`histc` as CUDA computes it, integer inputs included (the CPU kernel takes floats).
+
+    transformers' grouped-MoE path counts expert ids with it on every device but the CPU.
+    """
+    if values.is_floating_point():
+        return torch.ops.aten.histc(values, bins, min, max)
+    return torch.ops.aten.histc(values.double(), bins, min, max).to(values.dtype)
+
+
+#: Operators run on the values by a function here: backend-only ones (no CPU kernel: a
+#: backend's copies), and ones whose CUDA kernel takes inputs the CPU's refuses.
 ON_VALUES: dict[str, Callable[..., Any]] = {
-    "aten::_copy_from": _copy_from, "aten::_copy_from_and_resize": _copy_from_and_resize}
+    "aten::_copy_from": _copy_from, "aten::_copy_from_and_resize": _copy_from_and_resize,
+    "aten::histc": _histc}
 
 #: Operators that only order device work: nothing to do on the CPU values.
 NO_OPS = frozenset({"aten::record_stream"})

@@ -207,3 +207,12 @@ def test_distributed_site(device, distributed_sites, site):
     """barrier (H200 run1), whiten over the role group, all_gather_ragged on an NCCL-only
     group, the coordinator's exchange of host bytes over the default group."""
     assert distributed_sites[site] is None, distributed_sites[site]
+
+
+def test_integer_histc_counts_as_cuda_does(device):
+    """transformers' grouped-MoE path counts expert ids with an integer `histc` off the
+    CPU (CUDA takes integers; the CPU kernel only floats)."""
+    ids = torch.tensor([0, 2, 2, 3, 1, 2], device=device, dtype=torch.int32)
+    counts = torch.histc(ids, bins=4, min=0, max=3)
+    assert counts.device == ids.device and counts.dtype == torch.int32
+    assert counts.cpu().tolist() == [1, 1, 3, 1]
