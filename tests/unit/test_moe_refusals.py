@@ -81,3 +81,6 @@ def test_megatron_refuses_at_validate_what_it_cannot_build(plugin_manager):
     assert "model_type 'gpt_oss' is not mapped onto Megatron's GPTModel" in problems("gpt_oss")
     assert "trainer.layout.ep=2: the llama model has no experts to split" in \
         problems("llama", "trainer.layout.ep=2")
+    split = problems("qwen3_moe", "runtime.mode=async", "runtime.placement=split",
+                     "rollout.layout.dp=1", "trainer.layout.dp=1")
+    assert "runtime.placement=split: trainer.backend=megatron must span every process" in split

@@ -26,4 +26,12 @@ def peerflow_validate_config(config, pm):
     model = config.model
     family = model_type_at(model.path) if model.path else \
         (model.builder_options or {}).get("model_type")
-    return family_problems(family, config.trainer.layout)
+    problems = family_problems(family, config.trainer.layout)
+    if config.runtime.placement == "split":
+        problems.append(
+            "runtime.placement=split: trainer.backend=megatron must span every process "
+            "(Megatron's parallel state is global), and a split placement gives the "
+            "rollout ranks of their own (so runtime.mode=async cannot run on megatron). Fix: "
+            "runtime.placement: colocated with runtime.mode: sync, or trainer.backend fsdp "
+            "or deepspeed.")
+    return problems
