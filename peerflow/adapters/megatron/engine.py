@@ -19,6 +19,11 @@ already normalised by the global token count, `calculate_per_token_loss=True`) a
 all-reduces the tied embedding between the first and last stage. On GPU
 `use_distributed_optimizer` selects Megatron's distributed optimizer; on CPU a
 `torch.optim.AdamW` steps Megatron's gradient buffers (`cpu.py` has the CUDA redirects).
+
+MoE models (Qwen3-MoE, Mixtral) build Megatron's MoE layer with experts split over
+`trainer.layout.ep` (`parallel.py` says how PeerFlow's ep peers map onto Megatron's
+groups); their routers run under the toolkit's routing-replay controller through
+megatron-core's `moe_enable_routing_replay` hook (`routing.py`, docs/moe.md).
 """
 
 from __future__ import annotations
