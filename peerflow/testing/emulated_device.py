@@ -40,6 +40,8 @@ Limits:
   fp32. No fused kernels: scaled-dot-product attention takes its math path (values within
   ~1e-5 of the CPU's flash kernel; eager attention matches the CPU bit for bit).
 * No stream or event races: all work is synchronous; streams and events only keep books.
+* `torch.compile`d code runs eagerly: dynamo's errors on emulated tensors (it fakes their
+  storage on `meta`) fall back to the eager frame (`_compile_eagerly`).
 * Devices are names: every index's values live in this process's CPU memory, each
   process has its own (rank 1's `emu:1` and rank 0's `emu:1` are not one device), and a
   copy between indices is a CPU copy. The count is read at `install()`
@@ -209,6 +211,20 @@ def _install_deepspeed_accelerator() -> None:
     emulated_deepspeed.set_accelerator()
 
 
+def _compile_eagerly() -> None:
+    """`torch.compile`d code runs eagerly on the emulated device.
+
+    Dynamo fakes a tensor's storage on the meta device to trace it, which a Python tensor
+    subclass on another device refuses ("Attempted to set the storage of a tensor on
+    device emu:0 to a storage on different device meta"); megatron-core compiles its MoE
+    helpers (`jit_fuser`). Falling back to the eager frame runs the same operators, each
+    checked as CUDA would check it.
+    """
+    import torch._dynamo
+
+    torch._dynamo.config.suppress_errors = True
+
+
 def install() -> torch.device:
     """Installs the emulated accelerator in this process (idempotent).
 
@@ -246,6 +262,7 @@ def install() -> torch.device:
         emulated_ordinals.patch_torch()
         emulated_collectives.register()
         _install_deepspeed_accelerator()
+        _compile_eagerly()
         _installed = True
     return emulated_device()
 
