@@ -55,36 +55,62 @@ def changed_words(new: torch.Tensor, base: torch.Tensor, word: int) -> torch.Ten
     return blocks[row] * per + col
 
 
+def _layout(changed: int, words: int) -> tuple[bool, int]:
+    """Whether a delta lists its changed words as a bitmap, and the bytes before the values.
+
+    The smaller listing wins: indices up to ~1 changed word in 32, a bitmap past it.
+    """
+    index_size = 4 if words < 2**31 else 8
+    index_bytes = pad_to_multiple(changed * index_size, 16)
+    bitmap_bytes = pad_to_multiple(-(-words // 8), 16)
+    return (True, bitmap_bytes) if bitmap_bytes < index_bytes else (False, index_bytes)
+
+
+def _bits() -> torch.Tensor:
+    return torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
+
+
 def encode_delta(
     new: torch.Tensor, base: torch.Tensor, word: int
 ) -> tuple[torch.Tensor | None, int, int]:
     """Changed words of `new` against `base` (flat `uint8`, same size), on their device.
 
+    The payload lists the changed words — as int32 indices (int64 past 2**31 words), or
+    as a bitmap when that is smaller (`_layout`, decided alike from the counts on both
+    sides) — then their new values in order.
+
     Returns:
-        `(payload, changed, words)`: the changed words' indices, then their values, as
-        `uint8` (`None` when that is no smaller than `new`); the changed words; the
-        words compared.
+        `(payload, changed, words)`: the payload as `uint8` (`None` when it is no
+        smaller than `new`); the changed words; the words compared.
     """
     dtype = WORDS[word]
     index = changed_words(new, base, word)
     changed, words = index.numel(), new.numel() // word
-    index_dtype = torch.int32 if words < 2**31 else torch.int64
-    index_size = torch.empty(0, dtype=index_dtype).element_size()
-    index_bytes = pad_to_multiple(changed * index_size, 16)
-    size = index_bytes + changed * word
-    if size >= new.numel():
+    bitmap, head = _layout(changed, words)
+    if head + changed * word >= new.numel():
         return None, changed, words
-    payload = torch.empty(size, dtype=torch.uint8, device=new.device)
-    payload[: changed * index_size].view(index_dtype).copy_(index)
-    payload[index_bytes:].view(dtype).copy_(new.view(dtype)[index])
+    payload = torch.empty(head + changed * word, dtype=torch.uint8, device=new.device)
+    if bitmap:
+        mask = torch.zeros(head * 8, dtype=torch.bool, device=new.device)
+        mask[index] = True
+        bits = _bits().to(new.device)
+        payload[:head].copy_((mask.view(-1, 8).to(torch.uint8) * bits).sum(1, dtype=torch.uint8))
+    else:
+        index_dtype, size = (torch.int32, 4) if words < 2**31 else (torch.int64, 8)
+        payload[: changed * size].view(index_dtype).copy_(index)
+    payload[head:].view(dtype).copy_(new.view(dtype)[index])
     return payload, changed, words
 
 
 def apply_delta(base: torch.Tensor, payload: torch.Tensor, changed: int, word: int) -> None:
     """Writes an `encode_delta` payload into `base` (flat `uint8`) in place."""
-    dtype = WORDS[word]
-    index_dtype = torch.int32 if base.numel() // word < 2**31 else torch.int64
-    index_size = torch.empty(0, dtype=index_dtype).element_size()
-    index_bytes = pad_to_multiple(changed * index_size, 16)
-    index = payload[: changed * index_size].view(index_dtype).long()
-    base.view(dtype)[index] = payload[index_bytes : index_bytes + changed * word].view(dtype)
+    dtype, words = WORDS[word], base.numel() // word
+    bitmap, head = _layout(changed, words)
+    values = payload[head : head + changed * word].view(dtype)
+    if bitmap:
+        bits = _bits().to(payload.device)
+        mask = (payload[:head].unsqueeze(1) & bits).ne(0).view(-1)[:words]
+        base.view(dtype)[mask] = values
+        return
+    index_dtype, size = (torch.int32, 4) if words < 2**31 else (torch.int64, 8)
+    base.view(dtype)[payload[: changed * size].view(index_dtype).long()] = values

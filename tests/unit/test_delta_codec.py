@@ -30,6 +30,24 @@ def test_encode_then_apply_rebuilds_the_new_bytes_exactly(dtype):
     assert torch.equal(base, a)
 
 
+@pytest.mark.parametrize("share", [0.002, 0.05, 0.2])
+def test_sparse_and_dense_changes_round_trip_as_indices_or_a_bitmap(share):
+    g = torch.Generator().manual_seed(2)
+    old = torch.randn(100_003, generator=g).to(torch.bfloat16)
+    new = old.clone()
+    picked = torch.randperm(old.numel(), generator=g)[: int(share * old.numel())]
+    new[picked] = torch.randn(picked.numel(), generator=g).to(torch.bfloat16)
+    a = torch.cat([new.view(torch.uint8), torch.zeros(10, dtype=torch.uint8)])  # 8-aligned
+    b = torch.cat([old.view(torch.uint8), torch.zeros(10, dtype=torch.uint8)])
+    payload, changed, words = encode_delta(a, b, 2)
+    # indices (6 bytes a change) below 1 in 32 words changed, a bitmap (2 + 1/8) above
+    per_change = payload.numel() / max(changed, 1)
+    assert per_change < 6.1 if share < 1 / 32 else payload.numel() < 6 * changed
+    base = b.clone()
+    apply_delta(base, payload, changed, 2)
+    assert torch.equal(base, a)
+
+
 def test_a_dense_change_is_sent_whole():
     old = torch.zeros(256, dtype=torch.bfloat16)
     payload, changed, _ = encode_delta(
