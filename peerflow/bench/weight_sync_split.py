@@ -53,7 +53,9 @@ def run_split(args: argparse.Namespace, sizes: dict[str, tuple]) -> dict[str, An
     names = [s.strip() for s in (args.sizes or args.shape).split(",") if s.strip()]
     if len(names) != 1 or names[0] not in sizes:
         raise SystemExit(f"--split measures one size; choose --sizes from {sorted(sizes)}.")
-    dist.init_process_group("gloo")
+    from peerflow.distributed.init import init_distributed, shutdown_distributed
+
+    init_distributed("gloo", monitor=False)  # the host: both ends pack and load on it
     try:
         if dist.get_world_size() != 2:
             raise SystemExit("--split needs exactly two processes (trainer, rollout).")
@@ -62,7 +64,7 @@ def run_split(args: argparse.Namespace, sizes: dict[str, tuple]) -> dict[str, An
             gathered: list[Any] = [None, None]
             dist.all_gather_object(gathered, rows)  # rank 1 may read rank 0's model until here
     finally:
-        dist.destroy_process_group()
+        shutdown_distributed()
     if gathered[0]["rank"] != 0:
         gathered.reverse()
     if rows["rank"] != 0:
