@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from tests.engines.deepspeed import trainlib
+from tests.engines.megatron.mg_worker import exported
 
 PROMPTS = ["12+3=", "abc", "hello world", "7-2=", "zz", "the answer is", "q", "99"]
 TEMPERATURE = 0.7
@@ -69,14 +70,6 @@ def fsdp_grad_norm(model_path: str, batch, optim) -> float:
     norm = engine.train_step(batch, nll_loss)["grad_norm"]
     engine.shutdown()
     return norm
-
-
-def exported(engine) -> list:
-    out = []
-    for spec in engine.weight_sources():
-        with engine.materialize([spec]) as (tensor,):
-            out.append((spec, tensor.clone()))
-    return out
 
 
 def run_case(name: str, layout, model_path: str, full, out_dir: str) -> dict:
