@@ -11,8 +11,8 @@ three exchanges of the inner transport, every rank of the group alike:
 1. receiver → sender: the tag of the copy it holds (-1: none);
 2. sender → receiver: a header — whole or delta, the payload's size, and a checksum of
    every region (each destination tensor's slice from that sender);
-3. sender → receiver: the payload — the packed bytes whole, or the changed words'
-   indices (int32, int64 past 2**31 words) and their new values.
+3. sender → receiver: the payload — the packed bytes whole, or the changed words
+   (indices, or a bitmap when denser; `peerflow.reshard.delta_codec`) and their values.
 
 A route travels whole on its first sync, every `full_every` syncs (the periodic anchor),
 when the receiver holds another copy than the sender's base (a restart, a failed sync),
