@@ -333,9 +333,57 @@ def check_moe_r3() -> None:
     emit(figures, 0 if passed else 1)
 
 
+def vllm_moe_r3_figures(result: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+    """The `vllm-moe-r3` figures from a `peerflow bench moe --rollout vllm` result.
+
+    Passing: every sample carries vLLM's routes, every token fed to the model has one on
+    every routed layer (shape and count are checked by `routes_column` on the way), and
+    replaying them on the trainer agrees fully (`moe/replay_no_overlap` 0).
+    """
+    figures, _ = moe_r3_figures(result)
+    routes = result["routes"]
+    figures.update(rollout_engine=result["rollout"]["engine"], **routes)
+    passed = (figures["agreement"] == 1.0 and routes["samples"] > 0
+              and routes["samples_with_routes"] == routes["samples"]
+              and routes["fed_tokens_without_route"] == 0)
+    return figures, passed
+
+
+def check_vllm_moe_r3() -> None:
+    """R3 from vLLM: `peerflow bench moe --rollout vllm --device cuda`, agreement 1.0.
+
+    vLLM (bf16, Model Runner V2, `enable_return_routed_experts`) samples a tiny Qwen3-MoE
+    returning every token's experts; the fsdp trainer (fp32) replays them. Unsupported
+    (exit 3, with the reason) where vLLM is not installed or cannot return routes.
+    """
+    import argparse
+    import importlib.util
+
+    import torch
+
+    if not torch.cuda.is_available():
+        emit({"reason": "no CUDA device"}, UNSUPPORTED_EXIT)
+    if importlib.util.find_spec("vllm") is None:
+        emit({"reason": "vLLM is not installed (not in the wheel folder: too large); "
+                        "pip install 'peerflow[vllm]' on the GPU image to run this check"},
+             UNSUPPORTED_EXIT)
+    from peerflow.adapters.vllm.routes import routes_unsupported_reason
+    from peerflow.bench import moe as bench
+
+    reason = routes_unsupported_reason()
+    if reason is not None:
+        emit({"reason": reason}, UNSUPPORTED_EXIT)
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    result = bench.run(parser.parse_args(["--rollout", "vllm", "--device", "cuda",
+                                          "--rollout-dtype", "bfloat16"]))
+    figures, passed = vllm_moe_r3_figures(result)
+    emit(figures, 0 if passed else 1)
+
+
 CHECKS = {"env": check_env, "nccl-pair": check_nccl_pair, "ipc-pair": check_ipc_pair,
           "realsize": check_realsize, "bench-train": check_bench_train,
-          "moe-r3": check_moe_r3}
+          "moe-r3": check_moe_r3, "vllm-moe-r3": check_vllm_moe_r3}
 
 if __name__ == "__main__":
     if len(sys.argv) != 2 or sys.argv[1] not in CHECKS:

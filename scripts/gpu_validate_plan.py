@@ -136,6 +136,12 @@ def _lane_checks(runs: Path, checks: str) -> list[Check]:
               "engine in bf16 (routes recorded), scored by the fsdp trainer with r3: "
               "agreement 1.0, log-prob mismatch smaller than native routing", 60,
               [checks, "moe-r3"], "E"),
+        # lane F: vLLM's routes (a fifth of the GPU's memory beside the other lanes)
+        Check("vllm_moe_r3", "routing replay from vLLM: a tiny Qwen3-MoE sampled by vLLM "
+              "in bf16 with enable_return_routed_experts (Model Runner V2), a route for "
+              "every token fed, replayed by the fsdp trainer with r3: agreement 1.0 "
+              "(unsupported without vLLM on the image)", 150,
+              [checks, "vllm-moe-r3"], "F"),
     ]
 
 

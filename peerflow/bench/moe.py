@@ -1,28 +1,39 @@
 """Routing replay against a real rollout/trainer mismatch: the same batch scored off and r3.
 
 A tiny Qwen3-MoE (the tiny-model builder; 6 layers by default) samples a batch with the
-`hf` rollout engine in `--rollout-dtype` (bfloat16 by default) at `--temperature`,
-recording every token's experts. The train engine (`--trainer`, float32) then scores the
-same tokens twice, in one run: with native routing (`off`) and replaying the rollout's
-routes (`r3`). For each it reports the mean |rollout − trainer log-prob| of the sampled
-tokens, the KL estimate `mean(lp_rollout − lp_trainer)`, and the controller's agreement
-figures (`moe/replay_no_overlap`, `moe/replay_changed`). Deterministic for a seed; nothing
-is timed.
+`--rollout` engine (`hf`, or `vllm` where it declares `Capabilities.routed_experts`) in
+`--rollout-dtype` (bfloat16 by default) at `--temperature`, returning every token's
+experts (`routes` counts the samples with routes and their fed tokens without one).
+The train engine (`--trainer`, float32) then scores the same tokens twice, in one run:
+with native routing (`off`) and replaying the rollout's routes (`r3`). For each it
+reports the mean |rollout − trainer log-prob| of the sampled tokens, the KL estimate
+`mean(lp_rollout − lp_trainer)`, and the controller's agreement figures
+(`moe/replay_no_overlap`, `moe/replay_changed`). Deterministic for a seed; nothing is
+timed.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import tempfile
+from pathlib import Path
 from typing import Any
+
+#: Rollout engine options of the bench: vLLM takes a fifth of a GPU (it shares one with the
+#: trainer, and with other checks in the GPU kit) and the model's 128 positions.
+_ROLLOUT_OPTIONS = {"vllm": {"gpu_memory_utilization": 0.2, "max_model_len": 128}}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Adds the benchmark's options."""
     parser.add_argument("--trainer", default="fsdp",
                         help="train engine (fsdp, deepspeed, megatron)")
+    parser.add_argument("--rollout", default="hf", choices=("hf", "vllm"),
+                        help="rollout engine that samples and returns routes (default hf; "
+                        "vllm needs Capabilities.routed_experts: Model Runner V2 on a GPU)")
     parser.add_argument("--rollout-dtype", default="bfloat16",
-                        help="dtype of the hf rollout engine (default bfloat16)")
+                        help="dtype of the rollout engine (default bfloat16)")
     parser.add_argument("--experts", type=int, default=8, help="experts per layer (default 8)")
     parser.add_argument("--top-k", type=int, default=2, help="experts per token (default 2)")
     parser.add_argument("--hidden", type=int, default=64, help="hidden size (default 64)")
@@ -44,12 +55,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Samples once, scores off and r3, and returns the figures (see the module docstring)."""
     model = _model(args)
-    batch, rollout_logprobs = _sample(model, args)
+    batch, rollout_logprobs, coverage = _sample(model, args)
     result: dict[str, Any] = {
         "model": {"family": "qwen3_moe", "experts": args.experts, "top_k": args.top_k,
                   "hidden": args.hidden, "layers": args.layers},
-        "rollout": {"engine": "hf", "dtype": args.rollout_dtype,
+        "rollout": {"engine": args.rollout, "dtype": args.rollout_dtype,
                     "temperature": args.temperature},
+        "routes": coverage,
         "device": args.device,
         "trainer": {"engine": args.trainer, "dtype": "float32"},
         "samples": len(batch), "sampled_tokens": int(rollout_logprobs.values.numel()),
@@ -83,17 +95,21 @@ def _sample(model: str, args: argparse.Namespace) -> tuple[Any, Any]:
     from peerflow.plugins import get_plugin_manager
     from peerflow.routes import ROUTES, routes_column
 
-    hf = get_plugin_manager().get("rollout_engine", "hf")
-    engine = hf(EngineContext(model_path=model, layout=ParallelLayout(),
-                              dtype=args.rollout_dtype, seed=args.seed, device=args.device))
+    cls = get_plugin_manager().get("rollout_engine", args.rollout)
+    context = EngineContext(model_path=model, layout=ParallelLayout(), dtype=args.rollout_dtype,
+                            seed=args.seed, device=args.device, routed_experts=True)
+    engine = cls(context, cls.options_class(**_ROLLOUT_OPTIONS.get(args.rollout, {})))
     gen = torch.Generator().manual_seed(args.seed)
-    vocab = engine.model.config.vocab_size
+    vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
     requests = [GenerationRequest(request_id=i, prompt_ids=torch.randint(
         2, vocab, (int(torch.randint(2, 8, (1,), generator=gen)),), generator=gen).tolist())
         for i in range(args.prompts)]
     sampling = SamplingParams(n=args.n, max_tokens=args.max_tokens, seed=args.seed,
                               temperature=args.temperature)
-    results = engine.generate(requests, sampling)
+    try:
+        results = engine.generate(requests, sampling)
+    finally:
+        engine.shutdown()
     prompts = [requests[r.request_id].prompt_ids for r in results]
     batch = Batch(sample_id=range(len(results)), group_id=[r.request_id for r in results],
                   weight_version=[0] * len(results))
@@ -101,7 +117,24 @@ def _sample(model: str, args: argparse.Namespace) -> tuple[Any, Any]:
     batch.set("response_ids", RaggedField.from_lists([r.token_ids for r in results],
                                                      torch.int64))
     batch.set(ROUTES, routes_column(results, [len(p) for p in prompts]))
-    return batch, RaggedField.from_lists([r.logprobs for r in results], torch.float32)
+    return (batch, RaggedField.from_lists([r.logprobs for r in results], torch.float32),
+            _coverage(results))
+
+
+def _coverage(results: Any) -> dict[str, int]:
+    """How many samples carry routes, and their fed tokens without one on a routed layer.
+
+    Every token but a sample's last sampled one is fed to the model, so it has a route on
+    every layer with a router (a layer where some token has one).
+    """
+    with_routes = [r.routed_experts for r in results if r.routed_experts is not None]
+    missing = 0
+    for routes in with_routes:
+        fed = routes[:-1]
+        routed = (routes >= 0).any(dim=(0, 2))
+        missing += int((fed[:, routed] < 0).any(dim=(1, 2)).sum())
+    return {"samples": len(results), "samples_with_routes": len(with_routes),
+            "fed_tokens_without_route": missing}
 
 
 def _score(model: str, batch: Any, rollout: Any, mode: str,

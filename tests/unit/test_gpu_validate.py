@@ -419,3 +419,26 @@ def test_moe_r3_check_is_planned_and_passes_only_on_full_agreement(tmp_path) -> 
     assert figures["mean_abs_logprob_diff_r3"] < figures["mean_abs_logprob_diff_off"]
     result["r3"]["moe/replay_no_overlap"] = 0.01  # one replayed route in 100 disjoint
     assert programs.moe_r3_figures(result) == ({**figures, "agreement": 0.99}, False)
+
+
+def test_vllm_moe_r3_check_needs_every_fed_token_routed_and_full_agreement(tmp_path) -> None:
+    """The `vllm_moe_r3` check (its own lane: vLLM beside the other lanes) runs `peerflow
+    bench moe --rollout vllm`; it passes only when every sample has routes, every fed token
+    has one, and r3 agrees fully. The rule is checked on the hf engine's routes here."""
+    checks = {c.name: c for c in _kit().plan_checks(tmp_path)}
+    assert checks["vllm_moe_r3"].argv[1:] == ["vllm-moe-r3"]
+    assert checks["vllm_moe_r3"].lane not in {c.lane for c in checks.values()
+                                              if c.name != "vllm_moe_r3"}
+    programs = _kit("gpu_validate_checks")
+    from peerflow.bench import moe
+
+    parser = __import__("argparse").ArgumentParser()
+    moe.add_arguments(parser)
+    result = moe.run(parser.parse_args(["--layers", "2", "--prompts", "4", "--n", "2"]))
+    figures, passed = programs.vllm_moe_r3_figures(result)
+    assert passed and figures["samples_with_routes"] == figures["samples"] == 8
+    assert figures["fed_tokens_without_route"] == 0 and figures["rollout_engine"] == "hf"
+    result["routes"]["fed_tokens_without_route"] = 1
+    assert not programs.vllm_moe_r3_figures(result)[1]
+    result["routes"].update(fed_tokens_without_route=0, samples_with_routes=7)
+    assert not programs.vllm_moe_r3_figures(result)[1]
