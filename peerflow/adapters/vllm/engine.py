@@ -188,7 +188,7 @@ class VLLMRolloutEngine(VLLMConformanceHooks, TensorParallelRolloutEngine):
             return LLM(**kwargs)
         try:
             return LLM(**kwargs)
-        except (ValueError, TypeError, NotImplementedError) as error:
+        except (ValueError, TypeError, RuntimeError, NotImplementedError) as error:
             raise ConfigError(start_error(error)) from error
 
     def _check_targets_match_engine(self) -> None:
@@ -262,7 +262,8 @@ class VLLMRolloutEngine(VLLMConformanceHooks, TensorParallelRolloutEngine):
                                         lora_request=adapter)
         results = []
         for request, output in zip(requests, outputs):
-            routes = self._request_routes(output)
+            routes = None if self._routes_shape is None else request_routes(
+                output, num_layers=self._routes_shape[0], sparse_layers=self._routes_shape[1])
             for sample in sorted(output.outputs, key=lambda c: c.index):
                 tokens = list(sample.token_ids)
                 logprobs = _sampled_logprobs(sample) if sampling.logprobs else []
@@ -276,13 +277,6 @@ class VLLMRolloutEngine(VLLMConformanceHooks, TensorParallelRolloutEngine):
                     answer = attrs.evolve(answer, routed_experts=row[:kept])
                 results.append(answer)
         return results
-
-    def _request_routes(self, output: Any) -> list[torch.Tensor | None] | None:
-        """The routes of one `RequestOutput`'s completions by index (`None`: not asked)."""
-        if self._routes_shape is None:
-            return None
-        num_layers, sparse = self._routes_shape
-        return request_routes(output, num_layers=num_layers, sparse_layers=sparse)
 
     # -- weights ------------------------------------------------------------------------
 
