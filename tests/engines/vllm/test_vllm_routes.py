@@ -164,3 +164,20 @@ def test_route_shape_and_engine_args(tmp_path):
     assert route_engine_args(VLLMRolloutOptions()) == {"enable_return_routed_experts": True}
     with pytest.raises(ConfigError, match="rollout.vllm.enable_prefix_caching: true"):
         route_engine_args(VLLMRolloutOptions(enable_prefix_caching=False))
+
+
+def test_r3_on_vllm_cpu_is_refused_before_vllm_starts(tmp_path):
+    """The engine refuses `routed_experts` from the probe's reason, naming the setting."""
+    from peerflow.adapters.vllm.engine import VLLMRolloutEngine
+
+    if VLLMRolloutEngine.capabilities.routed_experts:
+        pytest.skip("this machine's vLLM returns routes (the GPU kit's vllm_moe_r3 runs it)")
+    config = {"model_type": "qwen3_moe", "num_hidden_layers": 2, "num_experts": 4}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    context = EngineContext(model_path=str(tmp_path), layout=ParallelLayout(), routed_experts=True)
+    with pytest.raises(
+        ConfigError,
+        match="trainer.routing_replay: r3 with rollout.backend"
+        "=vllm: vLLM returns routed experts only under Model Runner V2",
+    ):
+        VLLMRolloutEngine(context, VLLMRolloutOptions())
