@@ -181,3 +181,23 @@ def test_r3_on_vllm_cpu_is_refused_before_vllm_starts(tmp_path):
         "=vllm: vLLM returns routed experts only under Model Runner V2",
     ):
         VLLMRolloutEngine(context, VLLMRolloutOptions())
+
+
+def test_the_runtime_asks_rollout_engines_for_routes_under_r3_only(tmp_path):
+    """`WorkerRuntime.context` sets `routed_experts` for the rollout role when r3 is set."""
+    from types import SimpleNamespace
+
+    from peerflow.config import load_config
+    from peerflow.worker.runtime import WorkerRuntime
+
+    for mode, rollout in (("r3", True), ("r2", False), ("off", False)):
+        config = load_config(None, [f"trainer.routing_replay={mode}"])
+        host = SimpleNamespace(
+            config=config,
+            model_path=str(tmp_path),
+            rank=0,
+            run_dir=tmp_path,
+            layouts={"rollout": ParallelLayout(), "actor": ParallelLayout()},
+        )
+        assert WorkerRuntime.context(host, "rollout").routed_experts is rollout
+        assert WorkerRuntime.context(host, "actor").routed_experts is False
