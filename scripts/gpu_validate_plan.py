@@ -58,7 +58,7 @@ SPLIT = ("runtime.placement=split", "rollout.layout.dp=1", "trainer.layout.dp=1"
 def plan_checks(out: Path) -> list[Check]:
     """The checks, in lane order; run directories go under `out`.
 
-    Phase 0 runs five lanes side by side (about 96-114 s for lanes A-C on the H200);
+    Phase 0 runs six lanes side by side (about 96-114 s for lanes A-C on the H200);
     phase 1 is `realsize` alone (the GPU to itself); phase 2 the benchmarks (`bench
     train` on the GPU, the coordinator's with a core per process).
     """
@@ -68,7 +68,7 @@ def plan_checks(out: Path) -> list[Check]:
 
 
 def _lane_checks(runs: Path, checks: str) -> list[Check]:
-    """Phase 0: the five lanes (A-E) that run side by side."""
+    """Phase 0: the six lanes (A-F) that run side by side."""
     q = str(runs / "quickstart-bf16")
     return [
         # lane A: versions, the gpu-marked tests, conformance of the reference adapters
