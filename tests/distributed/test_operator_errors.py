@@ -226,6 +226,9 @@ def test_ctrl_c_under_torchrun_checkpoints_the_stop_step(tmp_path, sig) -> None:
         assert f"): {sig.name}, graceful stop requested" in log, log
 
 
+# Slow tier: the graceful stop is the same under every launcher (torchrun and the local
+# one above); test_launch.py places workers with the Ray launcher in every run.
+@pytest.mark.slow
 def test_ctrl_c_under_the_ray_launcher_checkpoints_the_stop_step(tmp_path) -> None:
     """`--launcher ray`: Ctrl-C in a terminal (the driver's process group) is the same
     graceful stop; the driver waits for its actors to finish the step and save it."""

@@ -15,7 +15,10 @@ pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.distributed
 
 
-@pytest.mark.parametrize("layout", ["trainer.layout.tp=2", "trainer.layout.pp=2"])
+# pp=2 learning is in the slow tier: test_megatron_engine.py checks pp=2 steps against
+# one rank in every run.
+@pytest.mark.parametrize("layout", ["trainer.layout.tp=2", pytest.param(
+    "trainer.layout.pp=2", marks=pytest.mark.slow)])
 def test_quickstart_learns_with_megatron(tmp_path, layout):
     lines = train("megatron", tmp_path / "run", f"run.steps={LEARN_STEPS}",
                   "run.checkpoint_every=0", layout, cache=tmp_path / "models")
