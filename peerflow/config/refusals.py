@@ -39,7 +39,7 @@ class Demand:
 
 def _replay(config: Any, *modes: str) -> str | None:
     """`trainer.routing_replay` when it is one of `modes` (MoE routing replay)."""
-    mode = getattr(config.trainer, "routing_replay", "off")
+    mode = config.trainer.routing_replay
     return mode if mode in modes else None
 
 

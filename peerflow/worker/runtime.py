@@ -188,7 +188,7 @@ class WorkerRuntime:
             run_dir=str(self.run_dir),
             temperature=self.config.rollout.sampling.temperature,
             routed_experts=ROLES[role].engine == "rollout_engine"
-            and getattr(self.config.trainer, "routing_replay", "off") == "r3",
+            and self.config.trainer.routing_replay == "r3",
         )
 
     def build_engine(self, role: str, process_group: Any = None) -> Any:
