@@ -45,9 +45,27 @@ def _check_tool_names(instance: Any, attribute: attrs.Attribute, names: tuple[st
     _registered_tools(names)  # raises UnknownNameError listing the registered tools
 
 
-def _positive(instance: Any, attribute: attrs.Attribute, value: float) -> None:
+def positive_option(instance: Any, attribute: attrs.Attribute, value: float) -> None:
+    """Refuses a `rollout.agent.options` number that is not > 0 (an attrs validator)."""
     if value <= 0:
         raise ValueError(f"rollout.agent.options.{attribute.name} must be > 0, got {value}.")
+
+
+def prompt_messages(prompt: str | Messages, system_prompt: str) -> Messages:
+    """An example's prompt as chat messages, after `system_prompt` when set."""
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [
+        dict(m) for m in prompt]
+    if system_prompt and messages[0].get("role") != "system":
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    return messages
+
+
+def tool_message(content: str, failed: bool, limit: int) -> dict[str, str]:
+    """A call's result as a `tool` message: `Error: ` before a failure, cut at `limit`."""
+    text = f"Error: {content}" if failed else content
+    if len(text) > limit:
+        text = text[:limit] + f" … [cut at {limit} characters]"
+    return {"role": "tool", "content": text}
 
 
 @attrs.frozen(kw_only=True)
@@ -59,13 +77,13 @@ class ToolOptions:
     """Registered tools offered to the model, added to the class's `default_tools`."""
     system_prompt: str = ""
     """A system message put before the example's prompt (empty: none)."""
-    timeout_s: float = attrs.field(default=10.0, validator=_positive)
+    timeout_s: float = attrs.field(default=10.0, validator=positive_option)
     """Wall-clock limit of one tool call (its process is killed past it)."""
-    memory_mb: int = attrs.field(default=512, validator=_positive)
+    memory_mb: int = attrs.field(default=512, validator=positive_option)
     """Address-space limit of one tool call's process."""
-    max_calls_per_turn: int = attrs.field(default=4, validator=_positive)
+    max_calls_per_turn: int = attrs.field(default=4, validator=positive_option)
     """Calls run per turn; further calls get an error result."""
-    max_result_chars: int = attrs.field(default=2000, validator=_positive)
+    max_result_chars: int = attrs.field(default=2000, validator=positive_option)
     """A result longer than this is cut (and says so)."""
     end_on_error: bool = False
     """End the trajectory when a call fails, instead of showing the model the error: as
@@ -102,12 +120,7 @@ class ToolEnvironment(Environment):
 
     def initial_prompt(self) -> str | Messages:
         """The example's prompt as chat messages, after `system_prompt` when set."""
-        prompt = self.example.prompt
-        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [
-            dict(m) for m in prompt]
-        if self.options.system_prompt and messages[0].get("role") != "system":
-            messages.insert(0, {"role": "system", "content": self.options.system_prompt})
-        return messages
+        return prompt_messages(self.example.prompt, self.options.system_prompt)
 
     def step(self, turn: Turn) -> StepResult:
         """Runs the turn's calls; a turn without a call is the answer and ends the episode.
@@ -155,8 +168,4 @@ class ToolEnvironment(Environment):
         return f"bad arguments for {call.name!r}: " + "; ".join(errors) if errors else ""
 
     def _message(self, result: ToolResult) -> dict[str, str]:
-        content = result.content if not result.failed else f"Error: {result.content}"
-        limit = self.options.max_result_chars
-        if len(content) > limit:
-            content = content[:limit] + f" … [cut at {limit} characters]"
-        return {"role": "tool", "content": content}
+        return tool_message(result.content, result.failed, self.options.max_result_chars)

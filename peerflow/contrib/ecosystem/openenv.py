@@ -31,6 +31,7 @@ from typing import Any, ClassVar
 import attrs
 
 from peerflow.agents.environment import StepResult, Turn
+from peerflow.agents.tool_env import positive_option
 from peerflow.algorithms.base import Example
 from peerflow.contrib.ecosystem.tool_episodes import (
     ToolAnswer,
@@ -52,11 +53,6 @@ def _loadable(_: object, attribute: attrs.Attribute, value: str) -> None:
         load_target(value, f"rollout.agent.options.{attribute.name}")
 
 
-def _positive(_: object, attribute: attrs.Attribute, value: int) -> None:
-    if value <= 0:
-        raise ValueError(f"rollout.agent.options.{attribute.name} must be > 0, got {value}.")
-
-
 @attrs.frozen(kw_only=True)
 class OpenEnvOptions(ToolEpisodeOptions):
     """`rollout.agent.options` of `openenv`."""
@@ -67,7 +63,7 @@ class OpenEnvOptions(ToolEpisodeOptions):
     """Its action class (default: OpenEnv's `CallToolAction`, for MCP environments)."""
     observation: str = attrs.field(default="", validator=_loadable)
     """Its observation class (default: OpenEnv's `CallToolObservation`)."""
-    max_concurrent_envs: int = attrs.field(default=64, validator=_positive)
+    max_concurrent_envs: int = attrs.field(default=64, validator=positive_option)
     """Sessions the served environment accepts at once (per rollout process)."""
     url: str = ""
     """A running OpenEnv server to use instead of `server` (`http://host:port`)."""

@@ -32,12 +32,8 @@ import attrs
 
 from peerflow.agents.environment import Environment, Messages, StepResult, Turn
 from peerflow.agents.tool_calls import parse_tool_calls
+from peerflow.agents.tool_env import positive_option, prompt_messages, tool_message
 from peerflow.algorithms.base import Example
-
-
-def _positive(_: object, attribute: attrs.Attribute, value: float) -> None:
-    if value <= 0:
-        raise ValueError(f"rollout.agent.options.{attribute.name} must be > 0, got {value}.")
 
 
 @attrs.frozen(kw_only=True)
@@ -53,9 +49,9 @@ class ToolEpisodeOptions:
     """The argument of `answer_tool` that gets the turn's text."""
     reward_name: str = "env"
     """The reward component the environment's rewards are summed into."""
-    max_calls_per_turn: int = attrs.field(default=4, validator=_positive)
+    max_calls_per_turn: int = attrs.field(default=4, validator=positive_option)
     """Calls run per turn; further calls get an error result."""
-    max_result_chars: int = attrs.field(default=2000, validator=_positive)
+    max_result_chars: int = attrs.field(default=2000, validator=positive_option)
     """A result longer than this is cut (and says so)."""
 
 
@@ -101,13 +97,9 @@ class ToolEpisode(Environment):
     def initial_prompt(self) -> str | Messages:
         """The example's prompt (after `system_prompt`), then the environment's opening."""
         prompt = self.example.prompt
-        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [
-            dict(m) for m in prompt]
         if self.opening:
-            messages.append({"role": "user", "content": self.opening})
-        if self.options.system_prompt and messages[0].get("role") != "system":
-            messages.insert(0, {"role": "system", "content": self.options.system_prompt})
-        return messages
+            prompt = [*prompt_messages(prompt, ""), {"role": "user", "content": self.opening}]
+        return prompt_messages(prompt, self.options.system_prompt)
 
     def step(self, turn: Turn) -> StepResult:
         """Runs the turn's calls (or passes the answer to `answer_tool`)."""
@@ -140,11 +132,7 @@ class ToolEpisode(Environment):
         return answer
 
     def _message(self, answer: ToolAnswer) -> dict[str, str]:
-        text = f"Error: {answer.text}" if answer.error else answer.text
-        limit = self.options.max_result_chars
-        if len(text) > limit:
-            text = text[:limit] + f" … [cut at {limit} characters]"
-        return {"role": "tool", "content": text}
+        return tool_message(answer.text, answer.error, self.options.max_result_chars)
 
     def final_reward(self) -> dict[str, float] | None:
         """The environment's rewards summed as `reward_name`; `None` when it gave none."""
