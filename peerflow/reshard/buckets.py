@@ -13,14 +13,13 @@ it after the last one, so the send and receive buffers stay within a bucket.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import attrs
-import torch
 
 from peerflow.errors import ConfigError
 from peerflow.reshard.plan import ReshardPlan, Transfer
+from peerflow.reshard.senders import itemsize
 from peerflow.shard import Box
 
 
@@ -52,11 +51,6 @@ class Bucket:
             return self.targets
         return ()
 
-
-@functools.cache
-def itemsize(dtype: str) -> int:
-    """Returns the bytes per element of a torch dtype name."""
-    return getattr(torch, dtype).itemsize
 
 
 def make_buckets(plan: ReshardPlan, bucket_bytes: int) -> list[Bucket]:

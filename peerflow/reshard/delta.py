@@ -39,10 +39,10 @@ import attrs
 import torch
 
 from peerflow.errors import ConfigError, ShardError
-from peerflow.reshard.buckets import itemsize
 from peerflow.reshard.delta_codec import apply_delta, encode_delta, region_checksum
 from peerflow.reshard.executor import BucketRoutes, packed_layout
 from peerflow.reshard.plan import ReshardPlan, Transfer
+from peerflow.reshard.senders import itemsize
 from peerflow.reshard.transport import Route, WeightTransport
 
 #: `weight_sync.encoding` values.

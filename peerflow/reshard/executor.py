@@ -35,9 +35,10 @@ import torch
 from peerflow.engines.base import WeightSyncStats
 from peerflow.errors import ShardError
 from peerflow.reshard.arena import ALIGN, Arena, MemoryMeter
-from peerflow.reshard.buckets import Bucket, itemsize
+from peerflow.reshard.buckets import Bucket
 from peerflow.reshard.deadline import exchange_bucket
 from peerflow.reshard.plan import ReshardPlan, Transfer
+from peerflow.reshard.senders import itemsize
 from peerflow.reshard.transport import WeightTransport
 from peerflow.rounding import pad_to_multiple
 from peerflow.shard import ShardSpec
