@@ -8,7 +8,6 @@ monkeypatching `importlib.util.find_spec` in-process, and, for the CLI, by a
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -21,7 +20,7 @@ from peerflow.config import load_config
 from peerflow.config.extras import dependency_problems, launcher_problem
 from peerflow.config.refusals import DEMANDS, capability_problems
 from peerflow.engines.base import EngineBase
-from tests.helpers.configs import validation_error
+from tests.helpers.configs import dependency_text, hide_modules, validation_error
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -128,24 +127,10 @@ def test_first_party_engines_are_refused_at_validate(plugin_manager):
     assert "trainer.backend='deepspeed' does not declare Capabilities.value_head" in message
 
 
-@pytest.fixture
-def absent(monkeypatch):
-    """Hides top-level modules from `importlib.util.find_spec`."""
-    hidden: set[str] = set()
-    real = importlib.util.find_spec
-
-    def find_spec(name: str, package: str | None = None):
-        return None if name.split(".")[0] in hidden else real(name, package)
-
-    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
-    return hidden
-
-
-def test_absent_libraries_name_the_extra(absent, plugin_manager):
-    absent.update({"peft", "deepspeed", "wandb", "ray"})
-    config = load_config(None, ["trainer.lora.rank=4", "trainer.backend=deepspeed",
-                                "run.wandb=true"])
-    text = "\n".join(dependency_problems(config, plugin_manager))
+def test_absent_libraries_name_the_extra(monkeypatch, plugin_manager):
+    hide_modules(monkeypatch, "peft", "deepspeed", "wandb", "ray")
+    text = dependency_text(plugin_manager, "trainer.lora.rank=4", "trainer.backend=deepspeed",
+                           "run.wandb=true")
     assert "trainer.lora needs the peft package, which is not installed: pip install " \
            "'peerflow[lora]'" in text
     assert "trainer.backend='deepspeed' needs deepspeed" in text
@@ -156,7 +141,7 @@ def test_absent_libraries_name_the_extra(absent, plugin_manager):
     assert "peerflow[lora]" in message
 
 
-def test_present_libraries_pass(absent, plugin_manager):
+def test_present_libraries_pass(plugin_manager):
     config = load_config(None, [])
     assert dependency_problems(config, plugin_manager) == []
 

@@ -9,19 +9,17 @@ sessions, MCP tools through fastmcp), the tool loop, the rendering, the rewards.
 
 from __future__ import annotations
 
-import importlib.util
-
 import attrs
 import pytest
 
 from peerflow import ParallelLayout, SamplingParams
 from peerflow.agents.rollout import ENV_REWARD_COMPONENTS, LOSS_MASK, AgentRollout
 from peerflow.algorithms.base import Example
-from peerflow.config import AgentConfig, load_config, structure_options
-from peerflow.config.extras import dependency_problems
+from peerflow.config import AgentConfig, structure_options
 from peerflow.engines import EngineContext
 from peerflow.errors import ConfigError
 from peerflow.rollout.sampler import Draw
+from tests.helpers.configs import dependency_text, hide_modules
 
 pytest.importorskip("openenv")
 pytest.importorskip("fastmcp")
@@ -148,12 +146,9 @@ def test_options_are_checked(plugin_manager):
 
 
 def test_missing_library_names_the_extra_and_the_install(monkeypatch, plugin_manager):
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, package=None: (
-        None if name.split(".")[0] == "openenv" else real(name, package)))
-    config = load_config(None, ["rollout.agent.environment=openenv",
-                                "rollout.agent.options.url=http://127.0.0.1:1"])
-    text = "\n".join(dependency_problems(config, plugin_manager))
+    hide_modules(monkeypatch, "openenv")
+    text = dependency_text(plugin_manager, "rollout.agent.environment=openenv",
+                           "rollout.agent.options.url=http://127.0.0.1:1")
     assert ("rollout.agent.environment='openenv' needs the openenv package, which is not "
             "installed: pip install 'peerflow[openenv]' && pip install --no-deps "
             "openenv-core==0.3.0") in text

@@ -20,6 +20,7 @@ from peerflow.outputs import (
     span,
     write_resolved_config,
 )
+from tests.helpers.configs import hide_modules
 
 
 def test_fresh_run_dirs_are_timestamped_and_distinct(tmp_path):
@@ -69,15 +70,11 @@ def test_read_metrics_errors_name_the_line(tmp_path):
 
 
 def test_a_tracker_without_its_package_is_refused_naming_the_install(tmp_path, monkeypatch):
-    import importlib.util
-
     from peerflow.config import validate_config
     from peerflow.errors import ConfigError
     from peerflow.plugins import load_plugins
 
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name in ("wandb", "mlflow") else real(name, *a))
+    hide_modules(monkeypatch, "wandb", "mlflow")
     for name in ("wandb", "mlflow"):
         with pytest.raises(ConfigError, match=rf"pip install 'peerflow\[{name}\]'"):
             MetricsWriter(tmp_path, tensorboard=False, **{name: True})

@@ -18,6 +18,7 @@ from peerflow.config import AgentConfig, load_config, structure_options, validat
 from peerflow.engines import EngineContext
 from peerflow.errors import ConfigError
 from peerflow.rollout.sampler import Draw
+from tests.helpers.configs import dependency_text, hide_modules
 from tests.unit import agent_programs
 from tests.unit.test_agents_render import CHATML
 
@@ -232,17 +233,9 @@ def test_non_loopback_without_a_token_is_refused_at_validate(plugin_manager):
 
 
 def test_missing_server_libraries_name_the_extra(monkeypatch, plugin_manager):
-    import importlib.util
-
-    from peerflow.config.extras import dependency_problems
-
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, package=None: (
-        None if name.split(".")[0] == "fastapi" else real(name, package)))
-    config = load_config(None, [
-        "rollout.agent.environment=agent-program",
-        "rollout.agent.options.function=tests.unit.agent_programs:chat_agent"])
-    text = "\n".join(dependency_problems(config, plugin_manager))
+    hide_modules(monkeypatch, "fastapi")
+    text = dependency_text(plugin_manager, "rollout.agent.environment=agent-program",
+                           "rollout.agent.options.function=tests.unit.agent_programs:chat_agent")
     assert ("rollout.agent.environment='agent-program' needs the fastapi package, which is "
             "not installed: pip install 'peerflow[endpoint]'") in text
 

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 
 from peerflow.config import load_config, structure_options
-from peerflow.config.extras import dependency_problems
 from peerflow.errors import ConfigError
+from tests.helpers.configs import dependency_text, hide_modules
 
 rg = pytest.importorskip("reasoning_gym")
 
@@ -112,11 +110,9 @@ def test_composite_routes_each_item_to_its_family(plugin_manager):
 
 
 def test_missing_library_names_the_extra(monkeypatch, plugin_manager):
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, package=None: (
-        None if name.split(".")[0] == "reasoning_gym" else real(name, package)))
-    config = load_config(None, ["task.name=reasoning-gym", "task.options.dataset=chain_sum"])
-    text = "\n".join(dependency_problems(config, plugin_manager))
+    hide_modules(monkeypatch, "reasoning_gym")
+    text = dependency_text(plugin_manager, "task.name=reasoning-gym",
+                           "task.options.dataset=chain_sum")
     assert ("task.name='reasoning-gym' needs the reasoning_gym package, which is not "
             "installed: pip install 'peerflow[reasoning-gym]'") in text
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import random
 from pathlib import Path
@@ -12,12 +11,12 @@ import pytest
 from peerflow import ParallelLayout, SamplingParams
 from peerflow.agents import Turn
 from peerflow.agents.rollout import LOSS_MASK, AgentRollout
-from peerflow.config import AgentConfig, load_config, structure_options
-from peerflow.config.extras import dependency_problems
+from peerflow.config import AgentConfig, structure_options
 from peerflow.engines import EngineContext
 from peerflow.errors import ConfigError
 from peerflow.rollout.prompts import encode_prompt
 from peerflow.rollout.sampler import Draw
+from tests.helpers.configs import dependency_text, hide_modules
 
 pytest.importorskip("textarena")
 
@@ -143,12 +142,9 @@ def test_games_run_through_the_agent_driver_token_exactly(long_model):
 
 
 def test_missing_library_names_the_extra(monkeypatch, plugin_manager):
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, package=None: (
-        None if name.split(".")[0] == "textarena" else real(name, package)))
-    config = load_config(None, ["task.name=textarena", f"task.options.env_id={GAME}",
-                                "rollout.agent.environment=textarena"])
-    text = "\n".join(dependency_problems(config, plugin_manager))
+    hide_modules(monkeypatch, "textarena")
+    text = dependency_text(plugin_manager, "task.name=textarena", f"task.options.env_id={GAME}",
+                           "rollout.agent.environment=textarena")
     assert "task.name='textarena' needs the textarena package" in text
     assert ("rollout.agent.environment='textarena' needs the textarena package, which is not "
             "installed: pip install 'peerflow[textarena]'") in text

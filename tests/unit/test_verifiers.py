@@ -8,17 +8,15 @@ scores as metrics, equal to the rubric's functions applied to the tokens the tra
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 
 from peerflow import ParallelLayout, SamplingParams
 from peerflow.agents.rollout import ENV_REWARD_COMPONENTS, LOSS_MASK, AgentRollout
-from peerflow.config import AgentConfig, load_config, structure_options
-from peerflow.config.extras import dependency_problems
+from peerflow.config import AgentConfig, structure_options
 from peerflow.engines import EngineContext
 from peerflow.errors import ConfigError
 from peerflow.rollout.sampler import Draw
+from tests.helpers.configs import dependency_text, hide_modules
 
 pytest.importorskip("verifiers")
 pytest.importorskip("openai")
@@ -140,12 +138,10 @@ def test_task_options_are_checked():
 
 
 def test_missing_library_names_the_extra_and_the_install(monkeypatch, plugin_manager):
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, package=None: (
-        None if name.split(".")[0] == "verifiers" else real(name, package)))
-    config = load_config(None, ["task.name=verifiers", f"task.options.environment={ENV}",
-                                "rollout.agent.environment=verifiers"])
-    text = "\n".join(dependency_problems(config, plugin_manager))
+    hide_modules(monkeypatch, "verifiers")
+    text = dependency_text(plugin_manager, "task.name=verifiers",
+                           f"task.options.environment={ENV}",
+                           "rollout.agent.environment=verifiers")
     assert ("task.name='verifiers' needs the verifiers package, which is not installed: pip "
             "install 'peerflow[verifiers]' && pip install --no-deps verifiers==0.3.1 "
             "openai-agents==0.24.0") in text
