@@ -37,6 +37,11 @@ from pathlib import Path
 from typing import Any
 
 from peerflow.bench.e2e import worker_env
+from peerflow.bench.options import (
+    add_both_sides_config_argument,
+    add_both_sides_override_argument,
+    add_runs_argument,
+)
 from peerflow.bench.shapes import MAX_TOKENS, add_shape_argument, config_overrides, pick
 
 #: Phases the trainer group computes in a synchronous step (it waits for the rest, and
@@ -48,8 +53,7 @@ ROLLOUT_PHASES = ("generate", "reward")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Adds the benchmark's options."""
-    parser.add_argument("--config", default="examples/quickstart.yaml",
-                        help="run config both sides use (default: the quickstart)")
+    add_both_sides_config_argument(parser)
     add_shape_argument(parser)
     parser.add_argument("--steps", type=int, help="training steps per side (quickstart 8, "
                         "realistic 3)")
@@ -61,9 +65,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts-per-call", type=int, default=0,
                         help="async side: prompts per generate call (0: the whole step's, "
                         "best for engines without continuous batching such as hf)")
-    parser.add_argument("--runs", type=int, default=1, help="repetitions (medians reported)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[],
-                        metavar="KEY=VALUE", help="config override applied to both sides")
+    add_runs_argument(parser, 1, "repetitions (medians reported)")
+    add_both_sides_override_argument(parser)
 
 
 def _train(config: str, overrides: list[str], work: Path, label: str) -> list[dict[str, Any]]:

@@ -29,6 +29,8 @@ import os
 import statistics
 from typing import Any
 
+from peerflow.bench.options import add_runs_argument
+
 #: What each timed call records (the slowest rank's wall, the busiest rank's bytes and
 #: CPU, the ranks' summed CPU); reported as medians over the runs.
 _MEASURED = ("wall_s", "busiest_rank_bytes", "busiest_rank_cpu_s", "total_cpu_s")
@@ -42,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--group-size", type=int, default=8, help="answers per prompt")
     parser.add_argument("--mean-tokens", type=int, default=256,
                         help="mean response length (exponentially distributed)")
-    parser.add_argument("--runs", type=int, default=3, help="timed repetitions per mode")
+    add_runs_argument(parser, 3, "timed repetitions per mode")
     parser.add_argument("--simulate", default="8,64,256,1024",
                         help="process counts for the modelled traffic ('' to skip)")
     parser.add_argument("--sim-samples-per-rank", type=int, default=64,

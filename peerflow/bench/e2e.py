@@ -33,20 +33,23 @@ import time
 from pathlib import Path
 from typing import Any
 
+from peerflow.bench.options import (
+    add_both_sides_config_argument,
+    add_both_sides_override_argument,
+    add_runs_argument,
+)
 from peerflow.bench.shapes import add_shape_argument, config_overrides, pick
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Adds the benchmark's options."""
-    parser.add_argument("--config", default="examples/quickstart.yaml",
-                        help="run config both sides use (default: the quickstart)")
+    add_both_sides_config_argument(parser)
     add_shape_argument(parser)
     parser.add_argument("--nprocs", type=int, default=2, help="processes per side")
     parser.add_argument("--steps", type=int,
                         help="training steps per side (quickstart 20, realistic 3)")
-    parser.add_argument("--runs", type=int, default=1, help="repetitions (medians reported)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[],
-                        metavar="KEY=VALUE", help="config override applied to both sides")
+    add_runs_argument(parser, 1, "repetitions (medians reported)")
+    add_both_sides_override_argument(parser)
     parser.add_argument("--skip-trl", action="store_true",
                         help="measure PeerFlow only (TRL not installed)")
 

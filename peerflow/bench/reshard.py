@@ -28,6 +28,8 @@ import statistics
 import time
 from typing import TYPE_CHECKING, Any
 
+from peerflow.bench.options import add_runs_argument
+
 if TYPE_CHECKING:  # torch and the planner load in `run`: `peerflow --help` stays fast
     import torch
 
@@ -42,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vocab", type=int, default=32000, help="vocabulary (default 32000)")
     parser.add_argument("--bucket-mb", type=float, default=256.0,
                         help="bucket size in MiB (default 256)")
-    parser.add_argument("--runs", type=int, default=3, help="repetitions (median reported)")
+    add_runs_argument(parser, 3, "repetitions (median reported)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads for both sides (default 1)")
 

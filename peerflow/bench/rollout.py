@@ -34,6 +34,7 @@ from typing import Any
 
 import attrs
 
+from peerflow.bench.options import add_runs_argument
 from peerflow.bench.shapes import (
     BENCH_MODEL,
     GENERATION,
@@ -65,7 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int,
                         help=f"answer cap (quickstart 64, realistic {MAX_TOKENS})")
     parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--runs", type=int, default=3, help="timed runs per engine")
+    add_runs_argument(parser, 3, "timed runs per engine")
     parser.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1),
                         help="torch/OpenMP threads for both engines")
     parser.add_argument("--seed", type=int, default=0)

@@ -21,6 +21,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from peerflow.bench.options import add_runs_argument
+
 SUM = "a, b = map(int, input().split())\nprint(a + b)"
 IO_TESTS = json.dumps([{"input": "2 3\n", "output": "5"}, {"input": "10 -4\n", "output": "6"}])
 ASSERTS = "assert add(2, 2) == 4\nassert add(-1, 1) == 0"
@@ -39,7 +41,7 @@ PROGRAMS = 2 + 2 + 1 + 1
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Adds the benchmark's options."""
-    parser.add_argument("--runs", type=int, default=5, help="runs per sandbox (median)")
+    add_runs_argument(parser, 5, "runs per sandbox (median)")
 
 
 def _score_all() -> list[float]:

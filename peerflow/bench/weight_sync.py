@@ -46,6 +46,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from peerflow.bench.options import add_runs_argument
 from peerflow.bench.shapes import (
     BENCH_MODEL,
     GENERATION,
@@ -74,7 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(quickstart shape: quickstart,500m; realistic: realistic)")
     parser.add_argument("--no-generate", dest="generate", action="store_false",
                         help="skip the generate call after each sync")
-    parser.add_argument("--runs", type=int, default=3, help="timed syncs per size")
+    add_runs_argument(parser, 3, "timed syncs per size")
     parser.add_argument("--bucket-mb", type=int, default=256, help="bucket size in MiB")
     parser.add_argument("--transport", default=None,
                         help="registered weight transport (default: auto)")

@@ -1,8 +1,19 @@
 """The `peerflow` command: one entry point, one module per subcommand.
 
-A subcommand module defines `add_parser(subparsers)`, which adds its parser and sets
-`func=run` (a callable taking the parsed args and returning an exit code). Heavy imports
-happen inside `run`, so `peerflow --help` stays fast.
+How a subcommand joins the command (`build_parser` does the joining, for every module
+listed in `COMMANDS`): the module `peerflow.cli.NAME_cmd` is the command `NAME` (an
+underscore becomes a hyphen) and defines
+
+* `HELP`: the one line `peerflow --help` lists it with;
+* `DESCRIPTION`: the paragraph at the top of `peerflow NAME --help`;
+* `add_arguments(parser)`: adds its options to the parser `build_parser` made for it
+  (options several commands share come from `peerflow.cli.options`);
+* `run(args) -> int`: what it does (the exit code), for a command with one action. A
+  command with several actions (`config`, `sandbox`, `bench`) defines no `run`: its
+  `add_arguments` adds one sub-parser per action and sets each one's `func`.
+
+Heavy imports happen inside `run`, so `peerflow --help` stays fast. Benchmarks join
+`peerflow bench` the same way one level down (`peerflow.cli.bench_cmd`).
 """
 
 from __future__ import annotations
@@ -11,6 +22,7 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
+from types import ModuleType
 
 from peerflow import __version__
 from peerflow.errors import PeerFlowError
@@ -23,6 +35,20 @@ COMMANDS = [
 ]
 
 
+def command_name(module: str) -> str:
+    """The command a module under `peerflow.cli` is: `checkpoints_cmd` → `checkpoints`."""
+    return module.removesuffix("_cmd").replace("_", "-")
+
+
+def add_command(subparsers: argparse._SubParsersAction, module: ModuleType) -> None:
+    """Adds the command `module` defines (see the module docstring) to `subparsers`."""
+    name = command_name(module.__name__.rpartition(".")[2])
+    parser = subparsers.add_parser(name, help=module.HELP, description=module.DESCRIPTION)
+    module.add_arguments(parser)
+    if hasattr(module, "run"):
+        parser.set_defaults(func=module.run)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Returns the top-level parser with every subcommand."""
     parser = argparse.ArgumentParser(
@@ -33,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"peerflow {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMANDS:
-        importlib.import_module(f"peerflow.cli.{name}").add_parser(subparsers)
+        add_command(subparsers, importlib.import_module(f"peerflow.cli.{name}"))
     return parser
 
 

@@ -13,6 +13,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from peerflow.cli.options import add_json_file_option
+
 #: Benchmark name → module under `peerflow.bench`.
 BENCHMARKS: dict[str, str] = {
     "reshard": "reshard",
@@ -27,13 +29,13 @@ BENCHMARKS: dict[str, str] = {
 }
 
 
-def add_parser(subparsers: Any) -> None:
-    """Adds `bench` with one sub-command per benchmark."""
-    parser = subparsers.add_parser(
-        "bench", help="run a benchmark and print JSON",
-        description="Benchmarks print JSON; ratios are measured side by side in one run. "
-        "Run them on an otherwise idle machine.",
-    )
+HELP = "run a benchmark and print JSON"
+DESCRIPTION = ("Benchmarks print JSON; ratios are measured side by side in one run. Run them "
+               "on an otherwise idle machine.")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds one sub-command per benchmark (help: the first line of its module docstring)."""
     sub = parser.add_subparsers(dest="bench", metavar="NAME", required=True)
     for name, module in BENCHMARKS.items():
         try:
@@ -41,7 +43,7 @@ def add_parser(subparsers: Any) -> None:
         except ModuleNotFoundError:
             continue
         bench_parser = sub.add_parser(name, help=(bench.__doc__ or "").strip().splitlines()[0])
-        bench_parser.add_argument("--json", metavar="FILE", help="also write the JSON here")
+        add_json_file_option(bench_parser, "also write the JSON here")
         bench.add_arguments(bench_parser)
         bench_parser.set_defaults(func=_runner(bench))
 

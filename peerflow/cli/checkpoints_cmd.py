@@ -13,21 +13,19 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Any
 
+from peerflow.cli.options import add_json_flag, add_run_dir_argument
 from peerflow.errors import ConfigError
 
+HELP = "list a run's checkpoints and verify them"
+DESCRIPTION = ("List the checkpoints of RUN_DIR with their status (verified, corrupt, "
+               "incomplete), checking every file's size and SHA-256 against the manifest.")
 
-def add_parser(subparsers: Any) -> None:
-    """Adds the `checkpoints` subcommand."""
-    parser = subparsers.add_parser(
-        "checkpoints", help="list a run's checkpoints and verify them",
-        description="List the checkpoints of RUN_DIR with their status (verified, corrupt, "
-        "incomplete), checking every file's size and SHA-256 against the manifest.",
-    )
-    parser.add_argument("run_dir", metavar="RUN_DIR", help="a run directory")
-    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    parser.set_defaults(func=run)
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds RUN_DIR and `--json`."""
+    add_run_dir_argument(parser, "a run directory")
+    add_json_flag(parser, "print JSON instead of a table")
 
 
 def _size(path: Path) -> int:

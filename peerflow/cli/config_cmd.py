@@ -6,28 +6,10 @@ import argparse
 import sys
 from typing import Any
 
+from peerflow.cli.options import add_config_arguments
 
-def add_config_arguments(parser: argparse.ArgumentParser) -> None:
-    """Adds the CONFIG argument and `--set` overrides shared by several commands."""
-    parser.add_argument("config", metavar="CONFIG", help="run config YAML file")
-    add_override_argument(parser)
-
-
-def add_override_argument(parser: argparse.ArgumentParser) -> None:
-    """Adds `--set KEY=VALUE` (repeatable), read into `args.overrides`."""
-    parser.add_argument(
-        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-        help="override a config value, typed by its field (repeatable), e.g. "
-        "--set trainer.lr=1e-5 --set rollout.backend=vllm",
-    )
-
-
-def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
-    """Adds `--nprocs` and `--launcher`, the options of commands that start workers."""
-    parser.add_argument("--nprocs", type=int, default=None,
-                        help="worker processes on this machine (default: runtime.nprocs)")
-    parser.add_argument("--launcher", choices=("elastic", "ray"), default="elastic",
-                        help="how workers are started on one machine (default: elastic)")
+HELP = "validate or show a run config"
+DESCRIPTION = "Check a run config against the installed plugins, or print it resolved."
 
 
 def load_validated(args: argparse.Namespace) -> Any:
@@ -57,12 +39,8 @@ def load_validated(args: argparse.Namespace) -> Any:
     return config
 
 
-def add_parser(subparsers: Any) -> None:
-    """Adds the `config` subcommand group."""
-    parser = subparsers.add_parser(
-        "config", help="validate or show a run config",
-        description="Check a run config against the installed plugins, or print it resolved.",
-    )
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds the actions `validate`, `show` and `reference`."""
     sub = parser.add_subparsers(dest="config_command", metavar="ACTION", required=True)
     validate = sub.add_parser("validate", help="exit non-zero with every problem found")
     add_config_arguments(validate)

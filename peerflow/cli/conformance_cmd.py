@@ -16,22 +16,23 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+
+from peerflow.cli.options import add_json_file_option
 
 #: The pytest module the command runs (classes pick the adapter from the option).
 SUITE_MODULE = "peerflow.conformance.cli_suite"
 
 
-def add_parser(subparsers: Any) -> None:
-    """Adds the `conformance` subcommand."""
-    parser = subparsers.add_parser(
-        "conformance", help="run the adapter conformance suite for an installed engine",
-        description="Runs layers 0-4 of the conformance suite (surface, layout invariants, "
-        "CPU round trip against the oracle, real engine, GPU) for a registered rollout or "
-        "train engine and prints a results table per layer and capability.",
-    )
+HELP = "run the adapter conformance suite for an installed engine"
+DESCRIPTION = ("Runs layers 0-4 of the conformance suite (surface, layout invariants, CPU "
+               "round trip against the oracle, real engine, GPU) for a registered rollout or "
+               "train engine and prints a results table per layer and capability.")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds NAME, `--json FILE`, `-k`, `--pytest-arg` and `--emulate-device`."""
     parser.add_argument("name", help="registered engine name (see `peerflow plugins`)")
-    parser.add_argument("--json", metavar="FILE", help="also write a machine-readable report")
+    add_json_file_option(parser, "also write a machine-readable report")
     parser.add_argument("-k", dest="keyword", metavar="EXPR",
                         help="only run tests matching this pytest -k expression")
     parser.add_argument("--pytest-arg", action="append", default=[], metavar="ARG",
@@ -40,7 +41,6 @@ def add_parser(subparsers: Any) -> None:
                         help="run on the emulated accelerator (peerflow.testing): a CPU device "
                         "that refuses every host/device mix a GPU refuses, for authors "
                         "without a GPU (docs/device-emulation.md)")
-    parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -14,18 +14,16 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Any
 
-from peerflow.cli.config_cmd import add_override_argument, add_worker_arguments
+from peerflow.cli.options import add_override_argument, add_worker_arguments
+
+HELP = "evaluate a checkpoint on the task's held-out split"
+DESCRIPTION = ("Score the eval split (greedy and/or sampled, pass@k) with the run's rewards, "
+               "once, on a checkpoint or the initial model.")
 
 
-def add_parser(subparsers: Any) -> None:
-    """Adds the `eval` subcommand."""
-    parser = subparsers.add_parser(
-        "eval", help="evaluate a checkpoint on the task's held-out split",
-        description="Score the eval split (greedy and/or sampled, pass@k) with the run's "
-        "rewards, once, on a checkpoint or the initial model.",
-    )
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds CONFIG, `--checkpoint`, `--out`, the worker options and `--set`."""
     parser.add_argument("config", help="run config YAML")
     parser.add_argument("--checkpoint", default=None, metavar="DIR",
                         help="a checkpoint directory, or a run directory (its newest "
@@ -34,7 +32,6 @@ def add_parser(subparsers: Any) -> None:
                         help="where eval.json goes (default: a fresh runs/eval-<config>-...)")
     add_worker_arguments(parser)
     add_override_argument(parser)
-    parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:

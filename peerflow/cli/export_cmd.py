@@ -12,22 +12,21 @@ vLLM or SGLang load with `from_pretrained(OUT_DIR)`. See `peerflow.hf_export`.
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
+from peerflow.cli.options import add_run_dir_argument
 from peerflow.hf_export.run import DTYPES
 
+HELP = "write a run's checkpoint as a Hugging Face model directory"
+DESCRIPTION = ("Write the newest verified checkpoint of RUN_DIR (or --step N) as a Hugging "
+               "Face model directory (safetensors, config, generation config, tokenizer, chat "
+               "template) that transformers, vLLM and SGLang load. The weights are assembled "
+               "in this process (one full host copy of the model).")
 
-def add_parser(subparsers: Any) -> None:
-    """Adds the `export` subcommand."""
-    parser = subparsers.add_parser(
-        "export", help="write a run's checkpoint as a Hugging Face model directory",
-        description="Write the newest verified checkpoint of RUN_DIR (or --step N) as a "
-        "Hugging Face model directory (safetensors, config, generation config, tokenizer, "
-        "chat template) that transformers, vLLM and SGLang load. The weights are assembled "
-        "in this process (one full host copy of the model).",
-    )
-    parser.add_argument("run_dir", metavar="RUN_DIR",
-                        help="a run directory (or one of its checkpoints/step_N directories)")
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds RUN_DIR, OUT_DIR, `--step`, `--dtype`, `--lora` and `--max-shard-size`."""
+    add_run_dir_argument(
+        parser, "a run directory (or one of its checkpoints/step_N directories)")
     parser.add_argument("out_dir", metavar="OUT_DIR",
                         help="the model directory to create (must not exist, or be empty)")
     parser.add_argument("--step", type=int, default=None, metavar="N",
@@ -41,7 +40,6 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
                         help="largest safetensors file before the weights are split into "
                         "shards with an index (default 5GB)")
-    parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -6,17 +6,16 @@ import argparse
 import json
 from typing import Any
 
-from peerflow.cli.config_cmd import add_config_arguments
+from peerflow.cli.options import add_config_arguments
+
+HELP = "show the per-rank programs and data routes of a run"
+DESCRIPTION = ("Plan a run without starting anything: role layouts, the redistribution route "
+               "of every edge whose layouts differ, and each rank's program. Programs that are "
+               "the same on many ranks are shown once with their rank ranges.")
 
 
-def add_parser(subparsers: Any) -> None:
-    """Adds the `plan` subcommand."""
-    parser = subparsers.add_parser(
-        "plan", help="show the per-rank programs and data routes of a run",
-        description="Plan a run without starting anything: role layouts, the redistribution "
-        "route of every edge whose layouts differ, and each rank's program. Programs that "
-        "are the same on many ranks are shown once with their rank ranges.",
-    )
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds CONFIG, `--set`, `--nprocs`, `--format`, `--rank` and `--simulate`."""
     add_config_arguments(parser)
     parser.add_argument("--nprocs", type=int, default=None,
                         help="world size to plan for (default: runtime.nprocs)")
@@ -27,7 +26,6 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--simulate", action="store_true",
                         help="add the modelled bytes of each route through the busiest rank, "
                         "peer-to-peer and centralized, for one step's batch")
-    parser.set_defaults(func=run)
 
 
 def _simulation(plan: Any, config: Any) -> list[dict[str, Any]]:

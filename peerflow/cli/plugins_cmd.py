@@ -6,19 +6,18 @@ import argparse
 import json
 from typing import Any
 
+from peerflow.cli.options import add_json_flag
 
-def add_parser(subparsers: Any) -> None:
-    """Adds the `plugins` subcommand."""
-    parser = subparsers.add_parser(
-        "plugins",
-        help="list installed plugins, what they register, and load errors",
-        description="List every plugin found through the `peerflow` entry-point group: "
-        "distribution, version, hooks it implements, the names it registers (engines "
-        "marked installed or not), and plugins that failed to load.",
-    )
-    parser.add_argument("--json", action="store_true", help="print machine-readable JSON")
+HELP = "list installed plugins, what they register, and load errors"
+DESCRIPTION = ("List every plugin found through the `peerflow` entry-point group: "
+               "distribution, version, hooks it implements, the names it registers (engines "
+               "marked installed or not), and plugins that failed to load.")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds `--json` and `--verbose`."""
+    add_json_flag(parser, "print machine-readable JSON")
     parser.add_argument("--verbose", action="store_true", help="show load-error tracebacks")
-    parser.set_defaults(func=run)
 
 
 def collect() -> dict[str, Any]:

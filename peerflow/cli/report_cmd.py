@@ -3,22 +3,21 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
+
+from peerflow.cli.options import add_run_dir_argument
+
+HELP = "render a run's metrics as PNG plots"
+DESCRIPTION = ("Plot reward (with its components and spread), response length, KL, "
+               "throughput, step-time breakdown and (async runs) staleness/overlap from "
+               "RUN_DIR/metrics.jsonl; metrics that never changed are listed, not plotted.")
 
 
-def add_parser(subparsers: Any) -> None:
-    """Adds the `report` subcommand."""
-    parser = subparsers.add_parser(
-        "report", help="render a run's metrics as PNG plots",
-        description="Plot reward (with its components and spread), response length, KL, "
-        "throughput, step-time breakdown and (async runs) staleness/overlap from "
-        "RUN_DIR/metrics.jsonl; metrics that never changed are listed, not plotted.",
-    )
-    parser.add_argument("run_dir", metavar="RUN_DIR", help="run directory with metrics.jsonl")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds RUN_DIR, `--out` and `--smooth`."""
+    add_run_dir_argument(parser, "run directory with metrics.jsonl")
     parser.add_argument("--out", metavar="DIR", help="output folder (default RUN_DIR/report)")
     parser.add_argument("--smooth", type=int, default=1, metavar="N",
                         help="moving-average window over steps (default 1: raw)")
-    parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:

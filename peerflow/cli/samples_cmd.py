@@ -13,17 +13,17 @@ Reads `RUN_DIR/samples/step_N.jsonl` (`run.samples_per_step` a step) or, with `-
 from __future__ import annotations
 
 import argparse
-from typing import Any
+
+from peerflow.cli.options import add_json_flag, add_run_dir_argument
+
+HELP = "show a run's generated samples (prompt, response, reward)"
+DESCRIPTION = ("Print the samples a run wrote for a step (default: the newest): prompt, "
+               "response, reward and its components, advantage, finish reason.")
 
 
-def add_parser(subparsers: Any) -> None:
-    """Adds the `samples` subcommand."""
-    parser = subparsers.add_parser(
-        "samples", help="show a run's generated samples (prompt, response, reward)",
-        description="Print the samples a run wrote for a step (default: the newest): "
-        "prompt, response, reward and its components, advantage, finish reason.",
-    )
-    parser.add_argument("run_dir", metavar="RUN_DIR", help="run directory")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds RUN_DIR, `--step`, `--worst`/`--best`, `--limit`, `--eval` and `--json`."""
+    add_run_dir_argument(parser, "run directory")
     parser.add_argument("--step", type=int, default=None, metavar="N",
                         help="the step to show (default: the newest with samples)")
     order = parser.add_mutually_exclusive_group()
@@ -33,8 +33,7 @@ def add_parser(subparsers: Any) -> None:
                         help="show at most K samples")
     parser.add_argument("--eval", dest="evaluation", action="store_true",
                         help="the evaluation's samples (eval_step_N.jsonl)")
-    parser.add_argument("--json", action="store_true", help="print JSON lines instead")
-    parser.set_defaults(func=run)
+    add_json_flag(parser, "print JSON lines instead")
 
 
 def run(args: argparse.Namespace) -> int:

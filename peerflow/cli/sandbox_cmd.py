@@ -6,18 +6,21 @@ import argparse
 import json
 import os
 import sys
-from typing import Any
+
+from peerflow.cli.options import add_json_flag
 
 BACKEND_HELP = "the sandbox to use (default: bubblewrap, the one runs use by default)"
 
 
-def add_parser(subparsers: Any) -> None:
-    """Adds the `sandbox` subcommand group."""
-    parser = subparsers.add_parser(
-        "sandbox", help="check the code sandbox on this machine, or serve it over HTTP",
-        description="Model-written code (the `code` reward, agent tools) runs in a sandbox "
-        "(docs/rewards.md). `check` runs the escape suite against it and prints what held; "
-        "`serve` answers Sandbox Fusion's POST /run_code from it, for sandbox.backend=remote.")
+HELP = "check the code sandbox on this machine, or serve it over HTTP"
+DESCRIPTION = ("Model-written code (the `code` reward, agent tools) runs in a sandbox "
+               "(docs/rewards.md). `check` runs the escape suite against it and prints what "
+               "held; `serve` answers Sandbox Fusion's POST /run_code from it, for "
+               "sandbox.backend=remote.")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds the actions `check` and `serve`."""
     sub = parser.add_subparsers(dest="sandbox_command", metavar="ACTION", required=True)
     check = sub.add_parser("check", help="run the escape suite; exit 1 if anything escaped")
     check.add_argument("--backend", choices=("bubblewrap", "audit-hook", "remote"),
@@ -25,7 +28,7 @@ def add_parser(subparsers: Any) -> None:
     check.add_argument("--url", help="with --backend remote: the service's base URL")
     check.add_argument("--token-env", help="with --backend remote: the variable holding "
                        "its bearer token")
-    check.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    add_json_flag(check, "print JSON instead of a table")
     check.set_defaults(func=run_check)
     serve = sub.add_parser("serve", help="answer POST /run_code from this machine's sandbox")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: "

@@ -16,16 +16,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from peerflow.cli.config_cmd import add_config_arguments
+from peerflow.cli.options import add_config_arguments
+
+HELP = "supervised warm start on a task's (prompt, answer) pairs"
+DESCRIPTION = ("Fine-tune the config's model on its task's answers (one process, plain torch) "
+               "and write a Hugging Face model directory for model.path.")
 
 
-def add_parser(subparsers: Any) -> None:
-    """Adds the `sft` subcommand."""
-    parser = subparsers.add_parser(
-        "sft", help="supervised warm start on a task's (prompt, answer) pairs",
-        description="Fine-tune the config's model on its task's answers (one process, plain "
-        "torch) and write a Hugging Face model directory for model.path.",
-    )
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds CONFIG, `--set`, `--out` and the warm start's settings."""
     add_config_arguments(parser)
     parser.add_argument("--out", required=True, metavar="DIR", help="model directory to write")
     parser.add_argument("--steps", type=int, default=200, help="optimiser steps (default 200)")
@@ -33,7 +32,6 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (1e-3)")
     parser.add_argument("--eval-examples", type=int, default=64, metavar="N",
                         help="greedy exact-match check on N eval examples at the end (0: skip)")
-    parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -26,7 +26,7 @@ from typing import Any
 
 import attrs
 
-from peerflow.cli.config_cmd import add_override_argument, add_worker_arguments
+from peerflow.cli.options import add_override_argument, add_worker_arguments
 from peerflow.errors import (
     INTERRUPTED_EXIT,
     ConfigError,
@@ -34,14 +34,13 @@ from peerflow.errors import (
     WorkerFailedError,
 )
 
+HELP = "run RL training (spawns worker processes)"
+DESCRIPTION = ("Run a training run described by a YAML config. Workers are spawned through "
+               "torch.distributed's elastic launcher; under torchrun this process is a worker.")
 
-def add_parser(subparsers: Any) -> None:
-    """Adds the `train` subcommand."""
-    parser = subparsers.add_parser(
-        "train", help="run RL training (spawns worker processes)",
-        description="Run a training run described by a YAML config. Workers are spawned "
-        "through torch.distributed's elastic launcher; under torchrun this process is a worker.",
-    )
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds CONFIG, the worker options, `--run-dir`, `--resume`, `--allow-change`, `--set`."""
     parser.add_argument("config", nargs="?", help="run config YAML (optional with --resume: "
                         "the run directory's config.yaml is used)")
     add_worker_arguments(parser)
@@ -54,7 +53,6 @@ def add_parser(subparsers: Any) -> None:
                         "section (e.g. algorithm.kl.coef) differ from the run's (repeatable; "
                         "never the model architecture, dtype or tokenizer)")
     add_override_argument(parser)
-    parser.set_defaults(func=run)
 
 
 def resolve_paths(args: argparse.Namespace) -> tuple[str, str | None]:

@@ -1,7 +1,10 @@
+import argparse
+import importlib
 import json
 import subprocess
 import sys
 
+from peerflow.cli import COMMANDS, build_parser, command_name
 from tests.helpers.fake_dist import run_peerflow
 
 ALL_BUILTINS = {"hf", "fsdp", "vllm", "sglang", "deepspeed", "megatron"}
@@ -14,6 +17,23 @@ def test_version_and_help():
     assert help_text.returncode == 0
     for command in ("plugins", "config", "bench"):
         assert command in help_text.stdout
+
+
+def test_every_command_module_is_registered_with_its_help_and_description():
+    # build_parser joins each module of COMMANDS the one way (peerflow.cli's docstring)
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    listed = {choice.dest: choice.help for choice in sub._choices_actions}
+    assert list(listed) == [command_name(name) for name in COMMANDS]
+    for name in COMMANDS:
+        module = importlib.import_module(f"peerflow.cli.{name}")
+        command = sub.choices[command_name(name)]
+        assert listed[command_name(name)] == module.HELP and module.HELP
+        assert command.description == module.DESCRIPTION and module.DESCRIPTION
+        assert not hasattr(module, "add_parser")
+        # one action: its `run`; several: each action's parser sets its own `func`
+        assert command.get_default("func") is getattr(module, "run", None)
+    assert sub.choices["checkpoints"].parse_args(["r"]).run_dir == "r"
 
 
 def test_building_the_command_line_imports_no_engine_or_torch():
