@@ -73,7 +73,8 @@ def _check_name(pm: Any, kind: str, name: str, problems: list[str]) -> type | No
     return registry.get(name)
 
 
-def _check_engine(pm: Any, kind: str, section: Any, key: str, problems: list[str]) -> None:
+def _check_engine(pm: Any, kind: str, section: Any, key: str,
+                  problems: list[str]) -> type | None:
     registry = pm.registry(kind)
     for name in section.engine_options:
         if name not in registry:
@@ -86,12 +87,13 @@ def _check_engine(pm: Any, kind: str, section: Any, key: str, problems: list[str
             )
     cls = _check_name(pm, kind, section.backend, problems)
     if cls is None:
-        return
+        return None
     try:
         structure_options(cls.options_class, section.engine_options.get(section.backend),
                           f"{key}.{section.backend}")
     except ConfigError as exc:
         problems.append(str(exc))
+    return cls
 
 
 def _check_agent(pm: Any, agent: Any, problems: list[str]) -> None:
@@ -111,8 +113,9 @@ def validate_config(config: RunConfig, pm: Any) -> None:
     """Checks every name and option section against the installed plugins.
 
     Also refused here, before any process starts: a setting the selected engines cannot
-    do (`peerflow.config.refusals`, from their `Capabilities`) and one whose optional
-    library is not installed (`peerflow.config.extras`, naming the extra to install).
+    do (`peerflow.config.refusals`, from their `Capabilities`, and what the engines' own
+    `config_problems` find) and one whose optional library is not installed
+    (`peerflow.config.extras`, naming the extra to install).
 
     Args:
         config: A structured config.
@@ -122,8 +125,10 @@ def validate_config(config: RunConfig, pm: Any) -> None:
         ConfigError: listing every problem found, each naming the key and the fix.
     """
     problems: list[str] = []
-    _check_engine(pm, "rollout_engine", config.rollout, "rollout", problems)
-    _check_engine(pm, "train_engine", config.trainer, "trainer", problems)
+    for kind, section in (("rollout_engine", "rollout"), ("train_engine", "trainer")):
+        engine = _check_engine(pm, kind, getattr(config, section), section, problems)
+        if engine is not None:
+            problems += engine.config_problems(config)
     task_cls = _check_name(pm, "task", config.task.name, problems)
     if task_cls is not None:
         try:

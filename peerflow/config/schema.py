@@ -26,6 +26,15 @@ class ModelConfig:
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Parameter dtype."""
 
+    def model_type(self) -> str | None:
+        """The policy's HF `model_type`: `path`'s config.json, else `builder_options`.
+
+        `None` when neither says (a builder's default family, or no config.json yet).
+        """
+        from peerflow.models.config import model_type_at
+
+        return model_type_at(self.path) if self.path else self.builder_options.get("model_type")
+
 
 @attrs.frozen(kw_only=True)
 class RewardEntry:

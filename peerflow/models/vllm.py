@@ -89,16 +89,6 @@ def vllm_family_problem(model_type: str | None) -> str | None:
     return None
 
 
-def model_type_at(model_path: str | None) -> str | None:
-    """The `model_type` of the HF model directory `model_path` (`None` without config.json)."""
-    import json
-    from pathlib import Path
-
-    path = Path(model_path or "") / "config.json"
-    return json.loads(path.read_text()).get("model_type") if model_path and path.is_file() \
-        else None
-
-
 def vocab_shard(vocab: int, tp_rank: int, tp_size: int, multiple: int) -> tuple[range, int]:
     """Returns (real vocabulary rows held, padding rows) for a padded vocab-parallel shard."""
     padded = pad_to_multiple(vocab, multiple)

@@ -279,7 +279,10 @@ def peerflow_validate_config(config: Any, pm: Any) -> list[str] | None:
     """Check a run config before any worker process starts.
 
     Called by `peerflow.config.validate_config` (`peerflow train`, `peerflow config
-    validate`) after names and option sections are checked.
+    validate`) after names and option sections are checked. For checks that span the
+    run (tasks, rewards, the workflow graph). An engine refuses what it cannot build in
+    its own `config_problems` classmethod instead, which is called only when it is
+    selected, so it never tests `config.rollout.backend`.
 
     Args:
         config: The structured `peerflow.config.RunConfig`.
@@ -292,9 +295,9 @@ def peerflow_validate_config(config: Any, pm: Any) -> list[str] | None:
     Example::
 
         @hookimpl
-        def peerflow_validate_config(config, pm):
-            if config.rollout.backend == "my-engine" and config.rollout.sampling.top_p < 1:
-                return ["rollout.sampling.top_p: my-engine cannot truncate; set it to 1.0"]
+        def peerflow_validate_config(config):  # `pm` omitted: pluggy passes by name
+            if config.task.name == "my-task" and config.rollout.sampling.n < 2:
+                return ["rollout.sampling.n=1: my-task compares answers; set n >= 2"]
 
     Since: 0.2.
     """

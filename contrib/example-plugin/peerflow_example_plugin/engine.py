@@ -44,6 +44,15 @@ def eos_ids(model_path: str, model: Any) -> set[int]:
     return {int(i) for i in ids}
 
 
+def truncation_refusals(sampling: SamplingParams) -> list[str]:
+    """The truncation settings `minimal` cannot honour, one message each (`[]`: none)."""
+    return [f"rollout.sampling.{key}={value}: rollout.backend=minimal samples from the full "
+            f"tempered distribution; set rollout.sampling.{key}={off} (or pick a backend "
+            "that truncates, e.g. hf)."
+            for key, value, off in (("top_p", sampling.top_p, 1.0), ("top_k", sampling.top_k, 0))
+            if value != off]
+
+
 class MinimalRollout(RolloutEngine):
     """The whole HF model on every rank; log-probs are `log_softmax(logits / T)`.
 
@@ -57,6 +66,15 @@ class MinimalRollout(RolloutEngine):
     capabilities = Capabilities(logprobs=True, in_place_weight_update=True, reasons={
         "stop_strings": "the minimal example engine samples token ids only",
         "tensor_parallel": "the minimal example engine holds the whole model on every rank"})
+
+    @classmethod
+    def config_problems(cls, config: Any) -> list[str]:
+        """Refuses, before any process starts, the truncation `minimal` cannot do.
+
+        No `Capabilities` flag covers top-p/top-k; `stop` needs the `stop_strings` flag,
+        which the engine leaves `False`, so `config validate` refuses it already.
+        """
+        return truncation_refusals(config.rollout.sampling)
 
     def __init__(self, context: EngineContext, options: object | None = None) -> None:
         super().__init__(context, options)
@@ -77,11 +95,12 @@ class MinimalRollout(RolloutEngine):
         Raises:
             ConfigError: `top_p`, `top_k` or `stop` is set (the engine cannot honour them).
         """
-        if sampling.top_p < 1 or sampling.top_k > 0 or sampling.stop:
-            raise ConfigError(
-                f"rollout.backend=minimal samples from the full tempered distribution; got "
-                f"top_p={sampling.top_p}, top_k={sampling.top_k}, stop={list(sampling.stop)}. "
-                "Set rollout.sampling.top_p=1.0, top_k=0 and no stop strings.")
+        problems = truncation_refusals(sampling) + ([
+            f"rollout.sampling.stop={list(sampling.stop)}: "
+            f"{self.capabilities.reasons['stop_strings']}; remove the stop strings."]
+            if sampling.stop else [])
+        if problems:  # callers that bypass `config validate` (benchmarks, conformance)
+            raise ConfigError(" ".join(problems))
         generator = self.generator if sampling.seed is None else \
             torch.Generator().manual_seed(sampling.seed)
         return [self._sample(request, index, sampling, generator)

@@ -6,8 +6,6 @@ importing its engine (and transformers).
 
 from __future__ import annotations
 
-from typing import Any
-
 from peerflow.plugins import hookimpl
 from peerflow.plugins.hookspecs import Register
 
@@ -35,19 +33,3 @@ def peerflow_register_advantage_estimators(register: Register) -> None:
 
     register(OPOAdvantage)
 
-
-@hookimpl
-def peerflow_validate_config(config: Any) -> list[str]:
-    """Refuses, before any process starts, the sampling settings `minimal` cannot honour.
-
-    No `Capabilities` flag covers top-p/top-k truncation, so the plugin says it here;
-    `MinimalRollout.generate` raises the same refusal for direct callers.
-    """
-    if config.rollout.backend != "minimal":
-        return []
-    sampling = config.rollout.sampling
-    return [f"rollout.sampling.{key}={value}: rollout.backend=minimal samples from the full "
-            f"tempered distribution; set rollout.sampling.{key}={off} (or pick a backend "
-            "that truncates, e.g. hf)."
-            for key, value, off in (("top_p", sampling.top_p, 1.0), ("top_k", sampling.top_k, 0))
-            if value != off]

