@@ -103,3 +103,10 @@ def test_example_engine_refuses_truncated_sampling_at_validation(example_plugin)
                                "rollout.sampling.top_p=0.9")
     assert "rollout.sampling.top_p=0.9: rollout.backend=minimal" in message
     assert "set rollout.sampling.top_p=1.0" in message
+
+
+def test_an_engine_refuses_only_when_it_is_selected(example_plugin):
+    """`config_problems` runs on the selected engines: hf truncates, so top_p passes."""
+    from peerflow.config import load_config, validate_config
+
+    validate_config(load_config(None, ["rollout.sampling.top_p=0.9"]), example_plugin)
