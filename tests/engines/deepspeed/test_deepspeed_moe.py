@@ -6,10 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from peerflow import GenerationRequest, ParallelLayout, SamplingParams
+from peerflow import ParallelLayout, SamplingParams
 from peerflow.engines import EngineContext, OptimSettings
-from peerflow.routes import ROUTES, routes_column
-from tests.engines.fsdp.fsdp_testlib import nll_loss, to_batch
+from tests.engines.fsdp.fsdp_testlib import nll_loss, sampled_batch
 
 pytest.importorskip("deepspeed")
 
@@ -23,13 +22,8 @@ def moe(tmp_path_factory):
     path = build_tiny_model(tmp_path_factory.mktemp("ds-moe"), arch="qwen3_moe",
                             num_experts=4, top_k=2, seed=3)
     engine = HFRolloutEngine(EngineContext(model_path=path, layout=ParallelLayout()))
-    requests = [GenerationRequest(request_id=i, prompt_ids=engine.tokenizer(p).input_ids)
-                for i, p in enumerate(["12+3=", "abc", "hello", "7-2="])]
-    results = engine.generate(requests, SamplingParams(n=2, max_tokens=8, seed=2,
-                                                       temperature=0.7))
-    batch = to_batch(requests, results)
-    batch.set(ROUTES, routes_column(results, [len(requests[r.request_id].prompt_ids)
-                                              for r in results]))
+    batch, _ = sampled_batch(engine, ["12+3=", "abc", "hello", "7-2="],
+                             SamplingParams(n=2, max_tokens=8, seed=2, temperature=0.7))
     return path, batch
 
 
@@ -74,13 +68,8 @@ def test_zero3_loads_trains_and_syncs_mixtral_and_gpt_oss(arch, tmp_path):
     path = build_tiny_model(tmp_path, arch=arch, num_experts=4, top_k=2, seed=3)
     rollout = HFRolloutEngine(EngineContext(model_path=path, layout=ParallelLayout()))
     start = {n: p.detach().clone() for n, p in rollout.model.named_parameters()}
-    requests = [GenerationRequest(request_id=i, prompt_ids=rollout.tokenizer(p).input_ids)
-                for i, p in enumerate(["12+3=", "abc"])]
-    results = rollout.generate(requests, SamplingParams(n=2, max_tokens=6, seed=2,
-                                                        temperature=0.7))
-    batch = to_batch(requests, results)
-    batch.set(ROUTES, routes_column(results, [len(requests[r.request_id].prompt_ids)
-                                              for r in results]))
+    batch, _ = sampled_batch(rollout, ["12+3=", "abc"],
+                             SamplingParams(n=2, max_tokens=6, seed=2, temperature=0.7))
     context = EngineContext(model_path=path, layout=ParallelLayout(), temperature=0.7)
     trainer = DeepSpeedTrainEngine(context, DeepSpeedOptions(zero_stage=3),
                                    OptimSettings(lr=1e-2, routing_replay="r3"))

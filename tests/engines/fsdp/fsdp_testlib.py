@@ -1,4 +1,4 @@
-"""Shared pieces of the fsdp tests: a fixed batch sampled by the hf engine, a loss."""
+"""Shared pieces of the fsdp tests: batches sampled by the hf engine, a loss."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import torch
 from peerflow import Batch, GenerationRequest, ParallelLayout, SamplingParams
 from peerflow.batch import RaggedField
 from peerflow.engines import EngineContext
+from peerflow.routes import ROUTES, routes_column
 
 STEPS = 3
 PROMPTS = ["12+3=", "abc", "hello world", "7-2=", "zz", "the answer is"]
@@ -28,6 +29,23 @@ def make_batch(model_path: str) -> tuple[Batch, RaggedField]:
     results = engine.generate(requests, SamplingParams(n=2, max_tokens=12, seed=3))
     logprobs = RaggedField.from_tensors([torch.tensor(r.logprobs) for r in results])
     return to_batch(requests, results), logprobs
+
+
+def sampled_batch(engine, prompts: list[str], sampling: SamplingParams) -> tuple[Batch, list]:
+    """`prompts` sampled by the rollout `engine`, as a training batch with its routes.
+
+    Returns:
+        The batch (`prompt_ids`, `response_ids`, and `ROUTES` when the engine recorded
+        routed experts: a MoE model) and the generation results, in the batch's order.
+    """
+    requests = [GenerationRequest(request_id=i, prompt_ids=engine.tokenizer(p).input_ids)
+                for i, p in enumerate(prompts)]
+    results = engine.generate(requests, sampling)
+    batch = to_batch(requests, results)
+    routes = routes_column(results, [len(requests[r.request_id].prompt_ids) for r in results])
+    if routes is not None:
+        batch.set(ROUTES, routes)
+    return batch, results
 
 
 def to_batch(requests, results) -> Batch:

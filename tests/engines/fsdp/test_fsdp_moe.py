@@ -11,11 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from peerflow import Batch, GenerationRequest, ParallelLayout, SamplingParams
+from peerflow import Batch, ParallelLayout, SamplingParams
 from peerflow.batch import RaggedField
 from peerflow.engines import EngineContext, OptimSettings
-from peerflow.routes import OLD_ROUTES, ROUTES, routes_column
-from tests.engines.fsdp.fsdp_testlib import nll_loss, to_batch
+from peerflow.routes import OLD_ROUTES, ROUTES
+from tests.engines.fsdp.fsdp_testlib import nll_loss, sampled_batch
 
 TEMPERATURE = 0.7
 PROMPTS = ["12+3=", "abc", "hello world", "7-2=", "zz", "the answer is", "q", "99"]
@@ -23,11 +23,10 @@ PROMPTS = ["12+3=", "abc", "hello world", "7-2=", "zz", "the answer is", "q", "9
 
 @pytest.fixture(scope="module")
 def moe_model(tmp_path_factory) -> str:
-    from tests.engines.hf.tiny_models import build_tiny_model
+    from tests.engines.hf.tiny_models import build_tiny_qwen3_moe
 
-    return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen3-moe"), arch="qwen3_moe",
-                            num_experts=8, top_k=2, seed=2, hidden_size=64,
-                            intermediate_size=128)
+    # 8 experts: the route and expert-shape assertions below count them
+    return build_tiny_qwen3_moe(tmp_path_factory.mktemp("tiny-qwen3-moe"), num_experts=8)
 
 
 @pytest.fixture(scope="module")
@@ -38,14 +37,8 @@ def rollout(moe_model):
     engine = HFRolloutEngine(EngineContext(model_path=moe_model, layout=ParallelLayout(),
                                            dtype="bfloat16"))
     assert engine.capabilities.routed_experts
-    tok = engine.tokenizer
-    requests = [GenerationRequest(request_id=i, prompt_ids=tok(p).input_ids)
-                for i, p in enumerate(PROMPTS)]
-    results = engine.generate(requests, SamplingParams(n=2, max_tokens=12, seed=3,
-                                                       temperature=TEMPERATURE))
-    batch = to_batch(requests, results)
-    routes = routes_column(results, [len(requests[r.request_id].prompt_ids) for r in results])
-    batch.set(ROUTES, routes)
+    batch, results = sampled_batch(engine, PROMPTS, SamplingParams(
+        n=2, max_tokens=12, seed=3, temperature=TEMPERATURE))
     logprobs = RaggedField.from_tensors([torch.tensor(r.logprobs) for r in results])
     return batch, logprobs, results
 
@@ -165,13 +158,8 @@ def test_mixtral_and_gpt_oss_train_with_r3_and_sync_to_hf(arch, tmp_path):
 
     path = build_tiny_model(tmp_path / arch, arch=arch, num_experts=4, top_k=2, seed=4)
     engine = HFRolloutEngine(EngineContext(model_path=path, layout=ParallelLayout()))
-    requests = [GenerationRequest(request_id=i, prompt_ids=engine.tokenizer(p).input_ids)
-                for i, p in enumerate(PROMPTS[:4])]
-    results = engine.generate(requests, SamplingParams(n=2, max_tokens=8, seed=1,
-                                                       temperature=TEMPERATURE))
-    batch = to_batch(requests, results)
-    batch.set(ROUTES, routes_column(results, [len(requests[r.request_id].prompt_ids)
-                                              for r in results]))
+    batch, _ = sampled_batch(engine, PROMPTS[:4], SamplingParams(
+        n=2, max_tokens=8, seed=1, temperature=TEMPERATURE))
     trainer = _trainer(path, "r3", router_aux_loss_coef=0.01)
     trainer.forward_logprobs(batch)
     metrics = trainer.train_step(batch, nll_loss)

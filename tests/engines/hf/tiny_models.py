@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-CHARS = "0123456789+-=abcdefghijklmnopqrstuvwxyz .,!?\n"
+from peerflow.conformance.models import CHARS, write_checkpoint
 
 
 def build_tiny_model(directory, *, tied: bool = True, arch: str = "llama", seed: int = 0,
@@ -12,42 +12,32 @@ def build_tiny_model(directory, *, tied: bool = True, arch: str = "llama", seed:
 
     4 query heads and 2 key/value heads, so `hidden_size` sets the head size
     (`hidden_size // 4`). `arch` is `llama`, `qwen2`, or a MoE family of
-    `peerflow.models.moe_configs.MOE_FAMILIES` (`num_experts` experts of width
-    `intermediate_size // 2`, `top_k` per token, every layer sparse).
+    `peerflow.models.moe_configs.MOE_FAMILIES`: the tiny MoE test model, every layer
+    sparse, `num_experts` experts of width `intermediate_size // 2`, `top_k` per token.
+    The checkpoint is written by the conformance suite's `write_checkpoint` (weights
+    drawn at std 0.3, which makes sampled answers varied and peaked enough for stop
+    strings and EOS to fire within a few tokens).
     """
-    import torch
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
-
     from peerflow.models.moe_configs import MOE_FAMILIES, moe_config_kwargs
 
-    vocab = {"<pad>": 0, "<eos>": 1, **{c: i + 2 for i, c in enumerate(CHARS)}}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
     moe = {}
     if arch in MOE_FAMILIES:
         moe = moe_config_kwargs(arch, num_layers=2, head_dim=hidden_size // 4,
                                 num_experts=num_experts, top_k=top_k,
                                 expert_width=intermediate_size // 2, max_position_embeddings=256)
     shape = dict(
-        vocab_size=len(vocab), hidden_size=hidden_size, intermediate_size=intermediate_size,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=256, tie_word_embeddings=tied, pad_token_id=0,
-        eos_token_id=1, bos_token_id=1,
+        vocab_size=len(CHARS) + 2, hidden_size=hidden_size,
+        intermediate_size=intermediate_size, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=tied,
+        pad_token_id=0, eos_token_id=1, bos_token_id=1,
     )
-    config = AutoConfig.for_model(arch, **{**shape, **moe})
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config)
-    # Larger weights than the default init make sampled answers varied and peaked enough
-    # for stop strings and EOS to fire within a few tokens.
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.ndim >= 2:
-                p.normal_(0.0, 0.3)
-    model.save_pretrained(directory)
-    fast.save_pretrained(directory)
-    return str(directory)
+    return write_checkpoint({"model_type": arch, **shape, **moe}, directory, seed=seed)
 
 
+def build_tiny_qwen3_moe(directory, *, num_experts: int) -> str:
+    """The tiny Qwen3-MoE of the fsdp and megatron MoE tests: seed 2, top 2 of `num_experts`.
+
+    At this seed some tokens' routes differ between a bfloat16 rollout and a float32
+    trainer, the mismatch routing replay is tested against.
+    """
+    return build_tiny_model(directory, arch="qwen3_moe", num_experts=num_experts, seed=2)

@@ -35,21 +35,15 @@ TEMPERATURE = 0.7
 
 def rollout_batch(model_path: str):
     """8 prompts × 2 answers sampled by the hf engine in bfloat16, with its routes."""
-    from peerflow import GenerationRequest, ParallelLayout, SamplingParams
+    from peerflow import ParallelLayout, SamplingParams
     from peerflow.adapters.hf.engine import HFRolloutEngine
     from peerflow.engines import EngineContext
-    from peerflow.routes import ROUTES, routes_column
-    from tests.engines.fsdp.fsdp_testlib import to_batch
+    from tests.engines.fsdp.fsdp_testlib import sampled_batch
 
     engine = HFRolloutEngine(EngineContext(model_path=model_path, layout=ParallelLayout(),
                                            dtype="bfloat16"))
-    requests = [GenerationRequest(request_id=i, prompt_ids=engine.tokenizer(p).input_ids)
-                for i, p in enumerate(PROMPTS)]
-    results = engine.generate(requests, SamplingParams(n=2, max_tokens=8, seed=3,
-                                                       temperature=TEMPERATURE))
-    batch = to_batch(requests, results)
-    batch.set(ROUTES, routes_column(results, [len(requests[r.request_id].prompt_ids)
-                                              for r in results]))
+    batch, _ = sampled_batch(engine, PROMPTS, SamplingParams(n=2, max_tokens=8, seed=3,
+                                                             temperature=TEMPERATURE))
     # a sampled pad token (the hf engine samples the whole vocabulary): transformers'
     # `padding_idx` keeps its zero embedding out of the gradient, and so must Megatron
     batch.ragged("response_ids").values[0] = engine.tokenizer.pad_token_id

@@ -36,11 +36,10 @@ LOGPROB_TOL = 1e-4
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> str:
-    from tests.engines.hf.tiny_models import build_tiny_model
+    from tests.engines.hf.tiny_models import build_tiny_qwen3_moe
 
-    return build_tiny_model(tmp_path_factory.mktemp("mg-qwen3-moe"), arch="qwen3_moe",
-                            num_experts=4, top_k=2, seed=2, hidden_size=64,
-                            intermediate_size=128)
+    # 4 experts: split 2 + 2 at ep = 2
+    return build_tiny_qwen3_moe(tmp_path_factory.mktemp("mg-qwen3-moe"), num_experts=4)
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +47,7 @@ def mixtral(tmp_path_factory) -> str:
     from tests.engines.hf.tiny_models import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("mg-mixtral"), arch="mixtral",
-                            num_experts=4, top_k=2, seed=4)
+                            num_experts=4, seed=4)
 
 
 @pytest.fixture(scope="module")
