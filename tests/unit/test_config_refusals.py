@@ -3,7 +3,9 @@
 The refusals are checked against stub engines (no plugin needed), then through
 `validate_config` with the real plugin manager; absent libraries are simulated by
 monkeypatching `importlib.util.find_spec` in-process, and, for the CLI, by a
-`sitecustomize` that hides them from a subprocess (nothing is uninstalled).
+`sitecustomize` that hides them from a subprocess (nothing is uninstalled). The ecosystem
+integrations' libraries (`ECOSYSTEM`) are checked here too, so their refusals are tested
+where the libraries are not installed.
 """
 
 from __future__ import annotations
@@ -139,6 +141,46 @@ def test_absent_libraries_name_the_extra(monkeypatch, plugin_manager):
     assert launcher_problem("elastic") is None
     message = validation_error(plugin_manager, "trainer.lora.rank=4")
     assert "peerflow[lora]" in message
+
+
+#: The ecosystem integrations: (the library made absent, the settings that need it, what
+#: `config validate` must say). None of them needs the library installed.
+ECOSYSTEM = {
+    "fastapi": (["rollout.agent.environment=agent-program",
+                 "rollout.agent.options.function=tests.unit.agent_programs:chat_agent"],
+                ["rollout.agent.environment='agent-program' needs the fastapi package, which "
+                 "is not installed: pip install 'peerflow[endpoint]'"]),
+    "openenv": (["rollout.agent.environment=openenv",
+                 "rollout.agent.options.url=http://127.0.0.1:1"],
+                ["rollout.agent.environment='openenv' needs the openenv package, which is not "
+                 "installed: pip install 'peerflow[openenv]' && pip install --no-deps "
+                 "openenv-core==0.3.0"]),
+    "reasoning_gym": (["task.name=reasoning-gym", "task.options.dataset=chain_sum"],
+                      ["task.name='reasoning-gym' needs the reasoning_gym package, which is "
+                       "not installed: pip install 'peerflow[reasoning-gym]'"]),
+    "textarena": (["task.name=textarena", "task.options.env_id=GuessTheNumber-v0",
+                   "rollout.agent.environment=textarena"],
+                  ["task.name='textarena' needs the textarena package",
+                   "rollout.agent.environment='textarena' needs the textarena package, which is "
+                   "not installed: pip install 'peerflow[textarena]'"]),
+    "verifiers": (["task.name=verifiers",
+                   "task.options.environment=tests.unit.test_verifiers:load_environment",
+                   "rollout.agent.environment=verifiers"],
+                  ["task.name='verifiers' needs the verifiers package, which is not installed: "
+                   "pip install 'peerflow[verifiers]' && pip install --no-deps verifiers==0.3.1 "
+                   "openai-agents==0.24.0",
+                   "rollout.agent.environment='verifiers' needs the verifiers package"]),
+}
+
+
+@pytest.mark.parametrize("library", list(ECOSYSTEM))
+def test_an_absent_ecosystem_library_names_its_extra_and_install(monkeypatch, plugin_manager,
+                                                                  library):
+    overrides, expected = ECOSYSTEM[library]
+    hide_modules(monkeypatch, library)
+    text = dependency_text(plugin_manager, *overrides)
+    for message in expected:
+        assert message in text
 
 
 def test_present_libraries_pass(plugin_manager):

@@ -19,7 +19,6 @@ from peerflow.config import AgentConfig, structure_options
 from peerflow.engines import EngineContext
 from peerflow.errors import ConfigError
 from peerflow.rollout.sampler import Draw
-from tests.helpers.configs import dependency_text, hide_modules
 
 pytest.importorskip("openenv")
 pytest.importorskip("fastmcp")
@@ -143,12 +142,3 @@ def test_options_are_checked(plugin_manager):
                           "rollout.agent.options")
     assert set(plugin_manager.registry("environment").names()) >= {
         "openenv", "environment-factory", "verifiers"}
-
-
-def test_missing_library_names_the_extra_and_the_install(monkeypatch, plugin_manager):
-    hide_modules(monkeypatch, "openenv")
-    text = dependency_text(plugin_manager, "rollout.agent.environment=openenv",
-                           "rollout.agent.options.url=http://127.0.0.1:1")
-    assert ("rollout.agent.environment='openenv' needs the openenv package, which is not "
-            "installed: pip install 'peerflow[openenv]' && pip install --no-deps "
-            "openenv-core==0.3.0") in text

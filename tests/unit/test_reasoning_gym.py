@@ -6,7 +6,6 @@ import pytest
 
 from peerflow.config import load_config, structure_options
 from peerflow.errors import ConfigError
-from tests.helpers.configs import dependency_text, hide_modules
 
 rg = pytest.importorskip("reasoning_gym")
 
@@ -107,14 +106,6 @@ def test_composite_routes_each_item_to_its_family(plugin_manager):
         rewards.pool.close()
     assert scores.total == [float(i % 2) for i in range(len(examples))]
     assert scores.counts["reward/errors"] == 0
-
-
-def test_missing_library_names_the_extra(monkeypatch, plugin_manager):
-    hide_modules(monkeypatch, "reasoning_gym")
-    text = dependency_text(plugin_manager, "task.name=reasoning-gym",
-                           "task.options.dataset=chain_sum")
-    assert ("task.name='reasoning-gym' needs the reasoning_gym package, which is not "
-            "installed: pip install 'peerflow[reasoning-gym]'") in text
 
 
 def test_the_tiny_model_builder_covers_the_questions(tmp_path):

@@ -16,7 +16,6 @@ from peerflow.engines import EngineContext
 from peerflow.errors import ConfigError
 from peerflow.rollout.prompts import encode_prompt
 from peerflow.rollout.sampler import Draw
-from tests.helpers.configs import dependency_text, hide_modules
 
 pytest.importorskip("textarena")
 
@@ -139,12 +138,3 @@ def test_games_run_through_the_agent_driver_token_exactly(long_model):
         assert float(batch["env_reward"][k]) == expected
     assert set(batch["finish_reason"]) <= {"stop", "max_turns", "max_tokens"}
     assert int(batch["num_turns"].max()) >= 2  # observations were appended (invalid moves)
-
-
-def test_missing_library_names_the_extra(monkeypatch, plugin_manager):
-    hide_modules(monkeypatch, "textarena")
-    text = dependency_text(plugin_manager, "task.name=textarena", f"task.options.env_id={GAME}",
-                           "rollout.agent.environment=textarena")
-    assert "task.name='textarena' needs the textarena package" in text
-    assert ("rollout.agent.environment='textarena' needs the textarena package, which is not "
-            "installed: pip install 'peerflow[textarena]'") in text

@@ -16,7 +16,6 @@ from peerflow.config import AgentConfig, structure_options
 from peerflow.engines import EngineContext
 from peerflow.errors import ConfigError
 from peerflow.rollout.sampler import Draw
-from tests.helpers.configs import dependency_text, hide_modules
 
 pytest.importorskip("verifiers")
 pytest.importorskip("openai")
@@ -135,14 +134,3 @@ def test_a_multi_turn_env_s_messages_are_observations_of_one_trajectory(engine):
 def test_task_options_are_checked():
     with pytest.raises(ConfigError, match="no installed module 'no_such_env'"):
         structure_options(VerifiersTaskOptions, {"environment": "no-such-env"}, "task.options")
-
-
-def test_missing_library_names_the_extra_and_the_install(monkeypatch, plugin_manager):
-    hide_modules(monkeypatch, "verifiers")
-    text = dependency_text(plugin_manager, "task.name=verifiers",
-                           f"task.options.environment={ENV}",
-                           "rollout.agent.environment=verifiers")
-    assert ("task.name='verifiers' needs the verifiers package, which is not installed: pip "
-            "install 'peerflow[verifiers]' && pip install --no-deps verifiers==0.3.1 "
-            "openai-agents==0.24.0") in text
-    assert "rollout.agent.environment='verifiers' needs the verifiers package" in text
