@@ -101,22 +101,16 @@ def _rank(rank: int, port: int, results: object) -> None:
 def run_sites() -> dict[str, str | None]:
     """Runs every site on two emulated ranks; site → `None`, or the ranks' tracebacks."""
     from peerflow.distributed.init import free_port
-    from peerflow.launch.warm import warm_context, warm_process
+    from peerflow.launch.warm import warm_context
+    from tests.helpers.gloo import warm_processes
 
     results = warm_context().Queue()
     port = free_port()
-    procs = [warm_process(_rank, (rank, port, results)) for rank in range(WORLD)]
-    for proc in procs:
-        proc.start()
-    try:
-        got = dict(results.get(timeout=240) for _ in procs)
-    except queue.Empty:
-        got = {}
-    finally:
-        for proc in procs:
-            proc.join(30)
-            if proc.is_alive():
-                proc.kill()
+    with warm_processes(_rank, [(rank, port, results) for rank in range(WORLD)]) as procs:
+        try:
+            got = dict(results.get(timeout=240) for _ in procs)
+        except queue.Empty:
+            got = {}
     merged: dict[str, str | None] = {}
     for name in SITES:
         errors = [f"rank {r}: {got[r][name]}" for r in sorted(got) if got[r][name]]

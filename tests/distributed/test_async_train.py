@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.gloo import free_port, warm_process
+from tests.helpers.gloo import free_port, start_warm, stop_warm, warm_process
 
 pytestmark = pytest.mark.distributed
 
@@ -38,18 +38,10 @@ def _worker(rank, world, port, overrides, run_dir, resume):
 
 def run_workers(overrides, run_dir, world=2, resume=None, timeout=240):
     port = free_port()
-    procs = [warm_process(_worker, (r, world, port, overrides, str(run_dir), resume))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    deadline = time.time() + timeout
-    for p in procs:
-        p.join(max(1, deadline - time.time()))
-    alive = [p for p in procs if p.is_alive()]
-    for p in alive:
-        p.kill()
-    assert not alive, "a worker hung"
-    return [p.exitcode for p in procs]
+    codes = stop_warm(start_warm(_worker, [(r, world, port, overrides, str(run_dir), resume)
+                                           for r in range(world)]), timeout)
+    assert None not in codes, "a worker hung"
+    return codes
 
 
 def run_single(overrides, run_dir):

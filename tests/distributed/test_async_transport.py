@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers.gloo import free_port, warm_process
+from tests.helpers.gloo import free_port, start_warm, stop_warm
 
 pytestmark = pytest.mark.distributed
 
@@ -33,16 +33,10 @@ def _entry(fn, rank, world, port, out):
 
 def spawn(fn, world, tmp_path, timeout=90):
     port = free_port()
-    procs = [warm_process(_entry, (fn, r, world, port, str(tmp_path))) for r in range(world)]
-    for p in procs:
-        p.start()
-    deadline = time.time() + timeout
-    for p in procs:
-        p.join(max(1, deadline - time.time()))
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            pytest.fail("a worker hung")
+    codes = stop_warm(start_warm(_entry, [(fn, r, world, port, str(tmp_path))
+                                          for r in range(world)]), timeout)
+    if None in codes:
+        pytest.fail("a worker hung")
     return {
         r: json.loads(Path(tmp_path, f"rank{r}.json").read_text())
         for r in range(world)

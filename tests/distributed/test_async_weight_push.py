@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from peerflow.plugins.hookspecs import hookimpl
-from tests.helpers.gloo import free_port, warm_process
+from tests.helpers.gloo import free_port, start_warm, stop_warm
 
 pytestmark = pytest.mark.distributed
 
@@ -110,15 +110,8 @@ def test_push_is_bucketed_double_buffered_and_fires_hooks(tmp_path):
         {"hidden_size": 32, "intermediate_size": 64, "num_layers": 1, "num_heads": 2,
          "num_kv_heads": 2})
     port = free_port()
-    procs = [warm_process(_worker, (r, port, model_path, str(tmp_path))) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(180)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    assert [p.exitcode for p in procs] == [0, 0]
+    procs = start_warm(_worker, [(r, port, model_path, str(tmp_path)) for r in range(2)])
+    assert stop_warm(procs, 180) == [0, 0]
     rollout = json.loads((tmp_path / "rank0.json").read_text())
     trainer = json.loads((tmp_path / "rank1.json").read_text())
     assert rollout["version"] == 3 and rollout["skipped"] == 2  # 1 and 2 were overtaken

@@ -30,7 +30,7 @@ from tests.distributed.test_coordinator import (
     make_shards,
     route_property,
 )
-from tests.helpers.gloo import free_port, init_gloo, run_gloo, warm_process
+from tests.helpers.gloo import free_port, init_gloo, run_gloo, warm_processes
 
 pytestmark = pytest.mark.distributed
 
@@ -211,18 +211,12 @@ def _dies_after_one_call(rank: int, world: int, port: int, mode: str, results) -
 def test_a_dead_peer_is_a_clear_error_and_leaves_no_segments(mode) -> None:
     results = warm_context().Queue()
     port = free_port()
-    procs = [warm_process(_dies_after_one_call, (r, 2, port, mode, results)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        got = results.get(timeout=120)
-    except queue.Empty:
-        pytest.fail("rank 0 neither failed nor finished within 120 s")
-    finally:
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
+    with warm_processes(_dies_after_one_call, [(r, 2, port, mode, results)
+                                               for r in range(2)]) as procs:
+        try:
+            got = results.get(timeout=120)
+        except queue.Empty:
+            pytest.fail("rank 0 neither failed nor finished within 120 s")
     assert got != "no error"
     message, files = got
     assert "rank(s) [1] did not answer within 3 s" in message and "shared memory" in message

@@ -180,16 +180,12 @@ def _silent_peer(rank: int, port: int, out) -> None:
 
 def test_point_to_point_waits_time_out_with_a_message() -> None:
     from peerflow.launch.warm import warm_context
-    from tests.helpers.gloo import free_port, warm_process
+    from tests.helpers.gloo import free_port, warm_processes
 
     out = warm_context().Queue()
     port = free_port()
-    procs = [warm_process(_silent_peer, (r, port, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    message, waited = out.get(timeout=280)
-    for p in procs:
-        p.join(timeout=30)
+    with warm_processes(_silent_peer, [(r, port, out) for r in range(2)]):
+        message, waited = out.get(timeout=280)
     assert "receiving advantages did not complete within 1.5 s" in message
     assert waited < 10
 

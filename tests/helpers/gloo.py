@@ -11,7 +11,8 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,45 @@ def init_gloo(rank: int, world: int, port: int, timeout_s: float | None = None) 
                             world_size=world, **extra)
 
 
+def start_warm(target: Callable[..., Any], arg_tuples: Iterable[tuple]) -> list:
+    """Starts one warm-forked process (`peerflow.launch.warm`) running `target(*args)` per
+    tuple of `arg_tuples`, and returns them in that order."""
+    procs = [warm_process(target, tuple(args)) for args in arg_tuples]
+    for p in procs:
+        p.start()
+    return procs
+
+
+def stop_warm(procs: list, timeout_s: float = 30) -> list[int | None]:
+    """Waits up to `timeout_s` (for all of them together) for `procs` to exit; kills the rest.
+
+    Returns:
+        Each process's exit code, in order; `None` for one that was still running at the
+        deadline (it hung, and was killed).
+    """
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        p.join(max(1.0, deadline - time.monotonic()))
+    codes = [p.exitcode for p in procs]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    return codes
+
+
+@contextmanager
+def warm_processes(target: Callable[..., Any], arg_tuples: Iterable[tuple], *,
+                   timeout_s: float = 30) -> Iterator[list]:
+    """`start_warm`'s processes for the block; leaving it stops them (`stop_warm`), so a
+    failing test leaves none behind."""
+    procs = start_warm(target, arg_tuples)
+    try:
+        yield procs
+    finally:
+        stop_warm(procs, timeout_s)
+
+
 def run_gloo(body: Callable[[int, int], Any], world: int, *, timeout_s: float = 240) -> dict:
     """Runs `body(rank, world)` in `world` new processes joined in one gloo group.
 
@@ -47,20 +87,13 @@ def run_gloo(body: Callable[[int, int], Any], world: int, *, timeout_s: float = 
     """
     results = warm_context().Queue()
     port = free_port()
-    procs = [warm_process(_run_rank, (body, rank, world, port, timeout_s, results))
-             for rank in range(world)]
-    for p in procs:
-        p.start()
     wait_s = timeout_s + 160
-    try:
-        got = [results.get(timeout=wait_s) for _ in procs]
-    except queue.Empty:
-        pytest.fail(f"a worker neither finished nor reported an error within {wait_s} s")
-    finally:
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
+    with warm_processes(_run_rank, [(body, rank, world, port, timeout_s, results)
+                                    for rank in range(world)]) as procs:
+        try:
+            got = [results.get(timeout=wait_s) for _ in procs]
+        except queue.Empty:
+            pytest.fail(f"a worker neither finished nor reported an error within {wait_s} s")
     errors = [err for _, _, err in got if err]
     assert not errors, "\n".join(errors)
     return {rank: out for rank, out, _ in got}
@@ -89,22 +122,14 @@ def run_script(script: Path | str, *args: str, nprocs: int = 2, timeout: float =
     """
     logs = Path(tempfile.mkdtemp(prefix="peerflow-test-ranks-"))
     port = free_port()
-    procs = [warm_process(_script_rank, (str(script), args, rank, nprocs, port, str(logs)))
-             for rank in range(nprocs)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout
+    procs = start_warm(_script_rank, [(str(script), args, rank, nprocs, port, str(logs))
+                                      for rank in range(nprocs)])
     failed = []
-    for rank, p in enumerate(procs):
-        p.join(max(1.0, deadline - time.monotonic()))
-        late = p.is_alive()
-        if late:
-            p.kill()
-            p.join()
-        if p.exitcode != 0:
+    for rank, code in enumerate(stop_warm(procs, timeout)):
+        if code != 0:
             log = (logs / f"rank{rank}.log").read_text()[-6000:]
-            failed.append(f"rank {rank} {'hung past the timeout' if late else 'exited'} "
-                          f"({p.exitcode}):\n{log}")
+            failed.append(f"rank {rank} {'hung past the timeout' if code is None else 'exited'} "
+                          f"({procs[rank].exitcode}):\n{log}")
     assert not failed, "\n".join(failed)
     shutil.rmtree(logs, ignore_errors=True)
 

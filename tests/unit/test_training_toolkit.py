@@ -25,7 +25,7 @@ from peerflow.training import (
     token_logprobs,
 )
 from peerflow.training.inputs import pad_inputs
-from tests.helpers.gloo import free_port, warm_process
+from tests.helpers.gloo import free_port, start_warm, stop_warm
 
 VOCAB = 11
 
@@ -145,14 +145,10 @@ def _vocab_parallel_rank(rank: int, port: int, queue) -> None:
 def test_vocab_parallel_logprobs_match_full_vocabulary_values_and_gradients():
     port = free_port()
     queue = warm_context().Queue()
-    procs = [warm_process(_vocab_parallel_rank, (r, port, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
+    procs = start_warm(_vocab_parallel_rank, [(r, port, queue) for r in range(2)])
     results = {r: [torch.from_numpy(a) for a in rest]
                for r, *rest in (queue.get(timeout=120) for _ in procs)}
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
+    assert stop_warm(procs, 60) == [0, 0]
     torch.manual_seed(0)
     logits = torch.randn(5, 12, dtype=torch.float64)[:, :VOCAB].requires_grad_(True)
     targets = torch.randint(0, VOCAB, (5,))
