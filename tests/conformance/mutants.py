@@ -101,31 +101,34 @@ def _reordered(specs, fused: str, order: tuple[str, ...]):
     return out
 
 
-class QKSwapped(HFFused):
+class _Swapped(HFFused):
+    """Declares the pieces of every `FUSED` tensor in `ORDER`, not the order it stores."""
+
+    FUSED: str
+    ORDER: tuple[str, ...]
+
+    @classmethod
+    def shard_layout(cls, hf_config, layout, rank, dtype="float32"):
+        return _reordered(super().shard_layout(hf_config, layout, rank, dtype), cls.FUSED,
+                          cls.ORDER)
+
+
+class QKSwapped(_Swapped):
     """Declares `[k; q; v]` for the `[q; k; v]` it stores."""
 
-    @classmethod
-    def shard_layout(cls, hf_config, layout, rank, dtype="float32"):
-        specs = super().shard_layout(hf_config, layout, rank, dtype)
-        return _reordered(specs, "qkv_proj.weight", ("k_proj", "q_proj", "v_proj"))
+    FUSED, ORDER = "qkv_proj.weight", ("k_proj", "q_proj", "v_proj")
 
 
-class KVSwapped(HFFused):
+class KVSwapped(_Swapped):
     """Declares `[q; v; k]` for the `[q; k; v]` it stores."""
 
-    @classmethod
-    def shard_layout(cls, hf_config, layout, rank, dtype="float32"):
-        specs = super().shard_layout(hf_config, layout, rank, dtype)
-        return _reordered(specs, "qkv_proj.weight", ("q_proj", "v_proj", "k_proj"))
+    FUSED, ORDER = "qkv_proj.weight", ("q_proj", "v_proj", "k_proj")
 
 
-class GateUpSwapped(HFFused):
+class GateUpSwapped(_Swapped):
     """Declares `[up; gate]` for the `[gate; up]` it stores."""
 
-    @classmethod
-    def shard_layout(cls, hf_config, layout, rank, dtype="float32"):
-        specs = super().shard_layout(hf_config, layout, rank, dtype)
-        return _reordered(specs, "gate_up_proj.weight", ("up_proj", "gate_proj"))
+    FUSED, ORDER = "gate_up_proj.weight", ("up_proj", "gate_proj")
 
 
 class VocabPadOffByOne(HFFused):
