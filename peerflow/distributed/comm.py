@@ -38,24 +38,47 @@ def peer_failure() -> str | None:
     return record.message() if record is not None and record.rank != monitor.rank else None
 
 
+#: One awaited handle of a point-to-point exchange: (peer rank, what this rank awaits
+#: from it, e.g. "receive a bucket header from", the async work handle).
+PeerWork = tuple[int, str, Any]
+
+
 def wait_all(works: Sequence[Any], what: str, timeout: float | None = None) -> None:
     """Waits for async work handles, each for at most `timeout` seconds.
 
+    Args:
+        works: Work handles, or `PeerWork` triples (point-to-point exchanges): a timeout
+            then names every peer whose handle is still pending.
+        what: What is awaited, for the error (`"rank 0, weight transport 'torch'"`).
+        timeout: Seconds per handle (default: `default_timeout()`).
+
     Raises:
-        WorkerFailedError: a handle failed or timed out (naming `what` and, when one is
-            published, the peer that failed).
+        WorkerFailedError: a handle failed or timed out (naming `what`, the silent peers
+            and, when one is published, the peer that failed).
     """
     timeout = default_timeout() if timeout is None else timeout
     delta = datetime.timedelta(seconds=timeout)
-    for work in works:
+    for index, item in enumerate(works):
+        peer, action, work = item if isinstance(item, tuple) else (None, "", item)
         try:
             work.wait(timeout=delta)
         except Exception as exc:
-            peer = peer_failure()
-            cause = f"; {peer}" if peer else ""
-            raise WorkerFailedError(
-                f"{what} did not complete within {timeout:g} s ({exc}){cause}"
-            ) from exc
+            published = peer_failure()
+            cause = f"; {published}" if published else ""
+            if peer is None:
+                message = f"{what} did not complete within {timeout:g} s ({exc})"
+            else:
+                pending = sorted({p for p, _, w in works[index:] if not _done(w)} | {peer})
+                message = (f"{what}: rank(s) {pending} did not answer within {timeout:g} s "
+                           f"(waiting to {action} rank {peer}: {type(exc).__name__}: {exc})")
+            raise WorkerFailedError(message + cause) from exc
+
+
+def _done(work: Any) -> bool:
+    try:
+        return bool(work.is_completed())
+    except Exception:
+        return False
 
 
 def all_gather_tensor(tensor: torch.Tensor, group: Any = None, *, what: str = "all_gather",

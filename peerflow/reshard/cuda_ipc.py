@@ -19,7 +19,7 @@ wait had a deadline. Here:
   the bucket, not the device once per peer.
 * **No group barrier.** Only the two ends of a route talk (tagged gloo `isend`/`irecv` of
   small host tensors); the sender reuses its buffer once its receivers acknowledged.
-* **Deadlines.** Every wait goes through `wait_peers` (`peerflow.reshard.deadline`).
+* **Deadlines.** Every wait goes through `peerflow.distributed.comm.wait_all`.
 
 The group must carry host tensors (gloo: a `cpu:gloo,cuda:nccl` default group does).
 """
@@ -33,7 +33,7 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from peerflow.reshard.deadline import wait_peers
+from peerflow.distributed.comm import wait_all
 from peerflow.reshard.transport import Route, WeightTransport
 
 #: Message tags: header (slot, offset, bytes, export length), export (pickled handle), ack.
@@ -169,4 +169,4 @@ class CudaIpcTransport(WeightTransport):
             torch.cuda.current_stream(device).synchronize()
 
     def _wait(self, works: list) -> None:
-        wait_peers(works, rank=self.rank, transport=self.name, timeout=self.deadline_s)
+        wait_all(works, self.waiting, self.deadline_s)

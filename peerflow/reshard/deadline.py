@@ -1,56 +1,21 @@
 """Deadlines for a weight sync: no exchange waits for a peer forever.
 
-Every wait of a transport goes through `wait_peers` with the transport's deadline
-(`WeightTransport.deadline_s`: its `timeout`, else `peerflow.distributed.comm.
-default_timeout()`, i.e. `runtime.fault_timeout`), and the executor wraps each bucket's
-exchange in `exchange_bucket`, so a peer that stops answering ends the sync with a
-`WorkerFailedError` naming this rank, the silent rank(s), the bucket and the transport.
+Every wait of a transport goes through `peerflow.distributed.comm.wait_all` with
+`PeerWork` triples and the transport's deadline (`WeightTransport.deadline_s`: its
+`timeout`, else `default_timeout()`, i.e. `runtime.fault_timeout`), and the executor
+wraps each bucket's exchange in `exchange_bucket`, so a peer that stops answering ends
+the sync with a `WorkerFailedError` naming this rank, the silent rank(s), the bucket and
+the transport.
 """
 
 from __future__ import annotations
 
-import datetime
-import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
-from peerflow.distributed.comm import peer_failure
 from peerflow.errors import WorkerFailedError
-
-#: One wait of an exchange: (peer rank, what is awaited, e.g. "receive", async work handle).
-PeerWork = tuple[int, str, Any]
-
-
-def wait_peers(works: Sequence[PeerWork], *, rank: int, transport: str,
-               timeout: float) -> None:
-    """Waits for every handle, all within `timeout` seconds from now.
-
-    Raises:
-        WorkerFailedError: a handle failed or was not done in time; names this rank, the
-            transport and every peer whose handle was still pending.
-    """
-    deadline = time.monotonic() + timeout
-    for index, (peer, what, work) in enumerate(works):
-        left = max(deadline - time.monotonic(), 0.001)
-        try:
-            work.wait(timeout=datetime.timedelta(seconds=left))
-        except Exception as exc:
-            pending = sorted({p for p, _, w in works[index:] if not _done(w)} | {peer})
-            cause = peer_failure()
-            raise WorkerFailedError(
-                f"rank {rank}, weight transport {transport!r}: rank(s) {pending} did not "
-                f"answer within {timeout:g} s (waiting to {what} rank {peer}: "
-                f"{type(exc).__name__}: {exc})" + (f"; {cause}" if cause else "")
-            ) from exc
-
-
-def _done(work: Any) -> bool:
-    try:
-        return bool(work.is_completed())
-    except Exception:
-        return False
 
 
 def exchange_bucket(transport: Any, index: int, sends: Mapping[int, torch.Tensor],

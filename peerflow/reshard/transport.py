@@ -66,6 +66,11 @@ class WeightTransport(abc.ABC):
 
         return default_timeout() if self.timeout is None else float(self.timeout)
 
+    @property
+    def waiting(self) -> str:
+        """Who waits, as a timeout names it: this rank and the transport."""
+        return f"rank {self.rank}, weight transport {self.name!r}"
+
     @abc.abstractmethod
     def exchange(
         self,

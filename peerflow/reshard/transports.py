@@ -29,11 +29,10 @@ import torch.distributed as dist
 
 from peerflow.coordinator.shm import ShmRoute
 from peerflow.coordinator.transport import cached_shm_route
-from peerflow.distributed.comm import default_timeout
+from peerflow.distributed.comm import default_timeout, wait_all
 from peerflow.errors import ConfigError
 from peerflow.plugins import hookimpl
 from peerflow.reshard.cuda_ipc import CudaIpcTransport
-from peerflow.reshard.deadline import wait_peers
 from peerflow.reshard.transport import Route, WeightTransport
 
 
@@ -74,7 +73,7 @@ class TorchP2PTransport(WeightTransport):
             if peer in out:
                 works.append((peer, "receive from",
                               dist.irecv(out[peer], src=peer, group=self.group)))
-        wait_peers(works, rank=self.rank, transport=self.name, timeout=self.deadline_s)
+        wait_all(works, self.waiting, self.deadline_s)
         return out
 
 
@@ -127,8 +126,7 @@ class TorchBroadcastTransport(WeightTransport):
             else:
                 buf = torch.empty(total, dtype=torch.uint8, device=self.device)
             work = dist.broadcast(buf, src=src, group=self.group, async_op=True)
-            wait_peers([(src, "receive the broadcast of", work)], rank=self.rank,
-                       transport=self.name, timeout=self.deadline_s)
+            wait_all([(src, "receive the broadcast of", work)], self.waiting, self.deadline_s)
             offset = 0
             for dst, n in mine:
                 if dst == self.rank:
