@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers.batches import group_batch
 from tests.helpers.gloo import free_port, start_warm, stop_warm
 
 pytestmark = pytest.mark.distributed
@@ -45,15 +46,8 @@ def spawn(fn, world, tmp_path, timeout=90):
 
 
 def _group(gid, first_sid, lengths, version):
-    from peerflow.batch import Batch, RaggedField
-
-    n = len(lengths)
-    return Batch(
-        sample_id=torch.arange(first_sid, first_sid + n),
-        group_id=torch.full((n,), gid),
-        weight_version=torch.full((n,), version),
-        fields={"response_ids": RaggedField.from_tensors([torch.arange(k) for k in lengths])},
-    ).set_objects("answer", [f"a{gid}"] * n)
+    answers = [f"a{gid}"] * len(lengths)
+    return group_batch(gid, lengths, first_sid, version).set_objects("answer", answers)
 
 
 def _streaming(rank, world):

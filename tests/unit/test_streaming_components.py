@@ -7,7 +7,6 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from peerflow.batch import Batch, RaggedField
 from peerflow.errors import DuplicateNameError, UnknownNameError
 from peerflow.plugins import get_plugin_manager
 from peerflow.streaming.accumulator import MicroBatchAccumulator, StepInbox
@@ -20,24 +19,12 @@ from peerflow.streaming.versions import (
     segments_from_token_versions,
     token_versions,
 )
+from tests.helpers.batches import group_batch
 from tests.helpers.plugins import registering
 
 
 def get_sampler(name):
     return get_plugin_manager().get("sampler", name)()
-
-
-def group_batch(group_id, lengths, first_sid, version=0):
-    n = len(lengths)
-    return Batch(
-        sample_id=torch.arange(first_sid, first_sid + n),
-        group_id=torch.full((n,), group_id),
-        weight_version=torch.full((n,), version),
-        fields={
-            "prompt_ids": RaggedField.from_tensors([torch.ones(2, dtype=torch.int64)] * n),
-            "response_ids": RaggedField.from_tensors([torch.arange(length) for length in lengths]),
-        },
-    )
 
 
 # --- versions -----------------------------------------------------------------------
