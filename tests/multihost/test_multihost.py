@@ -35,13 +35,6 @@ pytestmark = [pytest.mark.distributed,
               pytest.mark.skipif(_REASON is not None, reason=f"multi-host tests: {_REASON}")]
 
 
-@pytest.fixture
-def hosts():
-    made = Hosts.create(2)
-    yield made
-    made.destroy()
-
-
 def _env() -> dict[str, str]:
     env = dict(os.environ, GLOO_SOCKET_IFNAME="eth0", OMP_NUM_THREADS="1",
                HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")

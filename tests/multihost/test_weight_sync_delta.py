@@ -15,20 +15,13 @@ protocol itself is covered fast by `tests/distributed/test_delta_sync.py`.
 from __future__ import annotations
 
 import pytest
-from netns import Hosts, unavailable  # this folder's helpers (pytest puts it on sys.path)
+from netns import unavailable  # this folder's helpers (pytest puts it on sys.path)
 from sync_bench import split_bench
 
 _REASON = unavailable()
 pytestmark = [pytest.mark.distributed, pytest.mark.slow,
               pytest.mark.skipif(_REASON is not None, reason=f"multi-host tests: {_REASON}")]
 RATE = "40mbit"
-
-
-@pytest.fixture
-def hosts():
-    made = Hosts.create(2)
-    yield made
-    made.destroy()
 
 
 def test_delta_sync_across_hosts_sends_10x_fewer_bytes_and_is_faster_on_a_slow_link(
