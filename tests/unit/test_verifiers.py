@@ -77,19 +77,23 @@ def engine(tmp_path_factory):
     return HFRolloutEngine(EngineContext(model_path=path, layout=ParallelLayout(), seed=4))
 
 
+def _rollout(engine, draws, *, max_turns: int, max_tokens: int, seed: int):
+    """The agent driver's batch of `draws` in a verifiers environment (2 samples each, T 1)."""
+    driver = AgentRollout(env_cls=VerifiersEnvironment, env_options=VerifiersOptions(wait_s=60),
+                          settings=AgentConfig(environment="verifiers", max_turns=max_turns,
+                                               max_total_tokens=400))
+    return driver(engine, engine.tokenizer, draws,
+                  SamplingParams(n=2, temperature=1.0, max_tokens=max_tokens, seed=seed))
+
+
 def test_a_single_turn_env_and_its_rubric_run_against_the_endpoint(engine):
     task = VerifiersTask(VerifiersTaskOptions(environment=ENV))
     assert task.size("train") == task.size("eval") == 2  # no eval rows: the train rows
     draws = [Draw(position=i, example=task.example("train", i, seed=0)) for i in range(2)]
     assert draws[0].example.prompt == [{"role": "system", "content": "Answer with a number."},
                                        {"role": "user", "content": "2+2="}]
-    driver = AgentRollout(env_cls=VerifiersEnvironment,
-                          env_options=VerifiersOptions(wait_s=60),
-                          settings=AgentConfig(environment="verifiers", max_turns=2,
-                                               max_total_tokens=400))
+    batch = _rollout(engine, draws, max_turns=2, max_tokens=8, seed=5)
     tok = engine.tokenizer
-    batch = driver(engine, tok, draws, SamplingParams(n=2, temperature=1.0, max_tokens=8,
-                                                       seed=5))
     assert list(batch["finish_reason"]) == ["stop"] * 4 and batch["num_turns"].tolist() == [1] * 4
     for k, (prompt, ids, mask) in enumerate(zip(batch.ragged("prompt_ids").rows(),
                                                 batch.ragged("response_ids").rows(),
@@ -112,12 +116,8 @@ def test_a_multi_turn_env_s_messages_are_observations_of_one_trajectory(engine):
     task = VerifiersTask(VerifiersTaskOptions(
         environment="tests.unit.test_verifiers:load_multi_turn"))
     draws = [Draw(position=0, example=task.example("train", 0, seed=0))]
-    driver = AgentRollout(env_cls=VerifiersEnvironment, env_options=VerifiersOptions(wait_s=60),
-                          settings=AgentConfig(environment="verifiers", max_turns=4,
-                                               max_total_tokens=400))
+    batch = _rollout(engine, draws, max_turns=4, max_tokens=6, seed=6)
     tok = engine.tokenizer
-    batch = driver(engine, tok, draws, SamplingParams(n=2, temperature=1.0, max_tokens=6,
-                                                       seed=6))
     assert batch["num_turns"].tolist() == [2, 2]  # the environment's max_turns
     assert list(batch["finish_reason"]) == ["stop", "stop"]  # one sample: no prefix break
     for k, (ids, mask) in enumerate(zip(batch.ragged("response_ids").rows(),
