@@ -10,6 +10,7 @@ import json
 import os
 from pathlib import Path
 
+import pytest
 import torch
 
 #: Adam with eps=1e-3 makes the post-step comparison about gradients, not about the
@@ -160,6 +161,14 @@ def reference(model_path: str) -> dict:
         del state["lm_head.weight"]
     return {"logprobs": logprobs.values.detach(), "grad_norm": float(norm), "state": state,
             "loss": float(loss.detach()), "entropy": float(entropy.detach())}
+
+
+def assert_step_matches(metrics: dict, ref: dict) -> None:
+    """A rank's train-step `metrics` are the `reference` step's: gradient norm (to 1e-4),
+    loss and entropy (to 1e-5, relative)."""
+    assert metrics["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4)
+    assert metrics["loss"] == pytest.approx(ref["loss"], rel=1e-5)
+    assert metrics["entropy"] == pytest.approx(ref["entropy"], rel=1e-5)
 
 
 def hf_logprobs(model_dir: str, batch) -> torch.Tensor:
