@@ -41,6 +41,10 @@ def run_suite(tmp_path, module: str, classes: list[str], keyword: str, *extra: s
         capture_output=True, text=True, env=env, timeout=600)
 
 
+# Slow tier: test_mutants.py keeps layer 3's catch of a K/V swap (`KVSwapped`) and the
+# "uses the data of" diagnosis (`ExpertGateUpSwapped`) in every run, and
+# test_conformance_cli.py / test_builtin_adapters.py the real hf engine passing.
+@pytest.mark.slow
 def test_layer_3_passes_the_real_hf_engine_and_fails_one_swapping_k_and_v(tmp_path):
     result = run_suite(tmp_path, "engine_adapters", ["HFWithHooks", "HFSwapsKV"],
                        "l3_ and llama-tied", "--peerflow-all-failures")

@@ -71,8 +71,9 @@ def _skip_without_emulation() -> None:
         pytest.skip(reason)
 
 
-#: In the slow tier: "async" runs the same split placement on the device in every run.
-SLOW_RUNS = ("split_sync",)
+#: In the slow tier: "async" runs the same split placement on the device in every run, and
+#: `test_the_emulated_run_reproduces_the_cpu_run` the quickstart ("fsdp", in float32).
+SLOW_RUNS = ("split_sync", "fsdp")
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_RUNS
@@ -88,6 +89,11 @@ def test_a_run_trains_on_the_emulated_device(tmp_path, name):
     lines = _train(run_dir, config, overrides, emulated=True, cache=tmp_path / "models")
     assert [m["step"] for m in lines] == [1, 2]
     assert any(m["actor/grad_norm"] > 0 for m in lines)  # a step may have no reward spread
+    _assert_on_the_device(run_dir)
+
+
+def _assert_on_the_device(run_dir: Path) -> None:
+    """Both ranks' logs say their engines and device groups are on the emulated device."""
     for rank in (0, 1):
         log = (run_dir / "logs" / f"rank{rank}.log").read_text()
         assert f"engines compute on emu:{rank}" in log, log
@@ -109,6 +115,7 @@ def test_the_emulated_run_reproduces_the_cpu_run(tmp_path):
         for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy"):
             assert emu[key] == pytest.approx(cpu[key], rel=1e-3, abs=1e-6), key
         assert emu["mismatch/abs_max"] < 1e-4  # rollout and trainer agree on the device
+    _assert_on_the_device(tmp_path / "run-True")
 
 
 @pytest.mark.parametrize("adapter", ["fsdp", "deepspeed", "megatron"])
