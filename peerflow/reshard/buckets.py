@@ -118,7 +118,7 @@ def _slices(transfers: list[Transfer], bucket_bytes: int) -> list[tuple[list[Tra
     pieces = [p for t in transfers for p in _rows(t, bucket_bytes)]
     out: list[tuple[list[Transfer], int]] = []
     for piece in pieces:
-        nbytes = piece.numel * itemsize(piece.src_dtype)
+        nbytes = piece.numel * itemsize(piece.wire_dtype)
         if out and out[-1][1] + nbytes <= bucket_bytes:
             out[-1][0].append(piece)
             out[-1] = (out[-1][0], out[-1][1] + nbytes)
@@ -129,7 +129,7 @@ def _slices(transfers: list[Transfer], bucket_bytes: int) -> list[tuple[list[Tra
 
 def _rows(t: Transfer, bucket_bytes: int) -> list[Transfer]:
     """`t` cut along its first dimension into parts of at most `bucket_bytes` (≥ 1 row)."""
-    nbytes = t.numel * itemsize(t.src_dtype)
+    nbytes = t.numel * itemsize(t.wire_dtype)
     if nbytes <= bucket_bytes or not t.src_box.sizes or t.src_box.sizes[0] < 2:
         return [t]
     rows = t.src_box.sizes[0]

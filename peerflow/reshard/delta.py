@@ -57,7 +57,7 @@ _WHOLE, _DELTA = 0, 1
 def _checksums(buf: torch.Tensor, transfers: Sequence[Transfer]) -> torch.Tensor:
     offsets, _ = packed_layout(transfers)
     sums = [
-        region_checksum(buf[off : off + t.numel * itemsize(t.src_dtype)])
+        region_checksum(buf[off : off + t.numel * itemsize(t.wire_dtype)])
         for t, off in zip(transfers, offsets)
     ]
     return torch.cat(sums) if sums else torch.zeros(0, dtype=torch.int64, device=buf.device)
@@ -65,7 +65,7 @@ def _checksums(buf: torch.Tensor, transfers: Sequence[Transfer]) -> torch.Tensor
 
 def _word(transfers: Sequence[Transfer]) -> int:
     """Diff word size of a route: its smallest element size (one bf16 value = one word)."""
-    return min(itemsize(t.src_dtype) for t in transfers)
+    return min(itemsize(t.wire_dtype) for t in transfers)
 
 
 @attrs.define(eq=False)

@@ -53,13 +53,13 @@ def packed_layout(transfers: Sequence[Transfer]) -> tuple[list[int], int]:
     offsets, cursor = [], 0
     for t in transfers:
         offsets.append(cursor)
-        cursor += pad_to_multiple(t.numel * itemsize(t.src_dtype), ALIGN)
+        cursor += pad_to_multiple(t.numel * itemsize(t.wire_dtype), ALIGN)
     return offsets, cursor
 
 
 def _region(buf: torch.Tensor, offset: int, t: Transfer) -> torch.Tensor:
-    n = t.numel * itemsize(t.src_dtype)
-    return buf[offset:offset + n].view(getattr(torch, t.src_dtype)).view(t.src_box.sizes)
+    n = t.numel * itemsize(t.wire_dtype)
+    return buf[offset:offset + n].view(getattr(torch, t.wire_dtype)).view(t.src_box.sizes)
 
 
 def run_plan(
@@ -319,7 +319,7 @@ def _run_bucket(bucket: Bucket, routes: BucketRoutes, rank: int, sources: dict[s
     out = destination_tensors(mine, targets, buffers, arena, sliced=bucket.part is not None)
     for t in routes.local:
         out[t.dst_tensor][t.dst_box.slices()].copy_(sources[t.src_tensor][t.src_box.slices()])
-        stats["bytes"] += t.numel * itemsize(t.src_dtype)
+        stats["bytes"] += t.numel * itemsize(t.wire_dtype)
     got = unpack_regions(routes.incoming, received, out, rank=rank, bucket=bucket.index)
     stats["bytes"] += got
     meter.release(got)

@@ -48,8 +48,10 @@ class Transfer:
     """Destination local tensor name."""
     dst_box: Box
     """Region inside the destination local tensor (same sizes as `src_box`)."""
-    src_dtype: str
-    """dtype name of the source tensor (the bytes on the wire)."""
+    wire_dtype: str
+    """dtype name of the bytes on the wire: the narrower of the source's and the
+    destination's floating dtypes (`wire_dtype`), so a float32 master copy travels as the
+    bfloat16 its rollout holds, rounded once by the sender as the receiver would."""
 
     @property
     def numel(self) -> int:
@@ -96,14 +98,14 @@ class ReshardPlan:
 
     @property
     def bytes(self) -> int:
-        """Bytes moved by the whole plan (source dtypes)."""
-        return sum(t.numel * itemsize(t.src_dtype) for t in self.transfers)
+        """Bytes moved by the whole plan (wire dtypes)."""
+        return sum(t.numel * itemsize(t.wire_dtype) for t in self.transfers)
 
     def sender_bytes(self) -> dict[int, int]:
         """Bytes each source rank sends (its copies to itself included), by rank."""
         out: dict[int, int] = {}
         for t in self.transfers:
-            out[t.src_rank] = out.get(t.src_rank, 0) + t.numel * itemsize(t.src_dtype)
+            out[t.src_rank] = out.get(t.src_rank, 0) + t.numel * itemsize(t.wire_dtype)
         return out
 
     @property
@@ -231,7 +233,21 @@ def _transfer(box: Box, s_rank: int, s_spec: ShardSpec, s_piece: ShardPiece, d_r
     return Transfer(name=d_piece.name, src_rank=s_rank, src_tensor=s_spec.local_name,
                     src_box=_to_local(box, s_piece), dst_rank=d_rank,
                     dst_tensor=d_spec.local_name, dst_box=_to_local(box, d_piece),
-                    src_dtype=s_spec.dtype)
+                    wire_dtype=wire_dtype(s_spec.dtype, d_spec.dtype))
+
+
+def wire_dtype(src: str, dst: str) -> str:
+    """The dtype a region travels in: `dst` when it is a narrower float than `src`.
+
+    The cast to the destination's dtype happens anyway; done by the sender, it halves the
+    bytes of a float32 → bfloat16 sync and rounds the same (`Tensor.copy_`, round to
+    nearest even). Anything else (a wider destination, integers) travels as the source.
+    """
+    import torch
+
+    s, d = getattr(torch, src), getattr(torch, dst)
+    return dst if s.is_floating_point and d.is_floating_point and d.itemsize < s.itemsize \
+        else src
 
 
 def _gaps(box: Box, covering: Sequence[Box], extra: Sequence[Box] = ()) -> list[Box]:

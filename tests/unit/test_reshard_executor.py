@@ -113,6 +113,23 @@ def test_non_contiguous_sources_and_dtype_cast():
     assert torch.equal(rollout.params["c"], full[:, 3:].double())
 
 
+def test_a_float32_master_copy_travels_as_the_bfloat16_its_rollout_holds():
+    """The sender rounds once, as the receiver would: half the bytes, the same bits."""
+    shape = (8, 16)
+    full = torch.randn(shape, generator=torch.Generator().manual_seed(0))  # not bf16-exact
+    src = [ShardSpec.of_slice("w", shape, local_name="w", dtype="float32")]
+    dst = [ShardSpec.of_slice("w", shape, local_name="w", dtype="bfloat16")]
+    plan = plan_reshard(src, dst)
+    assert [t.wire_dtype for t in plan.transfers] == ["bfloat16"]
+    assert plan.bytes == full.numel() * 2
+    wide = plan_reshard(dst, [ShardSpec.of_slice("w", shape, local_name="w", dtype="float32")])
+    assert [t.wire_dtype for t in wide.transfers] == ["bfloat16"]  # widening: the source's
+    rollout = TensorRollout(dst)
+    sync_weights(TensorTrainer(src, {"w": full}), rollout, version=1, plan=plan,
+                 bucket_bytes=64)
+    assert torch.equal(rollout.params["w"], full.to(torch.bfloat16))
+
+
 def test_wrong_source_shape_and_unavailable_transports_are_clear_errors():
     src = [ShardSpec.of_slice("w", (4,))]
     trainer = TensorTrainer(src, {"w": torch.zeros(5)})
