@@ -121,6 +121,12 @@ class RolloutConfig:
     """How answers are sampled."""
     layout: LayoutConfig = attrs.Factory(LayoutConfig)
     """Parallel layout of the rollout role."""
+    dtype: Literal["float32", "bfloat16", "float16"] | None = None
+    """The rollout engine's parameter dtype; `None` (the default): `model.dtype`, the
+    trainer's. `bfloat16` beside a float32 `model.dtype` is verl's and TRL's setup on a
+    GPU: the trainer updates float32 weights, the rollout serves them rounded once per
+    sync (sent as bfloat16: half the bytes), and the log-prob mismatch that rounding
+    adds is logged (`mismatch/*`) and corrected like any other (`algorithm.off_policy`)."""
     agent: AgentConfig | None = None
     """Multi-turn agent rollouts; absent (the default) means single-turn answers."""
     engine_options: dict[str, dict[str, Any]] = _section_field()

@@ -171,6 +171,11 @@ class WorkerRuntime:
                                                  self.default_reward, name)
         return self.rewards[key]
 
+    def dtype(self, role: str) -> str:
+        """The parameter dtype of `role`'s engine: `rollout.dtype` (else `model.dtype`)."""
+        rollout = ROLES[role].engine == "rollout_engine"
+        return (rollout and self.config.rollout.dtype) or self.config.model.dtype
+
     def context(self, role: str, process_group: Any = None, lora: Any = None) -> EngineContext:
         """Returns the `EngineContext` of this rank's engine for `role`.
 
@@ -181,7 +186,7 @@ class WorkerRuntime:
             model_path=self.model_path,
             layout=self.layouts[role],
             rank=self.rank,
-            dtype=self.config.model.dtype,
+            dtype=self.dtype(role),
             device=_device(),
             seed=self.config.seed,
             process_group=process_group,
