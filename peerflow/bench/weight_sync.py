@@ -87,6 +87,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(peerflow.bench.weight_sync_split)")
     parser.add_argument("--dtype", default="bfloat16",
                         help="--split: both engines' dtype (default bfloat16)")
+    parser.add_argument("--rollout-dtype", default=None,
+                        help="--split: the rollout's dtype (default: --dtype); bfloat16 "
+                        "with --dtype float32 is float32 trainer weights, a bfloat16 rollout")
     parser.add_argument("--lr", type=float, default=1e-6,
                         help="--split: the trainer's learning rate (default 1e-6)")
     parser.add_argument("--init-range", type=float, default=None,

@@ -3,12 +3,14 @@
 Run under `torchrun` with two processes (`--nproc-per-node 2` on one machine, or
 `--nnodes 2` across hosts): rank 0 trains (`--trainer`, default fsdp), rank 1 serves
 (`--backend`, default hf), joined by gloo on the CPU. Both engines load the bench model
-of `--sizes` (one size) in `--dtype` (default bfloat16). Two `WeightSyncService`s are built
-over the same plan and transport, one with `weight_sync.encoding: full`, one with
-`delta`. After a warm-up sync by both (delta's first sync is whole), every run takes one
-real optimiser step on rank 0 (the GRPO-shaped batch and PPO-clip loss of
-`peerflow bench train`, at `--lr`, default 1e-6), then syncs with `full`, then with
-`delta`, so both move the same weights side by side. Per encoding (medians over `--runs`):
+of `--sizes` (one size) in `--dtype` (default bfloat16), the rollout in `--rollout-dtype`
+when given (float32 trainer weights beside a bfloat16 rollout travel as bfloat16). Two
+`WeightSyncService`s are built over the same plan and transport, one with
+`weight_sync.encoding: full`, one with `delta`. After a warm-up sync by both (delta's
+first sync is whole), every run takes one real optimiser step on rank 0 (the GRPO-shaped
+batch and PPO-clip loss of `peerflow bench train`, at `--lr`, default 1e-6), then syncs
+with `full`, then with `delta`, so both move the same weights side by side. Per encoding
+(medians over `--runs`):
 
 * `wire_bytes`: bytes rank 0 handed the transport (payload, tags and headers);
 * `gather_s` / `pack_s` (rank 0), `wire_s` (the slower rank), `load_s` / `pause_s`
@@ -80,7 +82,8 @@ def _engines(model: str, args: argparse.Namespace, rank: int) -> tuple[Any, Any]
     from peerflow.plugins import get_plugin_manager
 
     pm = get_plugin_manager()
-    context = EngineContext(model_path=model, layout=ParallelLayout(), dtype=args.dtype,
+    dtype = args.dtype if rank == 0 else args.rollout_dtype or args.dtype
+    context = EngineContext(model_path=model, layout=ParallelLayout(), dtype=dtype,
                             seed=args.seed)
     if rank == 0:
         cls = pm.registry("train_engine").get(args.trainer)
@@ -208,7 +211,8 @@ def _report(size: str, args: argparse.Namespace, trainer: dict[str, Any],
             "train_batch": {"prompts": args.prompts, "group_size": args.group_size,
                             "prompt_tokens": args.prompt_tokens,
                             "max_tokens": args.max_tokens},
-            "parameters": trainer["parameters"], "dtype": args.dtype, "lr": args.lr,
+            "parameters": trainer["parameters"], "dtype": args.dtype,
+            "rollout_dtype": args.rollout_dtype or args.dtype, "lr": args.lr,
             "trainer": args.trainer, "backend": args.backend or "hf",
             "transport": args.transport or "torch", "bucket_mb": args.bucket_mb,
             "init_range": args.init_range, "median_of": args.runs,
