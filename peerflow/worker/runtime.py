@@ -171,29 +171,25 @@ class WorkerRuntime:
                                                  self.default_reward, name)
         return self.rewards[key]
 
-    def dtype(self, role: str) -> str:
-        """The parameter dtype of `role`'s engine: `rollout.dtype` (else `model.dtype`)."""
-        rollout = ROLES[role].engine == "rollout_engine"
-        return (rollout and self.config.rollout.dtype) or self.config.model.dtype
-
     def context(self, role: str, process_group: Any = None, lora: Any = None) -> EngineContext:
         """Returns the `EngineContext` of this rank's engine for `role`.
 
-        `lora` is `trainer.lora`, for an engine that trains or applies adapters.
+        `lora` is `trainer.lora`, for an engine that trains or applies adapters. The
+        rollout's dtype is `rollout.dtype` when set, every other role's `model.dtype`.
         """
+        rollout = ROLES[role].engine == "rollout_engine"
         return EngineContext(
             lora=lora,
             model_path=self.model_path,
             layout=self.layouts[role],
             rank=self.rank,
-            dtype=self.dtype(role),
+            dtype=(rollout and self.config.rollout.dtype) or self.config.model.dtype,
             device=_device(),
             seed=self.config.seed,
             process_group=process_group,
             run_dir=str(self.run_dir),
             temperature=self.config.rollout.sampling.temperature,
-            routed_experts=ROLES[role].engine == "rollout_engine"
-            and self.config.trainer.routing_replay == "r3",
+            routed_experts=rollout and self.config.trainer.routing_replay == "r3",
         )
 
     def build_engine(self, role: str, process_group: Any = None) -> Any:
