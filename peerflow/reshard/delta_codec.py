@@ -55,13 +55,17 @@ def changed_words(new: torch.Tensor, base: torch.Tensor, word: int) -> torch.Ten
     return blocks[row] * per + col
 
 
+def _index_dtype(words: int) -> torch.dtype:
+    """The dtype of a delta's changed-word indices: int32, int64 past 2**31 words."""
+    return torch.int32 if words < 2**31 else torch.int64
+
+
 def _layout(changed: int, words: int) -> tuple[bool, int]:
     """Whether a delta lists its changed words as a bitmap, and the bytes before the values.
 
     The smaller listing wins: indices up to ~1 changed word in 32, a bitmap past it.
     """
-    index_size = 4 if words < 2**31 else 8
-    index_bytes = pad_to_multiple(changed * index_size, 16)
+    index_bytes = pad_to_multiple(changed * _index_dtype(words).itemsize, 16)
     bitmap_bytes = pad_to_multiple(-(-words // 8), 16)
     return (True, bitmap_bytes) if bitmap_bytes < index_bytes else (False, index_bytes)
 
@@ -96,8 +100,8 @@ def encode_delta(
         bits = _bits().to(new.device)
         payload[:head].copy_((mask.view(-1, 8).to(torch.uint8) * bits).sum(1, dtype=torch.uint8))
     else:
-        index_dtype, size = (torch.int32, 4) if words < 2**31 else (torch.int64, 8)
-        payload[: changed * size].view(index_dtype).copy_(index)
+        index_dtype = _index_dtype(words)
+        payload[: changed * index_dtype.itemsize].view(index_dtype).copy_(index)
     payload[head:].view(dtype).copy_(new.view(dtype)[index])
     return payload, changed, words
 
@@ -112,5 +116,5 @@ def apply_delta(base: torch.Tensor, payload: torch.Tensor, changed: int, word: i
         mask = (payload[:head].unsqueeze(1) & bits).ne(0).view(-1)[:words]
         base.view(dtype)[mask] = values
         return
-    index_dtype, size = (torch.int32, 4) if words < 2**31 else (torch.int64, 8)
-    base.view(dtype)[payload[: changed * size].view(index_dtype).long()] = values
+    index_dtype = _index_dtype(words)
+    base.view(dtype)[payload[: changed * index_dtype.itemsize].view(index_dtype).long()] = values
