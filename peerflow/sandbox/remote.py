@@ -12,7 +12,10 @@ the request shape of ByteDance's Sandbox Fusion (the service verl's code rewards
 
 so a Sandbox Fusion deployment, or `peerflow sandbox serve` on another machine (which
 answers the same route from its own bubblewrap sandbox), is a drop-in. A bearer token is
-read from the environment variable `sandbox.token_env` names and sent with every call.
+read from the environment variable `sandbox.token_env` names and sent with every call
+(`peerflow sandbox serve` refuses a call without it). A 503 (the service's workers are
+busy) is retried after its `Retry-After` until the program's time limit plus `GRACE_S`
+has passed; any other refusal is a `SandboxUnavailableError` quoting the service.
 The service applies its own isolation; a program sent there imports only what the
 service has (`packages` cannot be shipped, so a call that names some is refused).
 """
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
@@ -91,12 +95,40 @@ class RemoteSandbox(Sandbox):
         headers = {"Content-Type": "application/json"}
         if self.token:
             headers["Authorization"] = f"Bearer {self.token}"
-        request = urllib.request.Request(f"{self.url}/run_code", data=body, headers=headers,
-                                         method="POST")
-        try:
-            with urllib.request.urlopen(request, timeout=limits.timeout_s + GRACE_S) as answer:
-                reply = json.loads(answer.read())
-        except (urllib.error.URLError, OSError, ValueError) as exc:
-            raise SandboxUnavailableError(
-                f"the sandbox service at {self.url} did not answer: {exc}") from exc
-        return result_from_reply(reply)
+        deadline = time.monotonic() + limits.timeout_s + GRACE_S
+        while True:
+            request = urllib.request.Request(f"{self.url}/run_code", data=body,
+                                             headers=headers, method="POST")
+            try:
+                with urllib.request.urlopen(request, timeout=max(
+                        1.0, deadline - time.monotonic())) as answer:
+                    reply = json.loads(answer.read())
+                return result_from_reply(reply)
+            except urllib.error.HTTPError as exc:
+                wait = _retry_after(exc)
+                if exc.code != 503 or time.monotonic() + wait >= deadline:
+                    raise SandboxUnavailableError(_refusal(self.url, exc)) from exc
+                time.sleep(wait)
+            except (urllib.error.URLError, OSError, ValueError) as exc:
+                raise SandboxUnavailableError(
+                    f"the sandbox service at {self.url} did not answer: {exc}") from exc
+
+
+def _retry_after(error: urllib.error.HTTPError) -> float:
+    """Seconds a 503 asks the client to wait (its `Retry-After`, 0.1 to 5 s)."""
+    try:
+        return min(5.0, max(0.1, float(error.headers.get("Retry-After", 1))))
+    except (TypeError, ValueError):
+        return 1.0
+
+
+def _refusal(url: str, error: urllib.error.HTTPError) -> str:
+    """The service's refusal, with its own message when it sent one."""
+    try:
+        message = json.loads(error.read()).get("message") or ""
+    except (OSError, ValueError, AttributeError):
+        message = ""
+    hint = (" (sandbox.token_env must name the variable holding the token the service "
+            "printed or was given)" if error.code == 401 else "")
+    return (f"the sandbox service at {url} refused the call: HTTP {error.code} "
+            f"{error.reason}{': ' + message if message else ''}{hint}")[:2000]
