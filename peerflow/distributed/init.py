@@ -26,7 +26,15 @@ import torch.distributed as dist
 
 from peerflow.distributed import devices
 from peerflow.distributed.faults import FaultMonitor, current_monitor, set_monitor
+from peerflow.distributed.listen import (
+    LOOPBACK,
+    is_loopback,
+    listening_store,
+    spans_hosts,
+    store_address,
+)
 from peerflow.distributed.round_store import generation_stores
+from peerflow.distributed.signing import require_run_secret, run_secret, signed
 from peerflow.errors import ConfigError
 
 #: Environment variable naming a launcher-hosted fault store (`host:port`).
@@ -82,10 +90,36 @@ def _env_int(name: str, default: int | None = None) -> int:
 def _fault_store(default_store: Any, timeout: float) -> Any:
     address = os.environ.get(FAULT_STORE_ENV)
     if not address:
-        return default_store
+        return signed(default_store)
     host, _, port = address.rpartition(":")
-    return dist.TCPStore(host, int(port), is_master=False,
-                         timeout=datetime.timedelta(seconds=max(timeout, 30.0)))
+    return signed(dist.TCPStore(host, int(port), is_master=False,
+                                timeout=datetime.timedelta(seconds=max(timeout, 30.0))))
+
+
+def check_run_secret() -> None:
+    """Refuses a job across hosts that has no run secret.
+
+    Raises:
+        ConfigError: the job spans hosts (or the launcher's fault store is not on
+            loopback) and neither `PEERFLOW_RUN_SECRET` nor `PEERFLOW_RUN_SECRET_FILE` is
+            set, or the secret set is invalid.
+    """
+    fault_host = os.environ.get(FAULT_STORE_ENV, "127.0.0.1:0").rpartition(":")[0]
+    if spans_hosts() or not is_loopback(fault_host):
+        require_run_secret(f"this job spans hosts (MASTER_ADDR="
+                           f"{os.environ.get('MASTER_ADDR')}, fault store on {fault_host})")
+    else:
+        run_secret()  # a set but invalid secret is refused here too
+
+
+def _env_store(rank: int, timeout: float) -> Any:
+    """The `env://` store, its server listening only where its peers reach it."""
+    host, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), _env_int("MASTER_PORT")
+    delta = datetime.timedelta(seconds=timeout)
+    if rank == 0:
+        return listening_store(store_address(host), port, timeout=timeout)
+    return dist.TCPStore(host if spans_hosts() else LOOPBACK, port, is_master=False,
+                         timeout=delta)
 
 
 def _port_in_use(init_method: str | None) -> str:
@@ -142,17 +176,21 @@ def init_distributed(
     device = devices.HOST if backend == "gloo" else devices.rank_device(local_rank)
     devices.use_device(device)
     backend = devices.group_backend(device)
+    check_run_secret()
     generation = None  # under torchrun: stores of this worker generation (round_store)
     if init_method is None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         generation = generation_stores(rank, timeout)
     if not dist.is_initialized():
         try:
+            if generation:
+                where: dict[str, Any] = {"store": generation[0]}
+            elif init_method is None:
+                where = {"store": _env_store(rank, timeout)}
+            else:
+                where = {"init_method": init_method}
             dist.init_process_group(
                 backend=backend, rank=rank, world_size=world_size,
-                timeout=datetime.timedelta(seconds=wait_timeout or timeout),
-                **({"store": generation[0]} if generation
-                   else {"init_method": init_method or "env://"}),
-            )
+                timeout=datetime.timedelta(seconds=wait_timeout or timeout), **where)
         except (RuntimeError, OSError) as exc:
             if "address already in use" not in str(exc).lower():
                 raise

@@ -16,6 +16,11 @@ nonce in the agent store; every other rank reads that, connects, and checks the 
 the fresh store — a stale address (a previous generation's rank 0, now gone) fails the
 check or the connection, and the rank reads again until the deadline. The fault channel
 stays in the agent store (it outlives any worker) under a prefix made of the nonce.
+
+Rank 0's store listens on loopback on one host, else on the interface that reaches
+`MASTER_ADDR` (`peerflow.distributed.listen`); the address and nonce records are signed
+with the run's secret (`peerflow.distributed.signing`), so a stranger who can write to
+torchrun's agent store cannot point the ranks at a store of its own.
 """
 
 from __future__ import annotations
@@ -28,14 +33,17 @@ from typing import Any
 
 import torch.distributed as dist
 
+from peerflow.distributed.listen import LOOPBACK, listening_store, spans_hosts, store_address
+from peerflow.distributed.signing import RecordRefusedError, signed
+
 #: Agent-store key where rank 0 publishes `host:port:nonce` of the generation's store.
 ADDRESS_KEY = "peerflow/generation/store"
 #: Key in the generation's own store holding its nonce.
 NONCE_KEY = "peerflow/generation/nonce"
 
 
-def _store(host: str, port: int, timeout: float, *, master: bool = False) -> Any:
-    return dist.TCPStore(host, port, is_master=master, wait_for_workers=False,
+def _store(host: str, port: int, timeout: float) -> Any:
+    return dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
                          timeout=datetime.timedelta(seconds=timeout))
 
 
@@ -50,30 +58,34 @@ def generation_stores(rank: int, timeout: float) -> tuple[Any, Any]:
         TimeoutError: rank 0 did not publish a reachable store within `timeout`.
     """
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    agent = _store(host, port, timeout)
+    agent = signed(_store(host, port, timeout))
     if rank == 0:
         nonce = uuid.uuid4().hex[:16]
-        own = _store(host, 0, timeout, master=True)
-        own.set(NONCE_KEY, nonce)
-        agent.set(ADDRESS_KEY, f"{host}:{own.port}:{nonce}")
+        listen = store_address(host)
+        own = listening_store(listen, 0, timeout=timeout)
+        signed(own, agent.secret).set(NONCE_KEY, nonce)
+        agent.set(ADDRESS_KEY, f"{listen}:{own.port}:{nonce}")
     else:
         own, nonce = _connect(agent, timeout)
-    return own, dist.PrefixStore(f"peerflow/generation/{nonce}/", agent)
+    return own, signed(dist.PrefixStore(f"peerflow/generation/{nonce}/", agent.raw),
+                       agent.secret, scope=nonce)
 
 
 def _connect(agent: Any, timeout: float) -> tuple[Any, str]:
     """Connects to the store rank 0 of this generation published (skipping stale ones)."""
     deadline = time.monotonic() + timeout
+    address = "?"
     while True:
-        address = agent.get(ADDRESS_KEY).decode()
-        host, port, nonce = address.rsplit(":", 2)
         try:
-            own = _store(host, int(port), min(2.0, timeout))
-            if own.get(NONCE_KEY).decode() == nonce:
+            address = agent.get(ADDRESS_KEY).decode()
+            host, port, nonce = address.rsplit(":", 2)
+            own = _store(host if spans_hosts() else LOOPBACK, int(port), min(2.0, timeout))
+            if signed(own, agent.secret).get(NONCE_KEY).decode() == nonce:
                 own.set_timeout(datetime.timedelta(seconds=timeout))
                 return own, nonce
-        except (RuntimeError, OSError):
-            pass  # a previous generation's rank 0, gone (or not listening yet)
+        except (RuntimeError, OSError, ValueError, RecordRefusedError):
+            pass  # a previous generation's rank 0, gone (or not listening yet), or a
+            # record a stranger wrote (RecordRefusedError: logged, ignored)
         if time.monotonic() > deadline:
             raise TimeoutError(
                 f"rank 0 of this torchrun generation published no reachable store in "

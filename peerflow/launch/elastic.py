@@ -10,10 +10,11 @@ from pathlib import Path
 
 import attrs
 
-from peerflow.distributed.init import free_port
+from peerflow.distributed.listen import LOOPBACK
 from peerflow.distributed.ranklog import log_unwritten, rank_log_path
 from peerflow.distributed.stop import LauncherStopHandler, read_stop, stop_reason
 from peerflow.errors import RunInterruptedError, WorkerFailedError
+from peerflow.launch import loopback_rdzv
 from peerflow.launch.entry import WorkerCommand, worker_entry
 from peerflow.launch.lifeline import LAUNCHER_PID_ENV
 from peerflow.launch.mainguard import main_module_hidden
@@ -93,9 +94,10 @@ def launch_elastic(command: WorkerCommand, *, nprocs: int) -> None:
     store.export()
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # workers exit when this process dies
     store.start_watching()
-    config = LaunchConfig(
+    config = LaunchConfig(  # every store on loopback, the workers' MASTER_ADDR too
         min_nodes=1, max_nodes=1, nproc_per_node=nprocs, run_id=f"peerflow-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}",
+        rdzv_backend=loopback_rdzv.register(), rdzv_endpoint=f"{LOOPBACK}:0",
+        local_addr=LOOPBACK,
         rdzv_configs={"timeout": int(max(60, command.fault_timeout))}, max_restarts=0,
         # our own watcher names the failure first; the agent then stops the rest
         monitor_interval=0.5, start_method="forkserver" if warm else "spawn",

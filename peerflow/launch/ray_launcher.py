@@ -115,7 +115,7 @@ def launch_ray(command: WorkerCommand, *, nprocs: int, num_cpus: int | None = No
             local = seen[node_id] = seen.get(node_id, -1) + 1
             env = dict(passed, RANK=str(rank), WORLD_SIZE=str(nprocs), LOCAL_RANK=str(local),
                        MASTER_ADDR=master, MASTER_PORT=str(nodes[0][2]),
-                       PEERFLOW_FAULT_STORE=store.address)
+                       **store.environment)
             refs[actors[rank].run.remote(env, args)] = rank
         try:
             _wait(ray, refs, store, command.fault_timeout, command.logs_dir)

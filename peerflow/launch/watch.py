@@ -5,6 +5,11 @@ The launcher hosts a `TCPStore` and passes its address to the workers
 pids the workers recorded there; a worker process that is gone (or a zombie) before it
 marked itself done gets an abort record naming its rank, host and last stage at once —
 faster than heartbeats, and before the elastic agent starts terminating the others.
+
+The store listens on `host` only (loopback for a run on one machine), and its records are
+signed with the run's secret (`peerflow.distributed.signing`): the launcher takes it
+from the environment, or generates one for a run on one host, and hands it to the
+workers in `PEERFLOW_RUN_SECRET`.
 """
 
 from __future__ import annotations
@@ -24,8 +29,28 @@ from peerflow.distributed.failure import (
     read_failure,
 )
 from peerflow.distributed.init import FAULT_STORE_ENV
+from peerflow.distributed.listen import LOOPBACK, is_loopback, listening_store
 from peerflow.distributed.procs import process_gone
+from peerflow.distributed.signing import (
+    RUN_SECRET_ENV,
+    SignedStore,
+    new_run_secret,
+    require_run_secret,
+    run_secret,
+    signed,
+)
 from peerflow.distributed.stages import PREFIX
+
+
+def launcher_secret(host: str) -> bytes:
+    """The run's secret: the operator's, else (a run on one host) a new one.
+
+    Raises:
+        ConfigError: `host` is not loopback (workers on other machines) and no secret is set.
+    """
+    if not is_loopback(host):
+        return require_run_secret(f"the launcher's fault store listens on {host}")
+    return run_secret() or new_run_secret().encode()
 
 
 @attrs.define(eq=False)
@@ -33,23 +58,35 @@ class FaultStore:
     """A launcher-hosted store for the fault channel, plus the local-worker watcher."""
 
     world_size: int
-    host: str = "127.0.0.1"
+    host: str = LOOPBACK
     poll_s: float = 0.1
-    store: dist.TCPStore = attrs.field(init=False)
+    raw: dist.TCPStore = attrs.field(init=False)
+    """The store server (listening on `host` only)."""
+    store: SignedStore = attrs.field(init=False)
+    """`raw` with the run's records signed and checked."""
     _stop: threading.Event = attrs.field(factory=threading.Event)
     _thread: threading.Thread | None = None
+    _exported: list[str] = attrs.field(factory=list)
 
     def __attrs_post_init__(self) -> None:
-        self.store = dist.TCPStore(self.host, 0, is_master=True, wait_for_workers=False)
+        self.raw = listening_store(self.host, 0)
+        self.store = signed(self.raw, launcher_secret(self.host))
 
     @property
     def address(self) -> str:
         """`host:port` the workers connect to."""
-        return f"{self.host}:{self.store.port}"
+        return f"{self.host}:{self.raw.port}"
+
+    @property
+    def environment(self) -> dict[str, str]:
+        """What a worker needs to use the store: its address and the run's secret."""
+        return {FAULT_STORE_ENV: self.address,
+                RUN_SECRET_ENV: (self.store.secret or b"").decode()}
 
     def export(self) -> None:
-        """Puts the address in this process's environment (inherited by the workers)."""
-        os.environ[FAULT_STORE_ENV] = self.address
+        """Puts `environment` in this process's environment (inherited by the workers)."""
+        self._exported = [name for name in self.environment if name not in os.environ]
+        os.environ.update(self.environment)
 
     def start_watching(self) -> FaultStore:
         """Starts the thread that notices local worker processes disappearing."""
@@ -61,7 +98,8 @@ class FaultStore:
     def stop(self) -> None:
         """Stops the watcher and removes the address from the environment."""
         self._stop.set()
-        os.environ.pop(FAULT_STORE_ENV, None)
+        for name in self._exported:
+            os.environ.pop(name, None)
         if self._thread is not None:
             self._thread.join(timeout=2)
 
