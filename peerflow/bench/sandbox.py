@@ -38,6 +38,9 @@ BARE = [sys.executable, "-I", "-S", "-c", "pass"]
 #: Sandboxed programs one scoring of `CASES` runs: one per stdin case, one per assert case.
 PROGRAMS = 2 + 2 + 1 + 1
 
+#: The variable the benchmark passes its own `serve` token in.
+BENCH_TOKEN_ENV = "PEERFLOW_BENCH_SANDBOX_TOKEN"
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Adds the benchmark's options."""
@@ -65,9 +68,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     server = make_server(BubblewrapSandbox())
     serve_in_thread(server)
-    url = f"http://127.0.0.1:{server.server_address[1]}"
+    os.environ[BENCH_TOKEN_ENV] = server.token  # serve always wants its token
     settings = {"bubblewrap": SandboxConfig(), "audit-hook": SandboxConfig(backend="audit-hook"),
-                "remote": SandboxConfig(backend="remote", url=url)}
+                "remote": SandboxConfig(backend="remote", url=server.url,
+                                        token_env=BENCH_TOKEN_ENV)}
     previous = os.environ.get("PEERFLOW_SANDBOX")
     times: dict[str, list[float]] = {name: [] for name in [*settings, "interpreter start"]}
     scores = {}
@@ -81,6 +85,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         server.shutdown()
         server.server_close()
+        os.environ.pop(BENCH_TOKEN_ENV, None)
         if previous is None:
             os.environ.pop("PEERFLOW_SANDBOX", None)
         else:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 
@@ -31,13 +32,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_json_flag(check, "print JSON instead of a table")
     check.set_defaults(func=run_check)
     serve = sub.add_parser("serve", help="answer POST /run_code from this machine's sandbox")
-    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: "
-                       "loopback; anything else requires --token-env)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind, IPv4 or IPv6 "
+                       "(default: loopback)")
     serve.add_argument("--port", type=int, default=8080)
     serve.add_argument("--backend", choices=("bubblewrap", "audit-hook"), default="bubblewrap",
                        help=BACKEND_HELP)
     serve.add_argument("--token-env", help="environment variable holding the bearer token "
-                       "every request must carry")
+                       "every request must carry (default: a fresh token, printed or "
+                       "written to --token-file)")
+    serve.add_argument("--token-file", help="write the fresh token to this file (mode 0600) "
+                       "instead of printing it")
+    serve.add_argument("--max-timeout", type=float, default=60.0, metavar="S",
+                       help="most seconds a program may run (default 60)")
+    serve.add_argument("--max-memory-mb", type=int, default=4096, metavar="MB",
+                       help="most memory a program may use (default 4096)")
+    serve.add_argument("--workers", type=int, default=None, metavar="N",
+                       help="programs run at once; more wait, then get 503 (default: CPUs)")
+    serve.add_argument("--max-body-mb", type=float, default=16.0, metavar="MB",
+                       help="largest request body (default 16)")
+    serve.add_argument("--read-timeout", type=float, default=10.0, metavar="S",
+                       help="seconds a request has to arrive whole (default 10)")
     serve.set_defaults(func=run_serve)
 
 
@@ -69,27 +83,39 @@ def run_check(args: argparse.Namespace) -> int:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    """Serves POST /run_code until interrupted."""
+    """Serves POST /run_code until interrupted (every request needs the token)."""
     from peerflow.errors import ConfigError
     from peerflow.sandbox import build
+    from peerflow.sandbox.base import SandboxLimits
     from peerflow.sandbox.config import SandboxConfig
-    from peerflow.sandbox.server import make_server
+    from peerflow.sandbox.server import ServeLimits, make_server
 
     token = os.environ.get(args.token_env) if args.token_env else None
     if args.token_env and not token:
         raise ConfigError(f"--token-env {args.token_env}: that variable is not set; export "
-                          "the token first")
-    if args.host not in ("127.0.0.1", "localhost", "::1") and not token:
-        raise ConfigError(f"--host {args.host} exposes code execution beyond this machine: "
-                          "give --token-env VAR with a secret token in VAR")
+                          "the token first (or leave --token-env out for a fresh one)")
+    try:
+        limits = ServeLimits(
+            cap=SandboxLimits(timeout_s=_positive("--max-timeout", args.max_timeout),
+                              memory_mb=int(_positive("--max-memory-mb", args.max_memory_mb))),
+            workers=args.workers or ServeLimits().workers,
+            max_body_bytes=int(_positive("--max-body-mb", args.max_body_mb) * (1 << 20)),
+            read_timeout_s=_positive("--read-timeout", args.read_timeout))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     sandbox = build(SandboxConfig(backend=args.backend))
     unavailable = type(sandbox).unavailable()
     if unavailable:
         raise ConfigError(unavailable)
-    server = make_server(sandbox, args.host, args.port, token)
-    host, port = server.server_address[:2]
-    print(f"peerflow sandbox: serving POST http://{host}:{port}/run_code "
-          f"({args.backend}{', token required' if token else ''}); Ctrl-C stops", flush=True)
+    try:
+        server = make_server(sandbox, args.host, args.port, token, limits)
+    except OSError as exc:
+        raise ConfigError(f"cannot listen on {args.host}:{args.port}: {exc}") from None
+    print(f"peerflow sandbox: serving POST {server.url}/run_code ({args.backend}, "
+          f"{limits.workers} workers, at most {limits.cap.timeout_s:g} s and "
+          f"{limits.cap.memory_mb} MB a program); Ctrl-C stops", flush=True)
+    if token is None:
+        _announce_token(server.token, args.token_file)
     try:
         server.serve_forever()
     except KeyboardInterrupt:
@@ -97,3 +123,26 @@ def run_serve(args: argparse.Namespace) -> int:
     finally:
         server.server_close()
     return 0
+
+
+def _positive(flag: str, value: float) -> float:
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{flag} {value}: must be a finite number > 0")
+    return float(value)
+
+
+def _announce_token(token: str, path: str | None) -> None:
+    """Prints a fresh token, or writes it to `path` (mode 0600, never through a link)."""
+    how = "export PEERFLOW_SANDBOX_TOKEN={} and set sandbox.token_env: PEERFLOW_SANDBOX_TOKEN"
+    if path is None:
+        print(f"token (every request needs it): {token}\n  on the client: "
+              + how.format(token), flush=True)
+        return
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        os.write(fd, (token + "\n").encode())
+    finally:
+        os.close(fd)
+    print(f"token written to {path} (mode 0600)\n  on the client: "
+          + how.format(f"$(cat {path})"), flush=True)

@@ -232,3 +232,29 @@ def test_serve_limits_that_switch_a_check_off_are_refused():
     for bad in ({"workers": 0}, {"max_body_bytes": 0}, {"read_timeout_s": float("nan")}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             ServeLimits(**bad)
+
+
+@needs_bwrap
+def test_the_serve_command_makes_a_token_and_writes_it_0600(tmp_path):
+    import re
+    import subprocess
+    import sys
+
+    token_file = tmp_path / "token"
+    serve = subprocess.Popen(
+        [sys.executable, "-m", "peerflow", "sandbox", "serve", "--port", "0",
+         "--token-file", str(token_file), "--max-timeout", "2"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        first = serve.stdout.readline()
+        url = re.search(r"POST (http://\S+)/run_code", first).group(1)
+        assert "written to" in serve.stdout.readline()
+        assert token_file.stat().st_mode & 0o777 == 0o600
+        token = token_file.read_text().strip()
+        assert len(token) >= 32
+        with pytest.raises(Exception, match="401"):
+            RemoteSandbox(url).run("print(1)")
+        assert RemoteSandbox(url, token).run("print(1)").stdout == "1\n"
+    finally:
+        serve.terminate()
+        serve.wait(10)
