@@ -1,31 +1,34 @@
 """Packing a `Batch` into one flat byte tensor and back (byte-exact, any dtype).
 
-Layout: `[message length: 8 bytes][header length: 8 bytes][pickled header][pad][tensor
-bytes, each padded] …`; the message length makes a packed batch a self-sized message
-(`coordinator.exchange`); the header holds `Batch.to_wire`'s metadata (field layout and
-Python-object fields) and each tensor's dtype and shape. Every tensor starts at a multiple
-of `ALIGN` bytes, so `unpack_batch` returns views into the received buffer instead of
-copying each tensor. `size_bound` bounds the packed size of any subset of a batch from
-per-sample byte counts, so a receiver can size its buffer before the bytes arrive.
+Layout: `[message length: 8 bytes][header length: 8 bytes][header][pad][tensor bytes,
+each padded] …`; the message length makes a packed batch a self-sized message
+(`coordinator.exchange`); the header, `peerflow.wirecodec` msgpack (never a pickle), holds
+`Batch.to_wire`'s metadata (field layout and Python-object fields) and each tensor's dtype
+and shape. `unpack_batch` checks the header against the message (field kinds, dtypes
+torch's own, shapes non-negative, every tensor inside the message) before it slices a
+byte, and raises `WireFormatError` otherwise. Every tensor starts at a multiple of `ALIGN`
+bytes, so `unpack_batch` returns views into the received buffer instead of copying each
+tensor. `size_bound` bounds the packed size of any subset of a batch from per-sample byte
+counts, so a receiver can size its buffer before the bytes arrive.
 """
 
 from __future__ import annotations
 
-import functools
 import math
-import pickle
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from peerflow.batch import Batch, RaggedField
 from peerflow.rounding import pad_to_multiple
+from peerflow.wirecodec import WireFormatError, decode, encode
 
 #: Byte alignment of every tensor in a packed buffer (the widest element size).
 ALIGN = 16
 #: Prefix: message length and header length, one int64 each.
 _PREFIX = 16
-#: Allowance for a subset's header being longer than the whole batch's (pickle framing).
+#: Allowance for a subset's header being longer than the whole batch's (msgpack framing).
 _HEADER_SLACK = 256
 
 
@@ -34,15 +37,14 @@ def padded(nbytes: int) -> int:
     return pad_to_multiple(nbytes, ALIGN)
 
 
-@functools.cache
-def _dtype(name: str) -> torch.dtype:
-    return getattr(torch, name.removeprefix("torch."))
+#: The kinds of field `Batch.to_wire` lays out, and the tensors each one carries.
+_KINDS = {"ragged": 2, "dense": 1, "objects": 0}
 
 
 def _header(batch: Batch) -> tuple[bytes, list[torch.Tensor]]:
     meta, tensors = batch.to_wire()
-    specs = [(str(t.dtype), tuple(t.shape)) for t in tensors]
-    return pickle.dumps((meta, specs), protocol=pickle.HIGHEST_PROTOCOL), tensors
+    specs = [[t.dtype, list(t.shape)] for t in tensors]
+    return encode({"meta": meta, "tensors": specs}), tensors
 
 
 def pack_batch(batch: Batch, reserve: int = 0) -> torch.Tensor:
@@ -70,19 +72,71 @@ def pack_batch(batch: Batch, reserve: int = 0) -> torch.Tensor:
 
 
 def unpack_batch(buffer: torch.Tensor) -> Batch:
-    """Rebuilds the batch `pack_batch` packed; its tensors are views into `buffer`."""
+    """Rebuilds the batch `pack_batch` packed; its tensors are views into `buffer`.
+
+    Raises:
+        WireFormatError: `buffer` is not a packed batch (its header or sizes disagree).
+    """
     buffer = buffer.cpu()
-    size = int(buffer[8:_PREFIX].clone().view(torch.int64)[0])
-    meta, specs = pickle.loads(buffer[_PREFIX : _PREFIX + size].numpy().tobytes())
-    offset = padded(_PREFIX + size)
+    meta, specs, offset, end = _read_header(buffer)
     tensors = []
-    for dtype_name, shape in specs:
-        dtype = _dtype(dtype_name)
+    for dtype, shape in specs:
         nbytes = math.prod(shape) * dtype.itemsize
-        tensor = buffer[offset : offset + nbytes].view(dtype)
+        if offset + nbytes > end:
+            raise _malformed(f"its tensors need more than its {end} bytes")
+        try:
+            tensor = buffer[offset : offset + nbytes].view(dtype)
+        except RuntimeError as exc:  # a dtype no byte view makes (quantized, sub-byte)
+            raise _malformed(f"{dtype}: {exc}") from None
         tensors.append(tensor if len(shape) == 1 else tensor.reshape(shape))
         offset += padded(nbytes)
-    return Batch.from_wire(meta, tensors)
+    try:
+        return Batch.from_wire(meta, tensors)
+    except (ValueError, TypeError) as exc:  # ids or fields of disagreeing lengths
+        raise _malformed(str(exc)) from None
+
+
+def _malformed(why: str) -> WireFormatError:
+    return WireFormatError(
+        f"unpack_batch: refused a malformed packed batch: {why}. The sender runs another "
+        "PeerFlow version, or something other than this run's ranks wrote it (docs/"
+        "operations.md, 'Trust boundary of a run').")
+
+
+def _read_header(buffer: torch.Tensor) -> tuple[dict[str, Any], list, int, int]:
+    """The checked header of a packed batch: meta, tensor specs, first offset, end."""
+    if buffer.dtype != torch.uint8 or buffer.dim() != 1 or buffer.numel() < _PREFIX:
+        raise _malformed(f"{buffer.numel()} {buffer.dtype} values are no message")
+    end, size = (int(v) for v in buffer[:_PREFIX].clone().view(torch.int64))
+    if not _PREFIX < end <= buffer.numel() or not 0 < size <= end - _PREFIX:
+        raise _malformed(f"message length {end} or header length {size} does not fit its "
+                         f"{buffer.numel()} bytes")
+    header = decode(buffer[_PREFIX : _PREFIX + size].numpy().tobytes(), what="batch header")
+    if not isinstance(header, dict) or set(header) != {"meta", "tensors"}:
+        raise _malformed("its header is not {meta, tensors}")
+    meta, specs = header["meta"], header["tensors"]
+    if not isinstance(meta, dict) or set(meta) != {"layout", "objects"}:
+        raise _malformed("its metadata is not {layout, objects}")
+    layout, objects = meta["layout"], meta["objects"]
+    if not isinstance(layout, list) or not all(
+            isinstance(e, tuple) and len(e) == 2 and isinstance(e[0], str) and e[1] in _KINDS
+            for e in layout):
+        raise _malformed(f"its field layout is not (name, {'|'.join(_KINDS)}) pairs")
+    named = {name for name, kind in layout if kind == "objects"}
+    if not isinstance(objects, dict) or set(objects) != named or not all(
+            isinstance(v, list) for v in objects.values()):
+        raise _malformed("its object fields disagree with its layout")
+    wanted = 3 + sum(_KINDS[kind] for _, kind in layout)
+    if not isinstance(specs, list) or len(specs) != wanted or not all(_spec_ok(s) for s in specs):
+        raise _malformed(f"it describes {len(specs) if isinstance(specs, list) else '?'} "
+                         f"tensors, not {wanted} (dtype, non-negative shape) pairs")
+    return meta, specs, padded(_PREFIX + size), end
+
+
+def _spec_ok(spec: Any) -> bool:
+    return (isinstance(spec, list) and len(spec) == 2 and isinstance(spec[0], torch.dtype)
+            and isinstance(spec[1], list) and len(spec[1]) > 0
+            and all(type(d) is int and d >= 0 for d in spec[1]))
 
 
 def _row_bytes(tensor: torch.Tensor) -> int:
@@ -95,7 +149,7 @@ def size_bound(batch: Batch) -> tuple[torch.Tensor, int]:
 
     Returns:
         `(per_sample, fixed)`: `len(pack_batch(batch.select(i)))` is at most
-        `fixed + per_sample[i].sum()` for any index list `i` (up to pickle framing of the
+        `fixed + per_sample[i].sum()` for any index list `i` (up to msgpack framing of the
         Python-object fields, which `_HEADER_SLACK` covers; `exchange` sends a second
         message if a subset ever exceeds it).
     """

@@ -9,8 +9,9 @@ a `barrier` over the whole group — so the wire time was handshakes, not bytes,
 wait had a deadline. Here:
 
 * **One export per buffer.** A sender exports the whole storage behind a bucket's packed
-  bytes once (torch's multiprocessing reduction: a CUDA IPC handle); the receiver maps
-  it once and keeps the mapping. The executor packs every bucket into the same arena
+  bytes once (a CUDA IPC handle, as plain values: `reshard.ipc_handles`, never a pickle);
+  the receiver maps it once, with the rebuild function it picks itself, and keeps the
+  mapping. The executor packs every bucket into the same arena
   (`Arena`, kept between syncs when `keeps_buffers`), so a steady-state bucket costs
   one 32-byte header per peer — slot, offset and length inside the mapped storage —
   and one 8-byte acknowledgement back.
@@ -26,7 +27,6 @@ The group must carry host tensors (gloo: a `cpu:gloo,cuda:nccl` default group do
 
 from __future__ import annotations
 
-import pickle
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
@@ -34,24 +34,16 @@ import torch
 import torch.distributed as dist
 
 from peerflow.distributed.comm import wait_all
+from peerflow.reshard.ipc_handles import export_storage, open_export
 from peerflow.reshard.transport import Route, WeightTransport
+from peerflow.wirecodec import WireFormatError
 
-#: Message tags: header (slot, offset, bytes, export length), export (pickled handle), ack.
+#: Message tags: header (slot, offset, bytes, export length), export (encoded handle), ack.
 HEADER, EXPORT, ACK = 41, 42, 43
 #: Storages a receiver keeps mapped per sender (the streaming pack pool alternates two).
 SLOTS = 4
-
-
-def _export(whole: torch.Tensor) -> bytes:
-    """`whole` pickled by torch's multiprocessing reductions, never its bytes.
-
-    On a GPU that is a CUDA IPC handle; for host memory, the shared-memory file.
-    """
-    from multiprocessing.reduction import ForkingPickler
-
-    import torch.multiprocessing  # noqa: F401 - registers the reductions
-
-    return bytes(ForkingPickler.dumps(whole))
+#: Largest encoded export a receiver accepts (one is about 200 bytes).
+MAX_EXPORT_BYTES = 1 << 16
 
 
 def _storage_view(buf: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -125,7 +117,7 @@ class CudaIpcTransport(WeightTransport):
         else:  # replace the slot exported longest ago
             slot = self._oldest[peer] = (self._oldest.get(peer, -1) + 1) % SLOTS
             slots[slot] = (key, whole)
-        export = torch.frombuffer(bytearray(_export(whole)), dtype=torch.uint8)
+        export = torch.frombuffer(bytearray(export_storage(whole)), dtype=torch.uint8)
         return self._header(slot, offset, buf, export.numel()), export
 
     @staticmethod
@@ -138,13 +130,21 @@ class CudaIpcTransport(WeightTransport):
 
         `handles`: this rank's own export sends, waited for with the export receives.
         """
+        for peer, h in headers.items():
+            if not 0 <= int(h[3]) <= MAX_EXPORT_BYTES or not 0 <= int(h[0]) < SLOTS:
+                raise WireFormatError(
+                    f"rank {peer} announced slot {int(h[0])} and a {int(h[3])}-byte CUDA IPC "
+                    f"export (at most {SLOTS} slots, {MAX_EXPORT_BYTES} bytes); the ranks run "
+                    "different PeerFlow versions, or something else wrote to rank "
+                    f"{self.rank}.")
         exports = {peer: torch.empty(int(h[3]), dtype=torch.uint8)
                    for peer, h in headers.items() if int(h[3])}
         self._wait(handles + [(peer, "receive a CUDA IPC handle from",
                                dist.irecv(buf, src=peer, group=self.group, tag=EXPORT))
                               for peer, buf in sorted(exports.items())])
         for peer, buf in exports.items():
-            self._mapped[(peer, int(headers[peer][0]))] = pickle.loads(buf.numpy().tobytes())
+            self._mapped[(peer, int(headers[peer][0]))] = open_export(buf.numpy().tobytes(),
+                                                                      peer=peer)
         out = {}
         for peer, header in headers.items():
             slot, offset, nbytes = (int(v) for v in header[:3])

@@ -35,7 +35,7 @@ from peerflow.streaming.assignment import TokenBalancer
 from peerflow.streaming.metrics import ActivityLog
 from peerflow.streaming.partial import generate_in_segments
 from peerflow.streaming.staleness import StalenessScheduler
-from peerflow.streaming.transport import Heartbeat, Kind, StreamSender, pickle_payload
+from peerflow.streaming.transport import Heartbeat, Kind, StreamSender, encode_payload
 from peerflow.streaming.versions import TOKEN_VERSIONS, oldest_version, token_versions
 from peerflow.streaming.weight_push import WeightReceiver
 
@@ -210,7 +210,7 @@ class RolloutStreamer:
 
     def _seal(self, step: int) -> None:
         busy, idle = self.activity.take()
-        report = pickle_payload(
+        report = encode_payload(
             {
                 "busy": busy,
                 "idle": idle,

@@ -35,7 +35,7 @@ from peerflow.streaming.metrics import (
     staleness_metrics,
     total,
 )
-from peerflow.streaming.transport import Kind, StreamReceiver, unpickle_payload
+from peerflow.streaming.transport import Kind, StreamReceiver, decode_payload
 
 
 @attrs.define(eq=False)
@@ -92,12 +92,13 @@ class TrainerStreamer:
         elif message.kind == Kind.SEAL:
             self.inbox.on_seal(message.a, message.source, message.b)
             if message.payload is not None:
-                report = unpickle_payload(message.payload)
+                report = decode_payload(message.payload, f"seal report from rank {message.source}")
                 self._reports.setdefault(message.a, []).append(report)
                 self._rollout_busy += report["busy"]
                 self._rollout_idle += report["idle"]
         elif message.kind == Kind.PATCH:
-            for sample_id, name, value, kind in unpickle_payload(message.payload):
+            patches = decode_payload(message.payload, f"patch from rank {message.source}")
+            for sample_id, name, value, kind in patches:
                 self.accumulator.patch(sample_id, name, value, kind)
         if self.stream_micro_batches:
             for micro in self.accumulator.pop_ready():

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import datetime
 import enum
-import pickle
 import queue
 import threading
 import time
@@ -29,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from peerflow.errors import WorkerFailedError
+from peerflow.wirecodec import decode, encode
 
 #: Tag of the sample channel (rollout → trainer) and the weight channel (trainer → rollout).
 DATA_TAG = 11
@@ -43,7 +43,7 @@ class Kind(enum.IntEnum):
     SEAL = 2
     """`a` = step, `b` = groups this sender sent this receiver for the step."""
     PATCH = 3
-    """Fields for samples: pickled `[(sample_id, name, value, kind), …]`."""
+    """Fields for samples: `encode_payload([(sample_id, name, value, kind), …])`."""
     HEARTBEAT = 4
     """Liveness only."""
     STOP = 5
@@ -51,7 +51,7 @@ class Kind(enum.IntEnum):
     WEIGHTS = 6
     """`a` = version, `b` = number of `BUCKET` messages that follow."""
     BUCKET = 7
-    """Pickled weight-bucket metadata followed by raw bytes; `a` = version."""
+    """Encoded weight-bucket metadata followed by raw bytes; `a` = version."""
 
 
 @attrs.frozen(kw_only=True)
@@ -69,16 +69,18 @@ class Message:
     """`time.monotonic()` on arrival."""
 
 
-def pickle_payload(obj: Any) -> torch.Tensor:
-    """Pickles `obj` into a `uint8` tensor (`[num_bytes]`)."""
-    return torch.frombuffer(
-        bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8
-    )
+def encode_payload(obj: Any) -> torch.Tensor:
+    """`obj` (plain values, `peerflow.wirecodec`'s type table) as a `uint8` tensor."""
+    return torch.frombuffer(bytearray(encode(obj)), dtype=torch.uint8)
 
 
-def unpickle_payload(payload: torch.Tensor) -> Any:
-    """Inverse of `pickle_payload`."""
-    return pickle.loads(payload.numpy().tobytes())
+def decode_payload(payload: torch.Tensor, what: str = "streaming payload") -> Any:
+    """Inverse of `encode_payload`; never unpickles.
+
+    Raises:
+        WireFormatError: the bytes are not an encoded payload (corrupt, or crafted).
+    """
+    return decode(payload.numpy().tobytes(), what=what)
 
 
 @attrs.define(eq=False)

@@ -59,8 +59,8 @@ def _streaming(rank, world):
         Kind,
         StreamReceiver,
         StreamSender,
-        pickle_payload,
-        unpickle_payload,
+        decode_payload,
+        encode_payload,
     )
 
     trainer = world - 1
@@ -79,7 +79,7 @@ def _streaming(rank, world):
             if k % 2 == 1:
                 sender.send(trainer, Kind.SEAL, a=k // 2, b=2)
         sender.send(
-            trainer, Kind.PATCH, payload=pickle_payload([(rank * 1000, "reward", 1.5, "auto")])
+            trainer, Kind.PATCH, payload=encode_payload([(rank * 1000, "reward", 1.5, "auto")])
         )
         time.sleep(0.2)
         beat.stop()
@@ -108,7 +108,7 @@ def _streaming(rank, world):
         elif msg.kind == Kind.SEAL:
             inbox.on_seal(msg.a, msg.source, msg.b)
         elif msg.kind == Kind.PATCH:
-            patches += unpickle_payload(msg.payload)
+            patches += decode_payload(msg.payload)
         for step in (0, 1):
             if step not in complete_order and inbox.complete(step):
                 complete_order.append(step)

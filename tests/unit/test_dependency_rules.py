@@ -24,7 +24,7 @@ ENGINES = ("vllm", "sglang", "deepspeed", "megatron", "ray")
 TIERS = {
     # 0. Values and vocabulary: no PeerFlow imports beyond each other.
     "errors": 0, "rounding": 0, "ragged": 0, "capabilities": 0, "shard": 0, "layout": 0,
-    "batch": 0, "routes": 0, "digests": 0,
+    "batch": 0, "routes": 0, "digests": 0, "wirecodec": 0,
     # 1. Services that know no run: plugins, process groups, model families, the
     #    workflow graph, the data coordinator.
     "plugins": 1, "distributed": 1, "models": 1, "workflow": 1, "coordinator": 1,
