@@ -1,0 +1,166 @@
+"""Issue 49, breaks 1, 2 and 7: bubblewrap started by root must not hand the program root.
+
+Each attack runs through the real entry point (`run_sandboxed`, the bubblewrap backend)
+as the test process's user, root on CI and on this project's machines, which is the case
+that matters. On 38f2e94 every one of them escaped: the uid map read `65534 0 1`, so the
+program was the host's uid 0 without capabilities, and owned every root file it could see.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+
+from peerflow.sandbox import SandboxLimits, configure, run_sandboxed
+from peerflow.sandbox.bubblewrap import bwrap_unavailable
+from peerflow.sandbox.config import SandboxConfig
+
+pytestmark = pytest.mark.skipif(bwrap_unavailable() is not None,
+                                reason=f"{bwrap_unavailable()}")
+as_root = pytest.mark.skipif(os.geteuid() != 0, reason="the attacks are about root hosts")
+
+LIMITS = SandboxLimits(timeout_s=20.0, memory_mb=512, max_processes=16)
+
+
+@pytest.fixture(autouse=True)
+def _bubblewrap(monkeypatch):
+    monkeypatch.setenv("PEERFLOW_SANDBOX", "")  # restored after the test
+    configure(SandboxConfig(backend="bubblewrap"))
+
+
+def _run(program: str, limits: SandboxLimits = LIMITS):
+    return run_sandboxed(program, "", limits)
+
+
+@as_root
+def test_the_sandbox_user_is_not_the_hosts_root():
+    out = _run("print(open('/proc/self/uid_map').read().split())")
+    inside, outside, count = eval(out.stdout)  # noqa: S307 - our own list literal
+    assert (inside, count) == ("65534", "1")
+    assert int(outside) != 0, "the sandbox's 65534 is the host's uid 0"
+
+
+@as_root
+@pytest.mark.parametrize("path", ["/proc/sys/kernel/core_pattern",
+                                  "/proc/sys/fs/lease-break-time", "/proc/sys/vm/drop_caches"])
+def test_host_sysctls_cannot_be_opened_for_writing(path):
+    # an O_WRONLY open without a write: nothing on the host changes even where it escapes
+    result = _run(f"import os\nos.open({path!r}, os.O_WRONLY)\nprint('escaped')")
+    assert "escaped" not in result.stdout
+    assert result.status == "error" and ("Permission denied" in result.stderr
+                                         or "Read-only file system" in result.stderr)
+
+
+@as_root
+@pytest.mark.parametrize("path", ["/proc/kpageflags", "/proc/slabinfo", "/proc/timer_list"])
+def test_root_only_proc_files_cannot_be_read(path):
+    if not os.path.exists(path):
+        pytest.skip(f"{path} does not exist on this kernel")
+    result = _run(f"open({path!r}, 'rb').read(64)\nprint('escaped')")
+    assert "escaped" not in result.stdout and "Permission denied" in result.stderr
+
+
+NESTED_USERNS = """
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+if libc.unshare(0x10000000) == 0:
+    print("escaped")
+else:
+    print(os.strerror(ctypes.get_errno()))
+"""
+
+
+def test_no_nested_user_namespace():
+    result = _run(NESTED_USERNS)
+    assert result.status == "ok" and "escaped" not in result.stdout, result.stdout
+
+
+MOUNT_CGROUP = """
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+libc.unshare(0x10000000 | 0x00020000 | 0x02000000)  # user, mount and cgroup namespaces
+os.makedirs("/tmp/cg", exist_ok=True)
+for fstype, data in ((b"cgroup", b"pids"), (b"cgroup", b"memory"), (b"cgroup2", None)):
+    if libc.mount(b"none", b"/tmp/cg", fstype, 0, data) == 0:
+        print("escaped", fstype.decode())
+        break
+else:
+    print(os.strerror(ctypes.get_errno()))
+"""
+
+
+def test_cgroups_cannot_be_mounted():
+    result = _run(MOUNT_CGROUP)
+    assert result.status == "ok" and "escaped" not in result.stdout, result.stdout
+
+
+FILL = """
+import os
+written = 0
+try:
+    for i in range(64):
+        with open(f"{where}/fill{{i}}", "wb") as f:
+            for _ in range(4):
+                f.write(b"x" * 2**20)
+                written += 1
+except OSError as exc:
+    print(written, exc.strerror)
+else:
+    print(written, "escaped")
+"""
+
+
+@pytest.mark.parametrize("where", ["", "/dev/shm", "/dev"])
+def test_root_and_dev_shm_are_bounded(where):
+    # 256 MiB in 4 MiB files (each under the 8 MiB file-size limit): past every bound
+    result = _run(FILL.format(where=where), LIMITS)
+    written = int(result.stdout.split()[0]) if result.stdout else 0
+    assert "escaped" not in result.stdout and written <= 64, (result.stdout, result.stderr)
+
+
+@as_root
+def test_the_host_side_stdout_cannot_be_chmodded():
+    result = _run("import os\nos.fchmod(1, 0o777)\nos.fchmod(2, 0o777)\nprint('escaped')")
+    assert "escaped" not in result.stdout and "Operation not permitted" in result.stderr
+
+
+def test_a_program_cannot_outgrow_its_memory_across_processes():
+    # each child stays under the per-process address-space limit; together they do not
+    program = """
+import os
+kids = []
+for _ in range(6):
+    pid = os.fork()
+    if pid == 0:
+        block = bytearray(200 * 2**20)
+        for i in range(0, len(block), 4096):
+            block[i] = 1
+        os.read(os.open("/sandbox/main.py", os.O_RDONLY), 1)
+        import time; time.sleep(3)
+        os._exit(0)
+    kids.append(pid)
+ok = sum(os.waitstatus_to_exitcode(os.waitpid(k, 0)[1]) == 0 for k in kids)
+print("escaped" if ok == 6 else f"{ok} of 6")
+"""
+    result = _run(program, SandboxLimits(timeout_s=30.0, memory_mb=512, max_processes=16))
+    from peerflow.sandbox.local import memory_cgroup_root
+    if memory_cgroup_root() is None:
+        pytest.skip("no writable memory cgroup here: only RLIMIT_AS, per process")
+    assert "escaped" not in result.stdout, (result.stdout, result.stderr)
+
+
+def test_32_programs_from_32_threads_at_once():
+    results: list = [None] * 32
+
+    def one(i: int) -> None:
+        results[i] = _run(f"print({i} * 2)", SandboxLimits(timeout_s=60.0))
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(32)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads), "a sandboxed start deadlocked"
+    assert [r.stdout for r in results] == [f"{i * 2}\n" for i in range(32)]
