@@ -73,5 +73,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except PeerFlowError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        from peerflow.outputs.terminal import escape_control
+
+        # a reward's error can quote model-written text: shown, never obeyed
+        print(f"error: {escape_control(exc)}", file=sys.stderr)
         return 1

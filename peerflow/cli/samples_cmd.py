@@ -7,7 +7,9 @@
     peerflow samples runs/qs --json             # one JSON object a line
 
 Reads `RUN_DIR/samples/step_N.jsonl` (`run.samples_per_step` a step) or, with `--eval`,
-`eval_step_N.jsonl` (`peerflow.outputs.samples`).
+`eval_step_N.jsonl` (`peerflow.outputs.samples`). Model text is printed with its control
+characters escaped (`peerflow.outputs.terminal`): a response cannot clear the screen or
+write the clipboard of whoever reads it.
 """
 
 from __future__ import annotations
@@ -38,10 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Prints the samples; a missing run, step or samples directory is an error."""
-    import json
-
     from peerflow.errors import PeerFlowError
     from peerflow.outputs.samples import order_samples, read_samples, render_samples
+    from peerflow.outputs.terminal import escape_json
 
     try:
         step, samples = read_samples(args.run_dir, args.step, evaluation=args.evaluation)
@@ -50,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
     shown = order_samples(samples, worst=args.worst, best=args.best, limit=args.limit)
     if args.json:
         for sample in shown:
-            print(json.dumps(sample, ensure_ascii=False))
+            print(escape_json(sample))
         return 0
     order = ", lowest reward first" if args.worst else (
         ", highest reward first" if args.best else "")

@@ -30,16 +30,23 @@ during the run (a constant, such as the learning rate without a schedule, is lis
 first step, `step: 0`, is not one), the constant metrics, and, per metric, the first and
 last value and the means of the first and last five logged values (the learning-curve
 check of the quickstart).
+
+Every file is written atomically (`peerflow.checkpoint.atomic.atomic_path`) into a
+temporary created with `O_EXCL | O_NOFOLLOW` and renamed onto its name: a symbolic link
+planted in `report/` is replaced, never written through, and a `RUN_DIR/report` that is
+itself a link is refused.
 """
 
 from __future__ import annotations
 
+import json
 import math
-from collections.abc import Sequence
+import os
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
-from peerflow.checkpoint.atomic import write_json_atomic
+from peerflow.checkpoint.atomic import atomic_path
 from peerflow.outputs.metrics import read_metrics
 
 REPORT_DIR = "report"
@@ -144,6 +151,19 @@ def summarize(records: Sequence[dict[str, Any]], window: int = 5) -> dict[str, A
     return summary
 
 
+def write_file(path: Path, write: Callable[[BinaryIO], Any]) -> None:
+    """Writes `path` atomically, never through a symbolic link planted in the folder.
+
+    `write` fills a file created exclusively (`O_EXCL | O_NOFOLLOW`) under a fresh name
+    beside `path` (`atomic_path`); renaming it onto `path` replaces whatever `path` was —
+    a link is replaced, its target left alone.
+    """
+    with atomic_path(path) as tmp:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        with os.fdopen(fd, "wb") as handle:
+            write(handle)
+
+
 def render_report(
     run_dir: str | Path, out_dir: str | Path | None = None, *, smooth: int = 1
 ) -> list[Path]:
@@ -156,7 +176,8 @@ def render_report(
 
     Raises:
         FileNotFoundError: no `metrics.jsonl` in `run_dir`.
-        ValueError: the file is malformed or has no metrics lines.
+        ValueError: the file is malformed or has no metrics lines, or the default
+            `RUN_DIR/report` is a symbolic link.
     """
     import matplotlib
 
@@ -167,13 +188,16 @@ def render_report(
     if not records:
         raise ValueError(f"{Path(run_dir) / 'metrics.jsonl'} has no lines yet; nothing to plot.")
     out = Path(out_dir) if out_dir is not None else Path(run_dir) / REPORT_DIR
+    if out_dir is None and out.is_symlink():
+        raise ValueError(f"{out} is a symbolic link (to {os.readlink(out)}); the report is "
+                         "not written through it. Remove it, or choose a folder with --out.")
     out.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
 
     def save(fig: Any, stem: str) -> None:
         path = out / f"{stem}.png"
         fig.tight_layout()
-        fig.savefig(path, dpi=100)
+        write_file(path, lambda handle: fig.savefig(handle, format="png", dpi=100))
         plt.close(fig)
         written.append(path)
 
@@ -205,7 +229,8 @@ def render_report(
         save(fig, "step_time")
 
     summary_path = out / "summary.json"
-    write_json_atomic(summary_path, summarize(records))
+    text = json.dumps(summarize(records), indent=1, sort_keys=True)
+    write_file(summary_path, lambda handle: handle.write(text.encode()))
     written.append(summary_path)
     return written
 

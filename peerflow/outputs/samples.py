@@ -15,7 +15,8 @@ tokens removed: what the rewards read), `reward` (the total reward the estimator
 without one), `finish_reason`, `response_tokens` (tokens the model generated), and
 `num_turns` for agent trajectories; eval samples carry `mode` (`greedy` or `sampled`).
 
-`peerflow samples RUN_DIR` reads them (`read_samples`, `render_samples`).
+`peerflow samples RUN_DIR` reads them (`read_samples`, `render_samples`); what it prints
+has every control character escaped (`peerflow.outputs.terminal`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import Any
 
 from peerflow.checkpoint.atomic import write_text_atomic
 from peerflow.outputs.metrics import read_json_lines
+from peerflow.outputs.terminal import escape_control
 
 SAMPLES_DIR = "samples"
 _NAME = re.compile(r"^(eval_)?step_(\d+)\.jsonl$")
@@ -163,7 +165,10 @@ def sample_details(sample: dict[str, Any]) -> str:
 
 def render_samples(samples: Sequence[dict[str, Any]], *, step: int, console: Any = None,
                    header: str = "") -> None:
-    """Prints samples as rich panels: the numbers first, then prompt and response.
+    r"""Prints samples as rich panels: the numbers first, then prompt and response.
+
+    Every text from the file goes through `escape_control`: an escape sequence in a
+    response is shown (`\x1b[2J`), not obeyed.
 
     Args:
         samples: Sample dicts as `read_samples` returns them (already ordered).
@@ -179,9 +184,10 @@ def render_samples(samples: Sequence[dict[str, Any]], *, step: int, console: Any
     noun = "sample" if len(samples) == 1 else "samples"
     console.print(Text(f"step {step}: {len(samples)} {noun}{header}", style="bold"))
     for sample in samples:
-        body = Group(Text(sample_details(sample), style="italic"),
+        body = Group(Text(escape_control(sample_details(sample)), style="italic"),
                      Text("prompt", style="bold cyan"),
-                     Text(str(sample.get("prompt", "")), style="dim"),
+                     Text(escape_control(sample.get("prompt", "")), style="dim"),
                      Text("response", style="bold green"),
-                     Text(str(sample.get("response", ""))))
-        console.print(Panel(body, title=Text(sample_title(sample)), title_align="left"))
+                     Text(escape_control(sample.get("response", ""))))
+        console.print(Panel(body, title=Text(escape_control(sample_title(sample))),
+                            title_align="left"))
