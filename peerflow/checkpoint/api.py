@@ -31,6 +31,7 @@ import attrs
 
 from peerflow.checkpoint.atomic import write_json_atomic
 from peerflow.checkpoint.manifest import write_manifest
+from peerflow.checkpoint.pickles import UntrustedCheckpointError
 from peerflow.checkpoint.state import rng_state, set_rng_state
 from peerflow.checkpoint.store import newest_verified, prune, step_dir
 from peerflow.errors import ConfigError
@@ -134,15 +135,22 @@ def save_step(
 
 
 def _agreed_step(run_dir: str | Path, rank: int, report: Callable[[str], None]) -> int | None:
-    """Rank 0 verifies the checkpoints; every rank gets its choice (one collective)."""
-    chosen = newest_verified(run_dir, report) if rank == 0 else None
-    step = [chosen.step if chosen is not None else None]
+    """Rank 0 verifies the checkpoints; every rank gets its choice, or its refusal."""
+    choice: list[Any] = [None, None]  # step, refusal
+    if rank == 0:
+        try:
+            chosen = newest_verified(run_dir, report)
+            choice[0] = chosen.step if chosen is not None else None
+        except UntrustedCheckpointError as exc:
+            choice[1] = str(exc)
     if _distributed():
         import torch.distributed as dist
 
         if dist.get_world_size() > 1:
-            dist.broadcast_object_list(step, src=0)
-    return step[0]
+            dist.broadcast_object_list(choice, src=0)
+    if choice[1] is not None:
+        raise UntrustedCheckpointError(choice[1])
+    return choice[0]
 
 
 def restore_latest(
@@ -165,6 +173,8 @@ def restore_latest(
 
     Raises:
         ConfigError: the checkpoint lacks the state of a role this run trains.
+        UntrustedCheckpointError: the newest checkpoint holds a pickle the safe loader
+            refuses and `--trust-checkpoint` was not given (every rank raises it).
     """
     step = _agreed_step(run_dir, rank, report)
     if step is None:

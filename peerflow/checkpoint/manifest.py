@@ -3,18 +3,22 @@
 A step directory is a checkpoint only once `MANIFEST.json` exists; the manifest is the
 last thing written (after every rank's files, behind a barrier), so its presence means
 the save finished, and its sizes and checksums let a resume prove that nothing was
-truncated or changed since.
+truncated or changed since. A checksum proves only that the files are the ones the
+manifest lists, not who wrote them: `verify` also refuses a checkpoint holding a pickle
+that the safe loader refuses (`peerflow.checkpoint.pickles`), unless it is trusted.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import attrs
 
 from peerflow.checkpoint.atomic import write_json_atomic
+from peerflow.checkpoint.pickles import untrusted_file
 from peerflow.digests import sha256_file
 
 MANIFEST = "MANIFEST.json"
@@ -29,6 +33,8 @@ class Verdict:
     """Whether every file the manifest lists is present with its size and checksum."""
     problem: str = ""
     """What is wrong, naming the file (empty when `ok`)."""
+    untrusted: bool = False
+    """A file is a pickle the safe loader refuses: the checkpoint is refused, not skipped."""
 
 
 def _payload_files(directory: Path) -> list[Path]:
@@ -67,10 +73,17 @@ def read_manifest(directory: str | Path) -> dict[str, Any] | None:
         return None
 
 
-def verify(directory: str | Path) -> Verdict:
-    """Checks every file the manifest lists: present, same size, same SHA-256.
+def verify(directory: str | Path, *, allowed: Sequence[str] | None = None,
+           trust: bool | None = None) -> Verdict:
+    """Checks every file the manifest lists: present, same size, same SHA-256, and safe.
 
     Files the manifest does not list are ignored (they were not part of the save).
+
+    Args:
+        directory: The checkpoint directory.
+        allowed: `"module:Name"` classes its pickles may hold (`None`: every registered
+            train engine's `checkpoint_globals`, `peerflow.checkpoint.pickles`).
+        trust: `--trust-checkpoint` (`None`: `peerflow.checkpoint.pickles.trusted()`).
     """
     directory = Path(directory)
     manifest = read_manifest(directory)
@@ -87,4 +100,7 @@ def verify(directory: str | Path) -> Verdict:
                            f"{want['bytes']} (truncated or rewritten)")
         if sha256_file(path) != want["sha256"]:
             return Verdict(ok=False, problem=f"{name} fails its SHA-256 checksum")
+    problem = untrusted_file(directory, allowed=allowed, trust=trust)
+    if problem is not None:
+        return Verdict(ok=False, problem=problem, untrusted=True)
     return Verdict(ok=True)

@@ -7,18 +7,22 @@
         MANIFEST.json           every file's size and SHA-256, written last
 
 A resume takes the newest checkpoint that verifies against its manifest; each newer one
-that does not is reported (step and file), and the fallback is said out loud.
+that does not is reported (step and file), and the fallback is said out loud. A checkpoint
+holding a pickle the safe loader refuses is not skipped but refused
+(`UntrustedCheckpointError`, naming the file and `--trust-checkpoint`): someone other than
+the run wrote into it, and the operator decides.
 """
 
 from __future__ import annotations
 
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import attrs
 
 from peerflow.checkpoint.manifest import MANIFEST, Verdict, verify
+from peerflow.checkpoint.pickles import UntrustedCheckpointError
 
 CHECKPOINTS = "checkpoints"
 PREFIX = "step_"
@@ -37,11 +41,13 @@ class CheckpointInfo:
 
     @property
     def status(self) -> str:
-        """`verified`, `incomplete` (no manifest), `corrupt`, or `unverified`."""
+        """`verified`, `incomplete` (no manifest), `corrupt`, `untrusted`, or `unverified`."""
         if self.verdict is None:
             return "unverified"
         if self.verdict.ok:
             return "verified"
+        if self.verdict.untrusted:
+            return "untrusted"
         return "incomplete" if not (self.path / MANIFEST).is_file() else "corrupt"
 
 
@@ -78,17 +84,28 @@ def newest_complete(run_dir: str | Path) -> CheckpointInfo | None:
 
 
 def newest_verified(
-    run_dir: str | Path, report: Callable[[str], None] = print
+    run_dir: str | Path, report: Callable[[str], None] = print, *,
+    allowed: Sequence[str] | None = None, trust: bool | None = None,
 ) -> CheckpointInfo | None:
     """Returns the newest checkpoint that verifies, reporting every newer one that does not.
 
     Args:
         run_dir: The run directory.
         report: Called with one line per checkpoint skipped, and one naming the fallback.
+        allowed: `"module:Name"` classes its pickles may hold (`verify`; `None`: every
+            registered train engine's).
+        trust: `--trust-checkpoint` (`None`: the process's setting).
+
+    Raises:
+        UntrustedCheckpointError: the newest complete checkpoint holds a pickle the safe
+            loader refuses (never skipped for an older one).
     """
     skipped = []
     for info in reversed(list_checkpoints(run_dir)):
-        verdict = verify(info.path)
+        verdict = verify(info.path, allowed=allowed, trust=trust)
+        if verdict.untrusted:
+            raise UntrustedCheckpointError(f"checkpoint of step {info.step} ({info.path}): "
+                                           f"{verdict.problem}")
         if verdict.ok:
             if skipped:
                 report(f"resuming from step {info.step} ({info.path}), the newest verified "

@@ -2,18 +2,21 @@
 
     peerflow export RUN_DIR OUT_DIR [--step N] [--dtype auto|float32|bfloat16|float16]
                                     [--max-shard-size 5GB] [--lora adapter|merged]
+                                    [--trust-checkpoint]
 
 The newest checkpoint that verifies (or `--step N`), from any train adapter and layout,
 written as safetensors (sharded with an index past `--max-shard-size`), config,
 generation config, tokenizer and chat template: what `transformers`,
-vLLM or SGLang load with `from_pretrained(OUT_DIR)`. See `peerflow.hf_export`.
+vLLM or SGLang load with `from_pretrained(OUT_DIR)`. See `peerflow.hf_export`. A
+checkpoint file that is a pickle the safe loader refuses is refused, naming the file,
+unless `--trust-checkpoint` is given (`peerflow.checkpoint.pickles`).
 """
 
 from __future__ import annotations
 
 import argparse
 
-from peerflow.cli.options import add_run_dir_argument
+from peerflow.cli.options import add_run_dir_argument, add_trust_checkpoint_argument, apply_trust
 from peerflow.hf_export.run import DTYPES
 
 HELP = "write a run's checkpoint as a Hugging Face model directory"
@@ -24,7 +27,7 @@ DESCRIPTION = ("Write the newest verified checkpoint of RUN_DIR (or --step N) as
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Adds RUN_DIR, OUT_DIR, `--step`, `--dtype`, `--lora` and `--max-shard-size`."""
+    """Adds RUN_DIR, OUT_DIR, `--step`, `--dtype`, `--lora`, `--max-shard-size` and more."""
     add_run_dir_argument(
         parser, "a run directory (or one of its checkpoints/step_N directories)")
     parser.add_argument("out_dir", metavar="OUT_DIR",
@@ -40,12 +43,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
                         help="largest safetensors file before the weights are split into "
                         "shards with an index (default 5GB)")
+    add_trust_checkpoint_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     """Exports; prints where the model went and how to load it."""
     from peerflow.hf_export import export
 
+    apply_trust(args)
     size = int(args.max_shard_size) if args.max_shard_size.isdigit() else args.max_shard_size
     result = export(args.run_dir, args.out_dir, step=args.step, dtype=args.dtype,
                     max_shard_size=size, lora=args.lora)

@@ -45,3 +45,20 @@ def add_json_flag(parser: argparse.ArgumentParser, help_text: str) -> None:
 def add_json_file_option(parser: argparse.ArgumentParser, help_text: str) -> None:
     """Adds `--json FILE` (`args.json`, `None` when absent): also write the result as JSON."""
     parser.add_argument("--json", metavar="FILE", help=help_text)
+
+
+def add_trust_checkpoint_argument(parser: argparse.ArgumentParser) -> None:
+    """Adds `--trust-checkpoint` (`args.trust_checkpoint`, a flag); see `apply_trust`."""
+    parser.add_argument(
+        "--trust-checkpoint", action="store_true",
+        help="load checkpoint files that are pickles the safe loader (torch weights_only) "
+        "refuses, unrestricted: such a file runs whatever code it holds. Only for "
+        "checkpoints you wrote yourself (e.g. DeepSpeed or Megatron ones of PeerFlow 0.1.0)")
+
+
+def apply_trust(args: argparse.Namespace) -> None:
+    """`--trust-checkpoint`: this process and every worker it starts trust the checkpoint."""
+    from peerflow.checkpoint.pickles import trust_checkpoints
+
+    if getattr(args, "trust_checkpoint", False):
+        trust_checkpoints(True)

@@ -2,6 +2,7 @@
 
     peerflow train CONFIG [--nprocs N] [--run-dir DIR] [--launcher elastic|ray] [--set k=v]
     peerflow train --resume RUN_DIR [--set k=v] [--allow-change KEY]   # continue a run
+    peerflow train --resume RUN_DIR --trust-checkpoint   # pickles you wrote yourself
     torchrun --nnodes 2 --nproc-per-node 8 ... -m peerflow train CONFIG --run-dir DIR
 
 The config is read and validated here, before any worker starts. Under `torchrun` (the
@@ -26,7 +27,12 @@ from typing import Any
 
 import attrs
 
-from peerflow.cli.options import add_override_argument, add_worker_arguments
+from peerflow.cli.options import (
+    add_override_argument,
+    add_trust_checkpoint_argument,
+    add_worker_arguments,
+    apply_trust,
+)
 from peerflow.errors import (
     INTERRUPTED_EXIT,
     ConfigError,
@@ -40,7 +46,7 @@ DESCRIPTION = ("Run a training run described by a YAML config. Workers are spawn
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Adds CONFIG, the worker options, `--run-dir`, `--resume`, `--allow-change`, `--set`."""
+    """Adds CONFIG, worker options, `--run-dir`, `--resume`, `--allow-change`, `--set` etc."""
     parser.add_argument("config", nargs="?", help="run config YAML (optional with --resume: "
                         "the run directory's config.yaml is used)")
     add_worker_arguments(parser)
@@ -52,6 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         metavar="KEY", help="with --resume: let this fingerprinted setting or "
                         "section (e.g. algorithm.kl.coef) differ from the run's (repeatable; "
                         "never the model architecture, dtype or tokenizer)")
+    add_trust_checkpoint_argument(parser)
     add_override_argument(parser)
 
 
@@ -242,6 +249,7 @@ def run(args: argparse.Namespace) -> int:
     from peerflow.outputs import RunLock, create_run_dir
 
     config_path, run_dir = resolve_paths(args)
+    apply_trust(args)
     if in_distributed_env():  # under torchrun: this process is one worker
         return _torchrun_worker(args, config_path, run_dir)
     if args.nprocs is not None and args.nprocs < 1:

@@ -12,14 +12,24 @@ be the one the checkpoint was written with.
 `saved_shards` reads the full-precision weights of any ZeRO stage with DeepSpeed's own
 `zero_to_fp32` (`get_fp32_state_dict_from_zero_checkpoint`), in one process, for
 `peerflow export`: whole HF tensors, float32 (the optimiser's master copy).
+
+DeepSpeed's files are torch pickles, and DeepSpeed 0.19 reads them with
+`torch.load(weights_only=False)`: a crafted file would run code. So DeepSpeed never
+unpickles them itself here. `load_checkpoint` hands DeepSpeed a checkpoint engine whose
+`load` is `peerflow.checkpoint.pickles.safe_load` (torch's restricted unpickler, allowing
+the few DeepSpeed classes the files hold: `DEEPSPEED_GLOBALS`), and `saved_shards`
+checks every file `zero_to_fp32` opens with that loader first. A refused file raises
+`UntrustedCheckpointError` naming it, unless `--trust-checkpoint` was given.
 """
 
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from peerflow.checkpoint import check_same_layout, check_shapes, read_engine_meta, write_json_atomic
+from peerflow.checkpoint.pickles import check_files, safe_load
 from peerflow.engines.train import SavedShard
 from peerflow.shard import ShardSpec
 from peerflow.training import lora
@@ -28,10 +38,42 @@ if TYPE_CHECKING:
     from peerflow.adapters.deepspeed.engine import DeepSpeedTrainEngine
 
 META = "peerflow_deepspeed.json"
+#: The classes DeepSpeed's own checkpoint files hold besides tensors and containers.
+DEEPSPEED_GLOBALS = (
+    "deepspeed.runtime.fp16.loss_scaler:LossScaler",
+    "deepspeed.runtime.fp16.loss_scaler:DynamicLossScaler",
+    "deepspeed.runtime.zero.config:ZeroStageEnum",
+    "deepspeed.utils.tensor_fragment:fragment_address",
+)
+
+
+class SafeCheckpointEngine:
+    """DeepSpeed's checkpoint engine with `load` through the restricted unpickler.
+
+    Saving, committing and everything else stay DeepSpeed's own (`inner`'s).
+    """
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def load(self, path: str, map_location: Any = None) -> Any:
+        """`torch.load(path)` with `weights_only=True` (`peerflow.checkpoint.pickles`)."""
+        return safe_load(path, allowed=DEEPSPEED_GLOBALS, map_location=map_location)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def _tag_files(directory: str, tag: str) -> list[Path]:
+    """Every file DeepSpeed may read of checkpoint `tag` (sorted)."""
+    return sorted(p for p in Path(directory, tag).rglob("*") if p.is_file())
 
 
 class DeepSpeedCheckpoints:
     """`save_checkpoint` / `load_checkpoint` of `DeepSpeedTrainEngine` (a mixin)."""
+
+    #: See `peerflow.checkpoint.pickles`: what `verify` lets these files hold.
+    checkpoint_globals: ClassVar[tuple[str, ...]] = DEEPSPEED_GLOBALS
 
     def _shapes(self: DeepSpeedTrainEngine) -> dict[str, list[int]]:
         return {n: list(self._full_shape(p)) for n, p in self._sync_params().items()}
@@ -61,6 +103,9 @@ class DeepSpeedCheckpoints:
         check_same_layout({"dp": meta["dp_size"]}, {"dp": self.dp_size}, where=directory)
         check_shapes(meta.get("shapes", {}), self._shapes(), where=directory)
         lora.check_base(meta.get("base_fingerprint"), self.context.model_path, directory)
+        check_files(_tag_files(directory, meta["tag"]), allowed=DEEPSPEED_GLOBALS)
+        if not isinstance(self.engine.checkpoint_engine, SafeCheckpointEngine):
+            self.engine.checkpoint_engine = SafeCheckpointEngine(self.engine.checkpoint_engine)
         path, client = self.engine.load_checkpoint(
             directory, tag=meta["tag"], load_module_strict=self.context.lora is None)
         if path is None:
@@ -74,6 +119,7 @@ class DeepSpeedCheckpoints:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         meta = read_engine_meta(directory, META, "DeepSpeed")
+        check_files(_tag_files(directory, meta["tag"]), allowed=DEEPSPEED_GLOBALS)
         state = get_fp32_state_dict_from_zero_checkpoint(directory, tag=meta["tag"])
         state = {lora.adapter_name(n): t for n, t in state.items()}  # peft's live names
         shapes = meta["shapes"]

@@ -5,7 +5,11 @@ Layout of a checkpoint directory:
 * `megatron_tp{t}_pp{p}.safetensors` — that rank's parameters under Megatron names
   (`megatron_tp{t}_pp{p}_ep{e}` with expert parallelism: each ep rank's file holds its
   own experts and, like every ep rank, the dense tensors);
-* `megatron_optim_tp{t}_pp{p}.pt` — the torch optimiser state of that model shard;
+* `megatron_optim_tp{t}_pp{p}.safetensors` + `.json` — the optimiser state of that model
+  shard (its tensors, and its structure as JSON: `peerflow.checkpoint.tensor_tree`), no
+  pickle. Checkpoints PeerFlow 0.1.0 wrote hold `megatron_optim_tp{t}_pp{p}.pt`, a
+  torch pickle: it is read through `peerflow.checkpoint.pickles.safe_load` (torch's
+  restricted unpickler; a file it refuses needs `--trust-checkpoint`);
 * `peerflow_megatron.json` — weight version, the tp/pp/ep/dp layout it was written with
   and the vocabulary padding multiple.
 
@@ -35,6 +39,8 @@ from peerflow.checkpoint import (
     read_engine_meta,
     write_json_atomic,
 )
+from peerflow.checkpoint.pickles import safe_load
+from peerflow.checkpoint.tensor_tree import load_tree, save_tree, tree_exists
 from peerflow.engines.train import SavedShard
 
 if TYPE_CHECKING:
@@ -59,8 +65,8 @@ class MegatronCheckpoints:
                        for n, p in self.module.named_parameters()}
             with atomic_path(os.path.join(directory, f"megatron_{tag}.safetensors")) as tmp:
                 save_file(tensors, str(tmp))
-            with atomic_path(os.path.join(directory, f"megatron_optim_{tag}.pt")) as tmp:
-                torch.save(self.optimizer.state_dict(), tmp)
+            save_tree(self.optimizer.state_dict(),
+                      os.path.join(directory, f"megatron_optim_{tag}"))
         if dist.get_rank() == min(layout.global_ranks):
             meta = {"version": self.version, "tp": layout.tp, "pp": layout.pp, "dp": layout.dp,
                     "ep": layout.ep,
@@ -85,9 +91,7 @@ class MegatronCheckpoints:
         with torch.no_grad():
             for name, param in params.items():
                 param.copy_(tensors[name])
-        state = torch.load(os.path.join(directory, f"megatron_optim_{tag}.pt"),
-                           weights_only=False)
-        self.optimizer.load_state_dict(state)
+        self.optimizer.load_state_dict(_optimizer_state(directory, tag))
         for sched, saved in zip(self.lr_schedulers, meta.get("lr_scheduler", []), strict=False):
             sched.load_state_dict(saved)  # older checkpoints ran at a constant lr: none saved
         self.version = int(meta["version"])
@@ -113,6 +117,14 @@ class MegatronCheckpoints:
             for spec in megatron_shard_layout(hf_config, layout, rank, vocab_multiple=multiple):
                 shards.append(SavedShard.in_file(path, source=rank, spec=spec))
         return shards
+
+
+def _optimizer_state(directory: str, tag: str) -> Any:
+    """The saved optimiser state of shard `tag`: safetensors + JSON, or an old `.pt`."""
+    stem = os.path.join(directory, f"megatron_optim_{tag}")
+    if tree_exists(stem):
+        return load_tree(stem)
+    return safe_load(f"{stem}.pt")  # PeerFlow 0.1.0 wrote a pickle
 
 
 def _tag(tp: int, pp: int, ep_rank: int, ep: int) -> str:

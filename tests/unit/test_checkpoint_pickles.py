@@ -1,0 +1,126 @@
+"""Hostile checkpoint files: a crafted pickle is refused by name and never runs, unless the
+checkpoint is trusted (`peerflow.checkpoint.pickles`); optimiser state as safetensors +
+JSON round trips exactly (`peerflow.checkpoint.tensor_tree`)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from peerflow.checkpoint import newest_verified, step_dir, verify, write_manifest
+from peerflow.checkpoint.pickles import (
+    TRUST_ENV,
+    UntrustedCheckpointError,
+    check_files,
+    is_pickle,
+    safe_load,
+    untrusted_file,
+)
+from peerflow.checkpoint.tensor_tree import load_tree, save_tree
+from tests.helpers.hostile import Payload, forge_manifest, plant
+
+
+@pytest.fixture(autouse=True)
+def untrusted(monkeypatch):
+    monkeypatch.delenv(TRUST_ENV, raising=False)
+
+
+def _adamw_state() -> dict:
+    layer = torch.nn.Linear(3, 2)
+    optim = torch.optim.AdamW(layer.parameters(), lr=0.1, betas=(0.9, 0.95))
+    layer(torch.randn(4, 3)).sum().backward()
+    optim.step()
+    return optim.state_dict()
+
+
+def _run_with_checkpoints(tmp_path, steps=(1, 2)):
+    """A run directory whose checkpoints hold a torch optimiser file (safe) each."""
+    for step in steps:
+        actor = step_dir(tmp_path, step) / "actor"
+        actor.mkdir(parents=True)
+        torch.save(_adamw_state(), actor / "optim.pt")
+        write_manifest(actor.parent, step=step)
+    return tmp_path
+
+
+def test_crafted_pickle_is_refused_by_name_and_never_runs(tmp_path):
+    marker = tmp_path / "pwned"
+    path = plant(tmp_path / "optim.pt", marker)
+    assert is_pickle(path)
+    with pytest.raises(UntrustedCheckpointError) as refused:
+        safe_load(path)
+    message = str(refused.value)
+    assert str(path) in message and "--trust-checkpoint" in message
+    assert "posix.system" in message  # torch's own reason: the global it blocked
+    with pytest.raises(UntrustedCheckpointError, match="optim.pt"):
+        check_files([path])
+    assert not marker.exists()
+
+
+def test_trusted_means_unrestricted(tmp_path, monkeypatch):
+    """The flag is what it says: a trusted crafted file runs (so never trust strangers)."""
+    marker = tmp_path / "pwned"
+    path = plant(tmp_path / "optim.pt", marker)
+    monkeypatch.setenv(TRUST_ENV, "1")
+    safe_load(path)
+    assert marker.exists()
+
+
+def test_plain_torch_state_loads_restricted(tmp_path):
+    state = _adamw_state()
+    torch.save(state, tmp_path / "optim.pt")
+    loaded = safe_load(tmp_path / "optim.pt")
+    assert loaded["param_groups"] == state["param_groups"]
+    assert untrusted_file(tmp_path) is None
+
+
+def test_verify_refuses_a_forged_checkpoint_and_resume_does_not_skip_it(tmp_path):
+    run = _run_with_checkpoints(tmp_path)
+    newest = step_dir(run, 2)
+    marker = tmp_path / "pwned"
+    plant(newest / "actor" / "optim.pt", marker)
+    forge_manifest(newest)  # the checksums pass: only the pickle check stands in the way
+    verdict = verify(newest)
+    assert not verdict.ok and verdict.untrusted
+    assert str(newest / "actor" / "optim.pt") in verdict.problem
+    with pytest.raises(UntrustedCheckpointError, match="step 2.*optim.pt.*--trust-checkpoint"):
+        newest_verified(run, report=lambda _: None)  # refused, not skipped for step 1
+    assert verify(step_dir(run, 1)).ok
+    assert verify(newest, trust=True).ok
+    assert not marker.exists()
+
+
+def test_an_extra_pickle_outside_the_manifest_is_refused_too(tmp_path):
+    run = _run_with_checkpoints(tmp_path, steps=(1,))
+    plant(step_dir(run, 1) / "actor" / "extra.bin", tmp_path / "pwned")  # any name
+    assert "extra.bin" in verify(step_dir(run, 1)).problem
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_tensor_tree_round_trips_optimizer_state_exactly(tmp_path):
+    state = _adamw_state()
+    save_tree(state, tmp_path / "optim")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["optim.json", "optim.safetensors"]
+    assert not is_pickle(tmp_path / "optim.safetensors")
+    back = load_tree(tmp_path / "optim")
+    assert back["param_groups"] == state["param_groups"]  # betas a tuple again
+    assert list(back["state"]) == list(state["state"])  # int parameter indices again
+    for index, entry in state["state"].items():
+        for key, tensor in entry.items():
+            assert torch.equal(back["state"][index][key], tensor)
+    odd = {"tensor": 1.5, "inf": float("inf"), "nested": [(1, "a"), {2: None}]}
+    save_tree(odd, tmp_path / "odd")
+    assert load_tree(tmp_path / "odd") == odd
+
+
+def test_tensor_tree_refuses_what_json_cannot_hold(tmp_path):
+    with pytest.raises(TypeError, match=r"state\.groups\[0\]\.fn is a Payload"):
+        save_tree({"groups": [{"fn": Payload(tmp_path / "x")}]}, tmp_path / "bad")
+    structure = {"items": [[0, {"tensor": "0"}]]}
+    (tmp_path / "t.json").write_text(json.dumps(structure))
+    from safetensors.torch import save_file
+
+    save_file({"0": torch.ones(2)}, str(tmp_path / "t.safetensors"))
+    assert torch.equal(load_tree(tmp_path / "t")[0], torch.ones(2))
