@@ -5,26 +5,49 @@ the whole response. Tests come from the example's `tests` field, else its `answe
 (a JSON string is decoded):
 
 * a list of `{"input": ..., "output": ...}` — the program reads `input` on stdin and
-  must print `output` (compared line by line, trailing whitespace ignored);
-* a string of Python (`assert add(1, 2) == 3`) run after the program.
+  must print `output` (compared line by line, trailing whitespace ignored); each test is
+  its own `run_sandboxed` call;
+* a string of Python (`assert add(1, 2) == 3`): judged on the host by
+  `peerflow.rewards.assert_harness` — the sandbox runs a trusted harness that imports the
+  program as a module and evaluates the expressions the asserts need; the expected values
+  never enter the sandbox, values come back as plain data and are compared by type and
+  value. One sandboxed run for all the asserts.
 
-The score is the fraction of tests passed; `all_passed` is logged next to it. Each test
-runs in its own `run_sandboxed` call, in the run's sandbox (`sandbox.backend`; see
+The score is the fraction of tests passed (each assert is a test); `all_passed` is
+logged next to it. The programs run in the run's sandbox (`sandbox.backend`; see
 `peerflow.sandbox` and the threat model in docs/rewards.md). A program the sandbox
 refuses to start (`SandboxUnavailableError`: no bubblewrap, a service that is down) is
 the infrastructure's fault: it raises, and is counted as a reward error, never scored as
-a wrong answer.
+a wrong answer. A program that runs out of time is a wrong answer: inside a reward pool
+call each program's time limit ends `MARGIN_S` before the call's deadline
+(`peerflow.rewards.deadline`), so the sandbox stops and cleans it up and its tests fail.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import secrets
 from typing import Any
 
+import attrs
+
+from peerflow.rewards import deadline
+from peerflow.rewards.assert_harness import (
+    count_passed,
+    harness_program,
+    harness_request,
+    parse_asserts,
+    read_values,
+)
 from peerflow.sandbox import SandboxLimits, run_sandboxed
 
 FENCE = re.compile(r"```(?:[A-Za-z0-9_+-]*)\n(.*?)```", re.DOTALL)
+#: Seconds kept between the last program's time limit and the reward call's deadline
+#: (the sandbox's clean-up and the reply).
+MARGIN_S = 1.5
+#: Seconds the harness keeps for itself at the end of its own time limit.
+HARNESS_MARGIN_S = 0.3
 
 
 def extract_program(response: str) -> str:
@@ -50,22 +73,69 @@ def _same_output(actual: str, expected: Any) -> bool:
     return lines(actual) == lines(expected)
 
 
+def fitted(limits: SandboxLimits) -> SandboxLimits | None:
+    """`limits` with a time limit that ends `MARGIN_S` before the reward call's deadline.
+
+    Returns `None` when no time is left (the remaining tests fail).
+    """
+    left = deadline.seconds_left()
+    if left is None:
+        return limits
+    room = left - MARGIN_S
+    if room < 0.1:
+        return None
+    return attrs.evolve(limits, timeout_s=min(limits.timeout_s, room))
+
+
+def _check_time(limits: SandboxLimits) -> None:
+    left = deadline.seconds_left()
+    if left is not None and left - MARGIN_S < min(limits.timeout_s, 1.0):
+        raise ValueError(f"task.reward_limits.timeout_s leaves {left:.1f} s for this answer, "
+                         f"less than the {MARGIN_S:g} s the code reward keeps plus one "
+                         "program's time: raise task.reward_limits.timeout_s")
+
+
+def _assert_tests(program: str, tests: str, limits: SandboxLimits) -> tuple[int, int]:
+    plan = parse_asserts(tests)
+    run_limits = fitted(limits)
+    if run_limits is None:
+        return 0, len(plan.checks)
+    sentinel = secrets.token_hex(16)
+    seconds = max(0.1, run_limits.timeout_s - min(HARNESS_MARGIN_S, run_limits.timeout_s / 4))
+    result = run_sandboxed(harness_program(program), harness_request(plan, sentinel, seconds),
+                           run_limits)
+    return count_passed(plan, read_values(result.stdout, sentinel)), len(plan.checks)
+
+
+def _io_tests(program: str, tests: list[dict[str, Any]],
+              limits: SandboxLimits) -> tuple[int, int]:
+    passed = 0
+    for case in tests:
+        run_limits = fitted(limits)
+        if run_limits is None:
+            break
+        result = run_sandboxed(program, str(case.get("input", "")), run_limits)
+        passed += result.status == "ok" and _same_output(result.stdout, case["output"])
+    return passed, len(tests)
+
+
 def code_reward(response: str, example: dict[str, Any],
                 limits: SandboxLimits | None = None) -> dict[str, float]:
     """Scores a program by the fraction of the example's tests it passes.
 
     Returns:
         `{"score": passed / tests, "all_passed": 0 or 1}`.
+
+    Raises:
+        ValueError: the example has no tests, or the reward call's time limit leaves no
+            room for one program (`task.reward_limits.timeout_s`).
     """
+    limits = limits or SandboxLimits()
     program = extract_program(response)
     tests = _tests(example)
+    _check_time(limits)
     if isinstance(tests, str):
-        result = run_sandboxed(program + "\n\n" + tests + "\n", "", limits)
-        passed, total = int(result.status == "ok"), 1
+        passed, total = _assert_tests(program, tests, limits)
     else:
-        total = len(tests)
-        passed = 0
-        for case in tests:
-            result = run_sandboxed(program, str(case.get("input", "")), limits)
-            passed += result.status == "ok" and _same_output(result.stdout, case["output"])
+        passed, total = _io_tests(program, tests, limits)
     return {"score": passed / total, "all_passed": float(passed == total)}

@@ -11,6 +11,12 @@ inside the reward instead of swapping the machine.
 `RewardPool.submit` returns futures of `list[Outcome]`; `Outcome.status` is `ok`,
 `error` or `timeout`, so the caller never waits forever and never mistakes a failure for
 a score.
+
+Each call marks its deadline (`peerflow.rewards.deadline`), so a reward that runs
+sandboxed programs ends them before it (the `code` reward: a program out of time is a
+wrong answer). A worker stopped past its deadline (pebble sends SIGTERM, then SIGKILL
+three seconds later) unwinds the call first: the sandbox kills its program's processes
+and removes its directory and cgroup, then the worker exits.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import math
 import multiprocessing
 import os
 import resource
+import signal
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -29,6 +36,7 @@ from typing import Any, Literal
 
 import attrs
 
+from peerflow.rewards import deadline
 from peerflow.rewards.loading import (
     VERL_PARAMETERS,
     RewardShape,
@@ -104,16 +112,40 @@ def _invoke(fn: Callable[..., Any], shape: RewardShape, response: Any, example: 
     return asyncio.run(result) if asyncio.iscoroutine(result) else result
 
 
+class Stopped(BaseException):
+    """Raised in a worker by the pool's SIGTERM, to unwind (and clean up) the call."""
+
+
+def _stop(signum: int, frame: Any) -> None:
+    if deadline.seconds_left() is None:  # idle: nothing to clean up
+        os._exit(128 + signum)
+    raise Stopped()
+
+
 def call_reward(ref: str, batched: bool | None, responses: Sequence[Any],
-                examples: Sequence[dict[str, Any]], context: dict[str, Any] | None = None
-                ) -> list[Outcome]:
+                examples: Sequence[dict[str, Any]], context: dict[str, Any] | None = None,
+                timeout_s: float | None = None) -> list[Outcome]:
     """Runs in a pool worker: scores `responses` with the function `ref` names.
 
     Per-sample rewards are called once per response; a batched reward once for all (a
     TRL-style one with keyword lists, `context` giving `completion_ids`, `step` and
     `steps`). Exceptions propagate (the pool reports them); bad return values become
-    `error` outcomes naming the reward.
+    `error` outcomes naming the reward. `timeout_s` is the call's time limit (its
+    deadline for `peerflow.rewards.deadline`); a `Stopped` call exits the worker once
+    its clean-up has run.
     """
+    deadline.start(timeout_s)
+    try:
+        return _call_reward(ref, batched, responses, examples, context)
+    except Stopped:
+        os._exit(128 + signal.SIGTERM)
+    finally:
+        deadline.start(None)
+
+
+def _call_reward(ref: str, batched: bool | None, responses: Sequence[Any],
+                 examples: Sequence[dict[str, Any]], context: dict[str, Any] | None
+                 ) -> list[Outcome]:
     fn, shape = _loaded(ref, batched)
     name = ref.rpartition(":")[2]
     if not shape.batched:
@@ -139,6 +171,7 @@ def call_reward(ref: str, batched: bool | None, responses: Sequence[Any],
 
 def _init_worker(memory_bytes: int) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
+    signal.signal(signal.SIGTERM, _stop)
     if memory_bytes > 0:
         resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
 
@@ -206,7 +239,8 @@ class RewardPool:
                ) -> Future:
         """Schedules one call; its future yields `list[Outcome]` or raises."""
         return self._started().schedule(
-            call_reward, args=(ref, batched, list(responses), list(examples), context),
+            call_reward, args=(ref, batched, list(responses), list(examples), context,
+                               self.timeout_s),
             timeout=self.timeout_s)
 
     def outcomes(self, future: Future, count: int) -> list[Outcome]:

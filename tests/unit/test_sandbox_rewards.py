@@ -28,7 +28,9 @@ def test_code_reward_counts_passed_tests():
                                                                  "all_passed": 0.0}
     asserts = {"answer": "assert add(2, 2) == 4\nassert add(-1, 1) == 0"}
     assert code_reward("def add(a, b):\n    return a + b", asserts)["score"] == 1.0
-    assert code_reward("def add(a, b):\n    return a * b", asserts)["score"] == 0.0
+    # each assert is a test: 2 * 2 == 4 holds, -1 * 1 == 0 does not
+    assert code_reward("def add(a, b):\n    return a * b", asserts)["score"] == 0.5
+    assert code_reward("def add(a, b):\n    return a - b - 9", asserts)["score"] == 0.0
 
 
 @pytest.mark.parametrize("response, answer, expected", [
