@@ -48,7 +48,13 @@ MAX_DEPTH = 64
 #: torch's own dtypes by name: the only ones a received name may become.
 DTYPES: dict[str, torch.dtype] = {
     str(v).removeprefix("torch."): v for v in vars(torch).values() if isinstance(v, torch.dtype)}
-_NUMPY_KINDS = frozenset("biufc")
+#: numpy's numeric and bool dtypes by `dtype.str`, both byte orders: the only ones a
+#: received string may become (never parsed: `np.dtype` evaluates comma strings).
+NUMPY_DTYPES: dict[str, np.dtype] = {
+    dt.str: dt for name in ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16",
+                            "uint32", "uint64", "float16", "float32", "float64", "complex64",
+                            "complex128", "longdouble", "clongdouble")
+    for dt in (np.dtype(name), np.dtype(name).newbyteorder())}
 _REGISTRY: dict[str, type] = {}
 _PLAIN = (dict, list, str, int, float)
 
@@ -97,7 +103,7 @@ def _default(obj: Any) -> msgpack.ExtType:
         raw = host.reshape(-1).view(torch.uint8).numpy().tobytes()
         name = str(host.dtype).removeprefix("torch.")
         return msgpack.ExtType(TENSOR, _pack([name, list(host.shape), raw]))
-    if isinstance(obj, (np.ndarray, np.generic)) and obj.dtype.kind in _NUMPY_KINDS:
+    if isinstance(obj, (np.ndarray, np.generic)) and obj.dtype.str in NUMPY_DTYPES:
         array = np.asarray(obj)  # a scalar as 0-d; `tobytes` is C order
         return msgpack.ExtType(NDARRAY, _pack([array.dtype.str, list(array.shape),
                                                array.tobytes(), isinstance(obj, np.generic)]))
@@ -210,11 +216,10 @@ def _tensor(dec: _Decoder, data: bytes) -> torch.Tensor:
 
 def _ndarray(dec: _Decoder, data: bytes) -> Any:
     text, shape, raw, scalar = dec.items(data, "numpy array", 4)
-    if not isinstance(text, str) or len(text) > 8 or not isinstance(raw, bytes):
-        raise dec.fail(f"numpy dtype {text!r} or its data is malformed")
-    dtype = np.dtype(text)
-    if dtype.kind not in _NUMPY_KINDS or dtype.hasobject or dtype.fields is not None:
-        raise dec.fail(f"numpy dtype {text!r} is not numeric")
+    dtype = NUMPY_DTYPES.get(text) if isinstance(text, str) else None
+    if dtype is None or not isinstance(raw, bytes):
+        raise dec.fail(f"numpy dtype {text!r} is not a numeric or bool dtype, or its data "
+                       "is not bytes")
     array = np.frombuffer(raw, dtype=dtype).reshape(dec.shape(shape, len(raw), dtype.itemsize))
     return array[()] if scalar is True and not shape else array.copy()
 
