@@ -229,3 +229,51 @@ def session_agent(base_url: str, api_key: str, model: str, example: dict[str, An
         messages += [{"role": "assistant", "content": answer.choices[0].message.content},
                      {"role": "user", "content": "more"}]
     return 1.0
+
+
+#: The malformed calls `hostile_agent` sends before its one good call: (route, body).
+ATTACKS: list[tuple[str, dict[str, Any]]] = []
+
+
+def hostile_agent(base_url: str, api_key: str, model: str, example: dict[str, Any]) -> float:
+    """Sends every call of `ATTACKS`, then one good chat call; records each answer."""
+    import httpx
+
+    root = base_url.removesuffix("/v1")
+    paths = {"chat": f"{base_url}/chat/completions", "completion": f"{base_url}/completions",
+             "generate": f"{root}/inference/v1/generate"}
+    headers = {"Authorization": f"Bearer {api_key}", "Content-Type": "application/json"}
+    answers = []
+    with httpx.Client(timeout=120, headers=headers) as client:
+        for route, body in ATTACKS:
+            import json
+
+            sent = client.post(paths[route], content=json.dumps(body))  # NaN stays NaN
+            answers.append({"status": sent.status_code, "body": sent.json()})
+        good = client.post(paths["chat"], json={"model": model, "messages": [
+            {"role": "user", "content": example["prompt"]}], "max_tokens": 3})
+        answers.append({"status": good.status_code, "body": good.json()})
+    with _LOCK:
+        RECORDS.append(answers)
+    return 1.0
+
+
+def engine_failure_agent(base_url: str, api_key: str, model: str, example: dict[str, Any]
+                         ) -> float:
+    """One chat call; records its status (500 where the engine failed on its prompt)."""
+    from openai import APIStatusError
+
+    client = _client(base_url, api_key)
+    try:
+        client.chat.completions.create(model=model, messages=[
+            {"role": "user", "content": example["prompt"]}], max_tokens=3)
+        status = 200
+    except APIStatusError as exc:
+        status = exc.status_code
+        with _LOCK:
+            RECORDS.append([{"prompt": example["prompt"], "status": status,
+                             "message": exc.body}])
+        raise
+    with _LOCK:
+        RECORDS.append([{"prompt": example["prompt"], "status": status}])
+    return 1.0

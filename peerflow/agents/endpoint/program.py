@@ -48,6 +48,7 @@ from typing import Any, ClassVar
 
 import attrs
 
+from peerflow.agents.endpoint.limits import RequestLimits, model_limits
 from peerflow.agents.endpoint.protocol import (
     Call,
     Reply,
@@ -101,6 +102,9 @@ class AgentProgramOptions:
     `rollout.agent.step_timeout_s` (default 30)."""
     cut_reward: float = 0.0
     """Reward of an episode a `rollout.agent` limit cut whose program then raised."""
+    max_n: int = attrs.field(default=0, validator=attrs.validators.ge(0))
+    """Most choices (`n`) one call may ask for; more is answered 400 (0: the run's
+    `rollout.sampling.n`). Every choice is a sample the trainer trains on."""
 
     def __attrs_post_init__(self) -> None:
         if not is_loopback(self.host) and not self.token_env:
@@ -123,10 +127,11 @@ class AgentProgram(Environment):
 
     def __init__(self, example: Example, options: AgentProgramOptions) -> None:
         super().__init__(example, options)
-        from peerflow.agents.endpoint.server import endpoint_for, new_token
+        from peerflow.agents.endpoint.server import endpoint_for
+        from peerflow.agents.endpoint.serving import run_token
         from peerflow.rewards.loading import load_function, parse_target
 
-        token = os.environ[options.token_env] if options.token_env else _RUN_TOKEN.get(new_token)
+        token = os.environ[options.token_env] if options.token_env else run_token()
         self.endpoint = endpoint_for(options.host, options.port, token, options.model_name)
         self.id = uuid.uuid4().hex
         self.inbox: queue.Queue[tuple[str, Any, Future | None]] = queue.Queue()
@@ -139,13 +144,14 @@ class AgentProgram(Environment):
         self.capabilities: Any = None
         self.tools: tuple[dict[str, Any], ...] = ()
         self.tokenizer: Any = None
+        self.limits: RequestLimits | None = None
+        """What this episode's calls are validated against (set before the program runs)."""
         self.outcome: tuple[str, Any] | None = None
         self.cut = ""
         self.endpoint.add(self.id, self)
         fn = load_function(parse_target(options.function), "rollout.agent.options.function")
         self.thread = threading.Thread(target=self._run, args=(fn, token), daemon=True,
                                        name=f"agent-{self.id[:8]}")
-        self.thread.start()
 
     def _run(self, fn: Any, token: str) -> None:
         from peerflow.rewards.scoring import example_record
@@ -190,7 +196,7 @@ class AgentProgram(Environment):
                 value.sampling, self.run_sampling, self.capabilities)
             if problem is None:
                 return kind, value, future
-            future.set_result((400, error_body(problem)))
+            future.set_result((400, error_body(str(problem), param=problem.param)))
 
     def prepare(self, sampling: Any, capabilities: Any) -> None:
         """Keeps the run's sampling settings and the engine's capabilities.
@@ -207,19 +213,24 @@ class AgentProgram(Environment):
         return self.pending[0].sampling.turn_settings()
 
     def initial_prompt_ids(self, tokenizer: Any) -> list[int]:
-        """Waits for the program's first call; its prompt's token ids start the trajectory."""
+        """Starts the program; its first call's prompt token ids start the trajectory.
+
+        The program starts here, once the limits its calls are validated against are
+        known (the model's, from `tokenizer`; the run's, from `prepare`).
+        """
         self.tokenizer = tokenizer
-        kind, value, future = self._next_move()
-        if kind != "call":
-            self.outcome = (kind, value)
-            raise RuntimeError("the agent program ended before calling the model: "
-                               f"{value!r}" if kind == "done" else
-                               f"the agent program raised {type(value).__name__}: {value}")
-        try:
-            ids = self._render(value)
-        except Exception as exc:
-            future.set_result((400, error_body(str(exc))))
-            raise
+        self.limits = model_limits(tokenizer, self.run_sampling, self.options.max_n)
+        self.thread.start()
+        while True:
+            kind, value, future = self._next_move()
+            if kind != "call":
+                self.outcome = (kind, value)
+                raise RuntimeError("the agent program ended before calling the model: "
+                                   f"{value!r}" if kind == "done" else
+                                   f"the agent program raised {type(value).__name__}: {value}")
+            ids = self._fitting(value, future, self._rendered)
+            if ids is not None:
+                break
         self.sequence, self.pending, self.tools = list(ids), (value, future), value.tools
         self.histories = []
         return list(ids)
@@ -241,19 +252,19 @@ class AgentProgram(Environment):
                          logprobs=c.logprobs, text=self._text(call, c),
                          finish_reason="length" if c.truncated else "stop") for c in choices]
         future.set_result((200, self._respond(call, replies, turn.index)))
-        kind, value, next_future = self._next_move()
-        if kind == "error":
-            self.outcome = (kind, value)
-            raise RuntimeError(f"the agent program raised {type(value).__name__}: {value}")
-        if kind == "done":
-            self.outcome = (kind, value)
-            return StepResult(done=True)
-        assert next_future is not None
-        try:
-            choice, ids = self._extension(value, choices)
-        except Exception as exc:
-            next_future.set_result((400, error_body(f"{type(exc).__name__}: {exc}")))
-            raise
+        while True:
+            kind, value, next_future = self._next_move()
+            if kind == "error":
+                self.outcome = (kind, value)
+                raise RuntimeError(f"the agent program raised {type(value).__name__}: {value}")
+            if kind == "done":
+                self.outcome = (kind, value)
+                return StepResult(done=True)
+            assert next_future is not None
+            found = self._fitting(value, next_future, lambda c: self._extended(c, choices))
+            if found is not None:
+                break
+        choice, ids = found
         self.pending = (value, next_future)
         if choice is None:  # a new sample of this episode starts from the call's prompt
             self.sequence = list(ids)
@@ -266,6 +277,39 @@ class AgentProgram(Environment):
         if call.skip_special_tokens:
             return turn.text
         return self.tokenizer.decode(list(turn.token_ids), skip_special_tokens=False)
+
+    def _fitting(self, call: Call, future: Future, prompt_of: Any) -> Any:
+        """What `prompt_of(call)` found, or `None` when the prompt is past the context.
+
+        `prompt_of` returns what it found and the length of the call's whole prompt; a
+        prompt the model's context cannot answer is answered 400 naming its field, and the
+        episode waits for the program's next call.
+
+        Raises:
+            Exception: Whatever else `prompt_of` raised (answered 400 first): the episode
+                ends as `env_error`.
+        """
+        try:
+            found, whole = prompt_of(call)
+        except Exception as exc:
+            future.set_result((400, error_body(f"{type(exc).__name__}: {exc}")))
+            raise
+        why = (self.limits or RequestLimits()).room(whole, call.sampling.max_tokens)
+        if not why:
+            return found
+        param = {"chat": "messages", "completion": "prompt"}.get(call.kind, "token_ids")
+        future.set_result((400, error_body(f"{param}: {why}", param=param)))
+        return None
+
+    def _rendered(self, call: Call) -> tuple[list[int], int]:
+        ids = self._render(call)
+        return ids, len(ids)
+
+    def _extended(self, call: Call, choices: list[Turn]) -> tuple[Any, int]:
+        choice, ids = self._extension(call, choices)
+        if choice is None:
+            return (choice, ids), len(ids)
+        return (choice, ids), len(self.sequence) + len(choices[choice].token_ids) + len(ids)
 
     def _render(self, call: Call) -> list[int]:
         """A call's whole prompt as token ids (chat templated, text tokenised, ids as given)."""
@@ -362,23 +406,6 @@ class AgentProgram(Environment):
                 break
             if kind == "call" and future is not None and not future.done():
                 future.set_result(self._refusal())
-
-
-class _Once:
-    """A value made once per process (the run's random token)."""
-
-    def __init__(self) -> None:
-        self._value: str | None = None
-        self._lock = threading.Lock()
-
-    def get(self, make: Any) -> str:
-        with self._lock:
-            if self._value is None:
-                self._value = make()
-            return self._value
-
-
-_RUN_TOKEN = _Once()
 
 
 def _assistant_message(reply: Reply, tools: bool, index: int) -> tuple[dict[str, Any], str]:

@@ -17,12 +17,19 @@ import uuid
 from typing import Any
 
 import attrs
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, model_validator
 
-from peerflow.agents.endpoint.sampling import RequestSampling, request_sampling
+from peerflow.agents.endpoint.sampling import (
+    FieldError,
+    RequestSampling,
+    SamplingFields,
+    TokenId,
+    limits_of,
+    sampling_of,
+)
 
 
-class _Request(BaseModel):
+class _Request(SamplingFields):
     model_config = ConfigDict(extra="allow")
 
     model: str = ""
@@ -33,25 +40,100 @@ class _Request(BaseModel):
     skip_special_tokens: bool = True
     session_id: str | None = None
 
+    def _fits(self, param: str, ids: list[int], info: ValidationInfo) -> None:
+        """Refuses a token prompt the model's context cannot answer (names `param`)."""
+        why = limits_of(info).room(len(ids), self.max_completion_tokens or self.max_tokens)
+        if why:
+            raise FieldError(param, f"{param}: {why}")
+
+
+class _Function(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: str
+    arguments: str | dict[str, Any] = ""
+
+
+class _ToolCall(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    id: str | None = None
+    type: str = "function"
+    function: _Function
+
+
+class Message(BaseModel):
+    """One chat message: a role, text (or text parts), tool calls and their answers."""
+
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[_ToolCall] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+
 
 class ChatRequest(_Request):
-    """`POST …/v1/chat/completions`."""
+    """`POST …/v1/chat/completions`.
 
-    messages: list[dict[str, Any]] = Field(min_length=1)
+    Its prompt's length is checked against the context when the episode renders it.
+    """
+
+    messages: list[Message] = Field(min_length=1)
     tools: list[dict[str, Any]] | None = None
 
 
 class CompletionRequest(_Request):
     """`POST …/v1/completions`: a text prompt or a list of token ids."""
 
-    prompt: str | list[int]
+    prompt: str | list[TokenId] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _prompt_fits(self, info: ValidationInfo) -> CompletionRequest:
+        if isinstance(self.prompt, list):
+            self._fits("prompt", self.prompt, info)
+        return self
 
 
 class GenerateRequest(_Request):
     """`POST …/inference/v1/generate` (vLLM's token-in route)."""
 
-    token_ids: list[int] = Field(min_length=1)
-    sampling_params: dict[str, Any] = Field(default_factory=dict)
+    token_ids: list[TokenId] = Field(min_length=1)
+    sampling_params: SamplingFields = Field(default_factory=SamplingFields)
+
+    @model_validator(mode="after")
+    def _prompt_fits(self, info: ValidationInfo) -> GenerateRequest:
+        p = self.sampling_params
+        why = limits_of(info).room(len(self.token_ids), p.max_completion_tokens or p.max_tokens)
+        if why:
+            raise FieldError("token_ids", f"token_ids: {why}")
+        return self
+
+
+#: Type tags pydantic puts in an error's location (a union's member), not field names.
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "none", "list", "dict"})
+
+
+def refused_field(error: ValidationError) -> tuple[str | None, str]:
+    """The field a refused request must fix (OpenAI's `param`), and why.
+
+    The most specific of pydantic's errors is named: its location with the union-member
+    tags left out (`messages.0.content`, `token_ids.3`, `sampling_params.seed`), or the
+    field a check across fields names (`FieldError`).
+    """
+    errors = error.errors(include_url=False)
+    first = max(errors, key=lambda e: len(e["loc"]))
+    cause = (first.get("ctx") or {}).get("error")
+    if isinstance(cause, FieldError):
+        return cause.param, str(cause)
+    loc = [str(p) for p in first["loc"]
+           if not (isinstance(p, str) and (not p.isidentifier() or p in _TYPE_TAGS))]
+    param = ".".join(loc) or None
+    message = str(first["msg"]).removeprefix("Value error, ")
+    shown = repr(first.get("input"))
+    shown = shown if len(shown) <= 60 else shown[:57] + "..."
+    return param, f"{param}={shown}: {message}" if param else message
 
 
 @attrs.frozen(kw_only=True)
@@ -114,20 +196,21 @@ def to_call(kind: str, body: _Request) -> Call:
     """The `Call` a validated request body asks for.
 
     Raises:
-        ValueError: A setting the endpoint never honours (`sampling.request_sampling`), or
-            `stream` on the token-in generate route (each message names the fix).
+        FieldError: `stream` on the token-in generate route (the message names the fix).
     """
-    raw = body.model_dump()
     if body.stream and kind == "generate":
-        raise ValueError("stream is not supported on /inference/v1/generate (vLLM's token-in "
-                         "route answers whole); send stream=false or use /v1/completions.")
-    common = {"sampling": request_sampling(kind, raw), "return_token_ids": body.return_token_ids,
+        raise FieldError("stream", "stream is not supported on /inference/v1/generate "
+                         "(vLLM's token-in route answers whole); send stream=false or use "
+                         "/v1/completions.")
+    fields = body.sampling_params if isinstance(body, GenerateRequest) else body
+    common = {"sampling": sampling_of(kind, fields), "return_token_ids": body.return_token_ids,
               "model": body.model, "stream": body.stream,
               "include_usage": bool((body.stream_options or {}).get("include_usage")),
               "token_id_pieces": body.return_tokens_as_token_ids,
               "skip_special_tokens": body.skip_special_tokens}
     if isinstance(body, ChatRequest):
-        return Call(kind=kind, messages=tuple(normal_message(m) for m in body.messages),
+        return Call(kind=kind, messages=tuple(normal_message(m.model_dump(exclude_none=True))
+                                              for m in body.messages),
                     tools=tuple(body.tools or ()), **common)
     if isinstance(body, CompletionRequest):
         if isinstance(body.prompt, str):
@@ -236,6 +319,14 @@ def generate_response(call: Call, replies: list[Reply]) -> dict[str, Any]:
             "usage": usage(replies)}
 
 
-def error_body(message: str, kind: str = "invalid_request_error") -> dict[str, Any]:
-    """OpenAI's error shape (`error.message`, which the `openai` client raises with)."""
-    return {"error": {"message": message, "type": kind, "param": None, "code": None}}
+def error_body(message: str, kind: str = "invalid_request_error",
+               param: str | None = None) -> dict[str, Any]:
+    """OpenAI's error shape (`error.message`, which the `openai` client raises with).
+
+    Args:
+        message: What is wrong and the fix.
+        kind: `invalid_request_error` (400), `authentication_error` (401) or
+            `server_error` (500).
+        param: The request field to fix (`None`: not one field).
+    """
+    return {"error": {"message": message, "type": kind, "param": param, "code": None}}

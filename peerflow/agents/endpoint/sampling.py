@@ -25,10 +25,20 @@ driver as the turn's `TurnSettings`:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import attrs
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
+from peerflow.agents.endpoint.limits import MAX_COUNT, MAX_SEED, RequestLimits
 from peerflow.agents.environment import TurnSettings
 
 #: Settings that change the sampled distribution, with the value that leaves it alone.
@@ -39,6 +49,104 @@ _NEUTRAL: dict[str, Any] = {
     "guided_regex": None, "guided_choice": None, "guided_grammar": None,
     "structured_outputs": None,
 }
+
+
+class FieldError(ValueError):
+    """A request refused by a check that sees more than one field; names the one to fix."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def limits_of(info: ValidationInfo) -> RequestLimits:
+    """The limits a request is validated against (none known: nothing model-specific)."""
+    return info.context if isinstance(info.context, RequestLimits) else RequestLimits()
+
+
+def _in_vocabulary(value: int, info: ValidationInfo) -> int:
+    vocab = limits_of(info).vocab_size
+    if vocab is not None and value >= vocab:
+        raise ValueError(f"outside the model's vocabulary (ids 0 to {vocab - 1}); send ids "
+                         "the run's tokenizer makes.")
+    return value
+
+
+#: A token id: an integer from 0 to the model's vocabulary size (`RequestLimits`).
+TokenId = Annotated[int, Field(strict=True, ge=0), AfterValidator(_in_vocabulary)]
+#: A token count (`max_tokens`): at least 1, at most the model's context.
+Count = Annotated[int, Field(strict=True, ge=1, le=MAX_COUNT)]
+
+
+class SamplingFields(BaseModel):
+    """A request's sampling settings (OpenAI's names and vLLM's), validated at the edge.
+
+    Types, ranges and finiteness are checked here, and the model's and the run's limits
+    (`RequestLimits`, pydantic's validation context): `n` at most the cap, token ids in
+    the vocabulary, `max_tokens` within the context. Whether a valid setting can be
+    honoured by this run is `refusal`'s question.
+    """
+
+    model_config = ConfigDict(extra="allow")
+
+    n: int | None = Field(default=None, strict=True, ge=1)
+    temperature: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    top_p: float | None = Field(default=None, gt=0, le=1, allow_inf_nan=False)
+    top_k: int | None = Field(default=None, strict=True, ge=-1, le=MAX_COUNT)
+    max_tokens: Count | None = None
+    max_completion_tokens: Count | None = None
+    stop: str | list[str] | None = Field(default=None, max_length=64)
+    stop_token_ids: list[TokenId] | None = Field(default=None, max_length=64)
+    seed: int | None = Field(default=None, strict=True, ge=0, le=MAX_SEED)
+    logprobs: bool | Annotated[int, Field(ge=0, le=20)] | None = None
+    top_logprobs: int | None = Field(default=None, strict=True, ge=0, le=20)
+    best_of: int | None = Field(default=None, strict=True, ge=1)
+    response_format: dict[str, Any] | None = None
+
+    @field_validator("n")
+    @classmethod
+    def _capped(cls, value: int | None, info: ValidationInfo) -> int | None:
+        limits = limits_of(info)
+        if value is not None and limits.max_n is not None and value > limits.max_n:
+            raise ValueError(f"more choices than one call may ask for ({limits.max_n}, "
+                             f"{limits.max_n_setting}); ask for fewer or "
+                             "raise rollout.agent.options.max_n.")
+        return value
+
+    @field_validator("max_tokens", "max_completion_tokens")
+    @classmethod
+    def _within_context(cls, value: int | None, info: ValidationInfo) -> int | None:
+        context = limits_of(info).context
+        if value is not None and context is not None and value > context:
+            raise ValueError(f"past the model's context of {context} positions; ask for at "
+                             "most that (answers are cut to the run's turn limit anyway).")
+        return value
+
+    @model_validator(mode="after")
+    def _honourable(self) -> SamplingFields:
+        problem = self._never_honoured()
+        if problem is not None:
+            raise problem
+        return self
+
+    def _never_honoured(self) -> FieldError | None:
+        """The first distribution-changing setting that is set, as a refusal."""
+        extra = self.model_extra or {}
+        for name in _NEUTRAL:
+            if name in extra and not _neutral(name, extra[name]):
+                return FieldError(name, (
+                    f"{name}={extra[name]!r} is not supported by the PeerFlow policy endpoint: "
+                    "it changes the sampled distribution in a way the rollout engines report "
+                    "no log-probs for, so the trainer could not train on the answer exactly; "
+                    "leave it unset."))
+        fmt = self.response_format or {}
+        if fmt.get("type", "text") != "text":
+            return FieldError("response_format", "response_format other than text (structured "
+                              "output) is not supported: it constrains sampling; leave it unset.")
+        if self.best_of is not None and self.best_of > (self.n or 1):
+            return FieldError("best_of", f"best_of={self.best_of} is not supported (it ranks "
+                              "and drops answers); ask for n choices instead.")
+        return None
 
 
 @attrs.frozen(kw_only=True)
@@ -72,59 +180,39 @@ def _neutral(name: str, value: Any) -> bool:
     return False
 
 
-def request_sampling(kind: str, raw: dict[str, Any]) -> RequestSampling:
-    """Reads a request body's sampling settings.
+def sampling_of(kind: str, fields: SamplingFields) -> RequestSampling:
+    """The settings of a validated request (`kind`: `chat`, `completion` or `generate`)."""
+    logprobs = fields.logprobs
+    top = fields.top_logprobs or 0
+    if kind == "completion" and isinstance(logprobs, int) and not isinstance(logprobs, bool):
+        top = max(top, logprobs - 1)  # the legacy field counts the sampled token too
+    stop = fields.stop or ()
+    return RequestSampling(
+        n=fields.n or 1, temperature=fields.temperature, top_p=fields.top_p,
+        top_k=fields.top_k, max_tokens=fields.max_completion_tokens or fields.max_tokens,
+        stop=(stop,) if isinstance(stop, str) else tuple(stop),
+        stop_token_ids=tuple(fields.stop_token_ids or ()), seed=fields.seed,
+        logprobs=bool(logprobs) or kind == "generate", top_logprobs=top)
+
+
+def request_sampling(kind: str, raw: dict[str, Any],
+                     limits: RequestLimits | None = None) -> RequestSampling:
+    """Reads and validates a request body's sampling settings.
 
     Args:
         kind: `chat`, `completion` or `generate` (its settings sit in `sampling_params`).
         raw: The request body.
+        limits: The model's and the run's limits (default: none known).
 
     Raises:
-        ValueError: A setting that is never honoured, or a malformed one (the message
-            names it and says why).
+        ValueError: A malformed setting, or one that is never honoured (pydantic's
+            `ValidationError`, naming it).
     """
     src = dict(raw.get("sampling_params") or {}) if kind == "generate" else raw
-    for name, value in src.items():
-        if name in _NEUTRAL and not _neutral(name, value):
-            raise ValueError(
-                f"{name}={value!r} is not supported by the PeerFlow policy endpoint: it changes "
-                "the sampled distribution in a way the rollout engines report no log-probs "
-                "for, so the trainer could not train on the answer exactly; leave it unset.")
-    fmt = src.get("response_format")
-    if isinstance(fmt, dict) and fmt.get("type", "text") != "text":
-        raise ValueError("response_format other than text (structured output) is not "
-                         "supported: it constrains sampling; leave it unset.")
-    n = 1 if src.get("n") is None else int(src["n"])
-    best_of = src.get("best_of")
-    if best_of is not None and int(best_of) > n:
-        raise ValueError(f"best_of={best_of} is not supported (it ranks and drops answers); "
-                         "ask for n choices instead.")
-    limit = src.get("max_completion_tokens") or src.get("max_tokens")
-    stop = src.get("stop") or ()
-    logprobs = src.get("logprobs")
-    top = int(src.get("top_logprobs") or 0)
-    if kind == "completion" and isinstance(logprobs, int) and not isinstance(logprobs, bool):
-        top = max(top, int(logprobs) - 1)  # the legacy field counts the sampled token too
-    values = RequestSampling(
-        n=n, temperature=_number(src, "temperature"), top_p=_number(src, "top_p"),
-        top_k=None if src.get("top_k") is None else int(src["top_k"]),
-        max_tokens=None if limit is None else int(limit),
-        stop=(stop,) if isinstance(stop, str) else tuple(str(s) for s in stop),
-        stop_token_ids=tuple(int(i) for i in src.get("stop_token_ids") or ()),
-        seed=None if src.get("seed") is None else int(src["seed"]),
-        logprobs=bool(logprobs) or kind == "generate", top_logprobs=top)
-    if values.n < 1:
-        raise ValueError(f"n={values.n}: ask for at least 1 choice.")
-    if values.max_tokens is not None and values.max_tokens < 1:
-        raise ValueError(f"max_tokens={values.max_tokens}: must be at least 1.")
-    return values
+    return sampling_of(kind, SamplingFields.model_validate(src, context=limits))
 
 
-def _number(src: dict[str, Any], name: str) -> float | None:
-    return None if src.get(name) is None else float(src[name])
-
-
-def refusal(sampling: RequestSampling, run: Any, capabilities: Any) -> str | None:
+def refusal(sampling: RequestSampling, run: Any, capabilities: Any) -> FieldError | None:
     """Why a call's settings cannot be honoured by this run and engine, or `None`.
 
     Args:
@@ -137,22 +225,27 @@ def refusal(sampling: RequestSampling, run: Any, capabilities: Any) -> str | Non
     if run.temperature == 0:  # greedy evaluation: nothing is trained, decoding stays greedy
         sampling = attrs.evolve(sampling, temperature=None, top_p=None, top_k=None)
     if sampling.temperature is not None and sampling.temperature != run.temperature:
-        return (f"temperature={sampling.temperature} differs from the run's "
-                f"rollout.sampling.temperature={run.temperature}: {why}. Send "
-                f"temperature={run.temperature} or leave it unset (or change the run's).")
+        return FieldError("temperature", (
+            f"temperature={sampling.temperature} differs from the run's "
+            f"rollout.sampling.temperature={run.temperature}: {why}. Send "
+            f"temperature={run.temperature} or leave it unset (or change the run's)."))
     if sampling.top_p is not None and sampling.top_p != run.top_p:
-        return (f"top_p={sampling.top_p} differs from the run's rollout.sampling.top_p="
-                f"{run.top_p}: {why}. Leave it unset (or change the run's).")
+        return FieldError("top_p", (
+            f"top_p={sampling.top_p} differs from the run's rollout.sampling.top_p="
+            f"{run.top_p}: {why}. Leave it unset (or change the run's)."))
     if sampling.top_k is not None and max(sampling.top_k, 0) != max(run.top_k, 0):
-        return (f"top_k={sampling.top_k} differs from the run's rollout.sampling.top_k="
-                f"{run.top_k}: {why}. Leave it unset (or change the run's).")
+        return FieldError("top_k", (
+            f"top_k={sampling.top_k} differs from the run's rollout.sampling.top_k="
+            f"{run.top_k}: {why}. Leave it unset (or change the run's)."))
     if sampling.stop and not capabilities.stop_strings:
-        return (f"stop={list(sampling.stop)!r}: the run's rollout engine does not honour stop "
-                "strings (Capabilities.stop_strings); use stop_token_ids or leave it unset.")
+        return FieldError("stop", (
+            f"stop={list(sampling.stop)!r}: the run's rollout engine does not honour stop "
+            "strings (Capabilities.stop_strings); use stop_token_ids or leave it unset."))
     if sampling.logprobs and not capabilities.logprobs:
-        return ("logprobs: the run's rollout engine returns no log-probs "
-                "(Capabilities.logprobs); leave it unset.")
+        return FieldError("logprobs", "logprobs: the run's rollout engine returns no "
+                          "log-probs (Capabilities.logprobs); leave it unset.")
     if sampling.top_logprobs > 0:
-        return (f"top_logprobs={sampling.top_logprobs}: the rollout engines return the "
-                "sampled token's log-prob only; ask for logprobs without top_logprobs.")
+        return FieldError("top_logprobs", (
+            f"top_logprobs={sampling.top_logprobs}: the rollout engines return the sampled "
+            "token's log-prob only; ask for logprobs without top_logprobs."))
     return None

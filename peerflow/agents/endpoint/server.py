@@ -18,28 +18,34 @@ prefix cache reuses their KV blocks.
 Security: bound to 127.0.0.1 by default; every route needs `Authorization: Bearer
 <token>` (the run's token: random per process, or read from `token_env`); a missing or
 wrong token is answered 401. A non-loopback host without a token is refused when the
-config is validated (`AgentProgramOptions`).
+config is validated (`AgentProgramOptions`). Every body is validated at the edge against
+the model's and the run's limits (`protocol`, `limits`): a malformed call is answered 400
+naming the field (OpenAI's `error.param`) and never reaches the engine. Connection limits
+(a read deadline, header and body sizes, a connection cap) are `serving.ServeLimits`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
-import secrets
 import threading
 from typing import Any
 
 import attrs
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
 
+from peerflow.agents.endpoint.limits import RequestLimits
 from peerflow.agents.endpoint.protocol import (
     ChatRequest,
     CompletionRequest,
     GenerateRequest,
     error_body,
+    refused_field,
     to_call,
 )
+from peerflow.agents.endpoint.sampling import FieldError
+from peerflow.agents.endpoint.serving import ServeLimits, serve_in_thread
 
 _LOCK = threading.Lock()
 _SERVERS: dict[tuple[str, int, str], PolicyEndpoint] = {}
@@ -54,33 +60,21 @@ class PolicyEndpoint:
     token: str | None
     """Bearer token every request must carry; `None` only when auth was switched off."""
     model_name: str = "policy"
+    limits: ServeLimits = ServeLimits()
+    """Connection limits: read deadline, header and body sizes, connection cap."""
     episodes: dict[str, Any] = attrs.field(factory=dict)
     _server: Any = None
     _thread: threading.Thread | None = None
 
     def start(self, timeout_s: float = 30.0) -> None:
         """Starts uvicorn on a daemon thread and waits until it listens."""
-        import uvicorn
-
-        config = uvicorn.Config(build_app(self), host=self.host, port=self.port,
-                                log_level="warning", access_log=False, lifespan="off")
-        self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, name="peerflow-endpoint",
-                                        daemon=True)
-        self._thread.start()
-        deadline = threading.Event()
-        for _ in range(int(timeout_s * 20)):
-            if self._server.started:
-                break
-            if not self._thread.is_alive():
-                raise RuntimeError(f"the policy endpoint could not listen on "
-                                   f"{self.host}:{self.port}; choose another "
-                                   "rollout.agent.options.port (0 picks a free one).")
-            deadline.wait(0.05)
-        else:
-            raise RuntimeError(f"the policy endpoint did not start within {timeout_s} s.")
-        sockets = [s for server in self._server.servers for s in server.sockets]
-        self.port = int(sockets[0].getsockname()[1])
+        try:
+            self._server, self._thread, self.port = serve_in_thread(
+                build_app(self), self.host, self.port, self.token, name="peerflow-endpoint",
+                limits=self.limits, timeout_s=timeout_s, lifespan="off")
+        except RuntimeError as exc:
+            raise RuntimeError(f"{exc} Choose another rollout.agent.options.port (0 picks a "
+                               "free one).") from exc
 
     def stop(self) -> None:
         """Asks uvicorn to exit and waits for its thread."""
@@ -102,13 +96,6 @@ class PolicyEndpoint:
         """Stops routing calls to an episode (later calls get 404)."""
         with _LOCK:
             self.episodes.pop(episode_id, None)
-
-    def authorised(self, header: str | None) -> bool:
-        """Whether an `Authorization` header carries the token."""
-        if self.token is None:
-            return True
-        expected = f"Bearer {self.token}"
-        return header is not None and hmac.compare_digest(header.encode(), expected.encode())
 
 
 def endpoint_for(host: str, port: int, token: str | None, model_name: str) -> PolicyEndpoint:
@@ -158,25 +145,14 @@ def _sse(events: list[dict[str, Any]]) -> Any:
     return StreamingResponse(lines(), media_type="text/event-stream")
 
 
-def new_token() -> str:
-    """A random bearer token (a run's own, when no `token_env` names one)."""
-    return secrets.token_urlsafe(32)
-
-
 def build_app(endpoint: PolicyEndpoint) -> Any:
     """The FastAPI application: models, chat, completions and vLLM's token-in generate."""
     app = FastAPI(title="PeerFlow policy endpoint", docs_url=None, redoc_url=None,
                   openapi_url=None)
 
-    def refuse(status: int, message: str, kind: str = "invalid_request_error") -> Any:
-        return JSONResponse(error_body(message, kind), status_code=status)
-
-    @app.middleware("http")
-    async def bearer(request: Request, call_next: Any) -> Any:
-        if not endpoint.authorised(request.headers.get("authorization")):
-            return refuse(401, "missing or wrong bearer token: pass the api_key PeerFlow "
-                          "gave the episode (Authorization: Bearer …).", "authentication_error")
-        return await call_next(request)
+    def refuse(status: int, message: str, kind: str = "invalid_request_error",
+               param: str | None = None) -> Any:
+        return JSONResponse(error_body(message, kind, param), status_code=status)
 
     def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": endpoint.model_name, "object": "model",
@@ -188,18 +164,25 @@ def build_app(endpoint: PolicyEndpoint) -> Any:
     async def serve(kind: str, route_id: str | None, request: Request) -> Any:
         schema = {"chat": ChatRequest, "completion": CompletionRequest,
                   "generate": GenerateRequest}[kind]
-        raw = await request.json()
+        try:
+            raw = await request.json()
+        except ValueError as exc:  # not JSON, or not UTF-8
+            return refuse(400, f"the request body is not JSON: {exc}")
         if not isinstance(raw, dict):
             return refuse(400, "the request body must be a JSON object.")
         episode_id, problem = route_episode(route_id, request.headers.get(SESSION_HEADER), raw)
         if problem:
             return refuse(404 if route_id is None and episode_id is None else 400, problem)
-        try:
-            call = to_call(kind, schema.model_validate(raw))
-        except ValueError as exc:  # pydantic's ValidationError is a ValueError
-            return refuse(400, str(exc))
         with _LOCK:
             episode = endpoint.episodes.get(episode_id)
+        limits = getattr(episode, "limits", None) or RequestLimits()
+        try:
+            call = to_call(kind, schema.model_validate(raw, context=limits))
+        except ValidationError as exc:
+            param, message = refused_field(exc)
+            return refuse(400, message, param=param)
+        except FieldError as exc:
+            return refuse(400, str(exc), param=exc.param)
         if episode is None:
             return refuse(404, f"no open episode {episode_id!r} on this endpoint: use the "
                           "base_url PeerFlow gave the episode, while it runs.")
