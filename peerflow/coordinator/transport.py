@@ -15,6 +15,11 @@ Whether they do is decided once per rank set: every rank publishes its host iden
 `/dev/shm` mounts differ), its process id and its usable cores in the default c10d store
 at its first call, and the ranks of a route read each other's — the same values, so the
 same decision on every rank (and the same `ShmRoute.cores`).
+
+The pid names the rank's `/dev/shm` files and FIFOs, so the records are signed with the
+run's secret (`peerflow.distributed.signing`) and checked when read
+(`read_host_records`): a record without the run's signature, or one on this host whose
+pid is not a live process of another rank, is refused with `RecordRefusedError`.
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ import torch.distributed as dist
 from peerflow.coordinator.exchange import GlooChannel
 from peerflow.coordinator.shm import SHM_DIR, ShmRoute, this_process_inbox
 from peerflow.distributed.comm import store_wait
+from peerflow.distributed.procs import process_gone
+from peerflow.distributed.signing import RecordRefusedError, signed
 
 #: Accepted values of `redistribute(transport=…)` and `runtime.coordinator_transport`.
 TRANSPORTS = ("auto", "gloo", "shm")
@@ -76,7 +83,7 @@ def shm_route(participants: tuple[int, ...], timeout: float, *, namespace: str =
     `namespace` separates routes of the same rank set that run independently (the
     weight sync's from the coordinator's): each route keeps its own call counter.
     """
-    store = dist.distributed_c10d._get_default_store()
+    store = signed(dist.distributed_c10d._get_default_store())
     rank = dist.get_rank()
     world = dist.group.WORLD
     inbox = this_process_inbox() if host_identity() else None  # before peers learn our pid
@@ -86,13 +93,7 @@ def shm_route(participants: tuple[int, ...], timeout: float, *, namespace: str =
         _PUBLISHED.add(world)
     keys = {f"peerflow/host/{r}": r for r in participants}
     store_wait(store, keys, "redistribute: host detection", timeout)
-    hosts: dict[str, list[int]] = {}
-    pids, cores = {}, []
-    for r, value in zip(participants, store.multi_get(list(keys))):
-        identity, pid, usable = value.decode().rsplit("|", 2)
-        hosts.setdefault(identity, []).append(r)
-        pids[r] = int(pid)
-        cores.append(int(usable))
+    hosts, pids, cores = read_host_records(store, participants, dist.get_world_size())
     if "" in hosts:
         return f"ranks {hosts['']} have no writable {SHM_DIR}"
     if len(hosts) > 1:
@@ -101,6 +102,56 @@ def shm_route(participants: tuple[int, ...], timeout: float, *, namespace: str =
                                 digest_size=6).hexdigest()
     return ShmRoute(inbox=inbox, rank=rank, route_key=route_key, pids=pids,
                     cores=min(cores))
+
+
+def _host_record(rank: int, value: bytes, world_size: int) -> tuple[str, int, int]:
+    """`(identity, pid, cores)` of `rank`'s host record, checked (see `read_host_records`)."""
+    where = f"redistribute: the host record of rank {rank} (peerflow/host/{rank})"
+    if not 0 <= rank < world_size:
+        raise RecordRefusedError(f"{where}: rank {rank} is outside the world of {world_size}")
+    try:
+        identity, pid_text, cores_text = value.decode().rsplit("|", 2)
+        pid, usable = int(pid_text), int(cores_text)
+    except ValueError:
+        raise RecordRefusedError(f"{where} reads {value[:80]!r}, not 'identity|pid|cores': "
+                                 "a process outside the run wrote it") from None
+    if pid <= 1 or usable < 1:
+        raise RecordRefusedError(f"{where} names pid {pid} with {usable} cores: not a "
+                                 "worker's; a process outside the run wrote it")
+    if identity and identity == host_identity() and process_gone(pid):
+        raise RecordRefusedError(
+            f"{where} names pid {pid}, which is not a live process on this host: a process "
+            "outside the run wrote it, or the rank died (its shared-memory names would be "
+            "another process's)")
+    return identity, pid, usable
+
+
+def read_host_records(store: Any, participants: Sequence[int], world_size: int
+                      ) -> tuple[dict[str, list[int]], dict[int, int], list[int]]:
+    """Reads and checks the host records of `participants` (all published).
+
+    Returns:
+        `(ranks by host identity, pid by rank, usable cores per rank)`.
+
+    Raises:
+        RecordRefusedError: a record is not signed with the run's secret (when it has one),
+            is malformed, names a rank outside the world, or (on this host) a pid that is
+            no live process or is another rank's too.
+    """
+    hosts: dict[str, list[int]] = {}
+    pids: dict[int, int] = {}
+    cores = []
+    values = store.multi_get([f"peerflow/host/{r}" for r in participants])
+    for r, value in zip(participants, values):
+        identity, pid, usable = _host_record(r, value, world_size)
+        if identity and pid in pids.values() and identity == host_identity():
+            raise RecordRefusedError(f"redistribute: the host records of ranks "
+                                     f"{[k for k, v in pids.items() if v == pid] + [r]} name "
+                                     f"the same pid {pid}: a process outside the run wrote one")
+        hosts.setdefault(identity, []).append(r)
+        pids[r] = pid
+        cores.append(usable)
+    return hosts, pids, cores
 
 
 def cached_shm_route(participants: Sequence[int], timeout: float, *, namespace: str = ""
