@@ -265,7 +265,7 @@ def address_family(host: str) -> socket.AddressFamily:
         infos = socket.getaddrinfo(host or None, 0, type=socket.SOCK_STREAM,
                                    flags=socket.AI_PASSIVE)
     except socket.gaierror as exc:
-        raise OSError(f"--host {host!r} does not resolve to an address to bind: {exc}"
+        raise OSError(f"{host!r} does not resolve to an address to bind: {exc}"
                       ) from exc
     return infos[0][0]
 
