@@ -21,12 +21,15 @@ from pathlib import Path
 from netns import Hosts
 
 ROOT = Path(__file__).resolve().parents[2]
+#: The run secret every host is given (a multi-host run refuses to start without one).
+SECRET = "multihost-tests-run-secret-0123456789"
 
 
 def env() -> dict[str, str]:
-    """A host's environment: gloo on the host's `eth0`, one thread, no rank variables."""
+    """A host's environment: gloo on the host's `eth0`, one thread, the run secret, no rank
+    variables."""
     out = dict(os.environ, GLOO_SOCKET_IFNAME="eth0", OMP_NUM_THREADS="1",
-               HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+               HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PEERFLOW_RUN_SECRET=SECRET)
     out["PYTHONPATH"] = f"{ROOT}{os.pathsep}{out.get('PYTHONPATH', '')}"
     for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
         out.pop(key, None)

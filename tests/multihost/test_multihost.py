@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 from netns import Hosts, unavailable  # this folder's helper (pytest puts it on sys.path)
+from sync_bench import SECRET
 
 from peerflow.checkpoint import CheckpointInfo, newest_complete
 from peerflow.distributed.procs import process_gone
@@ -37,7 +38,7 @@ pytestmark = [pytest.mark.distributed,
 
 def _env() -> dict[str, str]:
     env = dict(os.environ, GLOO_SOCKET_IFNAME="eth0", OMP_NUM_THREADS="1",
-               HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+               HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PEERFLOW_RUN_SECRET=SECRET)
     env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
     for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "PEERFLOW_FAULT_STORE",
                 "LOCAL_RANK"):
