@@ -64,9 +64,11 @@ request = json.loads(sys.stdin.read())
 deadline = time.monotonic() + request["seconds"]
 SENTINEL = request["sentinel"]
 out = os.fdopen(os.dup(1), "w")
-null = os.open(os.devnull, os.O_RDWR)
-os.dup2(null, 0)
-os.dup2(null, 1)
+os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+try:
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+except OSError:  # a sandbox that allows writes only in its own directory
+    os.dup2(os.open(".program-output", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), 1)
 del request["sentinel"]
 
 def report(record):

@@ -13,6 +13,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+#: Forgeries the audit-hook fallback lets through (it shows the program the whole file
+#: system, docs/rewards.md); bubblewrap and a remote service must hold every one.
+AUDIT_HOOK_MISSES = frozenset({"search the file system for the dataset's tests"})
 #: The `fib` row: three asserts with literal expected values.
 FIB: dict[str, str] = {
     "prompt": "Write a function fib(n) returning the n-th Fibonacci number.",
@@ -50,6 +53,24 @@ FORGERIES: dict[str, str] = {
         "        except (OSError, UnicodeDecodeError, ValueError):\n            continue\n"
         "        for arg, value in re.findall(r'fib\\((\\d+)\\) == (\\d+)', text):\n"
         "            TABLE[int(arg)] = int(value)\n"
+        "def fib(n):\n    return TABLE.get(n, -1)\n"),
+    "search the file system for the dataset's tests": (
+        "import os, re, time\n"
+        "TABLE, START = {}, time.monotonic()\n"
+        "tops = set()\n"
+        "for pid in os.listdir('/proc'):\n"
+        "    try:\n        tops.add(os.readlink(f'/proc/{pid}/cwd'))\n"
+        "    except OSError:\n        pass\n"
+        "tops.discard('/')\n"
+        "for root, dirs, files in (w for top in tops for w in os.walk(top)):\n"
+        "    dirs[:] = [d for d in dirs if not d.startswith('.')]\n"
+        "    if time.monotonic() - START > 2:\n        break\n"
+        "    for name in files:\n"
+        "        if name.endswith(('.jsonl', '.json')):\n"
+        "            try:\n                text = open(os.path.join(root, name)).read(1 << 20)\n"
+        "            except (OSError, UnicodeDecodeError):\n                continue\n"
+        "            for arg, value in re.findall(r'fib\\((\\d+)\\) == (\\d+)', text):\n"
+        "                TABLE[int(arg)] = int(value)\n"
         "def fib(n):\n    return TABLE.get(n, -1)\n"),
     "print a fake result line, then exit": (
         FIB_WRONG + "\n"

@@ -1,0 +1,150 @@
+"""The `code` reward cannot be forged, and a program out of time is a wrong answer (issue 49).
+
+Scored through the reward pool a training run builds from examples/code_reward.yaml
+(`load_config` -> `validate_config` -> `build_reward_set`), under bubblewrap as this
+process's user (root in CI).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from peerflow.algorithms.base import Example
+from peerflow.config import load_config, validate_config
+from peerflow.rewards import RewardPool, build_reward_set
+from peerflow.rewards.assert_harness import parse_asserts, read_values, same
+from peerflow.rewards.code import code_reward
+from peerflow.rewards.forgeries import FIB, FORGERIES, score_forgeries
+from peerflow.sandbox import configure
+from peerflow.sandbox.bubblewrap import bwrap_unavailable
+from peerflow.sandbox.config import SandboxConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+CODE_REWARD = str(ROOT / "examples" / "code_reward.yaml")
+ROWS = [json.loads(line) for line in (ROOT / "examples/data/code_tasks.jsonl").open()]
+#: Where the sandbox makes its per-program cgroups (pids, memory; v1 or v2).
+CGROUP_ROOTS = ("/sys/fs/cgroup/pids", "/sys/fs/cgroup/memory", "/sys/fs/cgroup")
+needs_bwrap = pytest.mark.skipif(bwrap_unavailable() is not None, reason=f"{bwrap_unavailable()}")
+
+
+@pytest.fixture
+def code_rewards(plugin_manager, monkeypatch):
+    """`score(answers, tests, *overrides)`: the run's reward set, scored once, then closed."""
+    monkeypatch.setenv("PEERFLOW_SANDBOX", "")  # restored after the test
+    configure(SandboxConfig(backend="bubblewrap"))
+
+    def score(answers: list[str], tests: list, *overrides: str):
+        config = load_config(CODE_REWARD, list(overrides))
+        validate_config(config, plugin_manager)
+        rewards = build_reward_set(config.task, plugin_manager, "code")
+        examples = [Example(prompt="p", answer=t, index=i) for i, t in enumerate(tests)]
+        try:
+            return rewards.score(answers, examples)
+        finally:
+            rewards.close()
+    return score
+
+
+def _sandbox_leftovers() -> set[str]:
+    found = set()
+    for root in (tempfile.gettempdir(), *CGROUP_ROOTS):
+        if os.path.isdir(root):
+            found |= {os.path.join(root, n) for n in os.listdir(root)
+                      if n.startswith("peerflow-sandbox-")}
+    return found
+
+
+def _assert_nothing_leaked(before: set[str]) -> None:
+    """No sandbox directory or cgroup made since `before` is left (others' runs finish)."""
+    for _ in range(150):  # other tests on the machine may be running programs right now
+        left = _sandbox_leftovers() - before
+        if not left:
+            return
+        time.sleep(0.1)
+    assert not left, f"left behind: {sorted(left)}"
+
+
+@needs_bwrap
+def test_every_forgery_scores_zero_through_the_run_s_reward_pool(code_rewards):
+    seen = {}
+
+    def score(answers, examples):
+        out = code_rewards(answers, [e["tests"] for e in examples])
+        seen.update(out.counts)
+        return out.total
+
+    scores = score_forgeries(score)
+    assert scores == {"right": 1.0, "wrong": 0.0, **dict.fromkeys(FORGERIES, 0.0)}
+    assert seen == {"reward/errors": 0, "reward/timeouts": 0}  # wrong answers, not faults
+
+
+@needs_bwrap
+def test_reference_answers_of_the_example_dataset_still_score_one(code_rewards):
+    out = code_rewards([f"```python\n{row['solution']}\n```" for row in ROWS],
+                       [row["tests"] for row in ROWS])
+    assert sum(isinstance(row["tests"], str) for row in ROWS) == 3
+    assert out.total == [1.0] * len(ROWS)
+
+
+@needs_bwrap
+def test_a_program_outliving_the_reward_timeout_is_cleaned_and_scores_zero(code_rewards):
+    before = _sandbox_leftovers()
+    forever = "```python\nwhile True:\n    pass\n```"
+    io_row = next(row for row in ROWS if not isinstance(row["tests"], str))
+    start = time.monotonic()
+    out = code_rewards([forever, forever], [FIB["tests"], io_row["tests"]],
+                       "task.reward_limits.timeout_s=4")
+    assert time.monotonic() - start < 15
+    assert out.total == [0.0, 0.0]
+    assert out.counts == {"reward/errors": 0, "reward/timeouts": 0}  # a wrong answer
+    _assert_nothing_leaked(before)
+
+
+@needs_bwrap
+def test_a_reward_stopped_by_the_pool_cleans_its_program_up(tmp_path):
+    """A reward of one's own that runs a program past the pool's deadline: still cleaned."""
+    (tmp_path / "slow.py").write_text(
+        "from peerflow.sandbox import SandboxLimits, run_sandboxed\n"
+        "def slow(response, example):\n"
+        "    run_sandboxed('import time\\ntime.sleep(60)', '', SandboxLimits(timeout_s=60))\n"
+        "    return 1.0\n")
+    before = _sandbox_leftovers()
+    pool = RewardPool(workers=1, timeout_s=2, memory_mb=0)
+    try:
+        future = pool.submit(f"{tmp_path / 'slow.py'}:slow", None, ["x"], [{}])
+        (outcome,) = pool.outcomes(future, 1)
+    finally:
+        pool.close()
+    assert outcome.status == "timeout"  # the reward itself overran: the pool's timeout
+    _assert_nothing_leaked(before)
+
+
+def test_the_host_decides_by_type_and_value_and_keeps_expected_values():
+    plan = parse_asserts("import math\nassert f(1) == 55\nassert not g(2) and 0 < h(3) <= 9\n"
+                         "assert sorted(k(4)) == [1, 2]\nassert abs(m(5) - 1.5) < 1e-9")
+    sent = json.dumps(plan.steps)
+    assert "55" not in sent and "1.5" not in sent and "1e-09" not in sent
+    assert [s for k, s in plan.steps if k == "eval"] == ["f(1)", "g(2)", "h(3)", "k(4)",
+                                                         "m(5)"]
+    lines = lambda values: "\n".join(  # noqa: E731
+        ["S " + json.dumps({"import": True})] +
+        [f"S {json.dumps({'leaf': i, 'value': v})}" for i, v in enumerate(values)])
+    right = read_values(lines(["55", "False", "3", "[2, 1]", "1.5"]), "S")
+    assert sum(c.passes(right) for c in plan.checks) == 4
+    typed = read_values(lines(["55.0", "0", "'3'", "(2, 1)", "A()"]), "S")
+    assert [c.passes(typed) for c in plan.checks] == [False, False, True, False]
+    assert read_values(lines(["55"]).replace("S ", "X "), "S") is None  # no sentinel
+    assert same({"a": [1, (2,)]}, {"a": [1, (2,)]}) and not same([1], [True])
+
+
+def test_tests_without_an_assert_are_refused_naming_the_fix():
+    with pytest.raises(ValueError, match="hold no `assert`"):
+        code_reward("x = 1", {"tests": "x = 1"})
+    with pytest.raises(ValueError, match="not valid Python"):
+        code_reward("x = 1", {"tests": "assert ("})
