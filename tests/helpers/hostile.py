@@ -39,3 +39,36 @@ def forge_manifest(step_dir: str | Path) -> None:
 
     step_dir = Path(step_dir)
     write_manifest(step_dir, step=int(step_dir.name.removeprefix("step_")))
+
+
+def crafted_copy(ckpt: str | Path, target: str, *, remove: tuple[str, ...] = ()) -> dict:
+    """Loads a crafted copy of engine checkpoint `ckpt`'s directory (every rank calls).
+
+    Rank 0 copies `ckpt` to `ckpt-crafted`, deletes its files `remove` (to make the loader
+    read `target`) and plants `Payload` in `target` (relative to the copy); then each rank
+    returns a function `load(engine)` → the `UntrustedCheckpointError` message, or `None`
+    if it loaded. Returns `{"path": the copy, "target": …, "marker": …, "load": load}`.
+    """
+    import shutil
+
+    import torch.distributed as dist
+
+    copy = Path(f"{ckpt}-crafted")
+    marker = copy.parent / f"{copy.name}-pwned"
+    if dist.get_rank() == 0:
+        shutil.copytree(ckpt, copy)
+        for name in remove:
+            (copy / name).unlink()
+        plant(copy / target, marker)
+    dist.barrier()
+
+    def load(engine) -> str | None:
+        from peerflow.checkpoint.pickles import UntrustedCheckpointError
+
+        try:
+            engine.load_checkpoint(str(copy))
+        except UntrustedCheckpointError as exc:
+            return str(exc)
+        return None
+
+    return {"path": copy, "target": str(copy / target), "marker": marker, "load": load}

@@ -24,7 +24,7 @@ from tests.helpers.hostile import Payload, forge_manifest, plant
 
 @pytest.fixture(autouse=True)
 def untrusted(monkeypatch):
-    monkeypatch.delenv(TRUST_ENV, raising=False)
+    monkeypatch.setenv(TRUST_ENV, "0")
 
 
 def _adamw_state() -> dict:

@@ -3,8 +3,9 @@
 For ZeRO stages 1, 2 and 3: log-probs, one train step on this rank's slice, the weights it
 owns after the step (through `weight_sources`/`materialize`, bucket by bucket), and a
 checkpoint round trip (step 2 after `load_checkpoint` equals step 2 without it) with the
-log-probs at the checkpoint (for `peerflow export`), and a one-layer model refusing the
-two-layer checkpoint.
+log-probs at the checkpoint (for `peerflow export`), a one-layer model refusing the
+two-layer checkpoint, and a copy of the ZeRO-2 checkpoint with a crafted pickle in rank 1's
+optimiser file refused on both ranks (`tests.helpers.hostile`).
 Writes `rank{R}.pt` into the output directory.
 """
 
@@ -22,6 +23,7 @@ from tests.engines.deepspeed.trainlib import (
     refused_load,
     start_gloo_rank,
 )
+from tests.helpers.hostile import crafted_copy
 
 
 def owned(engine) -> dict[str, torch.Tensor]:
@@ -35,6 +37,13 @@ def owned(engine) -> dict[str, torch.Tensor]:
                 if spec.replica == 0:
                     out[spec.pieces[0].name] = tensor.clone()
     return out
+
+
+def crafted_load(engine, ckpt: str) -> dict:
+    """A copy of `ckpt` with a crafted pickle in rank 1's optimiser file, loaded."""
+    crafted = crafted_copy(ckpt, "peerflow/zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    return {"refusal": crafted["load"](engine), "path": str(crafted["path"]),
+            "target": crafted["target"], "ran": os.path.exists(crafted["marker"])}
 
 
 def main() -> None:
@@ -68,6 +77,8 @@ def main() -> None:
             "after_two": after_two, "resumed": resumed, "version_loaded": version_loaded,
             "specs": engine.weight_sources(), "shares_prompts": engine.shares_prompts,
         }
+        if stage == 2:
+            results["crafted"] = crafted_load(engine, ckpt)
         engine.shutdown()
     smaller = EngineContext(model_path=one_layer_copy(model_path, out_dir),
                             layout=ParallelLayout(dp=world), rank=rank)

@@ -148,3 +148,24 @@ def test_exported_checkpoint_loads_in_transformers_with_the_trainers_logprobs(
     assert set(saved) == set(owned), "tied lm_head written once, under the embedding's name"
     for name, tensor in owned.items():
         torch.testing.assert_close(saved[name], tensor, atol=0, rtol=0, msg=name)
+
+
+@pytest.mark.distributed
+def test_crafted_pickle_in_the_checkpoint_is_refused_by_name_and_never_runs(
+        ranks, run_dir, tiny, tmp_path, monkeypatch):
+    """Resume/eval (`load_checkpoint`, both ranks) and export (`saved_shards`, whose
+    `zero_to_fp32` unpickles unrestricted) refuse the copy of the ZeRO-2 checkpoint whose
+    rank-1 optimiser file holds a `touch MARKER` payload; the full run-directory version
+    is tests/engines/test_hostile_checkpoints.py (slow)."""
+    from peerflow.adapters.deepspeed.engine import DeepSpeedTrainEngine
+    from peerflow.checkpoint.pickles import TRUST_ENV, UntrustedCheckpointError
+
+    monkeypatch.setenv(TRUST_ENV, "0")
+    crafted = ranks[0]["crafted"]
+    for rank in ranks:
+        refusal = rank["crafted"]["refusal"]
+        assert refusal is not None and crafted["target"] in refusal
+        assert "--trust-checkpoint" in refusal and not rank["crafted"]["ran"]
+    with pytest.raises(UntrustedCheckpointError, match="rank_1_mp_rank_00_optim_states.pt"):
+        export_checkpoint(DeepSpeedTrainEngine, crafted["path"], tiny, str(tmp_path / "m"))
+    assert not list(run_dir.glob("*-pwned")), "the payload ran"

@@ -5,13 +5,15 @@ log-probs, one train step, this rank's exported shards after the step (specs + t
 and for the first tp and pp cases a checkpoint round trip (with the log-probs at the
 checkpoint, for `peerflow export`). With `fsdp` in a case name the
 same log-probs are also taken from the `fsdp` trainer on the same weights. A one-layer
-copy of the dp case's model must refuse that case's checkpoint. Writes `rank{R}.pt`.
+copy of the dp case's model must refuse that case's checkpoint, and a crafted pickle in a
+copy of it is refused (`crafted_loads`). Writes `rank{R}.pt`.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 
 import torch
@@ -40,6 +42,28 @@ def fsdp_logprobs(model_path: str, batch, rank: int, world: int) -> torch.Tensor
     values = engine.forward_logprobs(batch).values
     engine.shutdown()
     return values
+
+
+def crafted_loads(engine, ckpt: str) -> dict:
+    """The dp case's checkpoint with PeerFlow 0.1.0's optimiser file (a torch pickle) in
+    place of the safetensors + JSON pair: loads untrusted; with a crafted pickle there
+    instead: refused (`tests.helpers.hostile`)."""
+    from tests.helpers.hostile import crafted_copy
+
+    optim = ["megatron_optim_tp0_pp0.json", "megatron_optim_tp0_pp0.safetensors"]
+    old = f"{ckpt}-0.1.0"
+    if dist.get_rank() == 0:
+        shutil.copytree(ckpt, old)
+        for name in optim:
+            os.unlink(os.path.join(old, name))
+        torch.save(engine.optimizer.state_dict(), os.path.join(old, "megatron_optim_tp0_pp0.pt"))
+    dist.barrier()
+    engine.version = 0
+    engine.load_checkpoint(old)
+    crafted = crafted_copy(ckpt, "megatron_optim_tp0_pp0.pt", remove=tuple(optim))
+    return {"old_format_version": engine.version, "refusal": crafted["load"](engine),
+            "target": crafted["target"], "ran": os.path.exists(crafted["marker"]),
+            "files": sorted(os.listdir(ckpt))}
 
 
 def main() -> None:
@@ -76,6 +100,8 @@ def main() -> None:
             result["resume"] = (two, exported(engine))
             result["lrs"] = (result["metrics"]["lr"], two_lr, resumed_lr,
                              engine.train_step(batch, trainlib.nll_loss)["lr"])
+            if kind == "dp":
+                result["crafted"] = crafted_loads(engine, ckpt)
         engine.shutdown()
         if "fsdp" in name:
             result["fsdp_logprobs"] = fsdp_logprobs(model_path, batch, rank, world)

@@ -191,3 +191,24 @@ def test_exported_checkpoint_loads_in_transformers_with_the_trainers_logprobs(
             torch.testing.assert_close(saved[piece.name][piece.global_box.slices()],
                                        tensor[piece.local_box.slices()], atol=0, rtol=0,
                                        msg=f"{name} {piece.name}")
+
+
+@pytest.mark.distributed
+def test_checkpoint_holds_no_pickle_and_a_crafted_one_is_refused_by_name(ranks):
+    """The optimiser state is safetensors + JSON; PeerFlow 0.1.0's `.pt` still loads
+    untrusted (torch's restricted unpickler); a crafted `.pt` in its place is refused on
+    every rank, naming it, and its `touch MARKER` payload never runs (the run-directory
+    version with `peerflow export` is tests/engines/test_hostile_checkpoints.py, slow)."""
+    from peerflow.checkpoint.pickles import is_pickle
+
+    for rank in ranks:
+        crafted = rank["llama-dp2-fsdp"]["crafted"]
+        assert "megatron_optim_tp0_pp0.json" in crafted["files"]
+        assert not any(name.endswith(".pt") for name in crafted["files"])
+        assert crafted["old_format_version"] == 1
+        assert crafted["refusal"] is not None and crafted["target"] in crafted["refusal"]
+        assert "--trust-checkpoint" in crafted["refusal"] and not crafted["ran"]
+    directory = Path(ranks[0]["llama-dp2-fsdp"]["crafted"]["target"]).parent
+    assert not list(directory.parent.glob("*-pwned")), "the payload ran"
+    original = directory.with_name(directory.name.removesuffix("-crafted"))
+    assert not any(is_pickle(p) for p in original.iterdir())
