@@ -171,7 +171,11 @@ def test_a_half_sent_request_is_dropped_within_the_read_timeout():
                 for byte in request_bytes(b'{"code": "print(1)"}'):
                     sock.send(bytes([byte]))
                     time.sleep(0.3)
-            assert sock.recv(100) == b""
+            try:
+                answer = sock.recv(100)
+            except ConnectionResetError:  # the server's close met our next byte
+                answer = b""
+            assert answer == b""
         assert time.monotonic() - start < 3.0
         assert post(server, {"code": "print(1)"})[0] == 200
 
