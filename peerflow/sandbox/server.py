@@ -74,10 +74,11 @@ class ServeLimits:
         for name in ("workers", "max_connections", "max_body_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ServeLimits.{name}={getattr(self, name)}: must be >= 1")
-        for name in ("queue_s", "read_timeout_s"):
-            value = getattr(self, name)
-            if not (math.isfinite(value) and value >= 0):
-                raise ValueError(f"ServeLimits.{name}={value}: must be a finite number >= 0")
+        if not (math.isfinite(self.queue_s) and self.queue_s >= 0):
+            raise ValueError(f"ServeLimits.queue_s={self.queue_s}: must be a finite number >= 0")
+        if not (math.isfinite(self.read_timeout_s) and self.read_timeout_s > 0):
+            raise ValueError(f"ServeLimits.read_timeout_s={self.read_timeout_s}: must be a "
+                             "finite number > 0")
 
 
 class BadRequestError(ValueError):
@@ -145,7 +146,7 @@ class RunCodeHandler(BaseHTTPRequestHandler):
 
     def setup(self) -> None:
         """Arms the deadline for the whole request (`ServeLimits.read_timeout_s`)."""
-        self.timeout = self.server.limits.read_timeout_s or None
+        self.timeout = self.server.limits.read_timeout_s
         super().setup()
         self._lock = threading.Lock()
         self._read_done = self._expired = False
@@ -209,8 +210,9 @@ class RunCodeHandler(BaseHTTPRequestHandler):
             code, stdin, run_limits = parse_request(json.loads(body), limits.cap)
         except BadRequestError as exc:
             return self._send(400, _error(str(exc)))
-        except ValueError as exc:
-            return self._send(400, _error(f"the body is not JSON ({exc})"))
+        except (ValueError, RecursionError) as exc:
+            return self._send(400, _error(f"the body is not JSON ({type(exc).__name__}: "
+                                          f"{exc})"[:500]))
         return self._run(code, stdin, run_limits)
 
     def _run(self, code: str, stdin: str, limits: SandboxLimits) -> None:

@@ -127,7 +127,7 @@ def test_negative_and_nan_limits_get_a_400_over_the_wire():
         for text in (b'{"code": "print(1)", "run_timeout": -1}',
                      b'{"code": "print(1)", "run_timeout": NaN}',
                      b'{"code": "print(1)", "memory_limit_MB": -1}',
-                     b'[1, 2]', b'not json'):
+                     b'[1, 2]', b'not json', b'\xff\xfe', b'[' * 200_000):
             status, reply = post(server, text)
             assert status == 400, (text, reply)
         assert "run_timeout" in post(server, b'{"code": "", "run_timeout": NaN}')[1]["message"]
@@ -233,7 +233,8 @@ def test_ipv6_loopback_binds_and_serves():
 
 
 def test_serve_limits_that_switch_a_check_off_are_refused():
-    for bad in ({"workers": 0}, {"max_body_bytes": 0}, {"read_timeout_s": float("nan")}):
+    for bad in ({"workers": 0}, {"max_body_bytes": 0}, {"read_timeout_s": float("nan")},
+                {"read_timeout_s": 0}, {"queue_s": -1}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             ServeLimits(**bad)
 
