@@ -5,8 +5,8 @@ uses it says so at start. What it does:
 
 1. a fresh temporary working directory, removed afterwards;
 2. the resource limits of `peerflow.sandbox.local`;
-3. a new network namespace (`unshare(CLONE_NEWNET)`, with `CLONE_NEWUSER` when not root)
-   where the kernel allows it;
+3. a new network namespace (`unshare --net`, with `--user` when not root, a link of the
+   exec chain) where the kernel allows it;
 4. an audit hook (`sys.addaudithook`, installed before the program runs) that refuses
    sockets, `fork`/`exec`/`subprocess`, `os.kill`, `ctypes`, and writes, renames or
    deletes outside the working directory.
@@ -21,18 +21,21 @@ process. An audit hook is a tracing tool, not a security boundary (PEP 578 says 
 
 from __future__ import annotations
 
-import ctypes
+import functools
 import os
+import subprocess
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 from typing import ClassVar
 
-from peerflow.sandbox.base import Sandbox, SandboxLimits, SandboxResult
-from peerflow.sandbox.local import fresh_workdir, package_paths, remove_workdir, run_process
-
-CLONE_NEWNET = 0x40000000
-CLONE_NEWUSER = 0x10000000
+from peerflow.sandbox.base import Sandbox, SandboxLimits, SandboxResult, SandboxUnavailableError
+from peerflow.sandbox.local import (
+    fresh_workdir,
+    package_paths,
+    remove_workdir,
+    run_process,
+    tool,
+)
 
 #: Runs first in the sandboxed interpreter: installs the audit hook, then the program.
 GUARD = r'''
@@ -73,11 +76,18 @@ runpy.run_path("main.py", run_name="__main__")
 '''
 
 
-def _unshare_network(flag_file: str) -> None:
-    """In the child: a new network namespace where the kernel allows; the outcome noted."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    flags = CLONE_NEWNET if os.geteuid() == 0 else CLONE_NEWNET | CLONE_NEWUSER
-    Path(flag_file).write_text("1" if libc.unshare(flags) == 0 else "0")
+@functools.cache
+def network_unshare() -> tuple[str, ...]:
+    """`unshare --net` (with `--user` when not root), where the kernel allows; else `()`.
+
+    A link of the exec chain (`local.run_process`'s `wrap`), tried once per process.
+    """
+    try:
+        argv = (tool("unshare"), "--net", *(() if os.geteuid() == 0 else ("--user",)), "--")
+        done = subprocess.run([*argv, "true"], capture_output=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired, SandboxUnavailableError):
+        return ()
+    return argv if done.returncode == 0 else ()
 
 
 class AuditHookSandbox(Sandbox):
@@ -98,17 +108,15 @@ class AuditHookSandbox(Sandbox):
         try:
             (workdir / "main.py").write_text(program)
             (workdir / "guard.py").write_text(GUARD.replace("PATHS", repr(paths)))
-            net_flag = str(workdir / ".net")
             argv = [sys.executable, "-I", "-B", "guard.py" if self.audit_hook else "main.py"]
             env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": str(workdir),
                    "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1"}
-            outcome = run_process(argv, workdir, stdin, limits, env,
-                                  before_exec=lambda: _unshare_network(net_flag))
-            isolated = Path(net_flag).is_file() and Path(net_flag).read_text() == "1"
+            wrap = network_unshare()
+            outcome = run_process(argv, workdir, stdin, limits, env, wrap=wrap)
         finally:
             remove_workdir(workdir)
         return SandboxResult(
             status=outcome.status, returncode=outcome.returncode, stdout=outcome.stdout,
-            stderr=outcome.stderr, network_isolated=isolated,
+            stderr=outcome.stderr, network_isolated=bool(wrap),
             process_limit="cgroup" if outcome.cgroup else "rlimit" if os.geteuid()
             else "audit-hook")

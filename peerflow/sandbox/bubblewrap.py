@@ -27,7 +27,6 @@ from __future__ import annotations
 import functools
 import os
 import shutil
-import subprocess
 import sys
 import sysconfig
 from collections.abc import Sequence
@@ -35,7 +34,14 @@ from pathlib import Path
 from typing import ClassVar
 
 from peerflow.sandbox.base import Sandbox, SandboxLimits, SandboxResult, SandboxUnavailableError
-from peerflow.sandbox.local import fresh_workdir, package_paths, remove_workdir, run_process
+from peerflow.sandbox.local import (
+    fresh_workdir,
+    package_paths,
+    remove_workdir,
+    run_process,
+    tool,
+)
+from peerflow.sandbox.staging import Stager
 
 #: Where the program's packages are mounted inside the sandbox.
 LIB = "/opt/peerflow-sandbox/lib"
@@ -50,6 +56,14 @@ INSTALL_HINT = ("install bubblewrap (`apt-get install bubblewrap`, `dnf install 
                 "it does not stop)")
 #: A private /tmp of at most this many bytes (tmpfs pages are not under RLIMIT_AS).
 TMP_BYTES = 64 * 2**20
+#: A private /dev/shm of at most this many bytes (bwrap's own would be unbounded).
+SHM_BYTES = 16 * 2**20
+#: The host uid and gid bubblewrap runs as when this process is root: an account of its
+#: own, not the host's 0 and not `nobody` (which other daemons and NFS use), far above
+#: the ranges `useradd` and `/etc/subuid` hand out.
+HOST_UID = 2_000_000_000
+#: The uid and gid the program has inside its user namespace (`nobody`).
+INSIDE_ID = 65534
 
 
 def _interpreter() -> tuple[str, str]:
@@ -58,68 +72,104 @@ def _interpreter() -> tuple[str, str]:
     return executable, os.path.realpath(sys.base_prefix)
 
 
-@functools.cache
-def _root_binds() -> tuple[str, ...]:
-    """`/usr`, the top-level links into it (or the directories themselves), ld.so.cache.
-
-    Fixed for the life of the process, like `_interpreter_binds`: computed once.
-    """
-    args = ["--ro-bind", "/usr", "/usr"]
+def _root_binds(stager: Stager) -> list[str]:
+    """`/usr`, the top-level links into it (or the directories themselves), ld.so.cache."""
+    args = ["--ro-bind", stager.reach("/usr"), "/usr"]
     for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
         if os.path.islink(top):
             args += ["--symlink", os.readlink(top), top]
         elif os.path.isdir(top):
-            args += ["--ro-bind", top, top]
+            args += ["--ro-bind", stager.reach(top), top]
     if os.path.isfile("/etc/ld.so.cache"):
-        args += ["--ro-bind", "/etc/ld.so.cache", "/etc/ld.so.cache"]
-    return tuple(args)
+        args += ["--ro-bind", stager.reach("/etc/ld.so.cache"), "/etc/ld.so.cache"]
+    return args
 
 
 @functools.cache
-def _interpreter_binds() -> tuple[str, ...]:
-    """The interpreter and its standard library; every site-packages hidden."""
-    executable, prefix = _interpreter()
-    args = []
-    if not executable.startswith("/usr/"):
-        args += ["--ro-bind", executable, executable]
-    lib = os.path.join(prefix, "lib")
-    if not lib.startswith("/usr/") and os.path.isdir(lib):
-        args += ["--ro-bind", lib, lib]
+def _hidden_paths() -> tuple[str, ...]:
+    """Every site-packages of the interpreter's prefix and of the system's (fixed)."""
+    _, prefix = _interpreter()
     hidden = {sysconfig.get_paths(vars={"base": prefix, "platbase": prefix})[key]
               for key in ("purelib", "platlib")}
     hidden |= {str(p) for p in Path(prefix, "lib").glob("python3*/dist-packages")}
     for system in ("/usr/lib", "/usr/local/lib"):
         hidden |= {str(p) for p in Path(system).glob("python3*/*-packages")}
-    for path in sorted(hidden):
-        if os.path.isdir(path):
-            args += ["--tmpfs", path, "--remount-ro", path]
-    return tuple(args)
+    return tuple(sorted(p for p in hidden if os.path.isdir(p)))
 
 
-def _package_binds(packages: Sequence[str]) -> list[str]:
+def _interpreter_binds(stager: Stager) -> list[str]:
+    """The interpreter and its standard library; every site-packages hidden."""
+    executable, prefix = _interpreter()
     args = []
-    for name, path in package_paths(packages).items():
-        target = f"{LIB}/{name}" if os.path.isdir(path) else f"{LIB}/{os.path.basename(path)}"
-        args += ["--ro-bind", path, target]
+    if not executable.startswith("/usr/"):
+        args += ["--ro-bind", stager.reach(executable), executable]
+    lib = os.path.join(prefix, "lib")
+    if not lib.startswith("/usr/") and os.path.isdir(lib):
+        args += ["--ro-bind", stager.reach(lib), lib]
+    for path in _hidden_paths():
+        args += ["--tmpfs", path, "--remount-ro", path]
     return args
 
 
-@functools.cache
-def _disable_userns_works() -> bool:
-    """`--disable-userns` needs bubblewrap ≥ 0.8 and a kernel that can refuse them."""
-    return _probe(["--disable-userns"]) is None
+def _package_binds(packages: Sequence[str], stager: Stager) -> list[str]:
+    args = []
+    for name, path in package_paths(packages).items():
+        target = f"{LIB}/{name}" if os.path.isdir(path) else f"{LIB}/{os.path.basename(path)}"
+        args += ["--ro-bind", stager.reach(path), target]
+    return args
 
 
-def _probe(extra: list[str]) -> str | None:
-    """Runs `true` under bwrap with `extra`; the error text, or `None` when it ran."""
+def host_uid() -> int | None:
+    """The host uid bubblewrap runs as: `HOST_UID` under root, else this process's own.
+
+    `None` means "this process's uid" (an unprivileged user, which the kernel lets map
+    only itself).
+    """
+    return HOST_UID if os.geteuid() == 0 else None
+
+
+def drop_argv() -> list[str]:
+    """`setpriv …`: the link of the exec chain that leaves root for `HOST_UID` (or none).
+
+    It clears the supplementary groups and the inheritable, ambient and bounding
+    capability sets and sets no_new_privs, so nothing of root's survives the exec of bwrap.
+    """
+    if host_uid() is None:
+        return []
+    return [tool("setpriv"), f"--reuid={HOST_UID}", f"--regid={HOST_UID}", "--clear-groups",
+            "--inh-caps=-all", "--ambient-caps=-all", "--bounding-set=-all",
+            "--no-new-privs", "--"]
+
+
+def namespace_args() -> list[str]:
+    """The namespaces: every one, the user namespace explicitly, no nested user ones.
+
+    `--unshare-user` is explicit because bwrap drops `--disable-userns` without it (as
+    root `--unshare-all` only tries one); bwrap exits with an error, which
+    `bwrap_unavailable` reports, where the kernel cannot do either: it fails closed.
+    """
+    return ["--unshare-all", "--unshare-user", "--disable-userns", "--uid", str(INSIDE_ID),
+            "--gid", str(INSIDE_ID), "--cap-drop", "ALL", "--die-with-parent",
+            "--new-session", "--hostname", "sandbox"]
+
+
+def _probe() -> str | None:
+    """Runs `true` under bwrap the way programs run; the error text, or `None` when it ran."""
+    workdir = fresh_workdir()
+    stager = Stager(host_uid())
+    argv = ["bwrap", *namespace_args(), *_root_binds(stager), "--proc", "/proc",
+            "--dev", "/dev", "--", "true"]
     try:
-        done = subprocess.run(
-            ["bwrap", "--unshare-all", "--uid", "65534", "--gid", "65534", *extra,
-             *_root_binds(), "--proc", "/proc", "--dev", "/dev", "--die-with-parent",
-             "--", "true"], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired) as exc:
+        outcome = run_process(argv, workdir, "", SandboxLimits(timeout_s=30.0),
+                              env={"PATH": "/usr/bin:/bin"}, wrap=drop_argv(),
+                              stages=stager.pairs(), nproc_uid=host_uid())
+    except (OSError, SandboxUnavailableError) as exc:
         return str(exc)
-    return None if done.returncode == 0 else (done.stderr.strip() or f"exit {done.returncode}")
+    finally:
+        remove_workdir(workdir)
+    if outcome.status == "ok":
+        return None
+    return outcome.stderr.strip() or f"{outcome.status}, exit {outcome.returncode}"
 
 
 @functools.cache
@@ -127,15 +177,20 @@ def bwrap_unavailable() -> str | None:
     """Why bubblewrap cannot sandbox here (naming the fix), or `None` when it can.
 
     Checked by running a real program the way every program runs, so an old bubblewrap
-    that lacks an option, or an interpreter it cannot mount, is found here.
+    that lacks an option, a kernel that refuses the unprivileged user namespace or
+    `--disable-userns`, or an interpreter it cannot mount, is found here.
     """
     if shutil.which("bwrap") is None:
         return f"bubblewrap (`bwrap`) is not installed: {INSTALL_HINT}."
-    error = _probe([])
+    error = _probe()
     if error is not None:
-        return (f"bubblewrap is installed but cannot create its namespaces here ({error}): "
-                "allow user namespaces (`sysctl kernel.unprivileged_userns_clone=1`, or "
-                "run as root), or " + INSTALL_HINT.split(", or ", 1)[1] + ".")
+        return (f"bubblewrap is installed but cannot create its namespaces here ({error}); "
+                f"it runs as the unprivileged host uid {host_uid() or os.geteuid()} with "
+                "its own user namespace and no nested ones (bubblewrap >= 0.8): allow "
+                "unprivileged user namespaces (`sysctl user.max_user_namespaces=10000`, "
+                "`sysctl kernel.unprivileged_userns_clone=1`, on Ubuntu >= 23.10 "
+                "`sysctl kernel.apparmor_restrict_unprivileged_userns=0` or an AppArmor "
+                "profile for bwrap), or " + INSTALL_HINT.split(", or ", 1)[1] + ".")
     try:
         trial = _run("print('ok')", "", SandboxLimits(timeout_s=30.0), ())
     except SandboxUnavailableError as exc:
@@ -146,24 +201,26 @@ def bwrap_unavailable() -> str | None:
     return None
 
 
-def bwrap_argv(program_fd: int, packages: Sequence[str], status_fd: int) -> list[str]:
+def bwrap_argv(program_fd: int, packages: Sequence[str], status_fd: int,
+               stager: Stager) -> list[str]:
     """The whole command line: bwrap's options, then the interpreter and its bootstrap.
 
     The program is copied from `program_fd` into `/sandbox/main.py`, on a tmpfs of its
     own (`TMP_BYTES`, like `/tmp`): nothing the program writes reaches the host's disk.
+    `/dev/shm` is a tmpfs of `SHM_BYTES`; `/`, `/dev` and `/proc` are read-only.
     bwrap writes `{"child-pid": N}` to `status_fd` once the sandbox is set up, which
     tells its own failures from the program's (whatever the program prints).
     """
     executable, _ = _interpreter()
-    hardening = ["--disable-userns"] if _disable_userns_works() else []
     return [
-        "bwrap", "--json-status-fd", str(status_fd), "--unshare-all", "--uid", "65534",
-        "--gid", "65534", *hardening,
-        "--cap-drop", "ALL", "--die-with-parent", "--new-session", "--hostname", "sandbox",
-        *_root_binds(), *_interpreter_binds(), *_package_binds(packages),
-        "--proc", "/proc", "--dev", "/dev", "--size", str(TMP_BYTES), "--tmpfs", "/tmp",
+        "bwrap", "--json-status-fd", str(status_fd), *namespace_args(),
+        *_root_binds(stager), *_interpreter_binds(stager), *_package_binds(packages, stager),
+        "--proc", "/proc", "--remount-ro", "/proc",
+        "--dev", "/dev", "--size", str(SHM_BYTES), "--tmpfs", "/dev/shm",
+        "--remount-ro", "/dev", "--size", str(TMP_BYTES), "--tmpfs", "/tmp",
         "--size", str(TMP_BYTES), "--tmpfs", "/sandbox",
-        "--file", str(program_fd), "/sandbox/main.py", "--chdir", "/sandbox",
+        "--file", str(program_fd), "/sandbox/main.py", "--remount-ro", "/",
+        "--chdir", "/sandbox",
         "--clearenv", "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "LANG", "C.UTF-8",
         "--setenv", "HOME", "/sandbox", "--setenv", "PYTHONHASHSEED", "0",
         "--", executable, "-I", "-S", "-B", "-c", BOOT,
@@ -199,11 +256,14 @@ def _run(program: str, stdin: str, limits: SandboxLimits,
     workdir = fresh_workdir()
     try:
         (workdir / "main.py").write_text(program)
+        stager = Stager(host_uid())
         with open(workdir / "main.py", "rb") as source, \
                 open(workdir / ".status", "wb") as status:
             fds = [source.fileno(), status.fileno()]
-            outcome = run_process(bwrap_argv(fds[0], packages, fds[1]), workdir, stdin, limits,
-                                  env={"PATH": "/usr/bin:/bin"}, pass_fds=fds)
+            argv = bwrap_argv(fds[0], packages, fds[1], stager)
+            outcome = run_process(argv, workdir, stdin, limits, env={"PATH": "/usr/bin:/bin"},
+                                  wrap=drop_argv(), pass_fds=fds, stages=stager.pairs(),
+                                  nproc_uid=host_uid())
         started = b"child-pid" in (workdir / ".status").read_bytes()
     finally:
         remove_workdir(workdir)
@@ -213,5 +273,4 @@ def _run(program: str, stdin: str, limits: SandboxLimits,
     return SandboxResult(
         status=outcome.status, returncode=outcome.returncode, stdout=outcome.stdout,
         stderr=outcome.stderr, network_isolated=True,
-        process_limit="cgroup" if outcome.cgroup else "none" if os.geteuid() == 0
-        else "rlimit")
+        process_limit="cgroup" if outcome.cgroup else "rlimit")

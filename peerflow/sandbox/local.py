@@ -1,14 +1,28 @@
-"""What both local sandboxes share: directory, limits, pids cgroup, clock, packages.
+"""What both local sandboxes share: directory, limits, cgroups, clock, packages.
 
 A local sandbox builds an argv (`bwrap … python …` or `python guard.py`) and hands it to
-`run_process`, which starts it in its own session with the rlimits applied, puts it in a
-fresh pids cgroup where one can be made (root with a writable pids controller), waits at
-most `timeout_s`, then kills the whole process group and removes the cgroup.
+`run_process`, which starts it in its own session through an exec chain of small trusted
+tools, so that nothing runs in the forked child between `fork` and `exec` (no
+`preexec_fn`: the subprocess docs warn it can deadlock when threads exist, and tool calls
+run from up to 64 threads):
+
+1. `/bin/sh -c JOIN` (only where there is a cgroup to join or a path to stage): writes its
+   own pid into the program's fresh pids and memory cgroups (root with writable
+   controllers), so everything it becomes and starts is counted from the first
+   instruction; then bind-mounts the staged paths (`peerflow.sandbox.staging`) in the
+   private mount namespace `unshare --mount` gave it;
+2. `prlimit`: the rlimits (address space, CPU seconds, file size, open files, no core
+   files, and `RLIMIT_NPROC` where no pids cgroup counts the processes);
+3. what the sandbox puts before its own tool (bubblewrap's drop to an unprivileged uid).
+
+`run_process` waits at most `timeout_s`, then kills the whole process group and removes
+the cgroups.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import os
 import resource
@@ -18,17 +32,26 @@ import signal
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import attrs
 
-from peerflow.sandbox.base import SandboxLimits
+from peerflow.sandbox.base import SandboxLimits, SandboxUnavailableError
 
 #: Where a pids cgroup may be made (cgroup v1 pids hierarchy, then the v2 root).
-CGROUP_ROOTS = ("/sys/fs/cgroup/pids", "/sys/fs/cgroup")
+PIDS_ROOTS = ("/sys/fs/cgroup/pids", "/sys/fs/cgroup")
+#: Where a memory cgroup may be made (cgroup v1 memory hierarchy, then the v2 root).
+MEMORY_ROOTS = ("/sys/fs/cgroup/memory", "/sys/fs/cgroup")
 #: At most this much of each output stream is kept.
 KEEP_OUTPUT = 1 << 20
+#: The first link of the chain: joins the cgroups named before the first `--`, bind-mounts
+#: the (source, target) pairs before the second, then becomes the rest. Constant text;
+#: every path travels as an argument.
+JOIN = ('p=$$; while [ "$1" != -- ]; do echo "$p" > "$1" || exit 125; shift; done; shift; '
+        'while [ "$1" != -- ]; do /bin/mount --bind "$1" "$2" || exit 125; shift 2; done; '
+        'shift; exec "$@"')
+TOOLS_HINT = "install util-linux (`apt-get install util-linux`), which ships it"
 
 
 @attrs.frozen(kw_only=True)
@@ -41,6 +64,23 @@ class ProcessOutcome:
     stderr: str
     cgroup: bool
     """Whether a pids cgroup limited the processes."""
+    memory_cgroup: bool = False
+    """Whether a memory cgroup limited the program's memory (all processes, tmpfs pages)."""
+
+
+@functools.cache
+def tool(name: str) -> str:
+    """The absolute path of a trusted system tool (`prlimit`, `setpriv`, `unshare`).
+
+    Raises:
+        SandboxUnavailableError: naming the package to install.
+    """
+    for directory in ("/usr/bin", "/bin", "/usr/sbin", "/sbin"):
+        path = os.path.join(directory, name)
+        if os.access(path, os.X_OK):
+            return path
+    raise SandboxUnavailableError(f"the sandbox needs `{name}`, which is not installed: "
+                                  f"{TOOLS_HINT}.")
 
 
 def package_paths(names: Sequence[str]) -> dict[str, str]:
@@ -83,11 +123,15 @@ def _remove_cgroup(path: str) -> None:
             time.sleep(0.002)
 
 
-def make_pids_cgroup(max_processes: int) -> str | None:
-    """A fresh cgroup limited to `max_processes` tasks, or `None` where none can be made."""
+def _make_cgroup(roots: Sequence[str], settings: dict[str, str]) -> str | None:
+    """A fresh cgroup under the first root that takes every setting, or `None`.
+
+    A setting whose name ends in `?` is written only where the cgroup has that file
+    (`memory.memsw.limit_in_bytes` exists only with swap accounting).
+    """
     if os.geteuid() != 0:
         return None
-    for root in CGROUP_ROOTS:
+    for root in roots:
         if not os.path.isfile(os.path.join(root, "cgroup.procs")):
             continue
         try:
@@ -95,22 +139,63 @@ def make_pids_cgroup(max_processes: int) -> str | None:
         except OSError:
             continue
         try:
-            Path(path, "pids.max").write_text(str(max_processes))
+            for key, value in settings.items():
+                name = key.rstrip("?")
+                if name != key and not os.path.isfile(os.path.join(path, name)):
+                    continue
+                Path(path, name).write_text(value)
             return path
         except OSError:
-            os.rmdir(path)
+            _remove_cgroup(path)
     return None
 
 
-def _limit(kind: int, value: int) -> None:
-    soft, hard = resource.getrlimit(kind)
-    if hard != resource.RLIM_INFINITY:
-        value = min(value, hard)
-    resource.setrlimit(kind, (value, value))
+def make_pids_cgroup(max_processes: int) -> str | None:
+    """A fresh cgroup limited to `max_processes` tasks, or `None` where none can be made."""
+    return _make_cgroup(PIDS_ROOTS, {"pids.max": str(max_processes)})
 
 
-def _user_processes() -> int:
-    uid, count = os.geteuid(), 0
+def make_memory_cgroup(memory_mb: int) -> str | None:
+    """A fresh cgroup limited to `memory_mb` MiB in all, swap included, or `None`.
+
+    It counts what `RLIMIT_AS` cannot: the memory of all the program's processes together
+    and the pages of its tmpfs mounts (`/tmp`, `/sandbox`, `/dev/shm`).
+    """
+    limit = str(memory_mb * 2**20)
+    root = memory_cgroup_root()
+    if root is None:
+        return None
+    if root.endswith("/memory"):  # cgroup v1
+        return _make_cgroup((root,), {"memory.limit_in_bytes": limit,
+                                      "memory.memsw.limit_in_bytes?": limit})
+    return _make_cgroup((root,), {"memory.max": limit, "memory.swap.max?": "0"})
+
+
+@functools.cache
+def memory_cgroup_root() -> str | None:
+    """Where a memory cgroup can be made here (root with a writable controller), or `None`."""
+    if os.geteuid() != 0:
+        return None
+    v1 = "/sys/fs/cgroup/memory"
+    if os.path.isfile(f"{v1}/memory.limit_in_bytes") and os.access(v1, os.W_OK):
+        return v1
+    v2 = "/sys/fs/cgroup"
+    with contextlib.suppress(OSError):
+        if "memory" in Path(v2, "cgroup.subtree_control").read_text().split() \
+                and os.access(v2, os.W_OK):
+            return v2
+    return None
+
+
+def _capped(kind: int, value: int) -> int:
+    """`value`, lowered to this process's hard limit (which a child cannot raise)."""
+    _, hard = resource.getrlimit(kind)
+    return value if hard == resource.RLIM_INFINITY else min(value, hard)
+
+
+def user_processes(uid: int) -> int:
+    """How many processes `uid` runs now (what `RLIMIT_NPROC` counts)."""
+    count = 0
     for entry in os.scandir("/proc"):
         if entry.name.isdigit():
             try:
@@ -120,21 +205,32 @@ def _user_processes() -> int:
     return count
 
 
-def apply_rlimits(limits: SandboxLimits, cgroup: str | None, nproc: int | None) -> None:
-    """Runs in the forked child before exec: joins the cgroup, sets the rlimits.
+def rlimit_argv(limits: SandboxLimits, nproc: int | None) -> list[str]:
+    """`prlimit … --`: the limits every process of the program starts with.
 
-    `nproc` is `RLIMIT_NPROC` (counted per user, so the user's running processes plus
-    the headroom); `None` as root, which it does not bind.
+    `nproc` is `RLIMIT_NPROC` (counted per user: the user's running processes plus the
+    headroom), or `None` where a pids cgroup counts them.
     """
-    if cgroup:
-        Path(cgroup, "cgroup.procs").write_text("0")
+    settings = [("as", resource.RLIMIT_AS, limits.memory_mb * 2**20),
+                ("cpu", resource.RLIMIT_CPU, int(limits.timeout_s) + 1),
+                ("fsize", resource.RLIMIT_FSIZE, limits.max_output_mb * 2**20),
+                ("nofile", resource.RLIMIT_NOFILE, 64), ("core", resource.RLIMIT_CORE, 0)]
     if nproc is not None:
-        _limit(resource.RLIMIT_NPROC, nproc)
-    _limit(resource.RLIMIT_AS, limits.memory_mb * 2**20)
-    _limit(resource.RLIMIT_CPU, int(limits.timeout_s) + 1)
-    _limit(resource.RLIMIT_FSIZE, limits.max_output_mb * 2**20)
-    _limit(resource.RLIMIT_NOFILE, 64)
-    _limit(resource.RLIMIT_CORE, 0)
+        settings.append(("nproc", resource.RLIMIT_NPROC, nproc))
+    return [tool("prlimit"), *(f"--{name}={_capped(kind, value)}"
+                               for name, kind, value in settings), "--"]
+
+
+def exec_chain(cgroups: Sequence[str], stages: Sequence[tuple[str, str]]) -> list[str]:
+    """The links before `prlimit`: join `cgroups`, bind `stages` (see the module docstring).
+
+    Empty when there is nothing to do (an unprivileged host, nothing staged).
+    """
+    if not cgroups and not stages:
+        return []
+    chain = [tool("unshare"), "--mount", "--propagation", "private", "--"] if stages else []
+    return [*chain, "/bin/sh", "-c", JOIN, "sh", *(f"{c}/cgroup.procs" for c in cgroups),
+            "--", *(path for pair in stages for path in pair), "--"]
 
 
 def _wait(proc: subprocess.Popen, timeout_s: float) -> int:
@@ -158,52 +254,64 @@ def _wait(proc: subprocess.Popen, timeout_s: float) -> int:
 
 
 def run_process(argv: list[str], workdir: Path, stdin: str, limits: SandboxLimits,
-                env: dict[str, str], before_exec: Callable[[], None] | None = None,
-                pass_fds: Sequence[int] = ()) -> ProcessOutcome:
+                env: dict[str, str], wrap: Sequence[str] = (), pass_fds: Sequence[int] = (),
+                stages: Sequence[tuple[str, str]] = (),
+                nproc_uid: int | None = None) -> ProcessOutcome:
     """Runs `argv` in `workdir` under `limits` and returns how it ended.
 
     Args:
         argv: The command (a sandbox tool or an interpreter).
-        workdir: An existing directory for the process and its captured output.
+        workdir: An existing directory for the process and its captured output (the
+            host-side files are created here by this process: root's where it is root).
         stdin: The program's standard input.
         limits: Its limits; the whole process group is killed past `timeout_s`.
         env: The process's whole environment.
-        before_exec: Runs in the child after the rlimits are set (e.g. `unshare`).
+        wrap: Links of the exec chain between `prlimit` and `argv` (e.g. `setpriv …` or
+            `unshare --net`).
         pass_fds: Descriptors the child keeps (e.g. bwrap's status pipe).
+        stages: (source, mount point) pairs bind-mounted for `argv` alone, as root.
+        nproc_uid: The host uid the program runs as (its processes are counted under
+            it where no pids cgroup can be made); default this process's.
     """
-    cgroup = make_pids_cgroup(limits.max_processes)
-    nproc = None if os.geteuid() == 0 else _user_processes() + limits.max_processes
-
-    def setup() -> None:
-        apply_rlimits(limits, cgroup, nproc)
-        if before_exec is not None:
-            before_exec()
-
-    (workdir / ".stdin").write_text(stdin)
+    pids = make_pids_cgroup(limits.max_processes)
+    memory = make_memory_cgroup(limits.memory_mb)
+    cgroups = [c for c in (pids, memory) if c]
+    uid = os.geteuid() if nproc_uid is None else nproc_uid
+    nproc = None if pids or uid == 0 else user_processes(uid) + limits.max_processes
     try:
-        with open(workdir / ".stdin", "rb") as fin, \
-                open(workdir / ".stdout", "wb") as fout, open(workdir / ".stderr", "wb") as ferr:
-            proc = subprocess.Popen(argv, cwd=workdir, env=env, stdin=fin, stdout=fout,
-                                    stderr=ferr, start_new_session=True, close_fds=True,
-                                    pass_fds=tuple(pass_fds), preexec_fn=setup)
-            try:
-                returncode = _wait(proc, limits.timeout_s)
-                status = "ok" if returncode == 0 else "error"
-            except subprocess.TimeoutExpired:
-                returncode, status = None, "timeout"
-            finally:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                proc.wait()
+        command = [*exec_chain(cgroups, stages), *rlimit_argv(limits, nproc), *wrap, *argv]
+        returncode, status = _start_and_wait(command, workdir, stdin, limits, env, pass_fds)
     finally:
-        if cgroup:
+        for cgroup in cgroups:
             _remove_cgroup(cgroup)
     read = lambda name: (workdir / name).read_bytes()[:KEEP_OUTPUT].decode(  # noqa: E731
         "utf-8", "replace")
     return ProcessOutcome(status=status, returncode=returncode, stdout=read(".stdout"),
-                          stderr=read(".stderr"), cgroup=cgroup is not None)
+                          stderr=read(".stderr"), cgroup=pids is not None,
+                          memory_cgroup=memory is not None)
+
+
+def _start_and_wait(command: list[str], workdir: Path, stdin: str, limits: SandboxLimits,
+                    env: dict[str, str], pass_fds: Sequence[int]) -> tuple[int | None, str]:
+    """Starts `command` in its own session, waits, kills its process group; (code, status)."""
+    (workdir / ".stdin").write_text(stdin)
+    with open(workdir / ".stdin", "rb") as fin, \
+            open(workdir / ".stdout", "wb") as fout, open(workdir / ".stderr", "wb") as ferr:
+        proc = subprocess.Popen(command, cwd=workdir, env=env, stdin=fin, stdout=fout,
+                                stderr=ferr, start_new_session=True, close_fds=True,
+                                pass_fds=tuple(pass_fds))
+        try:
+            returncode = _wait(proc, limits.timeout_s)
+            status = "ok" if returncode == 0 else "error"
+        except subprocess.TimeoutExpired:
+            returncode, status = None, "timeout"
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+    return returncode, status
 
 
 def fresh_workdir() -> Path:

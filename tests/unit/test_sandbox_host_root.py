@@ -36,10 +36,17 @@ def _run(program: str, limits: SandboxLimits = LIMITS):
 
 @as_root
 def test_the_sandbox_user_is_not_the_hosts_root():
-    out = _run("print(open('/proc/self/uid_map').read().split())")
-    inside, outside, count = eval(out.stdout)  # noqa: S307 - our own list literal
-    assert (inside, count) == ("65534", "1")
-    assert int(outside) != 0, "the sandbox's 65534 is the host's uid 0"
+    # seen from the host: the program's real, effective, saved and filesystem uids
+    from peerflow.sandbox import current
+    from peerflow.sandbox.identity import sandbox_identity
+
+    identity = sandbox_identity(current())
+    assert identity.inside_uid == 65534
+    assert not identity.host_root, identity.meaning()
+    from peerflow.sandbox.bubblewrap import HOST_UID
+    assert identity.host_uids == (HOST_UID,) * 4, identity.meaning()
+    assert identity.host_caps == "0000000000000000"
+    assert f"host uid {HOST_UID}, an unprivileged account" in identity.meaning()
 
 
 @as_root
