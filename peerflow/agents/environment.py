@@ -202,6 +202,17 @@ class Environment(abc.ABC):
         """
         return None
 
+    def turn_failed(self, error: str) -> None:
+        """Called when the engine could not sample the episode's turn (default: nothing).
+
+        The driver retried the prompt alone and it failed again, so the trajectory ends as
+        `env_error` (`error` is its `agent_error`); the other episodes go on.
+
+        Args:
+            error: What the engine raised.
+        """
+        return None
+
     def close(self) -> None:
         """Releases what the episode holds (sandboxes, files); called exactly once."""
         return None

@@ -120,8 +120,14 @@ def sample_turns(
 
     Returns:
         The branch samples the turn's extra choices made (already ended).
+
+    Raises:
+        Exception: What the engine raised, when it failed on every prompt of the turn
+            (one prompt it fails on alone ends only its trajectories, `env_error`).
     """
     branches: list[Any] = []
+    errors: list[BaseException] = []
+    answered = 0
     per_turn = limits.max_turn_tokens or sampling.max_tokens
     for (k, stop, stop_ids, seed, share), requests in _plan(active, turn, sampling).items():
         ts = [t for _, group in requests for t in group]
@@ -146,22 +152,71 @@ def sample_turns(
             for i, (prompt, _) in enumerate(requests)
         ]
         version = engine.weight_version
-        if chunk_tokens > 0:
-            from peerflow.streaming.partial import generate_in_segments
-
-            results = generate_in_segments(
-                engine, engine_requests, params, chunk_tokens=chunk_tokens, between_chunks=between
-            )
-        else:
-            results = engine.generate(engine_requests, params)
-        check_results(engine, results, len(engine_requests), params.n)
+        results, failed = _isolated(_engine_call(engine, params, chunk_tokens, between),
+                                    engine_requests)
+        errors += [error for _, error in failed.values()]
+        answered += len(engine_requests) - len(failed)
+        for rid, (_, error) in failed.items():
+            for t in requests[rid][1]:
+                _fail_turn(t, error)
         answers: dict[int, list[Any]] = {}
         for res in sorted(results, key=lambda r: (r.request_id, r.index)):
             t = requests[res.request_id][1][res.index // k]
             answers.setdefault(id(t), [t]).append(res)
         for t, *choices in answers.values():
             branches += _keep(t, choices, tokenizer, turn, per_turn, version, limits, segments)
+    if errors and not answered:  # every prompt failed: the engine's fault, not a request's
+        raise errors[0]
     return branches
+
+
+def _engine_call(engine: RolloutEngine, params: SamplingParams, chunk_tokens: int,
+                 between: Callable[[], None]) -> Callable[[list[Any]], list[Any]]:
+    """One turn's engine call on a list of requests, its results checked."""
+
+    def run(batch: list[Any]) -> list[Any]:
+        if chunk_tokens > 0:
+            from peerflow.streaming.partial import generate_in_segments
+
+            results = generate_in_segments(
+                engine, batch, params, chunk_tokens=chunk_tokens, between_chunks=between
+            )
+        else:
+            results = engine.generate(batch, params)
+        return check_results(engine, results, len(batch), params.n)
+
+    return run
+
+
+def _isolated(run: Callable[[list[Any]], list[Any]], requests: list[Any]
+              ) -> tuple[list[Any], dict[int, tuple[Any, BaseException]]]:
+    """`run(requests)`; when it raises, each request alone.
+
+    So one prompt the engine fails on ends only its own trajectories.
+
+    Returns:
+        The results, and the requests that failed alone by request id (with the error).
+    """
+    try:
+        return run(requests), {}
+    except Exception as exc:  # noqa: BLE001 — retried alone below
+        if len(requests) == 1:
+            return [], {requests[0].request_id: (requests[0], exc)}
+    results, failed = [], {}
+    for request in requests:
+        try:
+            results += run([request])
+        except Exception as exc:  # noqa: BLE001 — this trajectory's turn fails, not the run
+            failed[request.request_id] = (request, exc)
+    return results, failed
+
+
+def _fail_turn(t: Any, error: BaseException) -> None:
+    """Ends `t` (`env_error`) because the engine could not sample its turn; tells its env."""
+    message = (f"the rollout engine failed on this trajectory's prompt "
+               f"({type(error).__name__}: {error})")
+    t.end("env_error", message)
+    t.env.turn_failed(message)
 
 
 def _keep(

@@ -56,11 +56,12 @@ def engine(chat_model):
 
 
 def _run(engine, function: str, max_turns: int = 4, n: int = 2, seed: int = 7,
-         max_tokens: int = 6, wait_s: float = 60):
+         max_tokens: int = 6, wait_s: float = 60, **options):
     agent_programs.RECORDS.clear()
     draws = [Draw(position=i, example=Example(prompt=p, index=i))
              for i, p in enumerate(PROMPTS)]
-    driver = AgentRollout(env_cls=AgentProgram, env_options=_options(function, wait_s=wait_s),
+    driver = AgentRollout(env_cls=AgentProgram,
+                          env_options=_options(function, wait_s=wait_s, **options),
                           settings=AgentConfig(environment="agent-program",
                                                max_turns=max_turns, max_total_tokens=400))
     return driver(engine, engine.tokenizer, draws,
@@ -202,7 +203,7 @@ def test_bearer_token_and_request_checks():
     body = {"model": "policy", "messages": [{"role": "user", "content": "hi"}]}
     assert httpx.post(url, json=body, headers=auth).status_code == 404
     for bad, text in (({"presence_penalty": 1.0}, "presence_penalty=1.0 is not supported"),
-                      ({"n": 0}, "at least 1 choice"), ({"best_of": 4}, "best_of"),
+                      ({"n": 0}, "greater than or equal to 1"), ({"best_of": 4}, "best_of"),
                       ({"response_format": {"type": "json_object"}}, "structured output")):
         answer = httpx.post(url, json={**body, **bad}, headers=auth)
         assert answer.status_code == 400 and text in answer.json()["error"]["message"]
@@ -280,7 +281,7 @@ def test_stream_deltas_concatenate_to_the_answer_text(tok):
 def test_n_choices_each_become_a_sample_and_the_chosen_one_goes_on(engine):
     from peerflow.agents.rollout import SEGMENT_STRIDE
 
-    batch = _run(engine, "choices_agent", seed=5)
+    batch = _run(engine, "choices_agent", seed=5, max_n=3)  # 3 choices, above the run's n
     records = list(agent_programs.RECORDS)
     assert len(batch) == 12  # 4 episodes: the trajectory and 2 branches each
     reasons = batch["finish_reason"]
@@ -404,11 +405,12 @@ def test_sampling_refusals_name_the_setting_and_greedy_eval_accepts_them():
 
     caps = Capabilities(logprobs=True)
     ask = request_sampling("chat", {"temperature": 0.7, "top_k": 5, "stop": "x"})
-    assert "rollout.sampling.temperature=1.0" in refusal(ask, SamplingParams(), caps)
-    assert "Capabilities.stop_strings" in refusal(
-        request_sampling("chat", {"stop": "x"}), SamplingParams(), caps)
+    refused = refusal(ask, SamplingParams(), caps)
+    assert refused.param == "temperature" and "rollout.sampling.temperature=1.0" in str(refused)
+    assert "Capabilities.stop_strings" in str(refusal(
+        request_sampling("chat", {"stop": "x"}), SamplingParams(), caps))
     greedy = SamplingParams(temperature=0.0)
-    assert "stop_strings" in refusal(ask, greedy, caps)  # what greedy does not excuse
+    assert "stop_strings" in str(refusal(ask, greedy, caps))  # what greedy does not excuse
     assert refusal(ask, greedy, Capabilities(logprobs=True, stop_strings=True)) is None
     generate = request_sampling("generate", {"sampling_params": {"max_tokens": 3, "n": 2,
                                                                  "seed": 4}})

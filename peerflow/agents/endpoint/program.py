@@ -367,6 +367,14 @@ class AgentProgram(Environment):
             return stream.chat_chunks(call, replies, messages, self.tokenizer)
         return chat_response(call, replies, messages, self.tokenizer)
 
+    def turn_failed(self, error: str) -> None:
+        """The engine failed on the pending call's prompt: it is answered 500, later ones 503."""
+        self.cut = self.cut or "engine"
+        if self.pending is not None:
+            self.pending[1].set_result((500, error_body(
+                f"{error}; this episode has ended (the run goes on).", "server_error")))
+            self.pending = None
+
     def final_reward(self) -> float | dict[str, float] | None:
         """The program's reward, once it returns.
 
