@@ -7,8 +7,19 @@ address-space limit and a wall-clock limit after which every process of the call
 killed. The tool object is pickled into the child, which imports its class by module
 path: the tool's top-level package (and `peerflow`, for the `Tool` base) is made
 importable there read-only, with `sandbox.packages`; nothing else of this environment
-is. The child prints one JSON line with the result; the parent never unpickles what the
-child sends back.
+is. The parent never unpickles what the child sends back.
+
+The result travels as the last line of the child's stdout, `MARKER<sentinel> {json}`,
+where the sentinel is random per call. The runner takes the tool's stdin and stdout away
+from it (`/dev/null`; its prints are captured apart), makes itself non-dumpable (other
+processes of the sandbox cannot read its memory or its descriptors) and a child
+subreaper, and, once the tool has returned, kills every process the tool started before
+it writes the line and exits 0. The parent accepts a result only from a child that
+exited 0 with that line last: a line the tool's processes print (on any descriptor), a
+runner they kill, or a tool that exits before returning gives `error`. What this does
+not stop: code the tool runs in the runner's own interpreter (an `exec` of model code)
+can change anything there, the result included — as it could change what `call`
+returns; a tool that runs model code should start it in a process of its own.
 
 Calls are submitted to a shared thread pool (`MAX_CONCURRENT_TOOLS` threads, each waiting
 on one child process), so the tool calls of many trajectories are in flight at once and
@@ -21,6 +32,7 @@ from __future__ import annotations
 import base64
 import json
 import pickle
+import secrets
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -33,21 +45,61 @@ from peerflow.sandbox import SandboxLimits, SandboxResult, run_sandboxed
 
 #: Threads (hence sandboxed processes) running tool calls at once in one process.
 MAX_CONCURRENT_TOOLS = 64
-#: Prefixes the child's one line of JSON on stdout.
+#: Prefixes the child's result line on stdout (then the call's sentinel, a space, JSON).
 MARKER = "@@peerflow-tool-result@@"
 
 #: The program the sandbox runs for one call; the tool's own prints are captured apart.
 RUNNER = r'''
-import base64, io, json, pickle, sys
+import base64, io, json, os, pickle, signal, sys
 request = json.loads(sys.stdin.read())
-out, sys.stdout = sys.stdout, io.StringIO()
+SENTINEL = request.pop("sentinel")
+try:
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(4, 0, 0, 0, 0)   # PR_SET_DUMPABLE 0: no /proc/<pid>/mem or fd to others
+    libc.prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: orphans of the tool come here
+except (ImportError, OSError, AttributeError):  # the audit-hook fallback refuses ctypes
+    pass
+out = os.fdopen(os.dup(1), "w")
+os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+try:
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+except OSError:  # a sandbox that allows writes only in its own directory
+    os.dup2(os.open(".tool-output", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), 1)
+sys.stdout = io.StringIO()
 try:
     tool = pickle.loads(base64.b64decode(request["tool"]))
     reply = {"status": "ok", "content": str(tool.call(request["arguments"]))}
 except BaseException as exc:
     reply = {"status": "error", "content": f"{type(exc).__name__}: {exc}",
              "memory": isinstance(exc, MemoryError)}
-out.write(MARKER + json.dumps(reply) + "\n")
+
+def children():
+    me, found = str(os.getpid()), []
+    for pid in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[1] == me and fields[0] != "Z":
+            found.append(int(pid))
+    return found
+
+try:  # nothing the tool started may write after the result
+    for _ in range(1000):
+        alive = children()
+        if not alive:
+            break
+        for pid in alive:
+            os.kill(pid, signal.SIGKILL)
+        for pid in alive:
+            os.waitpid(pid, 0)
+except OSError:  # the audit-hook fallback refuses os.kill
+    pass
+out.write(MARKER + SENTINEL + " " + json.dumps(reply) + "\n")
+out.flush()
+os._exit(0)
 '''.replace("MARKER", repr(MARKER))
 
 _EXECUTOR: ThreadPoolExecutor | None = None
@@ -86,17 +138,19 @@ def _packages(tool: Tool) -> tuple[str, ...]:
     return tuple(dict.fromkeys([type(tool).__module__.split(".")[0], "peerflow"]))
 
 
-def _result(name: str, run: SandboxResult, limits: SandboxLimits) -> ToolResult:
+def _result(name: str, run: SandboxResult, limits: SandboxLimits, sentinel: str) -> ToolResult:
     if run.status == "timeout":
         return ToolResult(name=name, status="timeout",
                           content=f"the tool {name!r} timed out after {limits.timeout_s:g} s")
-    for line in reversed(run.stdout.splitlines()):
-        if line.startswith(MARKER):
-            try:
-                reply = json.loads(line[len(MARKER):])
-                content, status = str(reply["content"]), reply["status"]
-            except (ValueError, KeyError, TypeError):
-                break
+    lines = run.stdout.splitlines()
+    head = MARKER + sentinel + " "
+    if run.status == "ok" and lines and lines[-1].startswith(head):
+        try:
+            reply = json.loads(lines[-1][len(head):])
+            content, status = str(reply["content"]), reply["status"]
+        except (ValueError, KeyError, TypeError):
+            content, status = "", None
+        if status is not None:
             if reply.get("memory"):
                 content += f" (over the {limits.memory_mb} MiB memory limit)"
             return ToolResult(name=name, status="ok" if status == "ok" else "error",
@@ -117,15 +171,17 @@ def run_tool(tool: Tool, arguments: dict[str, Any], limits: SandboxLimits) -> To
     Returns:
         The result; failures are marked in `status`, never raised.
     """
+    sentinel = secrets.token_hex(16)
     try:
         request = json.dumps({
-            "arguments": arguments,
+            "arguments": arguments, "sentinel": sentinel,
             "tool": base64.b64encode(pickle.dumps(tool)).decode()})
     except (TypeError, ValueError, pickle.PicklingError, AttributeError) as exc:
         return ToolResult(name=tool.name, status="error",
                           content=f"the call to {tool.name!r} cannot be sent to the sandbox: "
                           f"{type(exc).__name__}: {exc}")
-    return _result(tool.name, run_sandboxed(RUNNER, request, limits, _packages(tool)), limits)
+    run = run_sandboxed(RUNNER, request, limits, _packages(tool))
+    return _result(tool.name, run, limits, sentinel)
 
 
 def run_tools(calls: Sequence[tuple[Tool, dict[str, Any]]],
