@@ -142,3 +142,36 @@ def test_options_are_checked(plugin_manager):
                           "rollout.agent.options")
     assert set(plugin_manager.registry("environment").names()) >= {
         "openenv", "environment-factory", "verifiers"}
+
+
+def test_the_runs_own_server_refuses_callers_without_the_runs_token():
+    """Another local process reaching the run's OpenEnv server gets no session or tool."""
+    import httpx
+    from openenv.core import GenericEnvClient
+
+    from peerflow.agents.endpoint.serving import run_token
+    from peerflow.contrib.ecosystem.openenv import served_url, session_client
+
+    options = OpenEnvOptions(server=SERVER, answer_tool="submit", max_concurrent_envs=8)
+    url = served_url(options)  # the server a run's episodes start
+    call = {"action": {"type": "call_tool", "tool_name": "multiply",
+                       "arguments": {"a": 6, "b": 7}}}
+    for path, body in (("/reset", {}), ("/step", call), ("/mcp", {"jsonrpc": "2.0", "id": 1,
+                                                                    "method": "tools/list"})):
+        refused = httpx.post(f"{url}{path}", json=body)
+        assert refused.status_code == 401, path
+        assert refused.json()["error"]["type"] == "authentication_error"
+    assert httpx.get(f"{url}/health", headers={"Authorization": "Bearer nope"}
+                     ).status_code == 401
+    stranger = GenericEnvClient(base_url=url, connect_timeout_s=5).sync()
+    with pytest.raises(ConnectionError, match="403"):  # the WebSocket handshake is refused
+        stranger.connect()
+    assert httpx.get(f"{url}/health", headers={"Authorization": f"Bearer {run_token()}"}
+                     ).status_code == 200
+    own = session_client(url, run_token(), 5)
+    try:
+        own.connect()
+        listed = own.step({"type": "list_tools"}).observation.get("tools") or []
+        assert "multiply" in {t["name"] for t in listed}
+    finally:
+        own.close()

@@ -8,6 +8,12 @@ episode needs it, with `create_app(..., max_concurrent_envs=options.max_concurre
 (OpenEnv accepts one session unless that is raised; keep it at least
 `rollout.agent.concurrency`); or `options.url` reaches one already running.
 
+A server the run starts asks for the run's bearer token (`serving.run_token`, the policy
+endpoint's) on every HTTP request and WebSocket handshake: another local process cannot
+open sessions or call its tools (401, or the handshake closed with 1008). It has the
+endpoint's connection limits (`peerflow.agents.endpoint.serving`). A server reached at
+`options.url` is the user's: no token is sent to it.
+
 Each trajectory opens its own session (`GenericEnvClient(...).sync()`), resets it with the
 example's fields (`prompt`, `answer`, `index` and the dataset's columns; the server keeps
 those its `reset` takes), lists the environment's MCP tools (`list_tools`; an
@@ -22,10 +28,10 @@ as JSON). The observations' `reward`s are summed into the reward component `rewa
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import threading
-import time
 from typing import Any, ClassVar
 
 import attrs
@@ -113,9 +119,10 @@ class _QuietClose(logging.Filter):
 
 
 def _serve(options: OpenEnvOptions) -> str:
-    import uvicorn
     from openenv.core.env_server import create_app
     from openenv.core.env_server.mcp_types import CallToolAction, CallToolObservation
+
+    from peerflow.agents.endpoint.serving import ServeLimits, run_token, serve_in_thread
 
     key = "rollout.agent.options"
     app = create_app(
@@ -125,21 +132,64 @@ def _serve(options: OpenEnvOptions) -> str:
         else CallToolObservation,
         env_name=options.server.rsplit(":", 1)[-1],
         max_concurrent_envs=options.max_concurrent_envs)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error",
-                                           ws_ping_interval=None))
     logging.getLogger("uvicorn.error").addFilter(_QuietClose())
-    thread = threading.Thread(target=server.run, daemon=True, name="openenv-server")
-    thread.start()
-    deadline = time.monotonic() + options.connect_timeout_s
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError(f"the OpenEnv server of {options.server!r} did not start")
-        time.sleep(0.01)
-    port = server.servers[0].sockets[0].getsockname()[1]
+    limits = ServeLimits(max_connections=max(64, 4 * options.max_concurrent_envs))
+    try:
+        _, _, port = serve_in_thread(app, "127.0.0.1", 0, run_token(), name="openenv",
+                                     limits=limits, timeout_s=options.connect_timeout_s,
+                                     ws_ping_interval=None)
+    except RuntimeError as exc:
+        raise RuntimeError(f"the OpenEnv server of {options.server!r} did not start: "
+                           f"{exc}") from exc
     return f"http://127.0.0.1:{port}"
 
 
+@functools.lru_cache(maxsize=1)
+def _client_class() -> type:
+    """OpenEnv's generic client, sending a bearer token on its WebSocket handshake."""
+    from openenv.core import GenericEnvClient
+
+    class BearerEnvClient(GenericEnvClient):
+        """`GenericEnvClient` with `Authorization: Bearer <token>` (openenv-core 0.3)."""
+
+        def __init__(self, *args: Any, token: str, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self._peerflow_headers = {"Authorization": f"Bearer {token}"}
+
+        async def connect(self) -> Any:
+            """Opens the session's WebSocket (on loopback: never through a proxy)."""
+            from websockets.asyncio.client import connect
+
+            if self._ws is None:
+                try:
+                    self._ws = await connect(
+                        self._ws_url, open_timeout=self._connect_timeout,
+                        max_size=self._max_message_size, proxy=None,
+                        additional_headers=self._peerflow_headers)
+                except Exception as exc:
+                    raise ConnectionError(f"Failed to connect to {self._ws_url}: {exc}"
+                                          ) from exc
+            return self
+
+    return BearerEnvClient
+
+
+def session_client(url: str, token: str | None, connect_timeout_s: float) -> Any:
+    """A synchronous OpenEnv client of `url` (with the run's `token` for its own server)."""
+    from openenv.core import GenericEnvClient
+
+    if token is None:
+        return GenericEnvClient(base_url=url, connect_timeout_s=connect_timeout_s).sync()
+    return _client_class()(base_url=url, connect_timeout_s=connect_timeout_s,
+                           token=token).sync()
+
+
 _SERVERS = _Servers()
+
+
+def served_url(options: OpenEnvOptions) -> str:
+    """The URL of this process's server of `options.server`, started on first use."""
+    return _SERVERS.url(options)
 
 
 def _text(result: Any) -> str:
@@ -165,13 +215,12 @@ class OpenEnvEnvironment(ToolEpisode):
 
     def __init__(self, example: Example, options: OpenEnvOptions) -> None:
         super().__init__(example, options)
-        from openenv.core import GenericEnvClient
-
+        from peerflow.agents.endpoint.serving import run_token
         from peerflow.rewards.scoring import example_record
 
-        url = options.url or _SERVERS.url(options)
-        self.client = GenericEnvClient(base_url=url,
-                                       connect_timeout_s=options.connect_timeout_s).sync()
+        url = options.url or served_url(options)
+        self.client = session_client(url, None if options.url else run_token(),
+                                     options.connect_timeout_s)
         self.schemas: list[dict[str, Any]] = []
         try:
             self._start(example_record(example))
