@@ -56,10 +56,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_check(args: argparse.Namespace) -> int:
-    """Runs the escape suite against one sandbox; 0 when every escape was contained."""
+    """Runs the escape suite against one sandbox; 0 when every escape was contained.
+
+    It first prints who a program is: the uid map it reads inside and, seen from this
+    host's `/proc`, the uid it runs as here (`peerflow.sandbox.identity`).
+    """
     from peerflow.sandbox import build
+    from peerflow.sandbox.base import SandboxUnavailableError
     from peerflow.sandbox.config import SandboxConfig
     from peerflow.sandbox.escapes import escape_targets, run_escape_suite
+    from peerflow.sandbox.identity import sandbox_identity
 
     sandbox = build(SandboxConfig(backend=args.backend, url=args.url,
                                   token_env=args.token_env))
@@ -67,14 +73,24 @@ def run_check(args: argparse.Namespace) -> int:
     if unavailable:
         print(f"error: {unavailable}", file=sys.stderr)
         return 2
+    try:
+        identity = sandbox_identity(sandbox)
+    except SandboxUnavailableError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     with escape_targets() as targets:
-        outcomes = run_escape_suite(sandbox, targets)
+        outcomes = run_escape_suite(sandbox, targets, identity)
     if args.json:
-        print(json.dumps({"backend": args.backend, "escapes": [
-            {"name": o.name, "held": o.held, "detail": o.detail} for o in outcomes]}, indent=2))
+        print(json.dumps({"backend": args.backend, "uid_map_inside": identity.inside_map,
+                          "uid_inside": identity.inside_uid,
+                          "host_uids": identity.host_uids, "meaning": identity.meaning(),
+                          "escapes": [{"name": o.name, "held": o.held, "detail": o.detail}
+                                      for o in outcomes]}, indent=2))
     else:
         width = max(len(o.name) for o in outcomes)
         print(f"sandbox: {args.backend}")
+        print(f"uid map inside: {identity.inside_map or '(not read)'}")
+        print(f"  {identity.meaning()}")
         for o in outcomes:
             print(f"  {'held   ' if o.held else 'ESCAPED'}  {o.name:<{width}}  {o.detail}")
         escaped = sum(not o.held for o in outcomes)

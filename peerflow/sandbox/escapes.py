@@ -24,6 +24,7 @@ from pathlib import Path
 import attrs
 
 from peerflow.sandbox.base import Sandbox, SandboxLimits, SandboxResult, SandboxUnavailableError
+from peerflow.sandbox.identity import Identity, sandbox_identity
 
 #: What every escape program prints when its attempt worked.
 ESCAPED = "escaped"
@@ -115,6 +116,51 @@ except ProcessLookupError:
     print("escaped")
 '''
 SLEEP = "import time\ntime.sleep(60)\nprint('escaped')\n"
+#: Opens a host sysctl for writing and writes nothing (a real write would change the host).
+SYSCTL_WRITE = '''
+import os
+os.open("/proc/sys/kernel/core_pattern", os.O_WRONLY)
+print("escaped")
+'''
+ROOT_ONLY_PROC = '''
+import os
+for path in ("/proc/kpageflags", "/proc/slabinfo", "/proc/timer_list", "/proc/vmallocinfo"):
+    if os.path.exists(path):
+        open(path, "rb").read(64)
+        print("escaped")
+        break
+'''
+NESTED_USERNS = '''
+import ctypes
+if ctypes.CDLL(None, use_errno=True).unshare(0x10000000) == 0:  # CLONE_NEWUSER
+    print("escaped")
+else:
+    raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWUSER) refused")
+'''
+#: A user, mount and cgroup namespace of its own, then a cgroup hierarchy mounted in it:
+#: where that works, the program can raise its own pids.max (and, as the host's uid 0,
+#: set any cgroup's limits, the trainer's among them).
+CGROUP_MOUNT = '''
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+libc.unshare(0x10000000 | 0x00020000 | 0x02000000)
+os.makedirs("/tmp/cg", exist_ok=True)
+for fstype, data in ((b"cgroup", b"pids"), (b"cgroup", b"memory"), (b"cgroup2", None)):
+    if libc.mount(b"none", b"/tmp/cg", fstype, 0, data) == 0:
+        print("escaped")
+        break
+else:
+    raise OSError(ctypes.get_errno(), "mount cgroup refused")
+'''
+#: 256 MiB in 4 MiB files (each under the file-size limit) into a tmpfs: host memory.
+FILL = '''
+for i in range(64):
+    with open(f"{where}/fill{{i}}", "wb") as f:
+        for _ in range(4):
+            f.write(b"x" * 2**20)
+print("escaped")
+'''
+FCHMOD_STDOUT = "import os\nos.fchmod(1, 0o777)\nprint('escaped')\n"
 
 
 def _accept_forever(server: socket.socket, seen: list[int]) -> None:
@@ -170,7 +216,20 @@ def escape_programs(targets: EscapeTargets) -> dict[str, str]:
         "memory bomb": MEMORY_BOMB,
         "kill -9 the parent process": KILL_PARENT,
         "sleep 60 s": SLEEP,
+        "open a host sysctl for writing": SYSCTL_WRITE,
+        "read a root-only /proc file": ROOT_ONLY_PROC,
+        "create a nested user namespace": NESTED_USERNS,
+        "mount a cgroup hierarchy": CGROUP_MOUNT,
+        "fill / with 256 MiB": FILL.format(where=""),
+        "fill /dev/shm with 256 MiB": FILL.format(where="/dev/shm"),
+        "fchmod its host-side stdout": FCHMOD_STDOUT,
     }
+
+#: Escapes whose program prints `escaped` only after the attempt worked, and nothing
+#: outside shows it (the effect is the program's own: a capability, a mount, memory).
+SAID_SO = ("memory bomb", "open a host sysctl for writing", "read a root-only /proc file",
+           "create a nested user namespace", "mount a cgroup hierarchy",
+           "fill / with 256 MiB", "fill /dev/shm with 256 MiB", "fchmod its host-side stdout")
 
 
 def _run_in_child(sandbox: Sandbox, program: str, limits: SandboxLimits) -> str:
@@ -207,16 +266,35 @@ def _judge(name: str, targets: EscapeTargets, result: SandboxResult, elapsed: fl
         if targets.connections else "",
         "fork bomb": lambda: f"still running after {elapsed:.0f} s"
         if elapsed > limits.timeout_s + 15 else "",
-        "memory bomb": lambda: "the allocation succeeded" if ESCAPED in result.stdout else "",
         "sleep 60 s": lambda: f"ran {elapsed:.0f} s" if result.status != "timeout"
         or elapsed > limits.timeout_s + 15 else "",
     }
+    if name in SAID_SO:
+        return "it worked (the program said so)" if ESCAPED in result.stdout else ""
     return checks[name]()
 
 
-def run_escape_suite(sandbox: Sandbox, targets: EscapeTargets) -> list[EscapeOutcome]:
-    """Runs every escape against `sandbox` and says, for each, whether it held."""
-    outcomes = []
+HOST_ROOT = "run as the host's root"
+
+
+def identity_outcome(identity: Identity) -> EscapeOutcome:
+    """The first case of the suite: whether the program is the host's uid 0."""
+    uids = identity.host_uids
+    return EscapeOutcome(name=HOST_ROOT, held=not identity.host_root,
+                         detail=f"host uid {uids[1]}" if uids else "host uid not seen")
+
+
+def run_escape_suite(sandbox: Sandbox, targets: EscapeTargets,
+                     identity: Identity | None = None) -> list[EscapeOutcome]:
+    """Runs every escape against `sandbox` and says, for each, whether it held.
+
+    The first outcome is who the program is on the host (`identity`, found by
+    `sandbox_identity` unless given).
+    """
+    try:
+        outcomes = [identity_outcome(identity or sandbox_identity(sandbox))]
+    except SandboxUnavailableError as exc:
+        outcomes = [EscapeOutcome(name=HOST_ROOT, held=False, detail=f"not run: {exc}")]
     for name, program in escape_programs(targets).items():
         limits = attrs.evolve(LIMITS, timeout_s=3.0) if name == "sleep 60 s" else LIMITS
         if name == "fork bomb" and not _process_limit(sandbox):

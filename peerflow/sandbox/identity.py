@@ -20,7 +20,7 @@ import time
 
 import attrs
 
-from peerflow.sandbox.base import Sandbox, SandboxLimits
+from peerflow.sandbox.base import Sandbox, SandboxLimits, SandboxUnavailableError
 
 PROGRAM = '''
 import json, os, sys, time
@@ -91,11 +91,22 @@ def _host_view(proc: str) -> tuple[tuple[int, ...], str] | None:
 
 
 def sandbox_identity(sandbox: Sandbox, wait_s: float = 10.0) -> Identity:
-    """Runs one program in `sandbox` and says who it is inside and on the host."""
+    """Runs one program in `sandbox` and says who it is inside and on the host.
+
+    Raises:
+        SandboxUnavailableError: when the sandbox could not run it.
+    """
     marker = f"pf-{secrets.token_hex(5)}"
-    results = []
-    runner = threading.Thread(target=lambda: results.append(sandbox.run(
-        PROGRAM.format(marker=marker, hold=1), "", SandboxLimits(timeout_s=wait_s + 5))))
+    results: list = []
+
+    def run() -> None:
+        try:
+            results.append(sandbox.run(PROGRAM.format(marker=marker, hold=1), "",
+                                       SandboxLimits(timeout_s=wait_s + 5)))
+        except SandboxUnavailableError as exc:
+            results.append(exc)
+
+    runner = threading.Thread(target=run)
     runner.start()
     seen, deadline = None, time.monotonic() + wait_s
     while seen is None and runner.is_alive() and time.monotonic() < deadline:
@@ -103,6 +114,8 @@ def sandbox_identity(sandbox: Sandbox, wait_s: float = 10.0) -> Identity:
         seen = _host_view(proc) if proc else None
         time.sleep(0.05)
     runner.join()
+    if results and isinstance(results[0], SandboxUnavailableError):
+        raise results[0]
     inside_map, inside_uid = "", None
     with contextlib.suppress(IndexError, ValueError, KeyError):
         said = json.loads(results[0].stdout)

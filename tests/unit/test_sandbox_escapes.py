@@ -21,9 +21,13 @@ from peerflow.sandbox.server import make_server, serve_in_thread
 
 needs_bwrap = pytest.mark.skipif(bwrap_unavailable() is not None,
                                  reason=f"{bwrap_unavailable()}")
-#: What the audit-hook fallback lets through on a machine like ours (root in a container).
+#: What the audit-hook fallback lets through on a machine like ours (root in a container):
+#: the program keeps the trainer's user, so as root it is the host's root.
 FALLBACK_ESCAPES = {"fork_exec a shell that writes outside", "read a secret from /proc/*/environ",
-                    "read the dataset by absolute path", "read the reward file by absolute path"}
+                    "read the dataset by absolute path", "read the reward file by absolute path",
+                    "fchmod its host-side stdout"} | ({
+                        "run as the host's root", "read a root-only /proc file"}
+                        if os.geteuid() == 0 else set())
 
 
 def _escaped(outcomes) -> set[str]:
@@ -34,7 +38,7 @@ def _escaped(outcomes) -> set[str]:
 def test_bubblewrap_contains_every_escape():
     with escape_targets() as targets:
         outcomes = run_escape_suite(BubblewrapSandbox(), targets)
-    assert len(outcomes) == 10
+    assert len(outcomes) == 18
     assert not _escaped(outcomes), [(o.name, o.detail) for o in outcomes if not o.held]
 
 
