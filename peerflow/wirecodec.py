@@ -37,7 +37,8 @@ import torch
 
 from peerflow.errors import PeerFlowError
 
-__all__ = ["MAX_DEPTH", "TYPE_TABLE", "WireFormatError", "decode", "encode", "register"]
+__all__ = ["DTYPES", "MAX_DEPTH", "NUMPY_DTYPES", "TYPE_TABLE", "WireFormatError", "decode",
+           "encode", "register"]
 
 TUPLE, DTYPE, TENSOR, NDARRAY, BIGINT, ATTRS = 1, 2, 3, 4, 5, 6
 #: Extension code → the type it carries (the module docstring's table).
@@ -80,8 +81,11 @@ def register(cls: type) -> type:
 
 
 def _pack(obj: Any) -> bytes:
-    return msgpack.packb(obj, default=_default, strict_types=True, use_bin_type=True,
-                         unicode_errors="surrogatepass")
+    try:
+        return msgpack.packb(obj, default=_default, strict_types=True, use_bin_type=True)
+    except UnicodeEncodeError:  # a lone surrogate (json.loads makes them): the slower path
+        return msgpack.packb(obj, default=_default, strict_types=True, use_bin_type=True,
+                             unicode_errors="surrogatepass")
 
 
 def encode(obj: Any) -> bytes:

@@ -22,7 +22,7 @@ import torch
 
 from peerflow.batch import Batch, RaggedField
 from peerflow.rounding import pad_to_multiple
-from peerflow.wirecodec import WireFormatError, decode, encode
+from peerflow.wirecodec import DTYPES, WireFormatError, decode, encode
 
 #: Byte alignment of every tensor in a packed buffer (the widest element size).
 ALIGN = 16
@@ -43,8 +43,9 @@ _KINDS = {"ragged": 2, "dense": 1, "objects": 0}
 
 def _header(batch: Batch) -> tuple[bytes, list[torch.Tensor]]:
     meta, tensors = batch.to_wire()
-    specs = [[t.dtype, list(t.shape)] for t in tensors]
-    return encode({"meta": meta, "tensors": specs}), tensors
+    specs = [[str(t.dtype).removeprefix("torch."), list(t.shape)] for t in tensors]
+    layout = [list(entry) for entry in meta["layout"]]
+    return encode({"layout": layout, "objects": meta["objects"], "tensors": specs}), tensors
 
 
 def pack_batch(batch: Batch, reserve: int = 0) -> torch.Tensor:
@@ -104,24 +105,25 @@ def _malformed(why: str) -> WireFormatError:
 
 
 def _read_header(buffer: torch.Tensor) -> tuple[dict[str, Any], list, int, int]:
-    """The checked header of a packed batch: meta, tensor specs, first offset, end."""
+    """The checked header of a packed batch: meta, (dtype, shape)s, first offset, end.
+
+    The header is `{layout: [[name, kind], …], objects: {name: [value, …]}, tensors:
+    [[dtype name, shape], …]}`; dtype names are torch's own (`wirecodec.DTYPES`).
+    """
     if buffer.dtype != torch.uint8 or buffer.dim() != 1 or buffer.numel() < _PREFIX:
         raise _malformed(f"{buffer.numel()} {buffer.dtype} values are no message")
-    end, size = (int(v) for v in buffer[:_PREFIX].clone().view(torch.int64))
+    end, size = buffer[:_PREFIX].clone().view(torch.int64).tolist()
     if not _PREFIX < end <= buffer.numel() or not 0 < size <= end - _PREFIX:
         raise _malformed(f"message length {end} or header length {size} does not fit its "
                          f"{buffer.numel()} bytes")
     header = decode(buffer[_PREFIX : _PREFIX + size].numpy().tobytes(), what="batch header")
-    if not isinstance(header, dict) or set(header) != {"meta", "tensors"}:
-        raise _malformed("its header is not {meta, tensors}")
-    meta, specs = header["meta"], header["tensors"]
-    if not isinstance(meta, dict) or set(meta) != {"layout", "objects"}:
-        raise _malformed("its metadata is not {layout, objects}")
-    layout, objects = meta["layout"], meta["objects"]
+    if not isinstance(header, dict) or set(header) != {"layout", "objects", "tensors"}:
+        raise _malformed("its header is not {layout, objects, tensors}")
+    layout, objects, specs = header["layout"], header["objects"], header["tensors"]
     if not isinstance(layout, list) or not all(
-            isinstance(e, tuple) and len(e) == 2 and isinstance(e[0], str) and e[1] in _KINDS
+            isinstance(e, list) and len(e) == 2 and isinstance(e[0], str) and e[1] in _KINDS
             for e in layout):
-        raise _malformed(f"its field layout is not (name, {'|'.join(_KINDS)}) pairs")
+        raise _malformed(f"its field layout is not [name, {'|'.join(_KINDS)}] pairs")
     named = {name for name, kind in layout if kind == "objects"}
     if not isinstance(objects, dict) or set(objects) != named or not all(
             isinstance(v, list) for v in objects.values()):
@@ -129,13 +131,14 @@ def _read_header(buffer: torch.Tensor) -> tuple[dict[str, Any], list, int, int]:
     wanted = 3 + sum(_KINDS[kind] for _, kind in layout)
     if not isinstance(specs, list) or len(specs) != wanted or not all(_spec_ok(s) for s in specs):
         raise _malformed(f"it describes {len(specs) if isinstance(specs, list) else '?'} "
-                         f"tensors, not {wanted} (dtype, non-negative shape) pairs")
-    return meta, specs, padded(_PREFIX + size), end
+                         f"tensors, not {wanted} [torch dtype name, non-negative shape] pairs")
+    meta = {"layout": [tuple(e) for e in layout], "objects": objects}
+    return meta, [(DTYPES[name], shape) for name, shape in specs], padded(_PREFIX + size), end
 
 
 def _spec_ok(spec: Any) -> bool:
-    return (isinstance(spec, list) and len(spec) == 2 and isinstance(spec[0], torch.dtype)
-            and isinstance(spec[1], list) and len(spec[1]) > 0
+    return (isinstance(spec, list) and len(spec) == 2 and isinstance(spec[0], str)
+            and spec[0] in DTYPES and isinstance(spec[1], list) and len(spec[1]) > 0
             and all(type(d) is int and d >= 0 for d in spec[1]))
 
 

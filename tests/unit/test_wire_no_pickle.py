@@ -118,16 +118,17 @@ def _tampered(change) -> torch.Tensor:
 
 
 TAMPERINGS = {
-    "a dtype torch lacks": lambda h: h["tensors"][0].__setitem__(0, msgpack.ExtType(DTYPE,
-                                                                                    b"system")),
-    "a dtype as a string": lambda h: h["tensors"][0].__setitem__(0, "float32"),
+    "a dtype torch lacks": lambda h: h["tensors"][0].__setitem__(0, "system"),
+    "a dtype as a tagged value": lambda h: h["tensors"][0].__setitem__(0, torch.int64),
     "a negative shape": lambda h: h["tensors"][3].__setitem__(1, [-4]),
     "a tensor past the message": lambda h: h["tensors"][3].__setitem__(1, [10**9]),
-    "an unknown field kind": lambda h: h["meta"]["layout"].append(("x", "pickle")),
-    "an object field not in the layout": lambda h: h["meta"]["objects"].__setitem__("y", [1]),
+    "an unknown field kind": lambda h: h["layout"].append(["x", "pickle"]),
+    "an object field not in the layout": lambda h: h["objects"].__setitem__("y", [1]),
     "a missing tensor": lambda h: h["tensors"].pop(),
-    "an unknown type code": lambda h: h["meta"].__setitem__("layout", msgpack.ExtType(99, b"")),
+    "an unknown type code": lambda h: h.__setitem__("layout", msgpack.ExtType(99, b"")),
+    "a forbidden dtype tag": lambda h: h.__setitem__("layout", msgpack.ExtType(DTYPE, b"os")),
     "ids of different lengths": lambda h: h["tensors"][1].__setitem__(1, [2]),
+    "an extra key": lambda h: h.__setitem__("reduce", "os.system"),
 }
 
 
