@@ -41,6 +41,7 @@ from peerflow.sandbox.local import (
     run_process,
     tool,
 )
+from peerflow.sandbox.seccomp_filter import seccomp_program
 from peerflow.sandbox.staging import Stager
 
 #: Where the program's packages are mounted inside the sandbox.
@@ -202,18 +203,20 @@ def bwrap_unavailable() -> str | None:
 
 
 def bwrap_argv(program_fd: int, packages: Sequence[str], status_fd: int,
-               stager: Stager) -> list[str]:
+               stager: Stager, seccomp_fd: int | None = None) -> list[str]:
     """The whole command line: bwrap's options, then the interpreter and its bootstrap.
 
     The program is copied from `program_fd` into `/sandbox/main.py`, on a tmpfs of its
     own (`TMP_BYTES`, like `/tmp`): nothing the program writes reaches the host's disk.
     `/dev/shm` is a tmpfs of `SHM_BYTES`; `/`, `/dev` and `/proc` are read-only.
     bwrap writes `{"child-pid": N}` to `status_fd` once the sandbox is set up, which
-    tells its own failures from the program's (whatever the program prints).
+    tells its own failures from the program's (whatever the program prints). With
+    `seccomp_fd` it loads that BPF program (`seccomp_filter`) just before the program.
     """
     executable, _ = _interpreter()
+    seccomp = [] if seccomp_fd is None else ["--seccomp", str(seccomp_fd)]
     return [
-        "bwrap", "--json-status-fd", str(status_fd), *namespace_args(),
+        "bwrap", "--json-status-fd", str(status_fd), *namespace_args(), *seccomp,
         *_root_binds(stager), *_interpreter_binds(stager), *_package_binds(packages, stager),
         "--proc", "/proc", "--remount-ro", "/proc",
         "--dev", "/dev", "--size", str(SHM_BYTES), "--tmpfs", "/dev/shm",
@@ -257,10 +260,14 @@ def _run(program: str, stdin: str, limits: SandboxLimits,
     try:
         (workdir / "main.py").write_text(program)
         stager = Stager(host_uid())
+        seccomp = seccomp_program()
+        (workdir / ".seccomp").write_bytes(seccomp or b"")
         with open(workdir / "main.py", "rb") as source, \
-                open(workdir / ".status", "wb") as status:
-            fds = [source.fileno(), status.fileno()]
-            argv = bwrap_argv(fds[0], packages, fds[1], stager)
+                open(workdir / ".status", "wb") as status, \
+                open(workdir / ".seccomp", "rb") as rules:
+            fds = [source.fileno(), status.fileno(), rules.fileno()]
+            argv = bwrap_argv(fds[0], packages, fds[1], stager,
+                              fds[2] if seccomp is not None else None)
             outcome = run_process(argv, workdir, stdin, limits, env={"PATH": "/usr/bin:/bin"},
                                   wrap=drop_argv(), pass_fds=fds, stages=stager.pairs(),
                                   nproc_uid=host_uid())

@@ -9,6 +9,7 @@ program was the host's uid 0 without capabilities, and owned every root file it 
 from __future__ import annotations
 
 import os
+import platform
 import threading
 
 import pytest
@@ -171,3 +172,24 @@ def test_32_programs_from_32_threads_at_once():
         t.join(timeout=120)
     assert not any(t.is_alive() for t in threads), "a sandboxed start deadlocked"
     assert [r.stdout for r in results] == [f"{i * 2}\n" for i in range(32)]
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="x86_64 system call numbers")
+def test_the_seccomp_filter_refuses_keyrings_ptrace_and_namespaces():
+    from peerflow.sandbox.seccomp_filter import INSTALL_HINT, seccomp_program
+
+    if seccomp_program() is None:
+        pytest.skip(f"no libseccomp binding here: {INSTALL_HINT}")
+    program = """
+import ctypes, errno, os
+libc = ctypes.CDLL(None, use_errno=True)
+said = []
+for name, number, args in (("keyctl", 250, (0, 0, 0, 0)), ("ptrace", 101, (16, 1, 0, 0)),
+                           ("setns", 308, (0, 0, 0, 0)), ("bpf", 321, (0, 0, 0, 0))):
+    said.append((name, libc.syscall(number, *args), errno.errorcode[ctypes.get_errno()]))
+print(said, open("/proc/self/status").read().split("Seccomp:")[1].split()[0])
+"""
+    result = _run(program)
+    assert result.status == "ok", result.stderr
+    assert result.stdout == ("[('keyctl', -1, 'EPERM'), ('ptrace', -1, 'EPERM'), "
+                             "('setns', -1, 'EPERM'), ('bpf', -1, 'EPERM')] 2\n")
