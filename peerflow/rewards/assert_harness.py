@@ -4,18 +4,20 @@ A test string such as `assert fib(10) == 55` used to run as `program + tests` an
 exit status 0, so `raise SystemExit(0)`, `os._exit(0)`, an object whose `__eq__` is always
 true, or a program that read the asserts from its own file scored 1. Now:
 
-* `parse_asserts` splits the tests with `ast` on the host. Every `assert` becomes a
-  `Check`: a tree the host evaluates itself — comparisons (`==` and `!=` by type and
-  value: `55`, `55.0` and `True` differ), `and`/`or`/`not`, arithmetic, subscripts,
-  displays and a few pure builtins (`HOST_FUNCTIONS`) — whose leaves are literals
-  (`ast.literal_eval`, kept on the host: an expected value never enters the sandbox) or
-  expressions the program must evaluate (`fib(10)`). Other statements (imports, helper
-  definitions) run in the program's namespace, in order.
+* `parse_asserts` splits the tests with `ast` on the host. Every `assert` (top level, or
+  in a `def check(candidate)` the tests call as `check(fib)`: HumanEval's form) becomes a
+  `Check`: a tree the host evaluates itself (`peerflow.rewards.assert_checks`:
+  comparisons, `==` and `!=` by type and value so `55`, `55.0` and `True` differ;
+  `and`/`or`/`not`, arithmetic, subscripts, displays, a few pure builtins) whose leaves
+  are literals (`ast.literal_eval`, kept on the host: an expected value never enters the
+  sandbox) or expressions the program must evaluate (`fib(10)`). Other statements
+  (imports, helper definitions) run in the program's namespace, in order.
 * `HARNESS`, a constant program, runs in the sandbox: it reads a request (a per-call
   random sentinel, the setup statements and the leaf expressions; no expected value) from
   stdin and then points stdin and stdout at `/dev/null`, imports the program as the module
-  `solution` in a namespace of its own (any `BaseException`, `SystemExit` included, fails
-  every test), evaluates each leaf, and prints one `<sentinel> {json}` line per leaf with
+  `solution` in a namespace of its own (its `if __name__ == "__main__":` block does not
+  run; any `BaseException`, `SystemExit` included, fails every test), evaluates each
+  leaf, and prints one `<sentinel> {json}` line per leaf with
   `repr()` of its value. A leaf that raises or runs past the deadline fails alone.
 * `count_passed` decodes each value with `ast.literal_eval` only (an object that is not
   plain data fails) and evaluates the checks. A leaf without a line (the program exited,
@@ -36,28 +38,16 @@ from __future__ import annotations
 
 import ast
 import json
-import operator
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import attrs
 
-#: Builtins the host applies itself to decoded values (pure, bounded by their input).
-HOST_FUNCTIONS: dict[str, Callable[..., Any]] = {f.__name__: f for f in (
-    abs, all, any, bool, dict, float, frozenset, int, len, list, max, min, round, set,
-    sorted, str, sum, tuple)}
+from peerflow.rewards.assert_checks import Check, CheckBuilder
+
 #: Longest `repr()` of one value the host decodes.
 MAX_VALUE_CHARS = 200_000
-#: Longest sequence `*` may build on the host.
-MAX_REPEAT = 1_000_000
-_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
-           ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod,
-           ast.Pow: operator.pow}
-_ORDER = {ast.Lt: operator.lt, ast.LtE: operator.le, ast.Gt: operator.gt,
-          ast.GtE: operator.ge}
-_SINGLETONS = (None, True, False, Ellipsis)
-
-#: The sandboxed program (the candidate is appended as `PROGRAM`); see the module docstring.
+#: The sandboxed program (`harness_program` puts the candidate before it as `PROGRAM`).
 HARNESS = r'''
 import json, os, signal, sys, time, types
 request = json.loads(sys.stdin.read())
@@ -125,26 +115,6 @@ os._exit(0)
 '''
 
 
-class LeafFailed(Exception):
-    """A leaf had no usable value (it raised, timed out, or was not plain data)."""
-
-
-@attrs.frozen
-class Check:
-    """One assert: its source and the tree the host evaluates."""
-
-    source: str
-    tree: Callable[[Mapping[int, Any]], Any]
-    """Evaluates the assert's test from the decoded leaf values (raises when it cannot)."""
-
-    def passes(self, values: Mapping[int, Any]) -> bool:
-        """Whether the assert holds for `values` (an error in it is a failure)."""
-        try:
-            return bool(self.tree(values))
-        except Exception:  # noqa: BLE001 - any failure to evaluate fails the assert
-            return False
-
-
 @attrs.frozen
 class AssertPlan:
     """The tests split for the harness (`steps`) and for the host (`checks`)."""
@@ -154,157 +124,67 @@ class AssertPlan:
     checks: tuple[Check, ...]
 
 
-def typed(value: Any) -> Any:
-    """`value` with every element tagged by its type, so `==` compares type and value."""
-    kind = type(value)
-    if kind in (list, tuple):
-        return kind.__name__, tuple(typed(v) for v in value)
-    if kind in (set, frozenset):
-        return kind.__name__, frozenset(typed(v) for v in value)
-    if kind is dict:
-        return "dict", frozenset((typed(k), typed(v)) for k, v in value.items())
-    return kind.__name__, value
+class _Substitute(ast.NodeTransformer):
+    """Replaces a function's parameters by the call's argument expressions."""
+
+    def __init__(self, names: Mapping[str, ast.expr]) -> None:
+        self.names = names
+
+    def visit_Name(self, node: ast.Name) -> ast.expr:  # noqa: N802 - ast's visitor name
+        return self.names.get(node.id, node) if isinstance(node.ctx, ast.Load) else node
 
 
-def same(a: Any, b: Any) -> bool:
-    """Equal in type and value, element by element (`1 != 1.0 != True`)."""
-    return typed(a) == typed(b)
+def _inlined(statement: ast.stmt, checks: Mapping[str, ast.FunctionDef]) -> list[ast.stmt]:
+    """`check(fib)` (HumanEval's form) as the body of `check`, `candidate` read as `fib`."""
+    call = statement.value if isinstance(statement, ast.Expr) else None
+    if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name)
+            and call.func.id in checks and not call.keywords):
+        return [statement]
+    fn = checks[call.func.id]
+    params = [a.arg for a in fn.args.args]
+    if len(params) != len(call.args) or fn.args.vararg or fn.args.kwonlyargs:
+        return [statement]
+    names = dict(zip(params, call.args))
+    return [_Substitute(names).visit(ast.fix_missing_locations(s)) for s in fn.body]
 
 
-def _contains(container: Any, item: Any) -> bool:
-    if isinstance(container, (str, bytes)):
-        if type(item) is not type(container):
-            raise TypeError(f"'in <{type(container).__name__}>' needs the same type")
-        return item in container
-    if isinstance(container, dict):
-        container = container.keys()
-    return any(same(item, element) for element in container)
-
-
-def _compare(op: ast.cmpop, left: Any, right: Any) -> bool:
-    if isinstance(op, (ast.Eq, ast.NotEq)):
-        return same(left, right) == isinstance(op, ast.Eq)
-    if isinstance(op, (ast.In, ast.NotIn)):
-        return _contains(right, left) == isinstance(op, ast.In)
-    if isinstance(op, (ast.Is, ast.IsNot)):
-        return (left is right) == isinstance(op, ast.Is)
-    return bool(_ORDER[type(op)](left, right))
-
-
-def _binary(op: ast.operator, left: Any, right: Any) -> Any:
-    numbers = (int, float, complex)
-    if isinstance(op, ast.Mult) and not (isinstance(left, numbers) and isinstance(
-            right, numbers)):
-        count, seq = (left, right) if isinstance(left, int) else (right, left)
-        if not isinstance(count, int) or len(seq) * max(count, 0) > MAX_REPEAT:
-            raise ValueError("repetition too large for the host")
-    if isinstance(op, ast.Pow) and (not isinstance(right, (int, float)) or abs(right) > 4096):
-        raise ValueError("exponent too large for the host")
-    return _BINARY[type(op)](left, right)
-
-
-class _Builder:
-    """Turns an assert's test into a host tree, collecting the leaves the program evaluates."""
-
-    def __init__(self, steps: list[tuple[str, str]], first_leaf: int) -> None:
-        self.steps = steps
-        self.next_leaf = first_leaf
-
-    def leaf(self, node: ast.expr) -> Callable[[Mapping[int, Any]], Any]:
-        index = self.next_leaf
-        self.next_leaf += 1
-        self.steps.append(("eval", ast.unparse(node)))
-
-        def value(values: Mapping[int, Any]) -> Any:
-            if index not in values:
-                raise LeafFailed(index)
-            return values[index]
-        return value
-
-    def build(self, node: ast.expr) -> Callable[[Mapping[int, Any]], Any]:  # noqa: C901
-        try:
-            constant = ast.literal_eval(node)
-            return lambda values: constant
-        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
-            pass
-        if isinstance(node, ast.Compare):
-            if any(isinstance(o, (ast.Is, ast.IsNot)) for o in node.ops) and not all(
-                    isinstance(c, ast.Constant) and c.value in _SINGLETONS
-                    for c in node.comparators):
-                return self.leaf(node)  # identity of two program values: theirs to say
-            parts = [self.build(n) for n in (node.left, *node.comparators)]
-            ops = node.ops
-
-            def compare(values: Mapping[int, Any]) -> bool:
-                operands = [p(values) for p in parts]
-                return all(_compare(op, a, b)
-                           for op, a, b in zip(ops, operands, operands[1:]))
-            return compare
-        if isinstance(node, ast.BoolOp):
-            parts = [self.build(n) for n in node.values]
-            is_and = isinstance(node.op, ast.And)
-
-            def boolean(values: Mapping[int, Any]) -> Any:
-                for part in parts:
-                    result = part(values)
-                    if bool(result) != is_and:
-                        return result
-                return result
-            return boolean
-        if isinstance(node, ast.UnaryOp):
-            inner = self.build(node.operand)
-            unary = {ast.Not: operator.not_, ast.USub: operator.neg, ast.UAdd: operator.pos,
-                     ast.Invert: operator.invert}[type(node.op)]
-            return lambda values: unary(inner(values))
-        if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
-            left, right, op = self.build(node.left), self.build(node.right), node.op
-            return lambda values: _binary(op, left(values), right(values))
-        return self.compound(node)
-
-    def compound(self, node: ast.expr) -> Callable[[Mapping[int, Any]], Any]:
-        """Subscripts, displays and host builtins; anything else is a leaf."""
-        if isinstance(node, ast.Subscript) and not isinstance(node.slice, ast.Slice):
-            seq, index = self.build(node.value), self.build(node.slice)
-            return lambda values: seq(values)[index(values)]
-        if isinstance(node, (ast.List, ast.Tuple, ast.Set)) and not any(
-                isinstance(e, ast.Starred) for e in node.elts):
-            parts, kind = [self.build(e) for e in node.elts], {
-                ast.List: list, ast.Tuple: tuple, ast.Set: set}[type(node)]
-            return lambda values: kind(p(values) for p in parts)
-        if isinstance(node, ast.Dict) and None not in node.keys:
-            keys = [self.build(k) for k in node.keys]  # type: ignore[arg-type]
-            items = [self.build(v) for v in node.values]
-            return lambda values: {k(values): v(values) for k, v in zip(keys, items)}
-        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-                and node.func.id in HOST_FUNCTIONS and not any(
-                    isinstance(a, ast.Starred) for a in node.args)
-                and all(k.arg is not None for k in node.keywords)):
-            fn = HOST_FUNCTIONS[node.func.id]
-            args = [self.build(a) for a in node.args]
-            kwargs = {k.arg: self.build(k.value) for k in node.keywords}
-            return lambda values: fn(*(a(values) for a in args),
-                                     **{k: v(values) for k, v in kwargs.items()})
-        return self.leaf(node)
+def _nested_assert(statement: ast.stmt) -> bool:
+    if isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return False
+    return any(isinstance(n, ast.Assert) for n in ast.walk(statement))
 
 
 def parse_asserts(tests: str) -> AssertPlan:
     """Splits a string of Python tests into harness steps and host checks.
 
+    Top-level asserts are checks; so are those of a function the tests define and call
+    at top level with positional arguments (`def check(candidate): assert ...` then
+    `check(fib)`, HumanEval's form). Everything else is a step run in the program's
+    namespace.
+
     Raises:
-        ValueError: when the tests are not valid Python or hold no `assert`.
+        ValueError: when the tests are not valid Python, hold no `assert`, or hold one
+            inside a loop or another block (which the host cannot judge).
     """
     try:
         module = ast.parse(tests)
     except SyntaxError as exc:
         raise ValueError(f"the example's assert tests are not valid Python ({exc}); fix the "
                          "`tests` column") from exc
+    defined = {s.name: s for s in module.body if isinstance(s, ast.FunctionDef)
+               and any(isinstance(n, ast.Assert) for n in s.body)}
     steps: list[tuple[str, str]] = []
     checks: list[Check] = []
-    builder = _Builder(steps, 0)
-    for statement in module.body:
+    builder = CheckBuilder(steps, 0)
+    for statement in (s for top in module.body for s in _inlined(top, defined)):
         if isinstance(statement, ast.Assert):
             checks.append(Check(source=ast.unparse(statement),
                                 tree=builder.build(statement.test)))
+        elif _nested_assert(statement):
+            raise ValueError(
+                f"an assert inside a block ({ast.unparse(statement)[:80]!r}) cannot be judged "
+                "on the host: write each case as a top-level `assert f(x) == expected` "
+                "(or in a `def check(candidate)` called as `check(f)`)")
         else:
             steps.append(("exec", ast.unparse(statement)))
     if not checks:

@@ -18,9 +18,10 @@ import pytest
 from peerflow.algorithms.base import Example
 from peerflow.config import load_config, validate_config
 from peerflow.rewards import RewardPool, build_reward_set
-from peerflow.rewards.assert_harness import parse_asserts, read_values, same
+from peerflow.rewards.assert_checks import same
+from peerflow.rewards.assert_harness import parse_asserts, read_values
 from peerflow.rewards.code import code_reward
-from peerflow.rewards.forgeries import FIB, FORGERIES, score_forgeries
+from peerflow.rewards.forgeries import FIB, FIB_RIGHT, FORGERIES, score_forgeries
 from peerflow.sandbox import configure
 from peerflow.sandbox.bubblewrap import bwrap_unavailable
 from peerflow.sandbox.config import SandboxConfig
@@ -143,8 +144,20 @@ def test_the_host_decides_by_type_and_value_and_keeps_expected_values():
     assert same({"a": [1, (2,)]}, {"a": [1, (2,)]}) and not same([1], [True])
 
 
+@needs_bwrap
+def test_humaneval_s_check_function_is_judged_assert_by_assert():
+    tests = ("METADATA = {'author': 'x'}\n\ndef check(candidate):\n"
+             "    assert candidate(0) == 0\n    assert candidate(10) == 55\n\ncheck(fib)\n")
+    plan = parse_asserts(tests)
+    assert [c.source for c in plan.checks] == ["assert fib(0) == 0", "assert fib(10) == 55"]
+    assert code_reward(f"```python\n{FIB_RIGHT}\n```", {"tests": tests})["score"] == 1.0
+    assert code_reward("def fib(n):\n    return 0", {"tests": tests})["score"] == 0.5
+
+
 def test_tests_without_an_assert_are_refused_naming_the_fix():
     with pytest.raises(ValueError, match="hold no `assert`"):
         code_reward("x = 1", {"tests": "x = 1"})
     with pytest.raises(ValueError, match="not valid Python"):
         code_reward("x = 1", {"tests": "assert ("})
+    with pytest.raises(ValueError, match="assert inside a block .* top-level `assert"):
+        parse_asserts("for i in range(3):\n    assert fib(i) >= 0")
