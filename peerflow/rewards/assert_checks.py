@@ -50,6 +50,37 @@ class Check:
             return False
 
 
+_FLOATS = {"inf": float("inf"), "nan": float("nan")}
+
+
+def decode(text: str) -> Any:
+    """A `repr()` back to its value: literals only, plus `inf`, `nan` and `frozenset(...)`.
+
+    Raises:
+        ValueError: (or `SyntaxError`, `TypeError`, `RecursionError`, `MemoryError`) for
+            anything that is not plain data.
+    """
+    return _decoded(ast.parse(text, mode="eval").body)
+
+
+def _decoded(node: ast.expr) -> Any:
+    if isinstance(node, ast.Name) and node.id in _FLOATS:
+        return _FLOATS[node.id]
+    if (isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub)
+            and isinstance(node.operand, ast.Name) and node.operand.id == "inf"):
+        return -_FLOATS["inf"]
+    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+            and node.func.id == "frozenset" and len(node.args) <= 1 and not node.keywords):
+        return frozenset(_decoded(node.args[0]) if node.args else ())
+    if isinstance(node, (ast.List, ast.Tuple, ast.Set)):
+        items = [_decoded(e) for e in node.elts]
+        return {ast.List: list, ast.Tuple: tuple, ast.Set: set}[type(node)](items)
+    if isinstance(node, ast.Dict) and None not in node.keys:
+        return {_decoded(k): _decoded(v)  # type: ignore[arg-type]
+                for k, v in zip(node.keys, node.values)}
+    return ast.literal_eval(node)
+
+
 def typed(value: Any) -> Any:
     """`value` with every element tagged by its type, so `==` compares type and value."""
     kind = type(value)
@@ -94,8 +125,9 @@ def _binary(op: ast.operator, left: Any, right: Any) -> Any:
         count, seq = (left, right) if isinstance(left, int) else (right, left)
         if not isinstance(count, int) or len(seq) * max(count, 0) > MAX_REPEAT:
             raise ValueError("repetition too large for the host")
-    if isinstance(op, ast.Pow) and (not isinstance(right, (int, float)) or abs(right) > 4096):
-        raise ValueError("exponent too large for the host")
+    if isinstance(op, ast.Pow) and (not isinstance(right, (int, float)) or abs(right) * max(
+            1, abs(left).bit_length() if isinstance(left, int) else 64) > 2**20):
+        raise ValueError("power too large for the host")
     return _BINARY[type(op)](left, right)
 
 

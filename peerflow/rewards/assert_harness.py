@@ -43,7 +43,7 @@ from typing import Any
 
 import attrs
 
-from peerflow.rewards.assert_checks import Check, CheckBuilder
+from peerflow.rewards.assert_checks import Check, CheckBuilder, decode
 
 #: Longest `repr()` of one value the host decodes.
 MAX_VALUE_CHARS = 200_000
@@ -208,7 +208,7 @@ def read_values(stdout: str, sentinel: str) -> dict[int, Any] | None:
     """The decoded leaf values in the harness's lines; `None` when the program did not import.
 
     Only lines that start with `sentinel` count, the first one for each leaf; values are
-    decoded with `ast.literal_eval` alone (anything but plain data is left out).
+    decoded by `decode` (`ast.literal_eval`; anything but plain data is left out).
     """
     imported, values, seen = False, {}, set()
     for line in stdout.splitlines():
@@ -229,7 +229,7 @@ def read_values(stdout: str, sentinel: str) -> dict[int, Any] | None:
         text = record.get("value")
         if isinstance(text, str) and len(text) <= MAX_VALUE_CHARS:
             try:
-                values[leaf] = ast.literal_eval(text)
+                values[leaf] = decode(text)
             except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
                 pass
     return values if imported else None

@@ -18,7 +18,7 @@ import pytest
 from peerflow.algorithms.base import Example
 from peerflow.config import load_config, validate_config
 from peerflow.rewards import RewardPool, build_reward_set
-from peerflow.rewards.assert_checks import same
+from peerflow.rewards.assert_checks import decode, same
 from peerflow.rewards.assert_harness import parse_asserts, read_values
 from peerflow.rewards.code import code_reward
 from peerflow.rewards.forgeries import FIB, FIB_RIGHT, FORGERIES, score_forgeries
@@ -142,6 +142,10 @@ def test_the_host_decides_by_type_and_value_and_keeps_expected_values():
     assert [c.passes(typed) for c in plan.checks] == [False, False, True, False]
     assert read_values(lines(["55"]).replace("S ", "X "), "S") is None  # no sentinel
     assert same({"a": [1, (2,)]}, {"a": [1, (2,)]}) and not same([1], [True])
+    assert decode("[frozenset({1}), -inf]") == [frozenset({1}), float("-inf")]
+    for not_data in ("A()", "__import__('os')", "[1, x]"):
+        with pytest.raises(ValueError):
+            decode(not_data)
 
 
 @needs_bwrap
