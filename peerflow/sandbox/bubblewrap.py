@@ -120,6 +120,13 @@ def _package_binds(packages: Sequence[str], stager: Stager) -> list[str]:
     return args
 
 
+@functools.cache
+def bwrap_path() -> str | None:
+    """`bwrap` on this process's `PATH`, resolved here: the exec chain runs with a fixed one."""
+    found = shutil.which("bwrap")
+    return os.path.realpath(found) if found else None
+
+
 def host_uid() -> int | None:
     """The host uid bubblewrap runs as: `HOST_UID` under root, else this process's own.
 
@@ -158,7 +165,7 @@ def _probe() -> str | None:
     """Runs `true` under bwrap the way programs run; the error text, or `None` when it ran."""
     workdir = fresh_workdir()
     stager = Stager(host_uid())
-    argv = ["bwrap", *namespace_args(), *_root_binds(stager), "--proc", "/proc",
+    argv = [bwrap_path(), *namespace_args(), *_root_binds(stager), "--proc", "/proc",
             "--dev", "/dev", "--", "true"]
     try:
         outcome = run_process(argv, workdir, "", SandboxLimits(timeout_s=30.0),
@@ -181,7 +188,7 @@ def bwrap_unavailable() -> str | None:
     that lacks an option, a kernel that refuses the unprivileged user namespace or
     `--disable-userns`, or an interpreter it cannot mount, is found here.
     """
-    if shutil.which("bwrap") is None:
+    if bwrap_path() is None:
         return f"bubblewrap (`bwrap`) is not installed: {INSTALL_HINT}."
     error = _probe()
     if error is not None:
@@ -216,7 +223,7 @@ def bwrap_argv(program_fd: int, packages: Sequence[str], status_fd: int,
     executable, _ = _interpreter()
     seccomp = [] if seccomp_fd is None else ["--seccomp", str(seccomp_fd)]
     return [
-        "bwrap", "--json-status-fd", str(status_fd), *namespace_args(), *seccomp,
+        bwrap_path(), "--json-status-fd", str(status_fd), *namespace_args(), *seccomp,
         *_root_binds(stager), *_interpreter_binds(stager), *_package_binds(packages, stager),
         "--proc", "/proc", "--remount-ro", "/proc",
         "--dev", "/dev", "--size", str(SHM_BYTES), "--tmpfs", "/dev/shm",

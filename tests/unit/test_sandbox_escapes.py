@@ -179,3 +179,40 @@ def test_serve_refuses_to_expose_code_execution_without_a_token():
     args = argparse.Namespace(host="0.0.0.0", port=0, backend="bubblewrap", token_env=None)
     with pytest.raises(ConfigError, match="--token-env"):
         run_serve(args)
+
+
+def test_a_bubblewrap_that_cannot_disable_user_namespaces_fails_closed(monkeypatch):
+    """An old bubblewrap (< 0.8) refuses --disable-userns: the sandbox is then unavailable,
+    naming the fix, instead of running programs that may nest user namespaces."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    import peerflow.sandbox.bubblewrap as bubblewrap
+
+    real = shutil.which("bwrap")
+    if real is None:
+        pytest.skip("bubblewrap is not installed")
+    bindir = Path(tempfile.mkdtemp(dir="/tmp"))  # searchable by the sandbox's own uid
+    bindir.chmod(0o755)
+    which = shutil.which
+    monkeypatch.setattr(shutil, "which", lambda name, **kw: str(bindir / name)
+                        if name == "bwrap" else which(name, **kw))
+    old = bindir / "bwrap"  # what bubblewrap 0.7 answers, then the real one otherwise
+    old.write_text(f'#!/bin/sh\nfor a in "$@"; do [ "$a" = --disable-userns ] && '
+                   f'{{ echo "bwrap: Unknown option --disable-userns" >&2; exit 1; }}; done\n'
+                   f'exec {real} "$@"\n')
+    old.chmod(0o755)
+    for cached in (bubblewrap.bwrap_path, bubblewrap.bwrap_unavailable):
+        cached.cache_clear()
+    try:
+        why = bubblewrap.bwrap_unavailable()
+        assert why is not None and "Unknown option --disable-userns" in why
+        assert "bubblewrap >= 0.8" in why and "sandbox.backend=remote" in why
+        with pytest.raises(SandboxUnavailableError, match="--disable-userns"):
+            BubblewrapSandbox().run("print(1)")
+    finally:
+        monkeypatch.undo()
+        shutil.rmtree(bindir)
+        for cached in (bubblewrap.bwrap_path, bubblewrap.bwrap_unavailable):
+            cached.cache_clear()
