@@ -66,6 +66,7 @@ def run_check(args: argparse.Namespace) -> int:
     from peerflow.sandbox.config import SandboxConfig
     from peerflow.sandbox.escapes import escape_targets, run_escape_suite
     from peerflow.sandbox.identity import sandbox_identity
+    from peerflow.sandbox.seccomp_filter import seccomp_status
 
     sandbox = build(SandboxConfig(backend=args.backend, url=args.url,
                                   token_env=args.token_env))
@@ -84,6 +85,7 @@ def run_check(args: argparse.Namespace) -> int:
         print(json.dumps({"backend": args.backend, "uid_map_inside": identity.inside_map,
                           "uid_inside": identity.inside_uid,
                           "host_uids": identity.host_uids, "meaning": identity.meaning(),
+                          "seccomp": seccomp_status() if args.backend == "bubblewrap" else None,
                           "escapes": [{"name": o.name, "held": o.held, "detail": o.detail}
                                       for o in outcomes]}, indent=2))
     else:
@@ -91,6 +93,8 @@ def run_check(args: argparse.Namespace) -> int:
         print(f"sandbox: {args.backend}")
         print(f"uid map inside: {identity.inside_map or '(not read)'}")
         print(f"  {identity.meaning()}")
+        if args.backend == "bubblewrap":
+            print(seccomp_status())
         for o in outcomes:
             print(f"  {'held   ' if o.held else 'ESCAPED'}  {o.name:<{width}}  {o.detail}")
         escaped = sum(not o.held for o in outcomes)

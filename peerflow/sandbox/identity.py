@@ -63,8 +63,12 @@ class Identity:
         if self.host_root:
             return (f"{self.inside_uid} inside is the HOST'S ROOT (uid 0, CapEff "
                     f"{self.host_caps}): every root-owned file it can reach is its own")
-        return (f"uid_map inside reads {self.inside_map!r}: {self.inside_uid} inside is host "
-                f"uid {host}, an unprivileged account (CapEff {self.host_caps}); "
+        fields = self.inside_map.split()
+        nested = len(fields) == 3 and fields[1] != str(host)
+        how = (f" (a nested user namespace, bwrap's --disable-userns: its {fields[1]} is "
+               "that uid of bwrap's own user namespace)" if nested else "")
+        return (f"uid_map inside reads {self.inside_map!r}{how}: {self.inside_uid} inside is "
+                f"host uid {host}, an unprivileged account (CapEff {self.host_caps}); "
                 "nothing of the host's root is its own")
 
 
