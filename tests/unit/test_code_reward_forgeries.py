@@ -21,7 +21,13 @@ from peerflow.rewards import RewardPool, build_reward_set
 from peerflow.rewards.assert_checks import decode, same
 from peerflow.rewards.assert_harness import parse_asserts, read_values
 from peerflow.rewards.code import code_reward
-from peerflow.rewards.forgeries import FIB, FIB_RIGHT, FORGERIES, score_forgeries
+from peerflow.rewards.forgeries import (
+    AUDIT_HOOK_MISSES,
+    FIB,
+    FIB_RIGHT,
+    FORGERIES,
+    score_forgeries,
+)
 from peerflow.sandbox import configure
 from peerflow.sandbox.bubblewrap import bwrap_unavailable
 from peerflow.sandbox.config import SandboxConfig
@@ -83,6 +89,18 @@ def test_every_forgery_scores_zero_through_the_run_s_reward_pool(code_rewards):
     scores = score_forgeries(score)
     assert scores == {"right": 1.0, "wrong": 0.0, **dict.fromkeys(FORGERIES, 0.0)}
     assert seen == {"reward/errors": 0, "reward/timeouts": 0}  # wrong answers, not faults
+
+
+def test_the_audit_hook_fallback_holds_every_forgery_but_those_it_names(monkeypatch):
+    """The fallback shows the program the whole file system; nothing else gets through."""
+    monkeypatch.setenv("PEERFLOW_SANDBOX", "")
+    configure(SandboxConfig(backend="audit-hook"))
+    scores = score_forgeries(lambda answers, examples: [
+        code_reward(a, e)["score"] for a, e in zip(answers, examples)])
+    assert AUDIT_HOOK_MISSES <= set(FORGERIES)
+    assert {k: v for k, v in scores.items() if k not in AUDIT_HOOK_MISSES} == {
+        "right": 1.0, "wrong": 0.0,
+        **{name: 0.0 for name in FORGERIES if name not in AUDIT_HOOK_MISSES}}
 
 
 @needs_bwrap
