@@ -86,17 +86,25 @@ def children():
             found.append(int(pid))
     return found
 
-try:  # nothing the tool started may write after the result
+def end_all():  # nothing the tool started may write after the result
     for _ in range(1000):
         alive = children()
         if not alive:
-            break
+            return
         for pid in alive:
-            os.kill(pid, signal.SIGKILL)
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except PermissionError:  # the audit-hook fallback refuses os.kill
+                return
+            except OSError:
+                pass
         for pid in alive:
-            os.waitpid(pid, 0)
-except OSError:  # the audit-hook fallback refuses os.kill
-    pass
+            try:
+                os.waitpid(pid, 0)
+            except OSError:
+                pass
+
+end_all()
 out.write(MARKER + SENTINEL + " " + json.dumps(reply) + "\n")
 out.flush()
 os._exit(0)
