@@ -4,7 +4,9 @@
 * `pool` — worker processes with a per-call time limit and a memory limit;
 * `scoring` — `RewardSet`: weighted rewards scoring a batch, failures counted and logged;
 * `setup` — building it from `task.reward` / `task.rewards`, and the config validator;
-* `sandbox`, `code` — running candidate programs against tests without network;
+* `code` — running candidate programs against tests in the sandbox; `assert_harness`
+  and `assert_checks` judge assert-style tests on the host (`forgeries`: what must score
+  0), `deadline` lets a program's time limit end before its reward call's;
 * `math` — final-answer equivalence (boxed answers, fractions, expressions).
 
 Importing this package does not import torch: reward worker processes stay light.

@@ -18,7 +18,8 @@ true, or a program that read the asserts from its own file scored 1. Now:
   `solution` in a namespace of its own (its `if __name__ == "__main__":` block does not
   run; any `BaseException`, `SystemExit` included, fails every test), evaluates each
   leaf, and prints one `<sentinel> {json}` line per leaf with
-  `repr()` of its value. A leaf that raises or runs past the deadline fails alone.
+  `repr()` of its value. A leaf that raises fails alone; past the harness's deadline
+  (just inside the sandbox's time limit) the leaf running and every later one fail.
 * `count_passed` decodes each value with `ast.literal_eval` only (an object that is not
   plain data fails) and evaluates the checks. A leaf without a line (the program exited,
   crashed or was killed first) fails.
