@@ -1,7 +1,8 @@
 """The abort record: which rank failed, where and why, published once on the store.
 
 The first record wins (`compare_set`), so every rank names the same failure;
-`peerflow.distributed.faults` publishes and polls it.
+`peerflow.distributed.faults` publishes and polls it. Through a `SignedStore`
+(`peerflow.distributed.signing`) a record without the run's signature is not a failure.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Any
 
 import attrs
 
+from peerflow.distributed.signing import RecordRefusedError
 from peerflow.distributed.stages import PREFIX, read_stage
 from peerflow.errors import WorkerFailedError
 
@@ -53,7 +55,10 @@ def read_failure(store: Any) -> FailureRecord | None:
     """Returns the published abort record, or `None` if no rank failed."""
     if not store.check([PREFIX + "abort"]):
         return None
-    return FailureRecord.from_json(store.get(PREFIX + "abort"))
+    try:
+        return FailureRecord.from_json(store.get(PREFIX + "abort"))
+    except RecordRefusedError:  # a stranger overwrote it since the check (logged)
+        return None
 
 
 def publish_failure(store: Any, record: FailureRecord) -> FailureRecord:

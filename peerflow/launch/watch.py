@@ -33,6 +33,7 @@ from peerflow.distributed.listen import LOOPBACK, is_loopback, listening_store
 from peerflow.distributed.procs import process_gone
 from peerflow.distributed.signing import (
     RUN_SECRET_ENV,
+    RecordRefusedError,
     SignedStore,
     new_run_secret,
     require_run_secret,
@@ -124,8 +125,11 @@ class FaultStore:
                 key = f"{PREFIX}host/{rank}"
                 if not self.store.check([key]) or self.store.check([f"{PREFIX}done/{rank}"]):
                     continue
-                host, _, pid = self.store.get(key).decode().rpartition(":")
-                if host == me and process_gone(int(pid)):
+                try:
+                    host, _, pid = self.store.get(key).decode().rpartition(":")
+                except RecordRefusedError:  # overwritten by a stranger since the check
+                    continue
+                if host == me and pid.isdigit() and process_gone(int(pid)):
                     self.report(rank, f"worker process {pid} exited without finishing "
                                 "(killed, crashed or out of memory)")
                     break

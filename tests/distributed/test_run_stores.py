@@ -106,4 +106,7 @@ def test_a_run_listens_on_loopback_only_and_ignores_forged_orders(tmp_path) -> N
     assert proc.returncode == 0, err
     assert "a stranger's message" not in err.split("refused the record")[0], err
     assert "refused the record under 'peerflow/faults/abort'" in err, err
+    refused = {line.split("under ")[1].split(" in ")[0] for line in err.splitlines()
+               if "refused the record under" in line}
+    assert refused <= {"'peerflow/faults/abort'", "'peerflow/faults/stop/request'"}, err
     assert all((run_dir / f"done{r}").exists() for r in range(2)), err
