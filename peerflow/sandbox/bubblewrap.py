@@ -4,22 +4,29 @@ bubblewrap is the sandbox under Flatpak: small, maintained, packaged everywhere
 (`apt-get install bubblewrap`), and it works as root and, where the kernel allows user
 namespaces, as an ordinary user. What the program gets:
 
-* its own user, mount, pid, ipc, uts, cgroup and network namespaces (`--unshare-all`),
-  as user and group 65534 (`nobody`) with every capability dropped, and no further user
-  namespaces (`--disable-userns`, where the kernel supports it);
-* a root file system that holds only `/usr` (and the `/bin`, `/lib`, … links into it),
-  the interpreter's standard library, the dynamic linker's cache, a fresh `/dev`, a
-  fresh `/proc` showing only the sandbox's processes, a private `/tmp`, and the program's
-  own writable directory `/sandbox` — all read-only but `/sandbox` and `/tmp`: no home,
-  no `/root`, no `/etc`, no run directory, dataset or reward files, no site-packages
-  (the interpreter runs with `-I -S`; the standard library's site-packages is hidden);
+* bwrap itself started as an unprivileged host uid: `HOST_UID` when this process is
+  root (`setpriv` in the exec chain: no groups, no capabilities, `no_new_privs`), this
+  process's own uid otherwise; never the host's uid 0, so no root-owned file (a host
+  sysctl, a root-only `/proc` file, its own host-side stdout) is the program's;
+* its own user (`--unshare-user`, explicitly, so `--disable-userns` applies: no nested
+  user namespaces; bwrap fails, and the sandbox is unavailable, where the kernel cannot),
+  mount, pid, ipc, uts, cgroup and network namespaces, as uid and gid 65534 inside with
+  every capability dropped, under a seccomp filter (`peerflow.sandbox.seccomp_filter`);
+* a read-only root file system that holds only `/usr` (and the `/bin`, `/lib`, … links
+  into it), the interpreter's standard library, the dynamic linker's cache, a read-only
+  fresh `/dev` with a `SHM_BYTES` `/dev/shm`, a read-only fresh `/proc` showing only the
+  sandbox's processes, a private `/tmp`, and the program's own writable directory
+  `/sandbox` (`TMP_BYTES` each): no home, no `/root`, no `/etc`, no run directory,
+  dataset or reward files, no site-packages (the interpreter runs with `-I -S`; the
+  standard library's site-packages is hidden);
 * the packages it may import (`sandbox.packages`, a tool's own module) bound read-only
   under `/opt/peerflow-sandbox/lib`;
 * an empty environment (`--clearenv`, then `PATH`, `LANG`, `HOME=/sandbox`);
 * a new session (no terminal to inject into), and it dies with its parent.
 
-The resource limits of `peerflow.sandbox.local` (address space, CPU, file size, open
-files, a pids cgroup, the wall clock) apply to bwrap and everything under it.
+Bind sources the unprivileged uid cannot search for are staged (`peerflow.sandbox.staging`).
+The resource limits of `peerflow.sandbox.local` (a memory and a pids cgroup, address
+space, CPU, file size, open files, the wall clock) apply to bwrap and everything under it.
 """
 
 from __future__ import annotations
