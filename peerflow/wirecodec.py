@@ -151,7 +151,7 @@ def _refusal(what: str, why: str) -> str:
     return (f"refused a malformed {what} ({why}). PeerFlow decodes only its own msgpack "
             "format and never unpickles received bytes: the sender runs another PeerFlow "
             "version, or something other than this run's ranks wrote it (docs/operations.md, "
-            "'Trust boundary of a run').")
+            "'Trust model').")
 
 
 @attrs.define(eq=False)

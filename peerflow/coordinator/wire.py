@@ -101,7 +101,7 @@ def _malformed(why: str) -> WireFormatError:
     return WireFormatError(
         f"unpack_batch: refused a malformed packed batch: {why}. The sender runs another "
         "PeerFlow version, or something other than this run's ranks wrote it (docs/"
-        "operations.md, 'Trust boundary of a run').")
+        "operations.md, 'Trust model').")
 
 
 def _read_header(buffer: torch.Tensor) -> tuple[dict[str, Any], list, int, int]:

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from peerflow.distributed.faults import current_monitor, read_failure
 from peerflow.errors import WorkerFailedError
+from peerflow.wirecodec import decode, encode
 
 
 def default_timeout() -> float:
@@ -105,6 +106,20 @@ def all_gather_ragged(rows: torch.Tensor, group: Any = None, *, what: str = "all
     padded[: rows.shape[0]] = rows
     gathered = all_gather_tensor(padded, group, what=what, timeout=timeout)
     return [g[:c] for g, c in zip(gathered, counts)]
+
+
+def all_gather_values(value: Any, group: Any = None, *, what: str = "all_gather",
+                      timeout: float | None = None) -> list[Any]:
+    """Every rank's `value`, in group rank order: `all_gather_object` without pickle.
+
+    `value` holds plain values and `peerflow.wirecodec`'s types; it travels encoded, as
+    host `uint8` rows (`all_gather_ragged`), and each rank decodes the others' bytes with
+    the codec, so nothing a peer sends runs (a malformed one raises `WireFormatError`).
+    """
+    data = torch.frombuffer(bytearray(encode(value)), dtype=torch.uint8)
+    rows = all_gather_ragged(data, group, what=what, timeout=timeout)
+    return [decode(row.numpy().tobytes(), what=f"{what} (group rank {i})")
+            for i, row in enumerate(rows)]
 
 
 def barrier(group: Any = None, *, what: str = "barrier", timeout: float | None = None) -> None:

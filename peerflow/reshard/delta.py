@@ -337,9 +337,10 @@ def rank_hosts(group: Any = None) -> dict[int, str]:
     """Global rank → host name of every rank of `group` (collective)."""
     import torch.distributed as dist
 
+    from peerflow.distributed.comm import all_gather_values
+
     if not (dist.is_available() and dist.is_initialized()):
         return {0: socket.gethostname()}
     ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
-    hosts: list[Any] = [None] * len(ranks)
-    dist.all_gather_object(hosts, socket.gethostname(), group=group)
+    hosts = all_gather_values(socket.gethostname(), group, what="delta: each rank's host")
     return dict(zip(ranks, hosts, strict=True))

@@ -91,6 +91,5 @@ def _checked(export: Any, what: str) -> tuple[str, list]:
         raise WireFormatError(
             f"refused a malformed {what}: not one of {sorted(_SCHEMA)} with its values "
             f"({export!r:.200}). The ranks run different PeerFlow versions, or something "
-            "other than this run's ranks wrote it (docs/operations.md, 'Trust boundary of "
-            "a run').")
+            "other than this run's ranks wrote it (docs/operations.md, 'Trust model').")
     return export["kind"], values

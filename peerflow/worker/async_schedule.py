@@ -220,16 +220,15 @@ class TrainerSchedule:
 
     def inflight(self) -> dict[str, Any]:
         """Every group trained so far on any trainer rank, by rollout rank (collective)."""
-        import torch.distributed as dist
+        from peerflow.distributed.comm import all_gather_values
 
         for source, gids in self._streamer.trained_groups.items():
             self.trained.setdefault(source, []).extend(gids)
         self._streamer.trained_groups.clear()
         mine: list[Any] = [self.trained]
         if len(self.ranks) > 1:  # each trainer dp-rank trained its own share
-            gathered: list[Any] = [None] * len(self.ranks)
-            dist.all_gather_object(gathered, self.trained, group=self.group)
-            mine = gathered
+            mine = all_gather_values(self.trained, self.group,
+                                     what="async: the groups each trainer rank trained")
         merged: dict[int, list[int]] = {}
         for trained in mine:
             for source, gids in trained.items():

@@ -147,6 +147,8 @@ class MetricsExchange:
         """Every rank's metrics of this step, reduced; the same dict on every rank."""
         import torch.distributed as dist
 
+        from peerflow.distributed.comm import all_gather_values
+
         raw = metrics.raw()
         if not (dist.is_available() and dist.is_initialized()):
             return reduce_metrics([raw])
@@ -154,8 +156,7 @@ class MetricsExchange:
             per_rank = self._gather_values(raw)
             if per_rank is not None:
                 return reduce_metrics(per_rank)
-        gathered: list[Any] = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(gathered, raw, group=self.group)
+        gathered = all_gather_values(raw, self.group, what="metrics: every rank's names")
         self._layouts = [_layout(r) for r in gathered]
         return reduce_metrics(gathered)
 

@@ -94,12 +94,13 @@ def roles_sharing_prompts(engines: Mapping[str, Any]) -> dict[str, bool]:
     """
     import torch.distributed as dist
 
+    from peerflow.distributed.comm import all_gather_values
+
     mine = {role: bool(getattr(engine, "shares_prompts", False))
             for role, engine in engines.items()}
     gathered: list[Any] = [mine]
     if dist.is_initialized() and dist.get_world_size() > 1:
-        gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, mine)
+        gathered = all_gather_values(mine, what="which roles share prompts")
     sharing: dict[str, bool] = {}
     for facts in gathered:
         for role, shares in facts.items():

@@ -109,14 +109,14 @@ def _known(record: dict[str, Any]) -> int:
 
 
 def gather_records(records: list[dict[str, Any]], group: Any = None) -> list[list[dict]]:
-    """Every rank's records (one `all_gather_object` over `group`; alone: just these)."""
+    """Every rank's records (one `all_gather_values` over `group`; alone: just these)."""
     import torch.distributed as dist
+
+    from peerflow.distributed.comm import all_gather_values
 
     if not (dist.is_available() and dist.is_initialized()):
         return [records]
-    gathered: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, records, group=group)
-    return gathered
+    return all_gather_values(records, group, what="samples: every rank's records")
 
 
 def write_step_samples(rt: WorkerRuntime, step: int, batch: Batch, *, group: Any,

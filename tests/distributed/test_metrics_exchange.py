@@ -1,8 +1,9 @@
 """Step metrics reduced across gloo ranks: the numbers-only gather equals the object gather.
 
-`MetricsExchange` gathers objects on its first step and only numbers while every rank
-records the names it recorded then; when one rank's names change it falls back. Every
-step's result must equal `reduce_metrics` over the ranks' raw metrics, bit for bit.
+`MetricsExchange` gathers objects (`all_gather_values`) on its first step and only numbers
+while every rank records the names it recorded then; when one rank's names change it
+falls back. Every step's result must equal `reduce_metrics` over the ranks' raw metrics,
+bit for bit.
 """
 
 from __future__ import annotations
@@ -33,17 +34,17 @@ def _record(rank: int, step: int) -> StepMetrics:
 
 
 def _worker(rank: int, world: int) -> tuple[list[dict[str, float]], int]:
-    import torch.distributed as dist
+    from peerflow.distributed import comm
 
     object_gathers = 0
-    gather = dist.all_gather_object
+    gather = comm.all_gather_values
 
     def counted(*args, **kwargs):
         nonlocal object_gathers
         object_gathers += 1
         return gather(*args, **kwargs)
 
-    dist.all_gather_object = counted
+    comm.all_gather_values = counted
     exchange = MetricsExchange()
     return [exchange.reduce(_record(rank, step)) for step in range(1, 6)], object_gathers
 
