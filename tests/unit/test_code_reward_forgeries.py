@@ -17,7 +17,7 @@ import pytest
 
 from peerflow.algorithms.base import Example
 from peerflow.config import load_config, validate_config
-from peerflow.rewards import RewardPool, build_reward_set
+from peerflow.rewards import RewardPool, build_reward_set, deadline
 from peerflow.rewards.assert_checks import decode, same
 from peerflow.rewards.assert_harness import parse_asserts, read_values
 from peerflow.rewards.code import code_reward
@@ -174,6 +174,15 @@ def test_humaneval_s_check_function_is_judged_assert_by_assert():
     assert [c.source for c in plan.checks] == ["assert fib(0) == 0", "assert fib(10) == 55"]
     assert code_reward(f"```python\n{FIB_RIGHT}\n```", {"tests": tests})["score"] == 1.0
     assert code_reward("def fib(n):\n    return 0", {"tests": tests})["score"] == 0.5
+
+
+def test_a_reward_timeout_too_short_for_one_program_is_an_error_naming_the_setting():
+    deadline.start(2.0)
+    try:
+        with pytest.raises(ValueError, match="raise task.reward_limits.timeout_s"):
+            code_reward(FIB_RIGHT, dict(FIB))
+    finally:
+        deadline.start(None)
 
 
 def test_tests_without_an_assert_are_refused_naming_the_fix():
