@@ -28,28 +28,32 @@ MARKERS = ("tensor", "tuple", "items")
 PLAIN = (type(None), bool, int, float, str)
 
 
-def _encode(value: Any, where: str, tensors: dict[str, Any]) -> Any:
+def _encode(value: Any, where: str, tensors: dict[str, Any], seen: set[int]) -> Any:
+    """`value` as JSON, its tensors added to `tensors` (`seen`: their storages so far)."""
     import torch
 
     if isinstance(value, torch.Tensor):
         key = str(len(tensors))
-        tensors[key] = value.detach().cpu().contiguous().clone()
+        tensor = value.detach().cpu().contiguous()
+        storage = tensor.untyped_storage().data_ptr()
+        tensors[key] = tensor.clone() if storage in seen else tensor  # no shared memory
+        seen.add(storage)
         return {"tensor": key}
     if isinstance(value, PLAIN):
         return value
     if isinstance(value, tuple):
-        return {"tuple": [_encode(v, f"{where}[{i}]", tensors) for i, v in enumerate(value)]}
+        return {"tuple": [_encode(v, f"{where}[{i}]", tensors, seen) for i, v in enumerate(value)]}
     if isinstance(value, list):
-        return [_encode(v, f"{where}[{i}]", tensors) for i, v in enumerate(value)]
+        return [_encode(v, f"{where}[{i}]", tensors, seen) for i, v in enumerate(value)]
     if isinstance(value, dict):
         if all(isinstance(k, str) for k in value) and not (len(value) == 1
                                                             and next(iter(value)) in MARKERS):
-            return {k: _encode(v, f"{where}.{k}", tensors) for k, v in value.items()}
+            return {k: _encode(v, f"{where}.{k}", tensors, seen) for k, v in value.items()}
         for key in value:
             if not isinstance(key, PLAIN):
                 raise TypeError(f"state {where}: key {key!r} ({type(key).__name__}) cannot "
                                 "be saved without pickle (keys must be numbers or strings)")
-        return {"items": [[k, _encode(v, f"{where}.{k}", tensors)] for k, v in value.items()]}
+        return {"items": [[k, _encode(v, f"{where}.{k}", tensors, seen)] for k, v in value.items()]}
     raise TypeError(f"state {where} is a {type(value).__name__}, which cannot be saved "
                     "without pickle (tensors, numbers, strings, lists, tuples and dicts can)")
 
@@ -79,7 +83,7 @@ def save_tree(state: Any, stem: str | Path) -> None:
     from safetensors.torch import save_file
 
     tensors: dict[str, Any] = {}
-    structure = _encode(state, "state", tensors)
+    structure = _encode(state, "state", tensors, set())
     stem = Path(stem)
     with atomic_path(stem.with_name(stem.name + TENSORS)) as tmp:
         save_file(tensors, str(tmp))

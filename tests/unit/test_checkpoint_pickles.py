@@ -113,6 +113,10 @@ def test_tensor_tree_round_trips_optimizer_state_exactly(tmp_path):
     odd = {"tensor": 1.5, "inf": float("inf"), "nested": [(1, "a"), {2: None}]}
     save_tree(odd, tmp_path / "odd")
     assert load_tree(tmp_path / "odd") == odd
+    flat = torch.arange(6.0)
+    save_tree({"a": flat, "b": flat, "view": flat[2:4]}, tmp_path / "shared")  # one storage
+    shared = load_tree(tmp_path / "shared")
+    assert torch.equal(shared["b"], flat) and torch.equal(shared["view"], flat[2:4])
 
 
 def test_tensor_tree_refuses_what_json_cannot_hold(tmp_path):
