@@ -193,3 +193,25 @@ print(said, open("/proc/self/status").read().split("Seccomp:")[1].split()[0])
     assert result.status == "ok", result.stderr
     assert result.stdout == ("[('keyctl', -1, 'EPERM'), ('ptrace', -1, 'EPERM'), "
                              "('setns', -1, 'EPERM'), ('bpf', -1, 'EPERM')] 2\n")
+
+
+@as_root
+def test_sandbox_check_prints_the_uid_map_and_what_it_means(capsys):
+    import argparse
+    import json
+
+    from peerflow.cli.sandbox_cmd import run_check
+    from peerflow.sandbox.bubblewrap import HOST_UID
+
+    args = argparse.Namespace(backend="bubblewrap", url=None, token_env=None, json=True)
+    code = run_check(args)
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0, [e for e in report["escapes"] if not e["held"]]
+    assert report["uid_map_inside"] == "65534 0 1" and report["uid_inside"] == 65534
+    assert report["host_uids"] == [HOST_UID] * 4
+    assert f"host uid {HOST_UID}, an unprivileged account" in report["meaning"]
+    names = {e["name"] for e in report["escapes"]}
+    assert {"run as the host's root", "open a host sysctl for writing",
+            "read a root-only /proc file", "create a nested user namespace",
+            "mount a cgroup hierarchy", "fill / with 256 MiB", "fill /dev/shm with 256 MiB",
+            "fchmod its host-side stdout"} <= names and len(names) == 18
