@@ -12,14 +12,15 @@ true, or a program that read the asserts from its own file scored 1. Now:
   are literals (`ast.literal_eval`, kept on the host: an expected value never enters the
   sandbox) or expressions the program must evaluate (`fib(10)`). Other statements
   (imports, helper definitions) run in the program's namespace, in order.
-* `HARNESS`, a constant program, runs in the sandbox: it reads a request (a per-call
-  random sentinel, the setup statements and the leaf expressions; no expected value) from
-  stdin and then points stdin and stdout at `/dev/null`, imports the program as the module
-  `solution` in a namespace of its own (its `if __name__ == "__main__":` block does not
-  run; any `BaseException`, `SystemExit` included, fails every test), evaluates each
-  leaf, and prints one `<sentinel> {json}` line per leaf with
-  `repr()` of its value. A leaf that raises fails alone; past the harness's deadline
-  (just inside the sandbox's time limit) the leaf running and every later one fail.
+* `HARNESS`, a constant program, runs in the sandbox after the candidate (a string
+  literal) and the plan's steps (setup statements and leaf expressions; no expected
+  value). It reads a per-call random sentinel from stdin, points stdin and stdout at
+  `/dev/null`, imports the program as the module `solution` in a namespace of its own
+  (its `if __name__ == "__main__":` block does not run; any `BaseException`,
+  `SystemExit` included, fails every test), evaluates each leaf, and prints one
+  `<sentinel> (kind, leaf, text)` line per leaf with `repr()` of its value. A leaf that
+  raises fails alone; past the harness's deadline (just inside the sandbox's time limit)
+  the leaf running and every later one fail.
 * `count_passed` decodes each value with `ast.literal_eval` only (an object that is not
   plain data fails) and evaluates the checks. A leaf without a line (the program exited,
   crashed or was killed first) fails.
@@ -38,7 +39,6 @@ their values are visible to it.
 from __future__ import annotations
 
 import ast
-import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -50,20 +50,18 @@ from peerflow.rewards.assert_checks import Check, CheckBuilder, decode
 MAX_VALUE_CHARS = 200_000
 #: The sandboxed program (`harness_program` puts the candidate before it as `PROGRAM`).
 HARNESS = r'''
-import json, os, signal, sys, time, types
-request = json.loads(sys.stdin.read())
-deadline = time.monotonic() + request["seconds"]
-SENTINEL = request["sentinel"]
+import os, sys, time, _signal
+SENTINEL = sys.stdin.read().strip()
+deadline = time.monotonic() + SECONDS
 out = os.fdopen(os.dup(1), "w")
 os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
 try:
     os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
 except OSError:  # a sandbox that allows writes only in its own directory
     os.dup2(os.open(".program-output", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), 1)
-del request["sentinel"]
 
-def report(record):
-    out.write(SENTINEL + " " + json.dumps(record) + "\n")
+def report(*record):
+    out.write(SENTINEL + " " + repr(record) + "\n")
     out.flush()
 
 class Late(BaseException):
@@ -76,12 +74,12 @@ def bounded(fn):
     left = deadline - time.monotonic()
     if left <= 0:
         raise Late()
-    signal.signal(signal.SIGALRM, late)
-    signal.setitimer(signal.ITIMER_REAL, left)
+    _signal.signal(_signal.SIGALRM, late)
+    _signal.setitimer(_signal.ITIMER_REAL, left)
     try:
         return fn()
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
+        _signal.setitimer(_signal.ITIMER_REAL, 0)
 
 def name(exc):
     try:
@@ -89,27 +87,27 @@ def name(exc):
     except BaseException:
         return "error"
 
-solution = types.ModuleType("solution")
+solution = type(sys)("solution")
 solution.__file__ = "solution.py"
 sys.modules["solution"] = solution
 try:
     bounded(lambda: exec(compile(PROGRAM, "solution.py", "exec"), solution.__dict__))
-    report({"import": True})
+    report("import", True)
 except BaseException as exc:
-    report({"import": False, "error": name(exc)})
+    report("import", False, name(exc))
     out.close()
     os._exit(0)
 leaf = 0
-for kind, source in request["steps"]:
+for kind, source in STEPS:
     try:
         if kind == "exec":
             bounded(lambda: exec(compile(source, "<tests>", "exec"), solution.__dict__))
             continue
         value = bounded(lambda: eval(compile(source, "<tests>", "eval"), solution.__dict__))
-        report({"leaf": leaf, "value": bounded(lambda: repr(value))[:MAX + 1]})
+        report("value", leaf, bounded(lambda: repr(value))[:MAX + 1])
     except BaseException as exc:
         if kind == "eval":
-            report({"leaf": leaf, "error": name(exc)})
+            report("error", leaf, name(exc))
     leaf += kind == "eval"
 out.close()
 os._exit(0)
@@ -194,43 +192,46 @@ def parse_asserts(tests: str) -> AssertPlan:
     return AssertPlan(steps=tuple(steps), checks=tuple(checks))
 
 
-def harness_program(program: str) -> str:
-    """The sandboxed program: `HARNESS` with the candidate `program` as a string literal."""
-    return f"PROGRAM = {program!r}\nMAX = {MAX_VALUE_CHARS}\n" + HARNESS
+def harness_program(program: str, plan: AssertPlan, seconds: float) -> str:
+    """The sandboxed program: `HARNESS` after the program, the steps and the deadline.
 
-
-def harness_request(plan: AssertPlan, sentinel: str, seconds: float) -> str:
-    """The harness's stdin: the sentinel, the steps and its own deadline in seconds."""
-    return json.dumps({"sentinel": sentinel, "seconds": seconds,
-                       "steps": [list(step) for step in plan.steps]})
+    The candidate `program` is a string literal, the plan's steps hold no expected value,
+    `seconds` is the harness's own deadline. Its stdin is the call's sentinel alone.
+    Everything is a Python literal, so the harness imports only built-in modules (`json`
+    and `re` would cost ~20 ms a program).
+    """
+    steps = [list(step) for step in plan.steps]
+    return (f"PROGRAM = {program!r}\nSTEPS = {steps!r}\nSECONDS = {float(seconds)!r}\n"
+            f"MAX = {MAX_VALUE_CHARS}\n" + HARNESS)
 
 
 def read_values(stdout: str, sentinel: str) -> dict[int, Any] | None:
     """The decoded leaf values in the harness's lines; `None` when the program did not import.
 
-    Only lines that start with `sentinel` count, the first one for each leaf; values are
+    Only lines `<sentinel> (kind, ...)` count, the first one for each leaf; values are
     decoded by `decode` (`ast.literal_eval`; anything but plain data is left out).
     """
     imported, values, seen = False, {}, set()
+    head = sentinel + " "
     for line in stdout.splitlines():
-        if not line.startswith(sentinel + " "):
+        if not line.startswith(head) or len(line) > 4 * MAX_VALUE_CHARS + 200:
             continue
         try:
-            record = json.loads(line[len(sentinel) + 1:])
-        except ValueError:
+            record = ast.literal_eval(line[len(head):])
+        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
             continue
-        if not isinstance(record, dict):
+        if not isinstance(record, tuple) or len(record) < 2:
             continue
-        if record.get("import") is True:
+        if record[:2] == ("import", True):
             imported = True
-        leaf = record.get("leaf")
-        if type(leaf) is not int or leaf in seen:
+        if len(record) != 3 or record[0] not in ("value", "error") or type(
+                record[1]) is not int or record[1] in seen:
             continue
-        seen.add(leaf)
-        text = record.get("value")
-        if isinstance(text, str) and len(text) <= MAX_VALUE_CHARS:
+        seen.add(record[1])
+        text = record[2]
+        if record[0] == "value" and isinstance(text, str) and len(text) <= MAX_VALUE_CHARS:
             try:
-                values[leaf] = decode(text)
+                values[record[1]] = decode(text)
             except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
                 pass
     return values if imported else None

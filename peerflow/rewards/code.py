@@ -36,7 +36,6 @@ from peerflow.rewards import deadline
 from peerflow.rewards.assert_harness import (
     count_passed,
     harness_program,
-    harness_request,
     parse_asserts,
     read_values,
 )
@@ -102,8 +101,7 @@ def _assert_tests(program: str, tests: str, limits: SandboxLimits) -> tuple[int,
         return 0, len(plan.checks)
     sentinel = secrets.token_hex(16)
     seconds = max(0.1, run_limits.timeout_s - min(HARNESS_MARGIN_S, run_limits.timeout_s / 4))
-    result = run_sandboxed(harness_program(program), harness_request(plan, sentinel, seconds),
-                           run_limits)
+    result = run_sandboxed(harness_program(program, plan, seconds), sentinel, run_limits)
     return count_passed(plan, read_values(result.stdout, sentinel)), len(plan.checks)
 
 

@@ -152,8 +152,8 @@ def test_the_host_decides_by_type_and_value_and_keeps_expected_values():
     assert [s for k, s in plan.steps if k == "eval"] == ["f(1)", "g(2)", "h(3)", "k(4)",
                                                          "m(5)"]
     lines = lambda values: "\n".join(  # noqa: E731
-        ["S " + json.dumps({"import": True})] +
-        [f"S {json.dumps({'leaf': i, 'value': v})}" for i, v in enumerate(values)])
+        ["S " + repr(("import", True))] +
+        [f"S {('value', i, v)!r}" for i, v in enumerate(values)])
     right = read_values(lines(["55", "False", "3", "[2, 1]", "1.5"]), "S")
     assert sum(c.passes(right) for c in plan.checks) == 4
     typed = read_values(lines(["55.0", "0", "'3'", "(2, 1)", "A()"]), "S")
