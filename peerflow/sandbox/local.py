@@ -155,20 +155,7 @@ def make_pids_cgroup(max_processes: int) -> str | None:
     return _make_cgroup(PIDS_ROOTS, {"pids.max": str(max_processes)})
 
 
-def make_memory_cgroup(memory_mb: int) -> str | None:
-    """A fresh cgroup limited to `memory_mb` MiB in all, swap included, or `None`.
-
-    It counts what `RLIMIT_AS` cannot: the memory of all the program's processes together
-    and the pages of its tmpfs mounts (`/tmp`, `/sandbox`, `/dev/shm`).
-    """
-    limit = str(memory_mb * 2**20)
-    root = memory_cgroup_root()
-    if root is None:
-        return None
-    if root.endswith("/memory"):  # cgroup v1
-        return _make_cgroup((root,), {"memory.limit_in_bytes": limit,
-                                      "memory.memsw.limit_in_bytes?": limit})
-    return _make_cgroup((root,), {"memory.max": limit, "memory.swap.max?": "0"})
+V1_MEMORY, V2 = "/sys/fs/cgroup/memory", "/sys/fs/cgroup"
 
 
 @functools.cache
@@ -176,15 +163,35 @@ def memory_cgroup_root() -> str | None:
     """Where a memory cgroup can be made here (root with a writable controller), or `None`."""
     if os.geteuid() != 0:
         return None
-    v1 = "/sys/fs/cgroup/memory"
-    if os.path.isfile(f"{v1}/memory.limit_in_bytes") and os.access(v1, os.W_OK):
-        return v1
-    v2 = "/sys/fs/cgroup"
+    if os.path.isfile(f"{V1_MEMORY}/memory.limit_in_bytes") and os.access(V1_MEMORY, os.W_OK):
+        return V1_MEMORY
     with contextlib.suppress(OSError):
-        if "memory" in Path(v2, "cgroup.subtree_control").read_text().split() \
-                and os.access(v2, os.W_OK):
-            return v2
+        if "memory" in Path(V2, "cgroup.subtree_control").read_text().split() \
+                and os.access(V2, os.W_OK):
+            return V2
     return None
+
+
+def make_cgroups(limits: SandboxLimits) -> tuple[str | None, str | None]:
+    """The program's fresh (pids, memory) cgroups; `None` for one that cannot be made.
+
+    The memory cgroup holds `memory_mb` MiB in all, swap included: it counts what
+    `RLIMIT_AS` cannot, the memory of all the program's processes together and the pages
+    of its tmpfs mounts (`/tmp`, `/sandbox`, `/dev/shm`). On cgroup v2, where a process is
+    in exactly one cgroup, both limits are set on the same one (and it is returned twice).
+    """
+    limit = str(limits.memory_mb * 2**20)
+    memory_root = memory_cgroup_root()
+    if memory_root == V2:
+        both = _make_cgroup((V2,), {"memory.max": limit, "memory.swap.max?": "0",
+                                    "pids.max?": str(limits.max_processes)})
+        pids_limited = both is not None and os.path.isfile(os.path.join(both, "pids.max"))
+        return (both if pids_limited else None), both
+    memory = None if memory_root is None else _make_cgroup(
+        (memory_root,), {"memory.limit_in_bytes": limit, "memory.memsw.limit_in_bytes?": limit})
+    pids = _make_cgroup(PIDS_ROOTS[:1], {"pids.max": str(limits.max_processes)}) \
+        or (None if memory_root else make_pids_cgroup(limits.max_processes))
+    return pids, memory
 
 
 def _capped(kind: int, value: int) -> int:
@@ -273,9 +280,8 @@ def run_process(argv: list[str], workdir: Path, stdin: str, limits: SandboxLimit
         nproc_uid: The host uid the program runs as (its processes are counted under
             it where no pids cgroup can be made); default this process's.
     """
-    pids = make_pids_cgroup(limits.max_processes)
-    memory = make_memory_cgroup(limits.memory_mb)
-    cgroups = [c for c in (pids, memory) if c]
+    pids, memory = make_cgroups(limits)
+    cgroups = list(dict.fromkeys(c for c in (pids, memory) if c))
     uid = os.geteuid() if nproc_uid is None else nproc_uid
     nproc = None if pids or uid == 0 else user_processes(uid) + limits.max_processes
     try:

@@ -56,6 +56,10 @@ def mount_point(source: str) -> str:
     point = os.path.join(STAGE_ROOT, hashlib.sha256(source.encode()).hexdigest()[:16])
     try:
         os.makedirs(STAGE_ROOT, mode=0o755, exist_ok=True)
+        st = os.lstat(STAGE_ROOT)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+            raise OSError(f"{STAGE_ROOT} is not a directory of this user's (a link, or "
+                          "another user's); remove it")
         os.chmod(STAGE_ROOT, 0o755)
         if os.path.isdir(source):
             os.makedirs(point, mode=0o755, exist_ok=True)
