@@ -49,8 +49,10 @@ import torch
 
 from peerflow.batch import Batch, RaggedField
 from peerflow.engines.base import NoOptions
+from peerflow.wirecodec import register
 
 
+@register  # batches carry examples between ranks (`peerflow.wirecodec`)
 @attrs.frozen(kw_only=True)
 class Example:
     """One prompt of a task, with what its reward needs to score an answer."""
@@ -59,7 +61,9 @@ class Example:
     """Prompt text, or chat messages (`{role, content}`); the chat template is applied when
     the prompt is encoded."""
     answer: Any = None
-    """Reference answer or any metadata the reward reads (must be picklable)."""
+    """Reference answer or any metadata the reward reads: plain values (None, bool, int,
+    float, str, bytes, lists, dicts), tuples, tensors, numpy values or registered attrs
+    classes, which travel between ranks (`peerflow.wirecodec`)."""
     index: int = 0
     """Position in the dataset (stable, used for resumable sampling)."""
     metadata: dict[str, Any] = attrs.field(factory=dict)
