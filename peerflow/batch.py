@@ -280,7 +280,8 @@ class Batch:
     def to_wire(self) -> tuple[dict[str, Any], list[torch.Tensor]]:
         """Flattens the batch into a small metadata dict and a list of contiguous tensors.
 
-        Python-object fields travel inside the metadata (it is pickled by the transport).
+        Python-object fields travel inside the metadata, which the transport encodes with
+        `peerflow.wirecodec` (plain values and its type table; never a pickle).
         `Batch.from_wire(*batch.to_wire())` reproduces the batch exactly.
 
         Raises:
