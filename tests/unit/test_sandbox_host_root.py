@@ -215,3 +215,15 @@ def test_sandbox_check_prints_the_uid_map_and_what_it_means(capsys):
             "read a root-only /proc file", "create a nested user namespace",
             "mount a cgroup hierarchy", "fill / with 256 MiB", "fill /dev/shm with 256 MiB",
             "fchmod its host-side stdout"} <= names and len(names) == 18
+
+
+def test_a_path_under_an_unsearchable_directory_is_staged_below_it(tmp_path):
+    from peerflow.sandbox.staging import staged_root
+
+    private = tmp_path / "home"  # like /root: 0700
+    (private / "pyenv" / "bin").mkdir(parents=True)
+    private.chmod(0o700)
+    tmp_path.chmod(0o755)
+    nobody = 2_000_000_001
+    assert staged_root(str(private / "pyenv" / "bin"), nobody) == str(private / "pyenv")
+    assert staged_root("/usr/bin", nobody) is None
