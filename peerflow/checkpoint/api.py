@@ -146,8 +146,10 @@ def _agreed_step(run_dir: str | Path, rank: int, report: Callable[[str], None]) 
     if _distributed():
         import torch.distributed as dist
 
-        if dist.get_world_size() > 1:
-            dist.broadcast_object_list(choice, src=0)
+        if dist.get_world_size() > 1:  # rank 0's choice, decoded without pickle
+            from peerflow.distributed.comm import all_gather_values
+
+            choice = all_gather_values(choice, what="checkpoint choice")[0]
     if choice[1] is not None:
         raise UntrustedCheckpointError(choice[1])
     return choice[0]
