@@ -13,7 +13,11 @@ engine names in `checkpoint_globals`), and nothing else:
   unpickler refuses raises `UntrustedCheckpointError` naming the file and
   `--trust-checkpoint`, unless the checkpoint is trusted;
 * `untrusted_file(directory)` — the first pickle under a directory that `safe_load`
-  refuses (the manifest's `verify` calls it: resume, eval and export see one verdict);
+  refuses (the manifest's `verify` calls it: resume, eval and export see one verdict,
+  before any engine starts; it finds the pickles `is_pickle` recognises, so the
+  loaders themselves never rely on it);
+* `check_files(paths)` — every one of `paths` loads restricted, before a reader that
+  does not (DeepSpeed's `zero_to_fp32`) opens them;
 * `trusted()` / `trust_checkpoints()` — `--trust-checkpoint`: the environment variable
   `PEERFLOW_TRUST_CHECKPOINT=1`, set by the CLI so that every worker the launcher starts
   inherits it. Trusted, a refused file is loaded with `weights_only=False`: only for
@@ -196,16 +200,16 @@ def check_files(paths: Iterable[str | Path], *, allowed: Sequence[str] = (),
     """Raises `UntrustedCheckpointError` for the first of `paths` the safe loader refuses.
 
     For an engine's own reader that unpickles with `weights_only=False` (DeepSpeed's
-    `zero_to_fp32`): call it on every file that reader opens, first.
+    `zero_to_fp32`): call it on every file that reader opens, first. Every path is
+    checked, whatever its first bytes (`torch.load` also reads protocol 0 and 1 pickles,
+    which `is_pickle` does not recognise).
     """
     if trusted() if trust is None else trust:
         return
     for path in paths:
-        path = Path(path)
-        if is_pickle(path):
-            problem = _check(path, allowed)
-            if problem is not None:
-                raise UntrustedCheckpointError(problem)
+        problem = _check(Path(path), allowed)
+        if problem is not None:
+            raise UntrustedCheckpointError(problem)
 
 
 def registered_globals() -> tuple[str, ...]:

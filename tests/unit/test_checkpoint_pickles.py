@@ -128,3 +128,18 @@ def test_tensor_tree_refuses_what_json_cannot_hold(tmp_path):
 
     save_file({"0": torch.ones(2)}, str(tmp_path / "t.safetensors"))
     assert torch.equal(load_tree(tmp_path / "t")[0], torch.ones(2))
+
+
+def test_a_protocol_0_pickle_is_checked_before_an_unrestricted_reader(tmp_path):
+    """`torch.load` reads text pickles too: `check_files` does not go by the first bytes."""
+    import pickle
+
+    marker = tmp_path / "pwned"
+    path = tmp_path / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    path.write_bytes(pickle.dumps(Payload(marker), protocol=0))
+    assert not is_pickle(path)  # not a torch file nor a protocol-2+ pickle
+    with pytest.raises(UntrustedCheckpointError, match="optim_states.pt"):
+        check_files([path])
+    with pytest.raises(UntrustedCheckpointError):
+        safe_load(path)
+    assert not marker.exists()

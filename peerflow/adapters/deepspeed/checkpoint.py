@@ -65,8 +65,8 @@ class SafeCheckpointEngine:
 
 
 def _tag_files(directory: str, tag: str) -> list[Path]:
-    """Every file DeepSpeed may read of checkpoint `tag` (sorted)."""
-    return sorted(p for p in Path(directory, tag).rglob("*") if p.is_file())
+    """Every torch file DeepSpeed may read of checkpoint `tag` (its `*.pt`, sorted)."""
+    return sorted(p for p in Path(directory, tag).rglob("*.pt") if p.is_file())
 
 
 class DeepSpeedCheckpoints:
