@@ -6,5 +6,7 @@ serves `/v1/chat/completions`, `/v1/completions`, `/v1/models` and vLLM's token-
 programs written against an OpenAI client call it (`program`); every call is answered by
 the one agent driver (`peerflow.agents.rollout`) with the engine's own tokens, log-probs
 and weight versions, and recorded token-exactly as the trajectory the trainer trains on.
-`protocol` holds the request and response shapes.
+`protocol` holds the request and response shapes, validated at the edge against
+`limits`; `serving` starts the servers a run owns (this one, OpenEnv's) with their bearer
+token and connection limits.
 """

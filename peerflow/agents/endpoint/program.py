@@ -26,11 +26,15 @@ is the call's answer.
   episode. With `n > 1` the call extends one of the choices (`StepResult.choice`); the
   others are samples of their own (`branch`). A call's sampling settings are checked when
   it is taken (`sampling.refusal`: 400 and wait for the next) and passed to the driver
-  (`turn_settings`).
+  (`turn_settings`); so is its rendered prompt's length against the model's context.
 * A call whose prompt does not extend the trajectory (the program rewrote an earlier turn,
   or dropped history) ends that sample (`finish_reason` `restart`, `prefix_breaks` in its
   `agent_info`) and starts a new sample of the episode from the call's whole prompt
   (`StepResult.restart`; its `agent_info` has `segment`); both get the episode's reward.
+* Every call is validated when it arrives (`protocol`, against `limits`): a malformed one
+  is answered 400 naming the field and never reaches the driver. The program starts in
+  `initial_prompt_ids`, once those limits are known. A call the engine fails on is
+  answered 500 (`turn_failed`); its episode ends, the others go on.
 * A trajectory a `rollout.agent` limit ends (max_turns, max_total_tokens) has its pending
   call answered 503; the program's reward then still counts, or `cut_reward` when the
   program raised on that answer.
@@ -38,7 +42,6 @@ is the call's answer.
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import queue
 import threading
@@ -46,9 +49,8 @@ import uuid
 from concurrent.futures import Future
 from typing import Any, ClassVar
 
-import attrs
-
 from peerflow.agents.endpoint.limits import RequestLimits, model_limits
+from peerflow.agents.endpoint.options import AgentProgramOptions
 from peerflow.agents.endpoint.protocol import (
     Call,
     Reply,
@@ -60,61 +62,6 @@ from peerflow.agents.endpoint.protocol import (
 )
 from peerflow.agents.environment import Environment, StepResult, Turn, TurnSettings
 from peerflow.algorithms.base import Example
-
-
-def is_loopback(host: str) -> bool:
-    """Whether `host` is a loopback address (or `localhost`)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def _loadable(_: object, attribute: attrs.Attribute, value: str) -> None:
-    from peerflow.rewards.loading import load_function, parse_target
-
-    target = parse_target(value)
-    if target is None:
-        raise ValueError(f"rollout.agent.options.function={value!r}: name the agent function "
-                         "as path/to/agent.py:function or package.module:function.")
-    load_function(target, "rollout.agent.options.function")
-
-
-@attrs.frozen(kw_only=True)
-class AgentProgramOptions:
-    """`rollout.agent.options` of `agent-program`."""
-
-    function: str = attrs.field(validator=_loadable)
-    """`path/to/agent.py:run_episode` or `package.module:run_episode`."""
-    host: str = "127.0.0.1"
-    """Address the endpoint listens on; anything but loopback needs `token_env`."""
-    port: int = 0
-    """Port (0: a free one; each rollout process serves its own episodes)."""
-    token_env: str = ""
-    """Environment variable holding the bearer token; empty: a random token per run
-    process, handed to each episode as its `api_key`."""
-    model_name: str = "policy"
-    """The model id the endpoint serves (`/v1/models`, `model=` of each call)."""
-    wait_s: float = 25.0
-    """Seconds to wait for the program's next call (or its return); keep it below
-    `rollout.agent.step_timeout_s` (default 30)."""
-    cut_reward: float = 0.0
-    """Reward of an episode a `rollout.agent` limit cut whose program then raised."""
-    max_n: int = attrs.field(default=0, validator=attrs.validators.ge(0))
-    """Most choices (`n`) one call may ask for; more is answered 400 (0: the run's
-    `rollout.sampling.n`). Every choice is a sample the trainer trains on."""
-
-    def __attrs_post_init__(self) -> None:
-        if not is_loopback(self.host) and not self.token_env:
-            raise ValueError(
-                f"rollout.agent.options.host={self.host!r} serves the policy beyond this "
-                "machine; set rollout.agent.options.token_env to an environment variable "
-                "holding a bearer token (or keep host 127.0.0.1).")
-        if self.token_env and not os.environ.get(self.token_env):
-            raise ValueError(f"rollout.agent.options.token_env={self.token_env!r}: that "
-                             "environment variable is not set (it holds the bearer token).")
 
 
 class AgentProgram(Environment):

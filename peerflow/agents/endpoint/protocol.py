@@ -1,7 +1,11 @@
 """Request and response bodies of the policy endpoint (OpenAI's and vLLM's shapes).
 
 Requests are validated with pydantic (unknown fields are accepted and ignored, as OpenAI
-clients send many); each becomes a `Call`: what the model is asked to continue. Responses
+clients send many) against the model's and the run's limits (`limits.RequestLimits`, the
+validation context): types, ranges, token ids in the vocabulary, prompts that fit the
+context, `n` at most the cap. A refused request is answered 400 naming the field
+(`refused_field`: OpenAI's `error.param`). Each valid one becomes a `Call`: what the
+model is asked to continue. Responses
 are plain dicts in OpenAI's shapes, plus vLLM's token fields when `return_token_ids` is set
 (`prompt_token_ids`, `token_ids`), and log-probs when `logprobs` is set.
 
@@ -40,9 +44,12 @@ class _Request(SamplingFields):
     skip_special_tokens: bool = True
     session_id: str | None = None
 
-    def _fits(self, param: str, ids: list[int], info: ValidationInfo) -> None:
+    @staticmethod
+    def _fits(param: str, ids: list[int], sampling: SamplingFields, info: ValidationInfo
+              ) -> None:
         """Refuses a token prompt the model's context cannot answer (names `param`)."""
-        why = limits_of(info).room(len(ids), self.max_completion_tokens or self.max_tokens)
+        why = limits_of(info).room(len(ids),
+                                   sampling.max_completion_tokens or sampling.max_tokens)
         if why:
             raise FieldError(param, f"{param}: {why}")
 
@@ -92,7 +99,7 @@ class CompletionRequest(_Request):
     @model_validator(mode="after")
     def _prompt_fits(self, info: ValidationInfo) -> CompletionRequest:
         if isinstance(self.prompt, list):
-            self._fits("prompt", self.prompt, info)
+            self._fits("prompt", self.prompt, self, info)
         return self
 
 
@@ -104,10 +111,7 @@ class GenerateRequest(_Request):
 
     @model_validator(mode="after")
     def _prompt_fits(self, info: ValidationInfo) -> GenerateRequest:
-        p = self.sampling_params
-        why = limits_of(info).room(len(self.token_ids), p.max_completion_tokens or p.max_tokens)
-        if why:
-            raise FieldError("token_ids", f"token_ids: {why}")
+        self._fits("token_ids", self.token_ids, self.sampling_params, info)
         return self
 
 
