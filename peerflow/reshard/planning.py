@@ -10,6 +10,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from peerflow.distributed.comm import all_gather_values
 from peerflow.engines import RolloutEngine, TrainEngine
 from peerflow.reshard.plan import ReshardPlan, plan_reshard
 from peerflow.reshard.transport import WeightTransport, make_transport
@@ -35,8 +36,7 @@ def gather_specs(trainer: TrainEngine | None, rollout: RolloutEngine | None, *,
             list(rollout.weight_targets()) if rollout is not None else None)
     entries = [mine]
     if world > 1:
-        entries = [None] * world
-        dist.all_gather_object(entries, mine, group=group)
+        entries = all_gather_values(mine, group, what="weight sync: every rank's specs")
     sources = {r: s for r, s, _ in entries if s is not None}
     destinations = {r: d for r, _, d in entries if d is not None}
     return sources, destinations
