@@ -130,8 +130,8 @@ Layout = tuple[tuple[str, str], ...]
 class MetricsExchange:
     """Reduces step metrics across ranks, step after step (`reduce`, collective).
 
-    The first step gathers every rank's `StepMetrics.raw()` as objects (pickled, two
-    collectives) and keeps each rank's layout. Later steps, while every rank records the
+    The first step gathers every rank's `StepMetrics.raw()` as objects (`all_gather_values`,
+    two collectives) and keeps each rank's layout. Later steps, while every rank records the
     names it recorded then, gather only the numbers: one fixed-size float64 tensor per
     rank, whose first entry says whether that rank's layout is still the kept one. If any
     rank's layout changed, the step falls back to the object gather and keeps the new

@@ -1,7 +1,7 @@
 """Samples of a step, decoded on the ranks that hold them and written once.
 
 Every rank of the schedule's group takes its own first `limit` samples by `sample_id`
-and decodes only those (`sample_records`); one `all_gather_object` over the group brings
+and decodes only those (`sample_records`); one `all_gather_values` over the group brings
 these few strings and numbers to every rank; the reporting rank keeps the run's first
 `limit` samples by `sample_id` and writes them (`peerflow.outputs.samples`). Taking
 `limit` per rank, not `limit / world`, keeps the result right when ranks hold the same
