@@ -215,3 +215,22 @@ def test_oversized_headers_and_bodies_are_refused():
     wrong = httpx.post(url, json={"prompt": "x"}, headers={"Authorization": "Bearer é".encode()})
     assert wrong.status_code == 401  # a non-ASCII header is just a wrong token
     endpoint.stop()
+
+
+def test_a_pipelined_request_trickled_byte_by_byte_is_dropped():
+    endpoint = _endpoint(read_timeout_s=1.0)
+    with socket.create_connection(("127.0.0.1", endpoint.port), timeout=10) as sock:
+        sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer edge-token"
+                     b"\r\n\r\nPOST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: "
+                     b"Bearer edge-token\r\nContent-Length: 100\r\n\r\n{")
+        time.sleep(0.3)  # the first answer is sent; the second request waits for its body
+        start = time.monotonic()
+        closed = False
+        while time.monotonic() - start < 8 and not closed:
+            try:
+                sock.sendall(b" ")  # a byte every 0.2 s: the keep-alive timer never fires
+            except OSError:
+                closed = True
+            time.sleep(0.2)
+        assert closed and time.monotonic() - start < 4
+    endpoint.stop()

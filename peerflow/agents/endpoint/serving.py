@@ -62,8 +62,8 @@ class DeadlineH11Protocol(H11Protocol):
             self._deadline = None
 
     def data_received(self, data: bytes) -> None:  # noqa: D102 — uvicorn's
-        if self.conn.their_state is h11.IDLE:  # the first bytes of a request
-            self._arm()
+        if self.conn.their_state in (h11.IDLE, h11.SEND_BODY):  # a request still arriving
+            self._arm()  # (SEND_BODY unarmed: a pipelined request, read after the last)
         super().data_received(data)
         if self.conn.their_state is not h11.IDLE and self.conn.their_state is not h11.SEND_BODY:
             self._disarm()  # received whole (or closed, or switched to a WebSocket)
