@@ -68,7 +68,8 @@ TMP_BYTES = 64 * 2**20
 SHM_BYTES = 16 * 2**20
 #: The host uid and gid bubblewrap runs as when this process is root: an account of its
 #: own, not the host's 0 and not `nobody` (which other daemons and NFS use), far above
-#: the ranges `useradd` and `/etc/subuid` hand out.
+#: the ranges `useradd` and `/etc/subuid` hand out (in a container whose user namespace
+#: does not map it, the highest id it maps instead: `host_uid`).
 HOST_UID = 2_000_000_000
 #: The uid and gid the program has inside its user namespace (`nobody`).
 INSIDE_ID = 65534
@@ -134,13 +135,39 @@ def bwrap_path() -> str | None:
     return os.path.realpath(found) if found else None
 
 
-def host_uid() -> int | None:
-    """The host uid bubblewrap runs as: `HOST_UID` under root, else this process's own.
+def id_ranges(path: str) -> list[range]:
+    """The ids this process's user namespace holds (`/proc/self/uid_map`, `gid_map`)."""
+    try:
+        with open(path) as lines:
+            return [range(int(inside), int(inside) + int(count))
+                    for inside, _, count in (line.split() for line in lines if line.strip())]
+    except (OSError, ValueError):
+        return []
 
-    `None` means "this process's uid" (an unprivileged user, which the kernel lets map
-    only itself).
+
+@functools.cache
+def drop_id() -> int:
+    """The id root drops to: `HOST_UID`, where this user namespace maps it.
+
+    Else the highest id but 0 that both the uid and the gid map hold (a container whose
+    namespace maps 0-65535: 65535); a namespace that maps only 0 gets `HOST_UID`, which
+    `setpriv` then refuses, and the sandbox is unavailable (it fails closed).
     """
-    return HOST_UID if os.geteuid() == 0 else None
+    uids, gids = id_ranges("/proc/self/uid_map"), id_ranges("/proc/self/gid_map")
+    if any(HOST_UID in r for r in uids) and any(HOST_UID in r for r in gids):
+        return HOST_UID
+    common = [min(u.stop, g.stop) - 1 for u in uids for g in gids
+              if max(u.start, g.start) < min(u.stop, g.stop)]
+    return max([c for c in common if c > 0], default=HOST_UID)
+
+
+def host_uid() -> int | None:
+    """The uid (and gid) bubblewrap runs as when this process is root (`drop_id`).
+
+    `None` means "this process's uid": an unprivileged user, which the kernel lets map
+    only itself.
+    """
+    return drop_id() if os.geteuid() == 0 else None
 
 
 def drop_argv() -> list[str]:
@@ -149,9 +176,10 @@ def drop_argv() -> list[str]:
     It clears the supplementary groups and the inheritable, ambient and bounding
     capability sets and sets no_new_privs, so nothing of root's survives the exec of bwrap.
     """
-    if host_uid() is None:
+    uid = host_uid()
+    if uid is None:
         return []
-    return [tool("setpriv"), f"--reuid={HOST_UID}", f"--regid={HOST_UID}", "--clear-groups",
+    return [tool("setpriv"), f"--reuid={uid}", f"--regid={uid}", "--clear-groups",
             "--inh-caps=-all", "--ambient-caps=-all", "--bounding-set=-all",
             "--no-new-privs", "--"]
 
@@ -205,7 +233,8 @@ def bwrap_unavailable() -> str | None:
                 "unprivileged user namespaces (`sysctl user.max_user_namespaces=10000`, "
                 "`sysctl kernel.unprivileged_userns_clone=1`, on Ubuntu >= 23.10 "
                 "`sysctl kernel.apparmor_restrict_unprivileged_userns=0` or an AppArmor "
-                "profile for bwrap), or " + INSTALL_HINT.split(", or ", 1)[1] + ".")
+                "profile for bwrap); in a container whose user namespace maps only root, "
+                "map more ids to it; or " + INSTALL_HINT.split(", or ", 1)[1] + ".")
     try:
         trial = _run("print('ok')", "", SandboxLimits(timeout_s=30.0), ())
     except SandboxUnavailableError as exc:

@@ -227,3 +227,20 @@ def test_a_path_under_an_unsearchable_directory_is_staged_below_it(tmp_path):
     nobody = 2_000_000_001
     assert staged_root(str(private / "pyenv" / "bin"), nobody) == str(private / "pyenv")
     assert staged_root("/usr/bin", nobody) is None
+
+
+def test_root_in_a_container_drops_to_an_id_its_namespace_maps(monkeypatch):
+    import peerflow.sandbox.bubblewrap as bubblewrap
+
+    def maps(*ranges):
+        monkeypatch.setattr(bubblewrap, "id_ranges", lambda path: list(ranges))
+        bubblewrap.drop_id.cache_clear()
+        return bubblewrap.drop_id()
+
+    try:
+        assert maps(range(0, 2**32 - 1)) == bubblewrap.HOST_UID  # the host's own namespace
+        assert maps(range(0, 65536)) == 65535  # rootless podman, docker userns-remap
+        assert maps(range(0, 1)) == bubblewrap.HOST_UID  # only root: setpriv refuses it
+    finally:
+        monkeypatch.undo()
+        bubblewrap.drop_id.cache_clear()
