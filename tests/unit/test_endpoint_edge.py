@@ -71,6 +71,9 @@ def _attacks(vocab: int) -> list[tuple[str, dict, str]]:
         ("chat", {**CHAT, "stop_token_ids": [-1]}, "stop_token_ids.0"),
         ("chat", {**CHAT, "stop_token_ids": [vocab]}, "stop_token_ids.0"),
         ("chat", {**CHAT, "stop": 5}, "stop"),
+        ("chat", {**CHAT, "session_id": {"a": 1}}, "session_id"),
+        ("chat", {**CHAT, "messages": [{"role": "assistant", "tool_calls": [{"id": 1}]}]},
+         "messages.0.tool_calls.0.id"),
     ]
 
 

@@ -122,7 +122,10 @@ def route_episode(route_id: str | None, header: str | None, body: dict[str, Any]
         The episode id (`None` when the call names none), and why the call is refused
         (empty when it is not): ids that disagree, or no id at all.
     """
-    named = {v for v in (route_id, header, body.get("session_id")) if v}
+    session = body.get("session_id")
+    if session is not None and not isinstance(session, str):
+        return None, f"session_id={session!r}: must be a string (the episode's id)."
+    named = {v for v in (route_id, header, session) if v}
     if len(named) > 1:
         return None, (f"the call names episodes {sorted(named)} (route, X-Session-Id header, "
                       "session_id field): name one, the episode whose calls these are.")
@@ -172,7 +175,9 @@ def build_app(endpoint: PolicyEndpoint) -> Any:
             return refuse(400, "the request body must be a JSON object.")
         episode_id, problem = route_episode(route_id, request.headers.get(SESSION_HEADER), raw)
         if problem:
-            return refuse(404 if route_id is None and episode_id is None else 400, problem)
+            typed = isinstance(raw.get("session_id"), str | None)
+            return refuse(404 if typed and route_id is None and episode_id is None else 400,
+                          problem, param=None if typed else "session_id")
         with _LOCK:
             episode = endpoint.episodes.get(episode_id)
         limits = getattr(episode, "limits", None) or RequestLimits()
