@@ -64,7 +64,10 @@ def mount_point(source: str) -> str:
         if os.path.isdir(source):
             os.makedirs(point, mode=0o755, exist_ok=True)
         elif not os.path.exists(point):
-            os.close(os.open(point, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+            try:  # another thread may make it first
+                os.close(os.open(point, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+            except FileExistsError:
+                pass
     except OSError as exc:
         raise SandboxUnavailableError(
             f"the sandbox cannot make its mount point {point} ({exc}); it needs a writable "
