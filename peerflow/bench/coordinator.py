@@ -234,6 +234,32 @@ def _ratios(modes: dict[str, Any], transport: str, plain: dict[str, Any]) -> dic
     }
 
 
+def _wire_cost(params: dict[str, Any], calls: int = 200) -> dict[str, Any]:
+    """`pack_batch` and `unpack_batch` of the step batch in this process: median µs per call.
+
+    The header (`peerflow.wirecodec` msgpack, checked on unpack) is the part that is not
+    a byte copy; `header_bytes` is its size.
+    """
+    import time
+
+    import torch
+
+    from peerflow.coordinator.wire import pack_batch, unpack_batch
+
+    batch = make_step_batch(params["groups"], params["group_size"], params["mean_tokens"],
+                            params["seed"])
+    packed = pack_batch(batch)
+    times: dict[str, list[float]] = {"pack_us": [], "unpack_us": []}
+    for _ in range(calls):
+        for key, call in (("pack_us", lambda: pack_batch(batch)),
+                          ("unpack_us", lambda: unpack_batch(packed))):
+            start = time.perf_counter()
+            call()
+            times[key].append((time.perf_counter() - start) * 1e6)
+    return {"header_bytes": int(packed[8:16].clone().view(torch.int64)[0]),
+            **{key: round(statistics.median(v), 1) for key, v in times.items()}}
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Runs the benchmark; returns the JSON document."""
     from peerflow.coordinator.transport import check_transport
@@ -281,5 +307,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "simulation": _simulation(sim_counts, args.sim_samples_per_rank, params),
         "simulation_note": "modelled bytes (planner.simulate_route), "
                            f"{args.sim_samples_per_rank} samples per producer rank",
+        "wire": _wire_cost(params),
         "cpu_count": os.cpu_count(),
     }

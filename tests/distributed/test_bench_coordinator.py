@@ -31,6 +31,8 @@ def test_bench_coordinator_reports_both_modes_beside_a_plain_send(tmp_path, caps
         assert ratios["transport"] == "shm" and set(ratios["by_transport"]) == {"shm", "gloo"}
         assert ratios["wall_p2p_over_centralized"] > 0
     assert {r["nprocs"] for r in doc["simulation"]} == {8}
+    wire = doc["wire"]  # the step batch's pack and unpack, header included
+    assert wire["header_bytes"] > 0 and wire["pack_us"] > 0 and wire["unpack_us"] > 0
 
 
 def test_bench_coordinator_rejects_an_odd_process_count():
