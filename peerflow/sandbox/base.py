@@ -26,7 +26,9 @@ class SandboxLimits:
     timeout_s: float = 5.0
     """Wall-clock seconds; past them every process of the program is killed."""
     memory_mb: int = 512
-    """Address space of each process (`RLIMIT_AS`)."""
+    """Memory of the whole program, every process and its tmpfs pages together (a memory
+    cgroup where one can be made: root with a writable controller), and the address space
+    of each process (`RLIMIT_AS`, everywhere)."""
     max_processes: int = 16
     """Processes the program may run at once (a pids cgroup where one can be made)."""
     max_output_mb: int = 8
