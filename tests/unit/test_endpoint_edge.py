@@ -215,6 +215,7 @@ def test_oversized_headers_and_bodies_are_refused():
     url = f"http://127.0.0.1:{endpoint.port}/episodes/e/v1/completions"
     big = httpx.post(url, json={"prompt": "x" * 2000}, headers=auth)
     assert big.status_code == 413
+    assert httpx.post(url, content=b"{not json", headers=auth).status_code == 400
     wrong = httpx.post(url, json={"prompt": "x"}, headers={"Authorization": "Bearer é".encode()})
     assert wrong.status_code == 401  # a non-ASCII header is just a wrong token
     endpoint.stop()
@@ -236,4 +237,12 @@ def test_a_pipelined_request_trickled_byte_by_byte_is_dropped():
                 closed = True
             time.sleep(0.2)
         assert closed and time.monotonic() - start < 4
+    endpoint.stop()
+
+
+def test_json_nested_past_the_recursion_limit_is_400():
+    endpoint = _endpoint()
+    url = f"http://127.0.0.1:{endpoint.port}/episodes/e/v1/completions"
+    deep = httpx.post(url, content=b"[" * 5000, headers={"Authorization": "Bearer edge-token"})
+    assert deep.status_code == 400 and "not JSON" in deep.json()["error"]["message"]
     endpoint.stop()

@@ -169,7 +169,7 @@ def build_app(endpoint: PolicyEndpoint) -> Any:
                   "generate": GenerateRequest}[kind]
         try:
             raw = await request.json()
-        except ValueError as exc:  # not JSON, or not UTF-8
+        except (ValueError, RecursionError) as exc:  # not JSON, not UTF-8, nested too deep
             return refuse(400, f"the request body is not JSON: {exc}")
         if not isinstance(raw, dict):
             return refuse(400, "the request body must be a JSON object.")
