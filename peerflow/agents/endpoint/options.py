@@ -44,8 +44,10 @@ class AgentProgramOptions:
     cut_reward: float = 0.0
     """Reward of an episode a `rollout.agent` limit cut whose program then raised."""
     max_n: int = attrs.field(default=0, validator=attrs.validators.ge(0))
-    """Most choices (`n`) one call may ask for; more is answered 400 (0: the run's
-    `rollout.sampling.n`). Every choice is a sample the trainer trains on."""
+    """Most choices (`n`) one call may ask for; more is answered 400 (0: the `n` the pass
+    samples with: `rollout.sampling.n` in training, 1 in the greedy evaluation pass,
+    `eval.n` in the sampled one). Every choice is a sample the trainer trains on; set it
+    for a program that asks for choices."""
 
     def __attrs_post_init__(self) -> None:
         if not is_loopback(self.host) and not self.token_env:
