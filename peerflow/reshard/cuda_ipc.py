@@ -151,9 +151,14 @@ class CudaIpcTransport(WeightTransport):
             if nbytes != recvs[peer]:
                 raise RuntimeError(f"rank {peer} sent {nbytes} bytes, rank {self.rank} "
                                    f"expected {recvs[peer]}; the ranks disagree on the plan.")
+            mapped = self._mapped.get((peer, slot))
+            if mapped is None or not 0 <= offset <= mapped.numel() - nbytes:
+                raise WireFormatError(
+                    f"rank {peer} named bytes {offset}:{offset + nbytes} of slot {slot}, which "
+                    f"rank {self.rank} has {'not mapped' if mapped is None else 'no such bytes in'}"
+                    "; the ranks run different PeerFlow versions, or something else wrote to it.")
             out[peer] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-            out[peer].copy_(self._mapped[(peer, slot)][offset:offset + nbytes],
-                            non_blocking=True)
+            out[peer].copy_(mapped[offset:offset + nbytes], non_blocking=True)
         if out:  # the copies are done before the senders may overwrite their buffers
             self._synchronize()
         return out
