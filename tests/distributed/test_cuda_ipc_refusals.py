@@ -16,7 +16,7 @@ import pickle
 import pytest
 
 from tests.helpers.gloo import run_gloo
-from tests.unit.test_wire_no_pickle import Plant
+from tests.helpers.hostile import Payload
 
 pytestmark = pytest.mark.distributed
 
@@ -30,7 +30,7 @@ def _hostile(rank: int, world: int) -> dict[str, str]:
     from peerflow.reshard.cuda_ipc import EXPORT, HEADER, CudaIpcTransport
     from peerflow.wirecodec import WireFormatError
 
-    export = pickle.dumps(Plant(os.environ["PEERFLOW_TEST_MARKER"]))
+    export = pickle.dumps(Payload(os.environ["PEERFLOW_TEST_MARKER"]))
     headers = {"slot": [9, 0, 64, 0], "unmapped": [0, 0, 64, 0],
                "pickle": [0, 0, 64, len(export)]}
     got = {}

@@ -14,7 +14,7 @@ import pickle
 import pytest
 
 from tests.helpers.gloo import run_gloo
-from tests.unit.test_wire_no_pickle import Plant
+from tests.helpers.hostile import Payload
 
 pytestmark = pytest.mark.distributed
 
@@ -25,7 +25,7 @@ def _gather(rank: int, world: int, marker: str = "") -> object:
 
     value = {"rank": rank, "names": ("reward/mean", "mean", 0.5), 7: [rank] * rank}
     if marker and rank == 1:  # this rank sends a pickle where its encoded value belongs
-        comm.encode = lambda _value: pickle.dumps(Plant(marker))
+        comm.encode = lambda _value: pickle.dumps(Payload(marker))
     try:
         return comm.all_gather_values(value, what="test gather", timeout=30)
     except WireFormatError as exc:

@@ -3,9 +3,9 @@
 Each attack hands a receiver's decode path — a packed batch's header
 (`coordinator.wire.unpack_batch`), a streaming payload (`streaming.transport.
 decode_payload`, the trainer's seal reports and patches), a CUDA IPC export
-(`reshard.ipc_handles.open_export`) — a pickle whose `__reduce__` creates a marker file.
-Before issue 49 each of them called `pickle.loads` and the file appeared; each control
-below unpickles the same bytes once to show the payload is live.
+(`reshard.ipc_handles.open_export`) — a pickle whose `__reduce__` runs `touch MARKER`
+(`tests.helpers.hostile.Payload`). Before issue 49 each of them called `pickle.loads`
+and the file appeared; the fixture unpickles the same bytes once to show they are live.
 """
 
 from __future__ import annotations
@@ -26,24 +26,15 @@ from peerflow.coordinator.wire import pack_batch, unpack_batch
 from peerflow.reshard.ipc_handles import export_storage, open_export
 from peerflow.streaming.transport import decode_payload, encode_payload
 from peerflow.wirecodec import DTYPE, MAX_DEPTH, WireFormatError, decode, encode, register
-
-
-class Plant:
-    """Unpickling this creates the file at `path` (any callable would do: `os.system`)."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-
-    def __reduce__(self):
-        return (open, (self.path, "w"))
+from tests.helpers.hostile import Payload
 
 
 @pytest.fixture
 def crafted(tmp_path):
     """`(pickle bytes, marker path)`; the control proves unpickling them plants the marker."""
     marker = tmp_path / "pwned"
-    data = pickle.dumps(Plant(str(marker)))
-    pickle.loads(data).close()
+    data = pickle.dumps(Payload(marker))
+    pickle.loads(data)
     assert marker.exists()
     marker.unlink()
     return data, marker
