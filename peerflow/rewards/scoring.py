@@ -22,6 +22,7 @@ from typing import Any
 
 import attrs
 
+from peerflow.outputs.terminal import escape_control
 from peerflow.rewards.loading import RewardShape
 from peerflow.rewards.pool import (
     Outcome,
@@ -202,7 +203,7 @@ class RewardSet:
             if isinstance(result, Outcome) and result.status == "error" and call.batched:
                 log.warning("reward %r raised on a batch of %d (%s); scoring those samples "
                             "one at a time to find the ones it fails on", component.name,
-                            len(call.indices), result.message)
+                            len(call.indices), escape_control(result.message))
                 retried = [c for i in call.indices for c in self._submit(component, batch, [i])]
                 result = self._collect(component, batch, retried)
                 result = [result[i] for i in call.indices]
@@ -240,7 +241,7 @@ class RewardSet:
             scores.append(self.failure_score)
             counts["reward/timeouts" if outcome.status == "timeout" else "reward/errors"] += 1
             failures.append(f"sample {sample} (prompt #{record.get('index')}): "
-                            f"{outcome.message}")
+                            f"{escape_control(outcome.message)}")
             errors.append(RewardError(reward=component.name, sample_id=int(sample),
                                       prompt_index=record.get("index"), status=outcome.status,
                                       message=outcome.message, traceback=outcome.traceback))

@@ -44,6 +44,10 @@ REWARDS = textwrap.dedent('''
         return math.nan if "x" in response else 1.0
 
 
+    def quoting_raise(response, example):
+        raise ValueError(f"cannot parse {response!s}")
+
+
     def batch_raising(completions, examples):
         return [1.0 / (len(c) - 3) for c in completions]  # "bad" (3 letters) divides by 0
 ''')
@@ -114,6 +118,18 @@ def test_nan_rewards_name_the_settings_that_decide_their_fate(reward_file, plugi
     assert "returned nan" in out.errors[0].message
     assert "task.reward_limits.on_failure=mask" in caplog.text
     assert "left out of training" in caplog.text and "failure_score" in caplog.text
+
+
+def test_a_failure_quoting_model_text_is_logged_escaped(reward_file, plugin_manager, caplog):
+    """A response that clears the screen and writes the clipboard reaches the log as text."""
+    _, rewards = _rewards(plugin_manager, "quoting_raise")
+    hostile = "\x1b[2J\x1b]52;c;cm0gLXJmIH4=\x07\u202e"
+    with caplog.at_level(logging.WARNING, logger="peerflow.rewards"):
+        out = rewards.score([hostile, "1", "2"], ROWS)
+    assert out.failed == [True, True, True]
+    assert "\x1b" not in caplog.text and "\u202e" not in caplog.text
+    assert "cannot parse \\x1b[2J\\x1b]52;c;" in caplog.text
+    assert hostile in out.errors[0].message  # reward_errors.jsonl keeps the text as raised
 
 
 @pytest.mark.parametrize("workers", [0, 2])
