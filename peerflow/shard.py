@@ -17,14 +17,12 @@ from collections.abc import Sequence
 import attrs
 
 from peerflow.errors import ShardError
-from peerflow.wirecodec import register
 
 
 def _int_tuple(value: Sequence[int]) -> tuple[int, ...]:
     return tuple(int(v) for v in value)
 
 
-@register  # gathered between ranks (`reshard.planning`)
 @attrs.frozen(kw_only=True)
 class Box:
     """An axis-aligned box of tensor indices: `offsets[d] <= i_d < offsets[d] + sizes[d]`."""
@@ -84,7 +82,6 @@ class Box:
         return "[" + ", ".join(f"{o}:{e}" for o, e in zip(self.offsets, self.ends)) + "]"
 
 
-@register  # gathered between ranks (`reshard.planning`)
 @attrs.frozen(kw_only=True)
 class ShardPiece:
     """One rectangular region of a Hugging Face tensor held inside a local tensor."""
@@ -111,7 +108,6 @@ class ShardPiece:
             )
 
 
-@register  # gathered between ranks (`reshard.planning`)
 @attrs.frozen(kw_only=True)
 class ShardSpec:
     """Describes one local tensor as pieces of Hugging Face tensors.

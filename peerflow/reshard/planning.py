@@ -14,6 +14,11 @@ from peerflow.distributed.comm import all_gather_values
 from peerflow.engines import RolloutEngine, TrainEngine
 from peerflow.reshard.plan import ReshardPlan, plan_reshard
 from peerflow.reshard.transport import WeightTransport, make_transport
+from peerflow.shard import Box, ShardPiece, ShardSpec
+from peerflow.wirecodec import register
+
+for _spec_class in (Box, ShardPiece, ShardSpec):  # every rank's specs travel (`gather_specs`)
+    register(_spec_class)
 
 
 def _rank_and_world(group: Any) -> tuple[int, int]:
