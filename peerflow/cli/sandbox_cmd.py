@@ -7,8 +7,13 @@ import json
 import math
 import os
 import sys
+from typing import TYPE_CHECKING
 
 from peerflow.cli.options import add_json_flag
+
+if TYPE_CHECKING:
+    from peerflow.sandbox.config import SandboxConfig
+    from peerflow.sandbox.escapes import EscapeOutcome
 
 BACKEND_HELP = "the sandbox to use (default: bubblewrap, the one runs use by default)"
 
@@ -68,8 +73,8 @@ def run_check(args: argparse.Namespace) -> int:
     from peerflow.sandbox.identity import sandbox_identity
     from peerflow.sandbox.seccomp_filter import seccomp_status
 
-    sandbox = build(SandboxConfig(backend=args.backend, url=args.url,
-                                  token_env=args.token_env))
+    config = SandboxConfig(backend=args.backend, url=args.url, token_env=args.token_env)
+    sandbox = build(config)
     unavailable = type(sandbox).unavailable()
     if unavailable:
         print(f"error: {unavailable}", file=sys.stderr)
@@ -81,6 +86,7 @@ def run_check(args: argparse.Namespace) -> int:
         return 2
     with escape_targets() as targets:
         outcomes = run_escape_suite(sandbox, targets, identity)
+    outcomes += _forgery_outcomes(config)
     if args.json:
         print(json.dumps({"backend": args.backend, "uid_map_inside": identity.inside_map,
                           "uid_inside": identity.inside_uid,
@@ -100,6 +106,31 @@ def run_check(args: argparse.Namespace) -> int:
         escaped = sum(not o.held for o in outcomes)
         print(f"{len(outcomes) - escaped} of {len(outcomes)} escapes contained")
     return 0 if all(o.held for o in outcomes) else 1
+
+
+def _forgery_outcomes(config: SandboxConfig) -> list[EscapeOutcome]:
+    """The `code` reward forgeries (`peerflow.rewards.forgeries`) scored in `config`'s sandbox.
+
+    Held: the honest right answer scores 1, the wrong one and every forgery 0.
+    """
+    from peerflow.rewards.code import code_reward
+    from peerflow.rewards.forgeries import score_forgeries
+    from peerflow.sandbox.escapes import EscapeOutcome
+    from peerflow.sandbox.settings import ENV_VAR, configure
+
+    before = os.environ.get(ENV_VAR)
+    configure(config)
+    try:
+        scores = score_forgeries(lambda programs, examples: [
+            code_reward(p, e)["score"] for p, e in zip(programs, examples)])
+    finally:
+        if before is None:
+            os.environ.pop(ENV_VAR, None)
+        else:
+            os.environ[ENV_VAR] = before
+    return [EscapeOutcome(name=f"reward: {name}", held=score == float(name == "right"),
+                          detail=f"scored {score:.2f} (must be {float(name == 'right'):.2f})")
+            for name, score in scores.items()]
 
 
 def run_serve(args: argparse.Namespace) -> int:

@@ -170,17 +170,6 @@ def test_config_validate_names_the_fix_where_bwrap_is_missing(tmp_path):
     assert "warning: sandbox.backend=audit-hook" in warned.stderr and "ok" in warned.stdout
 
 
-def test_serve_refuses_to_expose_code_execution_without_a_token():
-    import argparse
-
-    from peerflow.cli.sandbox_cmd import run_serve
-    from peerflow.errors import ConfigError
-
-    args = argparse.Namespace(host="0.0.0.0", port=0, backend="bubblewrap", token_env=None)
-    with pytest.raises(ConfigError, match="--token-env"):
-        run_serve(args)
-
-
 def test_a_bubblewrap_that_cannot_disable_user_namespaces_fails_closed(monkeypatch):
     """An old bubblewrap (< 0.8) refuses --disable-userns: the sandbox is then unavailable,
     naming the fix, instead of running programs that may nest user namespaces."""

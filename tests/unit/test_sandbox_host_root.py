@@ -214,7 +214,12 @@ def test_sandbox_check_prints_the_uid_map_and_what_it_means(capsys):
     assert {"run as the host's root", "open a host sysctl for writing",
             "read a root-only /proc file", "create a nested user namespace",
             "mount a cgroup hierarchy", "fill / with 256 MiB", "fill /dev/shm with 256 MiB",
-            "fchmod its host-side stdout"} <= names and len(names) == 18
+            "fchmod its host-side stdout"} <= names
+    forgeries = {e["name"]: e for e in report["escapes"] if e["name"].startswith("reward: ")}
+    assert len(names) == 18 + len(forgeries) and len(forgeries) >= 10
+    assert forgeries["reward: right"]["detail"].startswith("scored 1.00")
+    assert forgeries["reward: os._exit(0) after a wrong answer"]["detail"].startswith(
+        "scored 0.00")
 
 
 def test_a_path_under_an_unsearchable_directory_is_staged_below_it(tmp_path):
