@@ -156,7 +156,7 @@ def test_crafted_pickle_in_the_checkpoint_is_refused_by_name_and_never_runs(
     """Resume/eval (`load_checkpoint`, both ranks) and export (`saved_shards`, whose
     `zero_to_fp32` unpickles unrestricted) refuse the copy of the ZeRO-2 checkpoint whose
     rank-1 optimiser file holds a `touch MARKER` payload; the full run-directory version
-    is tests/engines/test_hostile_checkpoints.py (slow)."""
+    is tests/engines/hostile/test_hostile_checkpoints.py (slow)."""
     from peerflow.adapters.deepspeed.engine import DeepSpeedTrainEngine
     from peerflow.checkpoint.pickles import TRUST_ENV, UntrustedCheckpointError
 

@@ -198,7 +198,7 @@ def test_checkpoint_holds_no_pickle_and_a_crafted_one_is_refused_by_name(ranks):
     """The optimiser state is safetensors + JSON; PeerFlow 0.1.0's `.pt` still loads
     untrusted (torch's restricted unpickler); a crafted `.pt` in its place is refused on
     every rank, naming it, and its `touch MARKER` payload never runs (the run-directory
-    version with `peerflow export` is tests/engines/test_hostile_checkpoints.py, slow)."""
+    version with `peerflow export` is tests/engines/hostile/test_hostile_checkpoints.py, slow)."""
     from peerflow.checkpoint.pickles import is_pickle
 
     for rank in ranks:

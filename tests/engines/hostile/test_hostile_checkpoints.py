@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from tests.engines.deepspeed.trainlib import build_model  # noqa: E402
 from tests.helpers.gloo import run_script  # noqa: E402
@@ -48,7 +48,7 @@ def attacked(request, tiny, tmp_path_factory) -> tuple[str, Path, dict]:
 
 def _write_run_config(run: Path, model_path: str, backend: str) -> None:
     """The run directory's config.yaml, as `peerflow train` leaves it (export reads it)."""
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     config = yaml.safe_load((root / "examples" / "quickstart.yaml").read_text())
     config["model"] = {"path": model_path, "dtype": "float32"}
     config["trainer"] = {"backend": backend, "lr": 0.01}
