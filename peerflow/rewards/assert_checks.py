@@ -16,10 +16,49 @@ from typing import Any
 
 import attrs
 
-#: Builtins the host applies itself to decoded values (pure, bounded by their input).
-HOST_FUNCTIONS: dict[str, Callable[..., Any]] = {f.__name__: f for f in (
-    abs, all, any, bool, dict, float, frozenset, int, len, list, max, min, round, set,
-    sorted, str, sum, tuple)}
+#: Most elements of one set (or keys of one dict) the host hashes to one value: ints are
+#: hashed modulo 2**61 - 1, so a program can send thousands that collide, and building
+#: their set costs quadratic time (issue 49's red team: 33,000 took the host 5 s).
+MAX_SAME_HASH = 64
+
+
+def hash_spread(items: Any) -> list[Any]:
+    """`items` as a list, checked to be safe to put in a set or a dict's keys.
+
+    Raises:
+        ValueError: when more than `MAX_SAME_HASH` of them share one hash.
+        TypeError: for an unhashable item (as `set` itself would).
+    """
+    items = list(items)
+    counts: dict[int, int] = {}
+    for item in items:
+        key = hash(item)
+        counts[key] = counts.get(key, 0) + 1
+        if counts[key] > MAX_SAME_HASH:
+            raise ValueError(f"more than {MAX_SAME_HASH} elements share one hash")
+    return items
+
+
+def _set(items: Any = ()) -> set[Any]:
+    return set(hash_spread(items))
+
+
+def _frozenset(items: Any = ()) -> frozenset[Any]:
+    return frozenset(hash_spread(items))
+
+
+def _dict(items: Any = (), **kwargs: Any) -> dict[Any, Any]:
+    pairs = list(items.items() if isinstance(items, dict) else items)
+    hash_spread(pair[0] for pair in pairs)
+    return dict(pairs, **kwargs)
+
+
+#: Builtins the host applies itself to decoded values (pure, bounded by their input;
+#: `set`, `frozenset` and `dict` refuse many colliding hashes, `hash_spread`).
+HOST_FUNCTIONS: dict[str, Callable[..., Any]] = {
+    **{f.__name__: f for f in (abs, all, any, bool, float, int, len, list, max, min, round,
+                               sorted, str, sum, tuple)},
+    "dict": _dict, "frozenset": _frozenset, "set": _set}
 #: Longest sequence `*` may build on the host.
 MAX_REPEAT = 1_000_000
 _BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
@@ -71,13 +110,13 @@ def _decoded(node: ast.expr) -> Any:
         return -_FLOATS["inf"]
     if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
             and node.func.id == "frozenset" and len(node.args) <= 1 and not node.keywords):
-        return frozenset(_decoded(node.args[0]) if node.args else ())
+        return _frozenset(_decoded(node.args[0]) if node.args else ())
     if isinstance(node, (ast.List, ast.Tuple, ast.Set)):
         items = [_decoded(e) for e in node.elts]
-        return {ast.List: list, ast.Tuple: tuple, ast.Set: set}[type(node)](items)
+        return {ast.List: list, ast.Tuple: tuple, ast.Set: _set}[type(node)](items)
     if isinstance(node, ast.Dict) and None not in node.keys:
-        return {_decoded(k): _decoded(v)  # type: ignore[arg-type]
-                for k, v in zip(node.keys, node.values)}
+        keys = hash_spread(_decoded(k) for k in node.keys)  # type: ignore[arg-type]
+        return dict(zip(keys, (_decoded(v) for v in node.values)))
     return ast.literal_eval(node)
 
 

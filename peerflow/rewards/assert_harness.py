@@ -205,27 +205,44 @@ def harness_program(program: str, plan: AssertPlan, seconds: float) -> str:
             f"MAX = {MAX_VALUE_CHARS}\n" + HARNESS)
 
 
-def read_values(stdout: str, sentinel: str) -> dict[int, Any] | None:
+def _record(text: str) -> tuple[Any, ...] | None:
+    """A harness record: a flat tuple of constants, or `None` (never builds a container).
+
+    The program can print lines that start with the sentinel: `ast.literal_eval` of one
+    would build whatever it holds, and a set or dict of ints that share one hash costs
+    the host quadratic time (33,000 of them: seconds).
+    """
+    try:
+        node = ast.parse(text, mode="eval").body
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return None
+    if not isinstance(node, ast.Tuple) or not all(isinstance(e, ast.Constant)
+                                                  for e in node.elts):
+        return None
+    return tuple(e.value for e in node.elts)  # type: ignore[attr-defined]
+
+
+def read_values(stdout: str, sentinel: str,
+                leaves: int | None = None) -> dict[int, Any] | None:
     """The decoded leaf values in the harness's lines; `None` when the program did not import.
 
-    Only lines `<sentinel> (kind, ...)` count, the first one for each leaf; values are
-    decoded by `decode` (`ast.literal_eval`; anything but plain data is left out).
+    Only lines `<sentinel> (kind, ...)` count, the first one for each leaf (of the first
+    `leaves` when given: no other line is decoded); values are decoded by `decode`
+    (plain data only; anything else is left out).
     """
     imported, values, seen = False, {}, set()
     head = sentinel + " "
     for line in stdout.splitlines():
         if not line.startswith(head) or len(line) > 4 * MAX_VALUE_CHARS + 200:
             continue
-        try:
-            record = ast.literal_eval(line[len(head):])
-        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
-            continue
-        if not isinstance(record, tuple) or len(record) < 2:
+        record = _record(line[len(head):])
+        if record is None or len(record) < 2:
             continue
         if record[:2] == ("import", True):
             imported = True
         if len(record) != 3 or record[0] not in ("value", "error") or type(
-                record[1]) is not int or record[1] in seen:
+                record[1]) is not int or record[1] in seen or not (
+                leaves is None or 0 <= record[1] < leaves):
             continue
         seen.add(record[1])
         text = record[2]
@@ -235,6 +252,11 @@ def read_values(stdout: str, sentinel: str) -> dict[int, Any] | None:
             except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
                 pass
     return values if imported else None
+
+
+def leaf_count(plan: AssertPlan) -> int:
+    """How many leaf values the harness reports for `plan`."""
+    return sum(kind == "eval" for kind, _ in plan.steps)
 
 
 def count_passed(plan: AssertPlan, values: Mapping[int, Any] | None) -> int:

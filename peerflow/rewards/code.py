@@ -36,6 +36,7 @@ from peerflow.rewards import deadline
 from peerflow.rewards.assert_harness import (
     count_passed,
     harness_program,
+    leaf_count,
     parse_asserts,
     read_values,
 )
@@ -102,7 +103,8 @@ def _assert_tests(program: str, tests: str, limits: SandboxLimits) -> tuple[int,
     sentinel = secrets.token_hex(16)
     seconds = max(0.1, run_limits.timeout_s - min(HARNESS_MARGIN_S, run_limits.timeout_s / 4))
     result = run_sandboxed(harness_program(program, plan, seconds), sentinel, run_limits)
-    return count_passed(plan, read_values(result.stdout, sentinel)), len(plan.checks)
+    values = read_values(result.stdout, sentinel, leaf_count(plan))
+    return count_passed(plan, values), len(plan.checks)
 
 
 def _io_tests(program: str, tests: list[dict[str, Any]],

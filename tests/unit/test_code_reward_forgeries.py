@@ -25,6 +25,7 @@ from peerflow.rewards.forgeries import (
     AUDIT_HOOK_MISSES,
     FIB,
     FIB_RIGHT,
+    FIB_WRONG,
     FORGERIES,
     score_forgeries,
 )
@@ -192,3 +193,48 @@ def test_tests_without_an_assert_are_refused_naming_the_fix():
         code_reward("x = 1", {"tests": "assert ("})
     with pytest.raises(ValueError, match="assert inside a block .* top-level `assert"):
         parse_asserts("for i in range(3):\n    assert fib(i) >= 0")
+
+
+#: A wrong `fib` that floods the host's decoder: ints that share one hash (Python hashes
+#: ints modulo 2**61 - 1), as a bare set on a sentinel line (33,000) and as the value of
+#: leaves the tests do not have (9,000 each). Building their sets cost the host seconds.
+HASH_FLOOD = FIB_WRONG + """
+import sys
+h = sys.modules["__main__"]
+M = 2**61 - 1
+h.out.write(h.SENTINEL + " {" + ",".join(str(5 + k * M) for k in range(1, 33000)) + "}\\n")
+value = "{" + ",".join(str(7 + k * M) for k in range(1, 9000)) + "}"
+h.out.write(h.SENTINEL + " " + repr(("value", 7, value)) + "\\n")
+h.out.flush()
+"""
+
+
+def test_values_whose_hashes_collide_cost_the_host_no_quadratic_time():
+    plan = parse_asserts("assert f(1) == {1, 2}\nassert g(2) == {'a': 1}\n"
+                         "assert set(h(3)) == {0}")
+    flood = [5 + k * (2**61 - 1) for k in range(1, 9000)]
+    lines = "\n".join(["S " + "{" + ",".join(map(str, flood * 3)) + "}",
+                       "S " + repr(("import", True)),
+                       f"S {('value', 0, repr(set(flood[:3]) | {1, 2}))}",
+                       f"S {('value', 1, repr(dict.fromkeys(flood, 1)))}",
+                       f"S {('value', 2, repr(flood))}",
+                       f"S {('value', 3, '{1, 2}')}"])
+    start = time.perf_counter()
+    values = read_values(lines, "S", leaves=3)
+    checks = [c.passes(values) for c in plan.checks]
+    assert time.perf_counter() - start < 1.0
+    assert 1 not in values and 3 not in values  # refused, and not one of the tests' leaves
+    assert checks == [False, False, False]
+    assert decode(repr(set(flood[:64]))) == set(flood[:64])  # a few collisions are data
+    with pytest.raises(ValueError, match="share one hash"):
+        decode(repr(set(flood[:65])))
+
+
+@needs_bwrap
+def test_a_flood_of_colliding_hashes_is_a_wrong_answer_in_the_reward_s_time(code_rewards):
+    start = time.monotonic()
+    out = code_rewards([f"```python\n{HASH_FLOOD}\n```"], [FIB["tests"]],
+                       "task.reward_limits.timeout_s=4")
+    assert out.total == [0.0]
+    assert out.counts == {"reward/errors": 0, "reward/timeouts": 0}  # not a masked timeout
+    assert time.monotonic() - start < 15
