@@ -71,6 +71,12 @@ def _attacks(vocab: int) -> list[tuple[str, dict, str]]:
         ("chat", {**CHAT, "stop_token_ids": [-1]}, "stop_token_ids.0"),
         ("chat", {**CHAT, "stop_token_ids": [vocab]}, "stop_token_ids.0"),
         ("chat", {**CHAT, "stop": 5}, "stop"),
+        ("chat", {**CHAT, "stop": [""]}, "stop.0"),  # engines raise on it: the turn failed
+        ("chat", {**CHAT, "stop": ""}, "stop"),
+        ("chat", {**CHAT, "stop": ["x" * 100_000]}, "stop.0"),
+        ("chat", {**CHAT, "messages": [{"role": "user", "content": "\ud800"}]},
+         "messages.0.content"),
+        ("completion", {"prompt": "a \udfff b"}, "prompt"),
         ("chat", {**CHAT, "session_id": {"a": 1}}, "session_id"),
         ("chat", {**CHAT, "messages": [{"role": "assistant", "tool_calls": [{"id": 1}]}]},
          "messages.0.tool_calls.0.id"),

@@ -76,6 +76,12 @@ def _in_vocabulary(value: int, info: ValidationInfo) -> int:
 TokenId = Annotated[int, Field(strict=True, ge=0), AfterValidator(_in_vocabulary)]
 #: A token count (`max_tokens`): at least 1, at most the model's context.
 Count = Annotated[int, Field(strict=True, ge=1, le=MAX_COUNT)]
+#: Longest stop string a request may send (characters).
+MAX_STOP_CHARS = 1024
+#: A stop string: never empty (every engine raises on one, which failed the turn of every
+#: trajectory sharing the call) and at most `MAX_STOP_CHARS` (the HF engine decodes a
+#: window of four tokens per character after every sampled token).
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 
 
 class SamplingFields(BaseModel):
@@ -95,7 +101,7 @@ class SamplingFields(BaseModel):
     top_k: int | None = Field(default=None, strict=True, ge=-1, le=MAX_COUNT)
     max_tokens: Count | None = None
     max_completion_tokens: Count | None = None
-    stop: str | list[str] | None = Field(default=None, max_length=64)
+    stop: StopString | list[StopString] | None = Field(default=None, max_length=64)
     stop_token_ids: list[TokenId] | None = Field(default=None, max_length=64)
     seed: int | None = Field(default=None, strict=True, ge=0, le=MAX_SEED)
     logprobs: bool | Annotated[int, Field(ge=0, le=20)] | None = None

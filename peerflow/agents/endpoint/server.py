@@ -27,6 +27,7 @@ naming the field (OpenAI's `error.param`) and never reaches the engine. Connecti
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 from typing import Any
 
@@ -136,6 +137,33 @@ def route_episode(route_id: str | None, header: str | None, body: dict[str, Any]
     return named.pop(), ""
 
 
+#: A JSON escape of a UTF-16 surrogate (`\\ud800`-`\\udfff`): the only way a body's
+#: JSON makes a `str` that is no text.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def unencodable(value: Any, path: str = "") -> str | None:
+    """The first field of a JSON value holding a lone UTF-16 surrogate, or `None`.
+
+    `json.loads` turns the escape `ud800` into a `str` no tokenizer can encode (a 400 that ended
+    the episode when the prompt was rendered); refused at the edge, naming the field.
+    """
+    stack = [(path, value)]
+    while stack:
+        where, item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode()
+            except UnicodeEncodeError:
+                return where or "body"
+        elif isinstance(item, dict):
+            stack += [(f"{where}.{k}" if where else str(k), k) for k in item]
+            stack += [(f"{where}.{k}" if where else str(k), v) for k, v in item.items()]
+        elif isinstance(item, list):
+            stack += [(f"{where}.{i}" if where else str(i), v) for i, v in enumerate(item)]
+    return None
+
+
 def _sse(events: list[dict[str, Any]]) -> Any:
     """Server-sent events: each chunk, then `[DONE]`."""
     import json
@@ -173,6 +201,12 @@ def build_app(endpoint: PolicyEndpoint) -> Any:
             return refuse(400, f"the request body is not JSON: {exc}")
         if not isinstance(raw, dict):
             return refuse(400, "the request body must be a JSON object.")
+        escaped = _SURROGATE_ESCAPE.search(await request.body())  # else no walk
+        bad = unencodable(raw) if escaped else None
+        if bad is not None:
+            return refuse(400, f"{bad}: holds a lone UTF-16 surrogate (a \\ud800-\\udfff "
+                          "escape outside a pair), which is no text; send valid UTF-8.",
+                          param=bad)
         episode_id, problem = route_episode(route_id, request.headers.get(SESSION_HEADER), raw)
         if problem:
             typed = isinstance(raw.get("session_id"), str | None)
