@@ -85,11 +85,12 @@ def unpack_batch(buffer: torch.Tensor) -> Batch:
         nbytes = math.prod(shape) * dtype.itemsize
         if offset + nbytes > end:
             raise _malformed(f"its tensors need more than its {end} bytes")
-        try:
+        try:  # a dtype no byte view makes (quantized, sub-byte); an empty tensor's shape
+            # past int64 or whose strides overflow it
             tensor = buffer[offset : offset + nbytes].view(dtype)
-        except RuntimeError as exc:  # a dtype no byte view makes (quantized, sub-byte)
-            raise _malformed(f"{dtype}: {exc}") from None
-        tensors.append(tensor if len(shape) == 1 else tensor.reshape(shape))
+            tensors.append(tensor if len(shape) == 1 else tensor.reshape(shape))
+        except (RuntimeError, TypeError, ValueError) as exc:
+            raise _malformed(f"{dtype} {shape}: {str(exc).splitlines()[0]}") from None
         offset += padded(nbytes)
     try:
         return Batch.from_wire(meta, tensors)

@@ -120,6 +120,9 @@ TAMPERINGS = {
     "a forbidden dtype tag": lambda h: h.__setitem__("layout", msgpack.ExtType(DTYPE, b"os")),
     "ids of different lengths": lambda h: h["tensors"][1].__setitem__(1, [2]),
     "an extra key": lambda h: h.__setitem__("reduce", "os.system"),
+    "an empty shape past int64": lambda h: h["tensors"][0].__setitem__(1, [0, 10**30]),
+    "an empty shape whose strides overflow": lambda h: h["tensors"][0].__setitem__(
+        1, [0, 2**62, 2**62]),
 }
 
 
