@@ -43,6 +43,8 @@ from peerflow.sandbox.base import SandboxLimits, SandboxUnavailableError
 PIDS_ROOTS = ("/sys/fs/cgroup/pids", "/sys/fs/cgroup")
 #: Where a memory cgroup may be made (cgroup v1 memory hierarchy, then the v2 root).
 MEMORY_ROOTS = ("/sys/fs/cgroup/memory", "/sys/fs/cgroup")
+#: The cgroup v1 memory hierarchy and the cgroup v2 root.
+V1_MEMORY, V2 = "/sys/fs/cgroup/memory", "/sys/fs/cgroup"
 #: At most this much of each output stream is kept.
 KEEP_OUTPUT = 1 << 20
 #: The first link of the chain: joins the cgroups named before the first `--`, bind-mounts
@@ -123,15 +125,39 @@ def _remove_cgroup(path: str) -> None:
             time.sleep(0.002)
 
 
+def own_cgroup(root: str) -> str:
+    """Where in the cgroup v1 hierarchy `root` (`/sys/fs/cgroup/memory`) this process is.
+
+    A program's cgroup is made there, so what it uses is charged to this process's own
+    cgroup too (a job's, a container's, a systemd service's limit): made at the root of
+    the hierarchy it would be outside them. `root` itself for cgroup v2 (where a cgroup
+    with processes cannot hold the controllers a child needs), or where the own cgroup
+    is not found or not writable.
+    """
+    controller = os.path.basename(root)
+    if root == V2:
+        return root
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            _, controllers, path = line.split(":", 2)
+            if controller in controllers.split(","):
+                own = os.path.join(root, path.lstrip("/"))
+                if os.path.isfile(os.path.join(own, "cgroup.procs")) \
+                        and os.access(own, os.W_OK):
+                    return own
+    return root
+
+
 def _make_cgroup(roots: Sequence[str], settings: dict[str, str]) -> str | None:
     """A fresh cgroup under the first root that takes every setting, or `None`.
 
-    A setting whose name ends in `?` is written only where the cgroup has that file
-    (`memory.memsw.limit_in_bytes` exists only with swap accounting).
+    Under cgroup v1 it is made in this process's own cgroup of the hierarchy
+    (`own_cgroup`). A setting whose name ends in `?` is written only where the cgroup
+    has that file (`memory.memsw.limit_in_bytes` exists only with swap accounting).
     """
     if os.geteuid() != 0:
         return None
-    for root in roots:
+    for root in map(own_cgroup, roots):
         if not os.path.isfile(os.path.join(root, "cgroup.procs")):
             continue
         try:
@@ -154,8 +180,6 @@ def make_pids_cgroup(max_processes: int) -> str | None:
     """A fresh cgroup limited to `max_processes` tasks, or `None` where none can be made."""
     return _make_cgroup(PIDS_ROOTS, {"pids.max": str(max_processes)})
 
-
-V1_MEMORY, V2 = "/sys/fs/cgroup/memory", "/sys/fs/cgroup"
 
 
 @functools.cache

@@ -32,6 +32,7 @@ from peerflow.rewards.forgeries import (
 from peerflow.sandbox import configure
 from peerflow.sandbox.bubblewrap import bwrap_unavailable
 from peerflow.sandbox.config import SandboxConfig
+from peerflow.sandbox.local import own_cgroup
 
 ROOT = Path(__file__).resolve().parents[2]
 CODE_REWARD = str(ROOT / "examples" / "code_reward.yaml")
@@ -61,7 +62,7 @@ def code_rewards(plugin_manager, monkeypatch):
 
 def _sandbox_leftovers() -> set[str]:
     found = set()
-    for root in (tempfile.gettempdir(), *CGROUP_ROOTS):
+    for root in (tempfile.gettempdir(), *CGROUP_ROOTS, *map(own_cgroup, CGROUP_ROOTS)):
         if os.path.isdir(root):
             found |= {os.path.join(root, n) for n in os.listdir(root)
                       if n.startswith("peerflow-sandbox-")}

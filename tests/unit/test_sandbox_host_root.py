@@ -249,3 +249,43 @@ def test_root_in_a_container_drops_to_an_id_its_namespace_maps(monkeypatch):
     finally:
         monkeypatch.undo()
         bubblewrap.drop_id.cache_clear()
+
+
+def _memory_cgroup_of_this_process() -> str | None:
+    """This process's cgroup v1 memory cgroup, when it is not the hierarchy's root."""
+    from pathlib import Path
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        if "memory" in controllers.split(",") and path != "/":
+            return "/sys/fs/cgroup/memory" + path
+    return None
+
+
+@as_root
+@pytest.mark.skipif(_memory_cgroup_of_this_process() is None
+                    or not os.path.isfile("/sys/fs/cgroup/memory/memory.limit_in_bytes"),
+                    reason="needs cgroup v1 memory, this process below its root")
+def test_a_programs_memory_is_charged_to_this_process_s_own_cgroup():
+    """Its cgroup made at the hierarchy's root would be outside a job's or pod's limit."""
+    own = _memory_cgroup_of_this_process()
+    peak = []
+
+    def usage():
+        with open(os.path.join(own, "memory.usage_in_bytes")) as f:
+            return int(f.read())
+    before = usage()
+    done = threading.Event()
+
+    def watch_usage():
+        while not done.wait(0.05):
+            peak.append(usage())
+    watch = threading.Thread(target=watch_usage)
+    watch.start()
+    try:
+        result = _run("import time\nx = bytearray(200 * 2**20)\nfor i in range(0, len(x), "
+                      "4096):\n    x[i] = 1\ntime.sleep(1)\nprint('ok')")
+    finally:
+        done.set()
+        watch.join()
+    assert result.stdout == "ok\n", result.stderr
+    assert max(peak) - before > 150 * 2**20  # the program's 200 MiB counted here
