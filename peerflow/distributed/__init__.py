@@ -32,6 +32,7 @@ from peerflow.distributed.faults import (
     stage,
 )
 from peerflow.distributed.init import (
+    FAULT_SCOPE_ENV,
     FAULT_STORE_ENV,
     DistContext,
     dist_context,
@@ -40,6 +41,7 @@ from peerflow.distributed.init import (
 )
 
 __all__ = [
+    "FAULT_SCOPE_ENV",
     "FAULT_STORE_ENV",
     "PEER_FAILED_EXIT",
     "DistContext",

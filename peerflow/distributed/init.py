@@ -39,6 +39,10 @@ from peerflow.errors import ConfigError
 
 #: Environment variable naming a launcher-hosted fault store (`host:port`).
 FAULT_STORE_ENV = "PEERFLOW_FAULT_STORE"
+#: Environment variable holding the scope of that store's signed records: a nonce the
+#: launcher draws per run, so a record signed in another run under the same secret (one
+#: kept in a file across runs) is refused in this one.
+FAULT_SCOPE_ENV = "PEERFLOW_FAULT_SCOPE"
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -87,13 +91,18 @@ def _env_int(name: str, default: int | None = None) -> int:
     return int(value)
 
 
-def _fault_store(default_store: Any, timeout: float) -> Any:
+def fault_store(default_store: Any, timeout: float) -> Any:
+    """The store a rank's fault channel uses: the launcher's, else `default_store`.
+
+    The launcher's (`FAULT_STORE_ENV`) has its records signed under `FAULT_SCOPE_ENV`.
+    """
     address = os.environ.get(FAULT_STORE_ENV)
     if not address:
         return signed(default_store)
     host, _, port = address.rpartition(":")
     return signed(dist.TCPStore(host, int(port), is_master=False,
-                                timeout=datetime.timedelta(seconds=max(timeout, 30.0))))
+                                timeout=datetime.timedelta(seconds=max(timeout, 30.0))),
+                  scope=os.environ.get(FAULT_SCOPE_ENV, ""))
 
 
 def check_run_secret() -> None:
@@ -195,8 +204,8 @@ def init_distributed(
             if "address already in use" not in str(exc).lower():
                 raise
             raise ConfigError(_port_in_use(init_method)) from None
-    store = _fault_store(generation[1] if generation
-                         else dist.distributed_c10d._get_default_store(), timeout)
+    store = fault_store(generation[1] if generation
+                        else dist.distributed_c10d._get_default_store(), timeout)
     fault_monitor = None
     if monitor:
         agent_store = os.environ.get(FAULT_STORE_ENV) or generation is not None

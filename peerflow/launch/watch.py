@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import socket
 import threading
 
@@ -28,7 +29,7 @@ from peerflow.distributed.failure import (
     rank_info,
     read_failure,
 )
-from peerflow.distributed.init import FAULT_STORE_ENV
+from peerflow.distributed.init import FAULT_SCOPE_ENV, FAULT_STORE_ENV
 from peerflow.distributed.listen import LOOPBACK, is_loopback, listening_store
 from peerflow.distributed.procs import process_gone
 from peerflow.distributed.signing import (
@@ -65,13 +66,16 @@ class FaultStore:
     """The store server (listening on `host` only)."""
     store: SignedStore = attrs.field(init=False)
     """`raw` with the run's records signed and checked."""
+    scope: str = attrs.field(factory=lambda: secrets.token_hex(8))
+    """This run's nonce, bound into every record's tag (`FAULT_SCOPE_ENV`): a record
+    signed in another run under the same secret is refused."""
     _stop: threading.Event = attrs.field(factory=threading.Event)
     _thread: threading.Thread | None = None
     _exported: list[str] = attrs.field(factory=list)
 
     def __attrs_post_init__(self) -> None:
         self.raw = listening_store(self.host, 0)
-        self.store = signed(self.raw, launcher_secret(self.host))
+        self.store = signed(self.raw, launcher_secret(self.host), scope=self.scope)
 
     @property
     def address(self) -> str:
@@ -81,7 +85,7 @@ class FaultStore:
     @property
     def environment(self) -> dict[str, str]:
         """What a worker needs to use the store: its address and the run's secret."""
-        return {FAULT_STORE_ENV: self.address,
+        return {FAULT_STORE_ENV: self.address, FAULT_SCOPE_ENV: self.scope,
                 RUN_SECRET_ENV: (self.store.secret or b"").decode()}
 
     def export(self) -> None:

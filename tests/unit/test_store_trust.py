@@ -19,7 +19,7 @@ import torch.distributed as dist
 from peerflow.coordinator.transport import host_identity, read_host_records
 from peerflow.distributed.failure import FailureRecord, publish_failure, read_failure
 from peerflow.distributed.faults import FaultMonitor
-from peerflow.distributed.init import check_run_secret
+from peerflow.distributed.init import check_run_secret, fault_store
 from peerflow.distributed.listen import listening_store
 from peerflow.distributed.signing import (
     RUN_SECRET_ENV,
@@ -30,6 +30,7 @@ from peerflow.distributed.signing import (
 )
 from peerflow.distributed.stop import request_stop, stop_reason
 from peerflow.errors import ConfigError
+from peerflow.launch.watch import FaultStore
 from tests.helpers.sockets import outside_address
 
 SECRET = b"0123456789abcdef0123456789abcdef"
@@ -187,3 +188,26 @@ def test_a_listening_store_answers_on_its_address_only() -> None:
         pytest.skip("this machine has no address outside loopback")
     with pytest.raises(ConnectionRefusedError):
         socket.create_connection((outside, store.port), timeout=2).close()
+
+
+def test_a_signed_abort_from_an_earlier_run_with_the_same_secret_is_refused(monkeypatch) -> None:
+    """A secret kept across runs (the documented `~/.peerflow-secret`): anyone who can read
+    one run's launcher store (stores have no read access control) copies its signed abort
+    record into the next run's store; the MAC must bind the record to the run."""
+    monkeypatch.setenv(RUN_SECRET_ENV, SECRET.decode())
+    earlier, later = FaultStore(world_size=2), FaultStore(world_size=2)
+    try:
+        mine = FailureRecord(rank=1, host="h1", stage="step 9", reason="earlier run's", reporter=1)
+        publish_failure(earlier.store, mine)
+        copied = earlier.raw.get("peerflow/faults/abort")  # what a store reader sees
+        later.raw.set("peerflow/faults/abort", copied)  # a client without the secret
+        assert later.failure() is None
+        for name, value in later.environment.items():  # what the workers are given
+            monkeypatch.setenv(name, value)
+        worker = fault_store(None, timeout=5.0)
+        assert read_failure(worker) is None
+        publish_failure(worker, FORGED)  # the run's own record still reaches the launcher
+        assert later.failure() == FORGED
+    finally:
+        earlier.stop()
+        later.stop()
