@@ -105,6 +105,22 @@ def fault_store(default_store: Any, timeout: float) -> Any:
                   scope=os.environ.get(FAULT_SCOPE_ENV, ""))
 
 
+#: The variables that choose the interface gloo's and NCCL's sockets listen on.
+SOCKET_IFNAME_ENVS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+
+
+def keep_sockets_on_loopback() -> None:
+    """On one machine (`MASTER_ADDR` loopback), gloo and NCCL listen on `lo` only.
+
+    NCCL's bootstrap (and gloo without `GLOO_SOCKET_IFNAME`) would pick an interface
+    other than loopback — NCCL skips `lo` unless told — and listen there for the whole
+    run, reachable from the network. A value the operator set is kept.
+    """
+    if os.environ.get("MASTER_ADDR", LOOPBACK) in (LOOPBACK, "localhost"):
+        for name in SOCKET_IFNAME_ENVS:
+            os.environ.setdefault(name, "lo")
+
+
 def check_run_secret() -> None:
     """Refuses a job across hosts that has no run secret.
 
@@ -180,8 +196,7 @@ def init_distributed(
     rank = _env_int("RANK") if rank is None else rank
     world_size = _env_int("WORLD_SIZE") if world_size is None else world_size
     local_rank = _env_int("LOCAL_RANK", 0)
-    if os.environ.get("MASTER_ADDR", "127.0.0.1") in ("127.0.0.1", "localhost"):
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one machine: stay on loopback
+    keep_sockets_on_loopback()
     device = devices.HOST if backend == "gloo" else devices.rank_device(local_rank)
     devices.use_device(device)
     backend = devices.group_backend(device)

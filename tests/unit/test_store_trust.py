@@ -19,7 +19,12 @@ import torch.distributed as dist
 from peerflow.coordinator.transport import host_identity, read_host_records
 from peerflow.distributed.failure import FailureRecord, publish_failure, read_failure
 from peerflow.distributed.faults import FaultMonitor
-from peerflow.distributed.init import check_run_secret, fault_store
+from peerflow.distributed.init import (
+    SOCKET_IFNAME_ENVS,
+    check_run_secret,
+    fault_store,
+    keep_sockets_on_loopback,
+)
 from peerflow.distributed.listen import listening_store
 from peerflow.distributed.signing import (
     RUN_SECRET_ENV,
@@ -211,3 +216,20 @@ def test_a_signed_abort_from_an_earlier_run_with_the_same_secret_is_refused(monk
     finally:
         earlier.stop()
         later.stop()
+
+
+def test_on_one_machine_nccl_listens_on_loopback_too(monkeypatch) -> None:
+    """NCCL's bootstrap skips `lo` unless told, so a one-host GPU run listened on the
+    machine's network interface for its whole life (gloo was already kept on `lo`)."""
+    for name in SOCKET_IFNAME_ENVS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    keep_sockets_on_loopback()
+    assert {os.environ[name] for name in SOCKET_IFNAME_ENVS} == {"lo"}
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "ib0")  # the operator's choice is kept
+    keep_sockets_on_loopback()
+    assert os.environ["NCCL_SOCKET_IFNAME"] == "ib0"
+    monkeypatch.delenv("NCCL_SOCKET_IFNAME")
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.1")  # across hosts: the interface is theirs
+    keep_sockets_on_loopback()
+    assert "NCCL_SOCKET_IFNAME" not in os.environ
