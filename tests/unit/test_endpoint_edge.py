@@ -252,3 +252,13 @@ def test_json_nested_past_the_recursion_limit_is_400():
     deep = httpx.post(url, content=b"[" * 5000, headers={"Authorization": "Bearer edge-token"})
     assert deep.status_code == 400 and "not JSON" in deep.json()["error"]["message"]
     endpoint.stop()
+
+
+@pytest.mark.parametrize("stop", ["x" * 100, ["ab", "\n"], ["y"] * 64, "z" * 1024])
+def test_valid_stop_strings_are_accepted(stop):
+    """One stop string longer than 64 characters was refused as "more than 64 items"."""
+    from peerflow.agents.endpoint.protocol import ChatRequest
+
+    body = ChatRequest.model_validate({**CHAT, "stop": stop})
+    assert body.stop == stop
+

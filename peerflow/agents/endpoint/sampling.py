@@ -101,7 +101,7 @@ class SamplingFields(BaseModel):
     top_k: int | None = Field(default=None, strict=True, ge=-1, le=MAX_COUNT)
     max_tokens: Count | None = None
     max_completion_tokens: Count | None = None
-    stop: StopString | list[StopString] | None = Field(default=None, max_length=64)
+    stop: StopString | Annotated[list[StopString], Field(max_length=64)] | None = None
     stop_token_ids: list[TokenId] | None = Field(default=None, max_length=64)
     seed: int | None = Field(default=None, strict=True, ge=0, le=MAX_SEED)
     logprobs: bool | Annotated[int, Field(ge=0, le=20)] | None = None
