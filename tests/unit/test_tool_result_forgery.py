@@ -9,7 +9,13 @@ from peerflow.sandbox import SandboxLimits, configure
 from peerflow.sandbox.bubblewrap import bwrap_unavailable
 from peerflow.sandbox.config import SandboxConfig
 from tests.helpers import forging_tools
-from tests.helpers.forging_tools import FORK_FORGE_AND_KILL, PRINT_AND_EXIT, RunsCode
+from tests.helpers.forging_tools import (
+    FORK_FORGE_AND_KILL,
+    PIDFD_GETFD_PWRITE,
+    PRINT_AND_EXIT,
+    RunsCode,
+    RunsCodeInProcess,
+)
 
 LIMITS = SandboxLimits(timeout_s=20.0, memory_mb=512)
 needs_bwrap = pytest.mark.skipif(bwrap_unavailable() is not None, reason=f"{bwrap_unavailable()}")
@@ -40,3 +46,14 @@ def test_model_code_cannot_forge_the_runner_s_result(code):
     result = run_tool(RunsCode(), {"code": code}, LIMITS)
     assert result.status == "error" and "process died" in result.content
     assert result.content != "forged"
+
+
+@needs_bwrap
+def test_model_code_in_a_process_of_its_own_cannot_take_the_runner_s_stdout():
+    """`pidfd_getfd` on the sandbox's first process gave its stdin (the sentinel) and its
+    stdout (the host-side file): a `pwrite` past the runner's line forged an `ok`."""
+    honest = run_tool(RunsCodeInProcess(), {"code": "print(6 * 7)"}, LIMITS)
+    assert (honest.status, honest.content) == ("ok", "42\n")
+    result = run_tool(RunsCodeInProcess(), {"code": PIDFD_GETFD_PWRITE}, LIMITS)
+    assert result.content != "forged"
+    assert (result.status, result.content) == ("ok", "honest output\n")
