@@ -54,6 +54,9 @@ class Kind(enum.IntEnum):
     """Encoded weight-bucket metadata followed by raw bytes; `a` = version."""
 
 
+_KINDS = frozenset(int(k) for k in Kind)
+
+
 @attrs.frozen(kw_only=True)
 class Message:
     """One received message."""
@@ -185,6 +188,12 @@ class StreamReceiver:
             try:
                 self._recv(header, src)
                 kind, a, b, nbytes = (int(x) for x in header)
+                if kind not in _KINDS or nbytes < 0:
+                    raise WorkerFailedError(
+                        f"rank {src} sent a malformed {self.what} message header "
+                        f"{[kind, a, b, nbytes]} (kind not one of {sorted(_KINDS)}, or "
+                        "a negative size): it runs another PeerFlow version, or is not this "
+                        "run's rank (docs/operations.md, 'Trust model').")
                 payload = None
                 if nbytes:
                     payload = torch.empty(nbytes, dtype=torch.uint8)

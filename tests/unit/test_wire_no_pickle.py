@@ -23,8 +23,9 @@ from hypothesis import strategies as st
 
 from peerflow.batch import Batch, RaggedField
 from peerflow.coordinator.wire import pack_batch, unpack_batch
+from peerflow.errors import WorkerFailedError
 from peerflow.reshard.ipc_handles import export_storage, open_export
-from peerflow.streaming.transport import decode_payload, encode_payload
+from peerflow.streaming.transport import StreamReceiver, decode_payload, encode_payload
 from peerflow.wirecodec import DTYPE, MAX_DEPTH, WireFormatError, decode, encode, register
 from tests.helpers.hostile import Payload
 
@@ -261,3 +262,22 @@ def test_a_cuda_export_is_rebuilt_by_the_function_the_receiver_picks(monkeypatch
             open_export(encode({"kind": "cuda", "values": bad}), peer=2)
     with pytest.raises(WireFormatError, match="malformed"):
         open_export(encode({"kind": "pickle", "values": values}), peer=2)
+
+
+class _ForgedHeaders(StreamReceiver):
+    """A receiver whose peer sends `HEADER` as its message header (no process group)."""
+
+    HEADER = (99, 0, 0, 0)
+
+    def _recv(self, tensor, src):
+        tensor.copy_(torch.tensor(self.HEADER, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("header", [(99, 0, 0, 0), (-1, 0, 0, 0)], ids=["kind 99", "kind -1"])
+def test_a_streaming_header_of_an_unknown_kind_fails_the_receiver_naming_the_peer(header):
+    """The receiver thread died on `Kind(99)` (ValueError), and `get` waited forever."""
+    _ForgedHeaders.HEADER = header
+    receiver = _ForgedHeaders(sources=(3,), tag=11, timeout=5.0).start()
+    with pytest.raises(WorkerFailedError, match="rank 3.*malformed"):
+        for _ in range(50):
+            receiver.get(timeout=0.1)
