@@ -14,6 +14,9 @@ rarer surfaces, none of which a program scored by a reward needs:
   runs as the same host uid;
 * `bpf`, `perf_event_open`, `userfaultfd`, `ptrace`, `process_vm_readv`/`writev`,
   kernel modules and `kexec`;
+* io_uring (`io_uring_setup`, `_enter`, `_register`): its operations are not seen by
+  seccomp, and its kernel code is a frequent source of privilege escalations (Docker's
+  default profile refuses it too);
 * `pidfd_getfd`, which copies another process's descriptor: bwrap's init, the
   sandbox's first process, holds the program's host-side stdin and stdout (a tool's
   model code took them and wrote the runner's result line, issue 49's red team).
@@ -34,7 +37,8 @@ DENIED = ("unshare", "setns", "mount", "umount2", "pivot_root", "fsopen", "fsmou
           "fsconfig", "fspick", "move_mount", "open_tree", "keyctl", "add_key", "request_key",
           "bpf", "perf_event_open", "userfaultfd", "ptrace", "process_vm_readv",
           "process_vm_writev", "init_module", "finit_module", "delete_module", "kexec_load",
-          "kexec_file_load", "pidfd_getfd")
+          "kexec_file_load", "pidfd_getfd", "io_uring_setup", "io_uring_enter",
+          "io_uring_register")
 CLONE_NEWUSER = 0x10000000
 INSTALL_HINT = ("pip install pyseccomp (and the libseccomp2 system library: "
                 "apt-get install libseccomp2)")

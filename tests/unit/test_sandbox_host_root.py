@@ -289,3 +289,28 @@ def test_a_programs_memory_is_charged_to_this_process_s_own_cgroup():
         watch.join()
     assert result.stdout == "ok\n", result.stderr
     assert max(peak) - before > 150 * 2**20  # the program's 200 MiB counted here
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="x86_64 system call numbers")
+def test_the_seccomp_filter_refuses_io_uring_and_pidfd_getfd():
+    """io_uring's operations are not seen by seccomp, and its kernel code is a frequent
+    source of privilege escalations (Docker's default profile refuses it); `pidfd_getfd`
+    copied bwrap init's host-side stdin and stdout (`test_tool_result_forgery`)."""
+    from peerflow.sandbox.seccomp_filter import INSTALL_HINT, seccomp_program
+
+    if seccomp_program() is None:
+        pytest.skip(f"no libseccomp binding here: {INSTALL_HINT}")
+    program = """
+import ctypes, errno, os
+libc = ctypes.CDLL(None, use_errno=True)
+params = ctypes.create_string_buffer(120)
+said = [("io_uring_setup", libc.syscall(425, 4, params), errno.errorcode.get(ctypes.get_errno()))]
+pidfd = os.pidfd_open(1)
+said.append(("pidfd_getfd", libc.syscall(438, pidfd, 1, 0),
+             errno.errorcode.get(ctypes.get_errno())))
+print(said)
+"""
+    result = _run(program)
+    assert result.status == "ok", result.stderr
+    assert result.stdout == ("[('io_uring_setup', -1, 'EPERM'), "
+                             "('pidfd_getfd', -1, 'EPERM')]\n")
