@@ -143,3 +143,19 @@ def test_a_protocol_0_pickle_is_checked_before_an_unrestricted_reader(tmp_path):
     with pytest.raises(UntrustedCheckpointError):
         safe_load(path)
     assert not marker.exists()
+
+
+@pytest.mark.parametrize("degrees", [{"tp": 10**9, "pp": 1}, {"tp": 1e999, "pp": 1},
+                                     {"tp": 0, "pp": 1}, {"tp": 2, "pp": 1}],
+                         ids=["a billion tp ranks", "infinite tp", "zero tp", "a missing shard"])
+def test_export_refuses_a_megatron_layout_its_files_do_not_hold(tmp_path, degrees):
+    """`saved_shards` (peerflow export) looped over the layout the JSON sidecar claims:
+    `tp: 1e9` built specs until memory ran out, `1e999` (inf) raised a TypeError."""
+    from peerflow.adapters.megatron.checkpoint import META, MegatronCheckpoints
+    from peerflow.errors import ConfigError
+
+    (tmp_path / "megatron_tp0_pp0.safetensors").write_bytes(b"")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (tmp_path / META).write_text(json.dumps({"version": 0, "dp": 1, **degrees}))
+    with pytest.raises(ConfigError, match=f"{META}.*megatron_tp"):
+        MegatronCheckpoints.saved_shards(str(tmp_path), model_path=str(tmp_path))

@@ -42,6 +42,7 @@ from peerflow.checkpoint import (
 from peerflow.checkpoint.pickles import safe_load
 from peerflow.checkpoint.tensor_tree import load_tree, save_tree, tree_exists
 from peerflow.engines.train import SavedShard
+from peerflow.errors import ConfigError
 
 if TYPE_CHECKING:
     from peerflow.adapters.megatron.engine import MegatronTrainEngine
@@ -107,6 +108,7 @@ class MegatronCheckpoints:
 
         meta = read_engine_meta(directory, META, "Megatron")
         ep = meta.get("ep", 1)
+        _check_files_hold(directory, meta["tp"], meta["pp"], ep)
         layout = ParallelLayout(tp=meta["tp"], pp=meta["pp"], dp=meta["dp"], ep=ep)
         multiple = meta.get("vocab_multiple", getattr(options, "vocab_multiple", 128))
         hf_config = AutoConfig.from_pretrained(model_path)
@@ -125,6 +127,27 @@ def _optimizer_state(directory: str, tag: str) -> Any:
     if tree_exists(stem):
         return load_tree(stem)
     return safe_load(f"{stem}.pt")  # PeerFlow 0.1.0 wrote a pickle
+
+
+def _check_files_hold(directory: str, tp: Any, pp: Any, ep: Any) -> None:
+    """Refuses a layout (from the JSON sidecar) whose shard files are not all there.
+
+    Checked before anything loops over the layout: a sidecar claiming `tp: 1e9` made
+    `saved_shards` build specs until memory ran out.
+    """
+    degrees = {"tp": tp, "pp": pp, "ep": ep}
+    held = {name for name in os.listdir(directory)
+            if name.startswith("megatron_tp") and name.endswith(".safetensors")}
+    fits = all(type(v) is int and v >= 1 for v in degrees.values()) and tp * pp * ep <= len(held)
+    names = [f"megatron_{_tag(t, p, e, ep)}.safetensors"
+             for t, p, e in itertools.product(range(tp), range(pp), range(ep))] if fits else []
+    missing = [name for name in names if name not in held]
+    if not fits or missing:
+        raise ConfigError(
+            f"{os.path.join(directory, META)} describes tp={tp!r}, pp={pp!r}, ep={ep!r}, "
+            f"which the directory's {len(held)} megatron_tp*.safetensors files do not hold"
+            f"{f' (missing {missing[:3]})' if missing else ''}: not a checkpoint "
+            "save_checkpoint wrote (corrupt, or crafted); pass the directory it wrote.")
 
 
 def _tag(tp: int, pp: int, ep_rank: int, ep: int) -> str:
