@@ -91,6 +91,9 @@ def verify(directory: str | Path, *, allowed: Sequence[str] | None = None,
         return Verdict(ok=False, problem=f"{MANIFEST} is missing or unreadable (the save "
                        "did not finish)")
     for name, want in sorted(manifest["files"].items()):
+        if Path(name).is_absolute() or ".." in Path(name).parts:
+            return Verdict(ok=False, problem=f"{MANIFEST} lists {name!r}, outside the "
+                           "checkpoint (a manifest PeerFlow wrote names its own files only)")
         path = directory / name
         if not path.is_file():
             return Verdict(ok=False, problem=f"{name} is missing")

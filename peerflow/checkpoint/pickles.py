@@ -165,9 +165,13 @@ def _check(path: Path, allowed: Sequence[str]) -> str | None:
 
 
 def pickles_under(directory: str | Path) -> Iterator[Path]:
-    """Every pickle file under `directory` (recursively, sorted)."""
+    """Every pickle file under `directory` (recursively, sorted).
+
+    A symlink to a regular file counts as that file (every loader follows it); one to
+    anything else (a FIFO, a device) is never opened.
+    """
     for path in sorted(Path(directory).rglob("*")):
-        if path.is_file() and not path.is_symlink() and is_pickle(path):
+        if path.is_file() and is_pickle(path):
             yield path
 
 

@@ -159,3 +159,25 @@ def test_export_refuses_a_megatron_layout_its_files_do_not_hold(tmp_path, degree
     (tmp_path / META).write_text(json.dumps({"version": 0, "dp": 1, **degrees}))
     with pytest.raises(ConfigError, match=f"{META}.*megatron_tp"):
         MegatronCheckpoints.saved_shards(str(tmp_path), model_path=str(tmp_path))
+
+
+def test_a_pickle_reached_through_a_symlink_is_refused_too(tmp_path):
+    """The early check skipped symlinks; every loader follows them (`torch.load`)."""
+    run = _run_with_checkpoints(tmp_path, steps=(1,))
+    outside = plant(tmp_path / "elsewhere.pt", tmp_path / "pwned")
+    (step_dir(run, 1) / "actor" / "zero_pp_rank_0_mp_rank_00_optim_states.pt").symlink_to(
+        outside)
+    verdict = verify(step_dir(run, 1))
+    assert not verdict.ok and verdict.untrusted, verdict
+    assert "zero_pp_rank_0_mp_rank_00_optim_states.pt" in verdict.problem
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_a_manifest_naming_files_outside_its_directory_is_refused(tmp_path):
+    run = _run_with_checkpoints(tmp_path, steps=(1,))
+    manifest = step_dir(run, 1) / "MANIFEST.json"
+    data = json.loads(manifest.read_text())
+    data["files"]["../../../../../../../../etc/hostname"] = {"bytes": 1, "sha256": "0"}
+    manifest.write_text(json.dumps(data))
+    verdict = verify(step_dir(run, 1))
+    assert not verdict.ok and "outside the checkpoint" in verdict.problem, verdict
