@@ -158,8 +158,8 @@ def parse_asserts(tests: str) -> AssertPlan:
 
     Top-level asserts are checks; so are those of a function the tests define and call
     at top level with positional arguments (`def check(candidate): assert ...` then
-    `check(fib)`, HumanEval's form). Everything else is a step run in the program's
-    namespace.
+    `check(fib)`, HumanEval's form), whose definition is never a step (it holds the
+    expected values). Everything else is a step run in the program's namespace.
 
     Raises:
         ValueError: when the tests are not valid Python, hold no `assert`, or hold one
@@ -176,6 +176,8 @@ def parse_asserts(tests: str) -> AssertPlan:
     checks: list[Check] = []
     builder = CheckBuilder(steps, 0)
     for statement in (s for top in module.body for s in _inlined(top, defined)):
+        if isinstance(statement, ast.FunctionDef) and defined.get(statement.name) is statement:
+            continue  # inlined where it is called; its source holds the expected values
         if isinstance(statement, ast.Assert):
             checks.append(Check(source=ast.unparse(statement),
                                 tree=builder.build(statement.test)))

@@ -239,3 +239,27 @@ def test_a_flood_of_colliding_hashes_is_a_wrong_answer_in_the_reward_s_time(code
     assert out.total == [0.0]
     assert out.counts == {"reward/errors": 0, "reward/timeouts": 0}  # not a masked timeout
     assert time.monotonic() - start < 15
+
+
+#: The `fib` row's asserts in HumanEval's form (`def check(candidate)`, then `check(fib)`).
+FIB_HUMANEVAL = ("METADATA = {'author': 'x'}\n\ndef check(candidate):\n"
+                 "    assert candidate(0) == 0\n    assert candidate(1) == 1\n"
+                 "    assert candidate(10) == 55\n\ncheck(fib)\n")
+#: A wrong `fib` that answers from the expected values in the harness's steps.
+READ_THE_CHECK_FUNCTION = (
+    "import re, sys\n"
+    "TABLE = {}\n"
+    "steps = repr(getattr(sys.modules['__main__'], 'STEPS', '')) + open('main.py').read()\n"
+    "for arg, value in re.findall(r'candidate\\((\\d+)\\) == (\\d+)', steps):\n"
+    "    TABLE[int(arg)] = int(value)\n"
+    "def fib(n):\n    return TABLE.get(n, -1)\n")
+
+
+@needs_bwrap
+def test_humaneval_s_check_function_does_not_reach_the_sandbox():
+    """The definition of `check` (the expected values) was sent as a step to run there."""
+    plan = parse_asserts(FIB_HUMANEVAL)
+    assert "55" not in json.dumps(plan.steps)
+    tests = {"tests": FIB_HUMANEVAL}
+    assert code_reward(f"```python\n{FIB_RIGHT}\n```", tests)["score"] == 1.0
+    assert code_reward(f"```python\n{READ_THE_CHECK_FUNCTION}\n```", tests)["score"] == 0.0
