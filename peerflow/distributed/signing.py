@@ -40,6 +40,9 @@ RUN_SECRET_ENV = "PEERFLOW_RUN_SECRET"
 RUN_SECRET_FILE_ENV = "PEERFLOW_RUN_SECRET_FILE"
 #: Shortest secret accepted (characters).
 MIN_SECRET_CHARS = 16
+#: Distinct refused values logged per key (a writer changing its value at every poll
+#: would otherwise grow the rank's log and memory without bound).
+MAX_LOGGED = 16
 _TAG = b"pf1:"
 _MAC_CHARS = 64
 _HOW = ("generate one with `python -c 'import secrets; print(secrets.token_hex(32))'` and "
@@ -116,6 +119,7 @@ class SignedStore:
     scope: str = ""
     """Binds tags to one use of the store (a torchrun generation's nonce)."""
     _refused: set[tuple[str, bytes]] = attrs.field(factory=set)
+    """(key, SHA-256 of the value) of the refusals logged, at most `MAX_LOGGED` per key."""
 
     def _mac(self, key: str, value: bytes) -> bytes:
         message = b"\0".join((self.scope.encode(), key.encode(), value))
@@ -138,12 +142,19 @@ class SignedStore:
         return None
 
     def _refuse(self, key: str, stored: bytes) -> None:
-        if (key, stored) in self._refused:
+        seen = (key, hashlib.sha256(stored).digest())
+        logged = sum(1 for k, _ in self._refused if k == key)
+        if seen in self._refused or logged > MAX_LOGGED:
             return
-        self._refused.add((key, stored))
+        self._refused.add(seen)
         text = (f"peerflow: refused the record under {key!r} in the run's store: it is not "
                 f"signed with the run's secret (a process outside the run wrote it); "
                 f"ignored. It read {stored[:160]!r}.")
+        if logged == MAX_LOGGED:
+            self._refused.add((key, b""))  # the marker: nothing more is logged for the key
+            text = (f"peerflow: {MAX_LOGGED} refused records under {key!r} logged; further "
+                    "refusals under it are ignored without a line (a process outside the "
+                    "run keeps writing it).")
         print(text, file=sys.stderr, flush=True)
         append_to_rank_log(text)
 

@@ -233,3 +233,16 @@ def test_on_one_machine_nccl_listens_on_loopback_too(monkeypatch) -> None:
     monkeypatch.setenv("MASTER_ADDR", "10.0.0.1")  # across hosts: the interface is theirs
     keep_sockets_on_loopback()
     assert "NCCL_SOCKET_IFNAME" not in os.environ
+
+
+def test_a_flood_of_distinct_forgeries_is_logged_a_bounded_number_of_times(capsys) -> None:
+    """Each distinct forged value was logged and kept (whole) forever: a writer changing
+    its value at every poll grew the rank's memory and log without bound."""
+    store, raw = _store()
+    for i in range(200):
+        raw.set("peerflow/faults/abort", f"{i}:" + "x" * 100_000)
+        assert read_failure(store) is None
+    err = capsys.readouterr().err
+    assert err.count("refused the record under 'peerflow/faults/abort'") <= 17, err[:300]
+    assert "further refusals" in err
+    assert len(store._refused) <= 32  # noqa: SLF001 — what the store keeps
