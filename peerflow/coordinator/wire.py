@@ -93,9 +93,30 @@ def unpack_batch(buffer: torch.Tensor) -> Batch:
             raise _malformed(f"{dtype} {shape}: {str(exc).splitlines()[0]}") from None
         offset += padded(nbytes)
     try:
-        return Batch.from_wire(meta, tensors)
+        batch = Batch.from_wire(meta, tensors)
     except (ValueError, TypeError) as exc:  # ids or fields of disagreeing lengths
         raise _malformed(str(exc)) from None
+    _check_columns(batch)
+    return batch
+
+
+def _check_columns(batch: Batch) -> None:
+    """Refuses ids that are not int64 vectors and ragged offsets that index no values."""
+    for name in ("sample_id", "group_id", "weight_version"):
+        ids = getattr(batch, name)
+        if ids.dtype != torch.int64 or ids.dim() != 1:
+            raise _malformed(f"its {name} is {ids.dtype} {list(ids.shape)}, not int64 [rows]")
+    for name, column in batch.fields.items():
+        if not isinstance(column, RaggedField):
+            continue
+        offsets, values = column.offsets, column.values
+        if (offsets.dtype != torch.int64 or offsets.dim() != 1 or offsets.numel() == 0
+                or values.dim() == 0 or int(offsets[0]) != 0
+                or int(offsets[-1]) != values.shape[0]
+                or bool((offsets[1:] < offsets[:-1]).any())):
+            raise _malformed(f"the offsets of its ragged field {name!r} ({offsets.dtype} "
+                             f"{list(offsets.shape)}) do not index its "
+                             f"{list(values.shape)} values from 0, in order")
 
 
 def _malformed(why: str) -> WireFormatError:

@@ -142,6 +142,40 @@ def test_a_tampered_prefix_is_refused(prefix):
         unpack_batch(packed)
 
 
+def _reframed(change) -> torch.Tensor:
+    """A valid packed batch whose header `change(header)` edited, its tensor bytes kept."""
+    packed = pack_batch(_batch())
+    size = int(packed[8:16].clone().view(torch.int64)[0])
+    header = decode(packed[16:16 + size].numpy().tobytes())
+    change(header)
+    data = encode(header)
+    body = packed[(16 + size + 15) // 16 * 16:]
+    start = (16 + len(data) + 15) // 16 * 16
+    out = torch.zeros(start + body.numel(), dtype=torch.uint8)
+    out[:16] = torch.tensor([out.numel(), len(data)], dtype=torch.int64).view(torch.uint8)
+    out[16:16 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    out[start:] = body
+    return out
+
+
+#: Headers whose tensors all fit the message but describe no batch: a ragged field's
+#: values (tensor 3) or offsets (tensor 4) that do not go together. Before, each gave a
+#: batch that raised IndexError (or sliced with floats) wherever it was used.
+COLUMNS = {
+    "empty offsets": lambda h: h["tensors"][4].__setitem__(1, [0]),
+    "float offsets": lambda h: h["tensors"][4].__setitem__(0, "float64"),
+    "2-d offsets": lambda h: h["tensors"][4].__setitem__(1, [2, 2]),
+    "offsets past the values": lambda h: h["tensors"][3].__setitem__(1, [0]),
+}
+
+
+@pytest.mark.parametrize("change", COLUMNS.values(), ids=COLUMNS.keys())
+def test_a_header_describing_no_batch_is_refused(change):
+    assert len(unpack_batch(_reframed(lambda h: None))) == 3  # the frame is right
+    with pytest.raises(WireFormatError, match="malformed"):
+        unpack_batch(_reframed(change))
+
+
 @settings(max_examples=150, deadline=None)
 @given(st.data())
 def test_corrupted_header_bytes_give_a_batch_or_a_wire_format_error(data):
