@@ -80,7 +80,12 @@ def run_secret() -> bytes | None:
         raise ConfigError(f"{RUN_SECRET_FILE_ENV}={path}: cannot open it ({exc}); {_HOW}."
                           ) from exc
     with os.fdopen(fd) as f:
-        mode = os.fstat(f.fileno()).st_mode
+        info = os.fstat(f.fileno())
+        mode = info.st_mode
+        if info.st_uid != os.geteuid():
+            raise ConfigError(f"{RUN_SECRET_FILE_ENV}={path}: the file is owned by uid "
+                              f"{info.st_uid}, not this account (uid {os.geteuid()}): that "
+                              f"account knows the secret; {_HOW}.")
         if mode & (stat.S_IRWXG | stat.S_IRWXO):
             raise ConfigError(f"{RUN_SECRET_FILE_ENV}={path}: mode {stat.filemode(mode)} lets "
                               f"other accounts read the run secret; run `chmod 600 {path}`.")

@@ -246,3 +246,20 @@ def test_a_flood_of_distinct_forgeries_is_logged_a_bounded_number_of_times(capsy
     assert err.count("refused the record under 'peerflow/faults/abort'") <= 17, err[:300]
     assert "further refusals" in err
     assert len(store._refused) <= 32  # noqa: SLF001 — what the store keeps
+
+
+def test_a_secret_file_another_account_owns_is_refused(monkeypatch, tmp_path) -> None:
+    """Mode 0600 proves only that its owner can read it: a file another account made (in
+    /tmp, say) is a secret that account knows."""
+    path = tmp_path / "secret"
+    path.write_text(SECRET.decode())
+    path.chmod(0o600)
+    other = os.geteuid() + 1 if os.geteuid() != 0 else 65534
+    try:
+        os.chown(path, other, -1)
+    except PermissionError:
+        pytest.skip("cannot give a file to another account here (not root)")
+    monkeypatch.delenv(RUN_SECRET_ENV, raising=False)
+    monkeypatch.setenv(RUN_SECRET_FILE_ENV, str(path))
+    with pytest.raises(ConfigError, match=f"owned by uid {other}"):
+        run_secret()
