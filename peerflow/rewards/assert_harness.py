@@ -81,6 +81,14 @@ def bounded(fn):
     finally:
         _signal.setitimer(_signal.ITIMER_REAL, 0)
 
+def plain(value):  # Counter, defaultdict, a namedtuple: the plain container of their items
+    for base in (dict, list, tuple, frozenset, set):
+        if isinstance(value, base):
+            if base is dict:
+                return {plain(k): plain(v) for k, v in dict.items(value)}
+            return base(plain(v) for v in base.__iter__(value))
+    return value
+
 def name(exc):
     try:
         return str(type(exc).__name__)[:100]
@@ -104,7 +112,7 @@ for kind, source in STEPS:
             bounded(lambda: exec(compile(source, "<tests>", "exec"), solution.__dict__))
             continue
         value = bounded(lambda: eval(compile(source, "<tests>", "eval"), solution.__dict__))
-        report("value", leaf, bounded(lambda: repr(value))[:MAX + 1])
+        report("value", leaf, bounded(lambda: repr(plain(value)))[:MAX + 1])
     except BaseException as exc:
         if kind == "eval":
             report("error", leaf, name(exc))

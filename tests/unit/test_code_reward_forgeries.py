@@ -263,3 +263,24 @@ def test_humaneval_s_check_function_does_not_reach_the_sandbox():
     tests = {"tests": FIB_HUMANEVAL}
     assert code_reward(f"```python\n{FIB_RIGHT}\n```", tests)["score"] == 1.0
     assert code_reward(f"```python\n{READ_THE_CHECK_FUNCTION}\n```", tests)["score"] == 0.0
+
+
+@needs_bwrap
+def test_honest_answers_in_container_subclasses_score_as_their_contents():
+    """`Counter`, `defaultdict`, a namedtuple: Python's `==` accepts them, so does the host
+    (they scored 0 on the word_count row); a subclass's own `__eq__` or `items` is ignored."""
+    word_count = next(row["tests"] for row in ROWS if "word_count" in str(row["tests"]))
+    honest = ["from collections import Counter\ndef word_count(s):\n"
+              "    return Counter(s.split())",
+              "from collections import defaultdict\ndef word_count(s):\n"
+              "    d = defaultdict(int)\n    for w in s.split():\n        d[w] += 1\n"
+              "    return d"]
+    lying = ("class Lies(dict):\n    def __eq__(self, other):\n        return True\n"
+             "    def items(self):\n        return [('a', 2), ('b', 1)]\n"
+             "def word_count(s):\n    return Lies(z=1)\n")
+    scores = [code_reward(f"```python\n{p}\n```", {"tests": word_count})["score"]
+              for p in [*honest, lying]]
+    assert scores == [1.0, 1.0, 0.0]
+    pair = ("import collections\nP = collections.namedtuple('P', 'a b')\n"
+            "def f():\n    return P(1, [2])\n")
+    assert code_reward(pair, {"tests": "assert f() == (1, [2])"})["score"] == 1.0
