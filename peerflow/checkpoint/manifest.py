@@ -87,10 +87,16 @@ def verify(directory: str | Path, *, allowed: Sequence[str] | None = None,
     """
     directory = Path(directory)
     manifest = read_manifest(directory)
-    if manifest is None or manifest.get("format") != FORMAT:
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         return Verdict(ok=False, problem=f"{MANIFEST} is missing or unreadable (the save "
                        "did not finish)")
-    for name, want in sorted(manifest["files"].items()):
+    files = manifest.get("files")
+    if not isinstance(files, dict) or not all(
+            isinstance(w, dict) and type(w.get("bytes")) is int
+            and isinstance(w.get("sha256"), str) for w in files.values()):
+        return Verdict(ok=False, problem=f"{MANIFEST} is malformed (its files are not "
+                       "{name: {bytes, sha256}}): not one PeerFlow wrote")
+    for name, want in sorted(files.items()):
         if Path(name).is_absolute() or ".." in Path(name).parts:
             return Verdict(ok=False, problem=f"{MANIFEST} lists {name!r}, outside the "
                            "checkpoint (a manifest PeerFlow wrote names its own files only)")

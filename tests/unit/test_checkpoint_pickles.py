@@ -181,3 +181,12 @@ def test_a_manifest_naming_files_outside_its_directory_is_refused(tmp_path):
     manifest.write_text(json.dumps(data))
     verdict = verify(step_dir(run, 1))
     assert not verdict.ok and "outside the checkpoint" in verdict.problem, verdict
+
+
+@pytest.mark.parametrize("files", [[], {"a": 5}, {"a": {"bytes": "1", "sha256": 2}}, None])
+def test_a_malformed_manifest_is_a_verdict_not_a_crash(tmp_path, files):
+    run = _run_with_checkpoints(tmp_path, steps=(1,))
+    manifest = step_dir(run, 1) / "MANIFEST.json"
+    manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "files": files}))
+    verdict = verify(step_dir(run, 1))
+    assert not verdict.ok and "MANIFEST.json" in verdict.problem, verdict
