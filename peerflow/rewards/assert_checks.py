@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import operator
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -67,6 +68,9 @@ _BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
 _ORDER = {ast.Lt: operator.lt, ast.LtE: operator.le, ast.Gt: operator.gt,
           ast.GtE: operator.ge}
 _SINGLETONS = (None, True, False, Ellipsis)
+#: A `%` format the host does not apply: a width or precision from the arguments (`*`),
+#: or one of seven digits or more (a program's string could ask for gigabytes).
+_WIDE_FORMAT = re.compile(r"%(?:\([^)]*\))?[^a-zA-Z%]*(\*|\d{7,})")
 
 
 class LeafFailed(Exception):
@@ -167,6 +171,9 @@ def _binary(op: ast.operator, left: Any, right: Any) -> Any:
     if isinstance(op, ast.Pow) and (not isinstance(right, (int, float)) or abs(right) * max(
             1, abs(left).bit_length() if isinstance(left, int) else 64) > 2**20):
         raise ValueError("power too large for the host")
+    if isinstance(op, ast.Mod) and isinstance(left, (str, bytes)) and _WIDE_FORMAT.search(
+            left if isinstance(left, str) else left.decode("latin-1")):
+        raise ValueError("format width too large for the host")  # '%1500000000s' % 1
     return _BINARY[type(op)](left, right)
 
 

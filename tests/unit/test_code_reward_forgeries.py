@@ -284,3 +284,14 @@ def test_honest_answers_in_container_subclasses_score_as_their_contents():
     pair = ("import collections\nP = collections.namedtuple('P', 'a b')\n"
             "def f():\n    return P(1, [2])\n")
     assert code_reward(pair, {"tests": "assert f() == (1, [2])"})["score"] == 1.0
+
+
+def test_a_format_string_from_the_program_cannot_ask_the_host_for_gigabytes():
+    plan = parse_asserts("assert f(1) % 7 == 'x'\nassert g(2) % (3,) == 'a3'")
+    lines = "\n".join(["S " + repr(("import", True)),
+                       f"S {('value', 0, repr('%1500000000s'))}",
+                       f"S {('value', 1, repr('a%d'))}"])
+    start = time.perf_counter()
+    values = read_values(lines, "S", leaves=2)
+    assert [c.passes(values) for c in plan.checks] == [False, True]
+    assert time.perf_counter() - start < 0.2  # building the 1.5 GB string took 0.76 s
