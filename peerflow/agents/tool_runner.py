@@ -42,6 +42,7 @@ import attrs
 
 from peerflow.agents.tools import Tool
 from peerflow.sandbox import SandboxLimits, SandboxResult, run_sandboxed
+from peerflow.sandbox.result_channel import PRIVATE_STDOUT
 
 #: Threads (hence sandboxed processes) running tool calls at once in one process.
 MAX_CONCURRENT_TOOLS = 64
@@ -60,12 +61,7 @@ try:
     libc.prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: orphans of the tool come here
 except (ImportError, OSError, AttributeError):  # the audit-hook fallback refuses ctypes
     pass
-out = os.fdopen(os.dup(1), "w")
-os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
-try:
-    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
-except OSError:  # a sandbox that allows writes only in its own directory
-    os.dup2(os.open(".tool-output", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), 1)
+PRIVATE_STDOUT
 sys.stdout = io.StringIO()
 try:
     tool = pickle.loads(base64.b64decode(request["tool"]))
@@ -108,7 +104,7 @@ end_all()
 out.write(MARKER + SENTINEL + " " + json.dumps(reply) + "\n")
 out.flush()
 os._exit(0)
-'''.replace("MARKER", repr(MARKER))
+'''.replace("MARKER", repr(MARKER)).replace("PRIVATE_STDOUT\n", PRIVATE_STDOUT.lstrip("\n"))
 
 _EXECUTOR: ThreadPoolExecutor | None = None
 _EXECUTOR_LOCK = threading.Lock()

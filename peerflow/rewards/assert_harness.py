@@ -45,6 +45,7 @@ from typing import Any
 import attrs
 
 from peerflow.rewards.assert_checks import Check, CheckBuilder, decode
+from peerflow.sandbox.result_channel import PRIVATE_STDOUT
 
 #: Longest `repr()` of one value the host decodes.
 MAX_VALUE_CHARS = 200_000
@@ -53,12 +54,7 @@ HARNESS = r'''
 import os, sys, time, _signal
 SENTINEL = sys.stdin.read().strip()
 deadline = time.monotonic() + SECONDS
-out = os.fdopen(os.dup(1), "w")
-os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
-try:
-    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
-except OSError:  # a sandbox that allows writes only in its own directory
-    os.dup2(os.open(".program-output", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), 1)
+PRIVATE_STDOUT
 
 def report(*record):
     out.write(SENTINEL + " " + repr(record) + "\n")
@@ -119,7 +115,7 @@ for kind, source in STEPS:
     leaf += kind == "eval"
 out.close()
 os._exit(0)
-'''
+'''.replace("PRIVATE_STDOUT\n", PRIVATE_STDOUT.lstrip("\n"))
 
 
 @attrs.frozen
