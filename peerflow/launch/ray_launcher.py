@@ -16,6 +16,8 @@ once); a second stops them at once.
 from __future__ import annotations
 
 import os
+import secrets
+import sys
 import time
 from typing import Any
 
@@ -28,6 +30,26 @@ from peerflow.launch.watch import FaultStore
 
 _PASS_ENV = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "HF_HUB_OFFLINE", "PYTHONPATH",
              "PEERFLOW_PLUGINS", "PEERFLOW_DISABLE_PLUGIN_AUTOLOAD", "OMP_NUM_THREADS")
+
+
+def local_ray_auth() -> None:
+    """A local Ray the launcher starts takes callers with a fresh token only.
+
+    Ray's services (GCS, raylet, workers) listen on every interface whatever address
+    they are given; with `RAY_AUTH_MODE=disabled` anyone who reached the machine could
+    join as a driver and run code in it. So unless the operator chose a mode, the
+    launcher starts Ray with `RAY_AUTH_MODE=token` and a random `RAY_AUTH_TOKEN` (kept if
+    set), which its own actors inherit.
+    """
+    if "RAY_AUTH_MODE" in os.environ:
+        return
+    os.environ["RAY_AUTH_MODE"] = "token"
+    os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
+    if "ray._raylet" in sys.modules:  # Ray read its settings when imported: again
+        from ray._raylet import AuthenticationTokenLoader, Config
+
+        Config.initialize("")
+        AuthenticationTokenLoader.instance().reset_cache()
 
 
 class RayWorker:
@@ -70,13 +92,16 @@ def launch_ray(command: WorkerCommand, *, nprocs: int, num_cpus: int | None = No
             a checkpoint was written at the stop).
         WorkerFailedError: a worker failed (naming its rank, host and stage).
     """
+    cluster = bool(os.environ.get("RAY_ADDRESS"))
+    if cluster:
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # the cluster's own setting
     ray = _import_ray()
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    cluster = bool(os.environ.get("RAY_ADDRESS"))
     started = not ray.is_initialized()
+    if started and not cluster:
+        local_ray_auth()
     if started:
         if cluster:
             ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
