@@ -14,7 +14,8 @@ the agents' counts differ.
 `TCPStore` server (the process group's store) and publishes its address with a random
 nonce in the agent store; every other rank reads that, connects, and checks the nonce in
 the fresh store — a stale address (a previous generation's rank 0, now gone) fails the
-check or the connection, and the rank reads again until the deadline. The fault channel
+check or the connection, and the rank reads again until the deadline (both records are
+signed under torchrun's job id, `TORCHELASTIC_RUN_ID`: another job's are refused). The fault channel
 stays in the agent store (it outlives any worker) under a prefix made of the nonce.
 
 Rank 0's store listens on loopback on one host, else on the interface that reaches
@@ -40,6 +41,9 @@ from peerflow.distributed.signing import RecordRefusedError, signed
 ADDRESS_KEY = "peerflow/generation/store"
 #: Key in the generation's own store holding its nonce.
 NONCE_KEY = "peerflow/generation/nonce"
+#: torchrun's job id (`--rdzv-id`): the scope of the address and nonce records, so a
+#: record signed in another job under the same secret is refused.
+JOB_ENV = "TORCHELASTIC_RUN_ID"
 
 
 def _store(host: str, port: int, timeout: float) -> Any:
@@ -58,12 +62,13 @@ def generation_stores(rank: int, timeout: float) -> tuple[Any, Any]:
         TimeoutError: rank 0 did not publish a reachable store within `timeout`.
     """
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    agent = signed(_store(host, port, timeout))
+    job = os.environ.get(JOB_ENV, "")  # binds the address records to this torchrun job
+    agent = signed(_store(host, port, timeout), scope=job)
     if rank == 0:
         nonce = uuid.uuid4().hex[:16]
         listen = store_address(host)
         own = listening_store(listen, 0, timeout=timeout)
-        signed(own, agent.secret).set(NONCE_KEY, nonce)
+        signed(own, agent.secret, scope=job).set(NONCE_KEY, nonce)
         agent.set(ADDRESS_KEY, f"{listen}:{own.port}:{nonce}")
     else:
         own, nonce = _connect(agent, timeout)
@@ -80,7 +85,7 @@ def _connect(agent: Any, timeout: float) -> tuple[Any, str]:
             address = agent.get(ADDRESS_KEY).decode()
             host, port, nonce = address.rsplit(":", 2)
             own = _store(host if spans_hosts() else LOOPBACK, int(port), min(2.0, timeout))
-            if signed(own, agent.secret).get(NONCE_KEY).decode() == nonce:
+            if signed(own, agent.secret, scope=agent.scope).get(NONCE_KEY).decode() == nonce:
                 own.set_timeout(datetime.timedelta(seconds=timeout))
                 return own, nonce
         except (RuntimeError, OSError, ValueError, RecordRefusedError):

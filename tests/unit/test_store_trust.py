@@ -263,3 +263,28 @@ def test_a_secret_file_another_account_owns_is_refused(monkeypatch, tmp_path) ->
     monkeypatch.setenv(RUN_SECRET_FILE_ENV, str(path))
     with pytest.raises(ConfigError, match=f"owned by uid {other}"):
         run_secret()
+
+
+def test_a_generation_address_from_another_torchrun_job_is_refused(monkeypatch) -> None:
+    """The address (and nonce) records a generation's rank 0 publishes were signed under
+    no scope: with a secret kept across jobs, one job's records, copied into the next
+    job's agent store, pointed its ranks at the earlier job's store."""
+    from peerflow.distributed.round_store import ADDRESS_KEY, generation_stores
+
+    monkeypatch.setenv(RUN_SECRET_ENV, SECRET.decode())
+    for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.setenv(name, "2")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    earlier = listening_store("127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(earlier.port))
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-a")
+    own, _ = generation_stores(0, timeout=5.0)  # job a's rank 0 publishes its store
+    later = listening_store("127.0.0.1")
+    later.set(ADDRESS_KEY, earlier.get(ADDRESS_KEY))  # a store reader copies the record
+    monkeypatch.setenv("MASTER_PORT", str(later.port))
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-b")
+    with pytest.raises(TimeoutError, match="published no reachable store"):
+        generation_stores(1, timeout=1.0)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-a")  # the same job's rank connects
+    monkeypatch.setenv("MASTER_PORT", str(earlier.port))
+    assert generation_stores(1, timeout=5.0)[0].port == own.port
