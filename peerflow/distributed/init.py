@@ -116,7 +116,7 @@ def keep_sockets_on_loopback() -> None:
     other than loopback — NCCL skips `lo` unless told — and listen there for the whole
     run, reachable from the network. A value the operator set is kept.
     """
-    if os.environ.get("MASTER_ADDR", LOOPBACK) in (LOOPBACK, "localhost"):
+    if is_loopback(os.environ.get("MASTER_ADDR", LOOPBACK)):
         for name in SOCKET_IFNAME_ENVS:
             os.environ.setdefault(name, "lo")
 

@@ -223,7 +223,7 @@ def test_on_one_machine_nccl_listens_on_loopback_too(monkeypatch) -> None:
     machine's network interface for its whole life (gloo was already kept on `lo`)."""
     for name in SOCKET_IFNAME_ENVS:
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.2")  # any loopback address
     keep_sockets_on_loopback()
     assert {os.environ[name] for name in SOCKET_IFNAME_ENVS} == {"lo"}
     monkeypatch.setenv("NCCL_SOCKET_IFNAME", "ib0")  # the operator's choice is kept
