@@ -83,6 +83,23 @@ def _import_ray() -> Any:
     return ray
 
 
+def _start_ray(ray: Any, cluster: bool, num_cpus: int | None) -> bool:
+    """Joins `RAY_ADDRESS`'s cluster, or starts a local Ray with token auth (`local_ray_auth`).
+
+    Returns whether this call started Ray (and so must shut it down); `False` when the
+    caller had already initialised it.
+    """
+    if ray.is_initialized():
+        return False
+    if cluster:
+        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
+    else:
+        local_ray_auth()
+        ray.init(num_cpus=num_cpus or os.cpu_count() or 1, include_dashboard=False,
+                 log_to_driver=True)
+    return True
+
+
 def launch_ray(command: WorkerCommand, *, nprocs: int, num_cpus: int | None = None) -> None:
     """Runs `nprocs` workers as Ray actors in one placement group.
 
@@ -99,15 +116,7 @@ def launch_ray(command: WorkerCommand, *, nprocs: int, num_cpus: int | None = No
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    started = not ray.is_initialized()
-    if started and not cluster:
-        local_ray_auth()
-    if started:
-        if cluster:
-            ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
-        else:
-            ray.init(num_cpus=num_cpus or os.cpu_count() or 1, include_dashboard=False,
-                     log_to_driver=True)
+    started = _start_ray(ray, cluster, num_cpus)
     cpus = float(ray.cluster_resources().get("CPU", 1))
     per_worker = min(1.0, cpus / nprocs)
     group = placement_group([{"CPU": per_worker}] * nprocs,
