@@ -44,13 +44,17 @@ FORK_FORGE_AND_KILL = (
     "time.sleep(5)\n")
 
 
+#: The one argument of both code-running tools: the program's source.
+CODE_PARAMETERS = {"type": "object", "properties": {"code": {"type": "string"}},
+                   "required": ["code"]}
+
+
 class RunsCode(Tool):
     """Runs `code` (model-written) and returns what it printed; raises what it raises."""
 
     name = "run_code"
     description = "Runs Python code and returns its output."
-    parameters = {"type": "object", "properties": {"code": {"type": "string"}},
-                  "required": ["code"]}
+    parameters = CODE_PARAMETERS
 
     def call(self, arguments: dict[str, Any]) -> str:
         printed = io.StringIO()
@@ -84,8 +88,7 @@ class RunsCodeInProcess(Tool):
 
     name = "run_code_in_process"
     description = "Runs Python code in a subprocess and returns its output."
-    parameters = {"type": "object", "properties": {"code": {"type": "string"}},
-                  "required": ["code"]}
+    parameters = CODE_PARAMETERS
 
     def call(self, arguments: dict[str, Any]) -> str:
         import subprocess
