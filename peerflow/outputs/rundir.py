@@ -172,8 +172,9 @@ class RunLock:
                 return self
             holder = self._holder()
             restarted = holder is not None and mine["job"] and holder.get("job") == mine["job"]
-            if holder is None or not (restarted or self._is_stale(holder)):
-                raise self._refusal(holder)
+            live = self._live(holder)  # read once: the refusal names what was decided on
+            if holder is None or not (restarted or live == []):
+                raise self._refusal(holder, live)
             why = (f"torchrun job {mine['job']} restarted its workers" if restarted
                    else "that process no longer exists")
             self.log(f"{self.path}: removing a stale lock of pid {holder['pid']} on "
@@ -197,17 +198,18 @@ class RunLock:
         return read_lock(self.path)
 
     @staticmethod
-    def _is_stale(holder: dict[str, Any]) -> bool:
-        if holder.get("host") != socket.gethostname():
-            return False  # a process on another host cannot be checked from here
-        return not live_holders(holder)
+    def _live(holder: dict[str, Any] | None) -> list[int] | None:
+        """The holder's live pids; `None` when they cannot be checked (no holder, other host)."""
+        if holder is None or holder.get("host") != socket.gethostname():
+            return None
+        return live_holders(holder)
 
-    def _refusal(self, holder: dict[str, Any] | None) -> ConfigError:
+    def _refusal(self, holder: dict[str, Any] | None, live: list[int] | None) -> ConfigError:
         who = (f"pid {holder['pid']} on host {holder['host']} (since {holder.get('started')})"
                if holder else "another process")
-        if holder and holder.get("host") == socket.gethostname():
-            workers = [pid for pid in live_holders(holder) if pid != int(holder["pid"])]
-            if workers and int(holder["pid"]) not in live_holders(holder):
+        if holder and live:
+            workers = [pid for pid in live if pid != int(holder["pid"])]
+            if workers and int(holder["pid"]) not in live:
                 who = (f"the workers (pids {', '.join(map(str, workers))}) of a launcher "
                        f"that is gone (pid {holder['pid']} on host {holder['host']}); they "
                        "exit within a few seconds, then retry")
