@@ -6,7 +6,7 @@ from typing import Any, ClassVar
 
 import pytest
 
-from peerflow.conformance.models import ENGINE_MODELS, LAYOUT_MODELS, family, hf_config
+from peerflow.conformance.models import LAYOUT_MODELS, hf_config, model_family
 from peerflow.conformance.profile import AdapterProfile, layout_id
 from peerflow.errors import ConfigError
 from peerflow.layout import ParallelLayout
@@ -57,8 +57,7 @@ def check_layout(request: pytest.FixtureRequest, profile: AdapterProfile,
 def check_family(profile: AdapterProfile, model_id: str) -> None:
     """Skips a model family the adapter does not list."""
     families = profile.families()
-    fam = family(LAYOUT_MODELS.get(model_id) or ENGINE_MODELS.get(model_id) or
-                 {"model_type": model_id})
+    fam = model_family(model_id)
     if families is not None and fam not in families:
         pytest.skip(f"{profile.name} does not list model family {fam!r} in "
                     "conformance_families()")

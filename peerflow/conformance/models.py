@@ -84,6 +84,12 @@ def family(config: dict[str, Any]) -> str:
     return ModelShape.from_hf_config(config).family
 
 
+def model_family(model_id: str) -> str:
+    """The HF `model_type` of a suite model id (a layout or engine model, else the id)."""
+    return family(LAYOUT_MODELS.get(model_id) or ENGINE_MODELS.get(model_id) or
+                  {"model_type": model_id})
+
+
 def write_checkpoint(config: dict[str, Any], directory: str | Path, *, seed: int = 0) -> str:
     """Writes a randomly initialised checkpoint and a character tokenizer to `directory`.
 

@@ -199,7 +199,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 def _impossible(profile: Any, item: pytest.Item) -> bool:
     """Whether the adapter's declarations rule the item's parameters out."""
-    from peerflow.conformance.models import ENGINE_MODELS, LAYOUT_MODELS, family
+    from peerflow.conformance.models import model_family
 
     params = getattr(getattr(item, "callspec", None), "params", {})
     layouts = [params["layout"]] if "layout" in params else []
@@ -209,8 +209,5 @@ def _impossible(profile: Any, item: pytest.Item) -> bool:
     families = profile.families()
     if families is None:
         return False
-    for key, table in (("layout_model", LAYOUT_MODELS), ("engine_model", ENGINE_MODELS)):
-        if key in params and family(table.get(params[key]) or
-                                    {"model_type": params[key]}) not in families:
-            return True
-    return False
+    return any(model_family(params[key]) not in families
+               for key in ("layout_model", "engine_model") if key in params)

@@ -207,7 +207,7 @@ class RunLock:
     def _refusal(self, holder: dict[str, Any] | None, live: list[int] | None) -> ConfigError:
         who = (f"pid {holder['pid']} on host {holder['host']} (since {holder.get('started')})"
                if holder else "another process")
-        if holder and live:
+        if live:  # pids were checked, so there is a holder
             workers = [pid for pid in live if pid != int(holder["pid"])]
             if workers and int(holder["pid"]) not in live:
                 who = (f"the workers (pids {', '.join(map(str, workers))}) of a launcher "
