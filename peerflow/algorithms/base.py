@@ -114,8 +114,8 @@ class AdvantageEstimator(_Component, abc.ABC):
 
     process_group: Any = None
     """torch.distributed group over which batch-wide statistics (whitening) are reduced;
-    `None` reduces over the batch given to `compute` only. The runtime sets it to the
-    group of ranks that each hold a share of the step's samples."""
+    `None` reduces over the batch given to `compute` only. `build_algorithm` sets it (the
+    worker passes the group of ranks that each hold a share of the step's samples)."""
 
     group_replicas: int = 1
     """How many ranks of `process_group` hold each dp-shard (tp·pp·… of the advantage

@@ -155,7 +155,8 @@ def trained_samples(batch: Batch) -> Batch:
 
 
 def build_algorithm(
-    algorithm: Any, *, max_tokens: int = 0, plugin_manager: Any = None
+    algorithm: Any, *, max_tokens: int = 0, plugin_manager: Any = None,
+    process_group: Any = None, group_replicas: int = 1,
 ) -> Algorithm:
     """Instantiates estimator and losses named by an `AlgorithmConfig`.
 
@@ -164,6 +165,9 @@ def build_algorithm(
         max_tokens: `rollout.sampling.max_tokens`, the constant length of the
             `seq-mean-token-sum-norm` aggregation when the loss leaves `norm_length` at 0.
         plugin_manager: A `PluginManager`; default this process's.
+        process_group: The group the estimator's batch-wide statistics (whitening)
+            reduce over (`AdvantageEstimator.process_group`); `None`: one batch.
+        group_replicas: How many ranks of that group hold each dp-shard.
 
     Raises:
         UnknownNameError: an estimator or loss name nobody registers.
@@ -179,6 +183,7 @@ def build_algorithm(
     estimator = estimator_cls(structure_options(
         estimator_cls.options_class, sections.get(algorithm.advantage),
         f"algorithm.options.{algorithm.advantage}"))
+    estimator.process_group, estimator.group_replicas = process_group, group_replicas
     loss_options = structure_options(
         loss_cls.options_class, sections.get(algorithm.loss), f"algorithm.options.{algorithm.loss}")
     changes: dict[str, Any] = {}

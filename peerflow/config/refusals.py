@@ -15,6 +15,7 @@ from typing import Any, Literal
 import attrs
 
 from peerflow.errors import UnknownNameError
+from peerflow.workflow.roles import ROLES
 
 Side = Literal["rollout", "trainer"]
 _KINDS: dict[str, str] = {"rollout": "rollout_engine", "trainer": "train_engine"}
@@ -136,7 +137,7 @@ def _multiprocess(config: Any, pm: Any) -> list[str]:
 
 
 def critic_problems(config: Any, pm: Any, roles: set[str]) -> list[str]:
-    """A workflow with a `critic` role needs a train engine that declares `value_head`.
+    """A workflow with a value-head role (`critic`) needs a train engine declaring `value_head`.
 
     Args:
         config: A structured `RunConfig`.
@@ -144,10 +145,11 @@ def critic_problems(config: Any, pm: Any, roles: set[str]) -> list[str]:
         roles: The roles of the workflow's nodes (the planner's graph check passes them).
     """
     cls = _engine(pm, "trainer", config)
-    if "critic" not in roles or cls is None or cls.capabilities.value_head:
+    heads = sorted(r for r in roles if r in ROLES and ROLES[r].value_head)
+    if not heads or cls is None or cls.capabilities.value_head:
         return []
     able = _able(pm, "trainer", "value_head")
-    return [f"workflow (role critic): trainer.backend={config.trainer.backend!r} "
+    return [f"workflow (role {', '.join(heads)}): trainer.backend={config.trainer.backend!r} "
             f"{_lacks(cls, 'value_head')}; the graph's `values` and `train_critic` nodes need "
             f"a critic. Fix: use trainer.backend {able}, or a workflow without a critic "
             "(workflow.graph: grpo)."]

@@ -76,7 +76,7 @@ def _generate_and_score(rt: WorkerRuntime, draws: list[Draw], sampling: Sampling
     from peerflow.worker.executors import REWARD_COMPONENTS, response_texts, score_texts
 
     batch = rt.generate_batch(rt.engine("rollout"), draws, sampling)
-    scores = score_texts(rt.reward_set(), batch, response_texts(rt, batch), step=rt.step,
+    scores = score_texts(rt.reward_set(), batch, response_texts(rt.tokenizer, batch), step=rt.step,
                          steps=rt.config.run.steps)
     batch.set("reward", torch.tensor(scores.total, dtype=torch.float32))
     batch.set_objects(REWARD_COMPONENTS, [

@@ -1,8 +1,9 @@
 """Node executors: what a worker does for each workflow node kind.
 
-An executor is `fn(runtime, node, batch, metrics) -> batch`. It reads the fields its node
-declares as inputs from this rank's batch and adds its outputs; fields it does not know
-travel untouched. `peerflow.worker.nodes` registers each as a node kind, like a plugin's.
+An executor is `fn(context, batch) -> batch`, run with the same `NodeContext` a plugin's
+node gets. It reads the fields its node declares as inputs from this rank's batch and adds
+its outputs; fields it does not know travel untouched. `peerflow.worker.nodes` registers
+each as a node kind, like a plugin's.
 """
 
 from __future__ import annotations
@@ -24,24 +25,24 @@ from peerflow.rollout.sampler import split_evenly
 from peerflow.worker.metrics import REWARD_COMPONENTS, StepMetrics
 
 if TYPE_CHECKING:
-    from peerflow.worker.runtime import WorkerRuntime
+    from peerflow.worker.node_context import NodeContext
 
 #: Object field: per sample, the names of the rewards that failed on it (set by reward
 #: nodes; counted into `reward/failed_samples` and `reward/<name>/failed`).
 REWARD_ERRORS = "reward_errors"
 
-Executor = Callable[["WorkerRuntime", Any, Batch, StepMetrics], Batch]
+Executor = Callable[["NodeContext", Batch], Batch]
 
 
-def _sampling(rt: WorkerRuntime, attempt: int) -> Any:
-    return rt.config.rollout.sampling.to_params(
-        seed=step_seed(rt.config.seed, rt.step, rt.dp_rank, attempt)
+def _sampling(ctx: NodeContext, attempt: int) -> Any:
+    return ctx.config.rollout.sampling.to_params(
+        seed=step_seed(ctx.config.seed, ctx.step, ctx.dp_rank, attempt)
     )
 
 
-def response_texts(rt: WorkerRuntime, batch: Batch) -> list[str]:
+def response_texts(tokenizer: Any, batch: Batch) -> list[str]:
     """The decoded answers of a batch (special tokens removed), as rewards read them."""
-    return rt.tokenizer.batch_decode(
+    return tokenizer.batch_decode(
         [row.tolist() for row in batch.ragged("response_ids").rows()], skip_special_tokens=True
     )
 
@@ -75,8 +76,7 @@ def score_texts(rewards: Any, batch: Batch, texts: list[str], *, step: int = 0,
                         metrics=means)
 
 
-def _score(rt: WorkerRuntime, batch: Batch, node: Any = None,
-           metrics: StepMetrics | None = None) -> None:
+def _score(ctx: NodeContext, batch: Batch) -> None:
     """Decodes the answers, adds `response_text` and the node's reward field.
 
     The rewards are `node.options["reward"]` when the node names one, else the run's
@@ -89,17 +89,18 @@ def _score(rt: WorkerRuntime, batch: Batch, node: Any = None,
     """
     from peerflow.algorithms.failed_samples import REWARD_FAILED, reward_failures
 
-    texts = response_texts(rt, batch)
+    node, metrics = ctx.node, ctx.metrics
+    texts = response_texts(ctx.tokenizer, batch)
     options = getattr(node, "options", None) or {}
-    rewards = rt.reward_set(options.get("reward"))
+    rewards = ctx.rewards(options.get("reward"))
     describe_stage(f"reward {', '.join(c.name for c in rewards.components)!r} on "
                    f"{_samples(batch)}")
-    step = max(rt.step, int(batch.weight_version.max()) + 1) if len(batch) else rt.step
-    scores = score_texts(rewards, batch, texts, step=step, steps=rt.config.run.steps)
+    step = max(ctx.step, int(batch.weight_version.max()) + 1) if len(batch) else ctx.step
+    scores = score_texts(rewards, batch, texts, step=step, steps=ctx.config.run.steps)
     if scores.errors:
         from peerflow.outputs.reward_errors import append_reward_errors
 
-        append_reward_errors(rt.run_dir, step, rt.rank, scores.errors)
+        append_reward_errors(ctx.run_dir, step, ctx.rank, scores.errors)
     _add_failures(batch, scores)
     if metrics is not None:  # each reward's mean: `record_batch_metrics`, in both modes
         means = {f"reward/{name}/mean" for name in scores.components}
@@ -154,59 +155,55 @@ def _samples(batch: Batch) -> str:
             f"{str(getattr(first, 'prompt', ''))[:60]!r}")
 
 
-def run_generate(rt: WorkerRuntime, node: Any, batch: Batch, metrics: StepMetrics) -> Batch:
+def run_generate(ctx: NodeContext, batch: Batch) -> Batch:
     """Samples answers for this dp-rank's share of `run.prompts_per_step` prompts."""
-    count = split_evenly(rt.config.run.prompts_per_step, rt.dp_size, rt.dp_rank)
-    draws = rt.sampler.draw(count)
-    engine = rt.engine("rollout")
-    sampling = _sampling(rt, 0)
-    bar = rt.progress.generation(len(draws) * sampling.n) if rt.progress is not None else (
+    count = split_evenly(ctx.config.run.prompts_per_step, ctx.dp_size, ctx.dp_rank)
+    draws = ctx.prompts.draw(count)
+    sampling = _sampling(ctx, 0)
+    bar = ctx.progress.generation(len(draws) * sampling.n) if ctx.progress is not None else (
         contextlib.nullcontext(lambda n=1: None))
-    with bar as advance, rt.generating():
-        out = rt.generate_batch(engine, draws, sampling)
+    with bar as advance:
+        out = ctx.generate(draws, sampling)
         advance(len(out))
-    metrics.sum("rollout/prompts", len(draws))
+    ctx.metrics.sum("rollout/prompts", len(draws))
     return out if not len(batch) else Batch.concat([batch, out])
 
 
-def run_reward(rt: WorkerRuntime, node: Any, batch: Batch, metrics: StepMetrics) -> Batch:
+def run_reward(ctx: NodeContext, batch: Batch) -> Batch:
     """Scores every answer; with `algorithm.dynamic_sampling`, refills flat groups (DAPO)."""
-    _score(rt, batch, node, metrics)
-    if rt.config.algorithm.dynamic_sampling and "reward" in batch:
-        batch = _dynamic_sampling(rt, batch, metrics, node)
+    _score(ctx, batch)
+    if ctx.config.algorithm.dynamic_sampling and "reward" in batch:
+        batch = _dynamic_sampling(ctx, batch)
     return batch
 
 
-def _dynamic_sampling(
-    rt: WorkerRuntime, batch: Batch, metrics: StepMetrics, node: Any = None
-) -> Batch:
+def _dynamic_sampling(ctx: NodeContext, batch: Batch) -> Batch:
     """Drops groups whose rewards are all equal and samples new prompts to refill (DAPO).
 
     A group the failure policies leave out (`rollout.agent.on_env_error`,
     `task.reward_limits.on_failure`: `_failure_exclusions`) counts as dropped too, and
     the others' rewards are compared over the samples the policies keep. Refill rounds
-    are bounded by `rt.max_refill_rounds`. When the bound is hit, the batch is topped up
+    are bounded by `ctx.max_refill_rounds`. When the bound is hit, the batch is topped up
     with flat groups so every dp-rank trains on the same number of groups (train engines
     step in lock-step); flat groups carry zero group-relative advantage.
     Works with one reward node (the one writing `reward`).
     """
     from peerflow.algorithms.dynamic_sampling import filter_groups, take_groups, top_up
 
+    metrics = ctx.metrics
     target = group_count(batch)
     pool, everything = [batch], batch
-    result = filter_groups(batch, target, excluded=_failure_exclusions(rt, batch))
+    result = filter_groups(batch, target, excluded=_failure_exclusions(ctx, batch))
     first = result
     rounds = 0
-    while result.refill_groups > 0 and rounds < rt.max_refill_rounds:
+    while result.refill_groups > 0 and rounds < ctx.max_refill_rounds:
         rounds += 1
-        draws = rt.sampler.draw(result.refill_groups)
-        with rt.generating():
-            fresh = rt.generate_batch(rt.engine("rollout"), draws, _sampling(rt, rounds))
-        _score(rt, fresh, node, metrics)
+        fresh = ctx.generate(ctx.prompts.draw(result.refill_groups), _sampling(ctx, rounds))
+        _score(ctx, fresh)
         pool.append(fresh)
         everything = Batch.concat(pool)
         result = filter_groups(everything, target,
-                               excluded=_failure_exclusions(rt, everything))
+                               excluded=_failure_exclusions(ctx, everything))
     out = take_groups(result.batch, target)
     missing = target - group_count(out)
     chosen = set(out.group_id.tolist())
@@ -222,37 +219,37 @@ def _dynamic_sampling(
     return out
 
 
-def _failure_policies(rt: WorkerRuntime) -> tuple[str, str]:
+def _failure_policies(ctx: NodeContext) -> tuple[str, str]:
     """`rollout.agent.on_env_error` (`train` without agents), `task.reward_limits.on_failure`."""
-    agent = rt.config.rollout.agent
+    agent = ctx.config.rollout.agent
     return (agent.on_env_error if agent is not None else "train",
-            rt.config.task.reward_limits.on_failure)
+            ctx.config.task.reward_limits.on_failure)
 
 
-def _failure_exclusions(rt: WorkerRuntime, batch: Batch) -> torch.Tensor:  # [num_samples]
+def _failure_exclusions(ctx: NodeContext, batch: Batch) -> torch.Tensor:  # [num_samples]
     """The samples the failure policies leave out (`failed_samples.failure_exclusions`)."""
     from peerflow.algorithms.failed_samples import failure_exclusions
 
-    env_excluded, reward_excluded = failure_exclusions(batch, *_failure_policies(rt))
+    env_excluded, reward_excluded = failure_exclusions(batch, *_failure_policies(ctx))
     return env_excluded | reward_excluded
 
 
-def run_ref_logprob(rt: WorkerRuntime, node: Any, batch: Batch, metrics: StepMetrics) -> Batch:
+def run_ref_logprob(ctx: NodeContext, batch: Batch) -> Batch:
     """Adds `ref_logprobs`: the frozen reference model's log-prob of every answer token."""
-    return batch.set("ref_logprobs", rt.engine("ref").forward_logprobs(batch))
+    return batch.set("ref_logprobs", ctx.engine("ref").forward_logprobs(batch))
 
 
-def run_old_logprob(rt: WorkerRuntime, node: Any, batch: Batch, metrics: StepMetrics) -> Batch:
+def run_old_logprob(ctx: NodeContext, batch: Batch) -> Batch:
     """Adds `old_logprobs`: the actor's log-probs before this step's update."""
-    return batch.set("old_logprobs", rt.engine("actor").forward_logprobs(batch))
+    return batch.set("old_logprobs", ctx.engine("actor").forward_logprobs(batch))
 
 
-def run_values(rt: WorkerRuntime, node: Any, batch: Batch, metrics: StepMetrics) -> Batch:
+def run_values(ctx: NodeContext, batch: Batch) -> Batch:
     """Adds `values`: the critic's per-token value estimates."""
-    return batch.set("values", rt.engine("critic").forward_values(batch))
+    return batch.set("values", ctx.engine("critic").forward_values(batch))
 
 
-def run_advantage(rt: WorkerRuntime, node: Any, batch: Batch, metrics: StepMetrics) -> Batch:
+def run_advantage(ctx: NodeContext, batch: Batch) -> Batch:
     """Runs the advantage estimator (after fan-in reward sums and any KL penalty).
 
     Several reward fields (fan-in) are summed into `reward`; with `kl.mode: reward` the
@@ -260,6 +257,7 @@ def run_advantage(rt: WorkerRuntime, node: Any, batch: Batch, metrics: StepMetri
     out as `rollout.agent.on_env_error` and `task.reward_limits.on_failure` say
     (`peerflow.algorithms.failed_samples`): the estimator runs over the kept samples only.
     """
+    node, metrics, algorithm = ctx.node, ctx.metrics, ctx.algorithm
     if "reward" not in batch:
         parts = [f for f in getattr(node, "inputs", ()) if f.endswith("reward")
                  and isinstance(batch.fields.get(f), torch.Tensor)]
@@ -269,13 +267,13 @@ def run_advantage(rt: WorkerRuntime, node: Any, batch: Batch, metrics: StepMetri
                 "field and no *reward input; connect a reward node to it."
             )
         batch.set("reward", torch.stack([batch[f] for f in parts]).sum(0))
-    if rt.kl_reward is not None:
-        rt.kl_reward(batch, metrics)
+    if algorithm.shapes_rewards:
+        algorithm.shape_rewards(batch, metrics)
     from peerflow.algorithms.failed_samples import apply_failure_policies, estimate_advantages
 
-    keep = apply_failure_policies(batch, *_failure_policies(rt))
-    _record_reward_spread(batch, metrics)
-    for name, column in estimate_advantages(rt.estimator, batch, keep).items():
+    keep = apply_failure_policies(batch, *_failure_policies(ctx))
+    record_reward_spread(batch, metrics)
+    for name, column in estimate_advantages(algorithm.estimator, batch, keep).items():
         batch.set(name, column)
     kept = batch if bool(keep.all()) else batch.select(keep.nonzero().flatten())
     adv = kept.ragged("advantages").values.float()
@@ -290,7 +288,7 @@ def run_advantage(rt: WorkerRuntime, node: Any, batch: Batch, metrics: StepMetri
     return batch
 
 
-def _record_reward_spread(batch: Batch, metrics: StepMetrics) -> None:
+def record_reward_spread(batch: Batch, metrics: StepMetrics) -> None:
     """`reward/frac_zero_std`: the share of samples whose group's rewards are all equal.
 
     Groups are whole at the advantage node; with `n` answers a prompt it is the share of
@@ -305,30 +303,31 @@ def _record_reward_spread(batch: Batch, metrics: StepMetrics) -> None:
                      int(grouped.sum()))
 
 
-def run_train_actor(rt: WorkerRuntime, node: Any, batch: Batch, metrics: StepMetrics) -> Batch:
+def run_train_actor(ctx: NodeContext, batch: Batch) -> Batch:
     """One `train_step` of the actor with the configured policy loss."""
-    actor_batch = rt.algorithm.prepare_actor_batch(batch, metrics) if rt.algorithm else batch
-    out = rt.engine("actor").train_step(actor_batch, rt.policy_loss)
-    metrics.add_engine_metrics("actor", out, max(len(actor_batch), 1))
+    actor_batch = ctx.algorithm.prepare_actor_batch(batch, ctx.metrics)
+    out = ctx.engine("actor").train_step(actor_batch, ctx.algorithm.policy_loss)
+    ctx.metrics.add_engine_metrics("actor", out, max(len(actor_batch), 1))
     return batch
 
 
-def run_train_critic(rt: WorkerRuntime, node: Any, batch: Batch, metrics: StepMetrics) -> Batch:
+def run_train_critic(ctx: NodeContext, batch: Batch) -> Batch:
     """One `train_step` of the critic with the value loss (`train_mask` false: left out)."""
     from peerflow.algorithms.setup import trained_samples
 
     trained = trained_samples(batch)
-    out = rt.engine("critic").train_step(trained, rt.value_loss)
-    metrics.add_engine_metrics("critic", out, max(len(trained), 1))
+    out = ctx.engine("critic").train_step(trained, ctx.algorithm.value_loss)
+    ctx.metrics.add_engine_metrics("critic", out, max(len(trained), 1))
     return batch
 
 
-def run_sync_weights(rt: WorkerRuntime, node: Any, batch: Batch, metrics: StepMetrics) -> Batch:
+def run_sync_weights(ctx: NodeContext, batch: Batch) -> Batch:
     """Moves the actor's new weights into the rollout engine (every `weight_sync.every`)."""
-    if rt.step % max(rt.config.weight_sync.every, 1):
+    if ctx.step % max(ctx.config.weight_sync.every, 1):
         return batch
+    metrics = ctx.metrics
     start = time.perf_counter()
-    stats = rt.sync_weights()
+    stats = ctx.sync_weights()
     metrics.max("weight_sync/total_s", time.perf_counter() - start)
     for phase in ("plan_s", "gather_s", "pack_s", "wire_s", "load_s", "pause_s",
                   "sender_share"):

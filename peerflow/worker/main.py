@@ -31,7 +31,7 @@ from peerflow.worker.evaluation import EvalHook
 from peerflow.worker.loop import LockstepSchedule
 from peerflow.worker.program import RankProgram, program_from_plan, roles_sharing_prompts
 from peerflow.worker.runtime import WorkerRuntime, build_components, resolve_model_path
-from peerflow.workflow.roles import engine_roles
+from peerflow.workflow.roles import ROLES, engine_roles
 
 
 def _dump_stacks_on_crash() -> None:
@@ -164,7 +164,7 @@ def _start(
     _barrier()
     if local_rank != 0:
         model_path = resolve_model_path(config, pm)
-    components = build_components(config, pm)
+    components = build_components(config, pm, statistics=_advantage_group(program))
     tokenizer = load_tokenizer(model_path)
     data_layout = program.data_layout
     if rank in data_layout.global_ranks:
@@ -180,27 +180,32 @@ def _start(
     )
     rt = WorkerRuntime(
         config=config, rank=rank, world_size=world_size, run_dir=run_path, pm=pm,
-        model_path=model_path, tokenizer=tokenizer, task=task,
-        rewards=components["rewards"], default_reward=components["default_reward"],
-        estimator=components["estimator"], policy_loss=components["policy_loss"],
-        value_loss=components["value_loss"], dp_rank=dp_rank, dp_size=dp_size,
-        sampler=sampler, kl_reward=components["kl_reward"], algorithm=components["algorithm"],
-        layouts=dict(program.layouts), agent=_agent_rollout(config, pm),
+        model_path=model_path, tokenizer=tokenizer, dp_rank=dp_rank, dp_size=dp_size,
+        sampler=sampler, layouts=dict(program.layouts), agent=_agent_rollout(config, pm),
+        groups={role: program.process_group(role) for role in program.roles}, **components,
     )
-    for role in sorted(program.roles, key=lambda r: r == "ref"):  # a LoRA ref views the actor
+    # a base-view role (the LoRA reference) views the actor: built after it
+    for role in sorted(program.roles, key=lambda r: ROLES[r].adapters == "base_view"):
         if role in engine_roles():
             rt.engines[role] = rt.build_engine(role, program.process_group(role))
     rt.prompt_sharing = roles_sharing_prompts(rt.engines)
     if program.has_kind("sync_weights") or config.runtime.mode == "async":
         rt.weight_sync = _weight_sync(rt)
+    return rt, program
+
+
+def _advantage_group(program: RankProgram) -> tuple[Any, int] | None:
+    """The group the advantage estimator's batch-wide statistics reduce over, and replicas.
+
+    Batch-wide statistics (REINFORCE++ / GAE whitening) span every dp-shard; each dp-shard
+    is held by `world_size / dp` ranks of the advantage node's role (its tp/pp/… peers).
+    `None` on a rank that runs no advantage node.
+    """
     advantage = next((n for n in program.steps if getattr(n, "kind", "") == "advantage"), None)
     layout = program.layouts.get(advantage.role) if advantage is not None else None
-    if layout is not None and rt.estimator is not None:
-        # batch-wide statistics (REINFORCE++ / GAE whitening) span every dp-shard; each
-        # dp-shard is held by world_size / dp ranks of the role (its tp/pp/... peers)
-        rt.estimator.process_group = program.process_group(advantage.role)
-        rt.estimator.group_replicas = layout.world_size // layout.dp
-    return rt, program
+    if layout is None:
+        return None
+    return program.process_group(advantage.role), layout.world_size // layout.dp
 
 
 def _agent_rollout(config: RunConfig, pm: Any) -> Any:

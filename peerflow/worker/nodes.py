@@ -4,54 +4,25 @@ Every kind — built-in or a plugin's — is a `peerflow.workflow.NodeType` subc
 registered with `peerflow_register_nodes`. This module is a core plugin: it registers
 the built-in kinds, each made of its defaults (`peerflow.workflow.BUILTIN_KINDS`) and its
 executor (`peerflow.worker.executors`). `run_node` looks a node's kind up in the registry
-and runs it with a `NodeContext`, the same in the lockstep and streaming schedules.
+and runs it with a `NodeContext` (`peerflow.worker.node_context`), the same for built-in
+and plugin kinds, in the lockstep and streaming schedules.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
-import attrs
 import torch
 
 from peerflow.batch import Batch
 from peerflow.plugins.hookspecs import hookimpl
 from peerflow.worker.executors import BUILTIN_EXECUTORS, Executor
 from peerflow.worker.metrics import StepMetrics
+from peerflow.worker.node_context import NodeContext
 from peerflow.workflow.builtin import BUILTIN_KINDS, KindSpec, NodeType
 
 if TYPE_CHECKING:
     from peerflow.worker.runtime import WorkerRuntime
-
-
-@attrs.frozen(kw_only=True)
-class NodeContext:
-    """What a node sees on a rank: engines by role, rewards, the step, its options."""
-
-    node: Any
-    """The workflow `Node` being run (name, role, fields, `options`)."""
-    step: int
-    """The step being run (1-based)."""
-    metrics: StepMetrics
-    """This rank's metrics of the step (`mean`, `sum`, `max`, `min`)."""
-    config: Any
-    """The run's `RunConfig` (read-only)."""
-    _runtime: WorkerRuntime
-    """The worker's services; only the built-in kinds reach past the methods below."""
-
-    @property
-    def options(self) -> Mapping[str, Any]:
-        """The node's `options` from the workflow config."""
-        return self.node.options
-
-    def engine(self, role: str) -> Any:
-        """This rank's engine of `role` (`rollout`, `actor`, `ref`, `critic`)."""
-        return self._runtime.engine(role)
-
-    def rewards(self, name: str | None = None) -> Any:
-        """The `RewardSet` called `name`, or the run's (`task.reward` / `task.rewards`)."""
-        return self._runtime.reward_set(name)
 
 
 class BuiltinNode(NodeType):
@@ -61,7 +32,7 @@ class BuiltinNode(NodeType):
 
     def run(self, batch: Batch, context: NodeContext) -> Batch:
         """Runs the executor on this rank's batch; returns the batch with its outputs."""
-        return self.executor(context._runtime, self.node, batch, context.metrics)
+        return self.executor(context, batch)
 
     @classmethod
     def spec(cls) -> KindSpec:
@@ -102,9 +73,7 @@ def run_node(rt: WorkerRuntime, node: Any, batch: Batch, metrics: StepMetrics) -
             or off the host (batches live there; docs/architecture.md), naming the node.
     """
     kind = rt.pm.get("node", node.kind)
-    context = NodeContext(node=node, step=rt.step, metrics=metrics, config=rt.config,
-                          runtime=rt)
-    out = kind(node, rt.config).run(batch, context)
+    out = kind(node, rt.config).run(batch, rt.node_context(node, metrics))
     where = f"workflow node {node.name!r} (kind {node.kind!r})"
     if isinstance(out, Batch):
         if out.device.type != "cpu":

@@ -1,8 +1,8 @@
 """`WorkerRuntime`: everything one worker process holds while it runs its program.
 
 Built once per process by `peerflow.worker.main`: the resolved model directory, the
-tokenizer, the task and its rewards, the advantage estimator and losses (looked up through
-the plugin registries by `build_components`), this rank's engines (one per role it hosts,
+tokenizer, the task and its rewards, the algorithm (estimator, losses, reward shaping, looked
+up through the plugin registries by `build_components`), this rank's engines (one per role it hosts,
 built by `WorkerRuntime.build_engine`) and its prompt sampler.
 """
 
@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import attrs
 
-from peerflow.algorithms.base import AdvantageEstimator, Task
+from peerflow.algorithms.base import Task
 from peerflow.config import RunConfig, structure_options
 from peerflow.engines import EngineContext
 from peerflow.errors import ConfigError
@@ -24,6 +23,7 @@ from peerflow.layout import ParallelLayout
 from peerflow.rewards import RewardSet, build_reward_set
 from peerflow.rollout.generate import generate_batch
 from peerflow.rollout.sampler import ShardedPromptSampler
+from peerflow.worker.node_context import NodeContext
 from peerflow.workflow.roles import ROLES
 
 
@@ -83,11 +83,6 @@ class WorkerRuntime:
     """Reward sets built so far, by a node's `options.reward` (`""`: the run's rewards)."""
     default_reward: str
     """The task's `default_reward` (used when the config names no reward)."""
-    estimator: AdvantageEstimator | None
-    policy_loss: Any
-    """The actor's `LossFunction` (KL-regularised when `kl.mode: loss`)."""
-    value_loss: Any
-    """The critic's `LossFunction`, or `None` without a critic."""
     dp_rank: int
     """This rank's index among the prompt readers."""
     dp_size: int
@@ -96,11 +91,10 @@ class WorkerRuntime:
     engines: dict[str, Any] = attrs.field(factory=dict)
     """This rank's engine for each hosted role (`rollout`, `actor`, `ref`, `critic`)."""
     layouts: dict[str, ParallelLayout] = attrs.field(factory=dict)
-    kl_reward: Callable[[Any, Any], None] | None = None
-    """`f(batch, metrics)` shaping the rewards before the estimator (`Algorithm.shape_rewards`:
-    overlong punishment and filtering, the KL penalty with `kl.mode: reward`)."""
     algorithm: Any = None
-    """The run's `peerflow.algorithms.Algorithm` (the train node's `prepare_actor_batch`)."""
+    """The run's `peerflow.algorithms.Algorithm`: estimator, losses, reward shaping."""
+    groups: dict[str, Any] = attrs.field(factory=dict)
+    """The process group of each role this rank hosts (`RankProgram.process_group`)."""
     weight_sync: Any = None
     """The run's `WeightSyncService` on ranks that take part in weight syncs, else `None`."""
     max_refill_rounds: int = 4
@@ -159,6 +153,22 @@ class WorkerRuntime:
             return contextlib.nullcontext()
         return self.weight_sync.generating()
 
+    def generate_on_rollout(self, draws: Any, sampling: Any) -> Any:
+        """Samples a batch for `draws` on this rank's rollout engine, time-shared."""
+        with self.generating():
+            return self.generate_batch(self.engine("rollout"), draws, sampling)
+
+    def node_context(self, node: Any, metrics: Any) -> NodeContext:
+        """The `NodeContext` a node of this rank's program runs with."""
+        return NodeContext(
+            node=node, step=self.step, metrics=metrics, config=self.config,
+            algorithm=self.algorithm, rank=self.rank, dp_rank=self.dp_rank,
+            dp_size=self.dp_size, run_dir=self.run_dir, tokenizer=self.tokenizer,
+            engine=self.engine, rewards=self.reward_set, process_group=self.groups.get,
+            prompts=self.sampler, generate=self.generate_on_rollout,
+            sync_weights=self.sync_weights, progress=self.progress,
+            max_refill_rounds=self.max_refill_rounds)
+
     def reward_set(self, name: str | None = None) -> RewardSet:
         """Returns the rewards a reward node scores with (built once).
 
@@ -193,38 +203,41 @@ class WorkerRuntime:
         )
 
     def build_engine(self, role: str, process_group: Any = None) -> Any:
-        """Builds the engine of one role from the registries and the config's options."""
-        cfg = self.config
-        if ROLES[role].engine == "rollout_engine":
+        """Builds the engine of one role from the registries and the config's options.
+
+        What sets the role's engine apart (a value head, `trainer.lora`'s adapters or base
+        view, MoE routing replay) is its entry in `peerflow.workflow.roles.ROLES`.
+        """
+        cfg, spec = self.config, ROLES[role]
+        if spec.engine == "rollout_engine":
             cls = self.pm.get("rollout_engine", cfg.rollout.backend)
             options = _options(cls, cfg.rollout.engine_options.get(cfg.rollout.backend),
                                f"rollout.{cfg.rollout.backend}")
             return cls(self.context(role, process_group, cfg.trainer.lora), options)
+        if spec.adapters == "base_view" and cfg.trainer.lora is not None:
+            return _base_model_view(self.engines, role)
         cls = self.pm.get("train_engine", cfg.trainer.backend)
         section = dict(cfg.trainer.engine_options.get(cfg.trainer.backend) or {})
-        if role == "critic":  # Capabilities.value_head: checked by config validate
-            if attrs.has(cls.options_class) and "value_head" in attrs.fields_dict(
-                    cls.options_class):
-                section["value_head"] = True
-        if role == "ref" and cfg.trainer.lora is not None:
-            return _base_model_view(self.engines)
+        if spec.value_head and attrs.has(cls.options_class) and "value_head" in (
+                attrs.fields_dict(cls.options_class)):  # Capabilities.value_head: validated
+            section["value_head"] = True
         options = _options(cls, section, f"trainer.{cfg.trainer.backend}")
-        lora = cfg.trainer.lora if role == "actor" else None
+        lora = cfg.trainer.lora if spec.adapters == "trains" else None
         optim = cfg.trainer.optim_settings(steps=cfg.run.steps)
-        if role != "actor":  # MoE routing replay is the actor's: ref and critic route natively
+        if not spec.routing_replay:
             optim = attrs.evolve(optim, routing_replay="off")
         return cls(self.context(role, process_group, lora), options, optim)
 
 
-def _base_model_view(engines: dict[str, Any]) -> Any:
-    """The reference role of a `trainer.lora` run: the actor with its adapters off."""
+def _base_model_view(engines: dict[str, Any], role: str) -> Any:
+    """A `base_view` role of a `trainer.lora` run: the actor with its adapters off."""
     from peerflow.training.lora import BaseModelView
 
     if "actor" not in engines:
         raise ConfigError(
-            "trainer.lora: the reference model (ref_logprob) is the actor's base with its "
-            "adapters off, so it must run on the actor's ranks; this rank hosts ref "
-            "without actor. Place ref with the actor (the default placement does)."
+            f"trainer.lora: role {role!r} is the actor's base with its adapters off, so it "
+            f"must run on the actor's ranks; this rank hosts {role} without actor. Place "
+            f"{role} with the actor (the default placement does)."
         )
     return BaseModelView(engines["actor"])
 
@@ -244,17 +257,23 @@ def build_task(config: RunConfig, pm: Any) -> Task:
     return task_cls(_options(task_cls, config.task.options, "task.options"))
 
 
-def build_components(config: RunConfig, pm: Any) -> dict[str, Any]:
+def build_components(config: RunConfig, pm: Any,
+                     statistics: tuple[Any, int] | None = None) -> dict[str, Any]:
     """Instantiates the task and the algorithm named by the config.
 
     Rewards are built on first use by `WorkerRuntime.reward_set`, on the ranks that score.
+
+    Args:
+        config: The run config.
+        pm: The plugin manager.
+        statistics: The advantage estimator's `(process_group, group_replicas)`: the
+            group its batch-wide statistics reduce over (`None`: this rank's batch).
     """
     from peerflow.algorithms.setup import build_algorithm
 
     task = build_task(config, pm)
+    group, replicas = statistics or (None, 1)
     algo = build_algorithm(config.algorithm, max_tokens=config.rollout.sampling.max_tokens,
-                           plugin_manager=pm)
-    kl_reward = algo.shape_rewards if algo.shapes_rewards else None
+                           plugin_manager=pm, process_group=group, group_replicas=replicas)
     return {"task": task, "rewards": {}, "default_reward": type(task).default_reward,
-            "estimator": algo.estimator, "policy_loss": algo.policy_loss,
-            "value_loss": algo.value_loss, "kl_reward": kl_reward, "algorithm": algo}
+            "algorithm": algo}

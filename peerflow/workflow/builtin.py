@@ -82,8 +82,10 @@ class NodeType:
 
         Args:
             batch: This dp-rank's `peerflow.Batch`, holding at least `node.inputs`.
-            context: A `peerflow.worker.nodes.NodeContext`: `engine(role)`,
-                `rewards(name)`, `step`, `options`, `metrics`, `config`.
+            context: A `peerflow.worker.node_context.NodeContext` (the built-in kinds
+                get the same): `engine(role)`, `rewards(name)`, `process_group(role)`,
+                `algorithm`, `step`, `options`, `metrics`, `config`, `prompts`,
+                `generate(draws, sampling)`, `sync_weights()`.
         """
         raise NotImplementedError(f"node type {type(self).__name__} must implement run()")
 

@@ -154,8 +154,8 @@ def test_a_node_that_hands_back_device_tensors_is_named(returns):
                              weight_version=batch.weight_version.to("meta"))
             return {"score": torch.zeros(len(batch), device="meta")}
 
-    rt = SimpleNamespace(pm=SimpleNamespace(get=lambda kind, name: LeakyNode), step=1,
-                         config=None)
+    rt = SimpleNamespace(pm=SimpleNamespace(get=lambda kind, name: LeakyNode), config=None,
+                         node_context=lambda node, metrics: None)
     node = SimpleNamespace(name="judge", kind="my_scorer")
     batch = Batch(sample_id=torch.arange(2), group_id=torch.arange(2),
                   weight_version=torch.zeros(2, dtype=torch.int64))

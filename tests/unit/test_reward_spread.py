@@ -7,7 +7,7 @@ import logging
 import torch
 
 from peerflow.batch import Batch
-from peerflow.worker.executors import _record_reward_spread
+from peerflow.worker.executors import record_reward_spread
 from peerflow.worker.metrics import SignalWatch, StepMetrics
 
 
@@ -21,7 +21,7 @@ def _batch(rewards: list[float], groups: list[int]) -> Batch:
 def test_the_share_of_groups_without_reward_spread_is_a_metric():
     metrics = StepMetrics()
     # group 0 all equal, group 1 spread, group 2 a single answer (no spread to speak of)
-    _record_reward_spread(_batch([1.0, 1.0, 0.0, 1.0, 0.5], [0, 0, 1, 1, 2]), metrics)
+    record_reward_spread(_batch([1.0, 1.0, 0.0, 1.0, 0.5], [0, 0, 1, 1, 2]), metrics)
     how, weighted_sum, weight = metrics.raw()["reward/frac_zero_std"]
     assert how == "mean" and weight == 4 and weighted_sum / weight == 0.5
 
