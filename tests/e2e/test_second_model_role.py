@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from peerflow.worker.main import run_worker
 from peerflow.workflow import NodeType
 from peerflow.workflow.roles import ROLES, Role, engine_roles, trainable_roles
-from peerflow.worker.main import run_worker
 from tests.helpers.plugins import registering
 
 ENGINES: dict[int, int] = {}
