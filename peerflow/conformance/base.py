@@ -34,10 +34,18 @@ def resolve_adapter(test_class: type, config: Any) -> type | None:
 
 
 def needs(request: pytest.FixtureRequest, profile: AdapterProfile, capability: str) -> None:
-    """Records the capability a test exercises; skips naming it when it is not declared."""
+    """Records the capability a test exercises; skips naming it when it is not declared.
+
+    A flag the adapter declares but this machine cannot give (`machine_limits`) skips too,
+    naming the machine and why: the suite answers for the machine it runs on.
+    """
     request.node.user_properties.append(("capability", capability))
     if not getattr(profile.cls.capabilities, capability):
         pytest.skip(f"requires Capabilities.{capability}, which {profile.name} does not declare")
+    machine = profile.cls.machine_capabilities()  # declared, but this machine cannot
+    if not getattr(machine, capability):
+        pytest.skip(f"requires Capabilities.{capability}, which {profile.name} cannot give "
+                    f"{machine.reasons[capability]}")
 
 
 def check_layout(request: pytest.FixtureRequest, profile: AdapterProfile,

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib.util
+import socket
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -182,6 +184,35 @@ class EngineBase:
             One message per problem.
         """
         return []
+
+    @classmethod
+    def machine_limits(cls) -> Mapping[str, str]:
+        """Declared capabilities this machine cannot provide, each with why (`{}` here).
+
+        `capabilities` is what the adapter can do; a few of its flags also need something
+        of the machine (vLLM's sleep mode needs CUDA's memory pool; its routed experts need
+        Triton on a CUDA device). Override this to probe those facts: it is asked where the
+        engine runs — when the engine is built on a worker, and by the conformance suite —
+        never at import time and never by `config validate`, which may run on another
+        machine than the workers. It must not import the engine package.
+        """
+        return {}
+
+    @classmethod
+    def machine_capabilities(cls) -> Capabilities:
+        """`capabilities` on this machine: the declared flags less `machine_limits()`.
+
+        Each flag taken away gets a reason naming this host, which an engine quotes when a
+        run needs it (the engine's own build refuses it there).
+        """
+        limits = {flag: reason for flag, reason in cls.machine_limits().items()
+                  if getattr(cls.capabilities, flag)}
+        if not limits:
+            return cls.capabilities
+        host = socket.gethostname()
+        reasons = {**cls.capabilities.reasons,
+                   **{flag: f"on {host}: {reason}" for flag, reason in limits.items()}}
+        return attrs.evolve(cls.capabilities, reasons=reasons, **dict.fromkeys(limits, False))
 
     @classmethod
     def missing_requirements(cls) -> tuple[str, ...]:

