@@ -47,10 +47,17 @@ def run(args: argparse.Namespace) -> int:
     """Runs the suite; exit code 0 when no test failed (skips and declared xfails allowed).
 
     Raises:
+        ConfigError: pytest is not installed (the `conformance` extra).
         UnknownNameError: no rollout or train engine is registered as `args.name`.
     """
+    import importlib.util
+
+    from peerflow.errors import ConfigError
     from peerflow.plugins import get_plugin_manager
 
+    if importlib.util.find_spec("pytest") is None:
+        raise ConfigError("peerflow conformance runs its suite through pytest, which is not "
+                          "installed here; pip install 'peerflow[conformance]'.")
     pm = get_plugin_manager()
     if not any(args.name in pm.registry(kind) for kind in ("rollout_engine", "train_engine")):
         pm.registry("rollout_engine").get(args.name)  # raises, listing what is installed

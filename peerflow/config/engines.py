@@ -9,7 +9,6 @@ import attrs
 from peerflow.config.structure import SECTIONS
 from peerflow.engines import OptimSettings, SamplingParams
 from peerflow.engines.lora import LoraConfig
-from peerflow.layout import ParallelLayout
 
 
 @attrs.frozen(kw_only=True)
@@ -24,12 +23,6 @@ class LayoutConfig:
     """Pipeline-parallel degree."""
     ep: int = 1
     """Expert-parallel degree."""
-
-    def to_layout(self, world_size: int, ranks: tuple[int, ...] = ()) -> ParallelLayout:
-        """Returns the `ParallelLayout` on `world_size` ranks (resolving `dp: 0`)."""
-        model = self.tp * self.pp * self.ep
-        dp = self.dp or max(1, world_size // model)
-        return ParallelLayout(dp=dp, tp=self.tp, pp=self.pp, ep=self.ep, ranks=ranks)
 
 
 def _section_field() -> Any:

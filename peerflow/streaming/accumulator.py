@@ -1,10 +1,9 @@
 """Trainer-side buffering: per-sample fields, micro-batches as soon as one is full.
 
 A trainer dp-rank receives whole prompt groups from rollout ranks, in any order, tagged
-with the training step they belong to. `MicroBatchAccumulator` holds one step's samples;
-other nodes may add fields to a sample (a reward, reference log-probs) before it is
-trained on, by `patch`ing it — even before the sample itself arrives. A sample is *ready*
-once every required field is present; the sampler forms micro-batches from ready samples
+with the training step they belong to. `MicroBatchAccumulator` holds one step's samples.
+A sample is *ready* once every required field is present; the sampler forms micro-batches
+from ready samples
 and `pop_ready` hands out each one as soon as it is full, so per-micro-batch work
 (reference / old log-prob forwards) overlaps with the rest of the step still streaming in.
 
@@ -14,22 +13,10 @@ for a step, a *seal* carrying how many groups it sent this trainer for that step
 
 from __future__ import annotations
 
-from typing import Any
-
 import attrs
-import torch
 
-from peerflow.batch import Batch, RaggedField
+from peerflow.batch import Batch
 from peerflow.streaming.samplers import MicroBatchBudget, PooledSample, Sampler
-
-
-def _as_column(value: Any, kind: str) -> RaggedField | torch.Tensor | list:
-    if kind == "objects":
-        return [value]
-    tensor = torch.as_tensor(value)
-    if kind == "ragged" or (kind == "auto" and tensor.dim() >= 1):
-        return RaggedField.from_tensors([tensor.reshape(-1, *tensor.shape[1:])])
-    return tensor.reshape(1, *tensor.shape)
 
 
 @attrs.frozen
@@ -46,12 +33,11 @@ class _Buffered:
 class MicroBatchAccumulator:
     """One trainer dp-rank's samples of the current step.
 
-    Call sequence: `add(group_batch)` and `patch(...)` as messages arrive; `pop_ready()`
-    after each (returns zero or more full micro-batches); once the step is complete,
+    Call sequence: `add(group_batch)` as messages arrive; `pop_ready()` after each
+    (returns zero or more full micro-batches); once the step is complete,
     `pop_ready(final=True)` returns the remainder. Every added sample is returned exactly
     once. Samples stay rows of the batch they arrived in until they are handed out, so a
-    micro-batch costs one row selection per arrived batch (per patched sample, with
-    patches), not one per sample.
+    micro-batch costs one row selection per arrived batch, not one per sample.
     """
 
     sampler: Sampler
@@ -62,8 +48,6 @@ class MicroBatchAccumulator:
     """Ragged fields whose lengths count as a sample's tokens."""
     _samples: dict[int, _Buffered] = attrs.field(factory=dict, init=False)
     _arrival: list[int] = attrs.field(factory=list, init=False)
-    _patches: dict[int, dict[str, tuple[Any, str]]] = attrs.field(factory=dict, init=False)
-    """Sample id → fields patched in (applied when the sample is handed out)."""
     _emitted: set[int] = attrs.field(factory=set, init=False)
 
     def add(self, batch: Batch) -> None:
@@ -84,28 +68,9 @@ class MicroBatchAccumulator:
                                            tokens=tokens[row])
             self._arrival.append(sid)
 
-    def patch(self, sample_id: int, name: str, value: Any, kind: str = "auto") -> None:
-        """Adds field `name` to one sample, now or when it arrives.
-
-        Args:
-            sample_id: The sample to extend.
-            name: Field name.
-            value: Tensor (ragged when 1-D or more and `kind` is `auto`), number or object.
-            kind: `auto`, `ragged`, `dense` or `objects`.
-
-        Raises:
-            ValueError: the sample was already handed out for training.
-        """
-        if sample_id in self._emitted:
-            raise ValueError(
-                f"field {name!r} for sample {sample_id} arrived after the sample was "
-                f"trained on; add {name!r} to required_fields so training waits for it."
-            )
-        self._patches.setdefault(sample_id, {})[name] = (value, kind)
-
     def _ready(self, sid: int) -> bool:
-        fields, patched = self._samples[sid].batch.fields, self._patches.get(sid, {})
-        return all(name in fields or name in patched for name in self.required_fields)
+        fields = self._samples[sid].batch.fields
+        return all(name in fields for name in self.required_fields)
 
     @property
     def pending(self) -> int:
@@ -119,18 +84,11 @@ class MicroBatchAccumulator:
         source: Batch | None = None
         for sid in ids:
             held = self._samples.pop(sid)
-            patched = self._patches.pop(sid, None)
-            if run and (held.batch is not source or patched):
+            if run and held.batch is not source:
                 parts.append(source.select(run))
                 run = []
-            if patched:
-                sample = held.batch.select([held.row])
-                for name, (value, kind) in patched.items():
-                    sample.fields[name] = _as_column(value, kind)
-                parts.append(sample)
-            else:
-                source = held.batch
-                run.append(held.row)
+            source = held.batch
+            run.append(held.row)
         if run:
             parts.append(source.select(run))
         return parts[0] if len(parts) == 1 else Batch.concat(parts)
@@ -145,8 +103,7 @@ class MicroBatchAccumulator:
         if final and len(ready) < len(self._arrival):
             missing = {
                 sid: [n for n in self.required_fields
-                      if n not in self._samples[sid].batch.fields
-                      and n not in self._patches.get(sid, {})]
+                      if n not in self._samples[sid].batch.fields]
                 for sid in self._arrival
                 if sid not in ready
             }

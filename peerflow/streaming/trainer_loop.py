@@ -96,10 +96,6 @@ class TrainerStreamer:
                 self._reports.setdefault(message.a, []).append(report)
                 self._rollout_busy += report["busy"]
                 self._rollout_idle += report["idle"]
-        elif message.kind == Kind.PATCH:
-            patches = decode_payload(message.payload, f"patch from rank {message.source}")
-            for sample_id, name, value, kind in patches:
-                self.accumulator.patch(sample_id, name, value, kind)
         if self.stream_micro_batches:
             for micro in self.accumulator.pop_ready():
                 with self._span("micro-batch forwards", samples=len(micro)):

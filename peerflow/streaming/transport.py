@@ -42,8 +42,6 @@ class Kind(enum.IntEnum):
     """A packed `Batch` of one or more whole prompt groups; `a` = training step."""
     SEAL = 2
     """`a` = step, `b` = groups this sender sent this receiver for the step."""
-    PATCH = 3
-    """Fields for samples: `encode_payload([(sample_id, name, value, kind), …])`."""
     HEARTBEAT = 4
     """Liveness only."""
     STOP = 5

@@ -59,8 +59,6 @@ def _streaming(rank, world):
         Kind,
         StreamReceiver,
         StreamSender,
-        decode_payload,
-        encode_payload,
     )
 
     trainer = world - 1
@@ -78,9 +76,6 @@ def _streaming(rank, world):
             time.sleep(0.02 * rank)
             if k % 2 == 1:
                 sender.send(trainer, Kind.SEAL, a=k // 2, b=2)
-        sender.send(
-            trainer, Kind.PATCH, payload=encode_payload([(rank * 1000, "reward", 1.5, "auto")])
-        )
         time.sleep(0.2)
         beat.stop()
         sender.send(trainer, Kind.STOP)
@@ -88,7 +83,7 @@ def _streaming(rank, world):
         return {"sent": sender.bytes_sent}
     receiver = StreamReceiver(sources=tuple(range(trainer)), tag=DATA_TAG, timeout=20).start()
     inbox = StepInbox(sources=tuple(range(trainer)))
-    groups, patches, complete_order = [], [], []
+    groups, complete_order = [], []
     while not receiver.all_stopped:
         msg = receiver.get(timeout=1.0)
         if msg is None:
@@ -107,16 +102,14 @@ def _streaming(rank, world):
             inbox.on_group(msg.a, msg.source)
         elif msg.kind == Kind.SEAL:
             inbox.on_seal(msg.a, msg.source, msg.b)
-        elif msg.kind == Kind.PATCH:
-            patches += decode_payload(msg.payload)
         for step in (0, 1):
             if step not in complete_order and inbox.complete(step):
                 complete_order.append(step)
     receiver.join()
-    return {"groups": groups, "patches": patches, "complete": complete_order}
+    return {"groups": groups, "complete": complete_order}
 
 
-def test_groups_seals_and_patches_stream_peer_to_peer(tmp_path):
+def test_groups_and_seals_stream_peer_to_peer(tmp_path):
     results = spawn(_streaming, 3, tmp_path)
     trainer = results[2]
     groups = sorted(trainer["groups"])
@@ -126,7 +119,6 @@ def test_groups_seals_and_patches_stream_peer_to_peer(tmp_path):
         assert step == k // 2 and sids == [gid * 10, gid * 10 + 1]
         assert lengths == [k + 1, 3] and answer == f"a{gid}"
     assert sorted(trainer["complete"]) == [0, 1]
-    assert sorted(p[0] for p in trainer["patches"]) == [0, 1000]
     assert results[0]["sent"] > 0
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -178,23 +177,12 @@ def test_accumulator_emits_every_sample_exactly_once(sampler, groups, budget_tok
                 assert int((mb.group_id == g).sum()) == len(groups[g])
 
 
-def test_accumulator_waits_for_fields_patched_by_other_nodes():
-    acc = MicroBatchAccumulator(
-        sampler=get_sampler("sequential"),
-        budget=MicroBatchBudget(max_tokens=1000, max_samples=2),
-        required_fields=("reward", "ref_logprobs"),
-    )
-    acc.patch(1, "reward", 0.5)  # before the sample arrives
+def test_accumulator_refuses_a_sample_twice():
+    acc = MicroBatchAccumulator(sampler=get_sampler("sequential"),
+                                budget=MicroBatchBudget(max_tokens=1000, max_samples=2))
     acc.add(group_batch(0, [3, 4], first_sid=0))
-    acc.patch(0, "reward", 1.0)
-    acc.patch(0, "ref_logprobs", torch.zeros(3))
-    assert acc.pop_ready() == []  # sample 1 lacks ref_logprobs
-    acc.patch(1, "ref_logprobs", torch.ones(4))
     (mb,) = acc.pop_ready()
-    assert mb["reward"].tolist() == [1.0, 0.5]
-    assert mb.ragged("ref_logprobs").lengths.tolist() == [3, 4]
-    with pytest.raises(ValueError, match="after the sample was trained"):
-        acc.patch(0, "value", 1.0)
+    assert mb.sample_id.tolist() == [0, 1]
     with pytest.raises(ValueError, match="twice"):
         acc.add(group_batch(0, [3], first_sid=1))
 
