@@ -3,11 +3,8 @@
 Authors subclass `RolloutAdapterSuite` or `TrainAdapterSuite` (or run
 `peerflow conformance NAME`). An adapter declares itself to the suite without importing
 this package: the suite finds the engine class in the plugin registry and reads optional
-classmethods on it — `shard_layout(hf_config, layout, rank, dtype="float32")`,
-`conformance_layouts()`, `conformance_families()`, `conformance_xfail()`,
-`conformance_engine(model_path, *, device)`, `conformance_read_weights(engine)`,
-`conformance_scribble(engine)`; see
-`peerflow.conformance.profile` and `README.md` for what each returns.
+classmethods on it, listed once in `peerflow.conformance.hooks.HOOKS` (docs/conformance.md,
+"Conformance hooks").
 """
 
 from __future__ import annotations

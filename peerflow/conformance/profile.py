@@ -1,36 +1,9 @@
 """What the suite reads from an adapter class: its kind and its optional conformance hooks.
 
 An adapter never imports `peerflow.conformance`. It declares itself to the suite through
-its registry entry (`peerflow_register_rollout_engines` / `…_train_engines`) and these
-optional classmethods on the engine class, all with defaults:
-
-`shard_layout(hf_config, layout, rank, dtype="float32") -> list[ShardSpec]`
-    What `weight_targets()` (rollout) or `weight_sources()` (train) returns on global
-    rank `rank` of `layout` for the model `hf_config` with local tensors of `dtype` (a
-    torch dtype name; the argument is optional for backward compatibility) — a pure
-    function, no engine built.
-    Raise `peerflow.errors.ConfigError` for layouts the engine refuses (the suite then
-    skips that case and shows the message). Without it, layers 1–2 skip.
-`conformance_layouts() -> list[ParallelLayout]`
-    Layouts to test; default: `DEFAULT_LAYOUTS` (tp 1/2/4, pp 1/2, dp 2). A layout needing
-    a capability the adapter lacks is skipped naming the capability.
-`conformance_families() -> tuple[str, ...]`
-    HF `model_type`s the adapter supports; default every family of `peerflow.models`.
-`conformance_xfail() -> dict[str, str]`
-    Expected failures: test name (or `fnmatch` pattern on the test id) → reason. Strict:
-    an unexpected pass fails.
-`conformance_engine(model_path, *, device="cpu") -> engine`
-    Builds a one-rank engine on a tiny model directory for layer 3; default
-    `cls(EngineContext(model_path=…, layout=ParallelLayout(), …), cls.options_class())`
-    (train engines also get `OptimSettings(bf16=False, padding_free=False)` and a
-    one-process gloo group).
-`conformance_read_weights(engine) -> dict[str, torch.Tensor]`
-    The engine's own parameters by local name, read by a path that bypasses the
-    adapter's `load_weights`/`materialize` (e.g. the engine's module `named_parameters()`
-    after its own name mapping). Required for the bit-exact layer-3 tests.
-`conformance_scribble(engine) -> None`
-    Overwrites every weight in the engine with garbage; default: fill the tensors of
-    `conformance_read_weights` with a constant (they must then be live tensors).
+its registry entry (`peerflow_register_rollout_engines` / `…_train_engines`) and optional
+classmethods on the engine class, all with defaults: the one list of them, with what each
+returns, is `peerflow.conformance.hooks.HOOKS` (docs/conformance.md, "Conformance hooks").
 """
 
 from __future__ import annotations
@@ -42,6 +15,7 @@ from typing import Any
 
 import attrs
 
+from peerflow.conformance.hooks import HOOK_NAMES
 from peerflow.engines import RolloutEngine, TrainEngine
 from peerflow.layout import ParallelLayout
 
@@ -95,7 +69,15 @@ class AdapterProfile:
         return getattr(self.cls, "name", self.cls.__name__)
 
     def hook(self, name: str) -> Callable[..., Any] | None:
-        """Returns the adapter's classmethod `name`, or `None` when it has none."""
+        """Returns the adapter's classmethod `name`, or `None` when it has none.
+
+        Raises:
+            KeyError: `name` is not a listed hook (`peerflow.conformance.hooks.HOOKS`):
+                every hook the suite reads is documented there.
+        """
+        if name not in HOOK_NAMES:
+            raise KeyError(f"{name!r} is not a conformance hook; list it in "
+                           "peerflow.conformance.hooks.HOOKS (and docs/conformance.md)")
         return getattr(self.cls, name, None)
 
     def shard_layout(self, hf_config: Any, layout: ParallelLayout, rank: int,
