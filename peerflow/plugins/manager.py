@@ -31,7 +31,7 @@ BUILTIN_DISTRIBUTION = "peerflow"
 #: Core modules that register their built-ins through the same hooks a plugin uses.
 CORE_PLUGINS = ("peerflow.streaming.samplers", "peerflow.planner.validate",
                 "peerflow.rewards.setup", "peerflow.worker.nodes", "peerflow.training.schedule",
-                "peerflow.rewards.model_code")
+                "peerflow.rewards.model_code", "peerflow.agents.plugin")
 
 
 @attrs.frozen(kw_only=True)

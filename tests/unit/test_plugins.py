@@ -156,3 +156,18 @@ def test_core_registers_samplers_and_validators_like_a_plugin(plugin_manager):
     for module in ("peerflow.streaming.samplers", "peerflow.planner.validate",
                    "peerflow.rewards.setup", "peerflow.worker.nodes"):
         assert plugin_manager.records[module].distribution == "peerflow"
+
+
+def test_the_core_registers_its_own_agent_features(monkeypatch):
+    """`tools`, `agent-program` and `calculator` are core features: they do not depend on
+    the first-party content plugin (`peerflow.contrib.tasks.plugin`) being installed."""
+    import importlib.metadata
+
+    from peerflow.plugins.manager import PluginManager
+
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda group=None: [])
+    pm = PluginManager()
+    pm.load_entry_points()  # the core plugins only: no entry point is found
+    assert {"tools", "agent-program"} <= set(pm.registry("environment").names())
+    assert "calculator" in pm.registry("tool").names()
+    assert "reverse-digits" not in pm.registry("task").names()  # content stays a plugin

@@ -1,4 +1,7 @@
-"""Registers the first-party tasks, rewards, agent environments and tools.
+"""Registers the first-party tasks, rewards and agent environments.
+
+The agent layer's own environments (`tools`, `agent-program`) and the `calculator` tool
+are the core's (`peerflow.agents.plugin`).
 
 Entry point `tasks = peerflow.contrib.tasks.plugin`.
 """
@@ -34,11 +37,9 @@ def peerflow_register_tasks(register: Any) -> None:
 def peerflow_register_environments(register: Any) -> None:
     """Registers the first-party agent environments.
 
-    tools, guess-number, calculator-arithmetic, retry, textarena, agent-program, openenv,
-    environment-factory and verifiers.
+    guess-number, calculator-arithmetic, retry, textarena, openenv, environment-factory and
+    verifiers.
     """
-    from peerflow.agents.endpoint.program import AgentProgram
-    from peerflow.agents.tool_env import ToolEnvironment
     from peerflow.contrib.ecosystem.openenv import OpenEnvEnvironment
     from peerflow.contrib.ecosystem.textarena import TextArenaEnvironment
     from peerflow.contrib.ecosystem.tool_episodes import EnvironmentFactory
@@ -47,18 +48,9 @@ def peerflow_register_environments(register: Any) -> None:
     from peerflow.contrib.tasks.retry import RetryEnvironment
     from peerflow.contrib.tasks.tool_arithmetic import CalculatorArithmetic
 
-    for cls in (ToolEnvironment, GuessNumber, CalculatorArithmetic, RetryEnvironment,
-                TextArenaEnvironment, AgentProgram, OpenEnvEnvironment, EnvironmentFactory,
-                VerifiersEnvironment):
+    for cls in (GuessNumber, CalculatorArithmetic, RetryEnvironment, TextArenaEnvironment,
+                OpenEnvEnvironment, EnvironmentFactory, VerifiersEnvironment):
         register(cls)
-
-
-@hookimpl
-def peerflow_register_tools(register: Any) -> None:
-    """Registers the built-in calculator."""
-    from peerflow.agents.calculator import Calculator
-
-    register(Calculator)
 
 
 @hookimpl
