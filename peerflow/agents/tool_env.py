@@ -45,12 +45,6 @@ def _check_tool_names(instance: Any, attribute: attrs.Attribute, names: tuple[st
     _registered_tools(names)  # raises UnknownNameError listing the registered tools
 
 
-def positive_option(instance: Any, attribute: attrs.Attribute, value: float) -> None:
-    """Refuses a `rollout.agent.options` number that is not > 0 (an attrs validator)."""
-    if value <= 0:
-        raise ValueError(f"rollout.agent.options.{attribute.name} must be > 0, got {value}.")
-
-
 def prompt_messages(prompt: str | Messages, system_prompt: str) -> Messages:
     """An example's prompt as chat messages, after `system_prompt` when set."""
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [
@@ -77,13 +71,13 @@ class ToolOptions:
     """Registered tools offered to the model, added to the class's `default_tools`."""
     system_prompt: str = ""
     """A system message put before the example's prompt (empty: none)."""
-    timeout_s: float = attrs.field(default=10.0, validator=positive_option)
+    timeout_s: float = attrs.field(default=10.0, validator=attrs.validators.gt(0))
     """Wall-clock limit of one tool call (its process is killed past it)."""
-    memory_mb: int = attrs.field(default=512, validator=positive_option)
+    memory_mb: int = attrs.field(default=512, validator=attrs.validators.gt(0))
     """Address-space limit of one tool call's process."""
-    max_calls_per_turn: int = attrs.field(default=4, validator=positive_option)
+    max_calls_per_turn: int = attrs.field(default=4, validator=attrs.validators.gt(0))
     """Calls run per turn; further calls get an error result."""
-    max_result_chars: int = attrs.field(default=2000, validator=positive_option)
+    max_result_chars: int = attrs.field(default=2000, validator=attrs.validators.gt(0))
     """A result longer than this is cut (and says so)."""
     end_on_error: bool = False
     """End the trajectory when a call fails, instead of showing the model the error: as

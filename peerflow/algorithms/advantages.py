@@ -61,11 +61,6 @@ def _outputs(per_sample: torch.Tensor, batch: Batch) -> dict[str, RaggedField]:
     return {"advantages": field, "returns": field}
 
 
-def _positive(_: object, attribute: attrs.Attribute, value: float) -> None:
-    if value <= 0:
-        raise ValueError(f"{attribute.name} must be > 0, got {value}.")
-
-
 def _unit(_: object, attribute: attrs.Attribute, value: float) -> None:
     if not 0.0 <= value <= 1.0:
         raise ValueError(f"{attribute.name} must lie in [0, 1], got {value}.")
@@ -80,7 +75,7 @@ class GRPOOptions:
     loss for `seq-mean-token-sum-norm` aggregation (no length normalisation)."""
     scale_by_std: bool = True
     """Divide by the group's (unbiased) reward std; ignored when `unbiased` is set."""
-    eps: float = attrs.field(default=1e-6, validator=_positive)
+    eps: float = attrs.field(default=1e-6, validator=attrs.validators.gt(0))
     """Added to the std before dividing."""
 
 

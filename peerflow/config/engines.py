@@ -64,11 +64,6 @@ class SamplingConfig:
         )
 
 
-def _positive(_: Any, attribute: attrs.Attribute, value: float) -> None:
-    if not value > 0:
-        raise ValueError(f"rollout.agent.{attribute.name}={value}: must be positive.")
-
-
 @attrs.frozen(kw_only=True)
 class AgentConfig:
     """Multi-turn agent rollouts (`peerflow.agents`).
@@ -81,20 +76,20 @@ class AgentConfig:
     """Registered environment (`peerflow_register_environments`) each trajectory runs in."""
     options: dict[str, Any] = attrs.field(factory=dict)
     """The environment's options (its `options_class`), validated before workers start."""
-    max_turns: int = attrs.field(default=4, validator=_positive)
+    max_turns: int = attrs.field(default=4, validator=attrs.validators.gt(0))
     """Most model turns per trajectory; an episode still open after them ends with
     `finish_reason` `max_turns`."""
-    max_total_tokens: int = attrs.field(default=1024, validator=_positive)
+    max_total_tokens: int = attrs.field(default=1024, validator=attrs.validators.gt(0))
     """Most tokens after the first prompt (model turns and observations together); a
     trajectory that reaches it ends with `finish_reason` `max_tokens`."""
     max_turn_tokens: int = 0
     """Most tokens the model samples in one turn (0: `rollout.sampling.max_tokens`)."""
-    max_observation_tokens: int = attrs.field(default=256, validator=_positive)
+    max_observation_tokens: int = attrs.field(default=256, validator=attrs.validators.gt(0))
     """Most tokens of one observation; longer ones are cut (their end dropped)."""
-    step_timeout_s: float = attrs.field(default=30.0, validator=_positive)
+    step_timeout_s: float = attrs.field(default=30.0, validator=attrs.validators.gt(0))
     """Seconds one `Environment.step` may run; past it the trajectory ends with
     `finish_reason` `env_timeout` (the others go on)."""
-    concurrency: int = attrs.field(default=16, validator=_positive)
+    concurrency: int = attrs.field(default=16, validator=attrs.validators.gt(0))
     """Most `Environment.step` calls running at once (threads)."""
     on_env_error: Literal["drop_group", "mask", "train"] = "drop_group"
     """What training does with a trajectory the environment failed (`finish_reason`

@@ -7,11 +7,6 @@ from typing import Any
 import attrs
 
 
-def _positive_int(_: Any, attribute: attrs.Attribute, value: int) -> None:
-    if not isinstance(value, int) or value < 1:
-        raise ValueError(f"trainer.lora.{attribute.name}={value!r}: must be a positive integer.")
-
-
 def _dropout(_: Any, attribute: attrs.Attribute, value: float) -> None:
     if not 0.0 <= value < 1.0:
         raise ValueError(f"trainer.lora.dropout={value!r}: must be in [0, 1).")
@@ -39,7 +34,8 @@ class LoraConfig:
     optimiser state, with the base model fingerprinted (docs/lora.md).
     """
 
-    rank: int = attrs.field(default=16, validator=_positive_int)
+    rank: int = attrs.field(
+        default=16, validator=[attrs.validators.instance_of(int), attrs.validators.ge(1)])
     """Adapter rank `r`: `A` is `[r, in]`, `B` is `[out, r]`."""
     alpha: float = 32.0
     """Scale numerator: the update added to a weight is `(alpha / rank) * B @ A`."""

@@ -32,7 +32,7 @@ def test_bad_environment_options_and_limits(plugin_manager):
     with pytest.raises(ConfigError, match=r"rollout.agent.options.feedbak: unknown key. "
                                           r"Did you mean 'feedback'\?"):
         validate_config(config, plugin_manager)
-    with pytest.raises(ConfigError, match=r"rollout.agent.max_turns=0: must be positive"):
+    with pytest.raises(ConfigError, match=r"rollout.agent.*'max_turns' must be > 0: 0"):
         load_config(None, ["rollout.agent.environment=retry", "rollout.agent.max_turns=0"])
     with pytest.raises(ConfigError, match="rollout.agent: missing required key"):
         load_config(None, ["rollout.agent.max_turns=2"])

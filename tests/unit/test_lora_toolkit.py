@@ -46,7 +46,7 @@ def test_config_parses_and_refuses_bad_values():
     assert load_config(None, []).trainer.lora is None
     with pytest.raises(ConfigError, match="all-linear"):
         load_config(None, ["trainer.lora.target_modules=linear"])
-    with pytest.raises(ConfigError, match="positive"):
+    with pytest.raises(ConfigError, match="trainer.lora.*'rank' must be >= 1: 0"):
         load_config(None, ["trainer.lora.rank=0"])
 
 

@@ -4,13 +4,6 @@ from __future__ import annotations
 
 import attrs
 
-from peerflow.errors import ConfigError
-
-
-def _positive(instance: object, attribute: attrs.Attribute, value: int) -> None:
-    if value < 1:
-        raise ConfigError(f"trainer.megatron.{attribute.name}={value}: must be at least 1.")
-
 
 @attrs.frozen(kw_only=True)
 class MegatronOptions:
@@ -23,7 +16,7 @@ class MegatronOptions:
     """Megatron's distributed optimizer (optimizer state sharded over dp). GPU only:
     megatron-core 0.16's optimizers require CUDA tensors; on CPU the engine uses
     `torch.optim.AdamW` on Megatron's DDP gradient buffers and this must stay `False`."""
-    vocab_multiple: int = attrs.field(default=128, validator=_positive)
+    vocab_multiple: int = attrs.field(default=128, validator=attrs.validators.ge(1))
     """Megatron-LM's `make_vocab_size_divisible_by`: the vocabulary is padded to a multiple
     of `vocab_multiple * tp` rows; padded logits are masked out of every softmax."""
     overlap_grad_reduce: bool = False

@@ -13,14 +13,6 @@ import attrs
 VLLM_LOGPROBS_MODE = "processed_logprobs"
 
 
-def _positive_or_none(instance: object, attribute: attrs.Attribute, value: int | None) -> None:
-    if value is not None and value < 1:
-        raise ValueError(
-            f"rollout.vllm.{attribute.name}={value}: must be at least 1 or null (vLLM's "
-            "default)."
-        )
-
-
 @attrs.frozen(kw_only=True)
 class VLLMRolloutOptions:
     """Options of the `vllm` rollout engine.
@@ -40,7 +32,8 @@ class VLLMRolloutOptions:
     tensor_parallel_size: int = attrs.field(default=1, validator=attrs.validators.ge(1))
     """vLLM tensor-parallel degree; vLLM drives the tp workers itself from the rank that
     hosts the engine (`Capabilities.multiprocess`)."""
-    max_model_len: int | None = attrs.field(default=None, validator=_positive_or_none)
+    max_model_len: int | None = attrs.field(
+        default=None, validator=attrs.validators.optional(attrs.validators.ge(1)))
     """Longest prompt + answer in tokens; `None` takes the model config's value."""
     max_num_seqs: int = attrs.field(default=256, validator=attrs.validators.ge(1))
     """Most sequences vLLM schedules in one step."""

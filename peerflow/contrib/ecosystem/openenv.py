@@ -37,7 +37,6 @@ from typing import Any, ClassVar
 import attrs
 
 from peerflow.agents.environment import StepResult, Turn
-from peerflow.agents.tool_env import positive_option
 from peerflow.algorithms.base import Example
 from peerflow.contrib.ecosystem.tool_episodes import (
     ToolAnswer,
@@ -69,7 +68,7 @@ class OpenEnvOptions(ToolEpisodeOptions):
     """Its action class (default: OpenEnv's `CallToolAction`, for MCP environments)."""
     observation: str = attrs.field(default="", validator=_loadable)
     """Its observation class (default: OpenEnv's `CallToolObservation`)."""
-    max_concurrent_envs: int = attrs.field(default=64, validator=positive_option)
+    max_concurrent_envs: int = attrs.field(default=64, validator=attrs.validators.gt(0))
     """Sessions the served environment accepts at once (per rollout process)."""
     url: str = ""
     """A running OpenEnv server to use instead of `server` (`http://host:port`)."""

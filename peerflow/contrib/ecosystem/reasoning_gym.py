@@ -36,11 +36,6 @@ META_KEY = "reasoning_gym"
 ALPHABET = string.digits + string.ascii_letters + string.punctuation + " \n"
 
 
-def _positive(_: object, attribute: attrs.Attribute, value: int) -> None:
-    if value <= 0:
-        raise ValueError(f"task.options.{attribute.name} must be > 0, got {value}.")
-
-
 def _known_family(_: object, attribute: attrs.Attribute, value: str) -> None:
     """Checks a family name against the library when it is installed.
 
@@ -86,9 +81,9 @@ class ReasoningGymOptions:
     """Options of `dataset`'s config class (passed through, checked by the library)."""
     datasets: list[FamilySpec] = attrs.field(factory=list)
     """A weighted composite of families (instead of `dataset`)."""
-    train_size: int = attrs.field(default=1000, validator=_positive)
+    train_size: int = attrs.field(default=1000, validator=attrs.validators.gt(0))
     """Items in one epoch of the train split."""
-    eval_size: int = attrs.field(default=100, validator=_positive)
+    eval_size: int = attrs.field(default=100, validator=attrs.validators.gt(0))
     """Items in the eval split."""
     seed: int | None = None
     """Seed of the train split's items; `None`: the run's seed."""

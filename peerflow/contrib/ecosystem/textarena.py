@@ -82,11 +82,6 @@ def _playable(_: object, attribute: attrs.Attribute, value: str) -> None:
         raise ValueError(problem)
 
 
-def _positive(_: object, attribute: attrs.Attribute, value: int) -> None:
-    if value <= 0:
-        raise ValueError(f"task.options.{attribute.name} must be > 0, got {value}.")
-
-
 class Game:
     """One textarena game with its own `random` state; the model is player 0."""
 
@@ -136,9 +131,9 @@ class TextArenaTaskOptions:
 
     env_id: str = attrs.field(validator=_playable)
     """The textarena game id (`GuessTheNumber-v0`, `FrozenLake-v0`, …)."""
-    train_size: int = attrs.field(default=10_000, validator=_positive)
+    train_size: int = attrs.field(default=10_000, validator=attrs.validators.gt(0))
     """Games in one epoch of the train split."""
-    eval_size: int = attrs.field(default=64, validator=_positive)
+    eval_size: int = attrs.field(default=64, validator=attrs.validators.gt(0))
     """Games in the eval split (the same in every run)."""
 
 

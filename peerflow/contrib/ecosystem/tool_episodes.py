@@ -32,7 +32,7 @@ import attrs
 
 from peerflow.agents.environment import Environment, Messages, StepResult, Turn
 from peerflow.agents.tool_calls import parse_tool_calls
-from peerflow.agents.tool_env import positive_option, prompt_messages, tool_message
+from peerflow.agents.tool_env import prompt_messages, tool_message
 from peerflow.algorithms.base import Example
 
 
@@ -49,9 +49,9 @@ class ToolEpisodeOptions:
     """The argument of `answer_tool` that gets the turn's text."""
     reward_name: str = "env"
     """The reward component the environment's rewards are summed into."""
-    max_calls_per_turn: int = attrs.field(default=4, validator=positive_option)
+    max_calls_per_turn: int = attrs.field(default=4, validator=attrs.validators.gt(0))
     """Calls run per turn; further calls get an error result."""
-    max_result_chars: int = attrs.field(default=2000, validator=positive_option)
+    max_result_chars: int = attrs.field(default=2000, validator=attrs.validators.gt(0))
     """A result longer than this is cut (and says so)."""
 
 

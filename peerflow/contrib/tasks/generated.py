@@ -23,11 +23,6 @@ from peerflow.algorithms.base import Example, Task
 ALPHABET = "0123456789+=> "
 
 
-def _positive(_: object, attribute: attrs.Attribute, value: int) -> None:
-    if value <= 0:
-        raise ValueError(f"{attribute.name} must be > 0, got {value}.")
-
-
 class GeneratedTask(Task):
     """A task whose examples come from a seeded generator; subclasses define `make`."""
 
@@ -96,13 +91,13 @@ def _digits(rng: random.Random, count: int, leading_zero: bool) -> str:
 class ReverseDigitsOptions:
     """`task.options` of `reverse-digits`."""
 
-    digits: int = attrs.field(default=3, validator=_positive)
+    digits: int = attrs.field(default=3, validator=attrs.validators.gt(0))
     """Longest digit string."""
     min_digits: int = 0
     """Shortest digit string (0: always `digits`)."""
-    train_size: int = attrs.field(default=100_000, validator=_positive)
+    train_size: int = attrs.field(default=100_000, validator=attrs.validators.gt(0))
     """Examples in one epoch of the train split."""
-    eval_size: int = attrs.field(default=256, validator=_positive)
+    eval_size: int = attrs.field(default=256, validator=attrs.validators.gt(0))
     """Examples in the eval split."""
 
     def __attrs_post_init__(self) -> None:
@@ -127,15 +122,15 @@ class ReverseDigitsTask(GeneratedTask):
 class ArithmeticOptions:
     """`task.options` of `arithmetic`."""
 
-    digits: int = attrs.field(default=3, validator=_positive)
+    digits: int = attrs.field(default=3, validator=attrs.validators.gt(0))
     """Digits of each operand (no leading zeros)."""
-    operands: int = attrs.field(default=2, validator=_positive)
+    operands: int = attrs.field(default=2, validator=attrs.validators.gt(0))
     """Numbers added together."""
     no_carry: bool = False
     """Only sums without any carry (an easy distribution for a warm start)."""
-    train_size: int = attrs.field(default=100_000, validator=_positive)
+    train_size: int = attrs.field(default=100_000, validator=attrs.validators.gt(0))
     """Examples in one epoch of the train split."""
-    eval_size: int = attrs.field(default=256, validator=_positive)
+    eval_size: int = attrs.field(default=256, validator=attrs.validators.gt(0))
     """Examples in the eval split."""
 
     def __attrs_post_init__(self) -> None:

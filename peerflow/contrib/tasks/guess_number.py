@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 import attrs
 
 from peerflow.agents.environment import Environment, StepResult, Turn
-from peerflow.contrib.tasks.generated import GeneratedTask, _positive
+from peerflow.contrib.tasks.generated import GeneratedTask
 
 DIGITS = "0123456789"
 LOWER, HIGHER, INVALID = "<", ">", "?"
@@ -33,9 +33,9 @@ LOWER, HIGHER, INVALID = "<", ">", "?"
 class GuessNumberTaskOptions:
     """`task.options` of `guess-number`."""
 
-    train_size: int = attrs.field(default=100_000, validator=_positive)
+    train_size: int = attrs.field(default=100_000, validator=attrs.validators.gt(0))
     """Examples in one epoch of the train split."""
-    eval_size: int = attrs.field(default=100, validator=_positive)
+    eval_size: int = attrs.field(default=100, validator=attrs.validators.gt(0))
     """Examples in the eval split."""
 
 
@@ -59,7 +59,7 @@ class GuessNumberTask(GeneratedTask):
 class GuessNumberOptions:
     """`rollout.agent.options` of the `guess-number` environment."""
 
-    max_guesses: int = attrs.field(default=4, validator=_positive)
+    max_guesses: int = attrs.field(default=4, validator=attrs.validators.gt(0))
     """Guesses before the episode ends unfound (reward 0)."""
     turn_penalty: float = attrs.field(default=0.1)
     """Reward lost per guess after the first (the reward never goes below 0)."""

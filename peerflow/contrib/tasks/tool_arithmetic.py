@@ -18,7 +18,7 @@ import attrs
 
 from peerflow.agents.calculator import Calculator
 from peerflow.agents.tool_env import ToolEnvironment
-from peerflow.contrib.tasks.generated import GeneratedTask, _positive
+from peerflow.contrib.tasks.generated import GeneratedTask
 
 NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 PROMPT = "What is {a} * {b}? Use the calculator tool, then reply with the number only."
@@ -28,11 +28,11 @@ PROMPT = "What is {a} * {b}? Use the calculator tool, then reply with the number
 class ToolArithmeticOptions:
     """`task.options` of `tool-arithmetic`."""
 
-    digits: int = attrs.field(default=4, validator=_positive)
+    digits: int = attrs.field(default=4, validator=attrs.validators.gt(0))
     """Digits of each factor."""
-    train_size: int = attrs.field(default=100_000, validator=_positive)
+    train_size: int = attrs.field(default=100_000, validator=attrs.validators.gt(0))
     """Examples in one epoch of the train split."""
-    eval_size: int = attrs.field(default=100, validator=_positive)
+    eval_size: int = attrs.field(default=100, validator=attrs.validators.gt(0))
     """Examples in the eval split."""
 
 
