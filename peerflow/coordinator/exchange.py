@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterable, Mapping
+from typing import ClassVar, Protocol
 
 import attrs
 import torch
@@ -29,6 +30,31 @@ from peerflow.distributed.comm import wait_all
 HEAD_BYTES = 16 * 1024
 #: Smallest capacity: room for the length prefix and some payload.
 MIN_CAPACITY = 64
+
+
+class ExchangeChannel(Protocol):
+    """The one exchange protocol a route's transport speaks (`GlooChannel`, `ShmRoute`).
+
+    `exchange(outgoing, incoming, tag=, what=, timeout=)` sends every framed outgoing
+    message and returns one message from each incoming peer with the bytes sent; the
+    contract is the module function `exchange` (its docstring). `begin_call()` is called
+    once per `redistribute` call, before its exchanges.
+    """
+
+    name: ClassVar[str]
+    """The transport's name (`gloo`, `shm`), as `runtime.coordinator_transport` says it."""
+    shared: ClassVar[bool]
+    """Whether a message addressed to many peers costs one write (shared memory)."""
+
+    def begin_call(self) -> ExchangeChannel:
+        """Starts one `redistribute` call; returns the channel to use for it."""
+        ...
+
+    def exchange(self, outgoing: Iterable[tuple[int, torch.Tensor, int]],
+                 incoming: Mapping[int, int], *, tag: int, what: str,
+                 timeout: float) -> tuple[dict[int, torch.Tensor], int]:
+        """Sends `outgoing`, receives one message per `incoming` peer (`exchange`)."""
+        ...
 
 
 def frame(payload: torch.Tensor) -> torch.Tensor:

@@ -61,7 +61,7 @@ import torch
 import torch.distributed as dist
 
 from peerflow.batch import Batch
-from peerflow.coordinator.exchange import HEAD_BYTES, frame
+from peerflow.coordinator.exchange import HEAD_BYTES, ExchangeChannel, frame
 from peerflow.coordinator.shared_p2p import p2p_shared
 from peerflow.coordinator.transfer import dp_members, plan_transfer
 from peerflow.coordinator.transport import check_transport, open_channel
@@ -146,7 +146,7 @@ def _decode_metadata(message: torch.Tensor) -> _ShardMetadata:
 
 def _exchange_metadata(
     batch: Batch, src: ParallelLayout, participants: Sequence[int], rank: int,
-    balance: Balance, channel: Any, timeout: float, stats: TransferStats,
+    balance: Balance, channel: ExchangeChannel, timeout: float, stats: TransferStats,
 ) -> list[_ShardMetadata]:
     """Every producer dp-leader sends its shard's metadata to every other participant."""
     leaders = [m[0] for m in dp_members(src)]
@@ -173,7 +173,7 @@ def _packed_sends(
 
 
 def _p2p(batch: Batch, src: ParallelLayout, dst: ParallelLayout, rank: int,
-         participants: Sequence[int], balance: Balance, channel: Any, timeout: float,
+         participants: Sequence[int], balance: Balance, channel: ExchangeChannel, timeout: float,
          stats: TransferStats) -> Batch:
     metadata = _exchange_metadata(batch, src, participants, rank, balance, channel, timeout,
                                   stats)
@@ -197,7 +197,8 @@ def _p2p(batch: Batch, src: ParallelLayout, dst: ParallelLayout, rank: int,
 
 
 def _centralized(batch: Batch, src: ParallelLayout, dst: ParallelLayout, rank: int,
-                 balance: Balance, channel: Any, timeout: float, stats: TransferStats) -> Batch:
+                 balance: Balance, channel: ExchangeChannel, timeout: float,
+                 stats: TransferStats) -> Batch:
     members = dp_members(src)
     leaders = [m[0] for m in members]
     controller = min(set(src.global_ranks) | set(dst.global_ranks))

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from peerflow.coordinator.exchange import GlooChannel
+from peerflow.coordinator.exchange import ExchangeChannel, GlooChannel
 from peerflow.coordinator.shm import SHM_DIR, ShmRoute, this_process_inbox
 from peerflow.distributed.comm import store_wait
 from peerflow.distributed.procs import process_gone
@@ -184,7 +184,8 @@ def check_transport(transport: str) -> None:
         raise ValueError(f"redistribute: transport={transport!r}; use one of {TRANSPORTS}.")
 
 
-def open_channel(participants: Sequence[int], transport: str, timeout: float) -> Any:
+def open_channel(participants: Sequence[int], transport: str, timeout: float
+                 ) -> ExchangeChannel:
     """Returns the channel of one `redistribute` call on `participants`.
 
     Call on every rank of `participants`, once per call, in the same order.
