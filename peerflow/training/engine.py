@@ -47,18 +47,20 @@ from peerflow.distributed.devices import resolve_bf16
 from peerflow.engines.base import EngineContext
 from peerflow.engines.train import LossFunction, OptimSettings, TrainEngine
 from peerflow.routes import OLD_ROUTES
+from peerflow.training import lora
 from peerflow.training.collectives import global_counts
 from peerflow.training.inputs import PaddedInputs, gather_results, pad_inputs
 from peerflow.training.logprobs import VocabShard, token_entropy, token_logprobs
 from peerflow.training.metrics import StepTally
 from peerflow.training.microbatch import plan_micro_batches, split_mini_batches
-from peerflow.training.packing import packed_inputs
+from peerflow.training.packing import packed_inputs, resolve_padding_free
 from peerflow.training.replay_scope import micro_batch_scope
 from peerflow.training.routing_replay import RoutingReplay
 from peerflow.training.shared_prompts import (
     SharedPromptInputs,
     shared_prompt_inputs,
     shared_prompt_units,
+    takes_custom_masks,
 )
 
 log = logging.getLogger("peerflow.training")
@@ -158,6 +160,35 @@ class CausalLMTrainEngine(TrainEngine, abc.ABC):
         `optim.routing_replay` picks the mode. A dense model leaves `routing` `None`.
         """
         self.routing = RoutingReplay.attach(model, self.optim.routing_replay)
+
+    def prepare_model(self, model: torch.nn.Module, *, share_prompts: bool,
+                      backbone: torch.nn.Module | None = None) -> torch.nn.Module:
+        """The steps every adapter takes once its `transformers` model is loaded (once).
+
+        In order: MoE routers under the routing-replay controller (`attach_routing`);
+        `trainer.lora`'s adapters (not on a critic: a value-head model trains whole);
+        activation checkpointing (`optim.activation_checkpointing`, on `backbone` when
+        the model is a value head over one); then `shares_prompts` (the option, where the
+        model takes 4-D masks) and `padding_free` are decided on the prepared model.
+
+        Args:
+            model: The loaded model, before any wrapping (FSDP, DeepSpeed).
+            share_prompts: The adapter's `share_prompts` option.
+            backbone: A critic's backbone under its value head; `None` for a policy.
+
+        Returns:
+            The model to wrap: `model`, or its peft wrapper with `trainer.lora`.
+        """
+        critic = backbone is not None
+        self.attach_routing(model)
+        if self.context.lora is not None and not critic:
+            model = lora.apply_lora(model, self.context.lora)
+        if self.optim.activation_checkpointing:
+            (backbone if critic else model).gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.shares_prompts = share_prompts and not critic and takes_custom_masks(model)
+        self.padding_free = resolve_padding_free(self.optim.padding_free, model, self.name)
+        return model
 
     def _replaying(self) -> bool:
         return self.routing is not None and self.routing.mode != "off"

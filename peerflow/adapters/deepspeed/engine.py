@@ -49,8 +49,6 @@ from peerflow.training import (
     lora,
     torch_dtype,
 )
-from peerflow.training.packing import resolve_padding_free
-from peerflow.training.shared_prompts import takes_custom_masks
 
 
 def _ensure_distributed(context: EngineContext) -> None:
@@ -163,15 +161,8 @@ class DeepSpeedTrainEngine(DeepSpeedCheckpoints, CausalLMTrainEngine):
         else:
             model = AutoModelForCausalLM.from_pretrained(context.model_path,
                                                          dtype=torch.float32)
-        self.attach_routing(model)  # MoE routers under the routing-replay controller
-        if context.lora is not None:
-            model = lora.apply_lora(model, context.lora)
-        if optim.activation_checkpointing:
-            model.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs={"use_reentrant": False})
+        model = self.prepare_model(model, share_prompts=options.share_prompts)
         model.config.use_cache = False
-        self.shares_prompts = options.share_prompts and takes_custom_masks(model)
-        self.padding_free = resolve_padding_free(optim.padding_free, model, self.name)
         self._compute_dtype = torch.bfloat16 if bf16 else torch.float32
         optimizer = build_adamw(model.parameters(), optim)
         # DeepSpeed steps the schedule after each optimiser step and checkpoints its state.

@@ -50,8 +50,6 @@ from peerflow.training import (
     lora,
     torch_dtype,
 )
-from peerflow.training.packing import resolve_padding_free
-from peerflow.training.shared_prompts import takes_custom_masks
 
 
 @attrs.frozen(kw_only=True)
@@ -138,17 +136,9 @@ class FSDPTrainEngine(CausalLMTrainEngine):
             dtype=torch_dtype(context.dtype),
             attn_implementation=self.options.attn_implementation,
         ).to(self.device)
-        self.attach_routing(self.model)  # MoE routers under the routing-replay controller
-        if context.lora is not None and not self.options.value_head:
-            self.model = lora.apply_lora(self.model, context.lora)
-        self.shares_prompts = self.options.share_prompts and not self.options.value_head \
-            and takes_custom_masks(self.model)
-        self.padding_free = resolve_padding_free(self.optim.padding_free, self.model, self.name)
-        if self.optim.activation_checkpointing:
-            target = self.model.model if self.options.value_head else self.model
-            target.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs={"use_reentrant": False}
-            )
+        self.model = self.prepare_model(
+            self.model, share_prompts=self.options.share_prompts,
+            backbone=self.model.model if self.options.value_head else None)
         self.dp_group = None
         if self.distributed:
             self._shard(group)
