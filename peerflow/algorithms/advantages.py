@@ -37,7 +37,8 @@ from peerflow.algorithms.ragged_ops import (
 from peerflow.batch import Batch, RaggedField
 
 
-def _rewards(batch: Batch) -> torch.Tensor:  # [num_samples], float64
+def sample_rewards(batch: Batch) -> torch.Tensor:  # [num_samples], float64
+    """The batch's `reward` per sample, as float64 (a 1-D tensor, else `TypeError`)."""
     reward = batch["reward"]
     if not isinstance(reward, torch.Tensor) or reward.dim() != 1:
         raise TypeError(
@@ -61,7 +62,8 @@ def _outputs(per_sample: torch.Tensor, batch: Batch) -> dict[str, RaggedField]:
     return {"advantages": field, "returns": field}
 
 
-def _unit(_: object, attribute: attrs.Attribute, value: float) -> None:
+def unit_interval(_: object, attribute: attrs.Attribute, value: float) -> None:
+    """An attrs validator: the value lies in [0, 1]."""
     if not 0.0 <= value <= 1.0:
         raise ValueError(f"{attribute.name} must lie in [0, 1], got {value}.")
 
@@ -101,7 +103,7 @@ class GRPO(AdvantageEstimator):
 
     def compute(self, batch: Batch) -> dict[str, RaggedField | torch.Tensor]:
         """Returns `advantages` and `returns` (identical ragged fields)."""
-        reward = _rewards(batch)
+        reward = sample_rewards(batch)
         count, mean, std = group_stats(reward, batch.group_id)
         advantage = reward - mean
         if not self.options.unbiased and self.options.scale_by_std:
@@ -131,7 +133,7 @@ class RLOO(AdvantageEstimator):
 
     def compute(self, batch: Batch) -> dict[str, RaggedField | torch.Tensor]:
         """Returns `advantages` and `returns` (identical ragged fields)."""
-        reward = _rewards(batch)
+        reward = sample_rewards(batch)
         count, mean, _ = group_stats(reward, batch.group_id)
         baseline = (mean * count - reward) / (count - 1).clamp(min=1)
         advantage = torch.where(count > 1, reward - baseline, torch.zeros_like(reward))
@@ -142,7 +144,7 @@ class RLOO(AdvantageEstimator):
 class ReinforcePPOptions:
     """Options of `algorithm.options.reinforce_pp`."""
 
-    gamma: float = attrs.field(default=1.0, validator=_unit)
+    gamma: float = attrs.field(default=1.0, validator=unit_interval)
     """Discount of token-level returns."""
     group_baseline: bool = False
     """REINFORCE++-baseline: subtract the group's mean reward before whitening."""
@@ -170,13 +172,13 @@ class ReinforcePP(AdvantageEstimator):
 
     def compute(self, batch: Batch) -> dict[str, RaggedField | torch.Tensor]:
         """Returns `advantages` (whitened) and `returns` (before whitening)."""
-        reward = _rewards(batch)
+        reward = sample_rewards(batch)
         if self.options.group_baseline:
             _, mean, _ = group_stats(reward, batch.group_id)
             reward = reward - mean
         mask = batch.loss_mask()
         lengths = batch.trained_lengths()
-        returns = _discounted_returns(_token_rewards(batch, reward, lengths), lengths,
+        returns = _discounted_returns(trained_token_rewards(batch, reward, lengths), lengths,
                                       self.options.gamma)
         advantages = whiten(returns, self.process_group, replicas=self.group_replicas)
         return {"advantages": response_field(advantages, batch, mask),
@@ -190,7 +192,8 @@ def response_field(values: torch.Tensor, batch: Batch,
                        response_lengths(batch))
 
 
-def _token_rewards(batch: Batch, reward: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+def trained_token_rewards(batch: Batch, reward: torch.Tensor,
+                          lengths: torch.Tensor) -> torch.Tensor:
     """Rewards of the trained tokens: `token_rewards`, plus `reward` on each last one.
 
     Args:

@@ -7,7 +7,12 @@ from typing import ClassVar
 import attrs
 import torch
 
-from peerflow.algorithms.advantages import _rewards, _token_rewards, _unit, response_field
+from peerflow.algorithms.advantages import (
+    response_field,
+    sample_rewards,
+    trained_token_rewards,
+    unit_interval,
+)
 from peerflow.algorithms.base import AdvantageEstimator
 from peerflow.algorithms.ragged_ops import on_trained_tokens, pad, token_values, whiten
 from peerflow.algorithms.value_loss import ClippedValueLoss, ValueLossOptions
@@ -18,9 +23,9 @@ from peerflow.batch import Batch, RaggedField
 class GAEOptions:
     """Options of `algorithm.options.gae`."""
 
-    gamma: float = attrs.field(default=1.0, validator=_unit)
+    gamma: float = attrs.field(default=1.0, validator=unit_interval)
     """Discount factor."""
-    lam: float = attrs.field(default=0.95, validator=_unit)
+    lam: float = attrs.field(default=0.95, validator=unit_interval)
     """GAE lambda: 0 is one-step TD, 1 is Monte-Carlo returns minus the value."""
     whiten_advantages: bool = True
     """Normalise advantages to zero mean and unit std over the batch (PPO's default)."""
@@ -60,7 +65,7 @@ class GAE(AdvantageEstimator):
         """Returns `advantages` and `returns`."""
         mask = batch.loss_mask()
         lengths = batch.trained_lengths()
-        rewards = _token_rewards(batch, _rewards(batch), lengths)
+        rewards = trained_token_rewards(batch, sample_rewards(batch), lengths)
         values = on_trained_tokens(token_values(batch, "values").detach().to(torch.float64), mask)
         r, valid = pad(rewards, lengths)
         v, _ = pad(values, lengths)

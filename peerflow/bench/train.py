@@ -94,11 +94,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit("--repeats must be at least 1")
     with tempfile.TemporaryDirectory(prefix="peerflow-bench-train-") as tmp:
         model = args.model or build_model(tmp, _model_overrides(args))
-        batch, answer_lengths = _batch(model, args)
+        batch, answer_lengths = bench_batch(model, args)
         real = int(batch.token_count().sum())
         layouts = {name: _measure(model, batch, args, padding_free=flag)
                    for name, flag in LAYOUTS.items()}
-        params = _parameter_count(model)
+        params = parameter_count(model)
     unique = layouts["padding_free"]["positions"] / (args.repeats + 1)
     device = layouts["padded"].pop("device")
     layouts["padding_free"].pop("device")
@@ -138,7 +138,7 @@ def _model_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return {**base, **given}
 
 
-def _batch(model: str, args: argparse.Namespace) -> tuple[Any, list[int]]:
+def bench_batch(model: str, args: argparse.Namespace) -> tuple[Any, list[int]]:
     """The GRPO-shaped batch (see the module docstring) and its answer lengths."""
     import torch
     from transformers import AutoConfig
@@ -228,7 +228,7 @@ def _sync(device: torch.device) -> None:
         torch.accelerator.synchronize(device)
 
 
-def _parameter_count(model: str) -> int:
+def parameter_count(model: str) -> int:
     """Parameters of the model at `model` (built on the meta device, tied weights once)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM

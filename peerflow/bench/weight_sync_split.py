@@ -100,7 +100,7 @@ def _measure(size: str, shape: tuple, args: argparse.Namespace, workdir: Path,
 
     from peerflow.algorithms.losses import PPOClip
     from peerflow.bench.shapes import MODEL_OPTIONS, build_model
-    from peerflow.bench.train import _batch
+    from peerflow.bench.train import bench_batch
     from peerflow.reshard import WeightSyncService
     from peerflow.reshard.delta import DeltaTransport
 
@@ -121,7 +121,7 @@ def _measure(size: str, shape: tuple, args: argparse.Namespace, workdir: Path,
     auto = WeightSyncService.build(trainer, rollout, transport=args.transport or "torch",
                                    plan=services["full"].plan)  # what `auto` picks here
     auto_encoding = "delta" if isinstance(auto.transport, DeltaTransport) else "full"
-    batch = _batch(model, _batch_args(args))[0] if trainer is not None else None
+    batch = bench_batch(model, _batch_args(args))[0] if trainer is not None else None
     runs: dict[str, list[dict[str, Any]]] = {"full": [], "delta": []}
     identical, step_s = [], []
     for k in range(args.runs + 1):
@@ -173,9 +173,9 @@ def _digest(rollout: Any) -> tuple | None:
 
 
 def _count(model: str) -> int:
-    from peerflow.bench.train import _parameter_count
+    from peerflow.bench.train import parameter_count
 
-    return _parameter_count(model)
+    return parameter_count(model)
 
 
 def _median(rows: list[dict[str, Any]], key: str) -> float:

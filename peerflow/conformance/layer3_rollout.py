@@ -18,7 +18,7 @@ from peerflow.conformance.checks import compare
 from peerflow.conformance.diagnose import diagnose, gap
 from peerflow.conformance.engines import as_declared, read_weights, scribble
 from peerflow.conformance.harness import run_threaded
-from peerflow.conformance.layers import _fail
+from peerflow.conformance.layers import fail_listing
 from peerflow.conformance.layers_engine import PROMPTS, EngineLayerBase, layer3, specs_equal
 from peerflow.conformance.models import ENGINE_MODELS, hf_config
 from peerflow.conformance.oracle import arange_globals, shard_all
@@ -110,13 +110,13 @@ class Layer3RolloutEngine(EngineLayerBase):
                            s.local_name in got and torch.equal(got[s.local_name],
                                                                 before[s.local_name]))
         if untouched:
-            _fail([f"{profile.cls.__qualname__}.load_weights must copy every (spec, tensor) "
+            fail_listing([f"{profile.cls.__qualname__}.load_weights must copy every (spec, tensor) "
                    f"item of every bucket; {len(untouched)} of {len(specs)} tensors kept their "
                    "old values (a skipped layer or a dropped bucket?)"] +
-                  ["not written by the sync (still holding their old values): " +
+                         ["not written by the sync (still holding their old values): " +
                    ", ".join(untouched)], what)
-        _fail(compare(shard_all({0: specs}, full), {0: got}, {0: specs}, check_padding=False),
-              what)
+        fail_listing(compare(shard_all({0: specs}, full), {0: got}, {0: specs},
+                             check_padding=False), what)
 
     @layer3
     def test_l3_load_is_bit_exact(self, profile, engine, engine_model, request):
@@ -206,7 +206,7 @@ class Layer3RolloutEngine(EngineLayerBase):
                             "given instead of copying them; copy into the engine's own storage "
                             "(param.copy_(tensor)), never `param.data = tensor` or a new "
                             "Parameter around it")
-        _fail(problems, f"{profile.name} {engine_model} load_weights")
+        fail_listing(problems, f"{profile.name} {engine_model} load_weights")
 
     @layer3
     @pytest.mark.parametrize("temperature", TEMPERATURES, ids=lambda t: f"T{t}")

@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from peerflow.conformance.base import needs
-from peerflow.conformance.layers import _fail
+from peerflow.conformance.layers import fail_listing
 from peerflow.conformance.layers_engine import PROMPTS, EngineLayerBase, layer3
 from peerflow.conformance.models import ENGINE_MODELS, family, hf_config
 from peerflow.conformance.reference import load_checkpoint_tensors
@@ -124,7 +124,7 @@ class LayerGenerate(EngineLayerBase):
                 problems.append(f"request {r.request_id} sample {r.index}: "
                                 f"{len(r.token_ids)} tokens, {len(r.logprobs)} log-probs "
                                 f"(max_tokens={max_tokens}; one log-prob per token)")
-        _fail(problems, f"{_who(generate_engine)} result order")
+        fail_listing(problems, f"{_who(generate_engine)} result order")
 
     @layer3
     @generate_group
@@ -157,7 +157,7 @@ class LayerGenerate(EngineLayerBase):
                 problems.append(f"{where}: ended after {len(r.token_ids)} < max_tokens="
                                 f"{max_tokens} tokens with no EOS or stop token "
                                 f"(finish_reason {r.finish_reason!r})")
-        _fail(problems, f"{_who(generate_engine)} finish_reason (EOS ids {sorted(eos)})")
+        fail_listing(problems, f"{_who(generate_engine)} finish_reason (EOS ids {sorted(eos)})")
 
     @layer3
     @generate_group
@@ -177,7 +177,7 @@ class LayerGenerate(EngineLayerBase):
                 f"{_who(generate_engine)} returned {list(got[0].token_ids)} with "
                 f"{got[0].finish_reason!r}. End a sample at any SamplingParams.stop_token_ids "
                 "entry, as at EOS")
-        _fail(problems, f"{_who(generate_engine)} stop_token_ids")
+        fail_listing(problems, f"{_who(generate_engine)} stop_token_ids")
 
     @layer3
     @generate_group
@@ -259,7 +259,7 @@ class LayerGenerate(EngineLayerBase):
                         f"reference log-prob {float(logp[i, token]):.4f}, the argmax {best} "
                         f"{float(logp[i, best]):.4f}")
                     break
-        _fail(problems, f"{_who(generate_engine)} with temperature 0 (greedy)")
+        fail_listing(problems, f"{_who(generate_engine)} with temperature 0 (greedy)")
 
     @layer3
     @generate_group
@@ -278,7 +278,7 @@ class LayerGenerate(EngineLayerBase):
         if first == other:
             problems.append("seed=11 and seed=12 returned the same samples; the seed is "
                             "ignored")
-        _fail(problems, f"{_who(generate_engine)} seeded sampling")
+        fail_listing(problems, f"{_who(generate_engine)} seeded sampling")
 
     @layer3
     @generate_group
@@ -346,8 +346,8 @@ class LayerGenerate(EngineLayerBase):
                                     f"{float(logp[i, token]):.4f} — renormalised after the "
                                     "cut? Report the untruncated value or refuse with "
                                     "ConfigError")
-        _fail(problems[:6], f"{_who(generate_engine)} with {truncation} (honour it or raise "
-              "ConfigError)")
+        fail_listing(problems[:6], f"{_who(generate_engine)} with {truncation} (honour it or raise "
+                     "ConfigError)")
 
 
 __all__ = ["LayerGenerate", "eos_ids", "next_token_logits", "requests_of"]

@@ -27,7 +27,7 @@ from peerflow.batch import Batch, RaggedField
 from peerflow.conformance.base import needs
 from peerflow.conformance.diagnose import gap
 from peerflow.conformance.engines import build_engine, read_weights
-from peerflow.conformance.layers import _fail
+from peerflow.conformance.layers import fail_listing
 from peerflow.conformance.layers_engine import PROMPTS, EngineLayerBase, layer3
 from peerflow.conformance.reference import TensorSource, score_rows
 from peerflow.conformance.tolerance import derive
@@ -146,14 +146,14 @@ class LayerLora(EngineLayerBase):
         problems += [f"{n}: listed by weight_targets() but not an adapter tensor (with "
                      "trainer.lora only the adapters move)"
                      for n in sorted(targets - adapters.keys())]
-        _fail(problems, f"{profile.name} LoRA weight_targets")
+        fail_listing(problems, f"{profile.name} LoRA weight_targets")
         sync_weights(TensorSource(adapters), lora_engine, version=1, bucket_bytes=1 << 14)
         got = read_adapters(profile, lora_engine)
         wrong = [f"{n}: not where the engine applies it (read back "
                  f"{'nothing' if n not in got else 'other values'}); check which module and "
                  "which of A ([rank, in]) and B ([out, rank]) it is loaded into"
                  for n in sorted(adapters) if n not in got or not torch.equal(got[n], adapters[n])]
-        _fail(wrong, f"{profile.name} LoRA adapters after a sync")
+        fail_listing(wrong, f"{profile.name} LoRA adapters after a sync")
 
     @layer3
     @lora_group
@@ -208,9 +208,9 @@ class LayerLora(EngineLayerBase):
 
         shapes, _ = adapter_layout(model_dir, LORA)
         sources = {s.local_name: s.pieces[0].global_shape for s in lora_engine.weight_sources()}
-        _fail(sorted(f"{n}: {sources.get(n)} in weight_sources(), peft says {shapes.get(n)}"
+        fail_listing(sorted(f"{n}: {sources.get(n)} in weight_sources(), peft says {shapes.get(n)}"
                      for n in shapes.keys() | sources.keys() if sources.get(n) != shapes.get(n)),
-              f"{profile.name} LoRA weight_sources")
+                     f"{profile.name} LoRA weight_sources")
         rows = [(p, tuple(reversed(p))) for p in PROMPTS]
         ragged = {name: RaggedField.from_tensors([torch.tensor(row[i]) for row in rows])
                   for i, name in enumerate(("prompt_ids", "response_ids"))}

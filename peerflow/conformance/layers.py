@@ -39,7 +39,8 @@ _UNSUPPORTED = {
 }
 
 
-def _fail(problems: list[str], what: str) -> None:
+def fail_listing(problems: list[str], what: str) -> None:
+    """Fails the test listing the first eight `problems` under `what` (none: passes)."""
     if problems:
         shown = "\n  ".join(problems[:8])
         more = f"\n  … and {len(problems) - 8} more" if len(problems) > 8 else ""
@@ -126,8 +127,8 @@ class Layer1Layouts(SuiteBase):
         check_family(profile, layout_model)
         check_layout(request, profile, layout)
         specs = specs_or_skip(profile, layout_model, layout)
-        _fail(check_well_formed(specs, hf_parameters(LAYOUT_MODELS[layout_model])),
-              f"{layout_model} {layout_id(layout)}")
+        fail_listing(check_well_formed(specs, hf_parameters(LAYOUT_MODELS[layout_model])),
+                     f"{layout_model} {layout_id(layout)}")
 
     @layer1
     def test_l1_shards_cover_the_model(self, profile, layout_model, layout, request):
@@ -136,9 +137,9 @@ class Layer1Layouts(SuiteBase):
         check_layout(request, profile, layout)
         specs = specs_or_skip(profile, layout_model, layout)
         exactly_once = profile.kind == "train"
-        _fail(check_coverage(specs, hf_parameters(LAYOUT_MODELS[layout_model]),
+        fail_listing(check_coverage(specs, hf_parameters(LAYOUT_MODELS[layout_model]),
                              exactly_once=exactly_once),
-              f"{layout_model} {layout_id(layout)} coverage")
+                     f"{layout_model} {layout_id(layout)} coverage")
 
     @layer1
     def test_l1_copies_are_marked_as_replicas(self, profile, layout_model, layout, request):
@@ -151,8 +152,8 @@ class Layer1Layouts(SuiteBase):
         check_family(profile, layout_model)
         check_layout(request, profile, layout)
         specs = specs_or_skip(profile, layout_model, layout)
-        _fail(check_replicas(specs, profile.cls.__qualname__),
-              f"{profile.name} {layout_model} {layout_id(layout)} replicas")
+        fail_listing(check_replicas(specs, profile.cls.__qualname__),
+                     f"{profile.name} {layout_model} {layout_id(layout)} replicas")
 
     @layer1
     def test_l1_layout_is_deterministic(self, profile, layout_model, layout, request):
@@ -176,7 +177,7 @@ class Layer1Layouts(SuiteBase):
                                          dtype="bfloat16")
         except ConfigError as exc:
             pytest.skip(f"{profile.name} refuses {layout_id(layout)} for {layout_model}: {exc}")
-        _fail([f"{s.local_name}: dtype {s.dtype!r}, asked for 'bfloat16'" for s in specs
+        fail_listing([f"{s.local_name}: dtype {s.dtype!r}, asked for 'bfloat16'" for s in specs
                if s.dtype != "bfloat16"], f"{profile.name} {layout_model} dtype")
 
 
@@ -194,8 +195,8 @@ class Layer2RoundTrip(SuiteBase):
             src, dst = specs, canonical_specs(canonical)
         else:
             src, dst = canonical_specs(canonical), specs
-        _fail(round_trip(src, dst, canonical),
-              f"{profile.name} {layout_model} canonical<->{layout_id(layout)}")
+        fail_listing(round_trip(src, dst, canonical),
+                     f"{profile.name} {layout_model} canonical<->{layout_id(layout)}")
 
     @layer2
     def test_l2_reshard_between_layouts(self, profile, layout_model, layout_pair, request):
@@ -207,8 +208,8 @@ class Layer2RoundTrip(SuiteBase):
         canonical = hf_parameters(hf_config(LAYOUT_MODELS[layout_model]))
         src = specs_or_skip(profile, layout_model, src_layout)
         dst = specs_or_skip(profile, layout_model, dst_layout)
-        _fail(round_trip(src, dst, canonical),
-              f"{profile.name} {layout_model} {layout_id(src_layout)}->{layout_id(dst_layout)}")
+        pair = f"{layout_id(src_layout)}->{layout_id(dst_layout)}"
+        fail_listing(round_trip(src, dst, canonical), f"{profile.name} {layout_model} {pair}")
 
 
 class Layer2FromTrainers(SuiteBase):
@@ -242,4 +243,4 @@ class Layer2FromTrainers(SuiteBase):
                 break
         if not tested:
             pytest.skip(f"{profile.name} accepts no layout of {layout_model}")
-        _fail(problems, f"{profile.name} {layout_model} from trainer {trainer_layout.id}")
+        fail_listing(problems, f"{profile.name} {layout_model} from trainer {trainer_layout.id}")

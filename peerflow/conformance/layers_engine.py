@@ -13,7 +13,7 @@ from peerflow.batch import Batch, RaggedField
 from peerflow.conformance.base import SuiteBase, check_family
 from peerflow.conformance.checks import compare, round_trip
 from peerflow.conformance.engines import as_declared, build_engine, read_weights
-from peerflow.conformance.layers import _fail
+from peerflow.conformance.layers import fail_listing
 from peerflow.conformance.models import ENGINE_MODELS, LAYOUT_MODELS, hf_config, write_checkpoint
 from peerflow.conformance.oracle import shard_all
 from peerflow.conformance.reference import (
@@ -44,7 +44,7 @@ def specs_equal(declared: list, actual: list, what: str) -> None:
     problems += [f"{n}: held by the engine but not declared" for n in have.keys() - want.keys()]
     problems += [f"{n}: engine says {have[n]}, shard_layout says {want[n]}"
                  for n in want.keys() & have.keys() if want[n] != have[n]]
-    _fail(sorted(problems), what)
+    fail_listing(sorted(problems), what)
 
 
 class EngineLayerBase(SuiteBase):
@@ -103,7 +103,7 @@ class Layer3TrainEngine(EngineLayerBase):
                        for name, tensor in read_weights(profile, engine).items()
                        if tensor.device.type != want.type
                        or want.index not in (None, tensor.device.index))
-        _fail(wrong, f"{profile.name} weights not on EngineContext.device={want}")
+        fail_listing(wrong, f"{profile.name} weights not on EngineContext.device={want}")
 
     @layer3
     def test_l3_export_is_bit_exact(self, profile, engine, engine_model, model_dir):
@@ -114,8 +114,8 @@ class Layer3TrainEngine(EngineLayerBase):
         sync_weights(engine, sink, version=1, bucket_bytes=1 << 16)
         disk = load_checkpoint_tensors(model_dir)
         specs = {0: sink.specs}
-        _fail(compare(shard_all(specs, disk), {0: sink.tensors}, specs),
-              f"{profile.name} {engine_model} export vs checkpoint")
+        fail_listing(compare(shard_all(specs, disk), {0: sink.tensors}, specs),
+                     f"{profile.name} {engine_model} export vs checkpoint")
 
     @layer3
     def test_l3_declared_shards_match_engine_memory(self, profile, engine, engine_model,
@@ -124,8 +124,8 @@ class Layer3TrainEngine(EngineLayerBase):
         specs = list(engine.weight_sources())
         disk = load_checkpoint_tensors(model_dir)
         got = {0: as_declared(read_weights(profile, engine), specs)}
-        _fail(compare(shard_all({0: specs}, disk), got, {0: specs}, check_padding=False),
-              f"{profile.name} {engine_model} memory vs declared shards")
+        fail_listing(compare(shard_all({0: specs}, disk), got, {0: specs}, check_padding=False),
+                     f"{profile.name} {engine_model} memory vs declared shards")
 
     @layer3
     @pytest.mark.parametrize("temperature", (1.0, 0.7), ids=lambda t: f"T{t}")
@@ -177,4 +177,4 @@ class Layer4Gpu(SuiteBase):
         specs = specs_or_skip(profile, layout_model, layout)
         src, dst = (specs, canonical_specs(canonical)) if profile.kind == "train" else \
             (canonical_specs(canonical), specs)
-        _fail(round_trip(src, dst, canonical, device="cuda"), f"{profile.name} on CUDA")
+        fail_listing(round_trip(src, dst, canonical, device="cuda"), f"{profile.name} on CUDA")

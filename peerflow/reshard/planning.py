@@ -21,7 +21,8 @@ for _spec_class in (Box, ShardPiece, ShardSpec):  # every rank's specs travel (`
     register(_spec_class)
 
 
-def _rank_and_world(group: Any) -> tuple[int, int]:
+def rank_and_world(group: Any) -> tuple[int, int]:
+    """This process's global rank and `group`'s size (`(0, 1)` without torch.distributed)."""
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size(group)
     return 0, 1
@@ -35,7 +36,7 @@ def gather_specs(trainer: TrainEngine | None, rollout: RolloutEngine | None, *,
         `(sources, destinations)`, each global rank → its specs (ranks without a trainer
         or rollout engine are absent from that side).
     """
-    rank, world = _rank_and_world(group)
+    rank, world = rank_and_world(group)
     mine = (rank,
             list(trainer.weight_sources()) if trainer is not None else None,
             list(rollout.weight_targets()) if rollout is not None else None)
@@ -61,8 +62,8 @@ def plan_weight_sync(trainer: TrainEngine | None, rollout: RolloutEngine | None,
     return plan_reshard(sources, destinations, ignore=ignore)
 
 
-def _auto_transport(plan: ReshardPlan, *, rank: int, group: Any, device: str
-                    ) -> WeightTransport:
+def auto_transport(plan: ReshardPlan, *, rank: int, group: Any, device: str
+                   ) -> WeightTransport:
     """The transport `auto` stands for (every rank of the group decides alike).
 
     `inprocess` when no transfer crosses ranks; else `shm` when every rank of the group

@@ -51,10 +51,10 @@ from peerflow.reshard.executor import (
 )
 from peerflow.reshard.plan import ReshardPlan
 from peerflow.reshard.planning import (
-    _auto_transport,
-    _rank_and_world,
+    auto_transport,
     gather_specs,
     plan_weight_sync,
+    rank_and_world,
 )
 from peerflow.reshard.time_share import KV_CACHE, WEIGHTS, TimeSharing
 from peerflow.reshard.transport import WeightTransport, make_transport
@@ -154,13 +154,13 @@ class WeightSyncService:
         """
         if plan is None:
             plan = plan_weight_sync(trainer, rollout, group=group, ignore=ignore)
-        rank, _ = _rank_and_world(group)
+        rank, _ = rank_and_world(group)
         if device is None:
             engine = trainer if trainer is not None else rollout
             device = getattr(getattr(engine, "context", None), "device", "cpu") or "cpu"
         if not isinstance(transport, WeightTransport):
             if transport in (None, "auto"):
-                transport = _auto_transport(plan, rank=rank, group=group, device=device)
+                transport = auto_transport(plan, rank=rank, group=group, device=device)
             else:
                 transport = make_transport(transport, rank=rank, group=group, device=device)
         time_share = (TimeSharing(rollout) if colocated and rollout is not None

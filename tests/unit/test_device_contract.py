@@ -122,16 +122,16 @@ def test_ranks_sharing_a_gpu_sync_weights_over_cuda_ipc(monkeypatch, gpus):
     """NCCL cannot join two ranks on one GPU; `auto` moves their buckets over CUDA IPC."""
     from types import SimpleNamespace
 
-    from peerflow.reshard.service import _auto_transport
+    from peerflow.reshard.service import auto_transport
     from peerflow.reshard.transports import CudaIpcTransport, TorchP2PTransport
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     plan = SimpleNamespace(transfers=[SimpleNamespace(src_rank=0, dst_rank=1)])
     gpus(count=1, local_world=2)
-    assert isinstance(_auto_transport(plan, rank=0, group=None, device="cuda:0"),
+    assert isinstance(auto_transport(plan, rank=0, group=None, device="cuda:0"),
                       CudaIpcTransport)
     gpus(count=2, local_world=2)
-    assert isinstance(_auto_transport(plan, rank=0, group=None, device="cuda:0"),
+    assert isinstance(auto_transport(plan, rank=0, group=None, device="cuda:0"),
                       TorchP2PTransport)
 
 
