@@ -22,15 +22,14 @@ from peerflow.distributed.comm import (
     wait_all,
 )
 from peerflow.distributed.failure import FailureRecord, read_failure
-from peerflow.distributed.faults import (
-    PEER_FAILED_EXIT,
-    FaultMonitor,
+from peerflow.distributed.fault_scope import (
     current_monitor,
     describe_stage,
     handle_failure,
     raise_if_failed,
     stage,
 )
+from peerflow.distributed.faults import PEER_FAILED_EXIT, FaultMonitor
 from peerflow.distributed.init import (
     FAULT_SCOPE_ENV,
     FAULT_STORE_ENV,

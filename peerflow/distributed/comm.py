@@ -14,7 +14,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from peerflow.distributed.faults import current_monitor, read_failure
+from peerflow.distributed.failure import read_failure
+from peerflow.distributed.fault_scope import current_monitor
 from peerflow.errors import WorkerFailedError
 from peerflow.wirecodec import decode, encode
 

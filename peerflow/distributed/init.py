@@ -25,7 +25,8 @@ import torch
 import torch.distributed as dist
 
 from peerflow.distributed import devices
-from peerflow.distributed.faults import FaultMonitor, current_monitor, set_monitor
+from peerflow.distributed.fault_scope import current_monitor, set_monitor
+from peerflow.distributed.faults import FaultMonitor
 from peerflow.distributed.listen import (
     LOOPBACK,
     is_loopback,

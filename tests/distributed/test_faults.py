@@ -15,7 +15,8 @@ import time
 import pytest
 import torch.distributed as dist
 
-from peerflow.distributed.faults import PEER_FAILED_EXIT, FaultMonitor, read_failure
+from peerflow.distributed.failure import read_failure
+from peerflow.distributed.faults import PEER_FAILED_EXIT, FaultMonitor
 
 pytestmark = pytest.mark.distributed
 
@@ -191,13 +192,8 @@ def test_point_to_point_waits_time_out_with_a_message() -> None:
 
 
 def test_stage_reports_own_error_and_comm_errors_blame_the_peer() -> None:
-    from peerflow.distributed.faults import (
-        FailureRecord,
-        handle_failure,
-        publish_failure,
-        set_monitor,
-        stage,
-    )
+    from peerflow.distributed.failure import FailureRecord, publish_failure
+    from peerflow.distributed.fault_scope import handle_failure, set_monitor, stage
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     exits: list[int] = []
@@ -226,7 +222,8 @@ def test_stage_reports_own_error_and_comm_errors_blame_the_peer() -> None:
 def test_a_stage_past_its_deadline_fails_the_run_naming_rank_and_detail() -> None:
     """The main thread is stuck (a reward that never returns): the monitor thread fails
     the run naming this rank, the stage, what it worked on and where it is stuck."""
-    from peerflow.distributed.faults import STUCK_EXIT, describe_stage, set_monitor, stage
+    from peerflow.distributed.fault_scope import describe_stage, set_monitor, stage
+    from peerflow.distributed.faults import STUCK_EXIT
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     exits: list[int] = []
@@ -252,7 +249,7 @@ def test_a_stage_past_its_deadline_fails_the_run_naming_rank_and_detail() -> Non
 def test_a_rank_that_timed_out_waiting_names_the_stuck_peer() -> None:
     """Rank 1 is stuck in its reward (heartbeats go on, no deadline fired yet); rank 0's
     collective times out: the failure names rank 1 and its stage, not rank 0."""
-    from peerflow.distributed.faults import handle_failure
+    from peerflow.distributed.fault_scope import handle_failure
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     exits: list[int] = []
