@@ -6,13 +6,12 @@ and the same specs describe the local shards for weight export, so the resharder
 Megatron shards straight to rollout shards (interleaved QKV per query group, fused gate/up
 `linear_fc1`, padded vocab-parallel embedding).
 
-Forward and backward always go through Megatron's pipeline schedules
-(`get_forward_backward_func`): no pipelining with pp=1, 1F1B with pp>1. Micro-batches share
-one shape per mini-batch (`micro_batch_size × seq_length`, from the token budget), as the
-schedules' p2p buffers need. Log-probs at the sampling temperature come from the
+Forward and backward always go through Megatron's pipeline schedules (`pipeline.py`:
+`get_forward_backward_func`, no pipelining with pp=1, 1F1B with pp>1) on micro-batches of
+one shape per mini-batch. Log-probs at the sampling temperature come from the
 vocab-parallel logits through the training toolkit (`peerflow.training.VocabShard`; the
 padded vocabulary rows are masked out first), which also owns mini-batches, global
-counts and metrics; this module supplies the forward, the schedule and the step.
+counts and metrics; this module supplies the model, the weights and the step.
 
 Gradients: Megatron's DDP wrapper reduces them over dp (summed: the PeerFlow loss is
 already normalised by the global token count, `calculate_per_token_loss=True`) and
@@ -29,8 +28,7 @@ megatron-core's `moe_enable_routing_replay` hook (`routing.py`, docs/moe.md).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
-from functools import partial
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -63,9 +61,9 @@ from peerflow.adapters.megatron.parallel import (
     ensure_distributed,
     init_parallel_state,
 )
+from peerflow.adapters.megatron.pipeline import MegatronPipeline, finalize_without_token_scaling
 from peerflow.adapters.megatron.routing import TokenOrder, hook_routers, release_routers
 from peerflow.adapters.megatron.weights import covered_names, import_hf_weights
-from peerflow.batch import Batch
 from peerflow.capabilities import Capabilities
 from peerflow.distributed.ranklog import say_in_rank_log
 from peerflow.engines import EngineContext, OptimSettings
@@ -75,16 +73,9 @@ from peerflow.models.safetensors_reader import SafetensorsReader
 from peerflow.shard import ShardSpec
 from peerflow.training import (
     CausalLMTrainEngine,
-    MicroBatch,
-    Objective,
-    PaddedInputs,
     VocabShard,
     check_layout_spans_world,
-    fixed_shape_micro_batches,
-    pad_inputs,
-    pad_to_shape,
 )
-from peerflow.training.replay_scope import micro_batch_scope
 
 
 def _say_padding(optim: OptimSettings) -> None:
@@ -97,7 +88,7 @@ def _say_padding(optim: OptimSettings) -> None:
         f"{str(optim.padding_free).lower()} applies to fsdp and deepspeed only).")
 
 
-class MegatronTrainEngine(MegatronCheckpoints, CausalLMTrainEngine):
+class MegatronTrainEngine(MegatronCheckpoints, MegatronPipeline, CausalLMTrainEngine):
     """Train engine backed by Megatron-core `GPTModel` (TP, PP, DP from the layout)."""
 
     name = "megatron"
@@ -203,7 +194,7 @@ class MegatronTrainEngine(MegatronCheckpoints, CausalLMTrainEngine):
         self.model = DistributedDataParallel(config=self.config, ddp_config=ddp_config,
                                              module=model)
         self.config.no_sync_func = self.model.no_sync
-        self.config.finalize_model_grads_func = _finalize_without_token_scaling
+        self.config.finalize_model_grads_func = finalize_without_token_scaling
         self.optimizer = build_optimizer(self.model, self.module, optim, dtype=dtype,
                                          distributed=options.use_distributed_optimizer)
         self.lr_schedulers = build_lr_schedulers(self.optimizer, optim)
@@ -251,75 +242,6 @@ class MegatronTrainEngine(MegatronCheckpoints, CausalLMTrainEngine):
         return VocabShard(group=self.ps.get_tensor_model_parallel_group(),
                           start=self.tp_rank * self.vocab_local,
                           vocab_size=self.shape.vocab_size)
-
-    def plan_micro_batches(self, batch: Batch) -> list[MicroBatch]:
-        """Micro-batches of one shape `[rows, width]`, as the schedules' p2p buffers need."""
-        lengths = batch.token_count().tolist() if len(batch) else []
-        plan, (rows, width) = fixed_shape_micro_batches(lengths, self.optim.micro_batch_tokens)
-
-        def layout(part: Batch) -> PaddedInputs:
-            return pad_to_shape(pad_inputs(part), rows, width)
-
-        return [self.build_micro_batch(batch, indices, k == len(plan) - 1, layout)
-                for k, indices in enumerate(plan)]
-
-    def forward_micro(self, micro: MicroBatch) -> torch.Tensor:
-        """This stage's output: vocab-parallel logits `[B, L, V / tp]` on the last stage."""
-        ids = micro.inputs.input_ids
-        self._order.rows, self._order.width = ids.shape
-        width = ids.shape[1]
-        causal = torch.ones(width, width, dtype=torch.bool, device=ids.device).triu(1)
-        return self.model(ids, micro.inputs.position_ids, causal[None, None])
-
-    def run_micro_batches(self, micros: Sequence[MicroBatch], objective: Objective) -> None:
-        """Megatron's schedule (1F1B with pp > 1) over `micros`; backward unless no-grad.
-
-        The objective runs on the last stage, inside the schedule's loss function. An MoE
-        micro-batch's routing-replay scope (`micro_batch_scope`) opens before its forward
-        and closes after its objective (Megatron recomputes nothing in backward, so the
-        backward needs no routes). With `ep > 1` the loss is scaled by `1 / ep`: the ep
-        peers forward the same samples, and Megatron sums their gradients.
-        """
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
-        scale = 1.0 / self.context.layout.ep
-
-        def forward_step(data_iterator: Iterator, model: Any) -> tuple[torch.Tensor, Any]:
-            micro = next(data_iterator)
-            scope = micro_batch_scope(self.routing, micro)
-            scope.__enter__()
-            try:
-                output = self.forward_micro(micro)
-            except BaseException:
-                scope.__exit__(None, None, None)
-                raise
-            return output, partial(loss_step, micro, scope)
-
-        def loss_step(micro: MicroBatch, scope: Any, output: torch.Tensor
-                      ) -> tuple[Any, Any, dict]:
-            tokens = micro.inputs.response_lengths.sum().to(torch.int)  # on the device
-            try:
-                value = objective(micro, output)
-            finally:
-                scope.__exit__(None, None, None)
-            return (value * scale if scale != 1.0 else value), tokens, {}
-
-        rows, width = micros[0].inputs.input_ids.shape
-        get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter(micros), model=[self.model],
-            num_microbatches=len(micros), seq_length=width, micro_batch_size=rows,
-            forward_only=not torch.is_grad_enabled())
-
-    def share_from_last_stage(self, value: object) -> object:
-        """Broadcasts a Python object from the last pipeline stage to the other stages."""
-        import torch.distributed as dist
-
-        if self.context.layout.pp == 1:
-            return value
-        box = [value]
-        dist.broadcast_object_list(box, src=self.ps.get_pipeline_model_parallel_last_rank(),
-                                   group=self.ps.get_pipeline_model_parallel_group())
-        return box[0]
 
     def zero_grad(self) -> None:
         """Clears Megatron's gradient buffers and the optimiser's gradients."""
@@ -386,15 +308,3 @@ class MegatronTrainEngine(MegatronCheckpoints, CausalLMTrainEngine):
         self.lr_schedulers = []
         with contextlib.suppress(Exception):
             self.ps.destroy_model_parallel()
-
-
-def _finalize_without_token_scaling(model: list[Any], num_tokens: Any = None,
-                                    **kwargs: Any) -> None:
-    """Megatron's `finalize_model_grads` without dividing by the token count.
-
-    PeerFlow losses are already normalised by the global token count, so the gradients
-    are summed over dp ranks and micro-batches as they are.
-    """
-    from megatron.core.distributed import finalize_model_grads
-
-    finalize_model_grads(model, None, **kwargs)
