@@ -72,8 +72,11 @@ def _skip_without_emulation() -> None:
 
 
 #: In the slow tier: "async" runs the same split placement on the device in every run, and
-#: `test_the_emulated_run_reproduces_the_cpu_run` the quickstart ("fsdp", in float32).
-SLOW_RUNS = ("split_sync", "fsdp")
+#: `test_the_emulated_run_reproduces_the_cpu_run` the quickstart ("fsdp", in float32);
+#: deepspeed's and megatron's engines on the device: `test_conformance_layer3_passes_on_
+#: the_emulated_device[deepspeed|megatron]`; the adapters' and the agent's host/device
+#: crossings: `tests/device/test_on_emulated_device.py` (their sites, on the device).
+SLOW_RUNS = ("split_sync", "fsdp", "megatron_tp2", "deepspeed_zero3", "lora", "agent")
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_RUNS
@@ -118,7 +121,11 @@ def test_the_emulated_run_reproduces_the_cpu_run(tmp_path):
     _assert_on_the_device(tmp_path / "run-True")
 
 
-@pytest.mark.parametrize("adapter", ["fsdp", "deepspeed", "megatron"])
+# fsdp's layer 3 on the device is slow-tier: `test_the_emulated_run_reproduces_the_cpu_run`
+# trains fsdp on the device in the default run, and `tests/unit/test_emulated_device.py`
+# checks its placement
+@pytest.mark.parametrize("adapter", [pytest.param("fsdp", marks=pytest.mark.slow),
+                                     "deepspeed", "megatron"])
 def test_conformance_layer3_passes_on_the_emulated_device(tmp_path, adapter):
     """Layer 3 builds the engine on the rank's device: the H200's deepspeed and megatron
     layer-3 failure ("cuda:0 and cpu") was the suite comparing device weights with host

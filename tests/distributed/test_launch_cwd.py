@@ -52,8 +52,10 @@ def _decoy(workdir, kind: str) -> None:
             'raise ImportError("the peerflow/ folder of the working directory was imported")\n')
 
 
-@pytest.mark.parametrize("start,decoy", [("forkserver", "clone"), ("forkserver", "package"),
-                                         ("spawn", "clone")])
+# slow-tier: the package decoy and spawn; ("forkserver", "clone") keeps the contract
+@pytest.mark.parametrize("start,decoy", [
+    ("forkserver", "clone"), pytest.param("forkserver", "package", marks=pytest.mark.slow),
+    pytest.param("spawn", "clone", marks=pytest.mark.slow)])
 def test_workers_ignore_a_peerflow_folder_in_the_working_directory(tmp_path, start,
                                                                    decoy) -> None:
     """Run from a folder holding a `peerflow/` folder, every worker imports the real one.

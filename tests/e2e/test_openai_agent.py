@@ -17,7 +17,10 @@ EXAMPLE = ROOT / "examples" / "openai_agent.yaml"
 ASYNC = ["runtime.mode=async", "runtime.placement=split", "runtime.max_staleness=1"]
 
 
-@pytest.mark.parametrize("mode", ["sync", pytest.param("async", marks=pytest.mark.distributed)])
+# async is slow-tier: [sync] keeps the example's contract, and tests/e2e/test_agents.py
+# runs agent episodes under async's staleness bound in the default run
+@pytest.mark.parametrize("mode", ["sync", pytest.param("async", marks=[pytest.mark.distributed,
+                                                                       pytest.mark.slow])])
 def test_openai_agent_example_trains(tmp_path, metrics_of, peerflow_train, mode):
     from tests.helpers.chat_model import build_chat_model
 

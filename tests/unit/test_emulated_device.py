@@ -470,6 +470,7 @@ def test_legal_mixes_compute_real_values_and_the_device_looks_like_an_accelerato
     assert seen["inference"] == [None, False, True]
 
 
+@pytest.mark.slow  # default keeper: test_the_emulated_run_reproduces_the_cpu_run (fsdp)
 def test_llama_and_fsdp2_train_on_the_device_as_on_the_cpu():
     seen = _run(TRAINING)
     for name, run in seen["runs"].items():
@@ -485,7 +486,8 @@ def test_llama_and_fsdp2_train_on_the_device_as_on_the_cpu():
     assert fsdp["emu"] == fsdp["cpu"] and fsdp["gap"] == 0.0
 
 
-@pytest.mark.parametrize("emulated_devices", ["", "1"],
+# "ranks share a device" is slow-tier: "one device per rank" keeps the collective contract
+@pytest.mark.parametrize("emulated_devices", ["", pytest.param("1", marks=pytest.mark.slow)],
                          ids=["one device per rank", "ranks share a device"])
 def test_collectives_carry_device_tensors_and_refuse_host_ones_on_a_device_only_group(
         tmp_path, emulated_devices):
@@ -516,6 +518,7 @@ def test_collectives_carry_device_tensors_and_refuse_host_ones_on_a_device_only_
     assert seen[1]["recv"] == [42.0, 43.0]
 
 
+@pytest.mark.slow  # default keeper: tests/device/test_emulated_runs.py layer 3 [deepspeed]
 def test_deepspeed_places_zero_engines_on_the_device():
     pytest.importorskip("deepspeed")
     seen = _run(DEEPSPEED)

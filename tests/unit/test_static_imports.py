@@ -32,6 +32,10 @@ def _empty_venv_path(tmp_path: Path) -> Path:
     return tmp_path
 
 
+# slow-tier (pyright over the tree, ~75 s): in the default run every module is imported by
+# some test, and tests/unit/test_dependency_rules.py checks that every module named in a
+# string exists
+@pytest.mark.slow
 def test_every_peerflow_import_resolves(tmp_path):
     result = subprocess.run(
         [_pyright(), "--outputjson", "--venvpath", str(_empty_venv_path(tmp_path))],

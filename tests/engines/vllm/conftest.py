@@ -44,13 +44,18 @@ def local_tensor(spec, state, fill=None):
     return out
 
 
-def pytest_collection_modifyitems(config, items):
-    """vLLM's layer 3 on the MoE engine model joins the slow tier (~55 s of vLLM builds).
+#: Checkpoints whose vLLM layer-3 tests are slow-tier (a vLLM build each): `qwen3moe`
+#: (~55 s; `test_vllm_moe.py` keeps vLLM's MoE path in every run: greedy equals hf, the
+#: fsdp sync bit-exact) and `qwen3-tied` (~90 s; the default run keeps vLLM's qwen3 layout
+#: in layers 1–2, and layer 3's behaviour on `llama-tied` and `qwen2-untied`).
+#: `peerflow conformance vllm` runs every layer-3 case.
+SLOW_LAYER3_CHECKPOINTS = ("qwen3moe", "qwen3-tied")
 
-    `test_vllm_moe.py` keeps vLLM's MoE path checked in every run (greedy equals hf, the
-    fsdp sync bit-exact), and `peerflow conformance vllm` runs every layer-3 case.
-    """
+
+def pytest_collection_modifyitems(config, items):
+    """vLLM's layer 3 on `SLOW_LAYER3_CHECKPOINTS` joins the slow tier."""
     for item in items:
         if ("test_vllm_conformance.py" in item.nodeid and "::test_l3_" in item.nodeid
-                and "qwen3moe" in item.nodeid):
+                and any(ckpt in item.nodeid for ckpt in SLOW_LAYER3_CHECKPOINTS)):
             item.add_marker(pytest.mark.slow)
+

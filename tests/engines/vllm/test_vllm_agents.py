@@ -13,7 +13,10 @@ from peerflow.engines import EngineContext, SamplingParams  # noqa: E402
 from peerflow.layout import ParallelLayout  # noqa: E402
 from tests.unit.test_agents_rollout import TEMPERATURE, Echo, _draws  # noqa: E402
 
-pytestmark = pytest.mark.engine("vllm")
+# slow-tier (a vLLM start of its own): tests/unit/test_agents_rollout.py keeps the
+# token-exact episode contract on the hf engine, and the vLLM conformance suite keeps
+# vLLM's generate contract (log-probs of the sampled tokens)
+pytestmark = [pytest.mark.engine("vllm"), pytest.mark.slow]
 
 
 def test_vllm_episodes_are_token_exact(engine, vllm_tiny_model):
