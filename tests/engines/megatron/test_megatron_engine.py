@@ -99,7 +99,7 @@ def test_unsupported_models_and_cpu_distributed_optimizer_are_rejected(models):
     config.rope_scaling = {"rope_type": "yarn", "factor": 4.0}
     with pytest.raises(ConfigError, match="yarn"):
         check_supported(config)
-    with pytest.raises(ConfigError, match="vocab_multiple=0"):
+    with pytest.raises(ValueError, match="'vocab_multiple' must be >= 1: 0"):
         MegatronOptions(vocab_multiple=0)
 
 
