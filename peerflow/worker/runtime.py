@@ -1,9 +1,10 @@
 """`WorkerRuntime`: everything one worker process holds while it runs its program.
 
 Built once per process by `peerflow.worker.main`: the resolved model directory, the
-tokenizer, the task and its rewards, the algorithm (estimator, losses, reward shaping, looked
-up through the plugin registries by `build_components`), this rank's engines (one per role it hosts,
-built by `WorkerRuntime.build_engine`) and its prompt sampler.
+tokenizer, the task and its rewards, the algorithm (estimator, losses, reward shaping,
+looked up through the plugin registries by `build_components`), this rank's engines (one
+per role it hosts, built by `WorkerRuntime.build_engine`) and its prompt sampler. Nodes do
+not see it: each runs with the narrow `NodeContext` that `node_context` builds.
 """
 
 from __future__ import annotations
