@@ -292,7 +292,10 @@ def _pin_memory(self: torch.Tensor, device: Any = None) -> torch.Tensor:
 
 
 def patch_torch() -> None:
-    """Installs `Generator`, `pin_memory`, the `torch.accelerator` fallbacks, the swap."""
+    """Installs `Generator`, `pin_memory`, the `torch.accelerator` fallbacks, the swap, load."""
+    from peerflow.testing.emulated_serialization import patch_load
+
+    patch_load()
     torch.Generator = Generator
     torch.Tensor.pin_memory = _pin_memory
     torch.utils.swap_tensors = _swap_tensors_patch(torch.utils.swap_tensors)

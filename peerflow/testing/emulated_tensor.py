@@ -168,7 +168,7 @@ class EmulatedTensor(torch.Tensor):
 
     def __reduce_ex__(self, protocol: Any) -> tuple[Any, tuple[Any, ...]]:
         """Pickles the CPU values and the index; unpickling needs the emulation installed."""
-        return (_rebuild, (self.elem.detach(), self.requires_grad, self.device.index))
+        return (rebuild, (self.elem.detach(), self.requires_grad, self.device.index))
 
     @classmethod
     def __torch_dispatch__(cls, func: torch._ops.OpOverload, types: Any,
@@ -178,7 +178,8 @@ class EmulatedTensor(torch.Tensor):
         return run_operator(func, args, kwargs or {})
 
 
-def _rebuild(elem: torch.Tensor, requires_grad: bool, index: int = 0) -> EmulatedTensor:
+def rebuild(elem: torch.Tensor, requires_grad: bool, index: int = 0) -> EmulatedTensor:
+    """Unpickles a device tensor (`EmulatedTensor.__reduce_ex__`): its CPU values on `index`."""
     count = emulated_ordinals.device_count()
     if index >= count:
         raise RuntimeError(f"Attempting to deserialize object on {DEVICE_TYPE} device {index} "

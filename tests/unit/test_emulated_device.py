@@ -584,3 +584,31 @@ def test_each_index_is_a_device_of_its_own_and_a_model_trains_on_emu_1():
     fsdp = seen["fsdp"]
     assert (fsdp["param"], fsdp["local"]) == ("emu:1", "emu:1")
     assert fsdp["emu"] == fsdp["cpu"]
+
+
+LOAD = PRELUDE + """
+dev = emulation.install()
+path = os.path.join(tempfile.mkdtemp(), "state.pt")
+host = {"w": torch.arange(4.0), "state": {0: {"step": torch.tensor(3.0)}}}
+torch.save(host, path)
+on_device = torch.load(path, map_location=dev)  # the optimizer-state restore (issue 51)
+by_name = torch.load(path, map_location="emu:0", weights_only=True)
+saved_on_device = os.path.join(tempfile.mkdtemp(), "device.pt")
+torch.save({"w": torch.arange(4.0, device=dev)}, saved_on_device)
+report(devices=[str(on_device["w"].device), str(on_device["state"][0]["step"].device),
+                str(by_name["w"].device)],
+       values=on_device["w"].cpu().tolist(),
+       saved_on_device=[str(torch.load(saved_on_device)["w"].device),
+                        str(torch.load(saved_on_device, map_location="cpu")["w"].device),
+                        str(torch.load(saved_on_device, weights_only=True)["w"].device)],
+       dict_map=error(lambda: torch.load(path, map_location={"cpu": "emu:0"})))
+"""
+
+
+def test_torch_load_onto_the_device_moves_tensors_instead_of_crashing():
+    """Issue 51: `torch.load(..., map_location=torch.device("emu", 0))` exited 139."""
+    seen = _run(LOAD)
+    assert seen["devices"] == ["emu:0", "emu:0", "emu:0"]
+    assert seen["values"] == [0.0, 1.0, 2.0, 3.0]
+    assert seen["saved_on_device"] == ["emu:0", "cpu", "emu:0"]  # as CUDA's checkpoints load
+    assert "takes a map_location that names one device" in seen["dict_map"]
