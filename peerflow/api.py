@@ -174,14 +174,39 @@ def evaluate(config: ConfigSource, checkpoint: str | Path | None = None,
                           "directory or one of its checkpoints/step_* directories.")
     config_path, extra, settings = _prepare(config, overrides, reward_fn, nprocs,
                                             "peerflow.evaluate()")
+    if checkpoint is not None:
+        _check_trained_engine(Path(checkpoint).expanduser().resolve(), settings)
     with _run_dir(out_dir, f"eval-{_name(config)}") as path:
         launch(config_path=config_path, overrides=extra, run_dir=str(path),
-               resume=str(Path(checkpoint).resolve()) if checkpoint is not None else None,
+               checkpoint=str(Path(checkpoint).resolve()) if checkpoint is not None else None,
                nprocs=settings.runtime.nprocs, launcher=launcher,
                fault_timeout=settings.runtime.fault_timeout,
                wait_timeout=settings.runtime.peer_wait_timeout,
                entry="peerflow.worker.main:run_eval_worker")
     return json.loads((path / "eval.json").read_text())
+
+
+def _check_trained_engine(checkpoint: Path, settings: Any) -> None:
+    """Refuses, before any worker starts, a checkpoint another train engine wrote.
+
+    A checkpoint's layout is its train engine's (fsdp's DCP shards, DeepSpeed's ZeRO files,
+    megatron's tp/pp shards): the run's resolved `config.yaml` (beside `checkpoints/`)
+    records which one, and the evaluating config must select the same.
+    """
+    import yaml
+
+    run = checkpoint if (checkpoint / "config.yaml").is_file() else checkpoint.parent.parent
+    recorded = run / "config.yaml"
+    if not recorded.is_file():
+        return
+    trained = ((yaml.safe_load(recorded.read_text()) or {}).get("trainer") or {}).get("backend")
+    wanted = settings.trainer.backend
+    if trained and trained != wanted:
+        raise ConfigError(
+            f"--checkpoint {str(checkpoint)!r} was written by trainer.backend={trained!r} "
+            f"({recorded}), but the config selects trainer.backend={wanted!r}, which cannot "
+            f"read it. Fix: evaluate with the run's config ({recorded}) or add "
+            f"--set trainer.backend={trained}.")
 
 
 def export(run_dir: str | Path, out_dir: str | Path, step: int | None = None, *,

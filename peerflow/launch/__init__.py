@@ -51,6 +51,7 @@ def launch(
     torch_threads: int | None = None,
     stop_grace: float | None = None,
     wait_timeout: float | None = None,
+    checkpoint: str | None = None,
 ) -> int:
     """Runs the workers of a run and returns 0 when every one finished cleanly.
 
@@ -68,6 +69,8 @@ def launch(
         stop_grace: Seconds a graceful stop may take (default: `runtime.stop_grace`).
         wait_timeout: Seconds a rank waits for a live peer (default: with the config read,
             `runtime.peer_wait_timeout`; else `fault_timeout`).
+        checkpoint: A checkpoint or run directory the entry only reads (`peerflow eval`),
+            given to it in `resume`'s place; nothing is written there.
 
     Returns:
         0.
@@ -91,6 +94,7 @@ def launch(
     command = WorkerCommand(entry=entry, config_path=config_path, overrides=overrides,
                             run_dir=run_dir, resume=resume, fault_timeout=fault_timeout,
                             torch_threads=torch_threads, wait_timeout=wait_timeout,
+                            checkpoint=checkpoint,
                             **({} if stop_grace is None else {"stop_grace": stop_grace}))
     if in_distributed_env():
         worker_entry(*command.args())

@@ -70,12 +70,15 @@ class WorkerCommand:
     environ: dict[str, str | None] = attrs.field(factory=dict)
     """Environment variables a worker sets (`None`: removes) first: what changed in the
     launcher since the fork server it starts from did (`peerflow.launch.warm`)."""
+    checkpoint: str | None = None
+    """A checkpoint or run directory the entry only reads (`peerflow eval`): handed to the
+    entry in `resume`'s place, while logs and outputs stay in `run_dir`."""
 
     def args(self) -> tuple[Any, ...]:
         """Returns `worker_entry`'s positional arguments (picklable for spawned workers)."""
         return (self.entry, self.config_path, list(self.overrides), self.run_dir, self.resume,
                 self.fault_timeout, self.torch_threads, self.stop_grace, self.wait_timeout,
-                dict(self.environ))
+                dict(self.environ), self.checkpoint)
 
     @property
     def logs_dir(self) -> str:
@@ -94,6 +97,7 @@ def worker_entry(
     stop_grace: float = STOP_GRACE,
     wait_timeout: float | None = None,
     environ: dict[str, str | None] | None = None,
+    checkpoint: str | None = None,
 ) -> None:
     """Runs one worker process (called by the launchers, on every rank).
 
@@ -108,6 +112,8 @@ def worker_entry(
         stop_grace: Seconds a graceful stop may take before this rank stops at once.
         wait_timeout: Seconds each collective and peer wait may take while the peer lives.
         environ: Environment variables to set (`None`: remove) before anything else.
+        checkpoint: A directory the entry only reads, given to it instead of `resume`
+            (`peerflow eval`); this rank's log stays in `run_dir`.
 
     A worker started by a launcher (`LAUNCHER_PID_ENV`) exits within about a second of
     that launcher's death, quietly (`peerflow.launch.lifeline`), and adds its pid to the
@@ -140,7 +146,8 @@ def worker_entry(
         monitor.stop_grace = stop_grace
         WorkerStopHandler(monitor=monitor).install()
     try:
-        resolve_entry(entry)(config_path, list(overrides), run_dir, resume)
+        resolve_entry(entry)(config_path, list(overrides), run_dir,
+                             resume if checkpoint is None else checkpoint)
         stopped = read_stop(monitor.store) if monitor is not None else None
     except KeyboardInterrupt:  # Ctrl-C reaches every local worker; the launcher reports it
         append_to_rank_log(f"rank {ctx.rank} (pid {os.getpid()}) interrupted (SIGINT) at:\n"

@@ -46,7 +46,9 @@ def test_eval_before_every_k_and_at_the_end(tmp_path, quickstart, tiny, metrics_
     written = {p.name for p in render_report(run_dir)}
     assert {"eval.png", "reward.png"} <= written
 
-    # `peerflow eval` on the final checkpoint reproduces the in-training evaluation
+    # `peerflow eval` on the final checkpoint reproduces the in-training evaluation, and
+    # writes nothing into the training run (its logs stay as training left them)
+    logs = {p.name: p.read_bytes() for p in (run_dir / "logs").iterdir()}
     out = tmp_path / "eval"
     proc = subprocess.run(
         [sys.executable, "-m", "peerflow", "eval", quickstart, "--checkpoint", str(run_dir),
@@ -58,6 +60,16 @@ def test_eval_before_every_k_and_at_the_end(tmp_path, quickstart, tiny, metrics_
     assert result["step"] == 3 and json.loads(proc.stdout)["step"] == 3
     for name in ("eval/greedy/reward", "eval/sampled/reward", "eval/pass@2"):
         assert result["metrics"][name] == pytest.approx(evaluated[3][name])
+    assert {p.name: p.read_bytes() for p in (run_dir / "logs").iterdir()} == logs
+    assert (out / "logs" / "rank1.log").is_file()
+    # a checkpoint another train engine wrote is refused before any worker starts
+    from peerflow.api import evaluate
+    from peerflow.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="was written by trainer.backend='fsdp'.*"
+                                          "--set trainer.backend=fsdp"):
+        evaluate(quickstart, checkpoint=run_dir, overrides=[*tiny, *EVAL,
+                                                            "trainer.backend=deepspeed"])
 
 
 REWARD = '''
