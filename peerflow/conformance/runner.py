@@ -93,6 +93,22 @@ def adapter_classes(name: str) -> list[tuple[str, type]]:
     return found
 
 
+def suite_device() -> str:
+    """The device the suite's engines were built on, as the report names it.
+
+    `emu:0 (emulated)` under `--emulate-device` (`PEERFLOW_EMULATE_ACCELERATOR=1`), so a
+    green table on the emulated accelerator is never read as a GPU's or a CPU's.
+    """
+    import os
+
+    from peerflow.distributed.devices import rank_device
+
+    device = str(rank_device())
+    if os.environ.get("PEERFLOW_EMULATE_ACCELERATOR") == "1":
+        return f"{device} (emulated)"
+    return device
+
+
 def build_report(name: str | None, collector: ResultCollector, exit_code: int,
                  duration_s: float) -> dict[str, Any]:
     """Returns the machine-readable report of a finished suite run."""
@@ -101,8 +117,10 @@ def build_report(name: str | None, collector: ResultCollector, exit_code: int,
     summary = Counter(t["outcome"] for t in tests)
     return {
         "adapter": name,
+        "device": suite_device(),
         "engines": [{"kind": kind, "class": f"{cls.__module__}.{cls.__qualname__}",
-                     "capabilities": cls.capabilities.enabled()} for kind, cls in classes],
+                     "capabilities": cls.machine_capabilities().enabled()}
+                    for kind, cls in classes],
         "passed": summary.get("failed", 0) == 0 and exit_code == 0 and bool(tests),
         "pytest_exit_code": exit_code,
         "duration_s": round(duration_s, 3),
@@ -126,7 +144,7 @@ def _table(tests: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def format_report(report: dict[str, Any]) -> str:
     """Renders the results table (per layer and capability) and the failures."""
-    lines = [f"peerflow conformance {report['adapter']}"]
+    lines = [f"peerflow conformance {report['adapter']} on {report.get('device', 'cpu')}"]
     for engine in report["engines"]:
         caps = ", ".join(engine["capabilities"]) or "none"
         lines.append(f"  {engine['kind']} engine {engine['class']}  capabilities: {caps}")

@@ -20,10 +20,10 @@ def test_conformance_hf_prints_table_and_writes_json(tmp_path):
                       "l0_ or (l2_canonical and llama-mha-untied)")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     out = result.stdout
-    assert "peerflow conformance hf" in out and "rollout engine" in out
+    assert "peerflow conformance hf on cpu" in out and "rollout engine" in out
     assert "layer capability" in out and "PASSED" in out
     report = json.loads(report_path.read_text())
-    assert report["adapter"] == "hf" and report["passed"] is True
+    assert report["adapter"] == "hf" and report["passed"] is True and report["device"] == "cpu"
     assert report["engines"][0]["kind"] == "rollout"
     layers = {row["layer"] for row in report["layers"]}
     assert {0, 2} <= layers

@@ -141,6 +141,8 @@ def test_conformance_layer3_passes_on_the_emulated_device(tmp_path, adapter):
                            "--emulate-device", "--json", str(report)], capture_output=True,
                           text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert f"peerflow conformance {adapter} on emu:0 (emulated)" in proc.stdout
+    assert json.loads(report.read_text())["device"] == "emu:0 (emulated)"  # never read as a GPU's
     tests = json.loads(report.read_text())["tests"]
     outcomes = {t["id"].split("::")[-1]: t["outcome"] for t in tests}
     assert outcomes["test_l3_weights_live_on_the_context_device[llama-tied]"] == "passed"
