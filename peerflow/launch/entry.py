@@ -112,8 +112,7 @@ def worker_entry(
         stop_grace: Seconds a graceful stop may take before this rank stops at once.
         wait_timeout: Seconds each collective and peer wait may take while the peer lives.
         environ: Environment variables to set (`None`: remove) before anything else.
-        checkpoint: A directory the entry only reads, given to it instead of `resume`
-            (`peerflow eval`); this rank's log stays in `run_dir`.
+        checkpoint: A directory the entry only reads (`peerflow eval`), given in `resume`'s place.
 
     A worker started by a launcher (`LAUNCHER_PID_ENV`) exits within about a second of
     that launcher's death, quietly (`peerflow.launch.lifeline`), and adds its pid to the
