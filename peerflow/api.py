@@ -193,15 +193,16 @@ def _check_trained_engine(checkpoint: Path, settings: Any) -> None:
     megatron's tp/pp shards): the run's resolved `config.yaml` (beside `checkpoints/`)
     records which one, and the evaluating config must select the same.
     """
-    import yaml
+    from peerflow.checkpoint.store import run_and_step
+    from peerflow.config import load_config
+    from peerflow.outputs.rundir import CONFIG_FILE
 
-    run = checkpoint if (checkpoint / "config.yaml").is_file() else checkpoint.parent.parent
-    recorded = run / "config.yaml"
+    recorded = run_and_step(checkpoint)[0] / CONFIG_FILE
     if not recorded.is_file():
         return
-    trained = ((yaml.safe_load(recorded.read_text()) or {}).get("trainer") or {}).get("backend")
+    trained = load_config(recorded).trainer.backend
     wanted = settings.trainer.backend
-    if trained and trained != wanted:
+    if trained != wanted:
         raise ConfigError(
             f"--checkpoint {str(checkpoint)!r} was written by trainer.backend={trained!r} "
             f"({recorded}), but the config selects trainer.backend={wanted!r}, which cannot "

@@ -56,6 +56,20 @@ def checkpoints_root(run_dir: str | Path) -> Path:
     return Path(run_dir) / CHECKPOINTS
 
 
+def run_and_step(directory: str | Path) -> tuple[Path, int | None]:
+    """`(run directory, step)` of a run directory or one of its `checkpoints/step_N` ones.
+
+    A run directory gives `(it, None)`; `RUN_DIR/checkpoints/step_000050` gives
+    `(RUN_DIR, 50)`.
+    """
+    path = Path(directory)
+    name = path.name
+    if path.parent.name == CHECKPOINTS and name.startswith(PREFIX) and \
+            name[len(PREFIX):].isdigit():
+        return path.parent.parent, int(name[len(PREFIX):])
+    return path, None
+
+
 def step_dir(run_dir: str | Path, step: int) -> Path:
     """Returns the directory of the checkpoint taken after `step`."""
     return checkpoints_root(run_dir) / f"{PREFIX}{step:06d}"

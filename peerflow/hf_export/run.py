@@ -51,16 +51,16 @@ class Exported:
 
 def _run_and_step(run_dir: Path, step: int | None) -> tuple[Path, int | None]:
     """Accepts `RUN_DIR/checkpoints/step_N` for `RUN_DIR --step N`."""
-    from peerflow.checkpoint.store import CHECKPOINTS, PREFIX
+    from peerflow.checkpoint.store import run_and_step
 
-    name = run_dir.name
-    if run_dir.parent.name == CHECKPOINTS and name.startswith(PREFIX) and name[5:].isdigit():
-        if step is not None and step != int(name[5:]):
-            raise ConfigError(f"{run_dir} is the checkpoint of step {int(name[5:])} but --step "
-                              f"{step} was given; give the run directory with --step, or "
-                              "the checkpoint directory alone.")
-        return run_dir.parent.parent, int(name[5:])
-    return run_dir, step
+    run, named = run_and_step(run_dir)
+    if named is None:
+        return run_dir, step
+    if step is not None and step != named:
+        raise ConfigError(f"{run_dir} is the checkpoint of step {named} but --step "
+                          f"{step} was given; give the run directory with --step, or "
+                          "the checkpoint directory alone.")
+    return run, named
 
 
 def _check_out_dir(out_dir: Path) -> None:
