@@ -133,6 +133,11 @@ class Environment(abc.ABC):
     runs_model_code: ClassVar[bool] = False
     """Whether its episodes execute what the model wrote (through `peerflow.sandbox`):
     then `config validate` checks that the run's sandbox can run here."""
+    scores_environment_rewards: ClassVar[bool] = False
+    """Whether its episodes score the task's rewards written TRL's way,
+    `reward_func(environments, **kwargs)` (`peerflow.rewards.trl_style`): the driver hands
+    them to `adopt_rewards` and the reward pool never calls them. Without it such a reward
+    is refused at validate."""
 
     def __init__(self, example: Example, options: Any) -> None:
         self.example = example
@@ -202,11 +207,25 @@ class Environment(abc.ABC):
         """
         return None
 
-    def turn_failed(self, error: str) -> None:
-        """Called when the engine could not sample the episode's turn (default: nothing).
+    def adopt_rewards(self, rewards: Sequence[Any]) -> None:
+        """Takes the task's `environments` rewards (`peerflow.rewards.setup.EpisodeReward`).
 
-        The driver retried the prompt alone and it failed again, so the trajectory ends as
-        `env_error` (`error` is its `agent_error`); the other episodes go on.
+        Called once, before the first prompt, on environments that declare
+        `scores_environment_rewards`; `final_reward` then returns their scores of the
+        episode (default: nothing).
+
+        Args:
+            rewards: Each with `name`, `weight` and the loaded `function`.
+        """
+        return None
+
+    def turn_failed(self, error: str) -> None:
+        """Called when the driver ends the episode before its turn (default: nothing).
+
+        The engine could not sample the turn (the driver retried the prompt alone and it
+        failed again), or the episode's group cannot start (its first prompts differ, or
+        do not fit the model's context: `peerflow.agents.first_prompts`). The trajectory
+        ends as `env_error` (`error` is its `agent_error`); the other episodes go on.
 
         Args:
             error: What the engine raised.

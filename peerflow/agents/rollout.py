@@ -6,6 +6,8 @@ rollout loop run it unchanged when the config has a `rollout.agent` section. Per
 
 1. every draw gets `sampling.n` environments (a GRPO group is `n` trajectories of one
    prompt); the first prompt is chat-templated once (with the environment's tool schemas);
+   a group whose first prompts differ or overflow the model's context ends alone
+   (`env_error`, `peerflow.agents.first_prompts`);
 2. each turn, all open trajectories generate in **one** `engine.generate` call — the first
    turn samples `n` answers per prompt, later turns continue every trajectory's own token
    sequence with `n = 1`; the sampled tokens keep their log-probs and weight versions;
@@ -26,6 +28,8 @@ Limits: `max_turns` (`finish_reason` `max_turns`), `max_total_tokens` after the 
 ends has `finish_reason` `stop`. An environment whose next input does not extend the
 sequence returns `StepResult.restart`: that sample ends (`restart`) and the episode goes
 on as a new sample of its group (`Trajectory.segment`), closed and rewarded once.
+A failed sample keeps what ended it — its exception's type and traceback — for
+`RUN_DIR/agent_errors.jsonl` (`peerflow.agents.failure_log`).
 """
 
 from __future__ import annotations
@@ -34,21 +38,33 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
-import torch
 
 from peerflow.agents.concurrent import Outcome, run_with_limits
 from peerflow.agents.environment import Environment, StepResult, Turn
+from peerflow.agents.first_prompts import (
+    DIVERGED,
+    TOO_LONG,
+    divergence,
+    first_prompt,
+    model_context,
+    past_context,
+)
 from peerflow.agents.metrics import FINISH_REASONS, record_episode_metrics  # noqa: F401 — re-exported
+from peerflow.agents.packing import (  # noqa: F401 — re-exported
+    AGENT_FAILURE,
+    ENV_REWARD_COMPONENTS,
+    SEGMENT_STRIDE,
+    failure_of,
+    pack_trajectories,
+)
 from peerflow.agents.render import TurnRenderer
-from peerflow.agents.routes import add_observation_routes, pack_routes
+from peerflow.agents.routes import add_observation_routes
 from peerflow.agents.turns import Segments, sample_turns, swap_answers
 from peerflow.algorithms.base import dataset_row
-from peerflow.batch import LOSS_MASK, Batch, RaggedField
+from peerflow.batch import LOSS_MASK, Batch  # noqa: F401 — LOSS_MASK re-exported
 from peerflow.engines import RolloutEngine, SamplingParams
 from peerflow.rollout.prompts import encode_prompt
 from peerflow.rollout.sampler import Draw
-from peerflow.routes import ROUTES
-from peerflow.streaming.versions import TOKEN_VERSIONS
 
 
 @attrs.define(eq=False)
@@ -75,6 +91,8 @@ class Trajectory:
     finish: str = ""
     """`finish_reason` once the episode is over, empty while it is open."""
     error: str = ""
+    failure: dict[str, str] = attrs.field(factory=dict)
+    """What ended it as `env_error`/`env_timeout`: `type` and `traceback` (`failure_of`)."""
     last_turn: Turn | None = None
     segment: int = 0
     """Which sample of its episode this is (> 0 after a `StepResult.restart`)."""
@@ -83,10 +101,12 @@ class Trajectory:
     branches: list[Any] = attrs.field(factory=list)
     """The samples the last turn's other choices made (`peerflow.agents.turns`)."""
 
-    def end(self, reason: str, error: str = "") -> None:
-        """Ends the episode (the first reason given wins)."""
+    def end(self, reason: str, error: str = "", failure: dict[str, str] | None = None) -> None:
+        """Ends the episode (the first reason given wins); `failure`: `failure_of`'s."""
         if not self.finish:
             self.finish, self.error = reason, error
+            if reason in ("env_error", "env_timeout"):
+                self.failure = failure or failure_of(None, reason)
 
     def append(self, ids: Sequence[int], logprobs: Sequence[float], versions: Sequence[int],
                sampled: bool) -> None:
@@ -105,21 +125,6 @@ class Trajectory:
             self.token_rewards[self.last_sampled] += float(reward)
 
 
-def first_prompt(tokenizer: Any, env: Environment) -> list[int]:
-    """The token ids of an episode's first prompt, with the environment's tool schemas."""
-    ids = env.initial_prompt_ids(tokenizer)
-    if ids is not None:
-        return [int(i) for i in ids]
-    prompt = env.initial_prompt()
-    schemas = env.tool_schemas()
-    if not schemas:
-        return encode_prompt(tokenizer, prompt)
-    from peerflow.agents.tools import render_prompt
-
-    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-    return render_prompt(tokenizer, messages, schemas)
-
-
 @attrs.define(eq=False)
 class AgentRollout:
     """Runs `rollout.agent` episodes; called like `generate_batch`."""
@@ -128,6 +133,8 @@ class AgentRollout:
     env_options: Any
     settings: Any
     """The run's `AgentConfig` (limits, time-outs, concurrency)."""
+    rewards: tuple[Any, ...] = ()
+    """The task's `environments` rewards its episodes score (`Environment.adopt_rewards`)."""
 
     @classmethod
     def from_config(cls, config: Any, pm: Any) -> AgentRollout | None:
@@ -139,7 +146,12 @@ class AgentRollout:
             return None
         env_cls = pm.get("environment", agent.environment)
         options = structure_options(env_cls.options_class, agent.options, "rollout.agent.options")
-        return cls(env_cls=env_cls, env_options=options, settings=agent)
+        rewards = ()
+        if env_cls.scores_environment_rewards:
+            from peerflow.rewards.setup import episode_rewards
+
+            rewards = tuple(episode_rewards(config, pm))
+        return cls(env_cls=env_cls, env_options=options, settings=agent, rewards=rewards)
 
     def __call__(
         self,
@@ -187,8 +199,8 @@ class AgentRollout:
                                            segments)
             for t in trajectories:
                 t.end("max_turns")
-            return _pack(trajectories, *self._final_rewards(trajectories), sampling.n,
-                         engine.weight_version)
+            return pack_trajectories(trajectories, *self._final_rewards(trajectories),
+                                     sampling.n, engine.weight_version)
         finally:  # closes run like steps: at once, each under the time limit, errors dropped
             self._call_each(_episodes(trajectories), lambda t: t.env.close())
 
@@ -201,7 +213,10 @@ class AgentRollout:
 
         An episode whose first prompt fails (an agent program that raises, returns or
         waits past `wait_s` before its first call) ends alone (`env_error`/`env_timeout`,
-        no tokens); an environment that cannot be constructed stops the batch.
+        no tokens); so does every episode of a group whose first prompts differ or do not
+        fit the model's context (`peerflow.agents.first_prompts`; the environments are
+        told through `turn_failed`). An environment that cannot be constructed stops the
+        batch.
         """
         for draw in draws:
             try:
@@ -209,24 +224,32 @@ class AgentRollout:
                     env = self.env_cls(draw.example, self.env_options)
                     into.append(Trajectory(draw=draw, index=k, env=env, prompt=[]))
                     env.prepare(sampling, engine.capabilities)
+                    if self.rewards:
+                        env.adopt_rewards(self.rewards)
             except Exception as exc:
                 raise RuntimeError(
                     f"environment {self.env_cls.name!r} could not start an episode for "
                     f"{dataset_row(draw.example)} ({type(exc).__name__}: {exc}); its "
                     "__init__ must work for every example of the task.") from exc
         outcomes = self._call_each(into, lambda t: first_prompt(tokenizer, t.env))
+        context = model_context(tokenizer)
+        answer = min(self.settings.max_turn_tokens or sampling.max_tokens,
+                     self.settings.max_total_tokens)
+        left_out = []
         for draw in draws:
             group = [(t, o) for t, o in zip(into, outcomes) if t.draw is draw]
             prompts = [o.value for t, o in group if not self._failed(t, "initial prompt", o)]
-            if any(p != prompts[0] for p in prompts):
-                raise RuntimeError(
-                    f"environment {self.env_cls.name!r} gave the {sampling.n} trajectories "
-                    f"of {dataset_row(draw.example)} different first prompts; a group's "
-                    "trajectories answer one prompt (GRPO compares them), so "
-                    "initial_prompt() must depend on the example only — randomise later "
-                    "turns.")
+            problem = divergence(prompts, self.env_cls.name, dataset_row(draw.example))
+            kind = DIVERGED
+            if prompts and not problem:
+                problem, kind = past_context(len(prompts[0]), answer, context), TOO_LONG
             for t, _ in group:
-                t.prompt = list(prompts[0]) if prompts else _stand_in(tokenizer, draw)
+                t.prompt = (list(prompts[0]) if prompts and not problem
+                            else _stand_in(tokenizer, draw))
+                if problem and not t.finish:  # the group is left out, the batch goes on
+                    t.end("env_error", problem, failure_of(None, kind))
+                    left_out.append(t)
+        self._call_each(left_out, lambda t: t.env.turn_failed(t.error))
 
     def _step(self, trajectories: list[Trajectory], renderer: TurnRenderer,
               turn: int, segments: Segments) -> list[Trajectory]:
@@ -293,10 +316,12 @@ class AgentRollout:
             t.finish, t.error = "env_timeout", (
                 f"{self.env_cls.name}.{what} took longer than "
                 f"rollout.agent.step_timeout_s={self.settings.step_timeout_s} s")
+            t.failure = failure_of(None, "TimeoutError")
         elif outcome.error is not None:
             t.finish, t.error = "env_error", (
                 f"{self.env_cls.name}.{what} raised {type(outcome.error).__name__}: "
                 f"{outcome.error}")
+            t.failure = failure_of(outcome.error)
         return not outcome.ok
 
     def _final_rewards(self, trajectories: list[Trajectory]
@@ -339,44 +364,3 @@ def _stand_in(tokenizer: Any, draw: Draw) -> list[int]:
 def _episodes(trajectories: list[Trajectory]) -> list[Trajectory]:
     """The last sample of each episode (one per environment)."""
     return list({id(t.env): t for t in trajectories}.values())
-
-
-#: Per sample: the named rewards `final_reward()` returned as a dict (their sum is the
-#: outcome); they join the reward components (`reward/<name>/mean`, the samples' table).
-ENV_REWARD_COMPONENTS = "env_reward_components"
-#: Sample ids of an episode's later samples (`StepResult.restart`): `segment` times this
-#: plus the first sample's id, so they never meet the dense ids of first samples.
-SEGMENT_STRIDE = 1 << 40
-
-
-def _pack(trajectories: list[Trajectory], final: list[float], named: list[dict[str, float]],
-          n: int, version: int) -> Batch:
-    """Packs finished trajectories into a batch (ids as `generate_batch`'s)."""
-    def ragged(rows: list[list[Any]], dtype: torch.dtype) -> RaggedField:
-        return RaggedField.from_tensors([torch.tensor(r, dtype=dtype) for r in rows], dtype=dtype)
-
-    ts = trajectories
-    versions = [t.versions or [version] for t in ts]
-    batch = Batch(
-        sample_id=torch.tensor([t.draw.position * n + t.index + t.segment * SEGMENT_STRIDE
-                                for t in ts]),
-        group_id=torch.tensor([t.draw.position for t in ts]),
-        weight_version=torch.tensor([min(v) for v in versions], dtype=torch.int64),
-    )
-    batch.set("prompt_ids", ragged([t.prompt for t in ts], torch.int64))
-    batch.set("response_ids", ragged([t.tokens for t in ts], torch.int64))
-    batch.set("rollout_logprobs", ragged([t.logprobs for t in ts], torch.float32))
-    batch.set(LOSS_MASK, ragged([t.mask for t in ts], torch.bool))
-    batch.set(TOKEN_VERSIONS, ragged([t.versions for t in ts], torch.int64))
-    batch.set("token_rewards", ragged([t.token_rewards for t in ts], torch.float32))
-    routes = pack_routes(ts)  # MoE engines: prompt + response, -1 on observations
-    if routes is not None:
-        batch.set(ROUTES, routes)
-    batch.set("env_reward", torch.tensor(final, dtype=torch.float32))
-    batch.set_objects(ENV_REWARD_COMPONENTS, named)
-    batch.set("num_turns", torch.tensor([t.turns for t in ts], dtype=torch.int64))
-    batch.set_objects("finish_reason", [t.finish for t in ts])
-    batch.set_objects("agent_error", [t.error for t in ts])
-    batch.set_objects("agent_info", [t.info for t in ts])
-    batch.set_objects("example", [t.draw.example for t in ts])
-    return batch

@@ -25,6 +25,7 @@ from typing import Any
 import attrs
 
 from peerflow.agents.environment import Turn, TurnSettings
+from peerflow.agents.packing import failure_of
 from peerflow.agents.routes import add_turn_routes
 from peerflow.engines import GenerationRequest, RolloutEngine, SamplingParams
 from peerflow.rollout.generate import check_results
@@ -215,7 +216,7 @@ def _fail_turn(t: Any, error: BaseException) -> None:
     """Ends `t` (`env_error`) because the engine could not sample its turn; tells its env."""
     message = (f"the rollout engine failed on this trajectory's prompt "
                f"({type(error).__name__}: {error})")
-    t.end("env_error", message)
+    t.end("env_error", message, failure_of(error))
     t.env.turn_failed(message)
 
 

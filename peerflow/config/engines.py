@@ -97,6 +97,10 @@ class AgentConfig:
     GRPO group out (their baseline is corrupted); `mask`: leave the trajectory alone out,
     its group's baseline computed over the others; `train`: train on it like any other
     (see `peerflow.algorithms.failed_samples`)."""
+    fatal_after_steps: int = attrs.field(default=3, validator=attrs.validators.ge(0))
+    """Stop the run when every episode of this many steps in a row failed (`env_error` or
+    `env_timeout`): the error names the first failure of the streak, with its traceback
+    (`RUN_DIR/agent_errors.jsonl`). 0: never stop."""
 
 
 @attrs.frozen(kw_only=True)

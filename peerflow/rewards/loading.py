@@ -34,7 +34,7 @@ from typing import Any
 import attrs
 
 from peerflow.errors import ConfigError
-from peerflow.rewards.trl_style import is_trl_style
+from peerflow.rewards.trl_style import is_trl_style, takes_environments
 
 #: First-parameter names that mark a batched reward.
 BATCH_PARAMETERS = ("responses", "completions", "solutions", "texts", "outputs")
@@ -75,6 +75,9 @@ class RewardShape:
     """An `async def` (run with `asyncio.run` in the worker)."""
     trl: bool = False
     """TRL's keyword form, called once per batch (`peerflow.rewards.trl_style`)."""
+    environments: bool = False
+    """TRL's `reward_func(environments, **kwargs)`: it reads the episodes' environment
+    instances, so the episodes score it in the rollout process, never the reward pool."""
 
 
 def parse_target(text: str, base_dir: str | Path | None = None) -> RewardTarget | None:
@@ -185,7 +188,8 @@ def reward_shape(fn: Callable[..., Any], batched: bool | None = None,
     if {"solution_str", "ground_truth"} <= names:
         return RewardShape(verl=True, is_async=is_async)
     if is_trl_style(params):
-        return RewardShape(batched=True, trl=True, is_async=is_async)
+        return RewardShape(batched=True, trl=True, is_async=is_async,
+                           environments=takes_environments(fn))
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     required = [p for p in params if p.default is p.empty
                 and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]

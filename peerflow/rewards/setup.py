@@ -9,7 +9,10 @@ before any worker starts.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
+
+import attrs
 
 from peerflow.errors import ConfigError
 from peerflow.plugins.hookspecs import hookimpl
@@ -72,13 +75,67 @@ def build_reward_set(task: Any, pm: Any, default: str | None, name: str | None =
 
     entries = [("workflow node options.reward", RewardEntry(fn=name))] if name else (
         reward_entries(task, default))
-    components = [_component(key, entry, pm) for key, entry in entries]
+    components = [c for c in (_component(key, entry, pm) for key, entry in entries)
+                  if not (c.shape and c.shape.environments)]  # the episodes score those
     limits = task.reward_limits
     if pool is None and limits.workers > 0 and any(c.ref for c in components):
         pool = RewardPool(workers=limits.workers, timeout_s=limits.timeout_s,
                           memory_mb=limits.memory_mb)
     return RewardSet(components=components, failure_score=limits.failure_score, pool=pool,
                      on_failure=limits.on_failure)
+
+
+@attrs.frozen(kw_only=True)
+class EpisodeReward:
+    """A task reward written TRL's way, `reward_func(environments, **kwargs)`.
+
+    It reads the episodes' environment instances, so each episode calls it in the rollout
+    process (`Environment.scores_environment_rewards`); the reward pool never does.
+    """
+
+    name: str
+    """Its reward component (`reward/<name>/mean`)."""
+    weight: float = 1.0
+    function: Callable[..., Any]
+    """The loaded function."""
+
+
+def episode_rewards(config: Any, pm: Any) -> list[EpisodeReward]:
+    """The task's rewards that read TRL's `environments` (empty when none do)."""
+    found = []
+    for key, entry in selected_rewards(config, pm):
+        target = parse_target(entry.fn)
+        if target is None:
+            continue
+        fn = load_function(target, key)
+        if reward_shape(fn, entry.batched, key).environments:
+            component = _component(key, entry, pm)
+            found.append(EpisodeReward(name=component.name, weight=entry.weight, function=fn))
+    return found
+
+
+def _episode_reward_problems(config: Any, pm: Any, names: list[str],
+                             others: list[str]) -> list[str]:
+    """`environments` rewards need an environment whose episodes score them, alone."""
+    agent = config.rollout.agent
+    registry = pm.registry("environment")
+    env_cls = registry.get(agent.environment) if (
+        agent is not None and agent.environment in registry) else None
+    if names and others:  # the episodes' reward would leave the others unused, silently
+        return [f"task.rewards: {', '.join(repr(n) for n in names)} read TRL's "
+                f"`environments` and {', '.join(repr(n) for n in others)} do not; an "
+                "episode's environment reward replaces the task's other rewards, so they "
+                "would never run. Read everything in one reward_func(environments, "
+                "completions, **kwargs), or score the class with get_reward()."]
+    if not names or getattr(env_cls, "scores_environment_rewards", False):
+        return []
+    where = ("this run has no rollout.agent" if agent is None else
+             f"rollout.agent.environment {agent.environment!r} has no such instances")
+    return [f"task.reward: {', '.join(repr(n) for n in names)} read TRL's `environments` "
+            f"(the environment_factory instances), and {where}. Run the class with "
+            "rollout.agent.environment: environment-factory (rollout.agent.options.factory: "
+            "path/to/env.py:Cls), where such a reward scores each episode; or let the class "
+            "own its reward: define get_reward() (or set self.reward) and drop task.reward."]
 
 
 def check_rewards(config: Any, pm: Any) -> list[str]:
@@ -93,16 +150,22 @@ def check_rewards(config: Any, pm: Any) -> list[str]:
     if limits.memory_mb and limits.memory_mb < 256:
         problems.append(f"task.reward_limits.memory_mb={limits.memory_mb} is too small for a "
                         "Python process; give at least 256 (or 0 for no limit).")
-    names = []
+    names, reading = [], []
     for key, entry in selected_rewards(config, pm):
         if parse_target(entry.fn) is None and entry.fn not in pm.registry("reward"):
             problems.append(pm.registry("reward").unknown_message(entry.fn) + (
                 " Or name a function: task.reward: path/to/rewards.py:function"))
             continue
         try:
-            names.append(_component(key, entry, pm).name)
+            component = _component(key, entry, pm)
         except ConfigError as exc:
             problems.append(str(exc))
+            continue
+        names.append(component.name)
+        if component.shape and component.shape.environments:
+            reading.append(component.name)
+    problems += _episode_reward_problems(config, pm, reading,
+                                         [n for n in names if n not in reading])
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
         problems.append(f"task.rewards: several rewards are named {duplicates}; give each a "

@@ -13,7 +13,12 @@ other dataset column by its own name, plus `trainer_state`, `log_extra` and `log
 * `trainer_state` — a `TrainerStateView` with `global_step` and `max_steps`;
 * `log_metric(name, value)` — logged as `reward/<reward name>/<name>`.
 
-`log_extra` and `environments` are not passed. A `None` in the returned list scores 0
+`log_extra` is not passed. `environments` — TRL's `environment_factory` instances, one
+per sample (`def reward_func(environments, **kwargs): return [e.reward for e in
+environments]`) — exists only where those instances live: such a reward runs in the
+episode's rollout process with `rollout.agent.environment: environment-factory` (each
+episode scores itself, `environments` a list of one), and is refused at validate with any
+other environment (`peerflow.rewards.setup`). A `None` in the returned list scores 0
 (TRL drops it from the sum, which adds 0 as well). A function that needs a keyword no
 row provides is refused before the run starts (`missing_keywords`).
 """
@@ -29,7 +34,10 @@ import attrs
 #: What every call provides beside the dataset columns.
 PROVIDED = ("prompts", "completions", "completion_ids", "trainer_state", "log_metric")
 #: Parameter names only a TRL-style function has.
-MARKERS = frozenset({"prompts", "completion_ids", "trainer_state", "log_metric", "log_extra"})
+MARKERS = frozenset({"prompts", "completion_ids", "trainer_state", "log_metric", "log_extra",
+                     "environments"})
+#: The keyword of TRL's environment instances (`environment_factory`).
+ENVIRONMENTS = "environments"
 
 
 @attrs.frozen(kw_only=True)
@@ -60,6 +68,14 @@ def is_trl_style(params: Sequence[inspect.Parameter]) -> bool:
     return not names or names[0] == "completions"
 
 
+def takes_environments(fn: Callable[..., Any]) -> bool:
+    """Whether `fn` reads TRL's environment instances (a parameter `environments`)."""
+    try:
+        return ENVIRONMENTS in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 def columns(records: Sequence[dict[str, Any]]) -> list[str]:
     """The dataset columns passed by name: every key of the rows but `prompt`, in order."""
     return list(dict.fromkeys(k for r in records for k in r if k != "prompt"))
@@ -68,7 +84,7 @@ def columns(records: Sequence[dict[str, Any]]) -> list[str]:
 def missing_keywords(fn: Callable[..., Any], available: Sequence[str]) -> list[str]:
     """The required parameters of `fn` that no call provides (neither TRL's nor a column)."""
     params = inspect.signature(fn).parameters.values()
-    known = set(PROVIDED) | set(available)
+    known = {*PROVIDED, ENVIRONMENTS, *available}  # environments: checked at validate
     return [p.name for p in params if p.default is p.empty and p.name not in known
             and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
 
@@ -82,7 +98,8 @@ def call_trl(fn: Callable[..., Any], responses: Sequence[str],
         fn: The reward function.
         responses: Decoded answers.
         records: Each answer's dataset row (`example_record`).
-        context: `completion_ids` (one list per answer), `step` and `steps`.
+        context: `completion_ids` (one list per answer), `step` and `steps`;
+            `environments` (one instance per answer) for rewards that read them.
 
     Returns:
         What `fn` returned (a list, or an awaitable of one), and the means of what it
@@ -101,6 +118,8 @@ def call_trl(fn: Callable[..., Any], responses: Sequence[str],
                                        max_steps=int(context.get("steps", 0))),
         log_metric=lambda name, value: logged.setdefault(str(name), []).append(float(value)),
     )
+    if ENVIRONMENTS in context:
+        kwargs[ENVIRONMENTS] = list(context[ENVIRONMENTS])
     params = inspect.signature(fn).parameters.values()
     if not any(p.kind == p.VAR_KEYWORD for p in params):
         accepted = {p.name for p in params}

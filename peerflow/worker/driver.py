@@ -16,7 +16,9 @@ schedules of async mode (`RolloutSchedule`, `TrainerSchedule`;
    schedule's group, run
    the driver hooks (`DriverHook.end_step`, e.g. evaluation), write the metrics, watch
    the rewards' failures (`RewardWatch`: stop when one fails on everything; a tally at
-   the end, non-zero past `task.reward_limits.max_failure_share`), call the
+   the end, non-zero past `task.reward_limits.max_failure_share`) and the agents'
+   (`AgentWatch`: name each step's failures, stop after `rollout.agent.fatal_after_steps`
+   steps whose every episode failed), call the
    plugins' `peerflow_end_of_step`, and checkpoint every `run.checkpoint_every` steps and
    at the end (`peerflow.checkpoint.save_step` on the schedule's ranks together, with
    `Schedule.state` and `Schedule.inflight` beside the engines);
@@ -51,6 +53,7 @@ from peerflow.checkpoint import (
 )
 from peerflow.errors import ConfigError
 from peerflow.training.memory import rank_device, record_peak, reset_peak
+from peerflow.worker.agent_watch import AgentWatch
 from peerflow.worker.graceful_stop import GracefulStop
 from peerflow.worker.metrics import (
     MetricsExchange,
@@ -222,6 +225,8 @@ def drive(rt: WorkerRuntime, schedule: Schedule, stage: Any, *, resuming: bool =
             device = rank_device()
             reset_peak(device)
             reward_watch = RewardWatch.from_config(rt.config, rt.run_dir)
+            agent_watch = AgentWatch.from_config(rt.config, rt.run_dir,
+                                                 reports=schedule.reports)
             for step, batch, metrics in steps:
                 # The loop's wall time, per step: this step and the previous step's driver
                 # work (metrics, hooks, checkpoint) — what a user waits for in the loop.
@@ -242,6 +247,7 @@ def drive(rt: WorkerRuntime, schedule: Schedule, stage: Any, *, resuming: bool =
                 reduced.update(extra)
                 outputs.write(step, reduced, run, force=bool(extra))
                 reward_watch.check(step, reduced)  # a reward failing on everything stops
+                agent_watch.check(step, reduced)  # so do episodes that all fail
                 rt.pm.hook.peerflow_end_of_step(step=step, metrics=reduced, rank=rt.rank)
                 saved = should_checkpoint(step, run.checkpoint_every, run.steps)
                 if saved or (stop_now and stopping.cheap):

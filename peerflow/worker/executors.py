@@ -53,19 +53,32 @@ def score_texts(rewards: Any, batch: Batch, texts: list[str], *, step: int = 0,
 
     TRL-style rewards also get the answers' token ids and the step
     (`peerflow.rewards.trl_style`). Agent episodes (`env_reward` in the batch) keep their
-    environment's outcome reward (`Environment.final_reward`) where it gave one (a task
-    reward's failure on them then does not count); the task's rewards score the others.
-    Named rewards an environment returned join the components (NaN where it gave none).
+    environment's outcome reward (`Environment.final_reward`) where it gave one; the
+    task's rewards score only the others (so a task reward the environment made unused is
+    neither computed nor shown). Named rewards an environment returned join the
+    components (NaN where it gave none).
     """
-    context = {"completion_ids": [row.tolist() for row in batch.ragged("response_ids").rows()],
-               "step": step, "steps": steps}
-    scores = rewards.score(texts, batch["example"], batch.sample_id.tolist(), context=context)
-    if "env_reward" not in batch:
+    ids = [row.tolist() for row in batch.ragged("response_ids").rows()]
+    env = batch["env_reward"].tolist() if "env_reward" in batch else [math.nan] * len(batch)
+    rest = [i for i, e in enumerate(env) if math.isnan(e)]
+    if not rest:  # the environments scored every episode: the task's rewards never run
+        from peerflow.rewards.scoring import RewardScores
+
+        scores = RewardScores(total=[], metrics={}, counts={}, failed=[])
+    else:
+        scores = rewards.score([texts[i] for i in rest], [batch["example"][i] for i in rest],
+                               [int(batch.sample_id[i]) for i in rest],
+                               context={"completion_ids": [ids[i] for i in rest],
+                                        "step": step, "steps": steps})
+    if len(rest) == len(batch):
         return scores
-    env = batch["env_reward"].tolist()
-    total = [task if math.isnan(e) else e for task, e in zip(scores.total, env)]
-    failed = [f and math.isnan(e) for f, e in zip(scores.failed, env)]
-    components, means = dict(scores.components), dict(scores.metrics)
+    total, failed = list(env), [False] * len(batch)
+    components = {name: [math.nan] * len(batch) for name in scores.components}
+    for k, i in enumerate(rest):
+        total[i], failed[i] = scores.total[k], scores.failed[k]
+        for name, values in scores.components.items():
+            components[name][i] = values[k]
+    means = dict(scores.metrics)
     named = batch["env_reward_components"] if "env_reward_components" in batch else []
     for name in sorted({k for row in named for k in row}):  # the environment's own rewards
         values = [row.get(name, math.nan) for row in named]
@@ -101,6 +114,10 @@ def _score(ctx: NodeContext, batch: Batch) -> None:
         from peerflow.outputs.reward_errors import append_reward_errors
 
         append_reward_errors(ctx.run_dir, step, ctx.rank, scores.errors)
+    if "agent_error" in batch:  # every failed episode, with its traceback
+        from peerflow.agents.failure_log import append_agent_errors
+
+        append_agent_errors(ctx.run_dir, step, ctx.rank, batch)
     _add_failures(batch, scores)
     if metrics is not None:  # each reward's mean: `record_batch_metrics`, in both modes
         means = {f"reward/{name}/mean" for name in scores.components}
@@ -128,7 +145,8 @@ def _add_components(batch: Batch, components: dict[str, list[float]]) -> None:
     merged = [dict(old) for old in kept]
     for name, scores in components.items():
         for row, score in zip(merged, scores):
-            row[name] = score
+            if not math.isnan(score):  # NaN: this reward did not score the sample
+                row[name] = score
     batch.set_objects(REWARD_COMPONENTS, merged)
 
 

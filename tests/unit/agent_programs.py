@@ -277,3 +277,28 @@ def engine_failure_agent(base_url: str, api_key: str, model: str, example: dict[
     with _LOCK:
         RECORDS.append([{"prompt": example["prompt"], "status": status}])
     return 1.0
+
+
+#: What `stamped_agent`'s episodes of the stamped row were told: (status, message) per call.
+TOLD: list[tuple[int, str]] = []
+
+
+def stamped_agent(base_url: str, api_key: str, model: str, example: dict[str, Any]) -> float:
+    """A timestamp in the system prompt of row "ab": its group's first calls differ."""
+    import time
+
+    import openai
+
+    client = _client(base_url, api_key)
+    system = f"Now: {time.time_ns()}." if example["prompt"] == "ab" else "Answer."
+    messages = [{"role": "system", "content": system},
+                {"role": "user", "content": example["prompt"]}]
+    for _ in range(2):  # the first call, then one more after the refusal
+        try:
+            client.chat.completions.create(model=model, messages=messages)
+        except openai.APIStatusError as exc:
+            with _LOCK:
+                TOLD.append((exc.status_code, str(exc.body)))
+            continue
+        return 0.5
+    return 0.0

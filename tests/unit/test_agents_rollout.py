@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from typing import ClassVar
 
 import pytest
@@ -219,21 +220,60 @@ def test_raising_and_hanging_environments_end_only_their_trajectory(engine):
     assert errors[:2] == ["", ""]
     assert "step_timeout_s=1.0" in errors[2]
     assert errors[4] == "flaky-test.step raised ValueError: tool crashed"
+    # each failure keeps its traceback (RUN_DIR/agent_errors.jsonl): where it was raised
+    failure = out["agent_failure"][4]
+    assert failure["type"] == "ValueError" and "in step" in failure["traceback"]
+    assert failure["traceback"].endswith("ValueError: tool crashed")
+    assert out["agent_failure"][2]["type"] == "TimeoutError" and out["agent_failure"][0] == {}
     # the failed trajectories keep what they sampled, masks aligned
     for ids, mask in zip(_rows(out, "response_ids"), _rows(out, LOSS_MASK)):
         assert len(ids) == len(mask) and mask[0]
 
 
-def test_group_prompts_must_agree(engine):
-    class Random(Echo):
-        count = 0
+class Stamped(Echo):
+    """A system prompt with a timestamp on one row: that group's first prompts differ."""
 
-        def initial_prompt(self):
-            Random.count += 1
-            return f"{Random.count}>"
+    told: ClassVar[list[str]] = []
 
-    with pytest.raises(RuntimeError, match="different first prompts"):
-        _driver(Random)(engine, engine.tokenizer, _draws(), _sampling())
+    def initial_prompt(self):
+        if self.example.prompt == "407>":
+            return f"[{time.monotonic_ns()}] {self.example.prompt}"
+        return super().initial_prompt()
+
+    def turn_failed(self, error):
+        Stamped.told.append(error)
+
+
+def test_a_group_whose_first_prompts_differ_is_one_failed_group(engine):
+    Stamped.told.clear()
+    out = _driver(Stamped, max_turns=2)(engine, engine.tokenizer, _draws(), _sampling())
+    assert out["finish_reason"] == ["max_turns"] * 2 + ["env_error"] * 2 + ["max_turns"] * 2
+    error = out["agent_error"][2]
+    assert "different first prompts" in error and "timestamp" in error
+    assert "dataset row 2" in error
+    assert out["agent_failure"][2] == {"type": "DivergentFirstPrompts", "traceback": ""}
+    assert Stamped.told == [error, error]  # the episodes hear why (an agent program: 500)
+    assert _rows(out, "response_ids")[2] == [] and all(_rows(out, "response_ids")[i]
+                                                       for i in (0, 1, 4, 5))
+
+
+class Long(Echo):
+    """One row's first prompt is longer than the tiny model's 256 positions."""
+
+    def initial_prompt(self):
+        return self.example.prompt * (100 if self.example.prompt == "407>" else 1)
+
+
+@pytest.mark.parametrize("prompts", [PROMPTS, ["407>"]], ids=["one-of-three", "the-only-one"])
+def test_a_first_prompt_past_the_context_fails_its_group_not_the_batch(engine, prompts):
+    out = _driver(Long, max_turns=2)(engine, engine.tokenizer, _draws(prompts), _sampling())
+    failed = [i for i, r in enumerate(out["finish_reason"]) if r == "env_error"]
+    assert [out["example"][i].prompt for i in failed] == ["407>", "407>"]
+    assert len(out) == 2 * len(prompts)
+    error = out["agent_error"][failed[0]]
+    assert "the first prompt has 400 tokens" in error and "context of 256" in error
+    assert "rollout.agent limit" not in error
+    assert out["agent_failure"][failed[0]]["type"] == "PromptPastContext"
 
 
 def test_async_generate_with_partial_rollout_splits_turns_into_version_segments(engine):

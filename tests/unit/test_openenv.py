@@ -72,7 +72,7 @@ def test_a_tool_game_runs_multi_turn_through_the_driver(engine, cls, options):
              for i, a in enumerate(["42", "41"])]
     batch = driver(engine, tok, draws, SamplingParams(n=2, temperature=1.0, max_tokens=6,
                                                        seed=2))
-    name = options.reward_name
+    name = options.reward_name or "get_reward"
     # "42": multiply, then the right answer (reward 1); "41": multiply, then three wrong
     # answers through the submit tool, each answered, until the game ends (reward 0).
     assert batch["num_turns"].tolist() == [2, 2, 4, 4]

@@ -417,3 +417,19 @@ def test_sampling_refusals_name_the_setting_and_greedy_eval_accepts_them():
     assert generate.turn_settings().n == 2 and generate.max_tokens == 3 and generate.logprobs
     assert request_sampling("completion", {"logprobs": 1}).top_logprobs == 0
     assert request_sampling("completion", {"logprobs": 3}).top_logprobs == 2
+
+
+def test_a_group_whose_first_calls_differ_fails_alone_and_is_told_why(engine):
+    agent_programs.TOLD.clear()
+    batch = _run(engine, "stamped_agent", max_turns=1)
+    reasons, errors = batch["finish_reason"], batch["agent_error"]
+    stamped = [i for i, e in enumerate(batch["example"]) if e.prompt == "ab"]
+    assert [reasons[i] for i in stamped] == ["env_error"] * 2
+    assert all(r != "env_error" for i, r in enumerate(reasons) if i not in stamped)
+    assert "different first prompts" in errors[stamped[0]]
+    assert batch["agent_failure"][stamped[0]]["type"] == "DivergentFirstPrompts"
+    # each program heard the reason: 500 on its waiting call, then 503 naming it again
+    told = sorted(agent_programs.TOLD)
+    assert [status for status, _ in told] == [500, 500, 503, 503]
+    assert all("different first prompts" in text for _, text in told)
+    assert not any("rollout.agent limit" in text for _, text in told)

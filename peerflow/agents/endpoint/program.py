@@ -121,6 +121,9 @@ class AgentProgram(Environment):
         return future
 
     def _refusal(self) -> tuple[int, dict[str, Any]]:
+        if self.cut not in ("", "limit"):  # the driver ended it for a reason of its own
+            return 503, error_body(f"the episode's trajectory has ended: {self.cut}; return "
+                                   "from the episode (the run goes on).")
         return 503, error_body("the episode's trajectory has ended (a rollout.agent limit: "
                                "max_turns or max_total_tokens); return from the episode.")
 
@@ -315,8 +318,12 @@ class AgentProgram(Environment):
         return chat_response(call, replies, messages, self.tokenizer)
 
     def turn_failed(self, error: str) -> None:
-        """The engine failed on the pending call's prompt: it is answered 500, later ones 503."""
-        self.cut = self.cut or "engine"
+        """The driver ended the episode: the pending call is answered 500, later ones 503.
+
+        Both carry `error` (the engine failed on the pending call's prompt, or the group
+        cannot start: `peerflow.agents.first_prompts`).
+        """
+        self.cut = self.cut or error
         if self.pending is not None:
             self.pending[1].set_result((500, error_body(
                 f"{error}; this episode has ended (the run goes on).", "server_error")))

@@ -16,9 +16,12 @@ written for TRL's `GRPOTrainer(environment_factory=Cls)` in process: one instanc
 trajectory, `reset(**example)` (its keyword arguments picked from the example's fields; a
 returned string is appended to the prompt), every public method with a Google-style
 docstring (`Args:`) is a tool (its schema from the signature and docstring, as TRL and
-transformers build it), and `get_reward()`, when defined, is the reward. PeerFlow's one
-addition: an instance whose `done` attribute is true after a call ends the episode (a game
-the answer tool finished).
+transformers build it). The reward is read as TRL reads it, the first of: the task's
+rewards written TRL's way, `reward_func(environments, **kwargs)` (`task.reward`; each
+episode calls them on its own instance, `environments=[instance]`, in the rollout
+process); `get_reward()`; a numeric `reward` attribute. PeerFlow's one addition: an
+instance whose `done` attribute is true after a call ends the episode (a game the answer
+tool finished).
 """
 
 from __future__ import annotations
@@ -162,8 +165,10 @@ class FactoryOptions(ToolEpisodeOptions):
 
     factory: str = attrs.field(validator=_loadable_class)
     """The class (TRL's `environment_factory`): `path/to/env.py:Cls` or `module:Cls`."""
-    reward_name: str = "get_reward"
-    """The reward component `get_reward()` (or the summed rewards) is reported as."""
+    reward_name: str = ""
+    """The reward component `get_reward()` or the `reward` attribute is reported as
+    (empty: `get_reward` or `reward`, what was read); rewards of `task.reward` keep their
+    own names."""
 
 
 def method_tools(instance: Any) -> dict[str, Any]:
@@ -198,9 +203,14 @@ class EnvironmentFactory(ToolEpisode):
 
     name: ClassVar[str] = "environment-factory"
     options_class: ClassVar[type] = FactoryOptions
+    scores_environment_rewards: ClassVar[bool] = True
 
     def __init__(self, example: Example, options: FactoryOptions) -> None:
         super().__init__(example, options)
+        self.task_rewards: list[Any] = []
+        """The task's `reward_func(environments)` rewards (`adopt_rewards`)."""
+        self.answers: list[str] = []
+        """The model's turns, as the rewards' `completions`."""
         from peerflow.rewards.scoring import example_record
 
         cls = load_target(options.factory, "rollout.agent.options.factory")
@@ -232,9 +242,43 @@ class EnvironmentFactory(ToolEpisode):
         return ToolAnswer(text=value if isinstance(value, str) else json.dumps(value),
                           done=bool(getattr(self.env, "done", False)))
 
+    def adopt_rewards(self, rewards: Any) -> None:
+        """Keeps the task's `reward_func(environments)` rewards; they score the episode."""
+        self.task_rewards = list(rewards)
+
+    def step(self, turn: Turn) -> StepResult:
+        """Keeps the turn's text (the rewards' `completions`), then runs its calls."""
+        self.answers.append(turn.text)
+        return super().step(turn)
+
     def final_reward(self) -> dict[str, float] | None:
-        """`get_reward()` of the instance, as `reward_name`; `None` without the method."""
+        """The episode's reward as TRL reads it (see the module docstring).
+
+        Returns:
+            Named rewards: each task reward's weighted score of this instance, else
+            `get_reward()` or the numeric `reward` attribute as `reward_name`; `None`
+            (the task's other rewards score it) when the class defines none.
+        """
+        if self.task_rewards:
+            return {r.name: r.weight * self._score(r.function) for r in self.task_rewards}
         get_reward = getattr(self.env, "get_reward", None)
-        if get_reward is None:
-            return super().final_reward()
-        return {self.options.reward_name: float(get_reward())}
+        if callable(get_reward):
+            return {self.options.reward_name or "get_reward": float(get_reward())}
+        reward = getattr(self.env, "reward", None)
+        if isinstance(reward, int | float) and not isinstance(reward, bool):
+            return {self.options.reward_name or "reward": float(reward)}
+        return super().final_reward()
+
+    def _score(self, function: Any) -> float:
+        """Calls a TRL reward on this episode: `environments=[instance]`, one completion."""
+        import asyncio
+
+        from peerflow.rewards.scoring import example_record
+        from peerflow.rewards.trl_style import ENVIRONMENTS, call_trl
+
+        values, _ = call_trl(function, ["".join(self.answers)], [example_record(self.example)],
+                             {ENVIRONMENTS: [self.env]})
+        if inspect.isawaitable(values):
+            values = asyncio.run(values)
+        value = list(values)[0]
+        return 0.0 if value is None else float(value)
