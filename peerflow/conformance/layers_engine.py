@@ -21,7 +21,8 @@ from peerflow.conformance.reference import (
     load_checkpoint_tensors,
     reference_logprobs,
 )
-from peerflow.conformance.tolerance import derive
+from peerflow.conformance.tolerance import derive, worst_gap
+from peerflow.conformance.train_diagnose import temperature_hint
 from peerflow.layout import ParallelLayout
 from peerflow.models import hf_parameters
 from peerflow.reshard import sync_weights
@@ -47,28 +48,38 @@ def specs_equal(declared: list, actual: list, what: str) -> None:
     fail_listing(sorted(problems), what)
 
 
+def checkpoint_of(model_id: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A tiny checkpoint (weights + tokenizer) of `ENGINE_MODELS[model_id]`, written once."""
+    if model_id not in _CHECKPOINTS:
+        _CHECKPOINTS[model_id] = write_checkpoint(
+            ENGINE_MODELS[model_id], tmp_path_factory.mktemp(f"model-{model_id}"))
+    return _CHECKPOINTS[model_id]
+
+
+def buildable(profile, model_id: str, request: pytest.FixtureRequest) -> None:
+    """Skips, saying why, where this machine cannot build the adapter on `model_id`."""
+    check_family(profile, model_id)
+    if profile.cls.capabilities.gpu_only and not torch.cuda.is_available():
+        request.node.user_properties.append(("capability", "gpu_only"))
+        pytest.skip(f"{profile.name} declares Capabilities.gpu_only and no CUDA device "
+                    "is visible; layer 3 runs in layer 4 on a GPU machine")
+    missing = profile.cls.missing_requirements()
+    if missing:
+        pytest.skip(f"{profile.name} needs {missing}: {profile.cls.install_hint}")
+
+
 class EngineLayerBase(SuiteBase):
     """Fixtures of layer 3: a tiny checkpoint, a one-rank engine, the declared specs."""
 
     @pytest.fixture
     def model_dir(self, engine_model, tmp_path_factory):
         """A tiny checkpoint (weights + tokenizer) of `engine_model`, written once."""
-        if engine_model not in _CHECKPOINTS:
-            _CHECKPOINTS[engine_model] = write_checkpoint(
-                ENGINE_MODELS[engine_model], tmp_path_factory.mktemp(f"model-{engine_model}"))
-        return _CHECKPOINTS[engine_model]
+        return checkpoint_of(engine_model, tmp_path_factory)
 
     @pytest.fixture
     def engine(self, profile, engine_model, model_dir, request):
         """A one-rank engine of the adapter on the tiny checkpoint, on this rank's device."""
-        check_family(profile, engine_model)
-        if profile.cls.capabilities.gpu_only and not torch.cuda.is_available():
-            request.node.user_properties.append(("capability", "gpu_only"))
-            pytest.skip(f"{profile.name} declares Capabilities.gpu_only and no CUDA device "
-                        "is visible; layer 3 runs in layer 4 on a GPU machine")
-        missing = profile.cls.missing_requirements()
-        if missing:
-            pytest.skip(f"{profile.name} needs {missing}: {profile.cls.install_hint}")
+        buildable(profile, engine_model, request)
         engine = build_engine(profile, model_dir)
         yield engine
         engine.shutdown()
@@ -150,13 +161,17 @@ class Layer3TrainEngine(EngineLayerBase):
         want, tolerance = derive(lambda dtype, attn: reference_logprobs(
             config, tensors, rows, temperature, dtype=dtype, attn_implementation=attn),
             logprob_atol)
-        for i, (g, w) in enumerate(zip(got, want)):
-            worst = float((g.double() - w).abs().max())
-            assert worst <= tolerance.atol, (
-                f"sample {i}: log-probs differ from log_softmax(logits / {temperature}) of "
-                f"the reference model by {worst:.2e} > {tolerance.explain()}; "
-                f"{profile.cls.__qualname__}.forward_logprobs must divide the logits by "
-                "EngineContext.temperature")
+        worst = worst_gap(got, want)
+        if worst <= tolerance.atol:
+            return
+        gaps = {name: worst_gap(got, reference_logprobs(config, tensors, rows, t,
+                                                        dtype=torch.float64))
+                for name, t in (("untempered", 1.0), ("twice", temperature ** 2))
+                if temperature != 1.0}
+        pytest.fail(f"log-probs differ from log_softmax(logits / {temperature}) of the "
+                    f"reference model by {worst:.2e} > {tolerance.explain()}: "
+                    f"{temperature_hint(gaps, tolerance.atol, temperature, profile.cls)}",
+                    pytrace=False)
 
 
 class Layer4Gpu(SuiteBase):

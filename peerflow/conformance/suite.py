@@ -17,6 +17,8 @@ Layers, selectable with `-m "peerflow_layer(…)"`-free `-k l0_`, `-k l2_`, …:
    EOS, stop tokens and strings, greedy, seeds, top-k/top-p, torch's global RNG;
    LoRA (`layer_lora`, `-k lora`): with `Capabilities.lora`, adapter-only syncs and
    training against transformers + peft;
+   train (`layer_train`, `-k l3_train`): one `train_step` at dp = 1 and dp = 2 against
+   a plain autograd + AdamW reference, shared prompts, checkpoint round trip;
 4. GPU-only checks (marked `gpu`).
 """
 
@@ -25,6 +27,7 @@ from __future__ import annotations
 from peerflow.conformance.layer3_rollout import Layer3RolloutEngine
 from peerflow.conformance.layer_generate import LayerGenerate
 from peerflow.conformance.layer_lora import LayerLora
+from peerflow.conformance.layer_train import LayerTrain
 from peerflow.conformance.layers import (
     Layer0Surface,
     Layer1Layouts,
@@ -42,7 +45,7 @@ class RolloutAdapterSuite(Layer0Surface, Layer1Layouts, Layer2RoundTrip, Layer2F
 
 
 class TrainAdapterSuite(Layer0Surface, Layer1Layouts, Layer2RoundTrip, Layer3TrainEngine,
-                        LayerLora, Layer4Gpu):
+                        LayerTrain, LayerLora, Layer4Gpu):
     """Every layer for a `peerflow.TrainEngine` adapter (its shards are sources)."""
 
     suite_kind = "train"

@@ -33,3 +33,11 @@ def peerflow_register_advantage_estimators(register: Register) -> None:
 
     register(OPOAdvantage)
 
+
+
+@hookimpl
+def peerflow_register_train_engines(register: Register) -> None:
+    """Registers the `ddp` train engine."""
+    from peerflow_example_plugin.trainer import DDPTrainEngine
+
+    register(DDPTrainEngine)
