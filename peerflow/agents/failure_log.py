@@ -13,12 +13,12 @@ never interleave.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 from peerflow.agents.packing import AGENT_FAILURE
 from peerflow.batch import Batch
+from peerflow.checkpoint.atomic import append_line
 
 AGENT_ERRORS_FILE = "agent_errors.jsonl"
 #: The `finish_reason`s of an episode the environment (not the model) ended.
@@ -56,12 +56,7 @@ def append_agent_errors(run_dir: str | Path, step: int, rank: int, batch: Batch)
              for r in failure_lines(batch, step, rank)]
     if not lines:
         return 0
-    fd = os.open(Path(run_dir) / AGENT_ERRORS_FILE, os.O_WRONLY | os.O_CREAT | os.O_APPEND,
-                 0o644)
-    try:
-        os.write(fd, "".join(lines).encode("utf-8"))
-    finally:
-        os.close(fd)
+    append_line(Path(run_dir) / AGENT_ERRORS_FILE, "".join(lines))  # whole or not at all
     return len(lines)
 
 

@@ -13,12 +13,11 @@
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from peerflow.checkpoint.atomic import write_json_atomic
+from peerflow.checkpoint.atomic import append_line, write_json_atomic
 from peerflow.outputs.metrics import read_json_lines
 
 ERRORS_FILE = "reward_errors.jsonl"
@@ -39,12 +38,7 @@ def append_reward_errors(run_dir: str | Path, step: int, rank: int,
              for e in errors]
     if not lines:
         return 0
-    path = Path(run_dir) / ERRORS_FILE
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    try:
-        os.write(fd, "".join(lines).encode("utf-8"))
-    finally:
-        os.close(fd)
+    append_line(Path(run_dir) / ERRORS_FILE, "".join(lines))  # whole or not at all
     return len(lines)
 
 
