@@ -33,6 +33,25 @@ def world_group() -> Any:
     return dist.group.WORLD
 
 
+def rank_group(rank: int, world: int, store: str) -> Any:
+    """Joins `rank` to a `world`-rank default group over the file `store` (spawned ranks).
+
+    The contract's backends, as `world_group` (gloo on the host, the accelerator's
+    backend for device tensors).
+    """
+    import datetime
+
+    import torch.distributed as dist
+
+    from peerflow.distributed.devices import group_backend, rank_device
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group(group_backend(rank_device()), init_method=f"file://{store}",
+                            rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=300))
+    return dist.group.WORLD
+
+
 def build_engine(profile: AdapterProfile, model_dir: str, *, device: str | None = None,
                  lora: Any = None) -> Any:
     """Builds a one-rank engine of `profile` on `model_dir` (the adapter's hook wins).

@@ -14,7 +14,6 @@ process group state can help the other.
 
 from __future__ import annotations
 
-import datetime
 import os
 import tempfile
 from typing import Any
@@ -84,19 +83,18 @@ def _rank_main(rank: int, world: int, store: str, cls: type, model_dir: str,
                batch: Any, out: str) -> None:
     """One spawned rank of `run_two_ranks` (the entry `torch.multiprocessing` calls)."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world), GLOO_SOCKET_IFNAME="lo")
+                      LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     import torch.distributed as dist
 
-    from peerflow.distributed.devices import group_backend, rank_device
+    from peerflow.conformance.engines import rank_group
+    from peerflow.distributed.devices import rank_device
 
-    device = rank_device()
-    dist.init_process_group(group_backend(device), init_method=f"file://{store}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=300))
+    group = rank_group(rank, world, store)
     try:
         result = step_on_rank(AdapterProfile.of(cls), model_dir, batch,
                               layout=ParallelLayout(dp=world), rank=rank,
-                              group=dist.group.WORLD, device=str(device))
+                              group=group, device=str(rank_device()))
         torch.save(attrs.asdict(result, recurse=False), os.path.join(out, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()

@@ -37,7 +37,7 @@ def test_example_plugin_is_listed_selectable_and_removable(installed_example_plu
     example = plugins["example"]
     assert example["distribution"] == "peerflow-example-plugin"
     assert example["registered"] == {"advantage_estimator": ["opo"], "reward": ["edit-similarity"],
-                                     "rollout_engine": ["minimal"]}
+                                     "rollout_engine": ["minimal"], "train_engine": ["ddp"]}
     config = tmp_path / "run.yaml"
     config.write_text("algorithm:\n  advantage: opo\n")
     result = run_peerflow("config", "validate", str(config), "--set", "task.reward=edit-similarity")
